@@ -1,0 +1,30 @@
+"""Typed configuration: sections, TOML loading, overrides and validation."""
+
+from relaytrain.config.loader import (
+    config_from_dict,
+    config_hash,
+    config_to_dict,
+    config_to_toml,
+    load_config,
+    parse_override,
+)
+from relaytrain.config.schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    MetricsConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    ResilienceConfig,
+    RunConfig,
+    SlurmConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CheckpointConfig", "Config", "DataConfig", "MetricsConfig", "ModelConfig", "OptimConfig",
+    "ParallelConfig", "ResilienceConfig", "RunConfig", "SlurmConfig", "TrainConfig",
+    "config_from_dict", "config_hash", "config_to_dict", "config_to_toml", "load_config",
+    "parse_override",
+]

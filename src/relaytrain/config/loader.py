@@ -1,0 +1,148 @@
+"""TOML loading, `--section.key=value` overrides and type checking against the schema."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from relaytrain.config.schema import Config
+from relaytrain.errors import ConfigError
+
+
+def _closest(name: str, choices: list[str], prefix: str = "") -> str:
+    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    if match:
+        return f"; did you mean '{prefix}{match[0]}'?"
+    return "; valid: " + ", ".join(prefix + c for c in choices)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "table of strings"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Return `value` checked against `tp`, or raise a ConfigError naming key, type and value."""
+    origin = typing.get_origin(tp)
+    ok = True
+    if origin is typing.Literal:
+        ok = value in typing.get_args(tp)
+    elif origin is list:
+        if not isinstance(value, list):
+            ok = False
+        else:
+            return [_coerce(f"{key}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value)]
+    elif origin is dict:
+        ok = isinstance(value, dict) and all(isinstance(v, (str, int, float)) for v in value.values())
+        if ok:
+            return {str(k): str(v) for k, v in value.items()}
+    elif tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            return float(value)
+    elif tp is str:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _section_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _apply(cfg: Config, data: dict[str, Any], source: str) -> None:
+    sections = _section_types(Config)
+    for section_name, table in data.items():
+        if section_name not in sections:
+            raise ConfigError(
+                f"{source}: unknown config section '[{section_name}]'"
+                + _closest(section_name, list(sections))
+            )
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: '{section_name}' must be a table ([{section_name}])")
+        section = getattr(cfg, section_name)
+        fields = _section_types(type(section))
+        for key, value in table.items():
+            full = f"{section_name}.{key}"
+            if key not in fields:
+                raise ConfigError(
+                    f"{source}: unknown config key '{full}'"
+                    + _closest(key, list(fields), prefix=f"{section_name}.")
+                )
+            setattr(section, key, _coerce(full, value, fields[key]))
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`--section.key=value` -> (section, key, value). Values are TOML literals, else strings."""
+    body = text[2:] if text.startswith("--") else text
+    if "=" not in body or "." not in body.split("=", 1)[0]:
+        raise ConfigError(f"override '{text}' must look like --section.key=value")
+    path, raw = body.split("=", 1)
+    section, key = path.split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a TOML config (None: the embedded debug default) and apply overrides, then validate."""
+    from relaytrain.config.validate import validate
+
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' not found; pass an existing TOML file")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from None
+        _apply(cfg, data, str(path))
+    for text in overrides or []:
+        section, key, value = parse_override(text)
+        _apply(cfg, {section: {key: value}}, "override")
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    cfg = Config()
+    _apply(cfg, data, "saved config")
+    return cfg
+
+
+def config_to_toml(cfg: Config) -> str:
+    return tomli_w.dumps(config_to_dict(cfg))
+
+
+def config_hash(cfg: Config) -> str:
+    """Hash of everything that shapes the model and data stream (not run name or logging)."""
+    d = config_to_dict(cfg)
+    key = {k: d[k] for k in ("model", "data", "train", "optim")}
+    key["train"] = {k: v for k, v in key["train"].items() if k != "stop_at_step"}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
