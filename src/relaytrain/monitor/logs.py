@@ -1,0 +1,72 @@
+"""Rank-tagged logging: one file per rank, rank 0 on the console, warnings from every rank.
+
+Every line carries a timestamp and ``[rank R NODE local L]``, so lines from many ranks
+interleaved in one SLURM output file can still be told apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+_OWNED = "_relaytrain_handler"  # marks handlers installed here so a second call replaces them
+
+
+class _CurrentStream(logging.StreamHandler):
+    """Writes to whatever sys.stdout / sys.stderr is at emit time.
+
+    A live rich progress bar swaps sys.stdout for a proxy that prints above the bar; a handler
+    that captured the original stream at setup would draw through the bar instead.
+    """
+
+    def __init__(self, name: str):
+        super().__init__()
+        self._name = name
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return getattr(sys, self._name)
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the property wins
+        pass
+
+
+def setup_logging(run_dir: Path | str, rank: int, local_rank: int, node: str, rank_logs: bool) -> Path | None:
+    """Configure the root logger for this process; returns the rank's log file (or None).
+
+    - ``rank_logs``: every rank writes all its INFO+ lines to ``<run_dir>/logs/rank_<rank>.log``
+      (append mode, so requeued jobs continue the same file).
+    - Rank 0 prints INFO+ to stdout; other ranks print only WARNING+ to stderr.
+    Calling it again replaces the handlers it installed before.
+    """
+    fmt = logging.Formatter(
+        f"%(asctime)s [rank {rank} {node} local {local_rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+    )
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, _OWNED, False):
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(logging.INFO)
+
+    console = _CurrentStream("stdout") if rank == 0 else _CurrentStream("stderr")
+    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    handlers: list[logging.Handler] = [console]
+
+    log_file = None
+    if rank_logs:
+        log_file = Path(run_dir) / "logs" / f"rank_{rank}.log"
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
+        file_handler.setLevel(logging.INFO)
+        handlers.append(file_handler)
+
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        setattr(handler, _OWNED, True)
+        root.addHandler(handler)
+    logging.captureWarnings(True)
+    return log_file

@@ -1,0 +1,220 @@
+"""MetricsLogger: turns what the trainer measured into records for every enabled sink.
+
+Record schema (metrics.jsonl, one object per line; docs/monitoring.md has the full table):
+
+- every record: ``kind`` ("train" | "eval" | "event"), ``step``, ``time`` (unix seconds),
+  ``job_id`` (SLURM_JOB_ID or null), ``restart`` (SLURM_RESTART_COUNT or 0)
+- train: ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``tokens_per_s_per_device``, ``mfu``,
+  memory (``mem_*_gib``), step time split (``time_<section>_s``, ``step_time_s``) and whatever
+  else the trainer passed
+- eval: ``val_loss``, ``val_ppl``
+- event: ``event`` ("start", "resume", "checkpoint", "stop", ...) plus the event's fields
+
+Non-finite numbers (a NaN loss) are written as null so the file stays strict JSON.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relaytrain.config.schema import Config
+from relaytrain.monitor.memory import memory_stats
+from relaytrain.monitor.mfu import mfu, peak_flops_per_device, throughput
+from relaytrain.monitor.sinks import ConsoleSink, JsonlSink, TensorBoardSink, WandbSink
+
+
+def _json_value(value: Any) -> Any:
+    """A JSON-safe copy: tensors and numpy scalars as numbers, NaN/inf as None, paths as text."""
+    if isinstance(value, torch.Tensor) or (hasattr(value, "item") and hasattr(value, "dtype")):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    return str(value)
+
+
+def job_identity() -> dict[str, Any]:
+    """The SLURM job this process belongs to; a requeue keeps the id and bumps the count."""
+    return {
+        "job_id": os.environ.get("SLURM_JOB_ID") or None,
+        "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+    }
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.1f}"
+
+
+def format_train_line(step: int, total_steps: int, rec: dict[str, Any]) -> str:
+    """One console line: step, loss, lr, grad norm, tokens/s, MFU, memory, step time."""
+
+    def num(key: str, fmt: str) -> str:
+        value = rec.get(key)
+        return "nan" if value is None else format(value, fmt)
+
+    parts = [f"step {step}/{total_steps}", f"loss {num('loss', '.4f')}", f"lr {num('lr', '.2e')}"]
+    parts.append(f"grad {num('grad_norm', '.3f')}")
+    if rec.get("tokens_per_s") is not None:
+        parts.append(f"{_si(rec['tokens_per_s'])} tok/s ({_si(rec['tokens_per_s_per_device'])}/dev)")
+    if rec.get("mfu") is not None:
+        parts.append(f"MFU {100 * rec['mfu']:.1f}%")
+    if "mem_allocated_gib" in rec:
+        parts.append(
+            f"mem {rec['mem_allocated_gib']:.1f}/{rec['mem_reserved_gib']:.1f} GiB "
+            f"(peak {rec['mem_peak_gib']:.1f})"
+        )
+    elif "mem_rss_gib" in rec:
+        parts.append(f"mem rss {rec['mem_rss_gib']:.2f} GiB (peak {rec['mem_peak_gib']:.2f})")
+    elif "mem_peak_gib" in rec:
+        parts.append(f"mem peak {rec['mem_peak_gib']:.2f} GiB")
+    if rec.get("step_time_s") is not None:
+        split = ", ".join(
+            f"{label} {rec[key]:.3f}"
+            for label, key in (
+                ("data", "time_data_s"),
+                ("fwd+bwd", "time_fwd_bwd_s"),
+                ("opt", "time_optimizer_s"),
+                ("ckpt", "time_checkpoint_s"),
+            )
+            if key in rec
+        )
+        parts.append(f"step {rec['step_time_s']:.3f}s" + (f" ({split})" if split else ""))
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Sinks for one run. Every rank may build one; only ``is_main`` writes anything.
+
+    ``log_train(step, metrics)`` expects ``loss`` (already averaged over data-parallel ranks),
+    ``lr``, ``grad_norm`` and the ``StepTimer.window()`` dict. From ``step_time_s`` it derives
+    tokens/s (``tokens_per_step`` defaults to global_batch_size * seq_len), tokens/s per device,
+    MFU, and adds memory stats, unless the trainer passed those keys itself.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        is_main: bool,
+        *,
+        device: torch.device | None = None,
+        world_size: int | None = None,
+        flops_per_token: float | None = None,
+        progress_bar: bool | None = None,
+    ):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.is_main = is_main
+        self.total_steps = cfg.train.max_steps
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+        self.device = device if device is not None else torch.device("cpu")
+        if world_size is None:
+            dist = torch.distributed
+            world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.world_size = world_size
+        self._sinks: list[Any] = []
+        self._console: ConsoleSink | None = None
+        self.peak_flops = 0.0
+        self.flops_per_token = 0.0
+        if not is_main:
+            return
+        if flops_per_token is None:
+            from relaytrain.model.flops import flops_per_token as model_flops_per_token
+
+            flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
+        self.flops_per_token = float(flops_per_token)
+        self.peak_flops = peak_flops_per_device(self.device, cfg.metrics.peak_flops)
+
+        m = cfg.metrics
+        if m.jsonl:
+            self._sinks.append(JsonlSink(self.run_dir / "metrics.jsonl"))
+        if m.tensorboard:
+            self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
+        if m.wandb:
+            self._sinks.append(WandbSink(self.run_dir, m.wandb_project, m.wandb_mode, cfg.run.name, asdict(cfg)))
+        self._console = ConsoleSink(self.total_steps, progress_bar=progress_bar)
+
+    def _record(self, kind: str, step: int, values: dict[str, Any]) -> dict[str, Any]:
+        record: dict[str, Any] = {"kind": kind, "step": int(step), "time": time.time(), **job_identity()}
+        for key, value in values.items():
+            record[key] = _json_value(value)
+        return record
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        for sink in self._sinks:
+            sink.write(record)
+
+    def derive(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Add tokens/s, tokens/s per device, MFU and memory to the trainer's measurements."""
+        out = {key: _json_value(value) for key, value in metrics.items()}
+        step_time = out.get("step_time_s")
+        if "tokens_per_s" not in out and step_time:
+            tokens = out.pop("tokens_per_step", self.tokens_per_step)
+            out["tokens_per_s"], out["tokens_per_s_per_device"] = throughput(tokens, step_time, self.world_size)
+        if "tokens_per_s_per_device" not in out and out.get("tokens_per_s") is not None:
+            out["tokens_per_s_per_device"] = out["tokens_per_s"] / self.world_size
+        if "mfu" not in out and out.get("tokens_per_s_per_device") is not None:
+            out["mfu"] = mfu(out["tokens_per_s_per_device"], self.flops_per_token, self.peak_flops)
+        if not any(key.startswith("mem_") for key in out):
+            out.update(memory_stats(self.device))
+        return {key: _json_value(value) for key, value in out.items()}
+
+    def log_train(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        record = self._record("train", step, self.derive(metrics))
+        self._emit(record)
+        if self._console is not None:
+            line = format_train_line(step, self.total_steps, record)
+            summary = f"loss {record['loss']:.4f}" if record.get("loss") is not None else ""
+            self._console.write_line(line, step=step, summary=summary)
+
+    def log_eval(self, step: int, metrics: dict[str, Any]) -> None:
+        """``metrics``: ``val_loss`` (``val_ppl`` is derived when missing) and any other values."""
+        if not self.is_main:
+            return
+        values = dict(metrics)
+        if "val_ppl" not in values and values.get("val_loss") is not None:
+            loss = float(_json_value(values["val_loss"]))
+            values["val_ppl"] = math.exp(loss) if loss < 700 else math.inf
+        record = self._record("eval", step, values)
+        self._emit(record)
+        if self._console is not None:
+            shown = ", ".join(
+                f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in values.items()
+                if record.get(k) is not None
+            )
+            self._console.write_line(f"eval step {step}: {shown}")
+
+    def log_event(self, event: str, step: int, **fields: Any) -> None:
+        if not self.is_main:
+            return
+        record = self._record("event", step, {"event": event, **fields})
+        self._emit(record)
+        if self._console is not None:
+            extra = ", ".join(f"{k}={v}" for k, v in fields.items())
+            self._console.write_line(f"event {event} at step {step}" + (f" ({extra})" if extra else ""))
+
+    def close(self) -> None:
+        if self._console is not None:
+            self._console.close()
+            self._console = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
