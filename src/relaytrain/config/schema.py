@@ -129,7 +129,8 @@ class SlurmConfig:
     account: str = ""
     qos: str = ""
     nodes: int = 1
-    gpus_per_node: int = 0  # 0: from the profile, else 8
+    gpus_per_node: int = -1  # -1: from the profile, else 8; 0: CPU-only nodes (set tasks_per_node)
+    gpu_type: str = ""  # h100, h200, a100, mi250x, ... (relaytrain plan); mi*: AMD ROCm/RCCL
     tasks_per_node: int = 0  # 0: one task per GPU (CPU-only clusters set this)
     cpus_per_task: int = 0  # 0: let Slurm decide; sets OMP_NUM_THREADS
     mem: str = ""
@@ -150,6 +151,10 @@ class SlurmConfig:
     network_interface: str = ""  # empty: detect ib*/hsn*; sets NCCL/GLOO_SOCKET_IFNAME
     nccl_ib_gid_index: int = -1  # -1: leave unset
     debug: bool = False  # PYTHONFAULTHANDLER, NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL
+    modules: list[str] = field(default_factory=list)  # `module load` these before launch
+    uv_project: str = ""  # run python through `uv run --project DIR`
+    nccl_net_gdr_level: int = 2  # NCCL_NET_GDR_LEVEL (GPU-direct RDMA); -1 leaves it unset
+    fs_write_gbps: float = 2.0  # checkpoint write bandwidth in GB/s (relaytrain plan)
 
 
 @dataclass
