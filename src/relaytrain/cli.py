@@ -1,0 +1,93 @@
+"""The `relaytrain` command. Each package registers its own subcommands; this file only wires them.
+
+User mistakes (relaytrain.errors.UserError) print one line and exit with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from relaytrain import __version__
+from relaytrain.errors import USAGE_EXIT_CODE, UserError
+
+# Packages whose `commands.register(subparsers)` adds subcommands, in help order.
+COMMAND_MODULES = [
+    "relaytrain.data.commands",
+    "relaytrain.checkpoint.commands",
+    "relaytrain.slurm.commands",
+    "relaytrain.slurm.cluster_commands",
+    "relaytrain.monitor.commands",
+]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "config_args",
+        nargs=argparse.REMAINDER,
+        metavar="[CONFIG] [--section.key=value ...]",
+        help="TOML config (default: the embedded debug config), then overrides",
+    )
+
+
+def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """[CONFIG] [--section.key=value ...] -> (config path or None, overrides)."""
+    rest = list(args.config_args or [])
+    config = rest.pop(0) if rest and not rest[0].startswith("--") else None
+    bad = [o for o in rest if not o.startswith("--")]
+    if bad:
+        raise UserError(f"unexpected argument '{bad[0]}': overrides look like --section.key=value")
+    return config, rest
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from relaytrain.config import load_config
+    from relaytrain.trainer import train
+
+    config, overrides = split_config_args(args)
+    return train(load_config(config, overrides))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="relaytrain",
+        description="Train Llama-style language models on a laptop, one node or a SLURM cluster.",
+    )
+    parser.add_argument("--version", action="version", version=f"relaytrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = sub.add_parser("train", help="train (or resume) a model from a TOML config")
+    add_config_arguments(train)
+    train.set_defaults(func=cmd_train)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue  # a package that has no commands yet
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv or ["train"])
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return USAGE_EXIT_CODE
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"relaytrain: error: {exc}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+    except KeyboardInterrupt:
+        print("relaytrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

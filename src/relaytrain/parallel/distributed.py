@@ -1,0 +1,128 @@
+"""Process-group setup: device and backend choice, timeouts, and the launch check.
+
+One code path for a single process, torchrun, and srun-launched tasks (whose SLURM variables the
+launcher's `apply_slurm_env` maps to RANK/WORLD_SIZE/... before we get here).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from relaytrain.config.schema import Config
+from relaytrain.errors import UserError
+
+log = logging.getLogger("relaytrain")
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    node: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("run.device='cuda' but no CUDA device is visible; use run.device='cpu' or 'auto'")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def node_name() -> str:
+    # On a local multi-slurmd cluster every node shares one hostname; SLURMD_NODENAME differs.
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def init_distributed(cfg: Config) -> DistEnv:
+    """Initialise torch.distributed when launched with several processes; no-op for one."""
+    from relaytrain.slurm.env import apply_slurm_env
+
+    apply_slurm_env(os.environ)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    device = pick_device(cfg.run.device, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    env = DistEnv(rank, local_rank, world_size, local_world_size, device, backend, node_name())
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cpu":
+            # Each rank gets its share of the cores; oversubscription makes gloo ranks crawl.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=cfg.resilience.init_timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+        health_check(env, cfg.resilience.init_timeout_s)
+        # Training collectives may legitimately take longer than the start-up handshake.
+        _set_default_timeout(cfg.resilience.collective_timeout_s)
+    return env
+
+
+def _set_default_timeout(seconds: float) -> None:
+    from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=seconds), _get_default_group())
+
+
+def health_check(env: DistEnv, timeout_s: float) -> None:
+    """The first all-reduce of the job: proves every rank joined and the network carries traffic."""
+    log.info(
+        "start: rank %d/%d local_rank %d node %s device %s backend %s",
+        env.rank, env.world_size, env.local_rank, env.node, env.device, env.backend,
+    )
+    started = time.monotonic()
+    probe = torch.ones(1, device=env.device)
+    work = dist.all_reduce(probe, async_op=True)
+    try:
+        finished = work.wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:  # gloo raises on timeout, NCCL may abort
+        raise UserError(_health_failure(env, timeout_s, exc)) from None
+    if finished is False or int(probe.item()) != env.world_size:
+        raise UserError(_health_failure(env, timeout_s, f"sum {probe.item()} != {env.world_size}"))
+    if env.is_main:
+        log.info(
+            "health check passed: world size %d on %d node(s) in %.2f s",
+            env.world_size, env.num_nodes, time.monotonic() - started,
+        )
+
+
+def _health_failure(env: DistEnv, timeout_s: float, detail: object) -> str:
+    return (
+        f"rank {env.rank}: the first all-reduce did not finish within {timeout_s:.0f} s ({detail}). Likely "
+        "causes: a rank never started (check every rank's start line), the wrong network interface "
+        "(set slurm.network_interface / NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME), a wrong InfiniBand GID "
+        "index (slurm.nccl_ib_gid_index), or MASTER_ADDR/MASTER_PORT unreachable from this node"
+    )
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,258 @@
+"""The training loop: one code path for a laptop CPU, torchrun on one node and srun on many.
+
+Every step: read this rank's share of the global batch, forward+backward over micro batches (or the
+pipeline schedule), clip, check for NaN, update, then let all ranks agree whether to stop. Saving,
+stopping and requeueing are decided collectively so that every rank acts at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from relaytrain.checkpoint import CheckpointManager
+from relaytrain.config import Config, config_to_toml
+from relaytrain.data import build_train_loader, build_val_loader
+from relaytrain.errors import UserError
+from relaytrain.model import flops_per_token
+from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer, memory_stats, peak_flops_per_device
+from relaytrain.monitor.logs import setup_logging
+from relaytrain.optim import build_optimizer, lr_at, set_lr
+from relaytrain.parallel import parallelize
+from relaytrain.parallel.distributed import DistEnv, init_distributed, shutdown_distributed
+from relaytrain.resilience import (
+    HangWatchdog,
+    NanGuard,
+    RunStateFile,
+    ShutdownController,
+    StopReason,
+    handle_stop,
+)
+
+log = logging.getLogger("relaytrain")
+
+
+class TrainState:
+    """Everything besides weights and optimizer moments that a resumed run needs to continue exactly."""
+
+    def __init__(self, loader, run_id: str):
+        self.step = 0
+        self.tokens_seen = 0
+        self.lr_scale = 1.0  # lowered by the NaN rollback policy
+        self.run_id = run_id
+        self.loader = loader
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "lr_scale": self.lr_scale,
+            "run_id": self.run_id,
+            "data": self.loader.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.lr_scale = float(state.get("lr_scale", 1.0))
+        self.run_id = str(state["run_id"])
+        self.loader.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng_cpu"])
+        if torch.cuda.is_available() and state["rng_cuda"].numel():
+            torch.cuda.set_rng_state(state["rng_cuda"])
+
+
+def prepare_run_dir(cfg: Config, is_main: bool) -> Path:
+    run_dir = Path(cfg.run.dir) / cfg.run.name
+    if is_main:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = run_dir / ".config.toml.tmp"
+            tmp.write_text(config_to_toml(cfg))
+            os.replace(tmp, run_dir / "config.toml")
+        except OSError as exc:
+            raise UserError(
+                f"cannot write the run directory '{run_dir}' ({exc.strerror}); set run.dir to a writable path"
+            ) from None
+    return run_dir
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: DistEnv):
+        self.cfg, self.env = cfg, env
+        self.run_dir = prepare_run_dir(cfg, env.is_main)
+        self.pm = parallelize(cfg, env.device, env.world_size, env.rank, env.local_world_size)
+        self.optimizers = [build_optimizer(cfg.optim, self.pm.model_parts, env.device)]
+        self.loader = build_train_loader(cfg, self.pm.dp_rank, self.pm.dp_size)
+        self.val_loader = build_val_loader(cfg, self.pm.dp_rank, self.pm.dp_size) if cfg.train.eval_every else None
+        self.state = TrainState(self.loader, run_id=uuid.uuid4().hex[:12])
+        self.run_state = RunStateFile(self.run_dir)
+        self.checkpoint = CheckpointManager(
+            cfg, self.run_dir, self.pm.model_parts, self.optimizers, self.state,
+            rank=env.rank, world_size=env.world_size, layout=vars(self.pm.dims) | {"nodes": env.num_nodes},
+        )
+        self.metrics = MetricsLogger(cfg, self.run_dir, is_main=env.is_main)
+        self.controller = ShutdownController(cfg, env.rank, env.device)
+        self.watchdog = HangWatchdog(cfg.resilience.hang_timeout_s, env.rank, self.run_dir / "logs")
+        self.nan_guard = NanGuard(cfg, env.device)
+        self.profiler = StepProfiler(cfg, self.run_dir, env.rank)
+        self.timer = StepTimer()
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak_flops = peak_flops_per_device(env.device, cfg.metrics.peak_flops)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        cfg, state = self.cfg, self.state
+        previous = self.run_state.read()
+        if previous and previous.get("status") == "finished" and cfg.checkpoint.resume == "auto":
+            if int(previous.get("step", 0)) >= cfg.train.max_steps:
+                log.info("run '%s' already finished at step %s; nothing to do", cfg.run.name, previous["step"])
+                return 0
+        resumed = self.checkpoint.load()
+        self.run_state.write("running", reason="", step=state.step)
+        self.metrics.log_event("resume" if resumed is not None else "start", state.step,
+                               world_size=self.env.world_size, nodes=self.env.num_nodes)
+        self.controller.install()
+        self.watchdog.start()
+        try:
+            if resumed is None and cfg.checkpoint.save_initial and cfg.checkpoint.enabled:
+                self.checkpoint.save(0, reason="initial")
+            return self._loop()
+        except BaseException:
+            self.run_state.write("failed", reason="exception", step=state.step)
+            raise
+        finally:
+            self.watchdog.stop()
+            self.controller.uninstall()
+            self.profiler.close()
+            self.metrics.close()
+
+    def _loop(self) -> int:
+        cfg, state, train = self.cfg, self.state, self.cfg.train
+        window_start, window_tokens = time.perf_counter(), 0
+        tokens_per_step = train.global_batch_size * train.seq_len
+        while state.step < train.max_steps:
+            step = state.step + 1
+            lr = lr_at(cfg.optim, step, train.max_steps) * state.lr_scale
+            set_lr(self.optimizers, lr)
+            with self.timer.section("data"):
+                inputs, targets = self.loader.next_batch()
+                inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
+            with self.timer.section("forward_backward"):
+                loss = self.pm.train_step(inputs, targets)
+                loss = _maybe_inject_nan(loss, step, self.env.rank)
+            with self.timer.section("optimizer"):
+                grad_norm = self.pm.clip_grad_norm_(train.grad_clip)
+                verdict = self.nan_guard.check(loss, grad_norm)
+                if verdict == "ok":
+                    for opt in self.optimizers:
+                        opt.step()
+                for opt in self.optimizers:
+                    opt.zero_grad(set_to_none=True)
+            if verdict == "stop":
+                return self._stop(StopReason.NAN, step - 1)
+            if verdict == "rollback":
+                self._rollback()
+                continue
+            state.step = step
+            state.tokens_seen += tokens_per_step
+            window_tokens += tokens_per_step
+            self.watchdog.beat(step)
+            self.profiler.step(step)
+            if step % cfg.metrics.log_every == 0 or step == train.max_steps:
+                elapsed = time.perf_counter() - window_start
+                self._log_train(step, loss, grad_norm, lr, window_tokens, elapsed)
+                window_start, window_tokens = time.perf_counter(), 0
+            if self.val_loader is not None and (step % train.eval_every == 0 or step == train.max_steps):
+                self._evaluate(step)
+            with self.timer.section("checkpoint"):
+                self.checkpoint.poll()
+                is_last = step == train.max_steps
+                if cfg.checkpoint.enabled and self.checkpoint.should_save(step, is_last):
+                    self.checkpoint.save(step, reason="final" if is_last else "interval")
+            reason = self.controller.agree(step, self.checkpoint.save_seconds_estimate())
+            if reason == StopReason.NONE and train.stop_at_step and step == train.stop_at_step < train.max_steps:
+                reason = StopReason.STOP_AT_STEP
+            if reason != StopReason.NONE:
+                return self._stop(reason, step)
+        self.checkpoint.wait()
+        self.run_state.write("finished", reason="max_steps", step=state.step)
+        self.metrics.log_event("finished", state.step)
+        return 0
+
+    def _stop(self, reason: StopReason, step: int) -> int:
+        """Save where every rank agreed to stop, then hand the decision to requeue to the marker file."""
+        log.info("stopping at step %d: %s", step, reason.name.lower())
+        if reason != StopReason.NAN:
+            self.controller.start_hard_deadline()
+            if self.cfg.checkpoint.enabled:
+                self.checkpoint.wait()
+                self.checkpoint.save(step, reason=reason.name.lower())
+                self.checkpoint.wait()
+        self.metrics.log_event("stop", step, reason=reason.name.lower())
+        return handle_stop(self.cfg, self.run_dir, reason, step, self.env.rank)
+
+    def _rollback(self) -> None:
+        self.checkpoint.wait()
+        resumed = self.checkpoint.load()
+        if resumed is None:
+            raise UserError("NaN rollback needs a checkpoint but none is complete yet; use resilience.nan_policy")
+        self.state.lr_scale *= self.cfg.resilience.nan_rollback_lr_scale
+        self.metrics.log_event("rollback", self.state.step, lr_scale=self.state.lr_scale)
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    def _log_train(self, step, loss, grad_norm, lr, tokens, elapsed) -> None:
+        tokens_per_s = tokens / max(elapsed, 1e-9)
+        per_device = tokens_per_s / self.env.world_size
+        record = {
+            "loss": self.pm.reduce_mean(loss),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": per_device,
+            "mfu": self.flops_per_token * per_device / self.peak_flops if self.peak_flops else 0.0,
+            "tokens_seen": self.state.tokens_seen,
+        }
+        record |= {f"time_{k}_s": v for k, v in self.timer.window().items()}
+        record |= memory_stats(self.env.device)
+        self.metrics.log_train(step, record)
+
+    @torch.no_grad()
+    def _evaluate(self, step: int) -> None:
+        train = self.cfg.train
+        total, batches = 0.0, 0
+        for inputs, targets in self.val_loader.batches(train.eval_steps, train.micro_batch_size):
+            total += self.pm.reduce_mean(self.pm.eval_loss(inputs.to(self.env.device), targets.to(self.env.device)))
+            batches += 1
+        if batches:
+            val = total / batches
+            self.metrics.log_eval(step, {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+
+
+def _maybe_inject_nan(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+    """Testing hook: RELAYTRAIN_INJECT_NAN_AT_STEPS="5,6" makes rank 0's loss NaN at those steps."""
+    spec = os.environ.get("RELAYTRAIN_INJECT_NAN_AT_STEPS")
+    if spec and rank == 0 and str(step) in spec.split(","):
+        return loss * float("nan")
+    return loss
+
+
+def train(cfg: Config) -> int:
+    """Run (or continue) the configured training job; returns the process exit code."""
+    env = init_distributed(cfg)
+    setup_logging(Path(cfg.run.dir) / cfg.run.name, env.rank, env.local_rank, env.node, cfg.metrics.rank_logs)
+    torch.manual_seed(cfg.run.seed)
+    try:
+        return Trainer(cfg, env).run()
+    finally:
+        shutdown_distributed()
