@@ -1,0 +1,211 @@
+"""Train and validation batches for the trainer, sharded over data-parallel ranks.
+
+A sample is ``seq_len + 1`` consecutive tokens starting at a multiple of ``seq_len`` in a split's
+token stream (inputs ``[:-1]``, targets ``[1:]``), so input windows never overlap. The training state is
+the number of global samples consumed: for each optimizer step with global batch ``G`` over ``D`` ranks,
+rank ``r`` reads global samples ``[consumed + r*G/D, consumed + (r+1)*G/D)`` and then everyone adds ``G``.
+The global sequence therefore does not depend on ``D``, and a run may resume on a different layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from relaytrain.config.schema import Config
+from relaytrain.data.sampler import Mixture, WindowOrder
+from relaytrain.data.shards import PreparedDataset, TokenStream
+from relaytrain.data.sources import resolve_sources
+from relaytrain.data.tokenizer import build_tokenizer
+from relaytrain.errors import UserError
+
+log = logging.getLogger("relaytrain.data")
+
+
+def _seed64(seed: int) -> int:
+    return int(seed) % (1 << 64)
+
+
+def _num_windows(num_tokens: int, seq_len: int) -> int:
+    return max(0, (num_tokens - 1) // seq_len)
+
+
+def _read_samples(streams: list[TokenStream], source: np.ndarray, starts: np.ndarray, seq_len: int):
+    out = np.empty((len(starts), seq_len + 1), dtype=np.int64)
+    for i, (s, start) in enumerate(zip(source.tolist(), starts.tolist(), strict=True)):
+        out[i] = streams[s].read(start, seq_len + 1)
+    tokens = torch.from_numpy(out)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class TrainLoader:
+    """This rank's share of each optimizer step's global batch, from a seeded, resumable sample order."""
+
+    def __init__(
+        self,
+        datasets: list[PreparedDataset],
+        weights: list[float],
+        seq_len: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool,
+        tokenizer=None,
+    ) -> None:
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
+        if global_batch_size % dp_size:
+            raise UserError(
+                f"train.global_batch_size={global_batch_size} is not divisible by the {dp_size} "
+                "data-parallel ranks; choose a multiple"
+            )
+        self.datasets, self.seq_len, self.shuffle = datasets, seq_len, shuffle
+        self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
+        self.local_batch_size = global_batch_size // dp_size
+        self.tokenizer = tokenizer
+        self._streams = [d.split("train") for d in datasets]
+        self._windows = []
+        for d, stream in zip(datasets, self._streams, strict=True):
+            n = _num_windows(stream.num_tokens, seq_len)
+            if n == 0:
+                raise UserError(
+                    f"{d.path} has {stream.num_tokens} training tokens, fewer than train.seq_len+1="
+                    f"{seq_len + 1}; use more data or a shorter train.seq_len"
+                )
+            self._windows.append(n)
+        self.weights = list(weights)
+        self.mixture = Mixture(self.weights)
+        self.num_tokens = sum(s.num_tokens for s in self._streams)
+        self.samples_consumed = 0
+        self._set_seed(seed)
+
+    def _set_seed(self, seed: int) -> None:
+        self.seed = int(seed)
+        self._orders = [WindowOrder(n, _seed64(seed), i, self.shuffle) for i, n in enumerate(self._windows)]
+
+    @property
+    def samples_per_epoch(self) -> list[int]:
+        """Windows in each source's training split (one epoch of that source)."""
+        return list(self._windows)
+
+    def global_samples(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of global samples ``[start, start + count)``."""
+        source, local = self.mixture.assign(np.arange(start, start + count, dtype=np.int64))
+        starts = np.empty_like(local)
+        for s, order in enumerate(self._orders):
+            where = source == s
+            starts[where] = order.windows(local[where]) * self.seq_len
+        return _read_samples(self._streams, source, starts, self.seq_len)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``[G/D, seq_len]`` inputs and targets for one optimizer step; advances by ``G``."""
+        first = self.samples_consumed + self.dp_rank * self.local_batch_size
+        batch = self.global_samples(first, self.local_batch_size)
+        self.samples_consumed += self.global_batch_size
+        return batch
+
+    def _fingerprint(self) -> list[dict[str, Any]]:
+        return [
+            {"path": str(d.path), "tokenizer": d.tokenizer_name, "tokens": s.num_tokens}
+            for d, s in zip(self.datasets, self._streams, strict=True)
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "samples_consumed": self.samples_consumed,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "weights": self.weights,
+            "shuffle": self.shuffle,
+            "sources": self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved global sequence: its sample count and seed win over the config's seed."""
+        self.samples_consumed = int(state["samples_consumed"])
+        if int(state["seed"]) != self.seed:
+            self._set_seed(int(state["seed"]))
+        changed = [
+            k for k in ("seq_len", "weights", "shuffle") if state.get(k, getattr(self, k)) != getattr(self, k)
+        ]
+        if "sources" in state and state["sources"] != self._fingerprint():
+            changed.append("sources")
+        if changed:
+            log.warning(
+                "data %s changed since the checkpoint; continuing at global sample %d of the new order",
+                ", ".join(changed),
+                self.samples_consumed,
+            )
+
+
+class ValLoader:
+    """Fixed validation batches: the same ones at every evaluation, rank-sharded, never shuffled."""
+
+    def __init__(
+        self, datasets: list[PreparedDataset], weights: list[float], seq_len: int, dp_rank: int, dp_size: int
+    ) -> None:
+        self.seq_len, self.dp_rank, self.dp_size = seq_len, dp_rank, dp_size
+        self.mixture = Mixture(weights)
+        self._streams, self._first, self._windows = [], [], []
+        for d in datasets:
+            stream = d.split("val")
+            n = _num_windows(stream.num_tokens, seq_len)
+            first = 0
+            if n == 0:
+                stream = d.split("train")
+                train_windows = _num_windows(stream.num_tokens, seq_len)
+                n = max(1, train_windows // 100)
+                first = train_windows - n
+                log.warning(
+                    "%s has no validation split long enough for seq_len %d; validating on the "
+                    "last %d training windows instead (they are also trained on)",
+                    d.path,
+                    seq_len,
+                    n,
+                )
+            self._streams.append(stream)
+            self._first.append(first)
+            self._windows.append(n)
+        self.num_tokens = sum(n * seq_len for n in self._windows)
+
+    def batches(self, num_batches: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``num_batches`` batches of ``[batch_size, seq_len]`` for this rank (``batch_size`` per rank)."""
+        for b in range(num_batches):
+            start = (b * self.dp_size + self.dp_rank) * batch_size
+            source, local = self.mixture.assign(np.arange(start, start + batch_size, dtype=np.int64))
+            windows = np.asarray(self._first)[source] + local % np.asarray(self._windows)[source]
+            yield _read_samples(self._streams, source, windows * self.seq_len, self.seq_len)
+
+
+def _open(cfg: Config) -> tuple[list[PreparedDataset], list[float]]:
+    paths: list[Path] = resolve_sources(cfg)
+    weights = list(cfg.data.weights) if cfg.data.weights else [1.0] * len(paths)
+    return [PreparedDataset(p) for p in paths], weights
+
+
+def build_train_loader(cfg: Config, dp_rank: int, dp_size: int) -> TrainLoader:
+    datasets, weights = _open(cfg)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    return TrainLoader(
+        datasets,
+        weights,
+        cfg.train.seq_len,
+        cfg.train.global_batch_size,
+        dp_rank,
+        dp_size,
+        seed=cfg.run.seed,
+        shuffle=cfg.data.shuffle,
+        tokenizer=tokenizer,
+    )
+
+
+def build_val_loader(cfg: Config, dp_rank: int, dp_size: int) -> ValLoader:
+    datasets, weights = _open(cfg)
+    return ValLoader(datasets, weights, cfg.train.seq_len, dp_rank, dp_size)
