@@ -1,0 +1,344 @@
+"""Parallel layout: degrees, rank order and the checks that need no process group.
+
+`validate_layout` is called by `relaytrain plan` and by `parallelize` before any process group or mesh
+exists, so a layout that cannot work (a tensor-parallel group crossing a node boundary, heads that do not
+split, a batch that does not divide) is refused with a message that names the fix.
+
+Rank order: `parallel.rank_order` lists the dimensions innermost first. The innermost dimension gets
+adjacent ranks; torchrun and Slurm number ranks node by node, so adjacent ranks share a node. Data
+parallelism ("dp") expands to dp_replicate (outer, typically across nodes) and dp_shard (inner).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from relaytrain.config.schema import Config, ParallelConfig
+from relaytrain.errors import UserError
+from relaytrain.model.transformer import ffn_hidden_dim
+
+RANK_ORDER_NAMES = ("tp", "cp", "pp", "dp")
+DEFAULT_RANK_ORDER = "tp,cp,pp,dp"
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+    rank_order: tuple[str, ...] = ("tp", "cp", "pp", "dp")  # innermost first
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that see different batches."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        """(name, degree) of the device mesh, outermost first (the order init_device_mesh wants)."""
+        sizes = {"tp": self.tp, "cp": self.cp, "pp": self.pp}
+        out: list[tuple[str, int]] = []
+        for name in reversed(self.rank_order):
+            if name == "dp":
+                out += [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)]
+            else:
+                out.append((name, sizes[name]))
+        return tuple(out)
+
+    def describe(self) -> str:
+        return (
+            f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp} "
+            f"cp={self.cp} (world size {self.world_size}, rank order {','.join(self.rank_order)})"
+        )
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a global rank: what `DeviceMesh.get_coordinate` returns, without a mesh."""
+        coords: dict[str, int] = {}
+        rest = rank
+        for name, size in reversed(self.mesh_dims):
+            coords[name] = rest % size
+            rest //= size
+        return coords
+
+    def group_of(self, rank: int, dim: str) -> list[int]:
+        """Global ranks of `rank`'s group along mesh dimension `dim` (e.g. "tp")."""
+        stride = 1
+        for name, size in reversed(self.mesh_dims):
+            if name == dim:
+                base = rank - self.coordinates(rank)[dim] * stride
+                return [base + i * stride for i in range(size)]
+            stride *= size
+        raise KeyError(dim)
+
+
+def parse_rank_order(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if sorted(names) != sorted(RANK_ORDER_NAMES):
+        raise UserError(
+            f"parallel.rank_order={text!r} must list each of tp, cp, pp, dp once, innermost "
+            f"first (default {DEFAULT_RANK_ORDER!r} keeps tensor-parallel ranks on one node)"
+        )
+    return names
+
+
+def resolve_dims(pcfg: ParallelConfig, world_size: int) -> ParallelDims:
+    """Degrees with dp_shard=-1 filled in; checks only that they multiply to the world size."""
+    order = parse_rank_order(pcfg.rank_order)
+    for key in ("dp_replicate", "tp", "pp", "cp"):
+        if getattr(pcfg, key) < 1:
+            raise UserError(f"parallel.{key} must be >= 1, got {getattr(pcfg, key)}")
+    others = pcfg.dp_replicate * pcfg.tp * pcfg.pp * pcfg.cp
+    fixed = f"dp_replicate={pcfg.dp_replicate} x tp={pcfg.tp} x pp={pcfg.pp} x cp={pcfg.cp} = {others}"
+    if pcfg.dp_shard == -1:
+        if world_size % others != 0:
+            raise UserError(
+                f"world size {world_size} is not divisible by {fixed}; choose degrees whose "
+                f"product divides {world_size}, or run with a multiple of {others} processes"
+            )
+        dp_shard = world_size // others
+    elif pcfg.dp_shard >= 1:
+        dp_shard = pcfg.dp_shard
+        if dp_shard * others != world_size:
+            raise UserError(
+                f"parallel degrees {fixed} x dp_shard={dp_shard} = {dp_shard * others} but the "
+                f"world size is {world_size}; set parallel.dp_shard=-1 to fill the remaining "
+                f"ranks, or launch {dp_shard * others} processes"
+            )
+    else:
+        raise UserError(f"parallel.dp_shard must be -1 or >= 1, got {pcfg.dp_shard}")
+    return ParallelDims(
+        dp_replicate=pcfg.dp_replicate,
+        dp_shard=dp_shard,
+        cp=pcfg.cp,
+        tp=pcfg.tp,
+        pp=pcfg.pp,
+        world_size=world_size,
+        rank_order=order,
+    )
+
+
+def pp_microbatches(cfg: Config) -> int:
+    return cfg.parallel.pp_microbatches or cfg.parallel.pp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _propose_tp(cfg: Config, dims: ParallelDims, gpus_per_node: int) -> str:
+    """A layout with the same world size whose tensor-parallel groups fit in one node."""
+    m = cfg.model
+    rest = dims.cp * dims.pp * dims.dp_replicate
+    fits = [
+        d
+        for d in _divisors(math.gcd(gpus_per_node, m.n_heads, m.n_kv_heads))
+        if gpus_per_node % (d * dims.cp) == 0 and dims.world_size % (d * rest) == 0
+    ]
+    tp = max(fits) if fits else 1
+    return (
+        f"parallel.tp={tp}, parallel.dp_shard=-1 (= {dims.world_size // (tp * rest)}), "
+        f"parallel.rank_order={DEFAULT_RANK_ORDER!r}"
+    )
+
+
+def _check_inside_node(cfg: Config, dims: ParallelDims, dim: str, gpus_per_node: int) -> None:
+    size = getattr(dims, dim)
+    if size == 1 or dims.world_size <= gpus_per_node:
+        return
+    label = {"tp": "tensor-parallel", "cp": "context-parallel"}[dim]
+    for start in range(dims.world_size):
+        group = dims.group_of(start, dim)
+        if group[0] != start:
+            continue
+        nodes = sorted({r // gpus_per_node for r in group})
+        if len(nodes) == 1:
+            continue
+        a, b = nodes[0], nodes[1]
+        crossing = next(r for r in group if r // gpus_per_node == b)
+        where = (
+            f"the {label} group of ranks {group} spans nodes {nodes}: it crosses the boundary between "
+            f"node {a} (ranks {a * gpus_per_node}-{(a + 1) * gpus_per_node - 1}) and node {b} (rank "
+            f"{crossing} onward), with {gpus_per_node} GPUs per node"
+        )
+        if size > gpus_per_node:
+            why = f"parallel.{dim}={size} is larger than the {gpus_per_node} GPUs of one node"
+        elif gpus_per_node % size != 0 and dims.rank_order[0] == dim:
+            why = f"parallel.{dim}={size} does not divide the {gpus_per_node} GPUs per node"
+        else:
+            why = (
+                f"parallel.rank_order={','.join(dims.rank_order)!r} spreads {dim} ranks "
+                f"{group[1] - group[0]} apart"
+            )
+        fix = (
+            _propose_tp(cfg, dims, gpus_per_node)
+            if dim == "tp"
+            else f"parallel.rank_order={DEFAULT_RANK_ORDER!r} with tp*cp dividing {gpus_per_node}"
+        )
+        raise UserError(
+            f"{why}: {where}. {label.capitalize()} traffic must stay inside a node; use e.g. {fix}"
+        )
+
+
+def validate_layout(
+    cfg: Config, world_size: int, gpus_per_node: int, device_type: str = "cuda"
+) -> ParallelDims:
+    """Check the parallel layout for `world_size` ranks, `gpus_per_node` per node, before any process group.
+
+    Ranks are numbered node by node (ranks 0..gpus_per_node-1 on node 0, ...). Raises UserError with the
+    change to make; returns the resolved degrees.
+    """
+    if world_size < 1 or gpus_per_node < 1:
+        raise UserError(f"world size ({world_size}) and GPUs per node ({gpus_per_node}) must be >= 1")
+    if world_size > gpus_per_node and world_size % gpus_per_node != 0:
+        raise UserError(
+            f"world size {world_size} is not a whole number of nodes of {gpus_per_node} GPUs; "
+            f"launch the same number of processes on every node"
+        )
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    dims = resolve_dims(p, world_size)
+    _check_inside_node(cfg, dims, "tp", gpus_per_node)
+    _check_inside_node(cfg, dims, "cp", gpus_per_node)
+
+    def require(ok: bool, message: str) -> None:
+        if not ok:
+            raise UserError(message)
+
+    if dims.tp > 1:
+        ok_tp = [d for d in _divisors(math.gcd(m.n_heads, m.n_kv_heads)) if d <= gpus_per_node]
+        require(
+            m.n_heads % dims.tp == 0 and m.n_kv_heads % dims.tp == 0,
+            f"parallel.tp={dims.tp} must divide model.n_heads={m.n_heads} and model.n_kv_heads="
+            f"{m.n_kv_heads} (each rank holds whole heads); use tp in {ok_tp}",
+        )
+        require(
+            m.vocab_size % dims.tp == 0,
+            f"model.vocab_size={m.vocab_size} must be divisible by parallel.tp={dims.tp} (the embedding "
+            f"and output are split along the vocabulary); round it up to "
+            f"{math.ceil(m.vocab_size / dims.tp) * dims.tp}",
+        )
+        hidden = ffn_hidden_dim(m)
+        require(
+            hidden % dims.tp == 0,
+            f"the feed-forward width {hidden} must be divisible by parallel.tp={dims.tp}; set "
+            f"model.ffn_dim or model.multiple_of to a multiple of {dims.tp}",
+        )
+        require(
+            t.seq_len % dims.tp == 0,
+            f"train.seq_len={t.seq_len} must be divisible by parallel.tp={dims.tp} (sequence parallelism "
+            f"splits the sequence); use seq_len={math.ceil(t.seq_len / dims.tp) * dims.tp}",
+        )
+        require(
+            not m.tie_embeddings,
+            "model.tie_embeddings=true cannot be combined with parallel.tp>1 (the embedding and output "
+            "are split differently); set model.tie_embeddings=false or parallel.tp=1",
+        )
+    if dims.cp > 1:
+        require(
+            device_type == "cuda",
+            f"parallel.cp={dims.cp} needs CUDA: PyTorch's context parallel has no attention sharding "
+            f"strategy for {device_type} (only the CUDA flash/efficient/cuDNN kernels); set parallel.cp=1",
+        )
+        require(
+            t.seq_len % (2 * dims.cp) == 0,
+            f"train.seq_len={t.seq_len} must be divisible by 2*parallel.cp={2 * dims.cp} (load-balanced "
+            f"context parallel splits the sequence into 2*cp chunks)",
+        )
+    v = p.pp_virtual_stages
+    if dims.pp > 1:
+        stages = dims.pp * v
+        require(
+            m.n_layers >= stages,
+            f"model.n_layers={m.n_layers} is fewer than parallel.pp={dims.pp} x pp_virtual_stages={v} = "
+            f"{stages} pipeline stages; lower parallel.pp or pp_virtual_stages",
+        )
+        require(
+            not m.tie_embeddings,
+            "model.tie_embeddings=true cannot be combined with parallel.pp>1 (embedding and output live "
+            "on different stages); set model.tie_embeddings=false or parallel.pp=1",
+        )
+        if p.pp_schedule == "interleaved_1f1b":
+            require(
+                v >= 2,
+                f"parallel.pp_schedule='interleaved_1f1b' needs parallel.pp_virtual_stages >= 2 "
+                f"(got {v}); or use pp_schedule='1f1b'",
+            )
+        else:
+            require(
+                v == 1,
+                f"parallel.pp_schedule={p.pp_schedule!r} runs one stage per rank; set "
+                f"parallel.pp_virtual_stages=1 or pp_schedule='interleaved_1f1b'",
+            )
+        n_mb = pp_microbatches(cfg)
+        require(
+            n_mb >= dims.pp,
+            f"parallel.pp_microbatches={n_mb} must be >= parallel.pp={dims.pp} "
+            f"(fewer microbatches than stages leaves stages idle)",
+        )
+        if p.pp_schedule == "interleaved_1f1b":
+            require(
+                n_mb % dims.pp == 0,
+                f"parallel.pp_microbatches={n_mb} must be a multiple of "
+                f"parallel.pp={dims.pp} for pp_schedule='interleaved_1f1b'",
+            )
+    else:
+        require(
+            v == 1,
+            f"parallel.pp_virtual_stages={v} needs parallel.pp > 1 (pipeline parallelism); "
+            f"set pp_virtual_stages=1",
+        )
+        require(
+            p.pp_microbatches == 0,
+            f"parallel.pp_microbatches={p.pp_microbatches} needs parallel.pp > 1; without a pipeline "
+            f"the micro batch is train.micro_batch_size, so leave pp_microbatches=0",
+        )
+    gbs, mbs, dp = t.global_batch_size, t.micro_batch_size, dims.dp
+    if dims.pp > 1:
+        n_mb = pp_microbatches(cfg)
+        require(
+            gbs % (dp * n_mb) == 0,
+            f"train.global_batch_size={gbs} must be divisible by data-parallel degree {dp} x "
+            f"parallel.pp_microbatches={n_mb} = {dp * n_mb}; use global_batch_size="
+            f"{max(1, gbs // (dp * n_mb)) * dp * n_mb}",
+        )
+    else:
+        require(
+            gbs % (dp * mbs) == 0,
+            f"train.global_batch_size={gbs} must be divisible by data-parallel degree {dp} x "
+            f"train.micro_batch_size={mbs} = {dp * mbs}; use a global_batch_size that is a multiple of "
+            f"{dp * mbs}, or a smaller micro_batch_size",
+        )
+    if p.cpu_offload:
+        require(
+            dims.world_size > 1,
+            "parallel.cpu_offload needs FSDP, which runs with more than one process; launch with "
+            "torchrun (or drop cpu_offload for a single process)",
+        )
+    return dims

@@ -1,0 +1,137 @@
+"""Layout validation: no processes, every bad layout is refused with a message that says what to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from relaytrain.config.schema import Config
+from relaytrain.errors import UserError
+from relaytrain.parallel.layout import ParallelDims, resolve_dims, validate_layout
+
+
+def make_cfg(**parallel) -> Config:
+    cfg = Config()
+    cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.n_kv_heads = 256, 8, 8, 8
+    cfg.model.vocab_size = 512
+    cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.train.seq_len = 32, 1, 128
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+def refused(cfg: Config, world: int, gpn: int, device: str = "cuda") -> str:
+    with pytest.raises(UserError) as err:
+        validate_layout(cfg, world, gpn, device)
+    return str(err.value)
+
+
+def test_seed_000_tp8_over_two_nodes_of_four_is_refused_with_a_fix():
+    msg = refused(make_cfg(tp=8), world=16, gpn=4)
+    assert "node 0" in msg and "node 1" in msg and "tp=8" in msg
+    assert "parallel.tp=4" in msg  # the proposed layout keeps tp inside a node of 4
+
+
+def test_rank_order_that_strides_tp_across_nodes_is_refused():
+    msg = refused(make_cfg(tp=8, rank_order="dp,tp,cp,pp"), world=16, gpn=8)
+    assert "rank_order" in msg and "node 0" in msg and "node 1" in msg
+    assert "rank_order='tp,cp,pp,dp'" in msg
+
+
+def test_seed_000_fixed_layouts_are_accepted():
+    dims = validate_layout(make_cfg(tp=8), 16, 8)
+    assert (dims.tp, dims.dp_shard, dims.dp) == (8, 2, 2)
+    assert dims.group_of(8, "tp") == list(range(8, 16))
+    assert dims.group_of(3, "dp_shard") == [3, 11]
+    dims = validate_layout(make_cfg(tp=4), 16, 4)
+    assert dims.dp == 4
+
+
+def test_tp_that_does_not_divide_the_node_is_refused():
+    assert "does not divide" in refused(make_cfg(tp=4), world=12, gpn=6)
+
+
+def test_cp_group_must_stay_in_a_node():
+    msg = refused(make_cfg(cp=2, rank_order="dp,tp,cp,pp"), world=8, gpn=4)
+    assert "context-parallel" in msg
+
+
+def test_hsdp_dims_and_mesh_order():
+    dims = validate_layout(make_cfg(dp_replicate=2, tp=2), 8, 4)
+    assert dims == ParallelDims(2, 2, 1, 2, 1, 8)
+    assert dims.fsdp_enabled and dims.hsdp_enabled
+    assert [name for name, _ in dims.mesh_dims] == ["dp_replicate", "dp_shard", "pp", "cp", "tp"]
+    # HSDP: the replicate groups go across nodes, shard groups stay inside one.
+    assert dims.group_of(0, "dp_replicate") == [0, 4]
+    assert dims.group_of(0, "dp_shard") == [0, 2]
+
+
+@pytest.mark.parametrize(
+    "parallel, world, fragment",
+    [
+        ({"tp": 3}, 3, "must divide model.n_heads"),
+        ({"tp": 2, "dp_shard": 3}, 4, "dp_shard=-1"),
+        ({"tp": 3, "dp_shard": -1}, 4, "not divisible"),
+        (
+            {"pp": 4, "pp_virtual_stages": 4, "pp_schedule": "interleaved_1f1b", "pp_microbatches": 4},
+            4,
+            "fewer than",
+        ),
+        ({"pp": 2, "pp_schedule": "interleaved_1f1b"}, 2, "pp_virtual_stages >= 2"),
+        ({"pp": 2, "pp_virtual_stages": 2}, 2, "one stage per rank"),
+        ({"pp": 2, "pp_microbatches": 1}, 2, ">= parallel.pp"),
+        (
+            {"pp": 2, "pp_microbatches": 3, "pp_virtual_stages": 2, "pp_schedule": "interleaved_1f1b"},
+            2,
+            "multiple of",
+        ),
+        ({"pp_virtual_stages": 2}, 2, "needs parallel.pp > 1"),
+        ({"pp_microbatches": 4}, 2, "needs parallel.pp > 1"),
+        ({"rank_order": "tp,dp"}, 2, "rank_order"),
+        ({"cpu_offload": True}, 1, "more than one process"),
+    ],
+)
+def test_bad_layouts_are_refused(parallel, world, fragment):
+    assert fragment in refused(make_cfg(**parallel), world, max(world, 1))
+
+
+def test_vocab_heads_ffn_seq_and_tied_embeddings_with_tp():
+    cfg = make_cfg(tp=2)
+    cfg.model.vocab_size = 511
+    assert "round it up to 512" in refused(cfg, 2, 2)
+    cfg = make_cfg(tp=4)
+    cfg.model.n_kv_heads = 2
+    assert "n_kv_heads=2" in refused(cfg, 4, 4)
+    cfg = make_cfg(tp=2)
+    cfg.train.seq_len = 127
+    cfg.model.max_seq_len = 256
+    assert "seq_len" in refused(cfg, 2, 2)
+    cfg = make_cfg(tp=2)
+    cfg.model.tie_embeddings = True
+    assert "tie_embeddings" in refused(cfg, 2, 2)
+    cfg = make_cfg(tp=2)
+    cfg.model.ffn_dim = 333
+    assert "feed-forward" in refused(cfg, 2, 2)
+
+
+def test_batch_must_divide_by_dp_and_micro_batches():
+    cfg = make_cfg()
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = 12, 4
+    assert "multiple of 16" in refused(cfg, 4, 4)
+    cfg = make_cfg(pp=2, pp_microbatches=4)
+    cfg.train.global_batch_size = 12
+    assert "pp_microbatches=4" in refused(cfg, 4, 4)
+    cfg.train.global_batch_size = 16
+    assert validate_layout(cfg, 4, 4).dp == 2
+
+
+def test_cp_refused_on_cpu_with_a_clear_message():
+    msg = refused(make_cfg(cp=2), 2, 2, device="cpu")
+    assert "needs CUDA" in msg and "parallel.cp=1" in msg
+    assert validate_layout(make_cfg(cp=2), 2, 2, device_type="cuda").cp == 2
+
+
+def test_resolve_dims_fills_dp_shard():
+    cfg = make_cfg(tp=2, pp=2)
+    dims = resolve_dims(cfg.parallel, 8)
+    assert (dims.dp_shard, dims.dp, dims.world_size) == (2, 2, 8)
+    assert dims.coordinates(5) == {"dp_replicate": 0, "dp_shard": 1, "pp": 0, "cp": 0, "tp": 1}
