@@ -34,7 +34,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """[CONFIG] [--section.key=value ...] -> (config path or None, overrides)."""
-    rest = list(args.config_args or [])
+    rest = list(args.config_args or []) + list(getattr(args, "extra_overrides", []))
     config = rest.pop(0) if rest and not rest[0].startswith("--") else None
     bad = [o for o in rest if not o.startswith("--")]
     if bad:
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train = sub.add_parser("train", help="train (or resume) a model from a TOML config")
     add_config_arguments(train)
-    train.set_defaults(func=cmd_train)
+    train.set_defaults(func=cmd_train, accepts_overrides=True)
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(name)
@@ -75,7 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv or ["train"])
+    # `--section.key=value` overrides are not argparse options; commands that take them say so.
+    args, extra = parser.parse_known_args(argv or ["train"])
+    if extra:
+        if not getattr(args, "accepts_overrides", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.extra_overrides = extra
     if not getattr(args, "func", None):
         parser.print_help()
         return USAGE_EXIT_CODE

@@ -20,7 +20,7 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    preset: str = ""  # informational name of the size preset the config came from
+    preset: str = "debug"  # informational name of the size preset the config came from
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 8

@@ -1,0 +1,64 @@
+"""Shared fixtures: subprocess runners for the CLI and torchrun, tiny configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+try:  # the real-Slurm fixture, when the local-cluster module is present
+    from slurm_fixtures import slurm_cluster  # noqa: F401
+except ImportError:
+    pass
+
+# A model small enough that a step takes milliseconds on one CPU core.
+TINY = [
+    "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+    "--model.vocab_size=320", "--train.seq_len=32", "--train.global_batch_size=8",
+    "--train.micro_batch_size=4", "--optim.warmup_steps=2", "--train.eval_every=0",
+    "--metrics.log_every=1", "--metrics.tensorboard=false",
+]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    env.pop("SLURM_JOB_ID", None)
+    env.update(extra)
+    return env
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "relaytrain.cli", *args], cwd=cwd, env=child_env(**env),
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def run_torchrun(nproc: int, args: list[str], cwd: Path, timeout: float = 600, **env: str):
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         "-m", "relaytrain.cli", *args],
+        cwd=cwd, env=child_env(**env), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    return [r for r in records if r.get("kind", "train") == kind]
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+
+
+@pytest.fixture
+def tiny_args(tmp_path: Path) -> list[str]:
+    return [*TINY, f"--run.dir={tmp_path / 'runs'}"]

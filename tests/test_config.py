@@ -1,0 +1,86 @@
+"""Config parsing, overrides and every rejection the foundation issue lists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from relaytrain.cli import main
+from relaytrain.config import config_from_dict, config_hash, config_to_dict, config_to_toml, load_config
+from relaytrain.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_default_is_debug_toml():
+    embedded = config_to_dict(load_config(None))
+    from_file = config_to_dict(load_config(REPO / "configs" / "debug.toml"))
+    assert embedded == from_file
+
+
+def test_overrides_apply_typed_values():
+    cfg = load_config(REPO / "configs" / "1b.toml", ["--train.max_steps=3000", "--optim.betas=[0.8, 0.9]",
+                                                     "--run.name=x", "--parallel.compile=true"])
+    assert cfg.train.max_steps == 3000 and cfg.optim.betas == [0.8, 0.9]
+    assert cfg.run.name == "x" and cfg.parallel.compile is True
+    assert cfg.model.dim == 2048  # from the file
+
+
+def test_round_trip_through_toml(tmp_path):
+    cfg = load_config(None, ["--slurm.env={A = \"1\"}", "--data.sources=[\"a\", \"b\"]"])
+    path = tmp_path / "c.toml"
+    path.write_text(config_to_toml(cfg))
+    again = load_config(path)
+    assert config_to_dict(again) == config_to_dict(cfg)
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_hash_ignores_run_name_but_not_model():
+    a, b = load_config(None), load_config(None, ["--run.name=other", "--train.stop_at_step=5"])
+    c = load_config(None, ["--model.dim=128"])
+    assert config_hash(a) == config_hash(b) != config_hash(c)
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("--train.max_stepz=3", "unknown config key 'train.max_stepz'; did you mean 'train.max_steps'"),
+        ("--trian.max_steps=3", "unknown config section '[trian]'; did you mean 'train'"),
+        ("--train.max_steps=abc", "'train.max_steps' expects int, got 'abc'"),
+        ("--train.grad_clip=true", "'train.grad_clip' expects float, got True"),
+        ("--optim.schedule=linear", "'optim.schedule' expects one of 'cosine', 'wsd', 'constant'"),
+        ("--model.n_heads=7", "model.n_heads=7 must divide model.dim=256"),
+        ("--model.n_kv_heads=3", "model.n_kv_heads=3 must divide model.n_heads=8"),
+        ("--train.micro_batch_size=5", "train.micro_batch_size=5 must divide train.global_batch_size=16"),
+        ("--train.seq_len=4096", "train.seq_len=4096 exceeds model.max_seq_len=2048"),
+        ("--resilience.hard_deadline_s=500", "must be shorter than resilience.signal_lead_s"),
+        ("--resilience.signals=[\"SIGFOO\"]", "'SIGFOO' is not a signal name"),
+        ("max_steps=3", "must look like --section.key=value"),
+    ],
+)
+def test_rejections_name_the_key(override, fragment):
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config(None, [override])
+    assert fragment in str(info.value)
+
+
+def test_bad_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nmax_steps = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[model]\ndimm = 3\n")
+    with pytest.raises(ConfigError, match="did you mean 'model.dim'"):
+        load_config(typo)
+
+
+def test_cli_prints_one_line_and_exits_2(capsys):
+    assert main(["train", "--train.max_stepz=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("relaytrain: error: ") and "Traceback" not in err[0]
+    assert main(["train", "configs/nope.toml"]) == 2
+    assert "not found" in capsys.readouterr().err
