@@ -21,18 +21,18 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     preset: str = "debug"  # informational name of the size preset the config came from
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
+    dim: int = 256  # model width (hidden size)
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 8  # attention (query) heads; head dim = dim / n_heads
     n_kv_heads: int = 4  # grouped-query attention: heads share n_heads // n_kv_heads KV heads
     vocab_size: int = 320  # >= the tokenizer's vocabulary; padded for tensor-parallel splits
     ffn_dim: int = 0  # 0: Llama rule from dim, ffn_dim_multiplier and multiple_of
-    ffn_dim_multiplier: float = 1.0
-    multiple_of: int = 64
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    ffn_dim_multiplier: float = 1.0  # Llama rule: scales 8/3 * dim
+    multiple_of: int = 64  # Llama rule: the FFN width is rounded up to this
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base (Llama 3: 500000)
     max_seq_len: int = 2048  # RoPE table length; must be >= train.seq_len
-    tie_embeddings: bool = False
+    tie_embeddings: bool = False  # output projection shares the embedding matrix
     init_std: float = 0.02  # output projections are scaled by 1/sqrt(2 * n_layers)
 
 
@@ -60,15 +60,15 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = 20
-    min_lr: float = 3e-4
+    lr: float = 3e-3  # peak learning rate
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.1  # decoupled; matrices only (norm gains are not decayed)
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"  # after linear warmup
+    warmup_steps: int = 20  # linear warmup from 0 to lr
+    min_lr: float = 3e-4  # the schedule's floor at max_steps
     decay_fraction: float = 0.2  # wsd: the last fraction of max_steps decays to min_lr
-    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"  # auto: fused on cuda
 
 
 @dataclass
