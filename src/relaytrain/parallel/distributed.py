@@ -96,7 +96,12 @@ def health_check(env: DistEnv, timeout_s: float) -> None:
     """The first all-reduce of the job: proves every rank joined and the network carries traffic."""
     log.info(
         "start: rank %d/%d local_rank %d node %s device %s backend %s",
-        env.rank, env.world_size, env.local_rank, env.node, env.device, env.backend,
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        env.node,
+        env.device,
+        env.backend,
     )
     started = time.monotonic()
     probe = torch.ones(1, device=env.device)
@@ -110,7 +115,9 @@ def health_check(env: DistEnv, timeout_s: float) -> None:
     if env.is_main:
         log.info(
             "health check passed: world size %d on %d node(s) in %.2f s",
-            env.world_size, env.num_nodes, time.monotonic() - started,
+            env.world_size,
+            env.num_nodes,
+            time.monotonic() - started,
         )
 
 
