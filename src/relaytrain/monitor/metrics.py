@@ -146,7 +146,9 @@ class MetricsLogger:
         if m.tensorboard:
             self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
         if m.wandb:
-            self._sinks.append(WandbSink(self.run_dir, m.wandb_project, m.wandb_mode, cfg.run.name, asdict(cfg)))
+            self._sinks.append(
+                WandbSink(self.run_dir, m.wandb_project, m.wandb_mode, cfg.run.name, asdict(cfg))
+            )
         self._console = ConsoleSink(self.total_steps, progress_bar=progress_bar)
 
     def _record(self, kind: str, step: int, values: dict[str, Any]) -> dict[str, Any]:
@@ -165,7 +167,9 @@ class MetricsLogger:
         step_time = out.get("step_time_s")
         if "tokens_per_s" not in out and step_time:
             tokens = out.pop("tokens_per_step", self.tokens_per_step)
-            out["tokens_per_s"], out["tokens_per_s_per_device"] = throughput(tokens, step_time, self.world_size)
+            out["tokens_per_s"], out["tokens_per_s_per_device"] = throughput(
+                tokens, step_time, self.world_size
+            )
         if "tokens_per_s_per_device" not in out and out.get("tokens_per_s") is not None:
             out["tokens_per_s_per_device"] = out["tokens_per_s"] / self.world_size
         if "mfu" not in out and out.get("tokens_per_s_per_device") is not None:

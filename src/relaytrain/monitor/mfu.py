@@ -73,7 +73,9 @@ def measure_cpu_peak_flops(size: int = 1024, seconds: float = 0.3) -> float:
         if time.perf_counter() >= deadline:
             break
     _cpu_peak_cache[threads] = best
-    log.info("measured CPU peak: %.1f GFLOP/s (fp32 %dx%d matmul, %d threads)", best / 1e9, size, size, threads)
+    log.info(
+        "measured CPU peak: %.1f GFLOP/s (fp32 %dx%d matmul, %d threads)", best / 1e9, size, size, threads
+    )
     return best
 
 

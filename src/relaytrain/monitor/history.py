@@ -1,0 +1,177 @@
+"""Read a run's metrics.jsonl (and gpu/*.csv) back and stitch requeued jobs into one history.
+
+A run spread over several SLURM jobs appends to one metrics.jsonl. Records are grouped into
+*segments*: a new segment starts when ``(job_id, restart)`` changes or a ``start``/``resume``
+event appears (so local resumes count too). A job that resumed from an older checkpoint logs some
+steps again; the later record for a step wins.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relaytrain.errors import UserError
+
+START_EVENTS = ("start", "resume")
+
+
+@dataclass
+class Segment:
+    """The records of one job (or one local resume), in file order."""
+
+    index: int
+    job_id: str | None
+    restart: int
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def start_time(self) -> float:
+        return self.records[0]["time"]
+
+    @property
+    def end_time(self) -> float:
+        return self.records[-1]["time"]
+
+    @property
+    def train(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["kind"] == "train"]
+
+    def resume_step(self) -> int | None:
+        """Where this segment picked up: its resume event, else just before its first train step."""
+        for r in self.records:
+            if r["kind"] == "event" and r.get("event") == "resume":
+                return int(r["step"])
+        train = self.train
+        return int(train[0]["step"]) if train else None
+
+    @property
+    def label(self) -> str:
+        if self.job_id is not None:
+            return f"job {self.job_id}" + (f" (requeue {self.restart})" if self.restart else "")
+        return f"resume {self.index}"
+
+
+@dataclass
+class History:
+    """Stitched view: one train/eval record per step, all events, the segments."""
+
+    train: list[dict[str, Any]]
+    eval: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    segments: list[Segment]
+    skipped_lines: int = 0
+
+    @property
+    def start_time(self) -> float:
+        return self.segments[0].start_time
+
+    def lost_time(self) -> tuple[float, int]:
+        """(seconds, steps) lost to restarts.
+
+        Walks train records in file order keeping the furthest step reached (the frontier).
+        When a later job first gets past the frontier, the wall time since the frontier was set,
+        less the time the new steps themselves took, is time lost to the restart: queueing,
+        startup, checkpoint loading and recomputing steps an older checkpoint did not hold.
+        """
+        lost_s, lost_steps = 0.0, 0
+        frontier_step, frontier_time, frontier_seg = None, 0.0, -1
+        for seg in self.segments:
+            resume = seg.resume_step()
+            if frontier_step is not None and resume is not None and seg.index != frontier_seg:
+                lost_steps += max(frontier_step - resume, 0)
+            for rec in seg.train:
+                step = rec["step"]
+                if frontier_step is not None and step <= frontier_step:
+                    continue
+                if frontier_step is not None and seg.index != frontier_seg:
+                    new_work = (step - frontier_step) * (rec.get("step_time_s") or 0.0)
+                    lost_s += max(rec["time"] - frontier_time - new_work, 0.0)
+                frontier_step, frontier_time, frontier_seg = step, rec["time"], seg.index
+        return lost_s, lost_steps
+
+
+def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """Records of a metrics.jsonl in file order, and how many lines could not be parsed
+    (a job killed mid-write can leave a torn last line)."""
+    if not path.is_file():
+        raise UserError(f"no metrics file at {path}: is this a run directory written by `relaytrain train`?")
+    records, skipped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                skipped += 1
+                continue
+            if not isinstance(rec, dict) or "step" not in rec or "time" not in rec:
+                skipped += 1
+                continue
+            rec.setdefault("kind", "train")
+            records.append(rec)
+    if not records:
+        raise UserError(f"{path} holds no metric records yet: let the run log at least one step")
+    return records, skipped
+
+
+def build_history(records: list[dict[str, Any]], skipped_lines: int = 0) -> History:
+    segments: list[Segment] = []
+    for rec in records:
+        key = (rec.get("job_id"), int(rec.get("restart") or 0))
+        starts = rec["kind"] == "event" and rec.get("event") in START_EVENTS
+        current = segments[-1] if segments else None
+        if current is None or (current.job_id, current.restart) != key or (starts and current.records):
+            current = Segment(len(segments), key[0], key[1])
+            segments.append(current)
+        current.records.append(rec)
+    latest: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "eval": {}}
+    for rec in records:
+        if rec["kind"] in latest:
+            latest[rec["kind"]][int(rec["step"])] = rec  # file order: the later record wins
+    return History(
+        train=[latest["train"][s] for s in sorted(latest["train"])],
+        eval=[latest["eval"][s] for s in sorted(latest["eval"])],
+        events=[r for r in records if r["kind"] == "event"],
+        segments=segments,
+        skipped_lines=skipped_lines,
+    )
+
+
+def load_history(run_dir: Path) -> History:
+    records, skipped = read_records(Path(run_dir) / "metrics.jsonl")
+    return build_history(records, skipped)
+
+
+def read_gpu_csvs(gpu_dir: Path) -> dict[str, list[dict[str, float]]]:
+    """Per host: samples ``{"time", "util_gpu_pct", "power_w", "mem_used_mib"}`` averaged over
+    the host's GPUs (utilisation, memory) or summed (power)."""
+    hosts: dict[str, list[dict[str, float]]] = {}
+    for path in sorted(gpu_dir.glob("*.csv")) if gpu_dir.is_dir() else []:
+        by_time: dict[float, list[dict[str, str]]] = {}
+        with open(path, newline="", encoding="utf-8") as f:
+            for row in csv.DictReader(f):
+                try:
+                    by_time.setdefault(float(row["time"]), []).append(row)
+                except (KeyError, TypeError, ValueError):
+                    continue  # a torn last line
+        samples = []
+        for t in sorted(by_time):
+            rows = by_time[t]
+            sample = {"time": t}
+            for key, reduce in (
+                ("util_gpu_pct", statistics.fmean),
+                ("power_w", sum),
+                ("mem_used_mib", statistics.fmean),
+            ):
+                values = [float(r[key]) for r in rows if r.get(key) not in (None, "")]
+                sample[key] = reduce(values) if values else float("nan")
+            samples.append(sample)
+        if samples:
+            hosts[path.stem] = samples
+    return hosts

@@ -1,0 +1,117 @@
+"""`relaytrain report`: PNG plots and a markdown summary of a run, across all its jobs."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from relaytrain.errors import UserError
+from relaytrain.monitor.history import History, load_history, read_gpu_csvs
+from relaytrain.monitor.plots import plot_all
+
+
+def _mean(history: History, key: str) -> float | None:
+    values = [float(r[key]) for r in history.train if r.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
+
+
+def _fmt(value: float | None, fmt: str, suffix: str = "") -> str:
+    return "n/a" if value is None or math.isnan(value) else format(value, fmt) + suffix
+
+
+def summarize(history: History) -> dict[str, Any]:
+    last = history.train[-1] if history.train else None
+    evals = [r for r in history.eval if r.get("val_loss") is not None]
+    best = min(evals, key=lambda r: r["val_loss"]) if evals else None
+    job_ids = list(dict.fromkeys(s.job_id for s in history.segments if s.job_id is not None))
+    lost_s, lost_steps = history.lost_time()
+    mfu = _mean(history, "mfu")
+    return {
+        "last_step": last["step"] if last else None,
+        "final_loss": last.get("loss") if last else None,
+        "best_val_loss": best["val_loss"] if best else None,
+        "best_val_step": best["step"] if best else None,
+        "mean_tokens_per_s": _mean(history, "tokens_per_s"),
+        "mean_tokens_per_s_per_device": _mean(history, "tokens_per_s_per_device"),
+        "mean_mfu": mfu,
+        "restarts": len(history.segments) - 1,
+        "job_ids": job_ids,
+        "lost_s": lost_s,
+        "lost_steps": lost_steps,
+        "wall_s": history.segments[-1].end_time - history.start_time,
+    }
+
+
+def render_markdown(name: str, history: History, summary: dict[str, Any], images: list[Path]) -> str:
+    s = summary
+    started = datetime.datetime.fromtimestamp(history.start_time).isoformat(sep=" ", timespec="seconds")
+    best = "n/a" if s["best_val_loss"] is None else f"{s['best_val_loss']:.4f} (step {s['best_val_step']})"
+    rows = [
+        ("run", name),
+        ("started", started),
+        ("wall time, first to last record", _duration(s["wall_s"])),
+        ("last step", str(s["last_step"])),
+        ("final train loss", _fmt(s["final_loss"], ".4f")),
+        ("best validation loss", best),
+        ("mean tokens/s (all devices)", _fmt(s["mean_tokens_per_s"], ",.0f")),
+        ("mean tokens/s per device", _fmt(s["mean_tokens_per_s_per_device"], ",.0f")),
+        ("mean MFU", _fmt(None if s["mean_mfu"] is None else 100 * s["mean_mfu"], ".1f", " %")),
+        ("restarts", str(s["restarts"])),
+        ("SLURM job ids", ", ".join(s["job_ids"]) or "none (not run under SLURM)"),
+        ("time lost to restarts", f"{_duration(s['lost_s'])} ({s['lost_steps']} steps recomputed)"),
+    ]
+    lines = [f"# Run report: {name}", "", "| | |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    lines += [
+        "",
+        "## Jobs",
+        "",
+        "| segment | job | first record | records | train steps | resumed from step |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for seg in history.segments:
+        train = seg.train
+        span = f"{train[0]['step']}-{train[-1]['step']}" if train else "none"
+        first = datetime.datetime.fromtimestamp(seg.start_time).isoformat(sep=" ", timespec="seconds")
+        resumed = seg.resume_step() if seg.index else None
+        lines.append(
+            f"| {seg.index} | {seg.label} | {first} | {len(seg.records)} | {span} | "
+            f"{'' if resumed is None else resumed} |"
+        )
+    lines += [
+        "",
+        "Time lost to restarts: wall time between the last progress of one job and the next",
+        "job's first new step, less that step's own compute time (queueing, startup, checkpoint",
+        "load, recomputed steps). Later records of a repeated step replace earlier ones.",
+        "",
+    ]
+    if history.skipped_lines:
+        lines += [f"{history.skipped_lines} unreadable line(s) of metrics.jsonl were skipped.", ""]
+    lines += ["## Plots", ""]
+    for p in images:
+        lines += [f"![{p.stem}]({p.name})", ""]
+    return "\n".join(lines)
+
+
+def make_report(run_dir: Path, out_dir: Path | None = None) -> Path:
+    """Write the plots and ``report.md`` to ``out_dir`` (default ``<run_dir>/report``)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} does not exist")
+    history = load_history(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
+    name = run_dir.resolve().name
+    images = plot_all(history, read_gpu_csvs(run_dir / "gpu"), name, out_dir)
+    report = out_dir / "report.md"
+    report.write_text(render_markdown(name, history, summarize(history), images), encoding="utf-8")
+    return report

@@ -1,0 +1,179 @@
+"""`relaytrain report` on a synthetic run that was requeued twice (three SLURM jobs)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+
+from relaytrain.errors import UserError
+from relaytrain.monitor.commands import register
+from relaytrain.monitor.gpu_monitor import COLUMNS
+from relaytrain.monitor.history import load_history
+from relaytrain.monitor.report import make_report
+
+TOKENS_PER_STEP = 524_288
+DEVICES = 16
+
+
+def _train(step: int, t: float, job: str, restart: int, loss_offset: float = 0.0) -> dict:
+    return {
+        "kind": "train",
+        "step": step,
+        "time": t,
+        "job_id": job,
+        "restart": restart,
+        "loss": 2.0 + 5.0 * math.exp(-step / 80) + loss_offset,
+        "lr": 3e-4,
+        "grad_norm": 0.9,
+        "tokens_per_s": TOKENS_PER_STEP / 1.0,
+        "tokens_per_s_per_device": TOKENS_PER_STEP / DEVICES,
+        "mfu": 0.41 + 0.01 * math.sin(step),
+        "mem_allocated_gib": 30.0,
+        "mem_reserved_gib": 34.0,
+        "mem_peak_gib": 36.0,
+        "step_time_s": 1.0,
+        "time_data_s": 0.02,
+        "time_fwd_bwd_s": 0.8,
+        "time_optimizer_s": 0.1,
+        "time_checkpoint_s": 0.05 if step % 50 == 0 else 0.0,
+        "time_other_s": 0.03,
+    }
+
+
+def _event(event: str, step: int, t: float, job: str, restart: int, **fields) -> dict:
+    return {
+        "kind": "event",
+        "event": event,
+        "step": step,
+        "time": t,
+        "job_id": job,
+        "restart": restart,
+        **fields,
+    }
+
+
+def _eval(step: int, t: float, job: str, restart: int) -> dict:
+    val = 2.1 + 5.0 * math.exp(-step / 80)
+    return {
+        "kind": "eval",
+        "step": step,
+        "time": t,
+        "job_id": job,
+        "restart": restart,
+        "val_loss": val,
+        "val_ppl": math.exp(val),
+    }
+
+
+def write_synthetic_run(run_dir: Path) -> None:
+    """Job 1001 dies at step 120 after its step-100 checkpoint; job 1002 resumes from 100 (steps
+    110 and 120 are logged twice) and stops at 200 with a checkpoint; job 1003 finishes at 300.
+    Lost time: 1470-1125-10 = 335 s and 1660-1540-10 = 110 s; 20 steps recomputed."""
+    recs = [_event("start", 0, 1000.0, "1001", 0)]
+    for step in range(10, 121, 10):
+        recs.append(_train(step, 1005.0 + step, "1001", 0))
+        if step % 50 == 0:
+            recs.append(_eval(step, 1005.5 + step, "1001", 0))
+            recs.append(
+                _event("checkpoint", step, 1005.6 + step, "1001", 0, path=f"checkpoints/step_{step:08d}")
+            )
+    recs.append(_event("resume", 100, 1425.0, "1002", 0, checkpoint="checkpoints/step_00000100"))
+    for step in range(110, 201, 10):
+        recs.append(_train(step, 1340.0 + step, "1002", 0, loss_offset=0.5 if step <= 120 else 0.0))
+        if step % 50 == 0:
+            recs.append(_eval(step, 1340.5 + step, "1002", 0))
+    recs.append(_event("stop", 200, 1541.0, "1002", 0, reason="time limit"))
+    recs.append(_event("resume", 200, 1641.0, "1003", 0))
+    for step in range(210, 301, 10):
+        recs.append(_train(step, 1450.0 + step, "1003", 0))
+        if step % 50 == 0:
+            recs.append(_eval(step, 1450.5 + step, "1003", 0))
+    recs.append(_event("stop", 300, 1751.0, "1003", 0, reason="finished"))
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for rec in recs:
+            f.write(json.dumps(rec) + "\n")
+        f.write('{"kind": "train", "step": 31')  # torn last line of a killed job
+
+    gpu_dir = run_dir / "gpu"
+    gpu_dir.mkdir()
+    for host_index, host in enumerate(("gpu-node1", "gpu-node2")):
+        with open(gpu_dir / f"{host}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(COLUMNS)
+            for job, start, end in (("1001", 1000, 1126), ("1002", 1425, 1542), ("1003", 1641, 1752)):
+                for t in range(start, end, 5):
+                    for gpu in range(8):
+                        util = 20 if t - start < 15 else 92 - 3 * host_index + (gpu + t) % 5
+                        writer.writerow(
+                            [t, "", host, job, gpu, 150 + 5 * util, util, util // 2, 60000, 81559, 60]
+                        )
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", header[16:24])
+
+
+def test_history_stitches_requeued_jobs(tmp_path):
+    write_synthetic_run(tmp_path / "run")
+    history = load_history(tmp_path / "run")
+    assert [s.job_id for s in history.segments] == ["1001", "1002", "1003"]
+    assert history.skipped_lines == 1
+    steps = [r["step"] for r in history.train]
+    assert steps == list(range(10, 301, 10))  # each step once
+    by_step = {r["step"]: r for r in history.train}
+    assert by_step[110]["job_id"] == "1002" and by_step[110]["loss"] > by_step[100]["loss"]  # later wins
+    assert [s.resume_step() for s in history.segments[1:]] == [100, 200]
+    lost_s, lost_steps = history.lost_time()
+    assert lost_s == pytest.approx(335.0 + 110.0)
+    assert lost_steps == 20
+
+
+def test_report_writes_plots_and_summary(tmp_path):
+    run = tmp_path / "run"
+    write_synthetic_run(run)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["report", str(run)])
+    assert args.func(args) == 0
+
+    out = run / "report"
+    for name in ("loss", "throughput", "mfu", "memory", "step_time", "gpu"):
+        width, height = _png_size(out / f"{name}.png")
+        assert width >= 800 and height >= 400
+    md = (out / "report.md").read_text()
+    assert "| run | run |" in md
+    assert "| last step | 300 |" in md
+    assert "| restarts | 2 |" in md
+    assert "1001, 1002, 1003" in md
+    assert "7m 25s (20 steps recomputed)" in md  # 445 s
+    assert "| mean tokens/s (all devices) | 524,288 |" in md
+    assert "| mean MFU | 41.0 % |" in md
+    assert f"| final train loss | {2.0 + 5.0 * math.exp(-300 / 80):.4f} |" in md
+    assert "(step 300)" in md  # best validation loss is the last one
+    assert "![gpu](gpu.png)" in md and "1 unreadable line(s)" in md
+
+
+def test_report_out_dir_and_missing_metrics(tmp_path):
+    run = tmp_path / "run"
+    write_synthetic_run(run)
+    report = make_report(run, tmp_path / "elsewhere")
+    assert report == tmp_path / "elsewhere" / "report.md" and (tmp_path / "elsewhere" / "loss.png").exists()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match="no metrics file"):
+        make_report(empty)
+    (empty / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match="no metric records"):
+        make_report(empty)
+    with pytest.raises(UserError, match="does not exist"):
+        make_report(tmp_path / "nope")
