@@ -1,0 +1,113 @@
+"""Pytest fixture and helpers for tests that run on a real local Slurm cluster.
+
+tests/conftest.py makes the fixture visible to every test file with::
+
+    from slurm_fixtures import slurm_cluster  # noqa: F401
+
+Tests using it are marked ``@pytest.mark.slurm``. The fixture reuses a cluster that is already up
+(CI starts one with .ci/slurm-up.sh) or starts one and stops it at the end of the session. It skips
+only where Slurm cannot be started here; with ``CI`` set it fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from relaytrain.errors import UserError
+from relaytrain.slurm import local_cluster
+from relaytrain.slurm.local_cluster_daemons import install_command, is_root, missing_packages
+
+FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
+
+
+def _why_slurm_cannot_start() -> str | None:
+    if is_root():
+        missing = missing_packages()
+        if missing and shutil.which("apt-get") is None:
+            return f"Slurm is not installed ({', '.join(missing)}) and there is no apt-get to install it"
+        return None
+    missing = missing_packages()
+    if missing:
+        return f"Slurm is not installed and this is not root; as root run: {install_command(missing)}"
+    return "no local Slurm cluster is up and starting one needs root: sudo relaytrain cluster up"
+
+
+def _give_up(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"CI is set, so Slurm tests must run, but: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A running local cluster (ClusterInfo), with SLURM_CONF exported for the whole session."""
+    info = local_cluster.running_cluster()
+    started_here = False
+    if info is None:
+        reason = _why_slurm_cannot_start()
+        if reason:
+            _give_up(reason)
+        try:
+            info = local_cluster.cluster_up(nodes=2, cpus_per_node=4)
+        except (UserError, RuntimeError, OSError, subprocess.SubprocessError) as error:
+            pytest.fail(f"could not start the local Slurm cluster: {error}", pytrace=False)
+        started_here = True
+    saved = {key: os.environ.get(key) for key in info.env}
+    os.environ.update(info.env)
+    try:
+        yield info
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if started_here:
+            local_cluster.cluster_down(info.base_dir)
+
+
+def slurm(*args: str, timeout: float = 30.0) -> str:
+    """Run a Slurm client command (SLURM_CONF comes from the fixture) and return its stdout."""
+    done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def sbatch(*args: str) -> int:
+    """Submit a batch job; returns its id."""
+    return int(slurm("sbatch", "--parsable", *args).strip().split(";")[0])
+
+
+def job_fields(job_id: int) -> dict[str, str]:
+    """``scontrol show job`` as a dict (JobState, Restarts, NodeList, Reason...)."""
+    text = slurm("scontrol", "show", "job", str(job_id))
+    return dict(re.findall(r"(?:^|\s)(\w+)=(\S*)", text))
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def wait_job_finished(job_id: int, timeout: float = 120.0) -> dict[str, str]:
+    """Wait until the job reaches a final state; returns its ``scontrol show job`` fields."""
+
+    def finished():
+        fields = job_fields(job_id)
+        return fields if fields.get("JobState") in FINISHED_STATES else None
+
+    return wait_for(finished, timeout, f"job {job_id} to finish")
