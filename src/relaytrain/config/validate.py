@@ -61,6 +61,11 @@ def validate(cfg: Config) -> None:
              f"resilience.hard_deadline_s={r.hard_deadline_s} must be shorter than "
              f"resilience.signal_lead_s={r.signal_lead_s}, or the kill comes before the deadline")
     _require(r.max_requeues >= 0, "resilience.max_requeues must be >= 0")
+    _require(r.slurm_signal in r.signals,
+             f"resilience.slurm_signal={r.slurm_signal!r} must be in resilience.signals={r.signals}, "
+             "or Slurm's time-limit signal kills the ranks without a checkpoint")
+    _require(r.hang_timeout_s >= 0 and r.hard_deadline_s > 0 and r.nan_max_consecutive >= 1,
+             "need resilience.hang_timeout_s >= 0 (0: off), hard_deadline_s > 0, nan_max_consecutive >= 1")
     _require(cfg.metrics.log_every >= 1, f"metrics.log_every must be >= 1, got {cfg.metrics.log_every}")
     ps = cfg.metrics.profile_steps
     _require(not ps or (len(ps) == 2 and 0 <= ps[0] < ps[1]),

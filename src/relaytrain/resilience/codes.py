@@ -1,0 +1,49 @@
+"""Exit codes and stop reasons shared by the resilience pieces.
+
+Exit codes are documented in docs/resilience.md. They describe what one rank did; the decision to
+requeue lives in ``<run_dir>/run_state.json``, because launchers rewrite exit codes (torchrun exits 1
+after a SIGTERM even when every worker saved and exited 0).
+"""
+
+from __future__ import annotations
+
+import enum
+
+EXIT_RESUME = 75  # EX_TEMPFAIL: stopped with a checkpoint, to be resumed (signal, time budget, Ctrl-C)
+EXIT_HANG = 86  # the hang watchdog fired: no step finished within resilience.hang_timeout_s
+EXIT_DEADLINE = 87  # the hard deadline passed after a stop request (the emergency save hung)
+EXIT_NONFINITE = 88  # NaN/Inf loss or grad norm and the NaN policy said stop
+EXIT_DOUBLE_INTERRUPT = 130  # a second Ctrl-C: exit at once, no save (128 + SIGINT, the shell convention)
+
+
+class StopReason(enum.IntEnum):
+    """Why a run stops. Values are ordered so that ranks agree with one MAX all-reduce.
+
+    When ranks disagree the larger value wins: a user interrupt beats a preemption, which beats a
+    time-limit signal, which beats the time budget. ``agree()`` only produces NONE..USER_INTERRUPT;
+    the trainer passes the others to ``handle_stop`` itself.
+    """
+
+    NONE = 0
+    STOP_AT_STEP = 1  # train.stop_at_step reached: a planned end of this job
+    TIME_BUDGET = 2  # time left in the SLURM job < save estimate + resilience.time_budget_margin_s
+    TIME_LIMIT_SIGNAL = 3  # resilience.slurm_signal (--signal=...@signal_lead_s), or SIGTERM near the end
+    PREEMPTION = 4  # SIGTERM inside SLURM with plenty of time left: preemption (GraceTime)
+    SIGNAL = 5  # a stop signal outside SLURM (kill, torchrun forwarding SIGTERM)
+    USER_INTERRUPT = 6  # SIGINT (Ctrl-C)
+    CANCELLED = 7  # SIGTERM from `scancel`: scontrol shows the job CANCELLED
+    NONFINITE = 8  # NaN/Inf and the NaN policy stopped the run
+    HANG = 9  # hang watchdog
+    ERROR = 10  # an exception in the trainer
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+# Stops after which the run is resumable and the job may be requeued (if the policy allows).
+REQUEUE_REASONS = frozenset({StopReason.TIME_BUDGET, StopReason.TIME_LIMIT_SIGNAL, StopReason.PREEMPTION})
+# Time-limit stops are capped by resilience.max_requeues; preemptions are not the job's fault.
+TIME_LIMIT_REASONS = frozenset({StopReason.TIME_BUDGET, StopReason.TIME_LIMIT_SIGNAL})
+# Real errors: the run is marked failed and never requeued.
+FAILURE_REASONS = frozenset({StopReason.NONFINITE, StopReason.HANG, StopReason.ERROR})

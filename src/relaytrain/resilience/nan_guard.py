@@ -1,0 +1,102 @@
+"""NaN/Inf guard: one all-reduced finiteness check of the loss and grad norm per step.
+
+Policies (resilience.nan_policy), K = resilience.nan_max_consecutive:
+- ``stop``: the first bad step stops the run (marked failed, exit EXIT_NONFINITE, never requeued).
+- ``skip``: drop bad steps on every rank (zero the grads, no optimizer step); K bad steps in a row stop.
+- ``rollback``: drop bad steps like ``skip``; K in a row reload the last checkpoint (the trainer also
+  multiplies the LR by resilience.nan_rollback_lr_scale). More than MAX_ROLLBACKS rollbacks stop.
+
+Testing hook: ``RELAYTRAIN_INJECT_NAN_AT_STEPS="5,6"`` makes the loss NaN at those steps on one rank
+(``RELAYTRAIN_INJECT_NAN_RANK``, default the last rank), each listed step once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from relaytrain.config.schema import Config
+
+log = logging.getLogger(__name__)
+
+INJECT_STEPS_ENV = "RELAYTRAIN_INJECT_NAN_AT_STEPS"
+INJECT_RANK_ENV = "RELAYTRAIN_INJECT_NAN_RANK"
+MAX_ROLLBACKS = 3  # a run that keeps diverging after this many rollbacks needs a human
+
+
+def _local(value) -> torch.Tensor:
+    if hasattr(value, "full_tensor"):  # a DTensor grad norm from clip_grad_norm_ on FSDP2/TP params
+        value = value.full_tensor()
+    return value.detach()
+
+
+class NanGuard:
+    def __init__(self, cfg: Config, device: torch.device, group=None):
+        self.policy = cfg.resilience.nan_policy
+        self.max_consecutive = max(1, cfg.resilience.nan_max_consecutive)
+        self.device = torch.device(device)
+        self.group = group
+        self.consecutive = 0
+        self.bad_total = 0
+        self.rollbacks = 0
+
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None = None) -> str:
+        """'ok', 'skip', 'stop' or 'rollback', the same on every rank (one MAX all-reduce)."""
+        bad = torch.zeros(1, dtype=torch.int64, device=self.device)
+        values = [_local(loss)]
+        if grad_norm is not None:
+            values.append(
+                _local(grad_norm) if isinstance(grad_norm, torch.Tensor) else torch.tensor(float(grad_norm))
+            )
+        for value in values:
+            if not bool(torch.isfinite(value.float()).all()):
+                bad.fill_(1)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+        if not bool(bad.item()):
+            self.consecutive = 0
+            return "ok"
+        self.consecutive += 1
+        self.bad_total += 1
+        action = self._action()
+        log.warning(
+            "non-finite loss or grad norm (%d in a row, %d in total): nan_policy=%s -> %s",
+            self.consecutive,
+            self.bad_total,
+            self.policy,
+            action,
+        )
+        return action
+
+    def _action(self) -> str:
+        if self.policy == "stop":
+            return "stop"
+        if self.consecutive < self.max_consecutive:
+            return "skip"
+        if self.policy == "skip" or self.rollbacks >= MAX_ROLLBACKS:
+            return "stop"
+        self.rollbacks += 1
+        self.consecutive = 0
+        return "rollback"
+
+
+class NanInjector:
+    """The RELAYTRAIN_INJECT_NAN_AT_STEPS testing hook; inactive (returns the loss) when unset."""
+
+    def __init__(self, rank: int, world_size: int, env=None):
+        env = os.environ if env is None else env
+        text = env.get(INJECT_STEPS_ENV, "").strip()
+        self.steps = {int(s) for s in text.split(",") if s.strip()} if text else set()
+        self.rank = int(env.get(INJECT_RANK_ENV, world_size - 1))
+        self.active = bool(self.steps) and rank == self.rank
+        self._done: set[int] = set()
+
+    def __call__(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        if not self.active or step not in self.steps or step in self._done:
+            return loss
+        self._done.add(step)
+        log.warning("%s: making the loss NaN at step %d on rank %d", INJECT_STEPS_ENV, step, self.rank)
+        return loss * float("nan")  # keeps the graph, so backward yields NaN grads too

@@ -1,0 +1,241 @@
+"""After a stop: record it in run_state.json and, when the policy says so, requeue the SLURM job.
+
+Only rank 0 writes the marker and calls ``scontrol requeue``; every rank gets the same exit code.
+Why relaytrain requeues by itself instead of leaving it to Slurm (both verified on Slurm 22.05):
+a preempted job whose processes exit during GraceTime is recorded COMPLETED and not requeued, and a
+job that hits its time limit is never requeued, even with ``--requeue``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from relaytrain.config.schema import Config
+from relaytrain.resilience.codes import (
+    EXIT_HANG,
+    EXIT_NONFINITE,
+    EXIT_RESUME,
+    FAILURE_REASONS,
+    REQUEUE_REASONS,
+    TIME_LIMIT_REASONS,
+    StopReason,
+)
+from relaytrain.resilience.job_time import scontrol_job_field
+from relaytrain.resilience.run_state import RunStateFile
+
+log = logging.getLogger(__name__)
+
+SCONTROL_REQUEUE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """The SLURM facts resilience needs, from the environment of a rank."""
+
+    job_id: str = ""
+    array_job_id: str = ""
+    array_task_id: str = ""
+    restart_count: int = 0  # SLURM_RESTART_COUNT; unset on a first run, 1, 2, ... after requeues
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SlurmJob:
+        env = os.environ if env is None else env
+        try:
+            restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+        except ValueError:
+            restarts = 0
+        return cls(
+            env.get("SLURM_JOB_ID", ""),
+            env.get("SLURM_ARRAY_JOB_ID", ""),
+            env.get("SLURM_ARRAY_TASK_ID", ""),
+            restarts,
+        )
+
+    @property
+    def in_slurm(self) -> bool:
+        return bool(self.job_id)
+
+    @property
+    def requeue_id(self) -> str:
+        """The id ``scontrol requeue`` takes: ARRAYJOBID_TASKID for an array task, else the job id."""
+        if self.array_job_id and self.array_task_id:
+            return f"{self.array_job_id}_{self.array_task_id}"
+        return self.job_id
+
+
+def decide_requeue(
+    reason: StopReason, requeue_enabled: bool, max_requeues: int, restart_count: int, in_slurm: bool
+) -> bool:
+    """Requeue after a preemption (always) or a time-limit stop (while restart_count < max_requeues).
+
+    Never outside SLURM, never when resilience.requeue is off, never after a user interrupt, a
+    scancel, a planned stop_at_step, the end of training or a failure (exception, NaN policy, hang).
+    ``restart_count`` is SLURM_RESTART_COUNT, which counts every earlier requeue of the job.
+    """
+    if not (in_slurm and requeue_enabled) or reason not in REQUEUE_REASONS:
+        return False
+    if reason in TIME_LIMIT_REASONS:
+        return restart_count < max_requeues
+    return True
+
+
+def exit_code_for(reason: StopReason) -> int:
+    if reason in (StopReason.NONE, StopReason.STOP_AT_STEP):
+        return 0
+    if reason == StopReason.NONFINITE:
+        return EXIT_NONFINITE
+    if reason == StopReason.HANG:
+        return EXIT_HANG
+    if reason == StopReason.ERROR:
+        return 1
+    return EXIT_RESUME
+
+
+def scontrol_requeue(requeue_id: str) -> tuple[bool, str]:
+    """(done, message). ``scontrol`` missing (inside a container) or failing gives (False, why)."""
+    if shutil.which("scontrol") is None:
+        return False, (
+            "scontrol is not on PATH (inside a container?): the batch script requeues the job "
+            "when run_state.json says requeue_pending (see docs/resilience.md)"
+        )
+    cmd = ["scontrol", "requeue", requeue_id]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=SCONTROL_REQUEUE_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return False, f"{' '.join(cmd)} failed: {err}"
+    if proc.returncode != 0:
+        return False, f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()[:300]}"
+    return True, " ".join(cmd)
+
+
+def _refine(reason: StopReason, job: SlurmJob) -> StopReason:
+    """A SIGTERM from `scancel` looks like a preemption to the process; scontrol tells them apart."""
+    if reason == StopReason.PREEMPTION and job.in_slurm:
+        state = scontrol_job_field(job.job_id, "JobState")
+        if state is not None and state.startswith("CANCELLED"):
+            return StopReason.CANCELLED
+    return reason
+
+
+def handle_stop(
+    cfg: Config,
+    run_dir: Path | str,
+    reason: StopReason,
+    step: int,
+    rank: int,
+    *,
+    saved: bool = True,
+    message: str = "",
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Record why the run stopped (rank 0), requeue if the policy says so, return the exit code.
+
+    Call it on every rank after the emergency checkpoint is complete (its commit is what the resumed
+    job loads; ``scontrol requeue`` kills the job at once). ``saved=False`` when no checkpoint of
+    ``step`` was written (the run resumes from the previous one).
+    """
+    code = exit_code_for(reason)
+    if rank != 0:
+        return code
+    r = cfg.resilience
+    job = SlurmJob.from_env(env)
+    reason = _refine(reason, job)
+    code = exit_code_for(reason)
+    requeue = decide_requeue(reason, r.requeue, r.max_requeues, job.restart_count, job.in_slurm)
+    status = "failed" if reason in FAILURE_REASONS else "stopped"
+    facts = {
+        "job_id": job.job_id,
+        "requeue_id": job.requeue_id,
+        "restart_count": job.restart_count,
+        "saved": saved,
+        "exit_code": code,
+        "message": message,
+    }
+    state_file = RunStateFile(run_dir)
+    state_file.write(status, reason.label, step, requeue_requested=requeue, requeue_pending=requeue, **facts)
+    log.info(
+        "run %s at step %d (%s%s), exit code %d, SLURM_RESTART_COUNT=%d",
+        status,
+        step,
+        reason.label,
+        "" if saved else ", no new checkpoint",
+        code,
+        job.restart_count,
+    )
+    if requeue:
+        done, how = scontrol_requeue(job.requeue_id)
+        if done:
+            log.info("requeued the job: %s", how)
+            state_file.write(status, reason.label, step, requeue_requested=True, requeued=True, **facts)
+        else:
+            log.warning("could not requeue the job: %s", how)
+    elif job.in_slurm and reason in TIME_LIMIT_REASONS and r.requeue:
+        log.warning(
+            "not requeuing: SLURM_RESTART_COUNT=%d reached resilience.max_requeues=%d",
+            job.restart_count,
+            r.max_requeues,
+        )
+    return code
+
+
+def mark_running(
+    cfg: Config, run_dir: Path | str, rank: int, step: int, env: Mapping[str, str] | None = None
+) -> None:
+    """At the start of training (rank 0): status running; logs SLURM_RESTART_COUNT."""
+    if rank != 0:
+        return
+    job = SlurmJob.from_env(env)
+    if job.in_slurm:
+        log.info(
+            "SLURM job %s, SLURM_RESTART_COUNT=%d, resuming at step %d",
+            job.requeue_id,
+            job.restart_count,
+            step,
+        )
+    RunStateFile(run_dir).write(
+        "running",
+        "",
+        step,
+        job_id=job.job_id,
+        requeue_id=job.requeue_id,
+        restart_count=job.restart_count,
+        max_steps=cfg.train.max_steps,
+    )
+
+
+def mark_finished(run_dir: Path | str, rank: int, step: int, env: Mapping[str, str] | None = None) -> None:
+    """After the last step (rank 0): status finished, so that a stale requeue ends at once."""
+    if rank != 0:
+        return
+    job = SlurmJob.from_env(env)
+    RunStateFile(run_dir).write(
+        "finished",
+        "max_steps",
+        step,
+        job_id=job.job_id,
+        requeue_id=job.requeue_id,
+        restart_count=job.restart_count,
+        exit_code=0,
+    )
+
+
+def finished_message(cfg: Config, run_dir: Path | str) -> str | None:
+    """A message when run_state.json says this run already finished at train.max_steps, else None."""
+    state = RunStateFile(run_dir).read()
+    if not state or state.get("status") != "finished":
+        return None
+    step = int(state.get("step", -1))
+    if step < cfg.train.max_steps:
+        return None  # train.max_steps was raised since: train on
+    return (
+        f"run {Path(run_dir)} already finished at step {step} (train.max_steps={cfg.train.max_steps}, "
+        f"{state.get('time', '?')}); nothing to do. Raise train.max_steps to train further."
+    )

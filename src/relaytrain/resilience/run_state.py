@@ -1,0 +1,56 @@
+"""``<run_dir>/run_state.json``: the run's state and the requeue decision, written by rank 0.
+
+Exit codes do not survive launchers (torchrun exits 1 after a SIGTERM whatever its workers returned),
+so whoever needs to know how the run ended (the batch script's requeue fallback, a stale requeue of
+a finished run, a human) reads this file. The JSON is written atomically, one key per line with sorted
+keys, so a shell can test ``grep -q '"requeue_pending": true'`` without a JSON parser.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+RUN_STATE_FILE = "run_state.json"
+STATUSES = ("running", "stopped", "finished", "failed")
+
+
+class RunStateFile:
+    def __init__(self, run_dir: Path | str):
+        self.path = Path(run_dir) / RUN_STATE_FILE
+
+    def read(self) -> dict[str, Any] | None:
+        """The last written state, or None when there is none (or it is unreadable)."""
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def write(self, status: str, reason: str, step: int, **extra: Any) -> dict[str, Any]:
+        """Replace the state. ``extra`` adds keys (job_id, restart_count, requeue_requested, ...)."""
+        if status not in STATUSES:
+            raise ValueError(f"run state status must be one of {STATUSES}, got {status!r}")
+        now = time.time()
+        state: dict[str, Any] = {
+            "status": status,
+            "reason": reason,
+            "step": int(step),
+            "time": datetime.fromtimestamp(now).astimezone().isoformat(timespec="seconds"),
+            "unix_time": round(now, 3),
+            "host": socket.gethostname(),
+            "requeue_requested": False,
+            "requeue_pending": False,
+            "requeued": False,
+        }
+        state.update(extra)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{RUN_STATE_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(state, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path)
+        return state

@@ -1,0 +1,200 @@
+"""Stop every rank at the same step: signal flags, the time budget, and one MAX all-reduce per step.
+
+A signal handler only records the signal: a rank blocked inside a collective runs Python handlers
+late (between bytecodes), so saving from the handler is racy. At each step boundary ``agree()``
+all-reduces (MAX) each rank's local stop reason, so all ranks see the same reason at the same step,
+save the same checkpoint, and none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from relaytrain.config.schema import Config
+from relaytrain.resilience.codes import EXIT_DOUBLE_INTERRUPT, StopReason
+from relaytrain.resilience.job_time import job_end_time
+from relaytrain.resilience.requeue import handle_stop
+from relaytrain.resilience.watchdog import HardDeadline
+
+log = logging.getLogger(__name__)
+
+# Slurm sends a --signal up to 60 s early and checks limits every 30 s: a SIGTERM this close to the
+# end (on top of signal_lead_s) is the time limit, not a preemption.
+TIME_LIMIT_SLACK_S = 90.0
+# Two SIGINTs this close together are one Ctrl-C delivered twice (by the terminal to the whole process
+# group and again by torchrun), not a second Ctrl-C.
+DOUBLE_INTERRUPT_MIN_GAP_S = 1.0
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+class ShutdownController:
+    """Per-rank stop logic. Build it on every rank after the process group exists (it runs one
+    collective to share the job's end time), ``install()`` in the main thread, then call
+    ``agree(step, save_estimate_s)`` at every step boundary, the same number of times on all ranks."""
+
+    def __init__(
+        self, cfg: Config, rank: int, device: torch.device, group=None, run_dir: Path | str | None = None
+    ):
+        self.cfg = cfg
+        self.r = cfg.resilience
+        self.rank = rank
+        self.device = torch.device(device)
+        self.group = group
+        self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.run.dir) / cfg.run.name
+        self.in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
+        self.stop_reason = StopReason.NONE
+        self.stop_step = -1
+        self.last_step = 0
+        self._signals: list[int] = []  # in arrival order; written only by the handler
+        self._first_sigint_at: float | None = None
+        self._previous: dict[int, object] = {}
+        self.end_time, self.end_source = self._shared_end_time()
+        self.deadline = HardDeadline(
+            self.r.hard_deadline_s,
+            rank,
+            self.run_dir / "logs",
+            describe=self._describe,
+            on_expire=self._on_deadline,
+        )
+
+    # -- the job's end time -------------------------------------------------------------------------
+    def _shared_end_time(self) -> tuple[float | None, str]:
+        end, source = job_end_time() if self.rank == 0 else (None, "")
+        if _world(self.group) > 1:  # one scontrol query per job, not per rank
+            t = torch.tensor([end if end is not None else -1.0], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            end = float(t.item()) if t.item() > 0 else None
+            source = source or "rank 0"
+        if self.rank == 0:
+            if end is None:
+                log.info("job end time unknown (%s): no time-budget stop", source)
+            else:
+                log.info(
+                    "job ends at %s (%s, %.0f s from now): the run stops with a checkpoint when less "
+                    "than save estimate + %.0f s remain",
+                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(end)),
+                    source,
+                    end - time.time(),
+                    self.r.time_budget_margin_s,
+                )
+                if end - time.time() < self.r.time_budget_margin_s:
+                    log.warning(
+                        "the job has less time left (%.0f s) than resilience.time_budget_margin_s="
+                        "%.0f: it will stop after its first step",
+                        end - time.time(),
+                        self.r.time_budget_margin_s,
+                    )
+        return end, source
+
+    def time_left(self) -> float | None:
+        return None if self.end_time is None else self.end_time - time.time()
+
+    # -- signals ------------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Install the handlers for resilience.signals (main thread only) and arm the hard deadline."""
+        for name in self.r.signals:
+            signum = getattr(signal, name)
+            if name == "SIGUSR1" and self.device.type == "cuda":
+                log.warning("resilience.signals has SIGUSR1, which NCCL uses internally; prefer SIGUSR2")
+            self._previous[signum] = signal.signal(signum, self._handle)
+        self.deadline.arm()
+
+    def uninstall(self) -> None:
+        """Restore the previous handlers and cancel the hard deadline (call it just before exiting)."""
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+        self.deadline.cancel()
+
+    def _handle(self, signum: int, frame) -> None:
+        # Only assignments and a raw write: no locks, no logging (the main thread may hold them).
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if (
+                self._first_sigint_at is not None
+                and now - self._first_sigint_at >= DOUBLE_INTERRUPT_MIN_GAP_S
+            ):
+                os.write(2, f"relaytrain: second Ctrl-C on rank {self.rank}: exiting now, no save\n".encode())
+                os._exit(EXIT_DOUBLE_INTERRUPT)
+            if self._first_sigint_at is None:
+                self._first_sigint_at = now
+        if signum not in self._signals:
+            self._signals.append(signum)
+        self.deadline.trigger()
+
+    def classify(self, signum: int) -> StopReason:
+        """The stop reason one received signal stands for (the rule in docs/resilience.md)."""
+        name = signal.Signals(signum).name
+        if name == "SIGINT":
+            return StopReason.USER_INTERRUPT
+        if name == self.r.slurm_signal and name != "SIGTERM":
+            return StopReason.TIME_LIMIT_SIGNAL
+        if not self.in_slurm:
+            return StopReason.SIGNAL
+        left = self.time_left()
+        if left is not None and left <= self.r.signal_lead_s + TIME_LIMIT_SLACK_S:
+            return StopReason.TIME_LIMIT_SIGNAL
+        return StopReason.PREEMPTION
+
+    def local_reason(self, save_estimate_s: float = 0.0) -> StopReason:
+        """This rank's view, before agreeing: received signals, then the time budget."""
+        reason = max((self.classify(s) for s in list(self._signals)), default=StopReason.NONE)
+        left = self.time_left()
+        if left is not None and left < save_estimate_s + self.r.time_budget_margin_s:
+            reason = max(reason, StopReason.TIME_BUDGET)
+        return StopReason(reason)
+
+    # -- the one collective per step ----------------------------------------------------------------
+    def agree(self, step: int, save_estimate_s: float = 0.0) -> StopReason:
+        """MAX over ranks of the local stop reasons. Every rank must call it at the same points."""
+        reason = self.local_reason(save_estimate_s)
+        if _world(self.group) > 1:
+            t = torch.tensor([int(reason)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            reason = StopReason(int(t.item()))
+        self.last_step = step
+        if reason != StopReason.NONE and self.stop_reason == StopReason.NONE:
+            self.stop_reason, self.stop_step = reason, step
+            self.start_hard_deadline()
+            if self.rank == 0:
+                left = self.time_left()
+                log.warning(
+                    "stop agreed by all ranks at step %d: %s%s; saving a checkpoint",
+                    step,
+                    reason.label,
+                    "" if left is None else f" ({left:.0f} s left in the job)",
+                )
+        return max(reason, self.stop_reason)
+
+    def start_hard_deadline(self) -> None:
+        """Start the hard-deadline clock (idempotent); agree() does it when a stop is agreed."""
+        self.deadline.arm()
+        self.deadline.trigger()
+
+    def _describe(self) -> str:
+        reason = self.stop_reason if self.stop_reason != StopReason.NONE else self.local_reason()
+        return f"step {self.last_step}, stop reason {reason.label}"
+
+    def _on_deadline(self) -> None:
+        if self.rank != 0:
+            return
+        reason = self.stop_reason if self.stop_reason != StopReason.NONE else self.local_reason()
+        handle_stop(
+            self.cfg,
+            self.run_dir,
+            reason,
+            self.last_step,
+            self.rank,
+            saved=False,
+            message=f"hard deadline: the save did not finish within {self.r.hard_deadline_s:g} s",
+        )

@@ -1,0 +1,188 @@
+"""Timers that end a stuck rank: the hang watchdog and the hard deadline after a stop request.
+
+Both dump every thread's Python stack (faulthandler) to stderr and to a file under ``<run_dir>/logs``,
+tagged with rank and step, then ``os._exit`` so that no ``finally`` or atexit hook can block the exit.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from relaytrain.resilience.codes import EXIT_DEADLINE, EXIT_HANG
+
+log = logging.getLogger(__name__)
+
+
+def dump_stacks(header: str, path: Path | None) -> None:
+    """Write ``header`` and the stacks of all threads to stderr and (appending) to ``path``."""
+    line = f"{header}\n"
+    try:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # stderr replaced by an object without a file descriptor
+        os.write(2, line.encode())
+        faulthandler.dump_traceback(file=2, all_threads=True)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+
+
+class HangWatchdog:
+    """Exits the rank with EXIT_HANG when no step finishes within ``timeout_s``.
+
+    ``beat(step)`` after every step (and around long work such as evaluation or a save). A Python thread
+    checks the time since the last beat. That thread needs the GIL, so a C call that holds the GIL
+    forever would also freeze it; faulthandler's C-level timer is armed as a backstop ``backstop_s``
+    after the timeout (it dumps the stacks into the same file and exits with code 1).
+    """
+
+    def __init__(
+        self,
+        timeout_s: float,
+        rank: int,
+        log_dir: Path | str,
+        on_fire: Callable[[int], None] | None = None,
+        backstop_s: float = 60.0,
+    ):
+        self.timeout_s = float(timeout_s)
+        self.rank = rank
+        self.path = Path(log_dir) / f"hang_rank{rank}.txt"
+        self.on_fire = on_fire  # called with the last step before exiting (rank 0 marks the run failed)
+        self.backstop_s = backstop_s
+        self._last_beat = time.monotonic()
+        self._step = -1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._backstop_file = None
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def start(self) -> None:
+        if self.timeout_s <= 0 or self._thread is not None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._backstop_file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held until stop()
+        self._last_beat = time.monotonic()
+        self._arm_backstop()
+        self._thread = threading.Thread(target=self._run, name=f"hang-watchdog-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    def beat(self, step: int | None = None) -> None:
+        self._last_beat = time.monotonic()
+        if step is not None:
+            self._step = step
+        if self._thread is not None:
+            self._arm_backstop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._backstop_file is not None:
+            self._backstop_file.close()
+            self._backstop_file = None
+
+    def _arm_backstop(self) -> None:
+        faulthandler.dump_traceback_later(
+            self.timeout_s + self.backstop_s, exit=True, file=self._backstop_file
+        )
+
+    def _run(self) -> None:
+        poll = min(max(self.timeout_s / 20, 0.05), 5.0)
+        while not self._stop.wait(poll):
+            idle = time.monotonic() - self._last_beat
+            if idle < self.timeout_s:
+                continue
+            header = (
+                f"relaytrain hang watchdog: rank {self.rank} step {self._step}: no step finished for "
+                f"{idle:.0f} s (resilience.hang_timeout_s={self.timeout_s:g}); stacks follow, "
+                f"exiting with code {EXIT_HANG}"
+            )
+            log.error(header)
+            dump_stacks(header, self.path)
+            if self.on_fire is not None:
+                try:
+                    self.on_fire(self._step)
+                except Exception:  # noqa: BLE001 - the exit below must happen whatever the callback did
+                    log.exception("hang watchdog callback failed")
+            os._exit(EXIT_HANG)
+
+
+class HardDeadline:
+    """After a stop request, exit EXIT_DEADLINE once ``deadline_s`` passed, even if the save hangs.
+
+    ``arm()`` starts a polling thread; ``trigger()`` starts the clock and only assigns an attribute,
+    so a signal handler may call it (starting a thread or taking a lock there could deadlock against the
+    interrupted main thread). ``on_expire()`` runs before the exit: rank 0 records the stop and
+    requeues, so the job still resumes from the previous checkpoint.
+    """
+
+    def __init__(
+        self,
+        deadline_s: float,
+        rank: int,
+        log_dir: Path | str,
+        describe: Callable[[], str],
+        on_expire: Callable[[], None] | None = None,
+    ):
+        self.deadline_s = float(deadline_s)
+        self.rank = rank
+        self.path = Path(log_dir) / f"deadline_rank{rank}.txt"
+        self.describe = describe  # "step N, reason R" at expiry time
+        self.on_expire = on_expire
+        self.triggered_at: float | None = None
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def arm(self) -> None:
+        if self._thread is not None or self.deadline_s <= 0:
+            return
+        self._cancel.clear()
+        self._thread = threading.Thread(target=self._run, name=f"hard-deadline-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    def trigger(self) -> None:
+        if self.triggered_at is None:
+            self.triggered_at = time.monotonic()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _run(self) -> None:
+        poll = min(0.5, self.deadline_s / 10)
+        while not self._cancel.wait(poll):
+            if self.triggered_at is not None and time.monotonic() - self.triggered_at >= self.deadline_s:
+                break
+        else:
+            return
+        header = (
+            f"relaytrain hard deadline: rank {self.rank} ({self.describe()}): still running "
+            f"{self.deadline_s:g} s after the stop request (resilience.hard_deadline_s); stacks follow, "
+            f"exiting with code {EXIT_DEADLINE}"
+        )
+        log.error(header)
+        dump_stacks(header, self.path)
+        if self.on_expire is not None:
+            try:
+                self.on_expire()
+            except Exception:  # noqa: BLE001 - the exit below must happen whatever the callback did
+                log.exception("hard deadline callback failed")
+        os._exit(EXIT_DEADLINE)
