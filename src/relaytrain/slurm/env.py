@@ -1,0 +1,168 @@
+"""SLURM -> torch.distributed environment mapping, and what a process can learn about its job.
+
+`srun` starts one task per GPU and sets SLURM_PROCID/SLURM_LOCALID/...; torch wants RANK/LOCAL_RANK/
+WORLD_SIZE/MASTER_ADDR/MASTER_PORT. `apply_slurm_env` fills them in inside an srun step, unless a
+launcher (torchrun) has already set them. `python -m relaytrain.slurm.env -- CMD ...` applies the mapping
+and execs CMD, so any program (DeepSpeed, Lightning, a plain script) gets the same variables.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+
+from relaytrain.slurm.ports import base_port
+
+# Slurm's internal ids for the batch and extern steps (and others near 2**32) are not srun steps.
+_MAX_REAL_STEP_ID = 0xFFFFFF00
+
+
+def in_srun_step(environ: Mapping[str, str]) -> bool:
+    """True inside a task that srun started (not the batch shell, not a login shell)."""
+    step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID", ""))
+    return step.isdigit() and int(step) < _MAX_REAL_STEP_ID and "SLURM_PROCID" in environ
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """`node[1-3],gpu07` -> hostnames, with python-hostlist, else `scontrol show hostnames`."""
+    if not nodelist:
+        return []
+    try:
+        import hostlist
+
+        return list(hostlist.expand_hostlist(nodelist))
+    except ImportError:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+        return out.stdout.split()
+
+
+def tasks_on_node(tasks_per_node: str, node_index: int) -> int | None:
+    """SLURM_STEP_TASKS_PER_NODE (`4(x2),3`) -> the task count of node `node_index`."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            return None
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts[node_index] if 0 <= node_index < len(counts) else None
+
+
+def _visible_ids(value: str | None) -> list[str] | None:
+    return None if value is None else [v for v in value.split(",") if v]
+
+
+def normalize_amd_visibility(environ: MutableMapping[str, str]) -> None:
+    """On AMD nodes Slurm restricts GPUs with ROCR_VISIBLE_DEVICES, which renumbers them from 0.
+
+    HIP_VISIBLE_DEVICES/CUDA_VISIBLE_DEVICES that repeat the same absolute ids (set by a module, a
+    container hook or Slurm's gres plugin) would filter a second time and hide devices, so they are dropped.
+    Different values are kept: they are the user's own selection.
+    """
+    rocr = _visible_ids(environ.get("ROCR_VISIBLE_DEVICES"))
+    if not rocr:
+        return
+    for key in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
+        ids = _visible_ids(environ.get(key))
+        if ids is not None and ids == rocr and ids != [str(i) for i in range(len(ids))]:
+            del environ[key]
+
+
+def apply_slurm_env(environ: MutableMapping[str, str]) -> bool:
+    """Set RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTER_PORT from
+    the SLURM variables of an srun task. Returns whether it applied.
+
+    Does nothing outside an srun step or when RANK and WORLD_SIZE are already set (torchrun sets them).
+    MASTER_ADDR/MASTER_PORT already exported by the job script are kept; otherwise MASTER_ADDR is the
+    first host of the step's nodelist and MASTER_PORT is derived from the job id (the same on every rank).
+    """
+    if not in_srun_step(environ) or ("RANK" in environ and "WORLD_SIZE" in environ):
+        return False
+    node_id = int(environ.get("SLURM_NODEID", "0"))
+    world = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or "1"
+    local_world = None
+    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if environ.get(key):
+            local_world = tasks_on_node(environ[key], node_id)
+            if local_world is not None:
+                break
+    if local_world is None:
+        local_world = int(environ.get("SLURM_NTASKS_PER_NODE", world))
+    environ["RANK"] = environ["SLURM_PROCID"]
+    environ["LOCAL_RANK"] = environ.get("SLURM_LOCALID", "0")
+    environ["WORLD_SIZE"] = world
+    environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    environ["NODE_RANK"] = str(node_id)
+    if not environ.get("MASTER_ADDR"):
+        nodelist = (
+            environ.get("SLURM_STEP_NODELIST")
+            or environ.get("SLURM_JOB_NODELIST")
+            or environ.get("SLURM_NODELIST", "")
+        )
+        hosts = expand_nodelist(nodelist)
+        environ["MASTER_ADDR"] = hosts[0] if hosts else "127.0.0.1"
+    if not environ.get("MASTER_PORT"):
+        environ["MASTER_PORT"] = str(base_port(environ.get("SLURM_JOB_ID", "0")))
+    normalize_amd_visibility(environ)
+    return True
+
+
+@dataclass
+class JobInfo:
+    """What a process knows about the SLURM job it runs in (all None/0 outside SLURM)."""
+
+    job_id: str | None = None
+    array_job_id: str | None = None
+    array_task_id: str | None = None
+    restart_count: int = 0  # SLURM_RESTART_COUNT is unset on the first run
+    node_name: str | None = None
+    nodelist: list[str] = field(default_factory=list)
+    end_time: float | None = None  # epoch seconds of the time limit (SLURM_JOB_END_TIME, Slurm >= 23.02)
+
+    @property
+    def in_slurm(self) -> bool:
+        return self.job_id is not None
+
+    @property
+    def array_aware_id(self) -> str | None:
+        """`ARRAYJOBID_TASKID` for array tasks (what squeue shows), else the job id."""
+        if self.array_job_id and self.array_task_id:
+            return f"{self.array_job_id}_{self.array_task_id}"
+        return self.job_id
+
+
+def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
+    environ = os.environ if environ is None else environ
+    end = environ.get("SLURM_JOB_END_TIME", "")
+    return JobInfo(
+        job_id=environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or None,
+        array_job_id=environ.get("SLURM_ARRAY_JOB_ID") or None,
+        array_task_id=environ.get("SLURM_ARRAY_TASK_ID") or None,
+        restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0),
+        node_name=environ.get("SLURMD_NODENAME") or None,
+        nodelist=expand_nodelist(environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")),
+        end_time=float(end) if end.isdigit() else None,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m relaytrain.slurm.env -- CMD ARGS...`: apply the mapping, then exec CMD."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m relaytrain.slurm.env -- COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    apply_slurm_env(os.environ)
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        print(f"relaytrain.slurm.env: cannot run {argv[0]!r}: {exc}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main())

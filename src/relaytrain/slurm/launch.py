@@ -1,0 +1,208 @@
+"""`relaytrain launch`, `sweep` and `chain`: resolve the config, write the script, check the plan, submit.
+
+Everything a job needs is written to `<run.dir>/<run.name>/slurm/`: `job.sh` (the script) and
+`config.toml` (the resolved config, with the merged `[slurm]` section); the job trains from that file,
+so a requeued run uses exactly it.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relaytrain.config import Config, config_to_toml, load_config, parse_override
+from relaytrain.errors import UserError
+from relaytrain.slurm.plan import Plan, make_plan
+from relaytrain.slurm.profile import explicit_config_keys, resolve_slurm
+from relaytrain.slurm.script import JobSpec, SweepPoint, render_script
+from relaytrain.slurm.submit import record_job, submit
+
+Printer = Callable[[str], None]
+
+
+@dataclass
+class LaunchRequest:
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    slurm: dict[str, Any] = field(default_factory=dict)  # CLI values for SlurmConfig keys (None: unset)
+    profile: str | None = None
+    command: str | None = None
+    name: str | None = None
+    jobid: str | None = None
+    after: str | None = None
+    dry_run: bool = False
+    force: bool = False
+
+
+def load_resolved(req: LaunchRequest, extra_overrides: list[str] | None = None) -> Config:
+    overrides = list(req.overrides) + list(extra_overrides or [])
+    cfg = load_config(req.config, overrides)
+    if req.name is not None:
+        if not req.name.strip() or "/" in req.name:
+            raise UserError(f"--name {req.name!r} must be a non-empty name without '/'")
+        cfg.run.name = req.name
+    cfg.slurm = resolve_slurm(cfg.slurm, explicit_config_keys(req.config, overrides), req.slurm, req.profile)
+    return cfg
+
+
+def run_dir_of(cfg: Config) -> Path:
+    return (Path(cfg.run.dir) / cfg.run.name).absolute()
+
+
+def check_plan(cfg: Config, force: bool, out: Printer) -> Plan | None:
+    s = cfg.slurm
+    plan = make_plan(cfg, s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node)
+    for name, level, detail in plan.checks:
+        if level != "ok":
+            out(f"plan {level}: {name}: {detail}")
+    if plan.verdict == "impossible":
+        failed = "; ".join(detail for _, level, detail in plan.checks if level == "fail")
+        if not force:
+            raise UserError(f"plan refused ({failed}); fix the config or pass --force")
+        out("plan refused, submitting anyway (--force)")
+    return plan
+
+
+def write_run_files(cfg: Config) -> tuple[Path, Path]:
+    slurm_dir = run_dir_of(cfg) / "slurm"
+    slurm_dir.mkdir(parents=True, exist_ok=True)
+    config_file = slurm_dir / "config.toml"
+    config_file.write_text(config_to_toml(cfg))
+    return slurm_dir, config_file
+
+
+def build_spec(cfg: Config, req: LaunchRequest, config_file: Path, origin: str = "launch") -> JobSpec:
+    run_dir = run_dir_of(cfg)
+    script = run_dir / "slurm" / ("attach.sh" if req.jobid else "job.sh")
+    return JobSpec(cfg=cfg, run_dir=run_dir, config_file=config_file, script_path=script,
+                   workdir=Path.cwd(), kind="command" if req.command else "train",
+                   command=req.command or "", attach_jobid=req.jobid or "", origin=origin)
+
+
+def launch(req: LaunchRequest, out: Printer = print) -> int:
+    """Write and submit (or dry-run, or attach); returns the exit code for the CLI."""
+    rc, _ = launch_job(req, out)
+    return rc
+
+
+def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | None]:
+    """Like `launch`, and also returns the submitted job id (None for dry runs and attach)."""
+    if req.command is None and req.config is None:
+        raise UserError("relaytrain launch needs a CONFIG, or --command 'CMD' (with --name)")
+    cfg = load_resolved(req)
+    if req.command is None:
+        check_plan(cfg, req.force, out)
+    slurm_dir, config_file = write_run_files(cfg)
+    spec = build_spec(cfg, req, config_file)
+    text = render_script(spec)
+    spec.script_path.write_text(text)
+    spec.script_path.chmod(0o755)
+    if req.dry_run:
+        out(text)
+        out(f"dry run: wrote {spec.script_path} and {config_file}; nothing submitted")
+        return 0, None
+    if req.jobid:
+        out(f"attaching to allocation {req.jobid}: bash {spec.script_path}")
+        return subprocess.run(["bash", str(spec.script_path)]).returncode, None
+    job_id = submit(spec.script_path, req.after)
+    record_job(slurm_dir, {"job_id": job_id, "kind": spec.kind, "launcher": spec.launcher,
+                           "script": str(spec.script_path), "config": str(config_file),
+                           "run_dir": str(spec.run_dir), "nodes": cfg.slurm.nodes,
+                           "gpus_per_node": cfg.slurm.gpus_per_node, "after": req.after})
+    out(f"submitted job {job_id}")
+    out(f"run directory: {spec.run_dir}")
+    return 0, job_id
+
+
+def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
+    grid = []
+    for item in items:
+        body = item[2:] if item.startswith("--") else item
+        if "=" not in body or "." not in body.split("=", 1)[0]:
+            raise UserError(f"--grid {item!r} must look like section.key=value1,value2")
+        key, values = body.split("=", 1)
+        if key.startswith("slurm.") or key.startswith("run."):
+            raise UserError(f"--grid {key}: sweep points share one job array, so slurm.* and run.* "
+                            "cannot vary; launch separate jobs instead")
+        options = [v for v in values.split(",") if v != ""]
+        if not options:
+            raise UserError(f"--grid {item!r} lists no values")
+        parse_override(f"--{key}={options[0]}")
+        grid.append((key, options))
+    if not grid:
+        raise UserError("relaytrain sweep needs at least one --grid section.key=v1,v2")
+    return grid
+
+
+def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> int:
+    if req.config is None:
+        raise UserError("relaytrain sweep needs a CONFIG")
+    grid = parse_grid(grid_items)
+    base = load_resolved(req)
+    keys = [key for key, _ in grid]
+    points: list[tuple[list[str], Config]] = []
+    for index, values in enumerate(itertools.product(*[options for _, options in grid])):
+        point_overrides = [f"--{k}={v}" for k, v in zip(keys, values, strict=True)]
+        cfg = load_config(req.config, list(req.overrides) + point_overrides)
+        cfg.run.name = f"{base.run.name}-{index}"
+        cfg.slurm = copy.deepcopy(base.slurm)
+        points.append((point_overrides, cfg))
+    for point_overrides, cfg in points:
+        out(f"point {cfg.run.name}: {' '.join(point_overrides)}")
+        check_plan(cfg, req.force, out)
+    sweep_cfg = copy.deepcopy(base)
+    sweep_cfg.run.name = f"{base.run.name}-sweep"
+    sweep_dir = run_dir_of(sweep_cfg)
+    (sweep_dir / "slurm").mkdir(parents=True, exist_ok=True)
+    array = []
+    table = ["index\trun_name\toverrides"]
+    for index, (point_overrides, cfg) in enumerate(points):
+        _, config_file = write_run_files(cfg)
+        array.append(SweepPoint(config_file=str(config_file), run_dir=str(run_dir_of(cfg))))
+        table.append(f"{index}\t{cfg.run.name}\t{' '.join(point_overrides)}")
+    (sweep_dir / "sweep.tsv").write_text("\n".join(table) + "\n")
+    (sweep_dir / "sweep.json").write_text(json.dumps(
+        [{"index": i, "run_name": cfg.run.name, "overrides": o} for i, (o, cfg) in enumerate(points)],
+        indent=2) + "\n")
+    spec = JobSpec(cfg=sweep_cfg, run_dir=sweep_dir, config_file=Path(array[0].config_file),
+                   script_path=sweep_dir / "slurm" / "job.sh", workdir=Path.cwd(), array=array,
+                   origin="sweep")
+    text = render_script(spec)
+    spec.script_path.write_text(text)
+    spec.script_path.chmod(0o755)
+    if req.dry_run:
+        out(text)
+        out(f"dry run: wrote {spec.script_path} and {sweep_dir / 'sweep.tsv'}; nothing submitted")
+        return 0
+    job_id = submit(spec.script_path, req.after)
+    record_job(sweep_dir / "slurm", {"job_id": job_id, "kind": "sweep", "points": len(points),
+                                     "script": str(spec.script_path), "run_dir": str(sweep_dir),
+                                     "after": req.after})
+    for index, point in enumerate(array):
+        record_job(Path(point.run_dir) / "slurm", {"job_id": f"{job_id}_{index}", "kind": "sweep-point",
+                                                   "script": str(spec.script_path),
+                                                   "config": point.config_file, "run_dir": point.run_dir})
+    out(f"submitted job array {job_id} ({len(points)} points, table in {sweep_dir / 'sweep.tsv'})")
+    out(f"run directories: {run_dir_of(points[0][1])} ... {run_dir_of(points[-1][1])}")
+    return 0
+
+
+def chain(req: LaunchRequest, configs: list[str], out: Printer = print) -> int:
+    """Submit each config as a job that starts only after the previous one succeeded (afterok)."""
+    if len(configs) < 1:
+        raise UserError("relaytrain chain needs at least one CONFIG")
+    if req.jobid or req.command:
+        raise UserError("relaytrain chain submits new jobs; --jobid and --command do not apply")
+    previous = req.after
+    for stage, config in enumerate(configs):
+        stage_req = copy.copy(req)
+        stage_req.config, stage_req.after = config, previous
+        out(f"stage {stage}: {config}" + (f" (after {previous})" if previous else ""))
+        _, previous = launch_job(stage_req, out)
+    return 0

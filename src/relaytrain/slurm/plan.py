@@ -1,0 +1,180 @@
+"""`relaytrain plan`: will this config fit on N nodes x G GPUs before it waits in the queue?
+
+Per-GPU memory (bytes; P parameters, s = train.seq_len, b = train.micro_batch_size, h = model.dim,
+f = FFN width, L layers, a heads, k KV heads, V vocabulary, model-parallel degree m = tp * pp,
+sharding degree z = dp_shard * cp):
+
+* weights, gradients and AdamW: FSDP keeps fp32 master weights (4P), fp32 gradients (4P) and the two
+  AdamW moments (8P), each split over m and z: 16 P / (m z).
+* working copies: the bf16 weights of the layer being computed and of the prefetched next layer, and
+  their fp32 gradients before reduce-scatter: 2 units x 6 bytes x unit / tp, the unit being the larger of
+  one transformer block and the output projection.
+* activations (bf16, per layer and micro-batch, split over tp x cp by sequence parallelism):
+  none:       2 s b (h (6 + 2 k / a) + 4 f) / (tp cp): residual input, norm output, q, k, v and
+              attention output; residual input, norm output, w1 and w3 outputs, SiLU input and product
+  selective:  half of that (per-op checkpointing keeps the matmul outputs)
+  full:       the layer input only, 2 s b h bytes, plus one layer's full activations during its backward
+  times the layers on a pipeline stage (L / pp) and the micro-batches in flight on the first stage
+  (pp for 1F1B, pp_microbatches for GPipe).
+* logits: s b V / tp x 6 bytes (bf16 logits and fp32 loss inputs).
+* overhead: 3 GiB (CUDA context, NCCL buffers) plus 10% for allocator fragmentation.
+
+Checkpoint: 12 P bytes (fp32 weights + two AdamW moments), written in parallel by all ranks at
+`slurm.fs_write_gbps` GB/s in aggregate; the emergency save must finish within
+`resilience.hard_deadline_s` (and the signal lead time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from relaytrain.config import Config
+from relaytrain.errors import UserError
+from relaytrain.model import count_parameters
+from relaytrain.model.transformer import ffn_hidden_dim
+
+GIB = 1024**3
+GB = 1e9
+OVERHEAD_BYTES = 3 * GIB
+FRAGMENTATION = 1.10
+TIGHT_FRACTION = 0.90  # above this share of the GPU's memory the verdict is "tight"
+
+# Memory per device in GB as the vendor sells it (one GCD for MI250X, as Slurm and torch count them).
+GPU_MEMORY_GB = {
+    "h100": 80, "h100-80gb": 80, "h100-94gb": 94, "h200": 141, "gh200": 96, "b200": 180,
+    "a100": 80, "a100-80gb": 80, "a100-40gb": 40, "l40s": 48, "a10g": 24, "v100": 32,
+    "mi250x": 64, "mi250": 64, "mi300x": 192, "mi300a": 128,
+}
+
+
+@dataclass
+class MemoryEstimate:
+    states: float  # weights + gradients + optimizer, sharded
+    working: float  # gathered bf16 units and their gradients
+    activations: dict[str, float]  # by activation_checkpointing mode
+    logits: float
+
+    def total(self, mode: str) -> float:
+        raw = self.states + self.working + self.activations[mode] + self.logits
+        return raw * FRAGMENTATION + OVERHEAD_BYTES
+
+
+@dataclass
+class Plan:
+    nodes: int
+    gpus_per_node: int
+    gpu: str
+    parameters: int
+    dims: object | None = None  # relaytrain.parallel.layout.ParallelDims
+    memory: MemoryEstimate | None = None
+    gpu_bytes: float = 0.0
+    checkpoint_bytes: float = 0.0
+    save_seconds: float = 0.0
+    checks: list[tuple[str, str, str]] = field(default_factory=list)  # (name, ok|warn|fail, detail)
+
+    @property
+    def verdict(self) -> str:
+        levels = [level for _, level, _ in self.checks]
+        return "impossible" if "fail" in levels else "warn" if "warn" in levels else "ok"
+
+
+def activation_bytes_per_layer(cfg: Config, tp: int, cp: int) -> dict[str, float]:
+    m, t = cfg.model, cfg.train
+    s, b, h, f = t.seq_len, t.micro_batch_size, m.dim, ffn_hidden_dim(m)
+    kv_share = m.n_kv_heads / m.n_heads
+    # bf16 tensors kept for backward: attention: residual input, norm output, q, k, v, attention output;
+    # MLP: residual input, norm output, w1 and w3 outputs, the SiLU product and its input.
+    full = 2 * s * b * (h * (6 + 2 * kv_share) + 4 * f) / (tp * cp)
+    layer_input = 2 * s * b * h / (tp * cp)
+    return {"none": full, "selective": full / 2, "full": layer_input}
+
+
+def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
+    m, p = cfg.model, cfg.parallel
+    params = count_parameters(m)
+    model_parallel = dims.tp * dims.pp
+    shard = dims.dp_shard * dims.cp
+    states = 16 * params / (model_parallel * shard)
+    block = count_parameters(m, include_embedding=False) // max(m.n_layers, 1)
+    unit = max(block, m.vocab_size * m.dim)
+    working = 2 * 6 * unit / dims.tp if shard > 1 else 0.0
+    per_layer = activation_bytes_per_layer(cfg, dims.tp, dims.cp)
+    layers_per_stage = -(-m.n_layers // dims.pp)
+    in_flight = dims.pp if p.pp_schedule != "gpipe" else (p.pp_microbatches or dims.pp)
+    activations = {}
+    for mode, value in per_layer.items():
+        held = value * layers_per_stage * in_flight
+        if mode == "full":
+            held += per_layer["none"]  # the layer being recomputed in backward
+        activations[mode] = held
+    logits = 6 * cfg.train.seq_len * cfg.train.micro_batch_size * m.vocab_size / dims.tp
+    return MemoryEstimate(states=states, working=working, activations=activations, logits=logits)
+
+
+def gpu_memory_bytes(gpu: str) -> float | None:
+    key = gpu.strip().lower()
+    return GPU_MEMORY_GB[key] * GB if key in GPU_MEMORY_GB else None
+
+
+def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "",
+              tasks_per_node: int = 0) -> Plan:
+    """Layout, memory and checkpoint checks; never raises for a bad plan (the verdict says it)."""
+    from relaytrain.parallel.layout import validate_layout
+
+    per_node = gpus_per_node or tasks_per_node
+    plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, parameters=count_parameters(cfg.model))
+    world = nodes * per_node
+    try:
+        plan.dims = validate_layout(cfg, world, per_node, "cuda" if gpus_per_node else "cpu")
+        plan.checks.append(("layout", "ok", plan.dims.describe()))
+    except UserError as exc:
+        plan.checks.append(("layout", "fail", str(exc)))
+        return plan
+    plan.memory = estimate_memory(cfg, plan.dims)
+    mode = cfg.parallel.activation_checkpointing
+    need = plan.memory.total(mode)
+    capacity = gpu_memory_bytes(gpu) if gpu else None
+    if gpus_per_node == 0:
+        plan.checks.append(("memory", "ok", f"CPU-only nodes: about {need / GIB:.1f} GiB per process"))
+    elif capacity is None:
+        plan.checks.append(("memory", "warn", f"unknown GPU {gpu!r}: pass --gpu (one of "
+                            f"{', '.join(sorted(GPU_MEMORY_GB))}) to check {need / GIB:.1f} GiB per GPU"))
+    else:
+        plan.gpu_bytes = capacity
+        detail = f"{need / GIB:.1f} GiB of {capacity / GIB:.1f} GiB per GPU (activation checkpointing {mode})"
+        if need > capacity:
+            better = [m for m in ("selective", "full") if plan.memory.total(m) <= capacity * TIGHT_FRACTION]
+            hint = (f"; set parallel.activation_checkpointing={better[0]!r}" if better and better[0] != mode
+                    else "; shard more (parallel.dp_shard, tp, pp) or use more GPUs")
+            plan.checks.append(("memory", "fail", detail + hint))
+        elif need > capacity * TIGHT_FRACTION:
+            plan.checks.append(("memory", "warn", detail + " (tight: less than 10% headroom)"))
+        else:
+            plan.checks.append(("memory", "ok", detail))
+    plan.checkpoint_bytes = 12.0 * plan.parameters
+    plan.save_seconds = plan.checkpoint_bytes / (cfg.slurm.fs_write_gbps * GB)
+    r = cfg.resilience
+    detail = (f"{plan.checkpoint_bytes / GB:.1f} GB, about {plan.save_seconds:.0f} s at "
+              f"{cfg.slurm.fs_write_gbps:g} GB/s; hard deadline {r.hard_deadline_s:g} s, "
+              f"signal {r.signal_lead_s} s before the time limit")
+    if plan.save_seconds > r.hard_deadline_s:
+        plan.checks.append(("checkpoint", "warn", detail + ": an emergency save cannot finish; raise "
+                            "resilience.hard_deadline_s and resilience.signal_lead_s"))
+    else:
+        plan.checks.append(("checkpoint", "ok", detail))
+    return plan
+
+
+def plan_rows(plan: Plan) -> list[tuple[str, str]]:
+    """Readable facts for the table printed by `relaytrain plan`."""
+    rows = [("parameters", f"{plan.parameters / 1e9:.2f} B"),
+            ("nodes x GPUs", f"{plan.nodes} x {plan.gpus_per_node} ({plan.gpu or 'GPU type not given'})")]
+    if plan.memory is not None:
+        mem = plan.memory
+        rows += [("weights+grads+AdamW", f"{mem.states / GIB:.1f} GiB per GPU"),
+                 ("gathered layers", f"{mem.working / GIB:.1f} GiB"),
+                 ("logits", f"{mem.logits / GIB:.1f} GiB")]
+        for mode in ("none", "selective", "full"):
+            rows.append((f"activations ({mode})",
+                         f"{mem.activations[mode] / GIB:.1f} GiB -> total {mem.total(mode) / GIB:.1f} GiB"))
+    return rows

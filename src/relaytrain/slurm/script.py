@@ -1,0 +1,213 @@
+"""Render the job script (sbatch, or bash for an existing allocation) from templates/job.sh.j2.
+
+Every value that comes from the user reaches the script shell-quoted (the `q` filter) or, on `#SBATCH`
+lines (which bash reads as comments and sbatch parses itself), double-quoted with `\\` and `"` escaped.
+Only `slurm.setup` lines are inserted as shell code, because running them is their purpose.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+import jinja2
+
+from relaytrain.config import Config, SlurmConfig
+from relaytrain.errors import UserError
+from relaytrain.slurm.netdetect import IFNAME_AWK
+from relaytrain.slurm.profile import is_rocm
+
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+HEARTBEAT_S = 300
+SHUTDOWN_MARGIN_S = 30  # torchrun waits hard_deadline_s + this before it SIGKILLs workers
+TORCHRUN_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+_PLAIN = re.compile(r"[A-Za-z0-9_.,:=/%@+\-]*")
+
+
+@dataclass
+class SweepPoint:
+    config_file: str
+    run_dir: str
+
+
+@dataclass
+class JobSpec:
+    """Everything the template needs; built by relaytrain.slurm.launch."""
+
+    cfg: Config  # resolved config (cfg.slurm already merged with profile and CLI)
+    run_dir: Path  # absolute
+    config_file: Path  # the resolved config the job trains from
+    script_path: Path
+    workdir: Path  # sbatch --chdir: relative paths in the config resolve from here
+    kind: Literal["train", "command"] = "train"
+    command: str = ""
+    attach_jobid: str = ""
+    array: list[SweepPoint] = field(default_factory=list)
+    job_name: str = ""
+    origin: str = "launch"
+
+    @property
+    def slurm(self) -> SlurmConfig:
+        return self.cfg.slurm
+
+    @property
+    def slurm_dir(self) -> Path:
+        return self.run_dir / "slurm"
+
+    @property
+    def tasks_per_node(self) -> int:
+        """Tasks srun starts per node: one per GPU, unless tasks_per_node says otherwise."""
+        s = self.slurm
+        return s.tasks_per_node or s.gpus_per_node
+
+    @property
+    def launcher(self) -> str:
+        if self.kind == "command":
+            return "command"
+        return "torchrun" if self.slurm.nodes == 1 else "srun"
+
+
+def sbatch_value(value: object) -> str:
+    """A value for an `#SBATCH` line: plain, or double-quoted the way sbatch's own parser reads it."""
+    text = str(value)
+    if "\n" in text or "\r" in text:
+        raise UserError(f"value {text!r} contains a line break, which an #SBATCH line cannot carry")
+    if _PLAIN.fullmatch(text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def job_name_for(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)[:64] or "relaytrain"
+
+
+def signal_short(name: str) -> str:
+    return name[3:] if name.startswith("SIG") else name
+
+
+def check_layout(spec: JobSpec) -> None:
+    s = spec.slurm
+    if spec.kind == "train" and s.gpus_per_node > 0 and s.tasks_per_node not in (0, s.gpus_per_node):
+        raise UserError(
+            f"slurm.tasks_per_node={s.tasks_per_node} must equal slurm.gpus_per_node={s.gpus_per_node} "
+            "(one training process per GPU); leave tasks_per_node at 0")
+    if spec.kind == "command" and not spec.command.strip():
+        raise UserError("--command is empty; pass the command to run, e.g. --command 'python train.py'")
+
+
+def sbatch_options(spec: JobSpec) -> list[str]:
+    s, r = spec.slurm, spec.cfg.resilience
+    nodes, tasks = s.nodes, spec.tasks_per_node
+    cpus = s.cpus_per_task
+    if spec.launcher == "torchrun":  # one srun task (torchrun) holds every worker's CPUs
+        tasks, cpus = 1, s.cpus_per_task * spec.tasks_per_node
+    out = [f"--job-name={sbatch_value(spec.job_name or job_name_for(spec.cfg.run.name))}",
+           f"--nodes={nodes}", f"--ntasks-per-node={tasks}"]
+    if s.gpus_per_node > 0:
+        out.append(f"--gpus-per-node={s.gpus_per_node}")
+    if cpus > 0:
+        out.append(f"--cpus-per-task={cpus}")
+    for flag, value in (("time", s.time), ("partition", s.partition), ("account", s.account),
+                        ("qos", s.qos), ("mem", s.mem), ("constraint", s.constraint),
+                        ("mail-user", s.mail_user)):
+        if value:
+            out.append(f"--{flag}={sbatch_value(value)}")
+    if s.mail_user:
+        out.append(f"--mail-type={sbatch_value(s.mail_type or 'END,FAIL')}")
+    if s.exclusive:
+        out.append("--exclusive")
+    pattern = "%A_%a.out" if spec.array else "%j.out"
+    out.append(f"--output={sbatch_value(spec.slurm_dir / pattern)}")
+    out.append("--open-mode=append")
+    out.append(f"--chdir={sbatch_value(spec.workdir)}")
+    out.append(f"--signal=B:{signal_short(r.slurm_signal)}@{r.signal_lead_s}")
+    out.append("--requeue" if r.requeue else "--no-requeue")
+    if spec.array:
+        out.append(f"--array=0-{len(spec.array) - 1}")
+    for extra in s.extra_sbatch:
+        if "\n" in extra or "\r" in extra:
+            raise UserError(f"slurm.extra_sbatch entry {extra!r} contains a line break")
+        out.append(extra.strip())
+    return out
+
+
+def python_command(s: SlurmConfig) -> list[str]:
+    if s.uv_project:
+        return ["uv", "run", "--project", s.uv_project, "python"]
+    return ["python"]
+
+
+def srun_options(spec: JobSpec) -> list[str]:
+    s = spec.slurm
+    tasks = 1 if spec.launcher == "torchrun" else spec.tasks_per_node
+    cpus = s.cpus_per_task * (spec.tasks_per_node if spec.launcher == "torchrun" else 1)
+    out = [f"--nodes={s.nodes}", f"--ntasks-per-node={tasks}", "--kill-on-bad-exit=1"]
+    if cpus > 0:
+        out.append(f"--cpus-per-task={cpus}")
+    if spec.attach_jobid:
+        out += [f"--jobid={spec.attach_jobid}", "--overlap"]
+    if s.container_image:
+        out.append(f"--container-image={s.container_image}")
+        if s.container_mounts:
+            out.append("--container-mounts=" + ",".join(s.container_mounts))
+        if s.container_workdir:
+            out.append(f"--container-workdir={s.container_workdir}")
+        if s.container_remap_root:
+            out.append("--container-remap-root")
+    return out
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), undefined=jinja2.StrictUndefined,
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False,
+    )
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    return env
+
+
+def render_script(spec: JobSpec) -> str:
+    check_layout(spec)
+    s, r = spec.slurm, spec.cfg.resilience
+    signals = list(TORCHRUN_DEFAULT_SIGNALS)
+    if r.slurm_signal not in signals:
+        signals.append(r.slurm_signal)
+    what = f"command: {spec.command}" if spec.kind == "command" else f"training run {spec.cfg.run.name}"
+    context = {
+        "origin": spec.origin,
+        "created": datetime.now().isoformat(timespec="seconds"),
+        "description": " ".join(what.split()),
+        "script_path": shlex.quote(str(spec.script_path)),
+        "sbatch_options": sbatch_options(spec),
+        "attach_jobid": spec.attach_jobid,
+        "slurm": s,
+        "signal_name": signal_short(r.slurm_signal),
+        "ifname_awk": IFNAME_AWK,
+        "run_dir": str(spec.run_dir),
+        "slurm_dir": str(spec.slurm_dir),
+        "config_file": str(spec.config_file),
+        "array": spec.array,
+        "nodes": s.nodes,
+        "tasks_per_node": spec.tasks_per_node,
+        "gpus_per_node": s.gpus_per_node,
+        "rocm": is_rocm(s),
+        "python_cmd": python_command(s),
+        "heartbeat_s": HEARTBEAT_S,
+        "srun_options": srun_options(spec),
+        "gpu_monitor": s.gpus_per_node > 0 and spec.cfg.metrics.gpu_monitor_interval_s > 0,
+        "gpu_monitor_interval": spec.cfg.metrics.gpu_monitor_interval_s,
+        "map_env": spec.launcher != "torchrun",
+        "launcher": spec.launcher,
+        "nproc": spec.tasks_per_node,
+        "torchrun_signals": ",".join(signals),
+        "shutdown_timeout_s": math.ceil(r.hard_deadline_s + SHUTDOWN_MARGIN_S),
+        "command": spec.command,
+    }
+    if spec.attach_jobid and not spec.attach_jobid.replace("_", "").isdigit():
+        raise UserError(f"--jobid {spec.attach_jobid!r} is not a Slurm job id")
+    return _environment().get_template("job.sh.j2").render(**context)
