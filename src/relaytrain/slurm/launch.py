@@ -80,9 +80,17 @@ def write_run_files(cfg: Config) -> tuple[Path, Path]:
 def build_spec(cfg: Config, req: LaunchRequest, config_file: Path, origin: str = "launch") -> JobSpec:
     run_dir = run_dir_of(cfg)
     script = run_dir / "slurm" / ("attach.sh" if req.jobid else "job.sh")
-    return JobSpec(cfg=cfg, run_dir=run_dir, config_file=config_file, script_path=script,
-                   workdir=Path.cwd(), kind="command" if req.command else "train",
-                   command=req.command or "", attach_jobid=req.jobid or "", origin=origin)
+    return JobSpec(
+        cfg=cfg,
+        run_dir=run_dir,
+        config_file=config_file,
+        script_path=script,
+        workdir=Path.cwd(),
+        kind="command" if req.command else "train",
+        command=req.command or "",
+        attach_jobid=req.jobid or "",
+        origin=origin,
+    )
 
 
 def launch(req: LaunchRequest, out: Printer = print) -> int:
@@ -111,10 +119,21 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
         out(f"attaching to allocation {req.jobid}: bash {spec.script_path}")
         return subprocess.run(["bash", str(spec.script_path)]).returncode, None
     job_id = submit(spec.script_path, req.after)
-    record_job(slurm_dir, {"job_id": job_id, "kind": spec.kind, "launcher": spec.launcher,
-                           "script": str(spec.script_path), "config": str(config_file),
-                           "run_dir": str(spec.run_dir), "nodes": cfg.slurm.nodes,
-                           "gpus_per_node": cfg.slurm.gpus_per_node, "after": req.after})
+    record_job(
+        slurm_dir,
+        {
+            "job_id": job_id,
+            "kind": spec.kind,
+            "launcher": spec.launcher,
+            "log": str(slurm_dir / "%j.out"),
+            "script": str(spec.script_path),
+            "config": str(config_file),
+            "run_dir": str(spec.run_dir),
+            "nodes": cfg.slurm.nodes,
+            "gpus_per_node": cfg.slurm.gpus_per_node,
+            "after": req.after,
+        },
+    )
     out(f"submitted job {job_id}")
     out(f"run directory: {spec.run_dir}")
     return 0, job_id
@@ -128,8 +147,10 @@ def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
             raise UserError(f"--grid {item!r} must look like section.key=value1,value2")
         key, values = body.split("=", 1)
         if key.startswith("slurm.") or key.startswith("run."):
-            raise UserError(f"--grid {key}: sweep points share one job array, so slurm.* and run.* "
-                            "cannot vary; launch separate jobs instead")
+            raise UserError(
+                f"--grid {key}: sweep points share one job array, so slurm.* and run.* "
+                "cannot vary; launch separate jobs instead"
+            )
         options = [v for v in values.split(",") if v != ""]
         if not options:
             raise UserError(f"--grid {item!r} lists no values")
@@ -167,12 +188,22 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
         array.append(SweepPoint(config_file=str(config_file), run_dir=str(run_dir_of(cfg))))
         table.append(f"{index}\t{cfg.run.name}\t{' '.join(point_overrides)}")
     (sweep_dir / "sweep.tsv").write_text("\n".join(table) + "\n")
-    (sweep_dir / "sweep.json").write_text(json.dumps(
-        [{"index": i, "run_name": cfg.run.name, "overrides": o} for i, (o, cfg) in enumerate(points)],
-        indent=2) + "\n")
-    spec = JobSpec(cfg=sweep_cfg, run_dir=sweep_dir, config_file=Path(array[0].config_file),
-                   script_path=sweep_dir / "slurm" / "job.sh", workdir=Path.cwd(), array=array,
-                   origin="sweep")
+    (sweep_dir / "sweep.json").write_text(
+        json.dumps(
+            [{"index": i, "run_name": cfg.run.name, "overrides": o} for i, (o, cfg) in enumerate(points)],
+            indent=2,
+        )
+        + "\n"
+    )
+    spec = JobSpec(
+        cfg=sweep_cfg,
+        run_dir=sweep_dir,
+        config_file=Path(array[0].config_file),
+        script_path=sweep_dir / "slurm" / "job.sh",
+        workdir=Path.cwd(),
+        array=array,
+        origin="sweep",
+    )
     text = render_script(spec)
     spec.script_path.write_text(text)
     spec.script_path.chmod(0o755)
@@ -181,13 +212,30 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
         out(f"dry run: wrote {spec.script_path} and {sweep_dir / 'sweep.tsv'}; nothing submitted")
         return 0
     job_id = submit(spec.script_path, req.after)
-    record_job(sweep_dir / "slurm", {"job_id": job_id, "kind": "sweep", "points": len(points),
-                                     "script": str(spec.script_path), "run_dir": str(sweep_dir),
-                                     "after": req.after})
+    record_job(
+        sweep_dir / "slurm",
+        {
+            "job_id": job_id,
+            "kind": "sweep",
+            "points": len(points),
+            "log": str(sweep_dir / "slurm" / "%A_%a.out"),
+            "script": str(spec.script_path),
+            "run_dir": str(sweep_dir),
+            "after": req.after,
+        },
+    )
     for index, point in enumerate(array):
-        record_job(Path(point.run_dir) / "slurm", {"job_id": f"{job_id}_{index}", "kind": "sweep-point",
-                                                   "script": str(spec.script_path),
-                                                   "config": point.config_file, "run_dir": point.run_dir})
+        record_job(
+            Path(point.run_dir) / "slurm",
+            {
+                "job_id": f"{job_id}_{index}",
+                "kind": "sweep-point",
+                "log": str(sweep_dir / "slurm" / "%A_%a.out"),
+                "script": str(spec.script_path),
+                "config": point.config_file,
+                "run_dir": point.run_dir,
+            },
+        )
     out(f"submitted job array {job_id} ({len(points)} points, table in {sweep_dir / 'sweep.tsv'})")
     out(f"run directories: {run_dir_of(points[0][1])} ... {run_dir_of(points[-1][1])}")
     return 0

@@ -41,9 +41,22 @@ TIGHT_FRACTION = 0.90  # above this share of the GPU's memory the verdict is "ti
 
 # Memory per device in GB as the vendor sells it (one GCD for MI250X, as Slurm and torch count them).
 GPU_MEMORY_GB = {
-    "h100": 80, "h100-80gb": 80, "h100-94gb": 94, "h200": 141, "gh200": 96, "b200": 180,
-    "a100": 80, "a100-80gb": 80, "a100-40gb": 40, "l40s": 48, "a10g": 24, "v100": 32,
-    "mi250x": 64, "mi250": 64, "mi300x": 192, "mi300a": 128,
+    "h100": 80,
+    "h100-80gb": 80,
+    "h100-94gb": 94,
+    "h200": 141,
+    "gh200": 96,
+    "b200": 180,
+    "a100": 80,
+    "a100-80gb": 80,
+    "a100-40gb": 40,
+    "l40s": 48,
+    "a10g": 24,
+    "v100": 32,
+    "mi250x": 64,
+    "mi250": 64,
+    "mi300x": 192,
+    "mi300a": 128,
 }
 
 
@@ -116,8 +129,7 @@ def gpu_memory_bytes(gpu: str) -> float | None:
     return GPU_MEMORY_GB[key] * GB if key in GPU_MEMORY_GB else None
 
 
-def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "",
-              tasks_per_node: int = 0) -> Plan:
+def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "", tasks_per_node: int = 0) -> Plan:
     """Layout, memory and checkpoint checks; never raises for a bad plan (the verdict says it)."""
     from relaytrain.parallel.layout import validate_layout
 
@@ -137,15 +149,24 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "",
     if gpus_per_node == 0:
         plan.checks.append(("memory", "ok", f"CPU-only nodes: about {need / GIB:.1f} GiB per process"))
     elif capacity is None:
-        plan.checks.append(("memory", "warn", f"unknown GPU {gpu!r}: pass --gpu (one of "
-                            f"{', '.join(sorted(GPU_MEMORY_GB))}) to check {need / GIB:.1f} GiB per GPU"))
+        plan.checks.append(
+            (
+                "memory",
+                "warn",
+                f"unknown GPU {gpu!r}: pass --gpu (one of "
+                f"{', '.join(sorted(GPU_MEMORY_GB))}) to check {need / GIB:.1f} GiB per GPU",
+            )
+        )
     else:
         plan.gpu_bytes = capacity
         detail = f"{need / GIB:.1f} GiB of {capacity / GIB:.1f} GiB per GPU (activation checkpointing {mode})"
         if need > capacity:
             better = [m for m in ("selective", "full") if plan.memory.total(m) <= capacity * TIGHT_FRACTION]
-            hint = (f"; set parallel.activation_checkpointing={better[0]!r}" if better and better[0] != mode
-                    else "; shard more (parallel.dp_shard, tp, pp) or use more GPUs")
+            hint = (
+                f"; set parallel.activation_checkpointing={better[0]!r}"
+                if better and better[0] != mode
+                else "; shard more (parallel.dp_shard, tp, pp) or use more GPUs"
+            )
             plan.checks.append(("memory", "fail", detail + hint))
         elif need > capacity * TIGHT_FRACTION:
             plan.checks.append(("memory", "warn", detail + " (tight: less than 10% headroom)"))
@@ -154,12 +175,20 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "",
     plan.checkpoint_bytes = 12.0 * plan.parameters
     plan.save_seconds = plan.checkpoint_bytes / (cfg.slurm.fs_write_gbps * GB)
     r = cfg.resilience
-    detail = (f"{plan.checkpoint_bytes / GB:.1f} GB, about {plan.save_seconds:.0f} s at "
-              f"{cfg.slurm.fs_write_gbps:g} GB/s; hard deadline {r.hard_deadline_s:g} s, "
-              f"signal {r.signal_lead_s} s before the time limit")
+    detail = (
+        f"{plan.checkpoint_bytes / GB:.1f} GB, about {plan.save_seconds:.0f} s at "
+        f"{cfg.slurm.fs_write_gbps:g} GB/s; hard deadline {r.hard_deadline_s:g} s, "
+        f"signal {r.signal_lead_s} s before the time limit"
+    )
     if plan.save_seconds > r.hard_deadline_s:
-        plan.checks.append(("checkpoint", "warn", detail + ": an emergency save cannot finish; raise "
-                            "resilience.hard_deadline_s and resilience.signal_lead_s"))
+        plan.checks.append(
+            (
+                "checkpoint",
+                "warn",
+                detail + ": an emergency save cannot finish; raise "
+                "resilience.hard_deadline_s and resilience.signal_lead_s",
+            )
+        )
     else:
         plan.checks.append(("checkpoint", "ok", detail))
     return plan
@@ -167,14 +196,22 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "",
 
 def plan_rows(plan: Plan) -> list[tuple[str, str]]:
     """Readable facts for the table printed by `relaytrain plan`."""
-    rows = [("parameters", f"{plan.parameters / 1e9:.2f} B"),
-            ("nodes x GPUs", f"{plan.nodes} x {plan.gpus_per_node} ({plan.gpu or 'GPU type not given'})")]
+    rows = [
+        ("parameters", f"{plan.parameters / 1e9:.2f} B"),
+        ("nodes x GPUs", f"{plan.nodes} x {plan.gpus_per_node} ({plan.gpu or 'GPU type not given'})"),
+    ]
     if plan.memory is not None:
         mem = plan.memory
-        rows += [("weights+grads+AdamW", f"{mem.states / GIB:.1f} GiB per GPU"),
-                 ("gathered layers", f"{mem.working / GIB:.1f} GiB"),
-                 ("logits", f"{mem.logits / GIB:.1f} GiB")]
+        rows += [
+            ("weights+grads+AdamW", f"{mem.states / GIB:.1f} GiB per GPU"),
+            ("gathered layers", f"{mem.working / GIB:.1f} GiB"),
+            ("logits", f"{mem.logits / GIB:.1f} GiB"),
+        ]
         for mode in ("none", "selective", "full"):
-            rows.append((f"activations ({mode})",
-                         f"{mem.activations[mode] / GIB:.1f} GiB -> total {mem.total(mode) / GIB:.1f} GiB"))
+            rows.append(
+                (
+                    f"activations ({mode})",
+                    f"{mem.activations[mode] / GIB:.1f} GiB -> total {mem.total(mode) / GIB:.1f} GiB",
+                )
+            )
     return rows

@@ -11,6 +11,7 @@ found by path, or by name in `configs/clusters/<name>.toml` (current directory),
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tomllib
@@ -69,10 +70,8 @@ def explicit_config_keys(config_path: str | Path | None, overrides: list[str]) -
     """The [slurm] keys the config file or overrides set (defaults do not count)."""
     keys: set[str] = set()
     if config_path is not None and Path(config_path).is_file():
-        try:
+        with contextlib.suppress(tomllib.TOMLDecodeError):  # load_config reports it
             keys |= set(tomllib.loads(Path(config_path).read_text()).get("slurm", {}))
-        except tomllib.TOMLDecodeError:
-            pass  # load_config reports it
     for text in overrides:
         section, key, _ = parse_override(text)
         if section == "slurm":

@@ -95,7 +95,8 @@ def check_layout(spec: JobSpec) -> None:
     if spec.kind == "train" and s.gpus_per_node > 0 and s.tasks_per_node not in (0, s.gpus_per_node):
         raise UserError(
             f"slurm.tasks_per_node={s.tasks_per_node} must equal slurm.gpus_per_node={s.gpus_per_node} "
-            "(one training process per GPU); leave tasks_per_node at 0")
+            "(one training process per GPU); leave tasks_per_node at 0"
+        )
     if spec.kind == "command" and not spec.command.strip():
         raise UserError("--command is empty; pass the command to run, e.g. --command 'python train.py'")
 
@@ -106,15 +107,24 @@ def sbatch_options(spec: JobSpec) -> list[str]:
     cpus = s.cpus_per_task
     if spec.launcher == "torchrun":  # one srun task (torchrun) holds every worker's CPUs
         tasks, cpus = 1, s.cpus_per_task * spec.tasks_per_node
-    out = [f"--job-name={sbatch_value(spec.job_name or job_name_for(spec.cfg.run.name))}",
-           f"--nodes={nodes}", f"--ntasks-per-node={tasks}"]
+    out = [
+        f"--job-name={sbatch_value(spec.job_name or job_name_for(spec.cfg.run.name))}",
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={tasks}",
+    ]
     if s.gpus_per_node > 0:
         out.append(f"--gpus-per-node={s.gpus_per_node}")
     if cpus > 0:
         out.append(f"--cpus-per-task={cpus}")
-    for flag, value in (("time", s.time), ("partition", s.partition), ("account", s.account),
-                        ("qos", s.qos), ("mem", s.mem), ("constraint", s.constraint),
-                        ("mail-user", s.mail_user)):
+    for flag, value in (
+        ("time", s.time),
+        ("partition", s.partition),
+        ("account", s.account),
+        ("qos", s.qos),
+        ("mem", s.mem),
+        ("constraint", s.constraint),
+        ("mail-user", s.mail_user),
+    ):
         if value:
             out.append(f"--{flag}={sbatch_value(value)}")
     if s.mail_user:
@@ -164,8 +174,12 @@ def srun_options(spec: JobSpec) -> list[str]:
 
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), undefined=jinja2.StrictUndefined,
-        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False,
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
     )
     env.filters["q"] = lambda value: shlex.quote(str(value))
     return env

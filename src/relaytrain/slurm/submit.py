@@ -25,11 +25,15 @@ def sbatch_command(script: Path, after: str | None = None) -> list[str]:
 def submit(script: Path, after: str | None = None) -> str:
     """Submit with `sbatch --parsable` and return the job id."""
     if shutil.which("sbatch") is None:
-        raise UserError("sbatch not found: run on a Slurm login node, or use --dry-run to only write the script")
+        raise UserError(
+            "sbatch not found: run on a Slurm login node, or use --dry-run to only write the script"
+        )
     result = subprocess.run(sbatch_command(script, after), capture_output=True, text=True)
     if result.returncode != 0:
         message = (result.stderr or result.stdout).strip().splitlines()
-        raise UserError(f"sbatch refused {script}: {message[-1] if message else 'exit ' + str(result.returncode)}")
+        raise UserError(
+            f"sbatch refused {script}: {message[-1] if message else 'exit ' + str(result.returncode)}"
+        )
     job_id = result.stdout.strip().split(";")[0]
     if not job_id:
         raise UserError(f"sbatch printed no job id for {script}")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -28,10 +29,8 @@ _PR_SET_PDEATHSIG = 1
 def _monitor_preexec() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def start_gpu_monitor(out_dir: str, interval: float, environ: dict[str, str]) -> subprocess.Popen | None:

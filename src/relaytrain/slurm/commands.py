@@ -1,0 +1,294 @@
+"""CLI: launch, sweep, chain, status, logs, cancel, plan, doctor."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from relaytrain.errors import UserError
+
+_SLURM_FLAGS = {  # CLI flag -> (SlurmConfig key, type)
+    "nodes": ("nodes", int),
+    "gpus_per_node": ("gpus_per_node", int),
+    "tasks_per_node": ("tasks_per_node", int),
+    "cpus_per_task": ("cpus_per_task", int),
+    "time": ("time", str),
+    "partition": ("partition", str),
+    "account": ("account", str),
+    "qos": ("qos", str),
+    "gpu": ("gpu_type", str),
+}
+_LEVEL_STYLE = {"pass": "green", "ok": "green", "warn": "yellow", "fail": "red"}
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=False, width=150 if not sys.stdout.isatty() else None)
+
+
+def _add_slurm_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int, help="number of nodes")
+    p.add_argument(
+        "--gpus-per-node", type=int, help="GPUs per node (0: CPU-only nodes, set --tasks-per-node)"
+    )
+    p.add_argument("--tasks-per-node", type=int, help="processes per node (default: one per GPU)")
+    p.add_argument("--cpus-per-task", type=int, help="CPUs per process; sets OMP_NUM_THREADS")
+    p.add_argument("--time", help="time limit, e.g. 24:00:00")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--qos")
+    p.add_argument("--gpu", help="GPU type for the memory check: h100, h200, a100, a100-40gb, mi250x, ...")
+    p.add_argument("--profile", help="cluster profile: a TOML path or a name in configs/clusters/")
+
+
+def _add_submit_flags(p: argparse.ArgumentParser) -> None:
+    _add_slurm_flags(p)
+    p.add_argument("--after", metavar="JOBID", help="start only after JOBID succeeded (afterok)")
+    p.add_argument(
+        "--dry-run", action="store_true", help="write the script and config, print, submit nothing"
+    )
+    p.add_argument("--force", action="store_true", help="submit even when relaytrain plan refuses the layout")
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    extra = list(getattr(args, "extra_overrides", []) or [])
+    bad = [o for o in extra if not (o.startswith("--") and "=" in o)]
+    if bad:
+        raise UserError(f"unexpected argument '{bad[0]}': overrides look like --section.key=value")
+    return extra
+
+
+def _request(args: argparse.Namespace, config: str | None):
+    from relaytrain.slurm.launch import LaunchRequest
+
+    slurm = {key: getattr(args, flag, None) for flag, (key, _) in _SLURM_FLAGS.items()}
+    return LaunchRequest(
+        config=config,
+        overrides=_overrides(args),
+        slurm=slurm,
+        profile=args.profile,
+        command=getattr(args, "command_line", None),
+        name=getattr(args, "name", None),
+        jobid=getattr(args, "jobid", None),
+        after=args.after,
+        dry_run=args.dry_run,
+        force=args.force,
+    )
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from relaytrain.slurm.launch import launch
+
+    return launch(_request(args, args.config))
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from relaytrain.slurm.launch import sweep
+
+    return sweep(_request(args, args.config), args.grid)
+
+
+def cmd_chain(args: argparse.Namespace) -> int:
+    from relaytrain.slurm.launch import chain
+
+    return chain(_request(args, None), args.configs)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from relaytrain.slurm.launch import load_resolved
+    from relaytrain.slurm.plan import make_plan, plan_rows
+
+    req = _request(args, args.config)
+    cfg = load_resolved(req)
+    s = cfg.slurm
+    plan = make_plan(cfg, s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node)
+    console = _console()
+    facts = Table(title=f"relaytrain plan: {cfg.run.name}", show_header=False)
+    facts.add_column("what")
+    facts.add_column("value")
+    for name, value in plan_rows(plan):
+        facts.add_row(name, value)
+    console.print(facts)
+    checks = Table(show_header=True)
+    for column in ("check", "result", "detail"):
+        checks.add_column(column, overflow="fold")
+    for name, level, detail in plan.checks:
+        checks.add_row(name, f"[{_LEVEL_STYLE[level]}]{level}[/]", detail)
+    console.print(checks)
+    console.print(f"verdict: [{'red' if plan.verdict == 'impossible' else 'green'}]{plan.verdict}[/]")
+    return 1 if plan.verdict == "impossible" else 0
+
+
+def _job_table(jobs) -> Table:
+    table = Table(show_header=True)
+    for column in (
+        "job",
+        "name",
+        "state",
+        "restarts",
+        "elapsed",
+        "limit",
+        "nodes",
+        "reason/exit",
+        "last step",
+        "run dir",
+    ):
+        table.add_column(column, overflow="fold")
+    for job in jobs:
+        table.add_row(
+            job.job_id,
+            job.name,
+            job.state,
+            str(job.restarts),
+            job.elapsed,
+            job.time_limit,
+            job.nodes,
+            job.reason or job.exit_code,
+            "" if job.last_step is None else str(job.last_step),
+            job.run_dir,
+        )
+    return table
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from relaytrain.slurm import jobs
+
+    if args.target:
+        found = jobs.describe(args.target, Path(args.runs))
+        if not found:
+            raise UserError(
+                f"no job or run {args.target!r} found (squeue, scontrol, sacct and "
+                f"{args.runs}/*/slurm/jobs.jsonl know nothing of it)"
+            )
+    else:
+        found = jobs.list_queue(user_only=not args.all)
+        for job in found:
+            run_dir = jobs.find_run_dir(job, Path(args.runs))
+            if run_dir is not None:
+                job.run_dir, job.last_step = str(run_dir), jobs.last_step(run_dir)
+    console = _console()
+    if not found:
+        console.print("no pending or running jobs")
+        return 0
+    console.print(_job_table(found))
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from relaytrain.slurm import jobs
+
+    records = jobs.query_job(args.jobid) or [jobs.Job(job_id=args.jobid)]
+    path = jobs.log_path(records[0], Path(args.runs))
+    if path is None:
+        raise UserError(f"no output file found for job {args.jobid}; is it still pending?")
+    with open(path, errors="replace") as f:
+        sys.stdout.write(f.read())
+        sys.stdout.flush()
+        if not args.follow:
+            return 0
+        idle_checks = 0
+        while True:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+                continue
+            idle_checks += 1
+            if idle_checks % 5 == 0 and not jobs.is_active(args.jobid):
+                sys.stdout.write(f.read())
+                return 0
+            time.sleep(1.0)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from relaytrain.slurm.jobs import cancel_command
+
+    cmd = cancel_command(args.jobid, args.signal)
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise UserError(f"{' '.join(cmd)} failed: {(result.stderr or result.stdout).strip()}")
+    what = f"sent SIG{args.signal.removeprefix('SIG')} to the steps of" if args.signal else "cancelled"
+    print(f"{what} job {args.jobid}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from relaytrain.config import load_config
+    from relaytrain.slurm.doctor import run_checks
+
+    cfg = load_config(args.config, _overrides(args)) if args.config else None
+    checks = run_checks(cfg, args.partition or "", args.account or "")
+    table = Table(title="relaytrain doctor", show_header=True)
+    for column in ("check", "result", "detail"):
+        table.add_column(column, overflow="fold")
+    for name, level, detail in checks:
+        table.add_row(name, f"[{_LEVEL_STYLE[level]}]{level}[/]", detail)
+    _console().print(table)
+    return 1 if any(level == "fail" for _, level, _ in checks) else 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "launch", help="write an sbatch script for a config (or any command) and submit it"
+    )
+    p.add_argument("config", nargs="?", help="TOML config (optional with --command)")
+    _add_submit_flags(p)
+    p.add_argument(
+        "--command",
+        dest="command_line",
+        metavar="CMD",
+        help="run this command instead of relaytrain train (DeepSpeed, Lightning, a script)",
+    )
+    p.add_argument("--name", help="run name (default: run.name of the config)")
+    p.add_argument("--jobid", help="attach to this existing allocation with srun --overlap (no sbatch)")
+    p.set_defaults(func=cmd_launch, accepts_overrides=True)
+
+    p = subparsers.add_parser("sweep", help="one job array over a grid of overrides")
+    p.add_argument("config")
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="section.key and its values; repeat for a cartesian product",
+    )
+    _add_submit_flags(p)
+    p.set_defaults(func=cmd_sweep, accepts_overrides=True)
+
+    p = subparsers.add_parser("chain", help="submit configs as stages, each after the previous succeeded")
+    p.add_argument("configs", nargs="+")
+    _add_submit_flags(p)
+    p.set_defaults(func=cmd_chain, accepts_overrides=True)
+
+    p = subparsers.add_parser("plan", help="check layout, memory per GPU and checkpoint time before queueing")
+    p.add_argument("config")
+    _add_slurm_flags(p)
+    p.set_defaults(func=cmd_plan, accepts_overrides=True, after=None, dry_run=False, force=False)
+
+    p = subparsers.add_parser("status", help="jobs: state, restarts, last step (squeue/scontrol/sacct)")
+    p.add_argument("target", nargs="?", help="job id or run name/directory (default: your queued jobs)")
+    p.add_argument("--all", action="store_true", help="every user's jobs")
+    p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
+    p.set_defaults(func=cmd_status)
+
+    p = subparsers.add_parser("logs", help="print a job's output file")
+    p.add_argument("jobid")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    p.add_argument("--runs", default="runs")
+    p.set_defaults(func=cmd_logs)
+
+    p = subparsers.add_parser("cancel", help="cancel a job, or send its training processes a signal")
+    p.add_argument("jobid")
+    p.add_argument("--signal", help="e.g. USR2: ask the run to checkpoint and stop instead of killing it")
+    p.set_defaults(func=cmd_cancel)
+
+    p = subparsers.add_parser("doctor", help="check Slurm, partition, account, shared fs, network, GPUs")
+    p.add_argument("config", nargs="?")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.set_defaults(func=cmd_doctor, accepts_overrides=True)

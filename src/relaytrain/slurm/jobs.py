@@ -1,0 +1,240 @@
+"""Job facts for `relaytrain status/logs/cancel`: squeue, scontrol show job, sacct and the run files.
+
+`scontrol show job` is asked first (immediate, kept for MinJobAge after the end), then `sacct`, then
+`sacct -c` (the job completion file) where accounting storage is disabled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relaytrain.slurm.submit import read_jobs
+
+_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9:_/]*)=")
+ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
+SACCT_FIELDS = "JobID,JobName,State,ExitCode,Elapsed,NNodes,Start,End,NodeList"
+
+
+@dataclass
+class Job:
+    job_id: str
+    name: str = ""
+    state: str = ""
+    restarts: int = 0
+    elapsed: str = ""
+    time_limit: str = ""
+    nodes: str = ""
+    reason: str = ""
+    exit_code: str = ""
+    stdout: str = ""
+    workdir: str = ""
+    source: str = ""  # which tool answered
+    run_dir: str = ""
+    last_step: int | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def run_tool(cmd: list[str]) -> tuple[int, str, str]:
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return 127, "", str(exc)
+    return result.returncode, result.stdout, result.stderr
+
+
+def parse_scontrol_record(line: str) -> dict[str, str]:
+    """One `scontrol show job -o` line -> {key: value}; values may contain spaces."""
+    matches = list(_KEY.finditer(line))
+    out = {}
+    for i, match in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
+        out[match.group(1)] = line[match.end() : end].strip()
+    return out
+
+
+def _job_from_scontrol(rec: dict[str, str]) -> Job:
+    job_id = rec.get("JobId", "")
+    if rec.get("ArrayJobId") and rec.get("ArrayTaskId"):
+        job_id = f"{rec['ArrayJobId']}_{rec['ArrayTaskId']}"
+    return Job(
+        job_id=job_id,
+        name=rec.get("JobName", ""),
+        state=rec.get("JobState", ""),
+        restarts=int(rec.get("Restarts", "0") or 0),
+        elapsed=rec.get("RunTime", ""),
+        time_limit=rec.get("TimeLimit", ""),
+        nodes=rec.get("NodeList", ""),
+        reason=rec.get("Reason", ""),
+        exit_code=rec.get("ExitCode", ""),
+        stdout=rec.get("StdOut", ""),
+        workdir=rec.get("WorkDir", ""),
+        source="scontrol",
+        extra=rec,
+    )
+
+
+def _jobs_from_sacct(text: str, source: str) -> list[Job]:
+    jobs = []
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) < 9 or not parts[0] or "." in parts[0]:
+            continue  # steps (123.batch, 123.0) are not jobs
+        jobs.append(
+            Job(
+                job_id=parts[0],
+                name=parts[1],
+                state=parts[2].split()[0] if parts[2] else "",
+                exit_code=parts[3],
+                elapsed=parts[4],
+                nodes=parts[8] or parts[5],
+                source=source,
+            )
+        )
+    return jobs
+
+
+def query_job(job_id: str) -> list[Job]:
+    """Records of a job (one per array task), from scontrol, else sacct, else sacct -c."""
+    rc, out, _ = run_tool(["scontrol", "show", "job", "-o", job_id])
+    if rc == 0 and out.strip():
+        return [_job_from_scontrol(parse_scontrol_record(line)) for line in out.splitlines() if line.strip()]
+    rc, out, _ = run_tool(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", SACCT_FIELDS])
+    if rc == 0 and out.strip():
+        jobs = _jobs_from_sacct(out, "sacct")
+        if jobs:
+            return _merge_requeued(jobs)
+    rc, out, _ = run_tool(["sacct", "-c", "-j", job_id, "-n", "-P", "-o", SACCT_FIELDS])
+    if rc == 0 and out.strip():
+        return _merge_requeued(_jobs_from_sacct(out, "sacct -c"))
+    return []
+
+
+def _merge_requeued(jobs: list[Job]) -> list[Job]:
+    """A requeued job appears once per run in sacct -c: keep the last, count the others as restarts."""
+    merged: dict[str, Job] = {}
+    for job in jobs:
+        if job.job_id in merged:
+            job.restarts = merged[job.job_id].restarts + 1
+        merged[job.job_id] = job
+    return list(merged.values())
+
+
+def list_queue(user_only: bool = True) -> list[Job]:
+    cmd = ["squeue", "-h", "-o", "%i|%j|%T|%M|%l|%D|%R"]
+    if user_only:
+        cmd.append("--me")
+    rc, out, _ = run_tool(cmd)
+    jobs = []
+    for line in out.splitlines() if rc == 0 else []:
+        parts = line.split("|")
+        if len(parts) == 7:
+            jobs.append(
+                Job(
+                    job_id=parts[0],
+                    name=parts[1],
+                    state=parts[2],
+                    elapsed=parts[3],
+                    time_limit=parts[4],
+                    nodes=parts[5],
+                    reason=parts[6],
+                    source="squeue",
+                )
+            )
+    return jobs
+
+
+def last_step(run_dir: Path) -> int | None:
+    """`step` of the last record of <run_dir>/metrics.jsonl that has one."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        f.seek(max(0, f.tell() - 65536))
+        lines = f.read().decode(errors="replace").splitlines()
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            return record["step"]
+    return None
+
+
+def find_entry(job_id: str, runs_root: Path = Path("runs")) -> dict | None:
+    """The jobs.jsonl record `relaytrain launch/sweep` wrote for this job id (array task ids too)."""
+    base = job_id.split("_")[0]
+    fallback = None
+    for jobs_file in sorted(runs_root.glob("*/slurm/jobs.jsonl")):
+        for entry in read_jobs(jobs_file.parent):
+            if str(entry.get("job_id")) == job_id:
+                return entry
+            if str(entry.get("job_id")) == base:
+                fallback = entry
+    return fallback
+
+
+def find_run_dir(job: Job, runs_root: Path = Path("runs")) -> Path | None:
+    """From the job's StdOut (`<run_dir>/slurm/%j.out`), else a `jobs.jsonl` that names the job."""
+    entry = find_entry(job.job_id, runs_root)
+    if entry and entry.get("run_dir"):
+        return Path(entry["run_dir"])
+    if job.stdout:
+        out = Path(job.stdout)
+        if out.parent.name == "slurm":
+            return out.parent.parent
+    return None
+
+
+def describe(job_or_run: str, runs_root: Path = Path("runs")) -> list[Job]:
+    """Jobs for a job id, or for a run (name or directory) through its jobs.jsonl."""
+    run_dir = Path(job_or_run) if "/" in job_or_run else runs_root / job_or_run
+    if not re.fullmatch(r"\d+(_\d+)?", job_or_run) and (run_dir / "slurm").is_dir():
+        entries = read_jobs(run_dir / "slurm")
+        jobs = []
+        for entry in entries[-5:]:
+            found = query_job(str(entry["job_id"])) or [Job(job_id=str(entry["job_id"]), state="UNKNOWN")]
+            jobs.extend(found)
+        for job in jobs:
+            job.run_dir = str(run_dir)
+            job.last_step = last_step(run_dir)
+        return jobs
+    jobs = query_job(job_or_run)
+    for job in jobs:
+        found = find_run_dir(job, runs_root)
+        if found is not None:
+            job.run_dir = str(found)
+            job.last_step = last_step(found)
+    return jobs
+
+
+def log_path(job: Job, runs_root: Path = Path("runs")) -> Path | None:
+    """The job's output file: StdOut from scontrol, else the `log` that jobs.jsonl recorded."""
+    if job.stdout and Path(job.stdout).is_file():
+        return Path(job.stdout)
+    entry = find_entry(job.job_id, runs_root)
+    if entry and entry.get("log"):
+        pattern = str(entry["log"])
+        array_id, _, task = job.job_id.partition("_")
+        path = Path(pattern.replace("%A", array_id).replace("%a", task).replace("%j", job.job_id))
+        if path.is_file():
+            return path
+    return None
+
+
+def is_active(job_id: str) -> bool:
+    rc, out, _ = run_tool(["squeue", "-h", "-j", job_id, "-o", "%T"])
+    return rc == 0 and any(state.strip() in ACTIVE_STATES for state in out.splitlines())
+
+
+def cancel_command(job_id: str, signal: str | None = None) -> list[str]:
+    """scancel: without --signal it ends the job; with one it reaches the job steps (training
+    processes and torchrun) directly, the way Slurm's own pre-timeout signal reaches them."""
+    if signal:
+        return ["scancel", f"--signal={signal.removeprefix('SIG')}", job_id]
+    return ["scancel", job_id]
