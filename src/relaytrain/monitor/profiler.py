@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from relaytrain.errors import UserError
 
@@ -140,14 +140,17 @@ class StepProfiler:
     def step(self, step: int) -> Iterator[None]:
         if self._prof is None and self._active(step):
             self._start()
-        try:
+        if self._prof is None:
             yield
+            return
+        try:
+            # Named for the training step (profile.step() numbers from the window start instead).
+            with record_function(f"ProfilerStep#{step}"):
+                yield
         finally:
-            if self._prof is not None:
-                self._steps += 1
-                self._prof.step()
-                if step + 1 >= self.window[1]:
-                    self.close()
+            self._steps += 1
+            if step + 1 >= self.window[1]:
+                self.close()
 
     def close(self) -> None:
         if self._prof is None:

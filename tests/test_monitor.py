@@ -1,0 +1,359 @@
+"""Metrics: throughput/MFU arithmetic, step timer, JSONL/TensorBoard/W&B sinks, console, rank logs,
+profiler."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from relaytrain.config.schema import Config
+from relaytrain.errors import UserError
+from relaytrain.monitor import mfu as mfu_mod
+from relaytrain.monitor import timer as timer_mod
+from relaytrain.monitor.logs import setup_logging
+from relaytrain.monitor.memory import memory_stats
+from relaytrain.monitor.metrics import MetricsLogger, format_train_line
+from relaytrain.monitor.mfu import lookup_gpu_peak_flops, mfu, peak_flops_per_device, throughput
+from relaytrain.monitor.profiler import StepProfiler, classify_op, dump_memory_snapshot, record_memory_history
+from relaytrain.monitor.sinks import ConsoleSink
+from relaytrain.monitor.timer import StepTimer
+
+
+def _cfg(**metrics) -> Config:
+    cfg = Config()
+    cfg.train.global_batch_size = 16
+    cfg.train.seq_len = 128
+    cfg.train.max_steps = 100
+    cfg.metrics.tensorboard = False
+    cfg.metrics.peak_flops = 1e12
+    for key, value in metrics.items():
+        setattr(cfg.metrics, key, value)
+    return cfg
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --- throughput and MFU -------------------------------------------------------------------------
+
+
+def test_throughput_and_mfu_arithmetic():
+    total, per_device = throughput(tokens=16 * 2048, seconds=0.5, world_size=8)
+    assert total == 65536.0 and per_device == 8192.0
+    # 8192 tok/s/device * 6e9 FLOPs/token = 4.9152e13 FLOP/s on a 989 TFLOP/s H100
+    assert mfu(8192.0, 6e9, 989e12) == pytest.approx(4.9152e13 / 989e12)
+    assert mfu(8192.0, 6e9, 989e12) == pytest.approx(0.049699, abs=1e-6)
+    assert math.isnan(mfu(8192.0, 6e9, 0.0))
+    assert math.isnan(throughput(100, 0.0, 1)[0])
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("AMD Instinct MI250X", 191.5e12),
+        ("AMD Instinct MI250X / MI250", 191.5e12),
+        ("NVIDIA GeForce GTX 1080", 0.0),
+    ],
+)
+def test_gpu_peak_table(name, peak):
+    assert lookup_gpu_peak_flops(name) == peak
+
+
+def test_peak_flops_per_device(monkeypatch):
+    assert peak_flops_per_device(torch.device("cpu"), override=5e11) == 5e11
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert peak_flops_per_device(torch.device("cuda", 0)) == 756e12
+    measured = peak_flops_per_device(torch.device("cpu"))
+    assert measured > 1e8  # any CPU does more than 0.1 GFLOP/s
+    calls = []
+    monkeypatch.setattr(mfu_mod.time, "perf_counter", lambda: calls.append(1) or 0.0)
+    assert peak_flops_per_device(torch.device("cpu")) == measured  # cached: no second measurement
+    assert not calls
+
+
+def test_memory_stats_cpu():
+    stats = memory_stats(torch.device("cpu"))
+    assert stats["mem_peak_gib"] > 0
+    if Path("/proc/self/status").exists():
+        assert 0 < stats["mem_rss_gib"] <= stats["mem_peak_gib"] + 1e-6
+
+
+# --- step timer ---------------------------------------------------------------------------------
+
+
+def test_step_timer_windows(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(timer_mod.time, "perf_counter", lambda: clock[0])
+    timer = StepTimer()
+    clock[0] = 150.0  # startup before the first section is not step time
+    for _ in range(2):
+        with timer.section("data"):
+            clock[0] += 0.5
+        with timer.section("fwd_bwd"):
+            clock[0] += 2.0
+        with timer.section("optimizer"):
+            clock[0] += 1.0
+        clock[0] += 0.5  # untimed work: "other"
+        timer.step_done()
+    with timer.excluded():  # evaluation
+        clock[0] += 30.0
+    with timer.section("checkpoint"):
+        clock[0] += 4.0
+    window = timer.window()
+    assert window["time_data_s"] == 0.5 and window["time_fwd_bwd_s"] == 2.0
+    assert window["time_optimizer_s"] == 1.0 and window["time_checkpoint_s"] == 2.0
+    assert window["step_time_s"] == pytest.approx(6.0)  # (2 * 4 s + 4 s checkpoint) / 2 steps
+    assert window["time_other_s"] == pytest.approx(0.5)
+    with timer.section("data"):
+        clock[0] += 1.0
+    timer.step_done()
+    assert timer.window()["step_time_s"] == 1.0  # the new window starts where the last ended
+    with pytest.raises(ValueError, match="unknown step section"), timer.section("backward"):
+        pass
+
+
+# --- MetricsLogger and its sinks ----------------------------------------------------------------
+
+
+def test_metrics_logger_jsonl_records(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    logger = MetricsLogger(
+        _cfg(), tmp_path, is_main=True, world_size=4, flops_per_token=1e6, progress_bar=False
+    )
+    logger.log_event("start", 0, config_hash="abc", checkpoint=tmp_path / "ckpt")
+    logger.log_train(10, {"loss": torch.tensor(2.5), "lr": 1e-3, "grad_norm": 0.75, "step_time_s": 0.25})
+    logger.log_train(20, {"loss": float("nan"), "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0})
+    logger.log_eval(20, {"val_loss": 2.0})
+    logger.close()
+
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
+    again = MetricsLogger(
+        _cfg(), tmp_path, is_main=True, world_size=4, flops_per_token=1e6, progress_bar=False
+    )
+    again.log_event("resume", 20)
+    again.close()
+
+    start, train, nan_train, ev, resume = _read_jsonl(tmp_path / "metrics.jsonl")
+    assert start == {**start, "kind": "event", "event": "start", "step": 0, "job_id": "4242", "restart": 2}
+    assert start["checkpoint"] == str(tmp_path / "ckpt")
+    assert train["kind"] == "train" and train["step"] == 10 and train["loss"] == 2.5
+    assert train["tokens_per_s"] == 16 * 128 / 0.25 == 8192.0
+    assert train["tokens_per_s_per_device"] == 2048.0
+    assert train["mfu"] == pytest.approx(2048.0 * 1e6 / 1e12)
+    assert train["mem_peak_gib"] > 0 and isinstance(train["time"], float)
+    assert nan_train["loss"] is None and nan_train["tokens_per_s_per_device"] == 250.0
+    assert ev == {**ev, "kind": "eval", "step": 20, "val_loss": 2.0, "val_ppl": pytest.approx(math.exp(2.0))}
+    assert resume["event"] == "resume" and resume["job_id"] is None and resume["restart"] == 0
+
+
+def test_metrics_logger_tensorboard_and_non_main(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(_cfg(tensorboard=True), tmp_path, True, world_size=1, flops_per_token=1e6)
+    for step, loss in ((10, 3.0), (20, 2.0)):
+        logger.log_train(step, {"loss": loss, "lr": 1e-3, "grad_norm": 0.5, "step_time_s": 1.0})
+    logger.log_eval(20, {"val_loss": 2.2})
+    logger.log_event("checkpoint", 20, path="ckpt/step_20")
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"train/loss", "train/lr", "train/tokens_per_s", "train/mfu", "eval/val_loss"} <= set(tags)
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 3.0), (20, 2.0)]
+    assert acc.Scalars("train/tokens_per_s")[0].value == 2048.0
+    assert acc.Scalars("eval/val_loss")[0].value == pytest.approx(2.2)
+
+    other = tmp_path / "rank1"
+    worker = MetricsLogger(_cfg(tensorboard=True), other, is_main=False)
+    worker.log_train(10, {"loss": 1.0, "lr": 1.0, "grad_norm": 1.0})
+    worker.log_event("stop", 10)
+    worker.close()
+    assert not other.exists()
+
+
+class _FakeWandbRun:
+    def __init__(self, kwargs):
+        self.kwargs, self.logged, self.finished = kwargs, [], False
+
+    def log(self, values, step):
+        self.logged.append((step, values))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_wandb_sink_persists_and_reuses_run_id(tmp_path, monkeypatch):
+    runs = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: runs.append(_FakeWandbRun(kwargs)) or runs[-1]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = _cfg(wandb=True, wandb_project="proj", wandb_mode="offline", jsonl=False)
+
+    first = MetricsLogger(cfg, tmp_path, True, world_size=2, flops_per_token=1e6)
+    first.log_train(5, {"loss": 1.5, "lr": 1e-3, "grad_norm": 0.1, "step_time_s": 2.0})
+    first.log_eval(5, {"val_loss": 1.7})
+    first.log_event("stop", 5)
+    first.close()
+    run_id = (tmp_path / "wandb_id").read_text().strip()
+    assert len(run_id) == 16
+    second = MetricsLogger(cfg, tmp_path, True, world_size=2, flops_per_token=1e6)  # the requeued job
+    second.close()
+
+    assert [r.kwargs["id"] for r in runs] == [run_id, run_id]
+    kwargs = runs[0].kwargs
+    assert kwargs["resume"] == "allow" and kwargs["mode"] == "offline" and kwargs["project"] == "proj"
+    assert kwargs["dir"] == str(tmp_path) and kwargs["config"]["train"]["seq_len"] == 128
+    (step, train), (eval_step, evals) = runs[0].logged
+    assert step == 5 and train["train/loss"] == 1.5 and train["train/tokens_per_s"] == 1024.0
+    assert eval_step == 5 and evals["eval/val_loss"] == 1.7
+    assert runs[0].finished and runs[1].finished
+
+
+def test_wandb_missing_is_a_user_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    with pytest.raises(UserError, match="pip install wandb"):
+        MetricsLogger(_cfg(wandb=True, jsonl=False), tmp_path, True, flops_per_token=1e6)
+
+
+def test_console_line_and_progress_bar(capsys):
+    rec = {
+        "loss": 2.34567, "lr": 3e-4, "grad_norm": 0.5,
+        "tokens_per_s": 123456.0, "tokens_per_s_per_device": 15432.0, "mfu": 0.4123,
+        "mem_allocated_gib": 30.2, "mem_reserved_gib": 34.0, "mem_peak_gib": 35.5,
+        "step_time_s": 4.2, "time_data_s": 0.01, "time_fwd_bwd_s": 3.5, "time_optimizer_s": 0.4,
+        "time_checkpoint_s": 0.0,
+    }  # fmt: skip
+    line = format_train_line(120, 1000, rec)
+    assert line == (
+        "step 120/1000 | loss 2.3457 | lr 3.00e-04 | grad 0.500 | 123.46k tok/s (15.43k/dev) | MFU 41.2% | "
+        "mem 30.2/34.0 GiB (peak 35.5) | step 4.200s (data 0.010, fwd+bwd 3.500, opt 0.400, ckpt 0.000)"
+    )
+    assert "loss nan" in format_train_line(1, 10, {"loss": None, "lr": 1.0, "grad_norm": None})
+
+    from rich.console import Console
+
+    screen = io.StringIO()
+    sink = ConsoleSink(total_steps=10, progress_bar=True, console=Console(file=screen, force_terminal=True))
+    sink.write_line("step 5/10 | loss 1.0", step=5, summary="loss 1.0")
+    sink.close()
+    assert "5/10" in screen.getvalue()  # the bar was drawn
+    sink = ConsoleSink(total_steps=10, progress_bar=False)
+    sink.write_line("plain line", step=1)
+    sink.close()
+
+
+# --- rank logs ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_root_logger():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(level)
+    logging.captureWarnings(False)
+
+
+def test_setup_logging_rank_files_and_console(tmp_path, capsys, restore_root_logger):
+    log = logging.getLogger("relaytrain.test")
+    path = setup_logging(tmp_path, rank=3, local_rank=1, node="node2", rank_logs=True)
+    assert path == tmp_path / "logs" / "rank_3.log"
+    log.info("info from rank 3")
+    log.warning("warning from rank 3")
+    out = capsys.readouterr()
+    assert "info from rank 3" not in out.out + out.err
+    assert "[rank 3 node2 local 1] WARNING relaytrain.test: warning from rank 3" in out.err
+
+    setup_logging(tmp_path, rank=0, local_rank=0, node="node1", rank_logs=True)  # replaces the handlers
+    log.info("info from rank 0")
+    out = capsys.readouterr()
+    assert "[rank 0 node1 local 0] INFO relaytrain.test: info from rank 0" in out.out
+    text3 = (tmp_path / "logs" / "rank_3.log").read_text()
+    assert "info from rank 3" in text3 and "warning from rank 3" in text3 and "rank 0" not in text3
+    line0 = (tmp_path / "logs" / "rank_0.log").read_text().strip()
+    assert line0[:4].isdigit() and line0.endswith("info from rank 0")  # timestamp first
+
+    assert setup_logging(tmp_path / "nolog", 1, 1, "n", rank_logs=False) is None
+    assert not (tmp_path / "nolog").exists()
+
+
+# --- profiler -----------------------------------------------------------------------------------
+
+
+def test_profiler_writes_trace_and_summary(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = StepProfiler([2, 4], tmp_path, rank=0, device=torch.device("cpu"))
+    caplog.set_level(logging.INFO, logger="relaytrain.monitor.profiler")
+    for step in range(1, 6):
+        with prof.step(step):
+            model(torch.randn(8, 32)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    prof.close()  # no-op: the window already closed itself
+    trace = tmp_path / "profile" / "trace_rank0_steps2-4.json"
+    assert prof.trace_path == trace
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any(n.startswith("ProfilerStep#") for n in names) and "aten::addmm" in names
+    assert prof.summary["compute"] > 0 and prof.summary["communication"] == 0.0
+    assert "profile of 2 steps" in caplog.text and "compute" in caplog.text
+
+    with pytest.raises(UserError, match="profile_steps"):
+        StepProfiler([5, 5], tmp_path, 0, torch.device("cpu"))
+    idle = StepProfiler([], tmp_path / "idle", 0, torch.device("cpu"))
+    with idle.step(1):
+        pass
+    idle.close()
+    assert not (tmp_path / "idle").exists()
+
+
+def test_profiler_counts_collectives_as_communication(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layer = torch.nn.Linear(16, 16)
+        prof = StepProfiler([0, 1], tmp_path, rank=0, device=torch.device("cpu"))
+        with prof.step(0):
+            layer(torch.randn(4, 16)).sum().backward()
+            dist.all_reduce(layer.weight.grad)
+        assert prof.summary["communication"] > 0 and prof.summary["compute"] > 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_classify_op_and_memory_snapshot_on_cpu(tmp_path, caplog):
+    assert classify_op("c10d::allreduce_") == "communication"
+    assert classify_op("ncclDevKernel_AllGather_RING_LL") == "communication"
+    assert classify_op("gloo:all_reduce") == "communication"
+    assert classify_op("aten::mm") == "compute"
+    assert classify_op("sm90_xmma_gemm_bf16bf16_bf16f32") == "compute"
+    assert classify_op("ProfilerStep#3") == "other" and classify_op("aten::copy_") == "other"
+    caplog.set_level(logging.INFO)
+    assert record_memory_history(torch.device("cpu")) is False
+    assert dump_memory_snapshot(torch.device("cpu"), tmp_path / "snap.pickle") is None
+    assert "CUDA-only" in caplog.text and not (tmp_path / "snap.pickle").exists()
