@@ -1,0 +1,72 @@
+"""Activation checkpointing and torch.compile, per transformer block.
+
+Both replace each block's `forward` on the instance instead of wrapping the block in another module, so
+parameter names (and with them the per-name init seeds, the checkpoint keys and the FSDP/TP plans) stay
+those of the plain model. Order as torchtitan: TP -> AC -> compile -> FSDP. FSDP's hooks run around the
+block's forward, outside the checkpointed region: its all-gathers are not replayed by the recompute, and
+the selective policy sees the same ops in forward and recompute.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from relaytrain.model.transformer import Transformer
+
+_aten = torch.ops.aten
+# Ops whose outputs selective AC keeps: attention (expensive to recompute, small output) and the
+# reduce-scatters of sequence parallelism (recomputing them would repeat communication).
+_SAVE_OPS = {
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    _aten.max.default,
+}
+if hasattr(_aten, "_scaled_dot_product_cudnn_attention"):
+    _SAVE_OPS.add(_aten._scaled_dot_product_cudnn_attention.default)
+
+
+def _selective_policy(counts: dict[str, int], ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    # Keep every other matmul output: half the matmul recompute for half the memory.
+    if func == _aten.mm.default:
+        key = "recompute" if ctx.is_recompute else "forward"
+        counts[key] += 1
+        save = counts[key] % 2 == 1
+    else:
+        save = func in _SAVE_OPS
+    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(partial(_selective_policy, defaultdict(int)))
+
+
+def apply_ac(model: Transformer, mode: str) -> None:
+    """'full': recompute each block in backward; 'selective': recompute all but the ops worth keeping."""
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"unknown activation checkpointing mode {mode!r}")
+    for block in model.layers.values():
+        block.forward = _checkpointed(block.forward, mode)
+
+
+def _checkpointed(forward, mode: str):
+    extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
+
+    def checkpointed_forward(*args, **kwargs):
+        # No dropout or other randomness in the model: no RNG state to stash and restore.
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs)
+
+    return checkpointed_forward
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile each block's forward; its FSDP and AC hooks stay outside the compiled region."""
+    for block in model.layers.values():
+        block.forward = torch.compile(block.forward)

@@ -1,0 +1,43 @@
+"""The device mesh: one named dimension per parallelism, laid out in `parallel.rank_order`."""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from relaytrain.parallel.layout import ParallelDims, parse_rank_order
+
+
+def build_mesh(dims: ParallelDims, device_type: str, rank_order: str | None = None) -> DeviceMesh:
+    """A mesh with every dimension kept, degree 1 included, so that names are the same for every layout.
+
+    Named dims (outermost first as `rank_order` asks): "pp", "dp_replicate", "dp_shard", "cp", "tp";
+    flattened: "dp" (dp_replicate x dp_shard: data loading, loss averaging) and "dp_shard_cp" (dp_shard x cp:
+    the dimension FSDP shards over, since context-parallel ranks hold the same weights).
+    """
+    if rank_order is not None and parse_rank_order(rank_order) != dims.rank_order:
+        dims = ParallelDims(
+            dims.dp_replicate,
+            dims.dp_shard,
+            dims.cp,
+            dims.tp,
+            dims.pp,
+            dims.world_size,
+            parse_rank_order(rank_order),
+        )
+    names = tuple(name for name, _ in dims.mesh_dims)
+    shape = tuple(size for _, size in dims.mesh_dims)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    mesh[_in_mesh_order(names, ("dp_replicate", "dp_shard"))]._flatten("dp")
+    mesh[_in_mesh_order(names, ("dp_shard", "cp"))]._flatten("dp_shard_cp")
+    return mesh
+
+
+def _in_mesh_order(names: tuple[str, ...], wanted: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(name for name in names if name in wanted)
+
+
+def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """HSDP: 2-D (replicate, shard); otherwise 1-D over the shard (and context-parallel) ranks."""
+    if dims.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard_cp"]
+    return mesh["dp_shard_cp"]

@@ -1,0 +1,128 @@
+"""torchrun worker: train a tiny model for a few steps under many layouts, print one JSON line per case.
+
+Run as `torchrun --standalone --nproc_per_node=N tests/parallel_cases.py CASE [CASE ...]` (gloo, CPU);
+`tests/test_parallel_parity.py` launches it and compares against the one-process reference computed by
+`run_case(..., world_size=1)` in the test process itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from relaytrain.config.schema import Config
+from relaytrain.parallel import parallelize
+
+STEPS = 3
+
+# name -> ([parallel] overrides, [train] overrides). Same model and data for all; only the layout changes.
+CASES: dict[str, tuple[dict, dict]] = {
+    "single": ({}, {}),
+    "fsdp": ({}, {}),
+    "fsdp_reshard_never": ({"reshard_after_forward": "never"}, {"micro_batch_size": 1}),
+    "fsdp_cpu_offload": ({"cpu_offload": True}, {}),
+    "fsdp_ac_full": ({"activation_checkpointing": "full"}, {}),
+    "fsdp_ac_selective": ({"activation_checkpointing": "selective"}, {}),
+    "fsdp_compile": ({"compile": True}, {}),
+    "fsdp_bf16": ({"param_dtype": "bfloat16"}, {}),
+    "hsdp_2x1": ({"dp_replicate": 2, "dp_shard": 1}, {}),
+    "tp": ({"tp": 2}, {}),
+    "tp_no_loss_parallel": ({"tp": 2, "loss_parallel": False}, {}),
+    "tp_ac_selective": ({"tp": 2, "activation_checkpointing": "selective"}, {}),
+    "pp_gpipe": ({"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 4}, {}),
+    "pp_1f1b": ({"pp": 2, "pp_schedule": "1f1b"}, {}),
+    "pp_interleaved": (
+        {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "pp_microbatches": 4},
+        {},
+    ),
+    "hsdp_2x2": ({"dp_replicate": 2}, {}),
+    "fsdp_tp": ({"tp": 2}, {}),
+    "fsdp_tp_dp_outer_order": ({"tp": 2, "rank_order": "dp,tp,cp,pp"}, {}),
+    "pp_fsdp": ({"pp": 2, "pp_schedule": "1f1b"}, {}),
+    "pp_tp": ({"pp": 2, "tp": 2, "pp_schedule": "gpipe", "pp_microbatches": 4}, {}),
+    "pp_tp_interleaved": (
+        {"pp": 2, "tp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "pp_microbatches": 4},
+        {},
+    ),
+}
+
+
+def tiny_config(parallel: dict, train: dict) -> Config:
+    cfg = Config()
+    m = cfg.model
+    m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.vocab_size, m.max_seq_len = 64, 4, 4, 2, 256, 64
+    cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size = 32, 8, 2
+    cfg.run.seed = 7
+    cfg.run.device = "cpu"
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def batches(cfg: Config) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(
+        0,
+        cfg.model.vocab_size,
+        (STEPS + 1, cfg.train.global_batch_size, cfg.train.seq_len + 1),
+        generator=gen,
+    )
+
+
+def run_case(name: str, world_size: int, rank: int, gpus_per_node: int) -> dict:
+    cfg = tiny_config(*CASES[name])
+    started = time.perf_counter()
+    pm = parallelize(cfg, torch.device("cpu"), world_size, rank, gpus_per_node)
+    params = [p for part in pm.model_parts for p in part.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+    data = batches(cfg)
+    local = cfg.train.global_batch_size // pm.dp_size
+    rows = slice(pm.dp_rank * local, (pm.dp_rank + 1) * local)
+    losses, norms, step_times = [], [], []
+    for step in range(STEPS):
+        t0 = time.perf_counter()
+        tokens = data[step, rows]
+        loss = pm.train_step(tokens[:, :-1], tokens[:, 1:])
+        norms.append(float(pm.clip_grad_norm_(1.0)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(pm.reduce_mean(loss))
+        step_times.append(time.perf_counter() - t0)
+    eval_tokens = data[STEPS, rows]
+    eval_loss = pm.reduce_mean(pm.eval_loss(eval_tokens[:, :-1], eval_tokens[:, 1:]))
+    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+    steady = min(step_times[1:]) if len(step_times) > 1 else step_times[0]
+    return {
+        "case": name,
+        "losses": losses,
+        "grad_norms": norms,
+        "eval_loss": eval_loss,
+        "total_s": time.perf_counter() - started,
+        "steady_step_s": steady,
+        "tokens_per_s": tokens_per_step / steady,
+    }
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    for name in sys.argv[1:]:
+        result = run_case(name, world, rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if rank == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
