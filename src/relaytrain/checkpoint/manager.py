@@ -1,0 +1,489 @@
+"""CheckpointManager: save (sync or async), commit, retention, and resume for the training loop.
+
+Every public method is called by every rank at the same point of the loop. Decisions that depend on the
+file system or the clock are taken by rank 0 and broadcast on a dedicated gloo group, so ranks never
+disagree; asynchronous saves run their collectives on a second gloo group, away from training traffic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import relaytrain
+from relaytrain.checkpoint import layout as L
+from relaytrain.checkpoint.schedule import SaveSchedule, retention_victims
+from relaytrain.checkpoint.sources import init_model_from, verify_model_fits
+from relaytrain.checkpoint.state import (
+    capture_rng,
+    model_state,
+    optimizer_state,
+    optimizers_have_state,
+    reseed_rng,
+    restore_rng,
+    set_model_state,
+    set_optimizer_state,
+)
+from relaytrain.config import Config, config_hash, config_to_dict, config_to_toml
+from relaytrain.errors import UserError
+
+log = logging.getLogger("relaytrain.checkpoint")
+
+_DEFAULT_WRITE_BYTES_PER_S = 100e6  # pessimistic disk speed for the estimate before the first save
+
+
+@dataclass
+class _Pending:
+    step: int
+    reason: str
+    step_dir: Path
+    started: float
+    contents: list[str]
+    future: Future | None = None
+    finished: float | None = None
+    blocking_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        model_parts: list[nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        train_state,
+        *,
+        rank: int,
+        world_size: int,
+        layout: dict,
+    ):
+        self.cfg = cfg
+        self.ckpt = cfg.checkpoint
+        self.run_dir = Path(run_dir)
+        self.ckpt_dir = Path(self.ckpt.dir) if self.ckpt.dir else self.run_dir / "checkpoints"
+        self.model_parts = list(model_parts)
+        self.optimizers = list(optimizers)
+        self.train_state = train_state
+        self.rank, self.world_size, self.layout = rank, world_size, dict(layout)
+        self._dist = dist.is_available() and dist.is_initialized()
+        if world_size > 1 and not self._dist:
+            raise RuntimeError("CheckpointManager with world_size > 1 needs an initialized process group")
+        # Control decisions (main thread) and async save traffic (background thread) each get their own
+        # gloo group: collectives from two threads must never interleave on one group.
+        self._ctrl = dist.new_group(backend="gloo") if self._dist else None
+        self._save_pg = dist.new_group(backend="gloo") if self._dist else None
+        self._stager = None
+        if self.ckpt.mode == "async" and torch.cuda.is_available():
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # Pinned host buffers, reused across saves; the device-to-host copy blocks, the write does not.
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=True,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=True,
+                )
+            )
+        self._schedule = SaveSchedule(self.ckpt, self._agree_flag)
+        self._pending: _Pending | None = None
+        self._saved_steps: set[int] = set()
+        self._durations: list[float] = []
+        self._resumed: tuple[Path, int] | None = None  # the step dir this process resumed from
+        self._resumed_from = ""  # explicit checkpoint.resume path this run's line of checkpoints started at
+        self._loads = 0
+
+    # -- collectives on the control group ---------------------------------------------------------
+
+    def _broadcast(self, obj):
+        if not self._dist:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._ctrl)
+        return box[0]
+
+    def _agree_flag(self, flag: bool) -> bool:
+        return bool(self._broadcast(bool(flag) if self.rank == 0 else None))
+
+    def _any(self, flag: bool) -> bool:
+        if not self._dist:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctrl)
+        return bool(t.item())
+
+    def _barrier(self) -> None:
+        if self._dist:
+            dist.barrier(group=self._ctrl)
+
+    def _on_rank0(self, fn):
+        """Run `fn` on rank 0, hand its result (or its UserError) to every rank."""
+        result = None
+        if self.rank == 0:
+            try:
+                result = ("ok", fn())
+            except UserError as exc:
+                result = ("error", str(exc))
+        kind, value = self._broadcast(result)
+        if kind == "error":
+            raise UserError(value)
+        return value
+
+    # -- saving -----------------------------------------------------------------------------------
+
+    def should_save(self, step: int, is_last: bool) -> bool:
+        if not self.ckpt.enabled:
+            return False
+        due = self._schedule.due(step, is_last)
+        return due and step not in self._saved_steps
+
+    def save(self, step: int, reason: str = "interval") -> None:
+        if not self.ckpt.enabled:
+            log.warning("checkpoint.enabled=false: no checkpoint for step %d (%s)", step, reason)
+            return
+        self.wait()
+        if step in self._saved_steps:
+            log.info("step %d is already checkpointed; nothing to save (%s)", step, reason)
+            return
+        step_dir = self.ckpt_dir / L.step_dir_name(step)
+        if self._on_rank0(lambda: self._prepare_step_dir(step_dir, step)) == "exists":
+            self._saved_steps.add(step)
+            return
+        started = time.perf_counter()
+        self._schedule.mark_saved()
+        self._write_train_state(step_dir, step)
+        contents = ["model", "train_state"]
+        state: dict[str, Any] = {"model": model_state(self.model_parts)}
+        # A never-stepped optimizer has no state; asking for it would create some (and change training).
+        if self._any(optimizers_have_state(self.optimizers)):
+            state["optim"] = optimizer_state(self.model_parts, self.optimizers)
+            contents.insert(1, "optimizer")
+        pending = _Pending(step, reason, step_dir, started, contents)
+        writer = dcp.FileSystemWriter(step_dir, sync_files=True)
+        if self.ckpt.mode == "async":
+            pending.future = dcp.async_save(
+                state,
+                storage_writer=writer,
+                process_group=self._save_pg,
+                async_stager=self._stager,
+                no_dist=not self._dist,
+            )
+            pending.future.add_done_callback(
+                lambda _f, p=pending: setattr(p, "finished", time.perf_counter())
+            )
+            pending.blocking_s = time.perf_counter() - started
+            self._pending = pending
+            log.info(
+                "checkpoint step %d (%s): async save started, training blocked %.2fs",
+                step,
+                reason,
+                pending.blocking_s,
+            )
+        else:
+            dcp.save(state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist)
+            pending.finished = time.perf_counter()
+            pending.blocking_s = pending.finished - started
+            self._commit(pending)
+
+    def _prepare_step_dir(self, step_dir: Path, step: int) -> str:
+        if (
+            (step_dir / L.COMPLETE).is_file()
+            and self._resumed
+            and self._resumed == (step_dir.resolve(), step)
+        ):
+            log.info("step %d is the checkpoint this run resumed from; not saving it again", step)
+            return "exists"
+        if step_dir.exists():
+            # A killed save's leftovers, or a checkpoint of an abandoned line (resumed from an older step).
+            log.warning("replacing existing %s", step_dir)
+            L.remove_step_dir(step_dir)
+        try:
+            (step_dir / L.TRAIN_STATE_DIR).mkdir(parents=True)
+        except OSError as exc:
+            raise UserError(
+                f"cannot create checkpoint directory {step_dir} ({exc.strerror}); set "
+                "checkpoint.dir to a writable path"
+            ) from None
+        return "created"
+
+    def _write_train_state(self, step_dir: Path, step: int) -> None:
+        payload = {
+            "train_state": self.train_state.state_dict(),
+            "rng": capture_rng(),
+            "step": step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+        path = L.train_state_file(step_dir, self.rank)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+
+    def poll(self) -> None:
+        """Commit a finished async save; cheap when none is pending (no collective)."""
+        if self._pending is None:
+            return
+        if self._any(not self._pending.future.done()):
+            return
+        self._finish_pending()
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        error = None
+        try:
+            pending.future.result()
+        except Exception as exc:  # reported below on every rank, after all ranks know
+            error = exc
+        if self._any(error is not None):
+            log.error("checkpoint step %d failed on rank %d: %r", pending.step, self.rank, error)
+            raise RuntimeError(
+                f"asynchronous checkpoint save of step {pending.step} failed on at least one "
+                f"rank (this rank: {error!r}); {pending.step_dir} stays incomplete and unused"
+            )
+        self._commit(pending)
+
+    def _commit(self, pending: _Pending) -> None:
+        """Every rank's files are written and fsynced (its save returned): rank 0 marks the step complete."""
+        self._barrier()
+        if self.rank == 0:
+            self._write_metadata(pending)
+            L.write_complete(pending.step_dir)
+            L.point_latest(self.ckpt_dir, pending.step_dir)
+            self._apply_retention()
+        self._barrier()
+        finished = pending.finished or time.perf_counter()
+        self._durations = (self._durations + [time.perf_counter() - pending.started])[-5:]
+        self._saved_steps.add(pending.step)
+        log.info(
+            "checkpoint step %d (%s) committed: %s (write %.2fs, blocking %.2fs)",
+            pending.step,
+            pending.reason,
+            pending.step_dir,
+            finished - pending.started,
+            pending.blocking_s,
+        )
+
+    def _write_metadata(self, pending: _Pending) -> None:
+        meta = {
+            "format": L.FORMAT_NAME,
+            "format_version": L.FORMAT_VERSION,
+            "step": pending.step,
+            "reason": pending.reason,
+            "contents": pending.contents,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "unix_time": time.time(),
+            "relaytrain_version": relaytrain.__version__,
+            "torch_version": torch.__version__,
+            "config_hash": config_hash(self.cfg),
+            "run_name": self.cfg.run.name,
+            "world_size": self.world_size,
+            "layout": self.layout,
+            "save_mode": self.ckpt.mode,
+            "resumed_from": self._resumed_from,
+            "model": config_to_dict(self.cfg)["model"],
+            "tokenizer": self.cfg.data.tokenizer,
+        }
+        L.write_durable(pending.step_dir / L.METADATA, json.dumps(meta, indent=1).encode())
+        L.write_durable(pending.step_dir / L.CONFIG, config_to_toml(self.cfg).encode())
+        tokenizer = _tokenizer_file(self.cfg.data.tokenizer)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, pending.step_dir / L.TOKENIZER)
+
+    def _apply_retention(self) -> None:
+        entries = L.list_steps(self.ckpt_dir)
+        victims = retention_victims(
+            entries, L.read_latest(self.ckpt_dir), self.ckpt.keep_last, self.ckpt.keep_every, protected=set()
+        )
+        for entry in victims:
+            log.info(
+                "retention: removing %s%s", entry.path, "" if entry.complete else " (incomplete leftover)"
+            )
+            L.remove_step_dir(entry.path)
+
+    def save_seconds_estimate(self) -> float:
+        if self._durations:
+            return max(self._durations)
+        local_bytes = sum(
+            p.numel() * p.element_size() for part in self.model_parts for p in part.parameters()
+        )
+        return 5.0 + 3 * local_bytes / _DEFAULT_WRITE_BYTES_PER_S  # weights + two AdamW moments
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def load(self) -> int | None:
+        self.wait()
+        kind, path, why, lineage = self._on_rank0(self._plan_load)
+        self._loads += 1
+        if kind == "fresh":
+            log.info("starting fresh: %s", why)
+            return None
+        if kind == "init":
+            log.info("initialising weights from %s (fresh optimizer, step 0): %s", path, why)
+            init_model_from(Path(path), self.model_parts, self.cfg.model, process_group=self._save_pg)
+            return None
+        return self._resume(Path(path), why, lineage)
+
+    def _plan_load(self) -> tuple[str, str | None, str, str | None]:
+        """(kind, path, why, lineage) where lineage is the explicit resume path a run continues from
+        (None: take it from the checkpoint's metadata)."""
+        ck = self.ckpt
+        if self._saved_steps:  # a reload during the run (NaN rollback): this run's own newest checkpoint
+            chosen, why = L.choose_resume(self.ckpt_dir)
+            if chosen is not None:
+                return "resume", str(chosen), why, None
+        if self._resumed is not None:
+            return "resume", str(self._resumed[0]), "reloading the checkpoint this run resumed from", None
+        if ck.enabled and ck.resume == "auto":
+            chosen, why = L.choose_resume(self.ckpt_dir)
+            if chosen is not None:
+                return "resume", str(chosen), why, None
+        elif ck.enabled and ck.resume == "none":
+            complete = [e for e in L.list_steps(self.ckpt_dir) if e.complete]
+            if complete:
+                raise UserError(
+                    f"checkpoint.resume='none' but {self.ckpt_dir} already holds checkpoints (newest "
+                    f"{complete[-1].path.name}); use checkpoint.resume=auto to continue them, or a new "
+                    "run.name or checkpoint.dir to start over"
+                )
+        elif ck.enabled:
+            explicit = L.resolve_checkpoint(ck.resume).resolve()
+            own, why = L.choose_resume(self.ckpt_dir)
+            # A requeued job keeps its config: once this run has saved after resuming from `explicit`,
+            # its own newer checkpoints win over going back to `explicit` again.
+            progressed = own is not None and own.resolve() != explicit
+            if progressed and L.read_metadata(own).get("resumed_from") == str(explicit):
+                return "resume", str(own), f"{why} (this run's progress since {ck.resume})", None
+            return "resume", str(explicit), f"checkpoint.resume={ck.resume}", str(explicit)
+        if ck.init_from:
+            return (
+                "init",
+                ck.init_from,
+                "checkpoint.init_from is set and there is no checkpoint to resume",
+                None,
+            )
+        why = "checkpointing is disabled" if not ck.enabled else f"no complete checkpoint in {self.ckpt_dir}"
+        return "fresh", None, why, None
+
+    def _check_resumable(self, step_dir: Path) -> dict[str, Any]:
+        if not (step_dir / L.COMPLETE).is_file():
+            raise UserError(
+                f"checkpoint {step_dir} is incomplete (no {L.COMPLETE} marker: its save was "
+                "interrupted); resume from an older step_<N> directory instead"
+            )
+        problems = L.damaged_problems(step_dir)
+        if problems:
+            older = [
+                e.path
+                for e in L.list_steps(step_dir.parent)
+                if e.complete and e.path != step_dir and not L.damaged_problems(e.path)
+            ]
+            hint = f"checkpoint.resume={older[-1]}" if older else "checkpoint.resume=<an older step dir>"
+            raise UserError(
+                f"checkpoint {step_dir} is damaged ({'; '.join(problems[:3])}); resume from an "
+                f"older one with --{hint}"
+            )
+        meta = L.read_metadata(step_dir)
+        if "train_state" not in meta.get("contents", []):
+            raise UserError(
+                f"{step_dir} holds model weights only (an import or export); start from it with "
+                f"checkpoint.init_from={step_dir} instead of checkpoint.resume"
+            )
+        verify_model_fits(step_dir, self.cfg.model)
+        if meta.get("config_hash") != config_hash(self.cfg):
+            log.warning(
+                "the config changed since %s was written (hash %s -> %s); resuming anyway",
+                step_dir,
+                meta.get("config_hash"),
+                config_hash(self.cfg),
+            )
+        return meta
+
+    def _resume(self, step_dir: Path, why: str, lineage: str | None) -> int:
+        meta = self._on_rank0(lambda: self._check_resumable(step_dir))
+        step = int(meta["step"])
+        log.info("resuming from %s (step %d): %s", step_dir, step, why)
+        if meta["world_size"] != self.world_size or meta["layout"] != self.layout:
+            log.info(
+                "resharding: saved with world size %s layout %s, loading with world size %s layout %s",
+                meta["world_size"],
+                meta["layout"],
+                self.world_size,
+                self.layout,
+            )
+        try:
+            state: dict[str, Any] = {"model": model_state(self.model_parts)}
+            if "optimizer" in meta["contents"]:
+                state["optim"] = optimizer_state(self.model_parts, self.optimizers)
+            dcp.load(
+                state,
+                storage_reader=dcp.FileSystemReader(step_dir),
+                process_group=self._save_pg,
+                no_dist=not self._dist,
+            )
+            set_model_state(self.model_parts, state["model"])
+            if "optim" in state:
+                set_optimizer_state(self.model_parts, self.optimizers, state["optim"])
+            same_world = meta["world_size"] == self.world_size
+            source = L.train_state_file(step_dir, self.rank if same_world else 0)
+            payload = torch.load(source, weights_only=True, map_location="cpu")
+        except UserError:
+            raise
+        except Exception as exc:
+            raise UserError(
+                f"cannot load checkpoint {step_dir} ({type(exc).__name__}: {exc}); it is damaged or "
+                "not from this relaytrain; resume from an older one with "
+                "--checkpoint.resume=<older step dir>"
+            ) from exc
+        self.train_state.load_state_dict(payload["train_state"])
+        if same_world:
+            restore_rng(payload["rng"])
+        else:
+            # Per-rank random streams cannot be mapped onto a different number of ranks; derive new ones.
+            reseed_rng(self.cfg.run.seed, step, self.rank)
+        self._resumed = (step_dir.resolve(), step)
+        self._resumed_from = lineage if lineage is not None else str(meta.get("resumed_from", ""))
+        self._saved_steps = {s for s in self._saved_steps if s <= step}
+        self._schedule.mark_saved()
+        return step
+
+    def close(self) -> None:
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        for group in (self._ctrl, self._save_pg):
+            if group is not None and self._dist and dist.is_initialized():
+                dist.destroy_process_group(group)
+        self._ctrl = self._save_pg = None
+        self._dist = False
+
+
+def _tokenizer_file(spec: str) -> Path | None:
+    if spec == "byte":
+        return None
+    path = Path(spec).expanduser()
+    path = path / "tokenizer.json" if path.is_dir() else path
+    if not path.is_file():
+        log.warning("tokenizer file %s not found; checkpoints will not carry a copy of it", spec)
+        return None
+    return path
