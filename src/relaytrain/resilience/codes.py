@@ -32,7 +32,7 @@ class StopReason(enum.IntEnum):
     SIGNAL = 5  # a stop signal outside SLURM (kill, torchrun forwarding SIGTERM)
     USER_INTERRUPT = 6  # SIGINT (Ctrl-C)
     CANCELLED = 7  # SIGTERM from `scancel`: scontrol shows the job CANCELLED
-    NONFINITE = 8  # NaN/Inf and the NaN policy stopped the run
+    NAN = 8  # NaN/Inf loss or grad norm and the NaN policy stopped the run
     HANG = 9  # hang watchdog
     ERROR = 10  # an exception in the trainer
 
@@ -46,4 +46,4 @@ REQUEUE_REASONS = frozenset({StopReason.TIME_BUDGET, StopReason.TIME_LIMIT_SIGNA
 # Time-limit stops are capped by resilience.max_requeues; preemptions are not the job's fault.
 TIME_LIMIT_REASONS = frozenset({StopReason.TIME_BUDGET, StopReason.TIME_LIMIT_SIGNAL})
 # Real errors: the run is marked failed and never requeued.
-FAILURE_REASONS = frozenset({StopReason.NONFINITE, StopReason.HANG, StopReason.ERROR})
+FAILURE_REASONS = frozenset({StopReason.NAN, StopReason.HANG, StopReason.ERROR})

@@ -88,7 +88,7 @@ def decide_requeue(
 def exit_code_for(reason: StopReason) -> int:
     if reason in (StopReason.NONE, StopReason.STOP_AT_STEP):
         return 0
-    if reason == StopReason.NONFINITE:
+    if reason == StopReason.NAN:
         return EXIT_NONFINITE
     if reason == StopReason.HANG:
         return EXIT_HANG

@@ -1,0 +1,432 @@
+"""Unit tests of relaytrain.resilience: requeue policy, marker, time budget, signals, watchdogs, NaN guard."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from relaytrain.config.loader import load_config
+from relaytrain.errors import ConfigError
+from relaytrain.resilience import (
+    EXIT_DEADLINE,
+    EXIT_DOUBLE_INTERRUPT,
+    EXIT_HANG,
+    EXIT_NONFINITE,
+    EXIT_RESUME,
+    NanGuard,
+    NanInjector,
+    RunStateFile,
+    ShutdownController,
+    SlurmJob,
+    StopReason,
+    decide_requeue,
+    finished_message,
+    handle_stop,
+    job_end_time,
+    mark_finished,
+    mark_running,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CASES = Path(__file__).with_name("resilience_cases.py")
+S = StopReason
+
+FAKE_SCONTROL = """#!/bin/sh
+echo "$@" >> "$FAKE_SCONTROL_LOG"
+case "$1 $2" in
+  "show job") echo "JobId=$4 JobState=${FAKE_JOB_STATE:-RUNNING} EndTime=${FAKE_END:-Unknown} Restarts=0";;
+  "requeue "*) exit ${FAKE_REQUEUE_RC:-0};;
+esac
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """A fake `scontrol` on PATH that records its arguments, and a clean SLURM environment."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(FAKE_SCONTROL)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    log_file = tmp_path / "scontrol.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SCONTROL_LOG", str(log_file))
+    for name in (
+        "SLURM_JOB_ID",
+        "SLURM_ARRAY_JOB_ID",
+        "SLURM_ARRAY_TASK_ID",
+        "SLURM_RESTART_COUNT",
+        "SLURM_JOB_END_TIME",
+        "RELAYTRAIN_FAKE_JOB_END_TIME",
+    ):
+        monkeypatch.delenv(name, raising=False)
+
+    def calls() -> list[str]:
+        return log_file.read_text().splitlines() if log_file.exists() else []
+
+    return calls
+
+
+def cfg_for(tmp_path, *overrides: str):
+    return load_config(None, [f"--run.dir={tmp_path}", "--run.name=run", *overrides])
+
+
+# -- the requeue decision (pure) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reason", "enabled", "restarts", "in_slurm", "expected"),
+    [
+        (S.TIME_BUDGET, True, 0, True, True),
+        (S.TIME_LIMIT_SIGNAL, True, 4, True, True),
+        (S.TIME_LIMIT_SIGNAL, True, 5, True, False),  # cap: max_requeues=5
+        (S.TIME_BUDGET, True, 5, True, False),
+        (S.PREEMPTION, True, 99, True, True),  # preemptions are not capped
+        (S.PREEMPTION, False, 0, True, False),  # resilience.requeue = false
+        (S.TIME_BUDGET, True, 0, False, False),  # outside SLURM
+        (S.NAN, True, 0, True, False),
+        (S.ERROR, True, 0, True, False),
+        (S.HANG, True, 0, True, False),
+        (S.USER_INTERRUPT, True, 0, True, False),
+        (S.CANCELLED, True, 0, True, False),
+        (S.STOP_AT_STEP, True, 0, True, False),
+        (S.SIGNAL, True, 0, True, False),
+        (S.NONE, True, 0, True, False),  # finished: never requeued
+    ],
+)
+def test_decide_requeue(reason, enabled, restarts, in_slurm, expected):
+    assert decide_requeue(reason, enabled, 5, restarts, in_slurm) is expected
+
+
+def test_slurm_job_ids():
+    plain = SlurmJob.from_env({"SLURM_JOB_ID": "42"})
+    assert (plain.in_slurm, plain.requeue_id, plain.restart_count) == (True, "42", 0)
+    array = SlurmJob.from_env(
+        {
+            "SLURM_JOB_ID": "107",
+            "SLURM_ARRAY_JOB_ID": "100",
+            "SLURM_ARRAY_TASK_ID": "7",
+            "SLURM_RESTART_COUNT": "3",
+        }
+    )
+    assert (array.requeue_id, array.restart_count) == ("100_7", 3)
+    assert not SlurmJob.from_env({}).in_slurm
+
+
+# -- handle_stop: marker + scontrol ---------------------------------------------------------------
+
+
+def test_time_budget_stop_requeues_array_task(tmp_path, fake_slurm, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "107")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "100")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    cfg = cfg_for(tmp_path)
+    assert handle_stop(cfg, tmp_path, S.TIME_BUDGET, 40, rank=0) == EXIT_RESUME
+    assert fake_slurm() == ["requeue 100_7"]
+    state = RunStateFile(tmp_path).read()
+    assert state["status"] == "stopped" and state["reason"] == "time_budget" and state["step"] == 40
+    assert state["requeue_requested"] and state["requeued"] and not state["requeue_pending"]
+    assert (state["job_id"], state["restart_count"], state["saved"]) == ("107", 2, True)
+
+
+def test_other_ranks_only_get_the_exit_code(tmp_path, fake_slurm, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    assert handle_stop(cfg_for(tmp_path), tmp_path, S.TIME_LIMIT_SIGNAL, 9, rank=1) == EXIT_RESUME
+    assert fake_slurm() == [] and RunStateFile(tmp_path).read() is None
+
+
+def test_preemption_requeues_but_scancel_does_not(tmp_path, fake_slurm, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "8")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "50")  # over max_requeues: preemption is not capped
+    cfg = cfg_for(tmp_path)
+    assert handle_stop(cfg, tmp_path, S.PREEMPTION, 3, rank=0) == EXIT_RESUME
+    assert fake_slurm() == ["show job -o 8", "requeue 8"]
+    monkeypatch.setenv("FAKE_JOB_STATE", "CANCELLED")
+    assert handle_stop(cfg, tmp_path, S.PREEMPTION, 4, rank=0) == EXIT_RESUME
+    assert fake_slurm()[2:] == ["show job -o 8"]
+    state = RunStateFile(tmp_path).read()
+    assert state["reason"] == "cancelled" and not state["requeue_requested"]
+
+
+def test_time_limit_cap_and_errors_do_not_requeue(tmp_path, fake_slurm, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "20")
+    cfg = cfg_for(tmp_path)  # max_requeues defaults to 20
+    assert handle_stop(cfg, tmp_path, S.TIME_LIMIT_SIGNAL, 5, rank=0) == EXIT_RESUME
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert handle_stop(cfg, tmp_path, S.NAN, 6, rank=0) == EXIT_NONFINITE
+    assert RunStateFile(tmp_path).read()["status"] == "failed"
+    assert handle_stop(cfg, tmp_path, S.STOP_AT_STEP, 7, rank=0) == 0
+    assert (
+        handle_stop(cfg_for(tmp_path, "--resilience.requeue=false"), tmp_path, S.TIME_BUDGET, 8, rank=0)
+        == EXIT_RESUME
+    )
+    assert fake_slurm() == []
+
+
+def test_no_requeue_outside_slurm(tmp_path, fake_slurm):
+    assert handle_stop(cfg_for(tmp_path), tmp_path, S.SIGNAL, 3, rank=0) == EXIT_RESUME
+    assert fake_slurm() == [] and RunStateFile(tmp_path).read()["status"] == "stopped"
+
+
+def test_missing_or_failing_scontrol_leaves_requeue_pending(tmp_path, fake_slurm, monkeypatch, caplog):
+    monkeypatch.setenv("SLURM_JOB_ID", "11")
+    monkeypatch.setenv("FAKE_REQUEUE_RC", "1")
+    cfg = cfg_for(tmp_path)
+    handle_stop(cfg, tmp_path, S.TIME_BUDGET, 12, rank=0)
+    assert fake_slurm() == ["requeue 11"]
+    state = RunStateFile(tmp_path).read()
+    assert state["requeue_pending"] and not state["requeued"]
+    monkeypatch.setenv("PATH", "/nonexistent")  # inside a container: no scontrol at all
+    with caplog.at_level("WARNING"):
+        handle_stop(cfg, tmp_path, S.TIME_BUDGET, 13, rank=0)
+    assert "scontrol is not on PATH" in caplog.text
+    assert RunStateFile(tmp_path).read()["requeue_pending"]
+
+
+def _doc_snippet(marker: str) -> str:
+    text = (REPO / "docs" / "resilience.md").read_text()
+    match = re.search(rf"<!-- {marker} -->\s*```bash\n(.*?)```", text, re.S)
+    assert match, f"docs/resilience.md lacks the {marker} snippet"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("pending", [True, False])
+def test_batch_script_fallback_snippet_from_docs(tmp_path, fake_slurm, monkeypatch, pending):
+    monkeypatch.setenv("SLURM_JOB_ID", "107")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "100")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
+    monkeypatch.setenv(
+        "FAKE_REQUEUE_RC", "1"
+    )  # scontrol fails inside the "container": the marker says pending
+    handle_stop(cfg_for(tmp_path), tmp_path, S.TIME_BUDGET if pending else S.NAN, 5, rank=0)
+    monkeypatch.setenv("FAKE_REQUEUE_RC", "0")
+    script = f"run_dir={tmp_path}\n" + _doc_snippet("requeue-fallback")
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=os.environ)
+    assert proc.returncode == 0, proc.stderr
+    expected = ["requeue 100_7", "requeue 100_7"] if pending else []
+    assert fake_slurm() == expected
+
+
+def test_run_state_markers(tmp_path, fake_slurm, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "3")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    cfg = cfg_for(tmp_path, "--train.max_steps=40")
+    mark_running(cfg, tmp_path, rank=1, step=0)
+    assert RunStateFile(tmp_path).read() is None
+    mark_running(cfg, tmp_path, rank=0, step=10)
+    assert RunStateFile(tmp_path).read()["status"] == "running"
+    assert finished_message(cfg, tmp_path) is None
+    mark_finished(tmp_path, rank=0, step=40)
+    text = (tmp_path / "run_state.json").read_text()
+    assert '"status": "finished"' in text and '"requeue_pending": false' in text  # one key per line
+    assert "already finished at step 40" in finished_message(cfg, tmp_path)
+    assert finished_message(cfg_for(tmp_path, "--train.max_steps=80"), tmp_path) is None
+    with pytest.raises(ValueError):
+        RunStateFile(tmp_path).write("done", "", 1)
+
+
+# -- the job's end time and the time budget -------------------------------------------------------
+
+
+def test_job_end_time_sources(fake_slurm, monkeypatch):
+    assert job_end_time({"RELAYTRAIN_FAKE_JOB_END_TIME": "1000", "SLURM_JOB_END_TIME": "5"}) == (
+        1000.0,
+        "RELAYTRAIN_FAKE_JOB_END_TIME",
+    )
+    assert job_end_time({"SLURM_JOB_END_TIME": "5"})[0] == 5.0
+    assert job_end_time({})[0] is None
+    monkeypatch.setenv("FAKE_END", "2030-01-02T03:04:05")
+    end, source = job_end_time({"SLURM_JOB_ID": "77"})
+    assert source == "scontrol show job"
+    assert time.localtime(end)[:6] == (2030, 1, 2, 3, 4, 5)
+    assert fake_slurm() == ["show job -o 77"]
+    monkeypatch.setenv("FAKE_END", "Unknown")
+    assert job_end_time({"SLURM_JOB_ID": "77"})[0] is None
+
+
+def controller(tmp_path, monkeypatch, end_in_s: float | None, *overrides: str, slurm: bool = False):
+    if end_in_s is None:
+        monkeypatch.delenv("RELAYTRAIN_FAKE_JOB_END_TIME", raising=False)
+    else:
+        monkeypatch.setenv("RELAYTRAIN_FAKE_JOB_END_TIME", str(time.time() + end_in_s))
+    if slurm:
+        monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    return ShutdownController(cfg_for(tmp_path, *overrides), rank=0, device=torch.device("cpu"))
+
+
+def test_time_budget_stops_before_the_signal(tmp_path, fake_slurm, monkeypatch):
+    c = controller(tmp_path, monkeypatch, 3600)
+    assert c.agree(1, save_estimate_s=60) == S.NONE
+    assert c.agree(2, save_estimate_s=3400) == S.TIME_BUDGET  # 3600 s left < 3400 + 300 margin
+    assert (c.stop_reason, c.stop_step, c.deadline.triggered_at is not None) == (S.TIME_BUDGET, 2, True)
+    c.uninstall()
+    c = controller(tmp_path, monkeypatch, 200)  # inside the 300 s margin already
+    assert c.agree(1) == S.TIME_BUDGET
+    c.uninstall()
+    c = controller(tmp_path, monkeypatch, None)  # unknown end time: no budget
+    assert c.agree(1, save_estimate_s=1e9) == S.NONE
+
+
+def _signal_self_and_agree(c: ShutdownController, signum: int) -> StopReason:
+    c.install()
+    try:
+        os.kill(os.getpid(), signum)
+        return c.agree(1)
+    finally:
+        c.uninstall()
+
+
+@pytest.mark.parametrize(
+    ("signum", "slurm", "end_in_s", "expected"),
+    [
+        (signal.SIGUSR2, False, None, S.TIME_LIMIT_SIGNAL),  # resilience.slurm_signal
+        (signal.SIGTERM, False, None, S.SIGNAL),  # kill / torchrun outside SLURM
+        (signal.SIGTERM, True, 86400, S.PREEMPTION),  # lots of time left: preemption
+        (signal.SIGTERM, True, 200, S.TIME_LIMIT_SIGNAL),  # near the end: the time limit
+        (signal.SIGINT, True, 86400, S.USER_INTERRUPT),
+    ],
+)
+def test_signal_classification(tmp_path, fake_slurm, monkeypatch, signum, slurm, end_in_s, expected):
+    overrides = ("--resilience.time_budget_margin_s=0",)
+    c = controller(tmp_path, monkeypatch, end_in_s, *overrides, slurm=slurm)
+    assert _signal_self_and_agree(c, signum) == expected
+
+
+def test_handlers_are_restored(tmp_path, fake_slurm, monkeypatch):
+    before = signal.getsignal(signal.SIGUSR2)
+    c = controller(tmp_path, monkeypatch, None)
+    c.install()
+    assert signal.getsignal(signal.SIGUSR2) != before
+    c.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) == before
+
+
+def test_config_checks(tmp_path):
+    with pytest.raises(ConfigError, match="hard_deadline_s"):
+        cfg_for(tmp_path, "--resilience.hard_deadline_s=200", "--resilience.signal_lead_s=180")
+    with pytest.raises(ConfigError, match="slurm_signal"):
+        cfg_for(tmp_path, "--resilience.slurm_signal=SIGUSR1")
+
+
+# -- subprocess scenarios that end in os._exit ----------------------------------------------------
+
+
+def run_case(case: str, run_dir: Path, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("SLURM_JOB_ID", None)
+    return subprocess.run(
+        [sys.executable, str(CASES), case, str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        **kwargs,
+    )
+
+
+def test_hang_watchdog_dumps_stacks_and_exits(tmp_path):
+    proc = run_case("hang", tmp_path)
+    assert proc.returncode == EXIT_HANG, proc.stderr
+    dump = (tmp_path / "logs" / "hang_rank0.txt").read_text()
+    assert "rank 0 step 3" in dump and "stuck_in_collective" in dump
+    assert "stuck_in_collective" in proc.stderr
+
+
+def test_hang_watchdog_backstop_when_the_gil_is_held(tmp_path):
+    proc = run_case("gil_hang", tmp_path)
+    assert proc.returncode == 1, proc.stderr  # faulthandler's exit
+    dump = (tmp_path / "logs" / "hang_rank0.txt").read_text()
+    assert "Timeout" in dump and "resilience_cases.py" in dump
+
+
+def test_hang_watchdog_quiet_while_steps_finish(tmp_path):
+    proc = run_case("beating", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "logs" / "hang_rank0.txt").read_text()
+
+
+def test_hard_deadline_exits_when_the_save_hangs(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_case("deadline", run_dir)
+    assert proc.returncode == EXIT_DEADLINE, proc.stderr
+    assert "agreed: signal" in proc.stdout
+    assert "stuck_in_collective" in (run_dir / "logs" / "deadline_rank0.txt").read_text()
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert (state["status"], state["reason"], state["step"], state["saved"]) == (
+        "stopped",
+        "signal",
+        7,
+        False,
+    )
+
+
+def test_second_ctrl_c_exits_at_once(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, str(CASES), "sigint", str(tmp_path / "run")],
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)  # the same Ctrl-C delivered twice (terminal + torchrun): ignored
+        assert proc.stdout.readline().strip() == "first interrupt seen"
+        time.sleep(1.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == EXIT_DOUBLE_INTERRUPT
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# -- NaN guard ------------------------------------------------------------------------------------
+
+NAN, OK = torch.tensor(float("nan")), torch.tensor(1.0)
+
+
+def test_nan_policy_stop(tmp_path):
+    guard = NanGuard(cfg_for(tmp_path, "--resilience.nan_policy=stop"), torch.device("cpu"))
+    assert guard.check(OK, OK) == "ok"
+    assert guard.check(OK, torch.tensor(float("inf"))) == "stop"  # a bad grad norm counts too
+
+
+def test_nan_policy_skip_escalates_to_stop(tmp_path):
+    guard = NanGuard(
+        cfg_for(tmp_path, "--resilience.nan_policy=skip", "--resilience.nan_max_consecutive=2"),
+        torch.device("cpu"),
+    )
+    assert [guard.check(x, 1.0) for x in (NAN, OK, NAN, NAN)] == ["skip", "ok", "skip", "stop"]
+    assert guard.bad_total == 3
+
+
+def test_nan_policy_rollback(tmp_path):
+    guard = NanGuard(
+        cfg_for(tmp_path, "--resilience.nan_policy=rollback", "--resilience.nan_max_consecutive=2"),
+        torch.device("cpu"),
+    )
+    verdicts = [guard.check(NAN, None) for _ in range(8)]
+    assert verdicts == ["skip", "rollback"] * 3 + ["skip", "stop"]  # at most MAX_ROLLBACKS = 3 rollbacks
+
+
+def test_nan_injector():
+    env = {"RELAYTRAIN_INJECT_NAN_AT_STEPS": "5,6"}
+    inject = NanInjector(rank=1, world_size=2, env=env)  # default: the last rank
+    assert torch.isnan(inject(OK.clone(), 5)) and torch.isnan(inject(OK.clone(), 6))
+    assert inject(OK.clone(), 5) == 1.0  # each step once per process (a rollback replays it cleanly)
+    assert inject(OK.clone(), 7) == 1.0
+    assert NanInjector(rank=0, world_size=2, env=env)(OK.clone(), 5) == 1.0
+    assert not NanInjector(rank=0, world_size=1, env={}).active
