@@ -29,10 +29,13 @@ from relaytrain.parallel.distributed import DistEnv, init_distributed, shutdown_
 from relaytrain.resilience import (
     HangWatchdog,
     NanGuard,
-    RunStateFile,
+    NanInjector,
     ShutdownController,
     StopReason,
+    finished_message,
     handle_stop,
+    mark_finished,
+    mark_running,
 )
 
 log = logging.getLogger("relaytrain")
@@ -94,15 +97,18 @@ class Trainer:
         self.loader = build_train_loader(cfg, self.pm.dp_rank, self.pm.dp_size)
         self.val_loader = build_val_loader(cfg, self.pm.dp_rank, self.pm.dp_size) if cfg.train.eval_every else None
         self.state = TrainState(self.loader, run_id=uuid.uuid4().hex[:12])
-        self.run_state = RunStateFile(self.run_dir)
         self.checkpoint = CheckpointManager(
             cfg, self.run_dir, self.pm.model_parts, self.optimizers, self.state,
             rank=env.rank, world_size=env.world_size, layout=vars(self.pm.dims) | {"nodes": env.num_nodes},
         )
         self.metrics = MetricsLogger(cfg, self.run_dir, is_main=env.is_main)
         self.controller = ShutdownController(cfg, env.rank, env.device)
-        self.watchdog = HangWatchdog(cfg.resilience.hang_timeout_s, env.rank, self.run_dir / "logs")
+        self.watchdog = HangWatchdog(
+            cfg.resilience.hang_timeout_s, env.rank, self.run_dir / "logs",
+            on_fire=lambda step: handle_stop(cfg, self.run_dir, StopReason.HANG, step, env.rank),
+        )
         self.nan_guard = NanGuard(cfg, env.device)
+        self.inject_nan = NanInjector(env.rank, env.world_size)  # RELAYTRAIN_INJECT_NAN_AT_STEPS test hook
         self.profiler = StepProfiler(cfg, self.run_dir, env.rank)
         self.timer = StepTimer()
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
@@ -112,13 +118,12 @@ class Trainer:
 
     def run(self) -> int:
         cfg, state = self.cfg, self.state
-        previous = self.run_state.read()
-        if previous and previous.get("status") == "finished" and cfg.checkpoint.resume == "auto":
-            if int(previous.get("step", 0)) >= cfg.train.max_steps:
-                log.info("run '%s' already finished at step %s; nothing to do", cfg.run.name, previous["step"])
-                return 0
+        done = finished_message(cfg, self.run_dir) if cfg.checkpoint.resume == "auto" else None
+        if done:
+            log.info("%s", done)
+            return 0
         resumed = self.checkpoint.load()
-        self.run_state.write("running", reason="", step=state.step)
+        mark_running(cfg, self.run_dir, self.env.rank, state.step)
         self.metrics.log_event("resume" if resumed is not None else "start", state.step,
                                world_size=self.env.world_size, nodes=self.env.num_nodes)
         self.controller.install()
@@ -127,8 +132,8 @@ class Trainer:
             if resumed is None and cfg.checkpoint.save_initial and cfg.checkpoint.enabled:
                 self.checkpoint.save(0, reason="initial")
             return self._loop()
-        except BaseException:
-            self.run_state.write("failed", reason="exception", step=state.step)
+        except BaseException as exc:
+            handle_stop(cfg, self.run_dir, StopReason.ERROR, state.step, self.env.rank, message=repr(exc))
             raise
         finally:
             self.watchdog.stop()
@@ -149,7 +154,7 @@ class Trainer:
                 inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
             with self.timer.section("forward_backward"):
                 loss = self.pm.train_step(inputs, targets)
-                loss = _maybe_inject_nan(loss, step, self.env.rank)
+                loss = self.inject_nan(loss, step)
             with self.timer.section("optimizer"):
                 grad_norm = self.pm.clip_grad_norm_(train.grad_clip)
                 verdict = self.nan_guard.check(loss, grad_norm)
@@ -185,7 +190,7 @@ class Trainer:
             if reason != StopReason.NONE:
                 return self._stop(reason, step)
         self.checkpoint.wait()
-        self.run_state.write("finished", reason="max_steps", step=state.step)
+        mark_finished(self.run_dir, self.env.rank, state.step)
         self.metrics.log_event("finished", state.step)
         return 0
 
@@ -237,14 +242,6 @@ class Trainer:
         if batches:
             val = total / batches
             self.metrics.log_eval(step, {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
-
-
-def _maybe_inject_nan(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
-    """Testing hook: RELAYTRAIN_INJECT_NAN_AT_STEPS="5,6" makes rank 0's loss NaN at those steps."""
-    spec = os.environ.get("RELAYTRAIN_INJECT_NAN_AT_STEPS")
-    if spec and rank == 0 and str(step) in spec.split(","):
-        return loss * float("nan")
-    return loss
 
 
 def train(cfg: Config) -> int:

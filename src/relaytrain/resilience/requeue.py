@@ -157,7 +157,7 @@ def handle_stop(
         "restart_count": job.restart_count,
         "saved": saved,
         "exit_code": code,
-        "message": message,
+        "message": message[:500],
     }
     state_file = RunStateFile(run_dir)
     state_file.write(status, reason.label, step, requeue_requested=requeue, requeue_pending=requeue, **facts)
