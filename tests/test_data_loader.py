@@ -220,8 +220,9 @@ def test_source_errors_name_the_problem(tmp_path, two_sources):
     cfg.data.weights = [1.0]
     with pytest.raises(UserError, match="data.weights has 1 entries"):
         resolve_sources(cfg)
-    with pytest.raises(UserError, match="fewer than train.seq_len"):
-        build_train_loader(make_cfg(tmp_path, two_sources, seq_len=100_000), 0, 1)
+    for build in (build_train_loader, build_val_loader):
+        with pytest.raises(UserError, match="fewer than train.seq_len"):
+            build(make_cfg(tmp_path, two_sources, seq_len=100_000), 0, 1)
     with pytest.raises(UserError, match="not divisible by the 3 data-parallel ranks"):
         build_train_loader(make_cfg(tmp_path, two_sources, global_batch_size=8), 0, 3)
 

@@ -161,6 +161,11 @@ class ValLoader:
             if n == 0:
                 stream = d.split("train")
                 train_windows = _num_windows(stream.num_tokens, seq_len)
+                if train_windows == 0:
+                    raise UserError(
+                        f"{d.path} has {stream.num_tokens} training tokens, fewer than train.seq_len+1="
+                        f"{seq_len + 1}; use more data or a shorter train.seq_len"
+                    )
                 n = max(1, train_windows // 100)
                 first = train_windows - n
                 log.warning(
