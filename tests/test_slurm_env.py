@@ -1,0 +1,197 @@
+"""SLURM -> torch environment mapping, job facts, port choice, interface detection, task wrapper."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from relaytrain.slurm.env import apply_slurm_env, job_info, normalize_amd_visibility, tasks_on_node
+from relaytrain.slurm.netdetect import IFNAME_AWK, detect_interface, high_speed_interfaces
+from relaytrain.slurm.ports import PORT_MAX, PORT_MIN, base_port, choose_port
+from relaytrain.slurm.script import TEMPLATE_DIR
+
+# What srun sets for task 5 of a 2-node x 4-task step (values as Slurm 22.05 prints them).
+SRUN_TASK_ENV = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_NTASKS": "8",
+    "SLURM_STEP_NUM_TASKS": "8",
+    "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_STEP_NODELIST": "gpu[07-08]",
+    "SLURMD_NODENAME": "gpu08",
+}
+
+
+def test_srun_task_is_mapped_to_torch_variables():
+    env = dict(SRUN_TASK_ENV)
+    assert apply_slurm_env(env) is True
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("5", "1", "8")
+    assert (env["LOCAL_WORLD_SIZE"], env["NODE_RANK"]) == ("4", "1")
+    assert env["MASTER_ADDR"] == "gpu07"
+    assert env["MASTER_PORT"] == str(base_port("4242"))
+    assert PORT_MIN <= int(env["MASTER_PORT"]) <= PORT_MAX
+
+
+def test_script_exports_win_and_uneven_nodes_give_the_right_local_world_size():
+    env = dict(
+        SRUN_TASK_ENV,
+        MASTER_ADDR="10.0.0.1",
+        MASTER_PORT="17000",
+        SLURM_STEP_TASKS_PER_NODE="4,3",
+        SLURM_STEP_NUM_TASKS="7",
+    )
+    assert apply_slurm_env(env)
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "17000")
+    assert (env["LOCAL_WORLD_SIZE"], env["WORLD_SIZE"]) == ("3", "7")
+    assert tasks_on_node("2(x3),1", 2) == 2 and tasks_on_node("2(x3),1", 3) == 1
+
+
+def test_no_mapping_under_torchrun_in_the_batch_shell_or_outside_slurm():
+    torchrun = dict(SRUN_TASK_ENV, RANK="3", WORLD_SIZE="8", LOCAL_RANK="3")
+    assert apply_slurm_env(torchrun) is False and torchrun["RANK"] == "3"
+    batch = {k: v for k, v in SRUN_TASK_ENV.items() if k not in ("SLURM_STEP_ID",)}
+    assert apply_slurm_env(batch) is False and "RANK" not in batch
+    batch_step = dict(SRUN_TASK_ENV, SLURM_STEP_ID="4294967291")  # Slurm's id of the batch step
+    assert apply_slurm_env(batch_step) is False
+    empty: dict[str, str] = {}
+    assert apply_slurm_env(empty) is False and empty == {}
+
+
+def test_amd_visibility_drops_only_duplicated_absolute_ids():
+    env = {"ROCR_VISIBLE_DEVICES": "4,5,6,7", "HIP_VISIBLE_DEVICES": "4,5,6,7", "CUDA_VISIBLE_DEVICES": "0,1"}
+    normalize_amd_visibility(env)
+    assert "HIP_VISIBLE_DEVICES" not in env and env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    same = {"ROCR_VISIBLE_DEVICES": "0,1", "HIP_VISIBLE_DEVICES": "0,1"}
+    normalize_amd_visibility(same)
+    assert same["HIP_VISIBLE_DEVICES"] == "0,1"  # renumbered ids mean the same devices: harmless
+
+
+def test_job_info_first_run_array_and_end_time():
+    info = job_info({"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-3]", "SLURMD_NODENAME": "n2"})
+    assert info.in_slurm and info.restart_count == 0 and info.array_aware_id == "77"
+    assert info.nodelist == ["n1", "n2", "n3"] and info.node_name == "n2" and info.end_time is None
+    arr = job_info(
+        {
+            "SLURM_JOB_ID": "81",
+            "SLURM_ARRAY_JOB_ID": "80",
+            "SLURM_ARRAY_TASK_ID": "1",
+            "SLURM_RESTART_COUNT": "2",
+            "SLURM_JOB_END_TIME": "1700000000",
+        }
+    )
+    assert arr.array_aware_id == "80_1" and arr.restart_count == 2 and arr.end_time == 1700000000.0
+    assert not job_info({}).in_slurm
+
+
+def test_port_is_deterministic_and_skips_ports_in_use():
+    assert base_port(4242) == base_port("4242") == PORT_MIN + 4242 % 5001
+    assert base_port(5001) == PORT_MIN and PORT_MIN <= base_port("80_1") <= PORT_MAX
+    busy = {base_port(9), base_port(9) + 1}
+    assert choose_port(9, lambda p: p not in busy) == base_port(9) + 2
+    assert choose_port(5000, lambda p: p != PORT_MAX) == PORT_MIN  # wraps inside the range
+
+
+def _bash_functions() -> str:
+    text = (TEMPLATE_DIR / "job.sh.j2").read_text()
+    start = text.index("port_in_use() {")
+    end = text.index("# ----", start)
+    return text[start:end].replace("# shellcheck disable=SC2329\n", "")
+
+
+def test_bash_pick_port_matches_python_and_sees_a_listening_socket():
+    job_id = 1234
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", base_port(job_id)))
+        except OSError:
+            pytest.skip("base port already taken on this machine")
+        sock.listen()
+        out = subprocess.run(
+            ["bash", "-c", _bash_functions() + f"\npick_port {job_id}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert int(out) == choose_port(job_id) == base_port(job_id) + 1
+
+
+# Recorded `ip -br addr` outputs.
+IP_DGX_IB = """lo               UNKNOWN        127.0.0.1/8 ::1/128
+eno1             UP             10.31.1.21/16 fe80::3eec:efff:fe4a:1b2c/64
+ibp12s0          DOWN
+ib0              UP             10.32.1.21/16 fe80::ba59:9f03:0:1/64
+ib1              UP             10.33.1.21/16 fe80::ba59:9f03:0:2/64
+docker0          DOWN           172.17.0.1/16
+"""
+IP_FRONTIER = """lo               UNKNOWN        127.0.0.1/8 ::1/128
+hsn0             UP             10.128.3.45/14 fe80::ee0d:9aff:fe71:28a2/64
+hsn1             UP             10.128.3.46/14 fe80::ee0d:9aff:fe71:28a3/64
+nmn0             UP             10.100.3.45/22
+"""
+IP_IB_DOWN_WITH_PKEY = """lo               UNKNOWN        127.0.0.1/8 ::1/128
+ib0              DOWN
+ib0.8066@ib0     UP             192.168.20.4/24 fe80::1/64
+em4              UP             10.0.7.4/24
+"""
+IP_ETHERNET_ONLY = """lo               UNKNOWN        127.0.0.1/8 ::1/128
+eth0             UP             192.0.2.2/24 fd00::2/64 fe80::fc:ff:fe00:1/64
+rlt-host@if3     UP             10.250.0.1/24 fe80::9862:d3ff:fe0b:d53/64
+"""
+IP_IB_NO_ADDRESS = """ib0              UP
+hsn0             UP             10.1.0.2/16
+"""
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (IP_DGX_IB, "ib0"),
+        (IP_FRONTIER, "hsn0"),
+        (IP_IB_DOWN_WITH_PKEY, "ib0.8066"),
+        (IP_ETHERNET_ONLY, None),
+        (IP_IB_NO_ADDRESS, "hsn0"),
+        ("", None),
+    ],
+)
+def test_interface_detection_python_and_the_scripts_awk_agree(text, expected):
+    assert detect_interface(text) == expected
+    awk = subprocess.run(["awk", IFNAME_AWK], input=text, capture_output=True, text=True, check=True)
+    assert (awk.stdout.strip() or None) == expected
+
+
+def test_profile_interface_wins_and_doctor_lists_all():
+    assert detect_interface(IP_DGX_IB, preferred="eno1") == "eno1"
+    assert high_speed_interfaces(IP_DGX_IB) == ["ib0", "ib1"]
+    assert high_speed_interfaces(IP_FRONTIER) == ["hsn0", "hsn1"]
+
+
+def test_task_wrapper_maps_the_environment_and_execs_the_command():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "RANK", "MASTER"))}
+    env.update(SRUN_TASK_ENV)
+    keys = "('RANK', 'LOCAL_RANK', 'MASTER_ADDR')"
+    code = f"import json, os; print(json.dumps({{k: os.environ[k] for k in {keys}}}))"
+    out = subprocess.run(
+        [sys.executable, "-m", "relaytrain.slurm.task", "--map-env", "--", sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(out.stdout) == {"RANK": "5", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu07"}
+    bad = subprocess.run(
+        [sys.executable, "-m", "relaytrain.slurm.task", "--", "/nonexistent/cmd"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 127 and "cannot run" in bad.stderr
