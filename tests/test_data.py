@@ -254,3 +254,21 @@ def test_damaged_or_foreign_directories_are_rejected(tmp_path):
     (out / "meta.json").write_text('{"format": "something-else"}')
     with pytest.raises(UserError, match="not a relaytrain token dataset"):
         PreparedDataset(out)
+
+
+@pytest.mark.timeout(120)
+def test_failure_while_writing_with_a_pool_cleans_up_without_hanging(tmp_path, monkeypatch):
+    from relaytrain.data import prepare
+
+    (tmp_path / "many.txt").write_text("\n\n".join(f"doc {i}" for i in range(40_000)))
+    calls = []
+
+    def failing_write(self, tokens, documents):
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError("No space left on device")
+
+    monkeypatch.setattr(prepare.ShardWriter, "write", failing_write)
+    with pytest.raises(OSError, match="No space left"):
+        prepare_dataset([str(tmp_path / "many.txt")], tmp_path / "out", workers=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.txt"]

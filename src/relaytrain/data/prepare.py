@@ -127,13 +127,16 @@ def _write_shards(tmp: Path, spec: str, entries, dtype: np.dtype, args: dict, pr
     workers, val_fraction = args["workers"], args["val_fraction"]
     total = sum(input_size(p, k) for p, k in entries)
     in_flight = threading.Semaphore(max(2, 2 * workers))  # bounds read-ahead: Pool.imap reads eagerly
+    stopping = threading.Event()
     advances: deque[float] = deque()
     next_index = 0
 
     def jobs():
         nonlocal next_index
         for texts, disk in _chunks(entries, args["text_key"]):
-            in_flight.acquire()
+            while not in_flight.acquire(timeout=0.1):
+                if stopping.is_set():  # the consumer failed: let the pool's feeder thread finish
+                    return
             advances.append(disk)
             yield next_index, texts, val_fraction, dtype.str
             next_index += len(texts)
@@ -157,6 +160,7 @@ def _write_shards(tmp: Path, spec: str, entries, dtype: np.dtype, args: dict, pr
                 docs, tokens = docs + n_train + n_val, tokens + len(train) + len(val)
                 bar.update(task, advance=advances.popleft(), docs=docs, tokens=tokens)
     finally:
+        stopping.set()
         if pool is not None:
             pool.terminate()
             pool.join()
