@@ -59,25 +59,29 @@ def expected_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def shape_mismatches(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> list[str]:
-    """Human-readable differences between a checkpoint's model tensors and the configured model's."""
-    problems = []
-    for key, shape in expected.items():
-        if key not in found:
-            problems.append(f"{key} missing (model needs {list(shape)})")
-        elif tuple(found[key]) != tuple(shape):
-            problems.append(f"{key}: checkpoint {list(found[key])} vs model {list(shape)}")
-    problems += [f"{key} {list(found[key])} not in the model" for key in found if key not in expected]
-    return problems
+    """Human-readable differences between a checkpoint's model tensors and the configured model's:
+    shape differences first, then tensors the model needs but the checkpoint lacks, then extras."""
+    differ = [
+        f"{key}: checkpoint {list(found[key])} vs model {list(shape)}"
+        for key, shape in expected.items()
+        if key in found and tuple(found[key]) != tuple(shape)
+    ]
+    missing = [
+        f"{key} missing (model needs {list(shape)})" for key, shape in expected.items() if key not in found
+    ]
+    extra = [f"{key} {list(found[key])} not in the model" for key in found if key not in expected]
+    return differ + missing + extra
 
 
 def raise_on_mismatch(source: Path | str, problems: list[str]) -> None:
     if problems:
-        shown = "; ".join(problems[:8]) + (
-            f"; ... ({len(problems)} differences)" if len(problems) > 8 else ""
-        )
+        kinds = [[p for p in problems if ": checkpoint " in p], [p for p in problems if " missing (" in p]]
+        kinds.append([p for p in problems if p.endswith("not in the model")])
+        shown = [p for kind in kinds for p in kind[:4]]
+        more = f"; ... ({len(problems)} differences in all)" if len(shown) < len(problems) else ""
         raise UserError(
-            f"checkpoint {source} does not fit the configured model: {shown}. Use the model settings the "
-            "checkpoint was written with (see its config.toml) or start from another checkpoint"
+            f"checkpoint {source} does not fit the configured model: {'; '.join(shown)}{more}. Use the model "
+            "settings the checkpoint was written with (see its config.toml) or start from another checkpoint"
         )
 
 
