@@ -199,7 +199,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 continue
             idle_checks += 1
-            if idle_checks % 5 == 0 and not jobs.is_active(args.jobid):
+            if (idle_checks == 1 or idle_checks % 5 == 0) and not jobs.is_active(args.jobid):
                 sys.stdout.write(f.read())
                 return 0
             time.sleep(1.0)

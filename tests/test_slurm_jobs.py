@@ -1,0 +1,190 @@
+"""status/logs/cancel over fake squeue/scontrol/sacct/scancel, doctor checks, and plan verdicts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from relaytrain.cli import main
+from relaytrain.config import load_config
+from relaytrain.slurm.jobs import describe, parse_scontrol_record
+from relaytrain.slurm.plan import make_plan
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCONTROL_123 = (
+    "JobId=123 JobName=7b UserId=u(1000) GroupId=u(1000) MCS_label=N/A Priority=4294901758 Nice=0 "
+    "Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=2 "
+    "BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:10:01 TimeLimit=01:00:00 TimeMin=N/A "
+    "SubmitTime=2026-11-22T01:00:00 StartTime=2026-11-22T01:00:01 NodeList=node[1-2] BatchHost=node1 "
+    "NumNodes=2 NumCPUs=4 Command={run}/slurm/job.sh WorkDir={work} StdErr={run}/slurm/123.out "
+    "StdIn=/dev/null StdOut={run}/slurm/123.out Power="
+)
+
+
+def fake(bin_dir: Path, name: str, body: str) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text("#!/bin/bash\n" + body)
+    (bin_dir / name).chmod(0o755)
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "7b"
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "123.out").write_text("[relaytrain] job 123: restart count 2\nstep 42 loss 2.1\n")
+    (run / "slurm" / "124.out").write_text("[relaytrain] job 124: restart count 1\n")
+    (run / "slurm" / "jobs.jsonl").write_text(
+        json.dumps({"job_id": "123", "run_dir": str(run), "log": str(run / "slurm/%j.out")})
+        + "\n"
+        + json.dumps({"job_id": "124", "run_dir": str(run), "log": str(run / "slurm/%j.out")})
+        + "\n"
+    )
+    (run / "metrics.jsonl").write_text(
+        "\n".join(
+            json.dumps(r) for r in ({"step": 41, "loss": 2.2}, {"step": 42, "loss": 2.1}, {"event": "stop"})
+        )
+        + "\n"
+    )
+    bin_dir = tmp_path / "bin"
+    (tmp_path / "scontrol_123").write_text(SCONTROL_123.format(run=run, work=tmp_path) + "\n")
+    fake(
+        bin_dir,
+        "scontrol",
+        f'if [[ "$*" == "show job -o 123" ]]; then cat {tmp_path}/scontrol_123; exit 0; fi\n'
+        'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n',
+    )
+    fake(
+        bin_dir,
+        "sacct",
+        "if [[ $1 == -c && $3 == 124 ]]; then\n"
+        '  echo "124|7b|COMPLETED|0:0|00:01:00|2|2026-11-22T00:00:00|2026-11-22T00:01:00|node[1-2]"\n'
+        '  echo "124|7b|COMPLETED|0:0|00:02:00|2|2026-11-22T00:02:00|2026-11-22T00:04:00|node[1-2]"\n'
+        '  exit 0\nfi\necho "Slurm accounting storage is disabled" >&2; exit 1\n',
+    )
+    fake(
+        bin_dir,
+        "squeue",
+        'if [[ " $* " == *" -j "* ]]; then exit 0; fi\necho "123|7b|RUNNING|10:01|1:00:00|2|node[1-2]"\n',
+    )
+    fake(bin_dir, "scancel", f'printf "%s\\n" "$@" > {tmp_path}/scancel.args\n')
+    fake(bin_dir, "sinfo", 'echo "debug*|up|2"; echo "high|up|2"; echo "maint|down|1"\n')
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    for key in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST"):
+        monkeypatch.delenv(key, raising=False)
+    return tmp_path
+
+
+def test_scontrol_records_keep_values_with_spaces():
+    rec = parse_scontrol_record("JobId=5 JobName=a b Reason=None Command=/x/job.sh --flag StdOut=/o/5.out")
+    assert rec["JobName"] == "a b" and rec["Command"] == "/x/job.sh --flag" and rec["StdOut"] == "/o/5.out"
+
+
+def test_status_of_a_job_shows_restarts_run_dir_and_last_step(cluster, capsys):
+    (job,) = describe("123")
+    assert (job.state, job.restarts, job.source, job.last_step) == ("RUNNING", 2, "scontrol", 42)
+    assert job.run_dir == str(cluster / "runs/7b")
+    assert main(["status", "123"]) == 0
+    out = capsys.readouterr().out
+    assert "RUNNING" in out and "42" in out and "node[1-2]" in out
+
+
+def test_status_falls_back_to_sacct_completion_file_and_counts_requeues(cluster):
+    (job,) = describe("124")
+    assert (job.state, job.source, job.restarts, job.elapsed) == ("COMPLETED", "sacct -c", 1, "00:02:00")
+    assert job.last_step == 42
+
+
+def test_status_of_a_run_and_of_the_queue(cluster, capsys):
+    jobs = describe("7b")
+    assert [j.job_id for j in jobs] == ["123", "124"]
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "123" in out and "RUNNING" in out and "42" in out
+    assert main(["status", "999"]) == 2
+
+
+def test_logs_print_and_follow_until_the_job_has_ended(cluster, capsys):
+    assert main(["logs", "123"]) == 0
+    assert "step 42 loss 2.1" in capsys.readouterr().out
+    assert main(["logs", "124", "-f"]) == 0  # found through jobs.jsonl; squeue says it is gone
+    assert "job 124: restart count 1" in capsys.readouterr().out
+
+
+def test_cancel_plain_and_with_a_signal(cluster, capsys):
+    assert main(["cancel", "123"]) == 0
+    assert (cluster / "scancel.args").read_text().split() == ["123"]
+    assert main(["cancel", "123", "--signal", "SIGUSR2"]) == 0
+    assert (cluster / "scancel.args").read_text().split() == ["--signal=USR2", "123"]
+    assert "sent SIGUSR2" in capsys.readouterr().out
+
+
+def test_doctor_on_a_login_node(cluster, capsys):
+    assert main(["doctor", "--partition", "debug"]) == 0
+    out = capsys.readouterr().out
+    assert "slurm commands" in out and "debug is up" in out and "tokenizer" in out
+    assert main(["doctor", "--partition", "nope"]) == 1
+    assert "'nope' not found" in capsys.readouterr().out
+    cfg = cluster / "tok.toml"
+    cfg.write_text('[data]\ntokenizer = "/nonexistent/tokenizer.json"\n')
+    assert main(["doctor", str(cfg)]) == 1
+    assert "compute nodes cannot" in capsys.readouterr().out
+
+
+def test_doctor_inside_an_allocation_checks_every_node(cluster, monkeypatch):
+    from relaytrain.slurm.doctor import check_environment, check_shared_dir
+
+    # srun runs the command once per fake node, as SLURMD_NODENAME=nodeK, with this interpreter as python.
+    fake(
+        cluster / "bin",
+        "srun",
+        f"for n in node1 node2; do SLURMD_NODENAME=$n PATH={Path(sys.executable).parent}:$PATH "
+        '"${@:4}"; done\n',
+    )
+    name, level, detail = check_shared_dir(cluster / "runs", ["node1", "node2"])
+    assert level == "pass", detail
+    assert not list((cluster / "runs").glob(".doctor-*"))
+    name, level, detail = check_environment(["node1", "node2"])
+    assert level == "pass", detail
+    fake(cluster / "bin", "srun", 'SLURMD_NODENAME=node1 "${@:4}"\n')  # node2 does not see the directory
+    assert check_shared_dir(cluster / "runs", ["node1", "node2"])[1] == "fail"
+
+
+@pytest.mark.parametrize(
+    "preset, overrides, nodes, gpus, verdict, reason",
+    [
+        ("7b", [], 1, 8, "ok", "dp_shard=8"),
+        ("7b", ["--parallel.activation_checkpointing=none"], 1, 8, "ok", "dp_shard=8"),
+        (
+            "70b",
+            ["--parallel.tp=1", "--parallel.dp_shard=1", "--parallel.dp_replicate=8"],
+            1,
+            8,
+            "impossible",
+            "shard more",
+        ),
+        ("70b", [], 2, 4, "impossible", "larger than the 4 GPUs"),
+        ("70b", ["--parallel.rank_order=dp,pp,cp,tp"], 2, 8, "impossible", "rank_order"),
+        ("70b", [], 8, 8, "warn", "emergency save cannot finish"),
+    ],
+)
+def test_plan_verdicts_on_the_presets(preset, overrides, nodes, gpus, verdict, reason):
+    cfg = load_config(REPO / "configs" / f"{preset}.toml", overrides)
+    plan = make_plan(cfg, nodes, gpus, "h100")
+    assert plan.verdict == verdict
+    assert reason in " ".join(detail for _, _, detail in plan.checks)
+
+
+def test_plan_cli_exit_codes(capsys):
+    assert (
+        main(["plan", str(REPO / "configs/7b.toml"), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100"])
+        == 0
+    )
+    assert "verdict: ok" in capsys.readouterr().out
+    assert main(["plan", str(REPO / "configs/70b.toml"), "--nodes", "2", "--gpus-per-node", "4"]) == 1
+    assert "impossible" in capsys.readouterr().out
