@@ -103,27 +103,25 @@ def test_step_timer_windows(monkeypatch):
     timer = StepTimer()
     clock[0] = 150.0  # startup before the first section is not step time
     for _ in range(2):
-        with timer.section("data"):
+        with timer.section("data"):  # each data section starts a step
             clock[0] += 0.5
-        with timer.section("fwd_bwd"):
+        with timer.section("forward_backward"):
             clock[0] += 2.0
         with timer.section("optimizer"):
             clock[0] += 1.0
         clock[0] += 0.5  # untimed work: "other"
-        timer.step_done()
     with timer.excluded():  # evaluation
         clock[0] += 30.0
     with timer.section("checkpoint"):
         clock[0] += 4.0
     window = timer.window()
-    assert window["time_data_s"] == 0.5 and window["time_fwd_bwd_s"] == 2.0
-    assert window["time_optimizer_s"] == 1.0 and window["time_checkpoint_s"] == 2.0
-    assert window["step_time_s"] == pytest.approx(6.0)  # (2 * 4 s + 4 s checkpoint) / 2 steps
-    assert window["time_other_s"] == pytest.approx(0.5)
+    assert window["data"] == 0.5 and window["forward_backward"] == 2.0
+    assert window["optimizer"] == 1.0 and window["checkpoint"] == 2.0
+    assert window["step"] == pytest.approx(6.0)  # (2 * 4 s + 4 s checkpoint) / 2 steps
+    assert window["other"] == pytest.approx(0.5)
     with timer.section("data"):
         clock[0] += 1.0
-    timer.step_done()
-    assert timer.window()["step_time_s"] == 1.0  # the new window starts where the last ended
+    assert timer.window()["step"] == 1.0  # the new window starts where the last ended
     with pytest.raises(ValueError, match="unknown step section"), timer.section("backward"):
         pass
 
@@ -138,7 +136,7 @@ def test_metrics_logger_jsonl_records(tmp_path, monkeypatch):
         _cfg(), tmp_path, is_main=True, world_size=4, flops_per_token=1e6, progress_bar=False
     )
     logger.log_event("start", 0, config_hash="abc", checkpoint=tmp_path / "ckpt")
-    logger.log_train(10, {"loss": torch.tensor(2.5), "lr": 1e-3, "grad_norm": 0.75, "step_time_s": 0.25})
+    logger.log_train(10, {"loss": torch.tensor(2.5), "lr": 1e-3, "grad_norm": 0.75, "time_step_s": 0.25})
     logger.log_train(20, {"loss": float("nan"), "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0})
     logger.log_eval(20, {"val_loss": 2.0})
     logger.close()
@@ -169,7 +167,7 @@ def test_metrics_logger_tensorboard_and_non_main(tmp_path):
 
     logger = MetricsLogger(_cfg(tensorboard=True), tmp_path, True, world_size=1, flops_per_token=1e6)
     for step, loss in ((10, 3.0), (20, 2.0)):
-        logger.log_train(step, {"loss": loss, "lr": 1e-3, "grad_norm": 0.5, "step_time_s": 1.0})
+        logger.log_train(step, {"loss": loss, "lr": 1e-3, "grad_norm": 0.5, "time_step_s": 1.0})
     logger.log_eval(20, {"val_loss": 2.2})
     logger.log_event("checkpoint", 20, path="ckpt/step_20")
     logger.close()
@@ -208,7 +206,7 @@ def test_wandb_sink_persists_and_reuses_run_id(tmp_path, monkeypatch):
     cfg = _cfg(wandb=True, wandb_project="proj", wandb_mode="offline", jsonl=False)
 
     first = MetricsLogger(cfg, tmp_path, True, world_size=2, flops_per_token=1e6)
-    first.log_train(5, {"loss": 1.5, "lr": 1e-3, "grad_norm": 0.1, "step_time_s": 2.0})
+    first.log_train(5, {"loss": 1.5, "lr": 1e-3, "grad_norm": 0.1, "time_step_s": 2.0})
     first.log_eval(5, {"val_loss": 1.7})
     first.log_event("stop", 5)
     first.close()
@@ -238,7 +236,7 @@ def test_console_line_and_progress_bar(capsys):
         "loss": 2.34567, "lr": 3e-4, "grad_norm": 0.5,
         "tokens_per_s": 123456.0, "tokens_per_s_per_device": 15432.0, "mfu": 0.4123,
         "mem_allocated_gib": 30.2, "mem_reserved_gib": 34.0, "mem_peak_gib": 35.5,
-        "step_time_s": 4.2, "time_data_s": 0.01, "time_fwd_bwd_s": 3.5, "time_optimizer_s": 0.4,
+        "time_step_s": 4.2, "time_data_s": 0.01, "time_forward_backward_s": 3.5, "time_optimizer_s": 0.4,
         "time_checkpoint_s": 0.0,
     }  # fmt: skip
     line = format_train_line(120, 1000, rec)
@@ -278,8 +276,11 @@ def restore_root_logger():
 
 def test_setup_logging_rank_files_and_console(tmp_path, capsys, restore_root_logger):
     log = logging.getLogger("relaytrain.test")
+    plain = logging.StreamHandler(sys.stderr)  # what logging.basicConfig in a CLI installs
+    logging.getLogger().addHandler(plain)
     path = setup_logging(tmp_path, rank=3, local_rank=1, node="node2", rank_logs=True)
     assert path == tmp_path / "logs" / "rank_3.log"
+    assert plain not in logging.getLogger().handlers
     log.info("info from rank 3")
     log.warning("warning from rank 3")
     out = capsys.readouterr()
@@ -302,45 +303,57 @@ def test_setup_logging_rank_files_and_console(tmp_path, capsys, restore_root_log
 # --- profiler -----------------------------------------------------------------------------------
 
 
+def _profile_cfg(window: list[int]) -> Config:
+    cfg = Config()
+    cfg.run.device = "cpu"
+    cfg.metrics.profile_steps = window
+    return cfg
+
+
 def test_profiler_writes_trace_and_summary(tmp_path, caplog):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    prof = StepProfiler([2, 4], tmp_path, rank=0, device=torch.device("cpu"))
+    prof = StepProfiler(_profile_cfg([2, 4]), tmp_path, rank=0)
     caplog.set_level(logging.INFO, logger="relaytrain.monitor.profiler")
+    prof.step(0)  # before the loop: the job starts from step 0
     for step in range(1, 6):
-        with prof.step(step):
-            model(torch.randn(8, 32)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        model(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        prof.step(step)
     prof.close()  # no-op: the window already closed itself
     trace = tmp_path / "profile" / "trace_rank0_steps2-4.json"
     assert prof.trace_path == trace
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}
-    assert any(n.startswith("ProfilerStep#") for n in names) and "aten::addmm" in names
+    assert {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#4" not in names
+    assert "aten::addmm" in names
     assert prof.summary["compute"] > 0 and prof.summary["communication"] == 0.0
     assert "profile of 2 steps" in caplog.text and "compute" in caplog.text
 
     with pytest.raises(UserError, match="profile_steps"):
-        StepProfiler([5, 5], tmp_path, 0, torch.device("cpu"))
-    idle = StepProfiler([], tmp_path / "idle", 0, torch.device("cpu"))
-    with idle.step(1):
-        pass
+        StepProfiler(_profile_cfg([5, 5]), tmp_path, 0)
+    idle = StepProfiler(_profile_cfg([]), tmp_path / "idle", 0)
+    idle.step(1)
     idle.close()
     assert not (tmp_path / "idle").exists()
 
 
-def test_profiler_counts_collectives_as_communication(tmp_path):
+def test_profiler_counts_collectives_and_closes_early(tmp_path):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         layer = torch.nn.Linear(16, 16)
-        prof = StepProfiler([0, 1], tmp_path, rank=0, device=torch.device("cpu"))
-        with prof.step(0):
+        prof = StepProfiler(_profile_cfg([1, 10]), tmp_path, rank=0)
+        prof.step(0)
+        for step in (1, 2):
             layer(torch.randn(4, 16)).sum().backward()
             dist.all_reduce(layer.weight.grad)
+            prof.step(step)
+        prof.close()  # the run stopped inside the window: what was captured is still written
+        assert prof.trace_path == tmp_path / "profile" / "trace_rank0_steps1-10.json"
         assert prof.summary["communication"] > 0 and prof.summary["compute"] > 0
     finally:
         dist.destroy_process_group()

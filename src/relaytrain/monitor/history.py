@@ -53,7 +53,7 @@ class Segment:
     def label(self) -> str:
         if self.job_id is not None:
             return f"job {self.job_id}" + (f" (requeue {self.restart})" if self.restart else "")
-        return f"resume {self.index}"
+        return "local run" if self.index == 0 else f"local resume {self.index}"
 
 
 @dataclass
@@ -89,7 +89,7 @@ class History:
                 if frontier_step is not None and step <= frontier_step:
                     continue
                 if frontier_step is not None and seg.index != frontier_seg:
-                    new_work = (step - frontier_step) * (rec.get("step_time_s") or 0.0)
+                    new_work = (step - frontier_step) * (rec.get("time_step_s") or 0.0)
                     lost_s += max(rec["time"] - frontier_time - new_work, 0.0)
                 frontier_step, frontier_time, frontier_seg = step, rec["time"], seg.index
         return lost_s, lost_steps

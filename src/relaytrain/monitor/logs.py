@@ -39,17 +39,23 @@ def setup_logging(run_dir: Path | str, rank: int, local_rank: int, node: str, ra
     - ``rank_logs``: every rank writes all its INFO+ lines to ``<run_dir>/logs/rank_<rank>.log``
       (append mode, so requeued jobs continue the same file).
     - Rank 0 prints INFO+ to stdout; other ranks print only WARNING+ to stderr.
-    Calling it again replaces the handlers it installed before.
+    Calling it again replaces the handlers it installed before; plain stdout/stderr handlers
+    (``logging.basicConfig``) are replaced too.
     """
     fmt = logging.Formatter(
         f"%(asctime)s [rank {rank} {node} local {local_rank}] %(levelname)s %(name)s: %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
     )
     root = logging.getLogger()
+    consoles = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
     for handler in list(root.handlers):
-        if getattr(handler, _OWNED, False):
+        # Ours from an earlier call, and plain console handlers (logging.basicConfig in the CLI):
+        # left in place they would print every rank's INFO lines untagged.
+        plain_console = type(handler) is logging.StreamHandler and handler.stream in consoles
+        if getattr(handler, _OWNED, False) or plain_console:
             root.removeHandler(handler)
-            handler.close()
+            if getattr(handler, _OWNED, False):
+                handler.close()
     root.setLevel(logging.INFO)
 
     console = _CurrentStream("stdout") if rank == 0 else _CurrentStream("stderr")

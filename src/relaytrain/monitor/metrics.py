@@ -5,7 +5,7 @@ Record schema (metrics.jsonl, one object per line; docs/monitoring.md has the fu
 - every record: ``kind`` ("train" | "eval" | "event"), ``step``, ``time`` (unix seconds),
   ``job_id`` (SLURM_JOB_ID or null), ``restart`` (SLURM_RESTART_COUNT or 0)
 - train: ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``tokens_per_s_per_device``, ``mfu``,
-  memory (``mem_*_gib``), step time split (``time_<section>_s``, ``step_time_s``) and whatever
+  memory (``mem_*_gib``), step time split (``time_<section>_s``, ``time_step_s``) and whatever
   else the trainer passed
 - eval: ``val_loss``, ``val_ppl``
 - event: ``event`` ("start", "resume", "checkpoint", "stop", ...) plus the event's fields
@@ -45,6 +45,13 @@ def _json_value(value: Any) -> Any:
     return str(value)
 
 
+def default_device(cfg: Config) -> torch.device:
+    """This process's device as ``run.device`` selects it (CUDA: the current device)."""
+    if cfg.run.device != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def job_identity() -> dict[str, Any]:
     """The SLURM job this process belongs to; a requeue keeps the id and bumps the count."""
     return {
@@ -82,18 +89,18 @@ def format_train_line(step: int, total_steps: int, rec: dict[str, Any]) -> str:
         parts.append(f"mem rss {rec['mem_rss_gib']:.2f} GiB (peak {rec['mem_peak_gib']:.2f})")
     elif "mem_peak_gib" in rec:
         parts.append(f"mem peak {rec['mem_peak_gib']:.2f} GiB")
-    if rec.get("step_time_s") is not None:
+    if rec.get("time_step_s") is not None:
         split = ", ".join(
             f"{label} {rec[key]:.3f}"
             for label, key in (
                 ("data", "time_data_s"),
-                ("fwd+bwd", "time_fwd_bwd_s"),
+                ("fwd+bwd", "time_forward_backward_s"),
                 ("opt", "time_optimizer_s"),
                 ("ckpt", "time_checkpoint_s"),
             )
             if key in rec
         )
-        parts.append(f"step {rec['step_time_s']:.3f}s" + (f" ({split})" if split else ""))
+        parts.append(f"step {rec['time_step_s']:.3f}s" + (f" ({split})" if split else ""))
     return " | ".join(parts)
 
 
@@ -101,9 +108,10 @@ class MetricsLogger:
     """Sinks for one run. Every rank may build one; only ``is_main`` writes anything.
 
     ``log_train(step, metrics)`` expects ``loss`` (already averaged over data-parallel ranks),
-    ``lr``, ``grad_norm`` and the ``StepTimer.window()`` dict. From ``step_time_s`` it derives
-    tokens/s (``tokens_per_step`` defaults to global_batch_size * seq_len), tokens/s per device,
-    MFU, and adds memory stats, unless the trainer passed those keys itself.
+    ``lr``, ``grad_norm`` and the ``StepTimer.window()`` values as ``time_<name>_s``. From
+    ``time_step_s`` it derives tokens/s (``tokens_per_step`` defaults to global_batch_size *
+    seq_len), tokens/s per device, MFU, and adds memory stats, unless the trainer passed those
+    keys itself. ``device`` defaults to the one ``run.device`` selects.
     """
 
     def __init__(
@@ -122,7 +130,7 @@ class MetricsLogger:
         self.is_main = is_main
         self.total_steps = cfg.train.max_steps
         self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-        self.device = device if device is not None else torch.device("cpu")
+        self.device = device if device is not None else default_device(cfg)
         if world_size is None:
             dist = torch.distributed
             world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -164,7 +172,7 @@ class MetricsLogger:
     def derive(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Add tokens/s, tokens/s per device, MFU and memory to the trainer's measurements."""
         out = {key: _json_value(value) for key, value in metrics.items()}
-        step_time = out.get("step_time_s")
+        step_time = out.get("time_step_s")
         if "tokens_per_s" not in out and step_time:
             tokens = out.pop("tokens_per_step", self.tokens_per_step)
             out["tokens_per_s"], out["tokens_per_s_per_device"] = throughput(

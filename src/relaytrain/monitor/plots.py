@@ -180,12 +180,12 @@ def plot_over_time(
 def plot_step_time(history: History, name: str, path: Path) -> Path | None:
     parts = [
         ("time_data_s", "data wait"),
-        ("time_fwd_bwd_s", "forward+backward"),
+        ("time_forward_backward_s", "forward+backward"),
         ("time_optimizer_s", "optimizer"),
         ("time_checkpoint_s", "checkpoint"),
         ("time_other_s", "other"),
     ]
-    recs = [r for r in history.train if r.get("step_time_s") is not None]
+    recs = [r for r in history.train if r.get("time_step_s") is not None]
     if not recs:
         return None
     fig, ax = _figure(

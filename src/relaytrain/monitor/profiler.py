@@ -10,13 +10,12 @@ dumps ``memory_rank<R>_steps<start>-<end>.pickle`` (drag it onto https://pytorch
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from relaytrain.config.schema import Config
 from relaytrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -104,57 +103,64 @@ def dump_memory_snapshot(device: torch.device, path: Path) -> Path | None:
 
 
 class StepProfiler:
-    """Profiles the steps in ``[start, end)``; wrap each training step in ``with prof.step(n):``.
+    """Profiles the steps in ``metrics.profile_steps = [start, end)``.
 
-    Outside the window ``step`` costs nothing. ``close()`` (also safe when nothing ran) writes
-    what was captured if the run stops inside the window.
+    Call ``step(n)`` whenever ``n`` steps are complete: once before the loop with the step the job
+    starts from (so a window that begins at the first step is caught) and after every step. The
+    profiler starts when step ``n + 1`` falls in the window and stops, writing its trace, once
+    step ``end - 1`` is done. Outside the window ``step`` costs nothing. ``close()`` (also safe
+    when nothing ran) writes what was captured if the run stops inside the window.
     """
 
-    def __init__(self, window: Sequence[int], run_dir: Path, rank: int, device: torch.device):
+    def __init__(self, cfg: Config, run_dir: Path, rank: int, device: torch.device | None = None):
+        window = list(cfg.metrics.profile_steps)
         if window and (len(window) != 2 or not 0 <= window[0] < window[1]):
-            raise UserError(
-                f"metrics.profile_steps must be [start, end) with 0 <= start < end, got {list(window)}"
-            )
+            raise UserError(f"metrics.profile_steps must be [start, end) with 0 <= start < end, got {window}")
         self.window = tuple(window)
         self.out_dir = Path(run_dir) / "profile"
         self.rank = rank
+        if device is None:
+            cuda = cfg.run.device != "cpu" and torch.cuda.is_available()
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.device = device
         self._prof: profile | None = None
-        self._steps = 0
+        self._step_span: record_function | None = None
+        self._first = self._last = 0
         self.trace_path: Path | None = None
         self.summary: dict[str, float] | None = None
 
-    def _active(self, step: int) -> bool:
-        return bool(self.window) and self.window[0] <= step < self.window[1]
-
-    def _start(self) -> None:
-        activities = [ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-            record_memory_history(self.device)
-        self._prof = profile(activities=activities, record_shapes=True, with_stack=False)
-        self._prof.start()
-        self._steps = 0
-
-    @contextmanager
-    def step(self, step: int) -> Iterator[None]:
-        if self._prof is None and self._active(step):
-            self._start()
-        if self._prof is None:
-            yield
+    def step(self, done: int) -> None:
+        if not self.window:
             return
-        try:
-            # Named for the training step (profile.step() numbers from the window start instead).
-            with record_function(f"ProfilerStep#{step}"):
-                yield
-        finally:
-            self._steps += 1
-            if step + 1 >= self.window[1]:
+        start, end = self.window
+        if self._prof is not None:
+            self._end_span()
+            self._last = done
+            if done + 1 >= end:
                 self.close()
+                return
+        elif start <= done + 1 < end and self.trace_path is None:
+            activities = [ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+                record_memory_history(self.device)
+            self._prof = profile(activities=activities, record_shapes=True)
+            self._prof.start()
+            self._first = self._last = done + 1
+        if self._prof is not None:
+            # Names the coming step by its training step number (profile.step() counts from 0).
+            self._step_span = record_function(f"ProfilerStep#{done + 1}")
+            self._step_span.__enter__()
+
+    def _end_span(self) -> None:
+        if self._step_span is not None:
+            self._step_span.__exit__(None, None, None)
+            self._step_span = None
 
     def close(self) -> None:
         if self._prof is None:
             return
+        self._end_span()
         prof, self._prof = self._prof, None
         prof.stop()
         start, end = self.window
@@ -162,10 +168,10 @@ class StepProfiler:
         self.trace_path = self.out_dir / f"trace_rank{self.rank}_steps{start}-{end}.json"
         prof.export_chrome_trace(str(self.trace_path))
         if self.device.type == "cuda":
-            dump_memory_snapshot(
-                self.device, self.out_dir / f"memory_rank{self.rank}_steps{start}-{end}.pickle"
-            )
+            snapshot = self.out_dir / f"memory_rank{self.rank}_steps{start}-{end}.pickle"
+            dump_memory_snapshot(self.device, snapshot)
             record_memory_history(self.device, enabled=False)
         self.summary = summarize_profile(prof)
+        steps = max(self._last - self._first + 1, 1)
         if self.rank == 0:
-            log.info("%s; traces in %s", format_summary(self.summary, self._steps), self.out_dir)
+            log.info("%s; traces in %s", format_summary(self.summary, steps), self.out_dir)

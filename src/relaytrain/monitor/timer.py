@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-SECTIONS = ("data", "fwd_bwd", "optimizer", "checkpoint")
+SECTIONS = ("data", "forward_backward", "optimizer", "checkpoint")
 
 
 class StepTimer:
@@ -17,15 +17,17 @@ class StepTimer:
     Usage::
 
         timer = StepTimer(device)
-        with timer.section("data"): batch = next(it)
-        with timer.section("fwd_bwd"): loss.backward()
+        with timer.section("data"): batch = next(it)          # each step starts with its data
+        with timer.section("forward_backward"): loss.backward()
         with timer.section("optimizer"): opt.step()
-        timer.step_done()
+        with timer.section("checkpoint"): manager.save(...)
         ...
-        metrics.update(timer.window())   # per-step averages; starts a new window
+        record |= {f"time_{k}_s": v for k, v in timer.window().items()}
 
-    On CUDA each section ends with a device synchronize so that kernel time is charged to the
-    section that launched it rather than to whichever later call waits for it.
+    A step is counted each time the ``data`` section starts. ``window()`` returns per-step means
+    since the previous call and starts a new window. On CUDA each section ends with a device
+    synchronize so that kernel time is charged to the section that launched it rather than to
+    whichever later call waits for it.
     """
 
     def __init__(self, device: torch.device | None = None):
@@ -45,6 +47,8 @@ class StepTimer:
         start = time.perf_counter()
         if self._window_start is None:
             self._window_start = start
+        if name == "data":
+            self._steps += 1
         try:
             yield
         finally:
@@ -54,7 +58,7 @@ class StepTimer:
 
     @contextmanager
     def excluded(self) -> Iterator[None]:
-        """Wall time spent inside (evaluation, say) is left out of ``step_time_s``."""
+        """Wall time spent inside (evaluation, say) is left out of the step time."""
         start = time.perf_counter()
         try:
             yield
@@ -62,19 +66,15 @@ class StepTimer:
             if self._window_start is not None:
                 self._excluded += time.perf_counter() - start
 
-    def step_done(self) -> None:
-        self._steps += 1
-
     def window(self) -> dict[str, float]:
-        """Per-step averages since the last call: ``time_<section>_s``, ``time_other_s`` and
-        ``step_time_s`` (wall time per step, the basis of tokens/s)."""
+        """Per-step mean seconds since the last call: one key per section, ``other`` (time in no
+        section) and ``step`` (wall time per step, the basis of tokens/s)."""
         now = time.perf_counter()
         steps = max(self._steps, 1)
         sectioned = sum(self._totals.values())
         wall = sectioned if self._window_start is None else now - self._window_start - self._excluded
-        out = {f"time_{name}_s": total / steps for name, total in self._totals.items()}
-        out["step_time_s"] = max(wall, sectioned) / steps
-        out["time_other_s"] = out["step_time_s"] - sectioned / steps
-        out["steps_in_window"] = float(self._steps)
+        out = {name: total / steps for name, total in self._totals.items()}
+        out["step"] = max(wall, sectioned) / steps
+        out["other"] = out["step"] - sectioned / steps
         self._reset(now)
         return out
