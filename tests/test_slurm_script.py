@@ -401,3 +401,28 @@ def test_plan_gate_refuses_impossible_layouts_unless_forced(work):
     assert not (work / "runs/70b/slurm/job.sh").exists()
     req.force = True
     assert launch(req, quiet) == 0 and (work / "runs/70b/slurm/job.sh").exists()
+
+
+@pytest.mark.parametrize("profile", sorted(p.stem for p in (REPO / "configs/clusters").glob("*.toml")))
+def test_shipped_cluster_profiles_load_and_render(work, profile):
+    from relaytrain.slurm.profile import load_profile
+
+    values = load_profile(str(REPO / "configs/clusters" / f"{profile}.toml"))
+    assert "partition" in values
+    overrides = ["--train.micro_batch_size=1"]  # 16 sequences fill up to 16 ranks
+    launch(
+        LaunchRequest(
+            config=str(REPO / "configs/debug.toml"),
+            overrides=overrides,
+            dry_run=True,
+            profile=str(REPO / "configs/clusters" / f"{profile}.toml"),
+            slurm={"nodes": 2},
+        ),
+        quiet,
+    )
+    text = (work / "runs/debug/slurm/job.sh").read_text()
+    assert f"#SBATCH --partition={values['partition']}" in text
+    if profile == "frontier":
+        assert (
+            "ifname=hsn0" in text and "MIOPEN_USER_DB_PATH" in text and "export NCCL_NET_GDR_LEVEL=3" in text
+        )
