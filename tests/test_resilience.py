@@ -309,6 +309,12 @@ def test_handlers_are_restored(tmp_path, fake_slurm, monkeypatch):
     c = controller(tmp_path, monkeypatch, None)
     c.install()
     assert signal.getsignal(signal.SIGUSR2) != before
+    c.uninstall(exiting=True)  # no stop requested: restores
+    assert signal.getsignal(signal.SIGUSR2) == before
+    c.install()
+    os.kill(os.getpid(), signal.SIGUSR2)
+    c.uninstall(exiting=True)  # after a stop a late SIGTERM from torchrun must not kill the exiting rank
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN and c.deadline.triggered_at is not None
     c.uninstall()
     assert signal.getsignal(signal.SIGUSR2) == before
 

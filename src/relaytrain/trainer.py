@@ -137,7 +137,7 @@ class Trainer:
             raise
         finally:
             self.watchdog.stop()
-            self.controller.uninstall()
+            self.controller.uninstall(exiting=True)
             self.profiler.close()
             self.metrics.close()
 

@@ -99,4 +99,4 @@ class NanInjector:
             return loss
         self._done.add(step)
         log.warning("%s: making the loss NaN at step %d on rank %d", INJECT_STEPS_ENV, step, self.rank)
-        return loss * float("nan")  # keeps the graph, so backward yields NaN grads too
+        return loss * float("nan")  # the check sees it; a loss still attached to the graph also poisons grads

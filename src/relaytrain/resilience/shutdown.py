@@ -109,12 +109,28 @@ class ShutdownController:
             self._previous[signum] = signal.signal(signum, self._handle)
         self.deadline.arm()
 
-    def uninstall(self) -> None:
-        """Restore the previous handlers and cancel the hard deadline (call it just before exiting)."""
+    def uninstall(self, exiting: bool = False) -> None:
+        """Restore the previous handlers and cancel the hard deadline.
+
+        ``exiting=True`` (the trainer, right before the process exits): after a stop request the stop
+        signals other than SIGINT are ignored from here on, and the hard deadline keeps running.
+        torchrun SIGTERMs the other workers as soon as one exits with a non-zero code (75), and they
+        may still be tearing down; SIG_IGN (unlike a Python handler, which interpreter finalization
+        resets to the default) keeps their clean 75 from turning into -15.
+        """
+        if exiting and self.stop_requested:
+            for signum in self._previous:
+                if signum != signal.SIGINT:
+                    signal.signal(signum, signal.SIG_IGN)
+            return
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
         self.deadline.cancel()
+
+    @property
+    def stop_requested(self) -> bool:
+        return bool(self._signals) or self.stop_reason != StopReason.NONE
 
     def _handle(self, signum: int, frame) -> None:
         # Only assignments and a raw write: no locks, no logging (the main thread may hold them).

@@ -1,0 +1,244 @@
+"""End-to-end resilience through `relaytrain train` under torchrun (gloo, CPU, 2 ranks).
+
+One scenario per launch, chained where a launch can prove several things:
+signal to one rank -> same-step stop + resume code; time-budget stop + requeue (fake end time, fake
+scontrol); final resume bit-exact against an uninterrupted run; a finished run refuses to restart;
+a hung rank -> watchdog dump + exit 86; NaN rollback (N=2) and skip escalating to stop (N=1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, child_env, run_cli
+from relaytrain.resilience import EXIT_NONFINITE
+
+pytestmark = pytest.mark.slow
+
+STEPS = 24
+BASE = [*TINY, f"--train.max_steps={STEPS}", "--checkpoint.interval=0", "--metrics.rank_logs=true"]
+
+
+def torchrun_cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "relaytrain.cli",
+        "train",
+        *BASE,
+        f"--run.dir={run_dir.parent}",
+        f"--run.name={run_dir.name}",
+        *extra,
+    ]
+
+
+def start(run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        torchrun_cmd(run_dir, *extra),
+        env=child_env(**env),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [r for r in lines if r.get("kind") == kind]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(run_dir, "train")}  # later runs overwrite replayed steps
+
+
+def marker(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run_state.json").read_text())
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r["step"] >= step for r in records(run_dir, "train")):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before step {step}: {proc.communicate()[0][-3000:]}")
+        time.sleep(0.05)
+    pytest.fail(f"no step {step} within {timeout} s")
+
+
+def worker_pid(parent: int, rank: int) -> int:
+    """The pid of the torchrun worker with RANK=rank among the descendants of ``parent``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    todo = list(children.get(parent, []))
+    while todo:
+        pid = todo.pop()
+        try:
+            environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+        todo.extend(children.get(pid, []))
+    raise AssertionError(f"no worker with RANK={rank} under pid {parent}")
+
+
+def exit_codes(torchrun_output: str) -> set[str]:
+    return set(re.findall(r"exitcode\s*:\s*(-?\d+)", torchrun_output))
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path) -> tuple[str, Path]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text('#!/bin/sh\necho "$@" >> "$FAKE_SCONTROL_LOG"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}", tmp_path / "scontrol.log"
+
+
+def test_stop_requeue_resume_bit_exact(tmp_path, fake_scontrol):
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    reference = start(ref_dir)
+    # 1. SIGUSR2 (the time-limit signal) to rank 1 only: both ranks stop at the same step, exit 75.
+    proc = start(run_dir)
+    wait_for_step(run_dir, 3, proc)
+    os.kill(worker_pid(proc.pid, 1), signal.SIGUSR2)
+    rc, out = finish(proc)
+    assert rc != 0 and exit_codes(out) == {"75"}, out[-3000:]
+    state = marker(run_dir)
+    stop_step = state["step"]
+    assert (state["status"], state["reason"], state["saved"]) == ("stopped", "time_limit_signal", True)
+    assert 3 <= stop_step < STEPS and (run_dir / "checkpoints" / f"step_{stop_step}").is_dir()
+    assert max(losses(run_dir)) == stop_step
+
+    # 2. Resume inside a (fake) SLURM array task whose end time is within the time budget: the run saves
+    #    after its first step, before any signal, and rank 0 requeues ARRAYJOBID_TASKID.
+    path, log = fake_scontrol
+    slurm_env = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_ARRAY_JOB_ID": "4240",
+        "SLURM_ARRAY_TASK_ID": "2",
+        "SLURM_RESTART_COUNT": "1",
+        "PATH": path,
+        "FAKE_SCONTROL_LOG": str(log),
+        "RELAYTRAIN_FAKE_JOB_END_TIME": str(time.time() + 300),
+    }
+    rc, out = finish(start(run_dir, **slurm_env))
+    assert exit_codes(out) == {"75"}, out[-3000:]
+    state = marker(run_dir)
+    assert (state["status"], state["reason"], state["step"]) == ("stopped", "time_budget", stop_step + 1)
+    assert (state["requeued"], state["requeue_id"], state["restart_count"]) == (True, "4240_2", 1)
+    assert log.read_text().splitlines() == ["requeue 4240_2"]
+
+    # 3. The requeued job resumes and finishes; every step's loss equals the uninterrupted run's.
+    rc, out = finish(start(run_dir))
+    assert rc == 0, out[-3000:]
+    assert marker(run_dir)["status"] == "finished"
+    assert finish(reference)[0] == 0
+    reference_losses = losses(ref_dir)
+    assert sorted(reference_losses) == list(range(1, STEPS + 1))
+    assert losses(run_dir) == reference_losses
+    assert [r["event"] for r in records(run_dir, "event") if r["event"] in ("start", "resume")] == [
+        "start",
+        "resume",
+        "resume",
+    ]
+
+    # 4. A stale requeue of the finished run exits 0 at once.
+    proc = run_cli(["train", *BASE, f"--run.dir={tmp_path}", "--run.name=run"], cwd=tmp_path)
+    assert proc.returncode == 0 and "already finished at step 24" in proc.stdout + proc.stderr
+    assert marker(run_dir)["status"] == "finished"
+
+
+def test_hung_rank_dumps_stacks_and_fails_fast(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(
+        run_dir, "--train.max_steps=400", "--resilience.hang_timeout_s=15", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3"
+    )
+    wait_for_step(run_dir, 2, proc)
+    hung = worker_pid(proc.pid, 1)
+    os.kill(hung, signal.SIGSTOP)  # rank 1 freezes; rank 0 waits in its next collective
+    try:
+        rc, out = finish(proc, timeout=300)
+    finally:
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, sig)
+    assert rc != 0 and "86" in exit_codes(out), out[-3000:]
+    dump = (run_dir / "logs" / "hang_rank0.txt").read_text()
+    assert "relaytrain hang watchdog: rank 0 step" in dump and "trainer.py" in dump
+    state = marker(run_dir)
+    assert (state["status"], state["reason"], state["requeue_requested"]) == ("failed", "hang", False)
+
+
+def test_nan_rollback_on_two_ranks_replays_exactly(tmp_path):
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    reference = start(ref_dir, "--train.max_steps=10")
+    # Rank 1 (only) sees NaN at steps 5 and 6: both ranks skip step 5, then roll back to step 4.
+    rc, out = finish(
+        start(
+            run_dir,
+            "--train.max_steps=10",
+            "--checkpoint.interval=2",
+            "--resilience.nan_policy=rollback",
+            "--resilience.nan_max_consecutive=2",
+            RELAYTRAIN_INJECT_NAN_AT_STEPS="5,6",
+        )
+    )
+    assert rc == 0, out[-3000:]
+    assert [r["step"] for r in records(run_dir, "event") if r["event"] == "rollback"] == [4]
+    assert finish(reference)[0] == 0
+    assert losses(run_dir) == losses(ref_dir)  # steps 5.. replayed after the rollback, bit-exact
+    assert marker(run_dir)["status"] == "finished"
+
+
+def test_nan_skip_then_escalates_to_stop(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        [
+            "train",
+            *BASE,
+            f"--run.dir={tmp_path}",
+            "--run.name=run",
+            "--resilience.nan_policy=skip",
+            "--resilience.nan_max_consecutive=2",
+        ],
+        cwd=tmp_path,
+        RELAYTRAIN_INJECT_NAN_AT_STEPS="3,5,6",
+    )
+    assert proc.returncode == EXIT_NONFINITE, proc.stdout[-2000:] + proc.stderr[-2000:]
+    seen = losses(run_dir)
+    assert seen[3] != seen[3] and seen[4] == seen[4]  # step 3 NaN and skipped; step 4 trained on
+    state = marker(run_dir)
+    assert (state["status"], state["reason"], state["requeue_requested"]) == ("failed", "nan", False)
+    assert state["step"] == 5  # the last good step; step 6 escalated
