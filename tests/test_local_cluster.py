@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 
+import slurm_fixtures
 from relaytrain.errors import UserError
 from relaytrain.slurm import cluster_commands, local_cluster
 from relaytrain.slurm import local_cluster_daemons as daemons
 from relaytrain.slurm import local_cluster_net as net
 from slurm_fixtures import job_fields, sbatch, slurm, wait_for, wait_job_finished
-
-pytestmark = pytest.mark.slurm
 
 
 def run_cli(*argv: str) -> int:
@@ -32,6 +31,7 @@ def needs_two_nodes(info) -> None:
         pytest.fail(f"this test needs a cluster of at least 2 nodes, the running one has {len(info.nodes)}")
 
 
+@pytest.mark.slurm
 def test_up_is_idempotent_and_status_shows_the_cluster(slurm_cluster, capsys):
     assert run_cli("cluster", "up", "--nodes", str(len(slurm_cluster.nodes)),
                    "--cpus-per-node", str(slurm_cluster.cpus_per_node)) == 0  # fmt: skip
@@ -64,6 +64,7 @@ def two_by_two_job(slurm_cluster, tmp_path_factory):
     return job_id, fields, out.read_text().split("\n")
 
 
+@pytest.mark.slurm
 def test_two_node_job_runs_tasks_on_two_distinct_nodes(two_by_two_job):
     _, fields, lines = two_by_two_job
     assert fields["JobState"] == "COMPLETED"
@@ -76,6 +77,7 @@ def test_two_node_job_runs_tasks_on_two_distinct_nodes(two_by_two_job):
         assert address == net.node_addr(net.node_index(node))  # ... and its own network namespace
 
 
+@pytest.mark.slurm
 def test_sacct_completion_query_reports_finished_job(two_by_two_job):
     job_id = two_by_two_job[0]
 
@@ -102,6 +104,7 @@ ALL_REDUCE = """
 """
 
 
+@pytest.mark.slurm
 def test_torch_gloo_all_reduce_across_two_nodes(slurm_cluster, tmp_path):
     needs_two_nodes(slurm_cluster)
     script = tmp_path / "all_reduce.py"
@@ -132,6 +135,7 @@ def runs(out: Path) -> list[list[str]]:
     return [line.split()[1:] for line in text.splitlines() if line.startswith("run ")]
 
 
+@pytest.mark.slurm
 def test_high_partition_preempts_and_requeues_debug_job(slurm_cluster, tmp_path):
     nodes, cpus = len(slurm_cluster.nodes), slurm_cluster.cpus_per_node
     whole_cluster = (f"--nodes={nodes}", f"--ntasks-per-node={cpus}")
@@ -147,6 +151,7 @@ def test_high_partition_preempts_and_requeues_debug_job(slurm_cluster, tmp_path)
         slurm("scancel", str(low))
 
 
+@pytest.mark.slurm
 def test_killed_node_is_marked_down_and_its_job_requeued(slurm_cluster, tmp_path):
     needs_two_nodes(slurm_cluster)
     job_id, out = restart_marker_job(tmp_path, "victim", "--nodes=1")
@@ -167,6 +172,7 @@ def test_killed_node_is_marked_down_and_its_job_requeued(slurm_cluster, tmp_path
     assert local_cluster.node_states(slurm_cluster.base_dir)[victim] == "idle"
 
 
+@pytest.mark.slurm
 def test_down_removes_everything_and_up_restores(slurm_cluster):
     if not daemons.is_root():
         pytest.skip("stopping and restarting the cluster needs root")
@@ -187,3 +193,40 @@ def test_down_removes_everything_and_up_restores(slurm_cluster):
         info = local_cluster.cluster_up(len(slurm_cluster.nodes), slurm_cluster.cpus_per_node, base)
     assert info.started and local_cluster.cluster_status(base)["up"] is True
     assert os.environ["SLURM_CONF"] == str(info.slurm_conf)
+
+
+def test_hosts_entries_are_added_once_and_removed_cleanly(tmp_path, monkeypatch):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n10.0.0.5 other\n")
+    monkeypatch.setattr(net, "HOSTS_FILE", hosts)
+    net.set_hosts_entries(2)
+    net.set_hosts_entries(2)
+    lines = hosts.read_text().splitlines()
+    assert lines[:2] == ["127.0.0.1 localhost", "10.0.0.5 other"]
+    assert lines[2:] == [f"10.250.0.1 nsctl {net.HOSTS_MARKER}", f"10.250.0.11 nsnode1 {net.HOSTS_MARKER}",
+                         f"10.250.0.12 nsnode2 {net.HOSTS_MARKER}"]  # fmt: skip
+    net.set_hosts_entries(1)
+    assert hosts.read_text().count(net.HOSTS_MARKER) == 2
+    net.remove_hosts_entries()
+    assert hosts.read_text() == "127.0.0.1 localhost\n10.0.0.5 other\n"
+
+
+def test_up_without_root_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(daemons, "is_root", lambda: False)
+    monkeypatch.setattr(daemons, "missing_packages", lambda: ["munge", "slurmctld"])
+    with pytest.raises(UserError, match="as root run: apt-get update && .*apt-get install .*munge slurmctld"):
+        local_cluster.cluster_up(base_dir=tmp_path)
+    monkeypatch.setattr(daemons, "missing_packages", lambda: [])
+    with pytest.raises(UserError, match="needs root: sudo relaytrain cluster up"):
+        local_cluster.cluster_up(base_dir=tmp_path)
+    with pytest.raises(UserError, match="--nodes must be between 1 and"):
+        local_cluster.cluster_up(nodes=0, base_dir=tmp_path)
+
+
+def test_fixture_skips_locally_but_fails_under_ci(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="needs root"):
+        slurm_fixtures._give_up("starting one needs root")
+    monkeypatch.setenv("CI", "1")
+    with pytest.raises(pytest.fail.Exception, match="CI is set"):
+        slurm_fixtures._give_up("starting one needs root")
