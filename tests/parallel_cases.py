@@ -7,6 +7,7 @@ Run as `torchrun --standalone --nproc_per_node=N tests/parallel_cases.py CASE [C
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -22,6 +23,9 @@ STEPS = 3
 # name -> ([parallel] overrides, [train] overrides). Same model and data for all; only the layout changes.
 CASES: dict[str, tuple[dict, dict]] = {
     "single": ({}, {}),
+    "ac_full": ({"activation_checkpointing": "full"}, {}),
+    "ac_selective": ({"activation_checkpointing": "selective"}, {}),
+    "autocast_bf16": ({"param_dtype": "bfloat16"}, {}),
     "fsdp": ({}, {}),
     "fsdp_reshard_never": ({"reshard_after_forward": "never"}, {"micro_batch_size": 1}),
     "fsdp_cpu_offload": ({"cpu_offload": True}, {}),
@@ -41,7 +45,7 @@ CASES: dict[str, tuple[dict, dict]] = {
     ),
     "hsdp_2x2": ({"dp_replicate": 2}, {}),
     "fsdp_tp": ({"tp": 2}, {}),
-    "fsdp_tp_dp_outer_order": ({"tp": 2, "rank_order": "dp,tp,cp,pp"}, {}),
+    "pp_fsdp_pp_outer_order": ({"pp": 2, "rank_order": "tp,cp,dp,pp"}, {}),
     "pp_fsdp": ({"pp": 2, "pp_schedule": "1f1b"}, {}),
     "pp_tp": ({"pp": 2, "tp": 2, "pp_schedule": "gpipe", "pp_microbatches": 4}, {}),
     "pp_tp_interleaved": (
@@ -113,6 +117,11 @@ def main() -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    backend = os.environ.get("PARALLEL_CASES_COMPILE_BACKEND")
+    if backend:
+        # Inductor's C++ compile takes minutes on 2 shared cores; a lighter backend still runs Dynamo
+        # and AOTAutograd over the per-block forward with the FSDP hooks around it.
+        torch.compile = functools.partial(torch.compile, backend=backend)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     for name in sys.argv[1:]:

@@ -32,9 +32,19 @@ def test_seed_000_tp8_over_two_nodes_of_four_is_refused_with_a_fix():
 
 
 def test_rank_order_that_strides_tp_across_nodes_is_refused():
-    msg = refused(make_cfg(tp=8, rank_order="dp,tp,cp,pp"), world=16, gpn=8)
+    # Seed 000's symptom: a rank order that spreads tensor-parallel ranks over nodes.
+    cfg = make_cfg(tp=4, pp=2, rank_order="pp,tp,cp,dp")
+    msg = refused(cfg, world=16, gpn=4)
     assert "rank_order" in msg and "node 0" in msg and "node 1" in msg
     assert "rank_order='tp,cp,pp,dp'" in msg
+
+
+def test_tp_must_be_inside_dp_and_cp_in_the_mesh():
+    msg = refused(make_cfg(tp=2, rank_order="dp,tp,cp,pp"), world=4, gpn=4)
+    assert "list tp before dp and cp" in msg
+    msg = refused(make_cfg(cp=2, dp_replicate=2, rank_order="tp,dp,cp,pp"), world=4, gpn=4)
+    assert "list cp before dp" in msg
+    assert validate_layout(make_cfg(tp=2, rank_order="tp,dp,cp,pp"), 4, 4).dp == 2
 
 
 def test_seed_000_fixed_layouts_are_accepted():
@@ -51,7 +61,7 @@ def test_tp_that_does_not_divide_the_node_is_refused():
 
 
 def test_cp_group_must_stay_in_a_node():
-    msg = refused(make_cfg(cp=2, rank_order="dp,tp,cp,pp"), world=8, gpn=4)
+    msg = refused(make_cfg(cp=2, rank_order="dp,tp,pp,cp"), world=8, gpn=4)
     assert "context-parallel" in msg
 
 

@@ -207,6 +207,22 @@ def _check_inside_node(cfg: Config, dims: ParallelDims, dim: str, gpus_per_node:
         )
 
 
+def _check_mesh_nesting(dims: ParallelDims) -> None:
+    """FSDP2 composes with TP only when the TP dim is inside the data-parallel (and CP) dims of the mesh."""
+    pos = {name: i for i, name in enumerate(dims.rank_order)}
+    order = ",".join(dims.rank_order)
+    if dims.tp > 1 and (pos["tp"] > pos["dp"] or pos["tp"] > pos["cp"]):
+        raise UserError(
+            f"parallel.rank_order={order!r} puts tp outside dp or cp; FSDP shards tensor-parallel weights "
+            f"only when tp is the inner dimension: list tp before dp and cp (e.g. {DEFAULT_RANK_ORDER!r})"
+        )
+    if dims.dp_replicate > 1 and dims.cp > 1 and pos["cp"] > pos["dp"]:
+        raise UserError(
+            f"parallel.rank_order={order!r} puts cp outside dp; HSDP shards over dp_shard x cp inside each "
+            f"replica, so list cp before dp (e.g. {DEFAULT_RANK_ORDER!r})"
+        )
+
+
 def validate_layout(
     cfg: Config, world_size: int, gpus_per_node: int, device_type: str = "cuda"
 ) -> ParallelDims:
@@ -224,6 +240,7 @@ def validate_layout(
         )
     p, m, t = cfg.parallel, cfg.model, cfg.train
     dims = resolve_dims(p, world_size)
+    _check_mesh_nesting(dims)
     _check_inside_node(cfg, dims, "tp", gpus_per_node)
     _check_inside_node(cfg, dims, "cp", gpus_per_node)
 
