@@ -84,3 +84,7 @@ def test_cli_prints_one_line_and_exits_2(capsys):
     assert len(err) == 1 and err[0].startswith("relaytrain: error: ") and "Traceback" not in err[0]
     assert main(["train", "configs/nope.toml"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_time_like_override_stays_a_string():
+    assert load_config(None, ["--slurm.time=02:00:00"]).slurm.time == "02:00:00"

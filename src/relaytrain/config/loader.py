@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import hashlib
 import json
@@ -102,6 +103,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    if isinstance(value, (datetime.date, datetime.time)):
+        value = raw  # `--slurm.time=02:00:00` is a duration string, not a TOML time
     return section, key, value
 
 
