@@ -243,12 +243,13 @@ def cluster_up(
     if not state:
         _fresh_dirs(base)
     started_munged = daemons.ensure_munged() or bool(state and state.get("started_munged"))
+    # Saved before anything else starts, so that `down` cleans up after an interrupted `up` too.
+    state = {**wanted, "started_munged": started_munged}
+    (base / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
     say("creating network namespaces")
     net.ensure_network(nodes)
     net.set_hosts_entries(nodes)
     _conf_path(base).write_text(_render_conf(base, nodes, cpus_per_node))
-    state = {**wanted, "started_munged": started_munged}
-    (base / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
     info = _info(base, state, started=True)
     if not daemons.daemon_alive(_ctld_pid_file(base), "slurmctld"):
         say("starting slurmctld")
