@@ -110,7 +110,7 @@ class Trainer:
         self.nan_guard = NanGuard(cfg, env.device)
         self.inject_nan = NanInjector(env.rank, env.world_size)  # RELAYTRAIN_INJECT_NAN_AT_STEPS test hook
         self.profiler = StepProfiler(cfg, self.run_dir, env.rank)
-        self.timer = StepTimer()
+        self.timer = StepTimer(env.device)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops_per_device(env.device, cfg.metrics.peak_flops)
 
@@ -144,6 +144,7 @@ class Trainer:
     def _loop(self) -> int:
         cfg, state, train = self.cfg, self.state, self.cfg.train
         window_start, window_tokens = time.perf_counter(), 0
+        self.profiler.step(state.step)  # a profiling window may start at this job's first step
         tokens_per_step = train.global_batch_size * train.seq_len
         while state.step < train.max_steps:
             step = state.step + 1
@@ -178,7 +179,10 @@ class Trainer:
                 self._log_train(step, loss, grad_norm, lr, window_tokens, elapsed)
                 window_start, window_tokens = time.perf_counter(), 0
             if self.val_loader is not None and (step % train.eval_every == 0 or step == train.max_steps):
-                self._evaluate(step)
+                eval_start = time.perf_counter()
+                with self.timer.excluded():
+                    self._evaluate(step)
+                window_start += time.perf_counter() - eval_start  # tokens/s counts training time only
             with self.timer.section("checkpoint"):
                 self.checkpoint.poll()
                 is_last = step == train.max_steps
@@ -239,6 +243,10 @@ class Trainer:
         for inputs, targets in self.val_loader.batches(train.eval_steps, train.micro_batch_size):
             total += self.pm.reduce_mean(self.pm.eval_loss(inputs.to(self.env.device), targets.to(self.env.device)))
             batches += 1
+            # A stop signal during a long evaluation: every rank leaves at the same batch; the step-boundary
+            # agree() right after returns the same reason, and the run saves and stops.
+            if self.controller.agree(step, self.checkpoint.save_seconds_estimate()) != StopReason.NONE:
+                return
         if batches:
             val = total / batches
             self.metrics.log_eval(step, {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
