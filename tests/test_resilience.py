@@ -164,6 +164,7 @@ def test_time_limit_cap_and_errors_do_not_requeue(tmp_path, fake_slurm, monkeypa
     monkeypatch.setenv("SLURM_RESTART_COUNT", "20")
     cfg = cfg_for(tmp_path)  # max_requeues defaults to 20
     assert handle_stop(cfg, tmp_path, S.TIME_LIMIT_SIGNAL, 5, rank=0) == EXIT_RESUME
+    assert fake_slurm() == ["show job -o 9"]  # only the scancel check, no requeue
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     assert handle_stop(cfg, tmp_path, S.NAN, 6, rank=0) == EXIT_NONFINITE
     assert RunStateFile(tmp_path).read()["status"] == "failed"
@@ -172,7 +173,7 @@ def test_time_limit_cap_and_errors_do_not_requeue(tmp_path, fake_slurm, monkeypa
         handle_stop(cfg_for(tmp_path, "--resilience.requeue=false"), tmp_path, S.TIME_BUDGET, 8, rank=0)
         == EXIT_RESUME
     )
-    assert fake_slurm() == []
+    assert fake_slurm() == ["show job -o 9"]
 
 
 def test_no_requeue_outside_slurm(tmp_path, fake_slurm):

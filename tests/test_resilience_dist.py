@@ -243,3 +243,24 @@ def test_nan_skip_then_escalates_to_stop(tmp_path):
     state = marker(run_dir)
     assert (state["status"], state["reason"], state["requeue_requested"]) == ("failed", "nan", False)
     assert state["step"] == 5  # the last good step; step 6 escalated
+
+
+def test_time_budget_stop_inside_evaluation(tmp_path):
+    """A stop agreed during evaluation leaves it at once (no partial val_loss) and saves that step."""
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        [
+            "train",
+            *BASE,
+            f"--run.dir={tmp_path}",
+            "--run.name=run",
+            "--train.eval_every=1",
+            "--train.eval_steps=2",
+        ],
+        cwd=tmp_path,
+        RELAYTRAIN_FAKE_JOB_END_TIME=str(time.time() + 300),
+    )
+    assert proc.returncode == 75, proc.stdout[-2000:] + proc.stderr[-2000:]
+    state = marker(run_dir)
+    assert (state["status"], state["reason"], state["step"]) == ("stopped", "time_budget", 1)
+    assert records(run_dir, "eval") == [] and (run_dir / "checkpoints" / "step_1").is_dir()

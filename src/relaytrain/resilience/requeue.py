@@ -117,8 +117,9 @@ def scontrol_requeue(requeue_id: str) -> tuple[bool, str]:
 
 
 def _refine(reason: StopReason, job: SlurmJob) -> StopReason:
-    """A SIGTERM from `scancel` looks like a preemption to the process; scontrol tells them apart."""
-    if reason == StopReason.PREEMPTION and job.in_slurm:
+    """A SIGTERM from `scancel` looks like a preemption (or, near the end, the time limit) to the
+    process; slurmctld marks a cancelled job CANCELLED before its steps get the signal."""
+    if reason in (StopReason.PREEMPTION, StopReason.TIME_LIMIT_SIGNAL) and job.in_slurm:
         state = scontrol_job_field(job.job_id, "JobState")
         if state is not None and state.startswith("CANCELLED"):
             return StopReason.CANCELLED
