@@ -234,9 +234,10 @@ def cluster_up(
     if not daemons.is_root():
         daemons.ensure_installed()  # raises with the apt command when Slurm is missing
         raise UserError("starting the local Slurm cluster needs root: sudo relaytrain cluster up")
-    if state and {k: state.get(k) for k in wanted} != wanted:
-        say(f"removing the stopped {state.get('nodes')}-node cluster")
-        cluster_down(base)
+    if not state or {k: state.get(k) for k in wanted} != wanted:
+        # Leftovers of another size, or of a cluster whose cluster.json is gone, would clash.
+        if cluster_down(base):
+            say("removed the leftovers of an earlier cluster")
         state = None
     say("checking Slurm packages")
     daemons.ensure_installed()
