@@ -10,19 +10,24 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from slurm_fixtures import slurm_cluster  # noqa: F401  (the real-Slurm fixture)
 
-try:  # the real-Slurm fixture, when the local-cluster module is present
-    from slurm_fixtures import slurm_cluster  # noqa: F401
-except ImportError:
-    pass
+REPO = Path(__file__).resolve().parents[1]
 
 # A model small enough that a step takes milliseconds on one CPU core.
 TINY = [
-    "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
-    "--model.vocab_size=320", "--train.seq_len=32", "--train.global_batch_size=8",
-    "--train.micro_batch_size=4", "--optim.warmup_steps=2", "--train.eval_every=0",
-    "--metrics.log_every=1", "--metrics.tensorboard=false",
+    "--model.dim=64",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.vocab_size=320",
+    "--train.seq_len=32",
+    "--train.global_batch_size=8",
+    "--train.micro_batch_size=4",
+    "--optim.warmup_steps=2",
+    "--train.eval_every=0",
+    "--metrics.log_every=1",
+    "--metrics.tensorboard=false",
 ]
 
 
@@ -36,16 +41,32 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def run_cli(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "relaytrain.cli", *args], cwd=cwd, env=child_env(**env),
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "relaytrain.cli", *args],
+        cwd=cwd,
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 def run_torchrun(nproc: int, args: list[str], cwd: Path, timeout: float = 600, **env: str):
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         "-m", "relaytrain.cli", *args],
-        cwd=cwd, env=child_env(**env), capture_output=True, text=True, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "relaytrain.cli",
+            *args,
+        ],
+        cwd=cwd,
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

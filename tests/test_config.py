@@ -20,15 +20,17 @@ def test_default_is_debug_toml():
 
 
 def test_overrides_apply_typed_values():
-    cfg = load_config(REPO / "configs" / "1b.toml", ["--train.max_steps=3000", "--optim.betas=[0.8, 0.9]",
-                                                     "--run.name=x", "--parallel.compile=true"])
+    cfg = load_config(
+        REPO / "configs" / "1b.toml",
+        ["--train.max_steps=3000", "--optim.betas=[0.8, 0.9]", "--run.name=x", "--parallel.compile=true"],
+    )
     assert cfg.train.max_steps == 3000 and cfg.optim.betas == [0.8, 0.9]
     assert cfg.run.name == "x" and cfg.parallel.compile is True
     assert cfg.model.dim == 2048  # from the file
 
 
 def test_round_trip_through_toml(tmp_path):
-    cfg = load_config(None, ["--slurm.env={A = \"1\"}", "--data.sources=[\"a\", \"b\"]"])
+    cfg = load_config(None, ['--slurm.env={A = "1"}', '--data.sources=["a", "b"]'])
     path = tmp_path / "c.toml"
     path.write_text(config_to_toml(cfg))
     again = load_config(path)
@@ -55,7 +57,7 @@ def test_hash_ignores_run_name_but_not_model():
         ("--train.micro_batch_size=5", "train.micro_batch_size=5 must divide train.global_batch_size=16"),
         ("--train.seq_len=4096", "train.seq_len=4096 exceeds model.max_seq_len=2048"),
         ("--resilience.hard_deadline_s=500", "must be shorter than resilience.signal_lead_s"),
-        ("--resilience.signals=[\"SIGFOO\"]", "'SIGFOO' is not a signal name"),
+        ('--resilience.signals=["SIGFOO"]', "'SIGFOO' is not a signal name"),
         ("max_steps=3", "must look like --section.key=value"),
     ],
 )

@@ -72,8 +72,9 @@ def test_init_is_seeded_and_depth_scaled():
 
 
 def test_tied_embeddings_share_storage():
-    model = Transformer(ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=50,
-                                    tie_embeddings=True))
+    model = Transformer(
+        ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=50, tie_embeddings=True)
+    )
     assert model.output.weight is model.tok_embeddings.weight
 
 

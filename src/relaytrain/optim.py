@@ -10,7 +10,9 @@ from torch import nn
 from relaytrain.config.schema import OptimConfig
 
 
-def build_optimizer(cfg: OptimConfig, model_parts: list[nn.Module], device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(
+    cfg: OptimConfig, model_parts: list[nn.Module], device: torch.device
+) -> torch.optim.AdamW:
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     # Norm gains and other vectors are not decayed: shrinking them only fights the normalisation.
     decay = [p for p in params if p.ndim >= 2]

@@ -23,8 +23,21 @@ from relaytrain.config.schema import (
 )
 
 __all__ = [
-    "CheckpointConfig", "Config", "DataConfig", "MetricsConfig", "ModelConfig", "OptimConfig",
-    "ParallelConfig", "ResilienceConfig", "RunConfig", "SlurmConfig", "TrainConfig",
-    "config_from_dict", "config_hash", "config_to_dict", "config_to_toml", "load_config",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "ResilienceConfig",
+    "RunConfig",
+    "SlurmConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "config_hash",
+    "config_to_dict",
+    "config_to_toml",
+    "load_config",
     "parse_override",
 ]

@@ -39,7 +39,9 @@ def render() -> str:
         cls = section.default_factory
         hints = typing.get_type_hints(cls)
         comments = _comments(cls)
-        parts.append(f"\n## [{section.name}]\n\n| key | type | default | meaning |\n| --- | --- | --- | --- |")
+        parts.append(
+            f"\n## [{section.name}]\n\n| key | type | default | meaning |\n| --- | --- | --- | --- |"
+        )
         defaults = cls()
         for f in dataclasses.fields(cls):
             default = getattr(defaults, f.name)

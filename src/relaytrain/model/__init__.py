@@ -4,6 +4,10 @@ from relaytrain.model.flops import count_parameters, flops_per_token, matmul_par
 from relaytrain.model.transformer import Transformer, TransformerBlock, ffn_hidden_dim
 
 __all__ = [
-    "Transformer", "TransformerBlock", "count_parameters", "ffn_hidden_dim", "flops_per_token",
+    "Transformer",
+    "TransformerBlock",
+    "count_parameters",
+    "ffn_hidden_dim",
+    "flops_per_token",
     "matmul_parameters",
 ]
