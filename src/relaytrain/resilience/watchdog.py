@@ -65,6 +65,7 @@ class HangWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._backstop_file = None
+        self._armed_at: float | None = None
 
     @property
     def step(self) -> int:
@@ -76,6 +77,8 @@ class HangWatchdog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._backstop_file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held until stop()
         self._last_beat = time.monotonic()
+        self._stop.clear()
+        self._armed_at = None
         self._arm_backstop()
         self._thread = threading.Thread(target=self._run, name=f"hang-watchdog-rank{self.rank}", daemon=True)
         self._thread.start()
@@ -98,6 +101,12 @@ class HangWatchdog:
             self._backstop_file = None
 
     def _arm_backstop(self) -> None:
+        # Re-arming starts a C thread, so not on every (maybe 10 ms) step: at most every backstop_s / 2,
+        # which still keeps the backstop at least backstop_s / 2 behind the Python check.
+        now = time.monotonic()
+        if self._armed_at is not None and now - self._armed_at < self.backstop_s / 2:
+            return
+        self._armed_at = now
         faulthandler.dump_traceback_later(
             self.timeout_s + self.backstop_s, exit=True, file=self._backstop_file
         )
