@@ -109,6 +109,9 @@ class Trainer:
         )
         self.nan_guard = NanGuard(cfg, env.device)
         self.inject_nan = NanInjector(env.rank, env.world_size)  # RELAYTRAIN_INJECT_NAN_AT_STEPS test hook
+        # RELAYTRAIN_STEP_DELAY_S test hook: sleep after every step, so that a tiny model's run lasts long
+        # enough for a real scheduler to signal, preempt or kill it mid-training, without using CPU.
+        self.step_delay_s = float(os.environ.get("RELAYTRAIN_STEP_DELAY_S") or 0.0)
         self.profiler = StepProfiler(cfg, self.run_dir, env.rank)
         self.timer = StepTimer(env.device)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
@@ -173,6 +176,8 @@ class Trainer:
             state.tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
             self.watchdog.beat(step)
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
             self.profiler.step(step)
             if step % cfg.metrics.log_every == 0 or step == train.max_steps:
                 elapsed = time.perf_counter() - window_start
