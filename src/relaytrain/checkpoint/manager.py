@@ -77,7 +77,8 @@ class CheckpointManager:
         self.model_parts = list(model_parts)
         self.optimizers = list(optimizers)
         self.train_state = train_state
-        self.rank, self.world_size, self.layout = rank, world_size, dict(layout)
+        self.rank, self.world_size = rank, world_size
+        self.layout = json.loads(json.dumps(layout))  # as metadata.json stores it (tuples become lists)
         self._dist = dist.is_available() and dist.is_initialized()
         if world_size > 1 and not self._dist:
             raise RuntimeError("CheckpointManager with world_size > 1 needs an initialized process group")
@@ -116,7 +117,12 @@ class CheckpointManager:
         return box[0]
 
     def _agree_flag(self, flag: bool) -> bool:
-        return bool(self._broadcast(bool(flag) if self.rank == 0 else None))
+        """Rank 0's `flag` on every rank (a one-element tensor broadcast: cheap enough for every step)."""
+        if not self._dist:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.broadcast(t, src=0, group=self._ctrl)
+        return bool(t.item())
 
     def _any(self, flag: bool) -> bool:
         if not self._dist:
