@@ -91,7 +91,7 @@ def prepare_run_dir(cfg: Config, is_main: bool) -> Path:
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
-        self.run_dir = prepare_run_dir(cfg, env.is_main)
+        self.run_dir = Path(cfg.run.dir) / cfg.run.name
         self.pm = parallelize(cfg, env.device, env.world_size, env.rank, env.local_world_size)
         self.optimizers = [build_optimizer(cfg.optim, self.pm.model_parts, env.device)]
         self.loader = build_train_loader(cfg, self.pm.dp_rank, self.pm.dp_size)
@@ -260,7 +260,11 @@ class Trainer:
 def train(cfg: Config) -> int:
     """Run (or continue) the configured training job; returns the process exit code."""
     env = init_distributed(cfg)
-    setup_logging(Path(cfg.run.dir) / cfg.run.name, env.rank, env.local_rank, env.node, cfg.metrics.rank_logs)
+    run_dir = prepare_run_dir(cfg, env.is_main)
+    try:
+        setup_logging(run_dir, env.rank, env.local_rank, env.node, cfg.metrics.rank_logs)
+    except OSError as exc:
+        raise UserError(f"cannot write logs under '{run_dir}' ({exc.strerror}); set run.dir to a writable path")
     torch.manual_seed(cfg.run.seed)
     try:
         return Trainer(cfg, env).run()
