@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-import slurm_fixtures
 from relaytrain.errors import UserError
 from relaytrain.slurm import cluster_commands, local_cluster
 from relaytrain.slurm import local_cluster_daemons as daemons
 from relaytrain.slurm import local_cluster_net as net
+
+import slurm_fixtures
 from slurm_fixtures import job_fields, sbatch, slurm, wait_for, wait_job_finished
 
 

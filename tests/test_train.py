@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from conftest import TINY, losses_by_step, read_metrics, run_cli, run_torchrun
 
 

@@ -95,16 +95,26 @@ class Trainer:
         self.pm = parallelize(cfg, env.device, env.world_size, env.rank, env.local_world_size)
         self.optimizers = [build_optimizer(cfg.optim, self.pm.model_parts, env.device)]
         self.loader = build_train_loader(cfg, self.pm.dp_rank, self.pm.dp_size)
-        self.val_loader = build_val_loader(cfg, self.pm.dp_rank, self.pm.dp_size) if cfg.train.eval_every else None
+        self.val_loader = (
+            build_val_loader(cfg, self.pm.dp_rank, self.pm.dp_size) if cfg.train.eval_every else None
+        )
         self.state = TrainState(self.loader, run_id=uuid.uuid4().hex[:12])
         self.checkpoint = CheckpointManager(
-            cfg, self.run_dir, self.pm.model_parts, self.optimizers, self.state,
-            rank=env.rank, world_size=env.world_size, layout=vars(self.pm.dims) | {"nodes": env.num_nodes},
+            cfg,
+            self.run_dir,
+            self.pm.model_parts,
+            self.optimizers,
+            self.state,
+            rank=env.rank,
+            world_size=env.world_size,
+            layout=vars(self.pm.dims) | {"nodes": env.num_nodes},
         )
         self.metrics = MetricsLogger(cfg, self.run_dir, is_main=env.is_main)
         self.controller = ShutdownController(cfg, env.rank, env.device)
         self.watchdog = HangWatchdog(
-            cfg.resilience.hang_timeout_s, env.rank, self.run_dir / "logs",
+            cfg.resilience.hang_timeout_s,
+            env.rank,
+            self.run_dir / "logs",
             on_fire=lambda step: handle_stop(cfg, self.run_dir, StopReason.HANG, step, env.rank),
         )
         self.nan_guard = NanGuard(cfg, env.device)
@@ -127,8 +137,12 @@ class Trainer:
             return 0
         resumed = self.checkpoint.load()
         mark_running(cfg, self.run_dir, self.env.rank, state.step)
-        self.metrics.log_event("resume" if resumed is not None else "start", state.step,
-                               world_size=self.env.world_size, nodes=self.env.num_nodes)
+        self.metrics.log_event(
+            "resume" if resumed is not None else "start",
+            state.step,
+            world_size=self.env.world_size,
+            nodes=self.env.num_nodes,
+        )
         self.controller.install()
         self.watchdog.start()
         try:
@@ -194,7 +208,11 @@ class Trainer:
                 if cfg.checkpoint.enabled and self.checkpoint.should_save(step, is_last):
                     self.checkpoint.save(step, reason="final" if is_last else "interval")
             reason = self.controller.agree(step, self.checkpoint.save_seconds_estimate())
-            if reason == StopReason.NONE and train.stop_at_step and step == train.stop_at_step < train.max_steps:
+            if (
+                reason == StopReason.NONE
+                and train.stop_at_step
+                and step == train.stop_at_step < train.max_steps
+            ):
                 reason = StopReason.STOP_AT_STEP
             if reason != StopReason.NONE:
                 return self._stop(reason, step)
@@ -219,7 +237,9 @@ class Trainer:
         self.checkpoint.wait()
         resumed = self.checkpoint.load()
         if resumed is None:
-            raise UserError("NaN rollback needs a checkpoint but none is complete yet; use resilience.nan_policy")
+            raise UserError(
+                "NaN rollback needs a checkpoint but none is complete yet; use resilience.nan_policy"
+            )
         self.state.lr_scale *= self.cfg.resilience.nan_rollback_lr_scale
         self.metrics.log_event("rollback", self.state.step, lr_scale=self.state.lr_scale)
 
@@ -246,7 +266,9 @@ class Trainer:
         train = self.cfg.train
         total, batches = 0.0, 0
         for inputs, targets in self.val_loader.batches(train.eval_steps, train.micro_batch_size):
-            total += self.pm.reduce_mean(self.pm.eval_loss(inputs.to(self.env.device), targets.to(self.env.device)))
+            total += self.pm.reduce_mean(
+                self.pm.eval_loss(inputs.to(self.env.device), targets.to(self.env.device))
+            )
             batches += 1
             # A stop signal during a long evaluation: every rank leaves at the same batch; the step-boundary
             # agree() right after returns the same reason, and the run saves and stops.
@@ -264,7 +286,9 @@ def train(cfg: Config) -> int:
     try:
         setup_logging(run_dir, env.rank, env.local_rank, env.node, cfg.metrics.rank_logs)
     except OSError as exc:
-        raise UserError(f"cannot write logs under '{run_dir}' ({exc.strerror}); set run.dir to a writable path")
+        raise UserError(
+            f"cannot write logs under '{run_dir}' ({exc.strerror}); set run.dir to a writable path"
+        ) from None
     torch.manual_seed(cfg.run.seed)
     try:
         return Trainer(cfg, env).run()
