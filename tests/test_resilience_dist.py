@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, child_env, run_cli
 from relaytrain.resilience import EXIT_NONFINITE
+
+from conftest import TINY, child_env, run_cli
 
 pytestmark = pytest.mark.slow
 
