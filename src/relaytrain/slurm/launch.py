@@ -104,6 +104,9 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
     if req.command is None and req.config is None:
         raise UserError("relaytrain launch needs a CONFIG, or --command 'CMD' (with --name)")
     cfg = load_resolved(req)
+    if req.jobid:
+        # The allocation belongs to someone else's job: a stop must never requeue it.
+        cfg.resilience.requeue = False
     if req.command is None:
         check_plan(cfg, req.force, out)
     slurm_dir, config_file = write_run_files(cfg)
