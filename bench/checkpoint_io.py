@@ -1,0 +1,195 @@
+"""Checkpoint I/O: save/load throughput (sync and async) against the disk's own sequential speed.
+
+    python bench/checkpoint_io.py [--dir DIR] [--dim 768 --layers 12 --vocab 16384] [--repeats 2]
+
+Builds a ~100M-parameter model with AdamW state (one optimizer step), then measures in one process:
+- the disk: sequential write of a file as large as the checkpoint with fsync, and its read with the page
+  cache dropped (posix_fadvise DONTNEED, which needs no root), the same way checkpoint files are read;
+- CheckpointManager sync save (until COMPLETE), async save (time training is blocked, and time until
+  committed), and load (model + optimizer + train state, page cache dropped first).
+Prints a Markdown table (best of --repeats) and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from relaytrain.checkpoint import CheckpointManager
+from relaytrain.config import Config
+from relaytrain.config.schema import ModelConfig
+from relaytrain.model import Transformer, count_parameters
+
+
+class BenchState:
+    def __init__(self):
+        self.step = 1
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, d):
+        self.step = d["step"]
+
+
+def drop_cache(path: Path) -> None:
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_speed(directory: Path, nbytes: int) -> tuple[float, float]:
+    """(write, read) bytes/s for one sequential file of `nbytes`: write+fsync, then read uncached."""
+    path = directory / "disk_probe.bin"
+    block = os.urandom(1 << 20) * 16  # 16 MiB, incompressible
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        written = 0
+        while written < nbytes:
+            f.write(block)
+            written += len(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write = written / (time.perf_counter() - t0)
+    drop_cache(path)
+    t0 = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(16 << 20):
+            pass
+    read = written / (time.perf_counter() - t0)
+    path.unlink()
+    return write, read
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def build(cfg: Config, run_dir: Path, mode: str):
+    cfg.checkpoint.mode = mode
+    cfg.checkpoint.keep_last = 1
+    model = Transformer(cfg.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return (
+        model,
+        opt,
+        CheckpointManager(
+            cfg, run_dir, [model], [opt], BenchState(), rank=0, world_size=1, layout={"world_size": 1}
+        ),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dir", default="", help="where to write (default: a temp dir under ./runs)")
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    base = Path(args.dir) if args.dir else Path("runs")
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=base))
+    cfg = Config()
+    cfg.model = ModelConfig(
+        dim=args.dim, n_layers=args.layers, n_heads=12, n_kv_heads=4, vocab_size=args.vocab
+    )
+    model, opt, mgr = build(cfg, work / "run", "sync")
+    params = count_parameters(cfg.model)
+    tokens = torch.randint(0, args.vocab, (1, 64))
+    model(tokens).float().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+    results: dict[str, list[float]] = {k: [] for k in ("sync_save", "async_block", "async_total", "load")}
+    step = 1
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        mgr.save(step)
+        results["sync_save"].append(time.perf_counter() - t0)
+        step += 1
+    ckpt_bytes = dir_bytes(work / "run/checkpoints" / f"step_{step - 1}")
+    mgr.close()
+
+    async_model, async_opt, amgr = build(cfg, work / "run", "async")
+    async_model.load_state_dict(model.state_dict())
+    async_opt.load_state_dict(opt.state_dict())
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        amgr.save(step)
+        results["async_block"].append(time.perf_counter() - t0)
+        amgr.wait()
+        results["async_total"].append(time.perf_counter() - t0)
+        step += 1
+    amgr.close()
+
+    for _ in range(args.repeats):
+        drop_cache(work / "run/checkpoints")
+        _, _, lmgr = build(cfg, work / "run", "sync")
+        t0 = time.perf_counter()
+        assert lmgr.load() == step - 1
+        results["load"].append(time.perf_counter() - t0)
+        lmgr.close()
+
+    disk_w, disk_r = max(disk_speed(work, ckpt_bytes) for _ in range(args.repeats))
+    shutil.rmtree(work)
+    best = {k: min(v) for k, v in results.items()}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+            if line.startswith("Model name")
+        ),
+        "?",
+    )
+    mb = ckpt_bytes / 1e6
+    print(f"\nmachine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.system()}")
+    print(f"model: {params / 1e6:.1f} M params; checkpoint (model + AdamW + train state) {mb:.0f} MB\n")
+    print("| measurement | time (s) | MB/s | vs disk |")
+    print("| --- | --- | --- | --- |")
+    print(f"| disk sequential write + fsync | {ckpt_bytes / disk_w:.2f} | {disk_w / 1e6:.0f} | 1.00 |")
+    print(f"| disk sequential read, uncached | {ckpt_bytes / disk_r:.2f} | {disk_r / 1e6:.0f} | 1.00 |")
+    print(
+        f"| sync save (to COMPLETE) | {best['sync_save']:.2f} | {mb / best['sync_save']:.0f} | "
+        f"{ckpt_bytes / best['sync_save'] / disk_w:.2f} |"
+    )
+    print(f"| async save, training blocked | {best['async_block']:.2f} | | |")
+    print(
+        f"| async save, until committed | {best['async_total']:.2f} | {mb / best['async_total']:.0f} | "
+        f"{ckpt_bytes / best['async_total'] / disk_w:.2f} |"
+    )
+    print(
+        f"| load (resume), uncached | {best['load']:.2f} | {mb / best['load']:.0f} | "
+        f"{ckpt_bytes / best['load'] / disk_r:.2f} |"
+    )
+    print(
+        json.dumps(
+            {
+                "params": params,
+                "checkpoint_bytes": ckpt_bytes,
+                "disk_write_Bps": disk_w,
+                "disk_read_Bps": disk_r,
+                **{k: v for k, v in best.items()},
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
