@@ -1,0 +1,277 @@
+"""Framework overhead: `relaytrain train` against a minimal plain-PyTorch loop of the same model and batch.
+
+Runs alternate plain/relaytrain/plain/relaytrain... in separate processes with the same thread count.
+The relaytrain side is the real trainer (`relaytrain train` as a subprocess, metrics.log_every=1) and its
+per-step times are read from metrics.jsonl (``time_step_s``); the plain side is ``bench.plain_loop``.
+The first ``--warmup`` steps of every run are dropped. Reported: median step time per side (median of
+the runs' medians), tokens/s, MFU against the measured CPU peak, and the overhead ratio, overall and per
+adjacent pair. Then one extra relaytrain run under cProfile shows where the framework's own time goes.
+
+    python -m bench.overhead [--pairs 3] [--steps 30] [--warmup 5] [--section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pstats
+import shutil
+import sys
+from pathlib import Path
+
+from bench.procs import WORK, last_json_line, read_metrics, relaytrain_argv, run, shown, train_records
+from bench.report import fmt, median, pct, spread, table, verdict
+
+MODULE = "bench.overhead"
+TARGET = 0.03  # framework overhead, fraction of the plain loop's step time
+# Settings that make the trainer comparable with the plain loop: a record per step, no evaluation, no
+# interval checkpoint inside the measured steps (the final save comes after the last record).
+ENCLOSING = ("_loop", "run", "train", "cmd_train", "main", "train_step")
+TRAINER_SETTINGS = ["--metrics.log_every=1", "--train.eval_every=0", "--checkpoint.interval=0"]
+
+
+def shape_overrides(steps: int, extra: list[str]) -> list[str]:
+    """Config overrides given to both sides (the embedded debug config otherwise)."""
+    return [f"--train.max_steps={steps}", "--optim.warmup_steps=1", *extra]
+
+
+def plain_argv(steps: int, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "bench.plain_loop", f"--steps={steps}", *overrides]
+
+
+def trainer_argv(run_dir: Path, name: str, overrides: list[str]) -> list[str]:
+    return relaytrain_argv(
+        ["train", f"--run.dir={run_dir}", f"--run.name={name}", *overrides, *TRAINER_SETTINGS]
+    )
+
+
+def run_plain(steps: int, warmup: int, overrides: list[str], threads: int) -> dict:
+    argv = plain_argv(steps, overrides)
+    out = last_json_line(run(argv, threads).stdout)
+    keep = slice(warmup, None)
+    return {
+        "side": "plain",
+        "command": shown(argv),
+        "step_s": out["step_s"][keep],
+        "forward_backward_s": median(out["forward_backward_s"][keep]),
+        "optimizer_s": median(out["optimizer_s"][keep]),
+        "threads": out["threads"],
+        "tokens_per_step": out["tokens_per_step"],
+    }
+
+
+def run_trainer(index: int, warmup: int, overrides: list[str], threads: int, run_root: Path) -> dict:
+    name = f"overhead-{index}"
+    argv = trainer_argv(run_root, name, overrides)
+    run(argv, threads)
+    records = train_records(read_metrics(run_root / name))[warmup:]
+    shutil.rmtree(run_root / name, ignore_errors=True)
+    split = {
+        key: median(r.get(f"time_{key}_s") for r in records)
+        for key in ("data", "forward_backward", "optimizer", "checkpoint", "other")
+    }
+    return {
+        "side": "relaytrain",
+        "command": shown(argv).replace(f"--run.name={name}", "--run.name=overhead"),
+        "step_s": [r["time_step_s"] for r in records],
+        "trainer_mfu": median(r.get("mfu") for r in records),
+        **{f"{key}_s": value for key, value in split.items()},
+    }
+
+
+def profile_trainer(steps: int, overrides: list[str], threads: int, run_root: Path) -> dict:
+    """cProfile one trainer run; per-step cumulative time of the framework's own functions."""
+    name = "overhead-profile"
+    stats_path = run_root / "overhead.pstats"
+    argv = [sys.executable, "-m", "cProfile", "-o", str(stats_path), "-m", "relaytrain.cli"]
+    argv += trainer_argv(run_root, name, overrides)[3:]
+    run(argv, threads)
+    records = train_records(read_metrics(run_root / name))
+    shutil.rmtree(run_root / name, ignore_errors=True)
+    stats = pstats.Stats(str(stats_path))
+    rows = []
+    for (filename, _line, func), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():
+        path = filename.replace(os.sep, "/")
+        if "/relaytrain/" not in path or "/relaytrain/model/" in path:
+            continue  # the model's own forward is the same code in both loops
+        module = path.split("/relaytrain/", 1)[1].removesuffix(".py").replace("/", ".")
+        if ncalls < steps or func in ENCLOSING or func.startswith("__") or module.startswith("config."):
+            continue  # start-up work (config, lazy imports), or a frame that encloses the compute
+        rows.append(
+            {"function": f"{module}.{func}", "calls": ncalls, "cum_s": cumtime / steps, "self_s": tottime / steps}
+        )
+    rows.sort(key=lambda r: r["cum_s"], reverse=True)
+    stats_path.unlink(missing_ok=True)
+    return {
+        "command": shown(argv).replace(str(stats_path), "overhead.pstats"),
+        "steps": steps,
+        "profiled_step_s": median(r["time_step_s"] for r in records[1:]),
+        "functions": rows[:14],
+        "self_total_s": sum(r["self_s"] for r in rows),
+    }
+
+
+def measure(
+    pairs: int = 3,
+    steps: int = 30,
+    warmup: int = 5,
+    extra: list[str] | None = None,
+    threads: int | None = None,
+    peak_flops: float | None = None,
+    profile: bool = True,
+) -> dict:
+    from relaytrain.config import load_config
+    from relaytrain.model import count_parameters, flops_per_token
+
+    threads = threads or os.cpu_count() or 1
+    extra = list(extra or [])
+    overrides = shape_overrides(steps, extra)
+    cfg = load_config(None, overrides)
+    run_root = WORK / "runs"
+    run_root.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for i in range(pairs):
+        runs.append(run_plain(steps, warmup, overrides, threads) | {"order": 2 * i})
+        runs.append(run_trainer(i, warmup, overrides, threads, run_root) | {"order": 2 * i + 1})
+    args = [f"--pairs={pairs}", f"--steps={steps}", f"--warmup={warmup}", *extra]
+    result = {
+        "command": " ".join(["python -m", MODULE, *args]),
+        "threads": threads,
+        "pairs": pairs,
+        "steps": steps,
+        "warmup": warmup,
+        "overrides": overrides,
+        "model": {"dim": cfg.model.dim, "n_layers": cfg.model.n_layers, "vocab_size": cfg.model.vocab_size,
+                  "params": count_parameters(cfg.model)},
+        "batch": {"global": cfg.train.global_batch_size, "micro": cfg.train.micro_batch_size,
+                  "seq_len": cfg.train.seq_len},
+        "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len,
+        "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len),
+        "peak_flops": peak_flops,
+        "runs": runs,
+        "profile": profile_trainer(min(steps, 12), shape_overrides(min(steps, 12), extra), threads, run_root)
+        if profile
+        else None,
+    }
+    return result | summarise(result)
+
+
+def summarise(result: dict) -> dict:
+    per_side = {}
+    for side in ("plain", "relaytrain"):
+        medians = [median(r["step_s"]) for r in result["runs"] if r["side"] == side]
+        per_side[side] = {"run_medians_s": medians, "step_s": median(medians)}
+    plain, rt = per_side["plain"]["step_s"], per_side["relaytrain"]["step_s"]
+    ordered = sorted(result["runs"], key=lambda r: r["order"])
+    pair_ratios = [
+        median(b["step_s"]) / median(a["step_s"]) - 1
+        for a, b in zip(ordered[0::2], ordered[1::2], strict=False)
+        if a["side"] == "plain" and b["side"] == "relaytrain"
+    ]
+    overhead = rt / plain - 1
+    return {
+        "summary": {
+            "plain_step_s": plain,
+            "relaytrain_step_s": rt,
+            "overhead": overhead,
+            "pair_overheads": pair_ratios,
+            "met": overhead <= TARGET,
+        },
+        "sides": per_side,
+    }
+
+
+def _tokens_mfu(result: dict, step_s: float) -> tuple[float, float | None]:
+    tokens = result["tokens_per_step"] / step_s
+    peak = result.get("peak_flops")
+    return tokens, (tokens * result["flops_per_token"] / peak if peak else None)
+
+
+def render(result: dict) -> str:
+    s = result["summary"]
+    m, b = result["model"], result["batch"]
+    out = "## Framework overhead: `relaytrain train` vs a plain PyTorch loop\n\n"
+    out += f"Command: `{result['command']}`\n\n"
+    out += (
+        f"Model dim {m['dim']}, {m['n_layers']} layers, vocab {m['vocab_size']} ({m['params'] / 1e6:.2f} M "
+        f"parameters), global batch {b['global']} x seq {b['seq_len']}, micro batch {b['micro']}, fp32, "
+        f"{result['threads']} threads, {result['pairs']} alternating pair(s) of runs, {result['steps']} steps "
+        f"each, the first {result['warmup']} dropped.\n\n"
+    )
+    rows = []
+    for side, label in (("plain", "plain PyTorch loop"), ("relaytrain", "relaytrain train")):
+        step = result["sides"][side]["step_s"]
+        tokens, mfu = _tokens_mfu(result, step)
+        rows.append((label, fmt(step * 1000), spread([1000 * v for v in result["sides"][side]["run_medians_s"]]),
+                     fmt(tokens), pct(mfu, 2)))
+    out += table(["loop", "median step (ms)", "run medians (ms)", "tokens/s", "MFU"], rows)
+    pairs = ", ".join(f"{100 * r:+.1f}%" for r in s["pair_overheads"])
+    out += (
+        f"\n**Overhead: {100 * s['overhead']:+.1f}% of the plain loop's step time** (per pair: {pairs}); "
+        f"{verdict(s['met'], '≤ 3%')}.\n"
+    )
+    if result.get("peak_flops"):
+        out += f"MFU divides by the fp32 matmul peak measured in the same run ({fmt(result['peak_flops'] / 1e9)} GFLOP/s).\n"
+    out += "\nWhere a step's time goes (medians over the measured steps, ms):\n\n"
+    plain_runs = [r for r in result["runs"] if r["side"] == "plain"]
+    rt_runs = [r for r in result["runs"] if r["side"] == "relaytrain"]
+
+    def ms(runs, key):
+        return fmt(1000 * median(r[key] for r in runs))
+
+    out += table(
+        ["loop", "data", "forward+backward", "clip+optimizer", "checkpoint poll", "other (logging, agree, ...)"],
+        [
+            ("plain", "–", ms(plain_runs, "forward_backward_s"), ms(plain_runs, "optimizer_s"), "–", "–"),
+            ("relaytrain", ms(rt_runs, "data_s"), ms(rt_runs, "forward_backward_s"), ms(rt_runs, "optimizer_s"),
+             ms(rt_runs, "checkpoint_s"), ms(rt_runs, "other_s")),
+        ],
+    )
+    prof = result.get("profile")
+    if prof:
+        out += (
+            f"\nProfile of the framework's own per-step functions (cProfile over {prof['steps']} steps; "
+            f"profiled median step {fmt(1000 * prof['profiled_step_s'])} ms; cProfile inflates Python-heavy "
+            "code, so read these as an upper bound):\n\n"
+        )
+        out += table(
+            ["function", "calls", "cumulative ms/step", "self ms/step"],
+            [(f"`{r['function']}`", r["calls"], fmt(1000 * r["cum_s"]), fmt(1000 * r["self_s"]))
+             for r in prof["functions"]],
+        )
+        out += (
+            f"\nSelf time of all relaytrain functions outside the model: {fmt(1000 * prof['self_total_s'])} "
+            f"ms/step. Profile command: `{prof['command']}`.\n"
+        )
+    out += "\nThe two commands, as run:\n\n"
+    for side in ("plain", "relaytrain"):
+        cmd = next(r["command"] for r in result["runs"] if r["side"] == side)
+        out += f"- {side}: `{cmd}`\n"
+    if not s["met"]:
+        out += (
+            "\nTarget missed: see the split above (the plain loop has no data loader, no per-step record and "
+            "no stop agreement) and the profile for the functions that cost the difference.\n"
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="default: all cores")
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
+    args, extra = parser.parse_known_args(argv)
+    from bench.matmul_peak import measure as measure_peak
+
+    peak = measure_peak(seconds=1.0)["cpu_peak_flops"]
+    result = measure(args.pairs, args.steps, args.warmup, extra, args.threads or None, peak, not args.no_profile)
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
