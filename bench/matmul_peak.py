@@ -99,8 +99,9 @@ def render(result: dict) -> str:
     out += table(["device", "dtype", "size", "threads", "best GFLOP/s", "median GFLOP/s", "samples"], rows)
     out += (
         f"\nThe CPU MFU figures on this page divide by the best fp32 rate with threads = cores "
-        f"({fmt(result['cpu_peak_flops'] / 1e9)} GFLOP/s), measured in the same run. The trainer measures its "
-        "own peak at start-up the same way (1024², 0.3 s; `relaytrain.monitor.mfu.measure_cpu_peak_flops`) "
+        f"({fmt(result['cpu_peak_flops'] / 1e9)} GFLOP/s), measured in the same run. The trainer measures "
+        "its own peak at start-up the same way (1024², 0.3 s, "
+        "`relaytrain.monitor.mfu.measure_cpu_peak_flops`) "
         "unless `metrics.peak_flops` is set.\n"
     )
     bf16 = [r for r in result["rows"] if r["device"] == "cpu" and r["dtype"] == "bfloat16"]
@@ -122,7 +123,9 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=2.0, help="time budget per matmul shape")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the raw results as JSON")

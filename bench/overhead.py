@@ -99,7 +99,12 @@ def profile_trainer(steps: int, overrides: list[str], threads: int, run_root: Pa
         if ncalls < steps or func in ENCLOSING or func.startswith("__") or module.startswith("config."):
             continue  # start-up work (config, lazy imports), or a frame that encloses the compute
         rows.append(
-            {"function": f"{module}.{func}", "calls": ncalls, "cum_s": cumtime / steps, "self_s": tottime / steps}
+            {
+                "function": f"{module}.{func}",
+                "calls": ncalls,
+                "cum_s": cumtime / steps,
+                "self_s": tottime / steps,
+            }
         )
     rows.sort(key=lambda r: r["cum_s"], reverse=True)
     stats_path.unlink(missing_ok=True)
@@ -142,10 +147,17 @@ def measure(
         "steps": steps,
         "warmup": warmup,
         "overrides": overrides,
-        "model": {"dim": cfg.model.dim, "n_layers": cfg.model.n_layers, "vocab_size": cfg.model.vocab_size,
-                  "params": count_parameters(cfg.model)},
-        "batch": {"global": cfg.train.global_batch_size, "micro": cfg.train.micro_batch_size,
-                  "seq_len": cfg.train.seq_len},
+        "model": {
+            "dim": cfg.model.dim,
+            "n_layers": cfg.model.n_layers,
+            "vocab_size": cfg.model.vocab_size,
+            "params": count_parameters(cfg.model),
+        },
+        "batch": {
+            "global": cfg.train.global_batch_size,
+            "micro": cfg.train.micro_batch_size,
+            "seq_len": cfg.train.seq_len,
+        },
         "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len,
         "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len),
         "peak_flops": peak_flops,
@@ -196,15 +208,22 @@ def render(result: dict) -> str:
     out += (
         f"Model dim {m['dim']}, {m['n_layers']} layers, vocab {m['vocab_size']} ({m['params'] / 1e6:.2f} M "
         f"parameters), global batch {b['global']} x seq {b['seq_len']}, micro batch {b['micro']}, fp32, "
-        f"{result['threads']} threads, {result['pairs']} alternating pair(s) of runs, {result['steps']} steps "
-        f"each, the first {result['warmup']} dropped.\n\n"
+        f"{result['threads']} threads, {result['pairs']} alternating pair(s) of runs, "
+        f"{result['steps']} steps each, the first {result['warmup']} dropped.\n\n"
     )
     rows = []
     for side, label in (("plain", "plain PyTorch loop"), ("relaytrain", "relaytrain train")):
         step = result["sides"][side]["step_s"]
         tokens, mfu = _tokens_mfu(result, step)
-        rows.append((label, fmt(step * 1000), spread([1000 * v for v in result["sides"][side]["run_medians_s"]]),
-                     fmt(tokens), pct(mfu, 2)))
+        rows.append(
+            (
+                label,
+                fmt(step * 1000),
+                spread([1000 * v for v in result["sides"][side]["run_medians_s"]]),
+                fmt(tokens),
+                pct(mfu, 2),
+            )
+        )
     out += table(["loop", "median step (ms)", "run medians (ms)", "tokens/s", "MFU"], rows)
     pairs = ", ".join(f"{100 * r:+.1f}%" for r in s["pair_overheads"])
     out += (
@@ -212,7 +231,8 @@ def render(result: dict) -> str:
         f"{verdict(s['met'], '≤ 3%')}.\n"
     )
     if result.get("peak_flops"):
-        out += f"MFU divides by the fp32 matmul peak measured in the same run ({fmt(result['peak_flops'] / 1e9)} GFLOP/s).\n"
+        peak = fmt(result["peak_flops"] / 1e9)
+        out += f"MFU divides by the fp32 matmul peak measured in the same run ({peak} GFLOP/s).\n"
     out += "\nWhere a step's time goes (medians over the measured steps, ms):\n\n"
     plain_runs = [r for r in result["runs"] if r["side"] == "plain"]
     rt_runs = [r for r in result["runs"] if r["side"] == "relaytrain"]
@@ -221,11 +241,24 @@ def render(result: dict) -> str:
         return fmt(1000 * median(r[key] for r in runs))
 
     out += table(
-        ["loop", "data", "forward+backward", "clip+optimizer", "checkpoint poll", "other (logging, agree, ...)"],
+        [
+            "loop",
+            "data",
+            "forward+backward",
+            "clip+optimizer",
+            "checkpoint poll",
+            "other (logging, agree, ...)",
+        ],
         [
             ("plain", "–", ms(plain_runs, "forward_backward_s"), ms(plain_runs, "optimizer_s"), "–", "–"),
-            ("relaytrain", ms(rt_runs, "data_s"), ms(rt_runs, "forward_backward_s"), ms(rt_runs, "optimizer_s"),
-             ms(rt_runs, "checkpoint_s"), ms(rt_runs, "other_s")),
+            (
+                "relaytrain",
+                ms(rt_runs, "data_s"),
+                ms(rt_runs, "forward_backward_s"),
+                ms(rt_runs, "optimizer_s"),
+                ms(rt_runs, "checkpoint_s"),
+                ms(rt_runs, "other_s"),
+            ),
         ],
     )
     prof = result.get("profile")
@@ -237,8 +270,10 @@ def render(result: dict) -> str:
         )
         out += table(
             ["function", "calls", "cumulative ms/step", "self ms/step"],
-            [(f"`{r['function']}`", r["calls"], fmt(1000 * r["cum_s"]), fmt(1000 * r["self_s"]))
-             for r in prof["functions"]],
+            [
+                (f"`{r['function']}`", r["calls"], fmt(1000 * r["cum_s"]), fmt(1000 * r["self_s"]))
+                for r in prof["functions"]
+            ],
         )
         out += (
             f"\nSelf time of all relaytrain functions outside the model: {fmt(1000 * prof['self_total_s'])} "
@@ -257,7 +292,9 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
@@ -268,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     from bench.matmul_peak import measure as measure_peak
 
     peak = measure_peak(seconds=1.0)["cpu_peak_flops"]
-    result = measure(args.pairs, args.steps, args.warmup, extra, args.threads or None, peak, not args.no_profile)
+    result = measure(
+        args.pairs, args.steps, args.warmup, extra, args.threads or None, peak, not args.no_profile
+    )
     print(json.dumps(result) if args.json else render(result))
     return 0
 

@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ def fmt(value: float | None, digits: int = 3) -> str:
     if value == 0:
         return "0"
     magnitude = abs(value)
-    if magnitude >= 10 ** digits:
+    if magnitude >= 10**digits:
         return f"{value:,.0f}"
     decimals = max(0, digits - 1 - int(f"{magnitude:e}".split("e")[1]))
     return f"{value:.{decimals}f}"
@@ -108,7 +108,7 @@ def machine_info() -> dict:
     import torch
 
     info = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "host": platform.node(),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
