@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -18,7 +19,7 @@ import torch
 from relaytrain.config.schema import Config
 from relaytrain.parallel import parallelize
 
-STEPS = 3
+STEPS = int(os.environ.get("PARALLEL_CASES_STEPS", "3"))  # bench/parallel_layouts.py runs more
 
 # name -> ([parallel] overrides, [train] overrides). Same model and data for all; only the layout changes.
 CASES: dict[str, tuple[dict, dict]] = {
@@ -101,7 +102,7 @@ def run_case(name: str, world_size: int, rank: int, gpus_per_node: int) -> dict:
     eval_tokens = data[STEPS, rows]
     eval_loss = pm.reduce_mean(pm.eval_loss(eval_tokens[:, :-1], eval_tokens[:, 1:]))
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-    steady = min(step_times[1:]) if len(step_times) > 1 else step_times[0]
+    steady = statistics.median(step_times[1:]) if len(step_times) > 1 else step_times[0]
     return {
         "case": name,
         "losses": losses,

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_cases import run_case  # noqa: E402
@@ -42,8 +43,17 @@ N4_CASES = ["hsdp_2x2", "fsdp_tp", "pp_fsdp_pp_outer_order", "pp_tp_interleaved"
 BF16_CASES = {"fsdp_bf16", "autocast_bf16"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Like each torchrun rank: on a shared 2-core box, 2 OpenMP threads can be 10x slower than one.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(one_thread) -> dict:
     return run_case("single", world_size=1, rank=0, gpus_per_node=1)
 
 

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import weakref
+
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from relaytrain.parallel.layout import ParallelDims, parse_rank_order
+
+# Flattened dims of each mesh built here. PyTorch deprecates slicing flattened dims from the root mesh;
+# the flattened meshes are kept instead.
+_FLATTENED: weakref.WeakKeyDictionary[DeviceMesh, dict[str, DeviceMesh]] = weakref.WeakKeyDictionary()
 
 
 def build_mesh(dims: ParallelDims, device_type: str, rank_order: str | None = None) -> DeviceMesh:
     """A mesh with every dimension kept, degree 1 included, so that names are the same for every layout.
 
     Named dims (outermost first as `rank_order` asks): "pp", "dp_replicate", "dp_shard", "cp", "tp";
-    flattened: "dp" (dp_replicate x dp_shard: data loading, loss averaging) and "dp_shard_cp" (dp_shard x cp:
-    the dimension FSDP shards over, since context-parallel ranks hold the same weights).
+    flattened (reach them with `submesh`): "dp" (dp_replicate x dp_shard: data loading, loss averaging) and
+    "dp_shard_cp" (dp_shard x cp: what FSDP shards over, since context-parallel ranks hold the same weights).
     """
     if rank_order is not None and parse_rank_order(rank_order) != dims.rank_order:
         dims = ParallelDims(
@@ -27,8 +33,10 @@ def build_mesh(dims: ParallelDims, device_type: str, rank_order: str | None = No
     names = tuple(name for name, _ in dims.mesh_dims)
     shape = tuple(size for _, size in dims.mesh_dims)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    mesh[_in_mesh_order(names, ("dp_replicate", "dp_shard"))]._flatten("dp")
-    mesh[_in_mesh_order(names, ("dp_shard", "cp"))]._flatten("dp_shard_cp")
+    _FLATTENED[mesh] = {
+        "dp": mesh[_in_mesh_order(names, ("dp_replicate", "dp_shard"))]._flatten("dp"),
+        "dp_shard_cp": mesh[_in_mesh_order(names, ("dp_shard", "cp"))]._flatten("dp_shard_cp"),
+    }
     return mesh
 
 
@@ -36,8 +44,15 @@ def _in_mesh_order(names: tuple[str, ...], wanted: tuple[str, ...]) -> tuple[str
     return tuple(name for name in names if name in wanted)
 
 
+def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The 1-D mesh of a named or flattened dimension."""
+    flat = _FLATTENED.get(mesh, {})
+    return flat[name] if name in flat else mesh[name]
+
+
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """HSDP: 2-D (replicate, shard); otherwise 1-D over the shard (and context-parallel) ranks."""
     if dims.dp_replicate > 1:
-        return mesh["dp_replicate", "dp_shard_cp"]
-    return mesh["dp_shard_cp"]
+        # Only with CP does the shard dim need the flattened (dp_shard, cp) dim of the root mesh.
+        return mesh["dp_replicate", "dp_shard_cp"] if dims.cp > 1 else mesh["dp_replicate", "dp_shard"]
+    return submesh(mesh, "dp_shard_cp")

@@ -29,7 +29,7 @@ from relaytrain.model.transformer import Transformer
 from relaytrain.parallel.activation import apply_ac, apply_compile
 from relaytrain.parallel.fsdp import apply_fsdp, param_dtype
 from relaytrain.parallel.layout import ParallelDims, pp_microbatches, validate_layout
-from relaytrain.parallel.mesh import build_mesh, fsdp_mesh
+from relaytrain.parallel.mesh import build_mesh, fsdp_mesh, submesh
 from relaytrain.parallel.pipeline import build_schedule, split_stage, stage_ids_of
 
 
@@ -61,7 +61,7 @@ class ParallelModel:
         self.model_parts = model_parts
         self.stage_ids = stage_ids
         self.n_stages = dims.pp * cfg.parallel.pp_virtual_stages
-        self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+        self.dp_rank = submesh(mesh, "dp").get_local_rank() if mesh is not None else 0
         self.dp_size = dims.dp
         self.use_loss_parallel = dims.tp > 1 and cfg.parallel.loss_parallel
         self._autocast_dtype = None
@@ -109,7 +109,7 @@ class ParallelModel:
             yield
 
     def _group(self, dim: str) -> dist.ProcessGroup:
-        return self.mesh[dim].get_group()
+        return submesh(self.mesh, dim).get_group()
 
     def _finish_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Local mean loss as every rank of a TP/PP/CP group should report it."""
