@@ -293,6 +293,8 @@ def _signal_self_and_agree(c: ShutdownController, signum: int) -> StopReason:
     ("signum", "slurm", "end_in_s", "expected"),
     [
         (signal.SIGUSR2, False, None, S.TIME_LIMIT_SIGNAL),  # resilience.slurm_signal
+        (signal.SIGUSR2, True, 200, S.TIME_LIMIT_SIGNAL),  # Slurm's --signal, within lead + slack
+        (signal.SIGUSR2, True, 86400, S.CANCELLED),  # scancel --signal=USR2 long before the limit
         (signal.SIGTERM, False, None, S.SIGNAL),  # kill / torchrun outside SLURM
         (signal.SIGTERM, True, 86400, S.PREEMPTION),  # lots of time left: preemption
         (signal.SIGTERM, True, 200, S.TIME_LIMIT_SIGNAL),  # near the end: the time limit

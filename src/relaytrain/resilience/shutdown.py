@@ -153,11 +153,15 @@ class ShutdownController:
         name = signal.Signals(signum).name
         if name == "SIGINT":
             return StopReason.USER_INTERRUPT
+        left = self.time_left()
         if name == self.r.slurm_signal and name != "SIGTERM":
+            if self.in_slurm and left is not None and left > self.r.signal_lead_s + TIME_LIMIT_SLACK_S:
+                # Far too early for Slurm's --signal: someone ran `scancel --signal` (`relaytrain
+                # cancel --signal`) to stop the run with a checkpoint; requeuing would restart it.
+                return StopReason.CANCELLED
             return StopReason.TIME_LIMIT_SIGNAL
         if not self.in_slurm:
             return StopReason.SIGNAL
-        left = self.time_left()
         if left is not None and left <= self.r.signal_lead_s + TIME_LIMIT_SLACK_S:
             return StopReason.TIME_LIMIT_SIGNAL
         return StopReason.PREEMPTION
