@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 
-from conftest import losses_by_step, run_cli, run_torchrun
 from relaytrain.checkpoint import layout, load_model
+
+from conftest import losses_by_step, run_cli, run_torchrun
 
 STEPS = ["--train.max_steps=6", "--checkpoint.interval=2"]
 
