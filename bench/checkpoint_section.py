@@ -1,0 +1,86 @@
+"""The "Checkpoint I/O" section: runs bench/checkpoint_io.py and judges its figures against the targets.
+
+bench/checkpoint_io.py (owned by the checkpoint work) prints a Markdown table and, last, one JSON line with
+``checkpoint_bytes``, ``disk_write_Bps``, ``disk_read_Bps`` and the best times ``sync_save``,
+``async_block``, ``async_total``, ``load`` in seconds. This module runs it as its own process, keeps its
+table, and adds the verdicts: save and load throughput >= 80% of the disk's sequential write/read speed
+measured in the same run, async save blocking <= 10% of a sync save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from bench.procs import WORK, run, shown
+from bench.report import REPO, fmt, table, verdict
+
+SCRIPT = REPO / "bench" / "checkpoint_io.py"
+QUICK_ARGS = ["--dim=256", "--layers=4", "--vocab=4096", "--repeats=1"]
+THROUGHPUT_TARGET = 0.80
+BLOCKING_TARGET = 0.10
+
+
+def available() -> bool:
+    return SCRIPT.exists()
+
+
+def argv_for(quick: bool) -> list[str]:
+    return [sys.executable, str(SCRIPT), f"--dir={WORK / 'checkpoint_io'}", *(QUICK_ARGS if quick else [])]
+
+
+def measure(quick: bool = False, threads: int | None = None) -> dict:
+    argv = argv_for(quick)
+    out = run(argv, threads or os.cpu_count() or 1, timeout=1800).stdout
+    lines = out.strip().splitlines()
+    numbers = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    markdown = "\n".join(lines[:-1] if numbers is not None else lines).strip()
+    return {"command": shown(argv), "markdown": markdown, "numbers": numbers}
+
+
+def judge(n: dict) -> list[tuple[str, float, str, bool]]:
+    """(what, measured ratio, target, met) for each checkpoint target."""
+    size = n["checkpoint_bytes"]
+    rows = []
+    for label, seconds, disk in (
+        ("sync save throughput / disk write", n.get("sync_save"), n.get("disk_write_Bps")),
+        (
+            "async save throughput (to committed) / disk write",
+            n.get("async_total"),
+            n.get("disk_write_Bps"),
+        ),
+        ("load throughput / disk read", n.get("load"), n.get("disk_read_Bps")),
+    ):
+        if seconds and disk:
+            ratio = size / seconds / disk
+            rows.append((label, ratio, "≥ 80%", ratio >= THROUGHPUT_TARGET))
+    if n.get("async_block") is not None and n.get("sync_save"):
+        ratio = n["async_block"] / n["sync_save"]
+        rows.append(("async save blocking time / sync save time", ratio, "≤ 10%", ratio <= BLOCKING_TARGET))
+    return rows
+
+
+def render(result: dict) -> str:
+    out = "## Checkpoint I/O\n\n"
+    out += f"Command: `{result['command']}` (the script is `bench/checkpoint_io.py`)\n\n"
+    out += result["markdown"] + "\n"
+    n = result.get("numbers")
+    if n:
+        rows = judge(n)
+        out += "\nTargets:\n\n"
+        out += table(
+            ["figure", "measured", "target", "verdict"],
+            [
+                (label, f"{100 * r:.0f}%", target, verdict(met, target).split(": ", 1)[1])
+                for label, r, target, met in rows
+            ],
+        )
+        missed = [label for label, _r, _t, met in rows if not met]
+        if missed:
+            out += (
+                f"\nMissed: {'; '.join(missed)}. A checkpoint of {fmt(n['checkpoint_bytes'] / 1e6)} MB is "
+                "many files plus serialisation work on top of the raw byte stream the disk probe writes, and "
+                "the CPU that serialises is the one shared with everything else on the machine.\n"
+            )
+    return out
