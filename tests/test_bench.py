@@ -1,0 +1,248 @@
+"""The benchmark tooling stays working: page merging, section rendering from fake results, output parsers.
+
+No timings are asserted; the figures themselves live on docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import checkpoint_section, gpu_mfu, matmul_peak, overhead, startup, torchtitan_gpu  # noqa: E402
+from bench.__main__ import ORDER, links_section  # noqa: E402
+from bench.report import (  # noqa: E402
+    block,
+    fmt,
+    merge_page,
+    render_machine,
+    section_body,
+    section_names,
+    write_page,
+)
+
+FOREIGN_PAGE = """# Benchmarks
+
+Intro written by hand.
+
+<!-- bench:overhead -->
+## old overhead text
+<!-- /bench:overhead -->
+
+## Slurm end to end
+
+Measured by a colleague, no markers: must survive untouched.
+
+<!-- bench:checkpoint-io -->
+## Checkpoint I/O (written by the checkpoint script)
+<!-- /bench:checkpoint-io -->
+"""
+
+
+def fake_overhead() -> dict:
+    runs = []
+    for i in range(2):
+        runs.append(
+            {
+                "side": "plain",
+                "order": 2 * i,
+                "command": "python -m bench.plain_loop --steps=5",
+                "step_s": [0.30, 0.31, 0.29],
+                "forward_backward_s": 0.27,
+                "optimizer_s": 0.02,
+                "threads": 2,
+                "tokens_per_step": 2048,
+            }
+        )
+        runs.append(
+            {
+                "side": "relaytrain",
+                "order": 2 * i + 1,
+                "command": "relaytrain train --x=1",
+                "step_s": [0.31, 0.32, 0.30],
+                "trainer_mfu": 0.2,
+                "data_s": 0.001,
+                "forward_backward_s": 0.28,
+                "optimizer_s": 0.02,
+                "checkpoint_s": 0.0,
+                "other_s": 0.003,
+            }
+        )
+    result = {
+        "command": "python -m bench.overhead --pairs=2",
+        "threads": 2,
+        "pairs": 2,
+        "steps": 8,
+        "warmup": 2,
+        "overrides": [],
+        "model": {"dim": 256, "n_layers": 4, "vocab_size": 320, "params": 3_000_000},
+        "batch": {"global": 16, "micro": 8, "seq_len": 128},
+        "tokens_per_step": 2048,
+        "flops_per_token": 2.0e7,
+        "peak_flops": 1.0e11,
+        "runs": runs,
+        "profile": {
+            "command": "python -m cProfile ...",
+            "steps": 8,
+            "profiled_step_s": 0.4,
+            "self_total_s": 0.004,
+            "functions": [
+                {"function": "monitor.metrics.log_train", "calls": 8, "cum_s": 0.002, "self_s": 0.0001}
+            ],
+        },
+    }
+    return result | overhead.summarise(result)
+
+
+def test_merge_replaces_own_blocks_and_keeps_everything_else():
+    page = merge_page(FOREIGN_PAGE, {"overhead": "## new overhead", "startup": "## startup"}, ORDER)
+    assert "## new overhead" in page and "old overhead text" not in page
+    assert "Measured by a colleague, no markers: must survive untouched." in page
+    assert "## Checkpoint I/O (written by the checkpoint script)" in page
+    assert "Intro written by hand." in page
+    # the new block goes right after the block that precedes it in ORDER
+    assert section_names(page) == ["overhead", "startup", "checkpoint-io"]
+    assert page.index("## startup") < page.index("## Slurm end to end")
+    # merging is idempotent and a second run replaces, never duplicates
+    again = merge_page(page, {"overhead": "## new overhead", "startup": "## startup"}, ORDER)
+    assert again == page
+
+
+def test_merge_into_empty_page_creates_title_and_ordered_blocks(tmp_path):
+    path = tmp_path / "benchmarks.md"
+    write_page({"startup": "## s", "machine": "m", "overhead": "## o"}, ORDER, path)
+    text = path.read_text()
+    assert text.startswith("# Benchmarks")
+    assert section_names(text) == ["machine", "overhead", "startup"]
+    assert section_body(text, "overhead").strip() == "## o"
+    write_page({"overhead": "## o2"}, ORDER, path)
+    assert section_body(path.read_text(), "overhead").strip() == "## o2"
+    assert block("x", "body\n\n").endswith("body\n<!-- /bench:x -->\n")
+
+
+def test_rendering_fake_results():
+    text = overhead.render(fake_overhead())
+    assert "+3.3%" in text  # 0.31 / 0.30 - 1
+    assert "**missed**" in text and "monitor.metrics.log_train" in text
+    assert "relaytrain train --x=1" in text
+
+    fresh = [{"to_setup_s": 3.0, "to_first_step_s": 4.0, "first_step_s": 1.0, "wall_s": 6.0}]
+    resumed = [{"to_setup_s": 3.5, "to_first_step_s": 3.9, "first_step_s": 0.4, "wall_s": 5.0}]
+    text = startup.render(
+        {
+            "command": "python -m bench.startup",
+            "job_command": "relaytrain train",
+            "threads": 2,
+            "repeats": 1,
+            "stop_at": 2,
+            "samples": {"import_torch": [2.0], "import_trainer": [2.5], "fresh": fresh, "resume": resumed},
+        }
+    )
+    assert "first resumed step done | 3.90" in text and "50%" in text
+
+    rows = [
+        {
+            "size": 1024,
+            "dtype": "float32",
+            "device": "cpu",
+            "threads": 2,
+            "best_flops": 1.3e11,
+            "median_flops": 1.2e11,
+            "samples": 10,
+        },
+        {
+            "size": 512,
+            "dtype": "bfloat16",
+            "device": "cpu",
+            "threads": 2,
+            "best_flops": 1e9,
+            "median_flops": 1e9,
+            "samples": 5,
+        },
+    ]
+    text = matmul_peak.render(
+        {
+            "command": "python -m bench.matmul_peak",
+            "cores": 2,
+            "rows": rows,
+            "cpu_peak_flops": 1.3e11,
+            "gpu_peak_flops": None,
+        }
+    )
+    assert "130" in text and "not measured" in text
+
+    numbers = {
+        "checkpoint_bytes": 1e9,
+        "disk_write_Bps": 1e9,
+        "disk_read_Bps": 2e9,
+        "sync_save": 1.1,
+        "async_block": 0.05,
+        "async_total": 1.5,
+        "load": 0.5,
+    }
+    text = checkpoint_section.render(
+        {"command": "python bench/checkpoint_io.py", "markdown": "| t |", "numbers": numbers}
+    )
+    assert "| sync save throughput / disk write | 91% | ≥ 80% | **met** |" in text
+    assert "| async save blocking time / sync save time | 5% | ≤ 10% | **met** |" in text
+    assert "Missed: async save throughput" in text
+
+    assert "**Not run**" in torchtitan_gpu.render(torchtitan_gpu.not_run())
+    assert "**Not run**" in gpu_mfu.render(gpu_mfu.not_run())
+    info = {
+        "date": "2026-01-01 00:00 UTC",
+        "cpu": "X",
+        "cpu_capability": "AVX2",
+        "cores": 2,
+        "torch_threads": 2,
+        "memory_gib": 4.0,
+        "gpu": None,
+        "python": "3.11",
+        "torch": "2.13",
+        "load_start": [5.0, 1, 1],
+    }
+    text = render_machine(info, "python -m bench", [1.0, 1.0, 1.0])
+    assert "exceeded the core count" in text and "`python -m bench`" in text
+    assert "parallel_layouts" in links_section()
+
+
+def test_fmt():
+    assert fmt(0.123456) == "0.123" and fmt(1234.5) == "1,234" and fmt(12.345) == "12.3"
+    assert fmt(math.nan) == "–" and fmt(None) == "–"
+
+
+def test_parse_torchtitan_console_lines():
+    log = (
+        "[rank0]:[titan] 2026 - root - INFO - Model llama3 debugmodel size: 6,139,136 total parameters\n"
+        "[rank0]:[titan] INFO - \x1b[31mstep:  1  \x1b[32mloss:  8.1200  \x1b[38;2;180;60;0mgrad_norm:  1.5  "
+        "\x1b[36mmemory:  1.20GiB(1.51%)  \x1b[34mtps: 1,234  \x1b[36mtflops: 0.05  "
+        "\x1b[35mmfu: 0.01%\x1b[39m\n"
+        "[rank0]:[titan] INFO - step:  2  loss:  7.0  grad_norm:  1.0  memory:  1.2GiB(1.5%)  tps: 45,678  "
+        "tflops: 1.23  mfu: 12.50%\n"
+    )
+    steps, params = torchtitan_gpu.parse_titan(log)
+    assert params == 6_139_136
+    assert [s["step"] for s in steps] == [1, 2]
+    assert steps[1]["tps"] == 45678 and steps[1]["mfu"] == pytest.approx(0.125)
+
+
+def test_plain_loop_trains_the_configured_model():
+    from bench.plain_loop import run
+
+    tiny = [
+        "--model.dim=32",
+        "--model.n_layers=1",
+        "--model.n_heads=2",
+        "--model.n_kv_heads=1",
+        "--train.seq_len=16",
+        "--train.global_batch_size=4",
+        "--train.micro_batch_size=2",
+    ]
+    out = run(3, tiny)
+    assert len(out["step_s"]) == len(out["forward_backward_s"]) == 3
+    assert out["tokens_per_step"] == 64
+    assert math.isfinite(out["loss_first"]) and math.isfinite(out["loss_last"])
