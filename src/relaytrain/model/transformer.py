@@ -122,7 +122,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.init_weights(seed=0)
+        if self.tok_embeddings.weight.device.type != "meta":
+            # On the meta device nothing exists yet: parallelize() initialises after sharding.
+            self.init_weights(seed=0)
 
     def init_std_for(self, name: str) -> float | None:
         """Init std of a parameter by name; None for norm weights, which start at one."""
