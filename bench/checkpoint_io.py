@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
+    load_before = os.getloadavg()[0]
     base = Path(args.dir) if args.dir else Path("runs")
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=base))
@@ -160,7 +161,12 @@ def main() -> None:
     )
     mb = ckpt_bytes / 1e6
     print(f"\nmachine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.system()}")
-    print(f"model: {params / 1e6:.1f} M params; checkpoint (model + AdamW + train state) {mb:.0f} MB\n")
+    print(f"model: {params / 1e6:.1f} M params; checkpoint (model + AdamW + train state) {mb:.0f} MB")
+    # The save path is CPU-bound (serialization, copies): other processes on the machine slow it directly.
+    print(
+        f"1-min load average: {load_before:.1f} at start, {os.getloadavg()[0]:.1f} at end; "
+        f"best of {args.repeats}\n"
+    )
     print("| measurement | time (s) | MB/s | vs disk |")
     print("| --- | --- | --- | --- |")
     print(f"| disk sequential write + fsync | {ckpt_bytes / disk_w:.2f} | {disk_w / 1e6:.0f} | 1.00 |")
