@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import json
 import os
+import pstats
 import sys
 
 from bench.procs import WORK, run, shown
 from bench.report import REPO, fmt, table, verdict
 
 SCRIPT = REPO / "bench" / "checkpoint_io.py"
-QUICK_ARGS = ["--dim=256", "--layers=4", "--vocab=4096", "--repeats=1"]
+QUICK_ARGS = ["--dim=384", "--layers=4", "--vocab=4096", "--repeats=1"]  # its n_heads is 12
+PROFILED_PATHS = (
+    "relaytrain/checkpoint/",
+    "torch/distributed/checkpoint/",
+    "torch/serialization",
+    "safetensors",
+)
+PROFILED_BUILTINS = ("fsync", "write", "read", "pickle", "copy_", "rename", "replace")
 THROUGHPUT_TARGET = 0.80
 BLOCKING_TARGET = 0.10
 
@@ -30,13 +38,41 @@ def argv_for(quick: bool) -> list[str]:
     return [sys.executable, str(SCRIPT), f"--dir={WORK / 'checkpoint_io'}", *(QUICK_ARGS if quick else [])]
 
 
-def measure(quick: bool = False, threads: int | None = None) -> dict:
+def measure(quick: bool = False, threads: int | None = None, profile: bool = True) -> dict:
+    threads = threads or os.cpu_count() or 1
     argv = argv_for(quick)
-    out = run(argv, threads or os.cpu_count() or 1, timeout=1800).stdout
+    out = run(argv, threads, timeout=1800).stdout
     lines = out.strip().splitlines()
     numbers = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
     markdown = "\n".join(lines[:-1] if numbers is not None else lines).strip()
-    return {"command": shown(argv), "markdown": markdown, "numbers": numbers}
+    result = {"command": shown(argv), "markdown": markdown, "numbers": numbers, "profile": None}
+    if profile:
+        result["profile"] = profile_saves(threads)
+    return result
+
+
+def profile_saves(threads: int) -> dict:
+    """cProfile one small run of the script: where save and load spend their (main-thread) time."""
+    stats_path = WORK / "checkpoint_io.pstats"
+    argv = [sys.executable, "-m", "cProfile", "-o", str(stats_path), *argv_for(True)[1:]]
+    run(argv, threads, timeout=1800)
+    stats = pstats.Stats(str(stats_path))
+    rows = []
+    for (filename, _line, func), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():
+        path = filename.replace(os.sep, "/")
+        if filename == "~":
+            if not any(word in func for word in PROFILED_BUILTINS):
+                continue
+            name = func.strip("<>").replace("built-in method ", "").replace("method ", "")
+        elif any(part in path for part in PROFILED_PATHS) and func not in ("<module>", "__getattr__"):
+            module = path.rsplit("/site-packages/", 1)[-1].rsplit("/src/", 1)[-1].removesuffix(".py")
+            name = f"{module.replace('/', '.')}.{func}"
+        else:
+            continue
+        rows.append({"function": name, "calls": ncalls, "cum_s": cumtime, "self_s": tottime})
+    rows.sort(key=lambda r: r["cum_s"], reverse=True)
+    stats_path.unlink(missing_ok=True)
+    return {"command": shown(argv).replace(str(stats_path), "checkpoint_io.pstats"), "functions": rows[:15]}
 
 
 def judge(n: dict) -> list[tuple[str, float, str, bool]]:
@@ -78,9 +114,19 @@ def render(result: dict) -> str:
         )
         missed = [label for label, _r, _t, met in rows if not met]
         if missed:
-            out += (
-                f"\nMissed: {'; '.join(missed)}. A checkpoint of {fmt(n['checkpoint_bytes'] / 1e6)} MB is "
-                "many files plus serialisation work on top of the raw byte stream the disk probe writes, and "
-                "the CPU that serialises is the one shared with everything else on the machine.\n"
-            )
+            out += f"\nMissed: {'; '.join(missed)} (checkpoint of {fmt(n['checkpoint_bytes'] / 1e6)} MB).\n"
+    prof = result.get("profile")
+    if prof and prof["functions"]:
+        out += (
+            "\nWhere the script's saves and loads spend their time (cProfile of the small configuration, "
+            "main thread only: an async save's background writing is not in it; seconds over the whole "
+            f"run): `{prof['command']}`\n\n"
+        )
+        out += table(
+            ["function", "calls", "cumulative s", "self s"],
+            [
+                (f"`{r['function']}`", r["calls"], fmt(r["cum_s"]), fmt(r["self_s"]))
+                for r in prof["functions"]
+            ],
+        )
     return out

@@ -24,7 +24,8 @@ PAGE = REPO / "docs" / "benchmarks.md"
 PAGE_TITLE = "# Benchmarks"
 PAGE_INTRO = (
     "Every figure on this page comes from a command in `bench/`; `python -m bench` (or `bench/run.sh`) runs\n"
-    "them all and rewrites the sections between `<!-- bench:NAME -->` markers. Comparisons run side by\n"
+    "them all and rewrites the sections it measures (HTML comments `bench:NAME` mark them; other sections\n"
+    "are kept as they are). Comparisons run side by\n"
     "side in one invocation, alternating A/B/A/B, and report medians and ratios, because shared machines\n"
     "are noisy. Tests never assert timings; this page is where performance is claimed.\n"
 )
