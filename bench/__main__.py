@@ -26,7 +26,7 @@ from bench import checkpoint_section, gpu_mfu, matmul_peak, overhead, startup, t
 from bench.procs import WORK
 from bench.report import PAGE, load_average, machine_info, merge_page, render_machine, write_page
 
-ORDER = ["machine", "matmul-peak", "overhead", "startup", "checkpoint-io", "torchtitan", "gpu"]
+ORDER = ["usage", "machine", "matmul-peak", "overhead", "startup", "checkpoint-io", "torchtitan", "gpu"]
 LINKS = "links"
 
 
@@ -81,6 +81,25 @@ SECTIONS: dict[str, Callable[[Plan], tuple[dict, str] | None]] = {
     "torchtitan": _torchtitan,
     "gpu": _gpu,
 }
+
+
+def usage_section() -> str:
+    return (
+        "## How to run\n\n"
+        "```sh\n"
+        "python -m bench            # everything (~5-10 min on 2 cores); rewrites this page\n"
+        "bench/run.sh               # the same\n"
+        "python -m bench --quick    # ~2 min smoke run; writes bench/out/benchmarks.md, not this page\n"
+        "python -m bench --only overhead,startup   # a subset; other sections stay as they are\n"
+        "python -m bench.overhead --pairs=4 --model.dim=512   # one benchmark, any config override\n"
+        "```\n\n"
+        "Sections: `matmul-peak` (bench/matmul_peak.py), `overhead` (bench/overhead.py, "
+        "bench/plain_loop.py), `startup` (bench/startup.py), `checkpoint-io` (bench/checkpoint_io.py via "
+        "bench/checkpoint_section.py), `torchtitan` (bench/torchtitan_gpu.py), `gpu` (bench/gpu_mfu.py). "
+        "Raw results of the last run: bench/out/results.json (not committed). A section that fails keeps "
+        "its previous text and the run exits 1. Each figure names the command that produced it. Runs are "
+        "separate processes with `OMP_NUM_THREADS` = cores unless `--threads` says otherwise.\n"
+    )
 
 
 def links_section() -> str:
@@ -141,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if set(names) == set(SECTIONS):
         sections["machine"] = render_machine(info, command, load_average())
         sections[LINKS] = links_section()
+    sections["usage"] = usage_section()
     results["load_end"] = load_average()
     WORK.mkdir(parents=True, exist_ok=True)
     (WORK / "results.json").write_text(json.dumps(results, indent=1))

@@ -160,7 +160,7 @@ def render_machine(info: dict, command: str, load_end: list[float] | None) -> st
             "\nThe load average exceeded the core count while measuring: other processes shared the CPU, so "
             "absolute figures are low and noisy; the side-by-side ratios are the figures to read.\n"
         )
-    return "Last full run of `python -m bench`:\n\n" + table(["", ""], rows) + note
+    return "The machine and run behind the figures below:\n\n" + table(["", ""], rows) + note
 
 
 # -- the page -------------------------------------------------------------------------------------

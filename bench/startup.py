@@ -128,14 +128,20 @@ def render(result: dict) -> str:
     )
     out += table(["interval", "median (s)", "range (s)"], rows)
     out += f"\nJob: `{result['job_command']}`\n"
-    fresh = median([x["to_first_step_s"] for x in s["fresh"]])
-    torch_import = median(s["import_torch"])
-    if fresh == fresh and torch_import == torch_import and fresh > 0:
+    torch_s, trainer_s = median(s["import_torch"]), median(s["import_trainer"])
+    out += (
+        "\nApproximate split of the medians (each part from its own processes, so they need not add up):\n\n"
+    )
+    for label, key, setup_what in (
+        ("fresh job", "fresh", "config, model build and init, data loader, CPU peak measurement (0.3 s)"),
+        ("requeued job", "resume", "the same plus loading the checkpoint"),
+    ):
+        setup = median([x["to_setup_s"] for x in s[key]])
+        first = median([x["first_step_s"] for x in s[key]])
         out += (
-            f"\n`import torch` alone is {100 * torch_import / fresh:.0f}% of the time to the first step; the "
-            "rest is relaytrain's imports, the CPU peak measurement (0.3 s, skipped when "
-            "`metrics.peak_flops` is set), model build and init, the data loader, "
-            "and the first step's one-time allocations.\n"
+            f"- {label}: interpreter + `import torch` {fmt(torch_s)} s, relaytrain's own imports "
+            f"{fmt(trainer_s - torch_s)} s, set-up ({setup_what}) {fmt(setup - trainer_s)} s, first step "
+            f"{fmt(first)} s.\n"
         )
     return out
 

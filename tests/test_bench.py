@@ -142,7 +142,7 @@ def test_rendering_fake_results():
             "samples": {"import_torch": [2.0], "import_trainer": [2.5], "fresh": fresh, "resume": resumed},
         }
     )
-    assert "first resumed step done | 3.90" in text and "50%" in text
+    assert "first resumed step done | 3.90" in text and "relaytrain's own imports 0.500 s" in text
 
     rows = [
         {
