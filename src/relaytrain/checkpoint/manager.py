@@ -87,16 +87,19 @@ class CheckpointManager:
         self._ctrl = dist.new_group(backend="gloo") if self._dist else None
         self._save_pg = dist.new_group(backend="gloo") if self._dist else None
         self._stager = None
-        if self.ckpt.mode == "async" and torch.cuda.is_available():
+        if self.ckpt.mode == "async":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            # Pinned host buffers, reused across saves; the device-to-host copy blocks, the write does not.
+            # Host buffers for the snapshot, kept and reused by every save (no fresh allocation and page
+            # faults each time); pinned on CUDA so the device-to-host copy is fast. Only the copy blocks
+            # training; the write runs in the background. Non-blocking copies need an accelerator.
+            cuda = torch.cuda.is_available()
             self._stager = DefaultStager(
                 StagingOptions(
-                    use_pinned_memory=True,
+                    use_pinned_memory=cuda,
                     use_shared_memory=False,
                     use_async_staging=False,
-                    use_non_blocking_copy=True,
+                    use_non_blocking_copy=cuda,
                 )
             )
         self._schedule = SaveSchedule(self.ckpt, self._agree_flag)
