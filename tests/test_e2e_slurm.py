@@ -85,52 +85,69 @@ def resume_timings(label: str, run_dir: Path, fields: dict[str, str], save_log: 
 
 
 @pytest.fixture(scope="module")
-def e2e(slurm_cluster, tmp_path_factory):
+def e2e(slurm_cluster, tmp_path_factory, request):
     if len(slurm_cluster.nodes) < 2:
         pytest.fail(f"these tests need 2 nodes; the running cluster has {len(slurm_cluster.nodes)}")
+    selected = " ".join(item.name for item in request.session.items)
+
+    def wanted(*tests: str) -> bool:  # submit only what the selected tests (pytest -k ...) look at
+        return any(name in selected for name in tests)
+
     base = tmp_path_factory.mktemp("e2e_slurm")
     runs = base / "runs"
     res = write_config(base / "res.toml", runs, "res", RESILIENCE_STEPS, resilience=True)
-    tiny = write_config(base / "tiny.toml", runs, "tiny", 20)
-    small = write_config(base / "small.toml", runs, "small", 6)
-    stage_a = write_config(base / "stage_a.toml", runs, "stage_a", 6)
-    stage_b = write_config(base / "stage_b.toml", runs, "stage_b", 6)
     jobs: dict[str, str] = {}
+    two_nodes = ("--nodes", "2", "--tasks-per-node", "1")
     one_node = ("--nodes", "1", "--tasks-per-node", "1")
     # Longest first: the signal arrives 60-90 s after the start whatever else runs.
-    jobs["signal"] = launch(str(res), "--nodes", "2", "--tasks-per-node", "1", "--time", "3",
-                            "--run.name=signal", setup_override(SLOW_FIRST_RUN))  # fmt: skip
-    fake_end = FIRST_RUN_ONLY.format("export RELAYTRAIN_FAKE_JOB_END_TIME=$(( $(date +%s) + 50 ))")
-    jobs["budget"] = launch(str(res), "--nodes", "2", "--tasks-per-node", "1", "--run.name=budget",
-                            setup_override(SLOW_FIRST_RUN, fake_end))  # fmt: skip
+    if wanted("time_limit_signal", "status_and_logs"):
+        jobs["signal"] = launch(str(res), *two_nodes, "--time", "3", "--run.name=signal",
+                                setup_override(SLOW_FIRST_RUN))  # fmt: skip
+    if wanted("time_budget"):
+        fake_end = FIRST_RUN_ONLY.format("export RELAYTRAIN_FAKE_JOB_END_TIME=$(( $(date +%s) + 50 ))")
+        jobs["budget"] = launch(
+            str(res), *two_nodes, "--run.name=budget", setup_override(SLOW_FIRST_RUN, fake_end)
+        )
     submit_2x2 = time.time()
-    done = subprocess.run(["relaytrain", "launch", str(tiny), "--nodes", "2", "--tasks-per-node", "2"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    jobs["2x2"] = submitted_id(done.stdout)
-    jobs["cancel"] = launch(str(res), "--nodes", "1", "--tasks-per-node", "2", "--run.name=cancel",
-                            setup_override(SLOW_FIRST_RUN))  # fmt: skip
-    code, out = cli("sweep", str(small), "--grid", "optim.lr=1e-3,2e-3", *one_node)
-    assert code == 0, out
-    jobs["sweep"] = submitted_id(out)
-    code, out = cli("chain", str(stage_a), str(stage_b), *one_node)
-    assert code == 0, out
-    jobs["stage_a"], jobs["stage_b"] = re.findall(r"submitted job (\d+)", out)
-    stage_b_queued = job_fields(int(jobs["stage_b"]))  # Slurm clears Dependency once it is met
-    reference = start_reference(runs / "reference", res)
+    if wanted("two_nodes_by_two_tasks", "status_and_logs"):
+        tiny = write_config(base / "tiny.toml", runs, "tiny", 20)
+        done = subprocess.run(["relaytrain", "launch", str(tiny), "--nodes", "2", "--tasks-per-node", "2"],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        jobs["2x2"] = submitted_id(done.stdout)
+    if wanted("cancel"):
+        jobs["cancel"] = launch(str(res), "--nodes", "1", "--tasks-per-node", "2", "--run.name=cancel",
+                                setup_override(SLOW_FIRST_RUN))  # fmt: skip
+    if wanted("sweep"):
+        small = write_config(base / "small.toml", runs, "small", 6)
+        code, out = cli("sweep", str(small), "--grid", "optim.lr=1e-3,2e-3", *one_node)
+        assert code == 0, out
+        jobs["sweep"] = submitted_id(out)
+    stage_b_queued: dict[str, str] = {}
+    if wanted("chain"):
+        stages = [str(write_config(base / f"{name}.toml", runs, name, 6)) for name in ("stage_a", "stage_b")]
+        code, out = cli("chain", *stages, *one_node)
+        assert code == 0, out
+        jobs["stage_a"], jobs["stage_b"] = re.findall(r"submitted job (\d+)", out)
+        stage_b_queued = job_fields(int(jobs["stage_b"]))  # Slurm clears Dependency once it is met
+    reference = None
+    if wanted("identical", "resumes_from", "preemption"):
+        reference = start_reference(runs / "reference", res)
     try:
         yield SimpleNamespace(base=base, runs=runs, res=res, jobs=jobs, submit_2x2=submit_2x2,
                               reference=reference, cluster=slurm_cluster,
                               stage_b_queued=stage_b_queued)  # fmt: skip
     finally:
-        if reference.poll() is None:
+        if reference is not None and reference.poll() is None:
             reference.kill()
             reference.communicate()
-        print("\ne2e timings:", json.dumps(TIMINGS, indent=1))
+        if TIMINGS:
+            print("\ne2e timings:", json.dumps(TIMINGS, indent=1))
 
 
 @pytest.fixture(scope="module")
 def reference_losses(e2e) -> dict[int, float]:
+    assert e2e.reference is not None, "the uninterrupted reference run was not started"
     out, _ = e2e.reference.communicate(timeout=300)
     assert e2e.reference.returncode == 0, out[-3000:]
     losses = {r["step"]: r["loss"] for r in records(e2e.runs / "reference", "train")}
