@@ -43,9 +43,12 @@ def test_stop_and_resume_is_bit_exact_one_process(tmp_path, tiny_args):
 def test_fsdp_resume_and_resharding(tmp_path, tiny_args):
     reference, _ = train(tmp_path, tiny_args, "fsdp_ref", nproc=2)
     run, _ = train(tmp_path, tiny_args, "fsdp", "--train.stop_at_step=3", "--checkpoint.mode=async", nproc=2)
-    _, out = train(tmp_path, tiny_args, "fsdp", nproc=2)
+    # wall-clock saves (decided on rank 0, broadcast): every step here, on top of the interval ones
+    extra = ["--checkpoint.interval_minutes=0.0001", "--checkpoint.keep_every=3"]
+    _, out = train(tmp_path, tiny_args, "fsdp", *extra, nproc=2)
     expected = losses_by_step(reference)
     assert losses_by_step(run) == expected
+    assert [e.step for e in layout.list_steps(run / "checkpoints")] == [3, 4, 5, 6]  # keep_last=3 + every 3
 
     step3 = run / "checkpoints/step_3"
     assert layout.read_metadata(step3)["world_size"] == 2
