@@ -63,6 +63,11 @@ def finished(job_id: str, timeout: float = 300) -> dict[str, str]:
     return wait_job_finished(int(job_id), timeout=timeout)
 
 
+def cancel_leftovers(job_ids) -> None:
+    """After a failed test its jobs may still be queued; they must not disturb later tests."""
+    subprocess.run(["scancel", *job_ids], capture_output=True, timeout=30)
+
+
 def status_row(table: str, job: str) -> list[str]:
     """The cells of `relaytrain status`'s row for a job (job, name, state, restarts, ...)."""
     for line in table.splitlines():
@@ -140,6 +145,7 @@ def e2e(slurm_cluster, tmp_path_factory, request):
                               reference=reference, cluster=slurm_cluster,
                               stage_b_queued=stage_b_queued)  # fmt: skip
     finally:
+        cancel_leftovers(jobs.values())
         if reference is not None and reference.poll() is None:
             reference.kill()
             reference.communicate()
@@ -167,7 +173,7 @@ def test_two_nodes_by_two_tasks_trains_to_the_end(e2e):
     timing("2x2 job: Slurm SubmitTime to EndTime", slurm_s)
     log = job_output(run_dir, job)
     starts = re.findall(r"start: rank (\d)/4 local_rank (\d) node (\S+)", log)
-    assert sorted(int(rank) for rank, _, _ in starts) == [0, 1, 2, 3], log
+    assert sorted(int(rank) for rank, _, _ in starts) == [0, 1, 2, 3], log[-6000:]
     by_node: dict[str, set[str]] = {}
     for _, local, node in starts:
         by_node.setdefault(node, set()).add(local)
@@ -302,6 +308,7 @@ def second_wave(e2e, reference_losses):
                               killed_at=killed_at, last_step_before_kill=before_kill,
                               checkpoints_at_kill=checkpoints)  # fmt: skip
     finally:
+        cancel_leftovers([*jobs.values(), str(high)])
         local_cluster.restart_node(doomed, e2e.cluster.base_dir)
 
 
