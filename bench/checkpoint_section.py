@@ -1,4 +1,7 @@
-"""The "Checkpoint I/O" section: runs bench/checkpoint_io.py and judges its figures against the targets.
+"""The runner's checkpoint I/O figures: runs bench/checkpoint_io.py and judges them against the targets.
+
+The page's "Checkpoint I/O" section (block ``checkpoint-io``) is the checkpoint work's analysis and is
+kept as written; this module's block (``checkpoint-io-run``) follows it with the figures of the last run.
 
 bench/checkpoint_io.py (owned by the checkpoint work) prints a Markdown table and, last, one JSON line with
 ``checkpoint_bytes``, ``disk_write_Bps``, ``disk_read_Bps`` and the best times ``sync_save``,
@@ -98,8 +101,12 @@ def judge(n: dict) -> list[tuple[str, float, str, bool]]:
 
 
 def render(result: dict) -> str:
-    out = "## Checkpoint I/O\n\n"
-    out += f"Command: `{result['command']}` (the script is `bench/checkpoint_io.py`)\n\n"
+    out = "### Checkpoint I/O in the last `python -m bench` run\n\n"
+    out += (
+        "The runner's own run of the checkpoint benchmark, judged against the targets (the analysis above "
+        "is the checkpoint work's, from its own runs).\n\n"
+    )
+    out += f"Command: `{result['command']}`\n\n"
     out += result["markdown"] + "\n"
     n = result.get("numbers")
     if n:

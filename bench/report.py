@@ -184,8 +184,9 @@ def section_body(page: str, name: str) -> str | None:
 def merge_page(page: str, sections: dict[str, str], order: Sequence[str] = ()) -> str:
     """``page`` with the blocks named in ``sections`` replaced (or added); every other byte kept.
 
-    New blocks go after the block that precedes them in ``order`` when the page has it, else at the
-    end of the page; ``order`` defaults to the order of ``sections``.
+    A new block goes after the nearest block that precedes it in ``order`` and is on the page, else
+    before the nearest one that follows it, else at the end; ``order`` defaults to the order of
+    ``sections``.
     """
     if not page.strip():
         page = f"{PAGE_TITLE}\n\n{PAGE_INTRO}\n"
@@ -204,15 +205,16 @@ def merge_page(page: str, sections: dict[str, str], order: Sequence[str] = ()) -
         if name in done:
             continue
         new = block(name, sections[name])
-        anchor = None
-        for earlier in reversed(order[: order.index(name)] if name in order else []):
-            anchor = next((m for m in _BLOCK.finditer(page) if m.group("name") == earlier), None)
-            if anchor:
-                break
-        if anchor is None:
-            page = page.rstrip("\n") + "\n\n" + new
+        position = order.index(name) if name in order else len(order)
+        blocks = {m.group("name"): m for m in _BLOCK.finditer(page)}
+        before = next((blocks[n] for n in reversed(order[:position]) if n in blocks), None)
+        after = next((blocks[n] for n in order[position + 1 :] if n in blocks), None)
+        if before is not None:
+            page = page[: before.end()] + "\n" + new + page[before.end() :]
+        elif after is not None:
+            page = page[: after.start()] + new + "\n" + page[after.start() :]
         else:
-            page = page[: anchor.end()] + "\n" + new + page[anchor.end() :]
+            page = page.rstrip("\n") + "\n\n" + new
         done.add(name)
     return page
 

@@ -112,6 +112,15 @@ def test_merge_replaces_own_blocks_and_keeps_everything_else():
     assert again == page
 
 
+def test_new_blocks_without_an_earlier_neighbour_go_before_a_later_one():
+    page = merge_page(FOREIGN_PAGE, {"usage": "## usage", "checkpoint-io-run": "### run"}, ORDER)
+    assert section_names(page) == ["usage", "overhead", "checkpoint-io", "checkpoint-io-run"]
+    assert page.index("Intro written by hand.") < page.index("## usage")
+    assert (
+        section_body(page, "checkpoint-io").strip() == "## Checkpoint I/O (written by the checkpoint script)"
+    )
+
+
 def test_merge_into_empty_page_creates_title_and_ordered_blocks(tmp_path):
     path = tmp_path / "benchmarks.md"
     write_page({"startup": "## s", "machine": "m", "overhead": "## o"}, ORDER, path)
