@@ -43,6 +43,9 @@ def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from relaytrain.resilience.early_signals import capture_early_signals
+
+    capture_early_signals()  # before importing torch: a stop signal now must not kill the rank
     from relaytrain.config import load_config
     from relaytrain.trainer import train
 

@@ -5,8 +5,7 @@ Names are imported lazily so that `relaytrain --help` and the job tools do not p
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from relaytrain.lazy import lazy_getattr
 
 _EXPORTS = {
     "CheckpointManager": "relaytrain.checkpoint.manager",
@@ -15,9 +14,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'relaytrain.checkpoint' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -5,7 +5,7 @@ Names are imported lazily so that tokenizing worker processes never import torch
 
 from __future__ import annotations
 
-import importlib
+from relaytrain.lazy import lazy_getattr
 
 _EXPORTS = {
     "build_tokenizer": "relaytrain.data.tokenizer",
@@ -22,9 +22,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'relaytrain.data' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -6,8 +6,7 @@ every training job) does not pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from relaytrain.lazy import lazy_getattr
 
 _EXPORTS = {
     "MetricsLogger": "relaytrain.monitor.metrics",
@@ -23,9 +22,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'relaytrain.monitor' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

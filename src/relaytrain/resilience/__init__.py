@@ -1,49 +1,35 @@
 """Surviving the cluster: stop signals, the time budget, requeue, hangs and NaN/Inf (docs/resilience.md)."""
 
-from relaytrain.resilience.codes import (
-    EXIT_DEADLINE,
-    EXIT_DOUBLE_INTERRUPT,
-    EXIT_HANG,
-    EXIT_NONFINITE,
-    EXIT_RESUME,
-    StopReason,
-)
-from relaytrain.resilience.job_time import FAKE_END_TIME_ENV, job_end_time
-from relaytrain.resilience.nan_guard import INJECT_STEPS_ENV, NanGuard, NanInjector
-from relaytrain.resilience.requeue import (
-    SlurmJob,
-    decide_requeue,
-    finished_message,
-    handle_stop,
-    mark_finished,
-    mark_running,
-)
-from relaytrain.resilience.run_state import RUN_STATE_FILE, RunStateFile
-from relaytrain.resilience.shutdown import ShutdownController
-from relaytrain.resilience.watchdog import HangWatchdog, HardDeadline, dump_stacks
+from __future__ import annotations
 
-__all__ = [
-    "EXIT_DEADLINE",
-    "EXIT_DOUBLE_INTERRUPT",
-    "EXIT_HANG",
-    "EXIT_NONFINITE",
-    "EXIT_RESUME",
-    "FAKE_END_TIME_ENV",
-    "INJECT_STEPS_ENV",
-    "RUN_STATE_FILE",
-    "HangWatchdog",
-    "HardDeadline",
-    "NanGuard",
-    "NanInjector",
-    "RunStateFile",
-    "ShutdownController",
-    "SlurmJob",
-    "StopReason",
-    "decide_requeue",
-    "dump_stacks",
-    "finished_message",
-    "handle_stop",
-    "job_end_time",
-    "mark_finished",
-    "mark_running",
-]
+from relaytrain.lazy import lazy_getattr
+
+_EXPORTS = {
+    "EXIT_DEADLINE": "relaytrain.resilience.codes",
+    "EXIT_DOUBLE_INTERRUPT": "relaytrain.resilience.codes",
+    "EXIT_HANG": "relaytrain.resilience.codes",
+    "EXIT_NONFINITE": "relaytrain.resilience.codes",
+    "EXIT_RESUME": "relaytrain.resilience.codes",
+    "FAKE_END_TIME_ENV": "relaytrain.resilience.job_time",
+    "HangWatchdog": "relaytrain.resilience.watchdog",
+    "HardDeadline": "relaytrain.resilience.watchdog",
+    "INJECT_STEPS_ENV": "relaytrain.resilience.nan_guard",
+    "NanGuard": "relaytrain.resilience.nan_guard",
+    "NanInjector": "relaytrain.resilience.nan_guard",
+    "RUN_STATE_FILE": "relaytrain.resilience.run_state",
+    "RunStateFile": "relaytrain.resilience.run_state",
+    "ShutdownController": "relaytrain.resilience.shutdown",
+    "SlurmJob": "relaytrain.resilience.requeue",
+    "StopReason": "relaytrain.resilience.codes",
+    "capture_early_signals": "relaytrain.resilience.early_signals",
+    "decide_requeue": "relaytrain.resilience.requeue",
+    "dump_stacks": "relaytrain.resilience.watchdog",
+    "finished_message": "relaytrain.resilience.requeue",
+    "handle_stop": "relaytrain.resilience.requeue",
+    "job_end_time": "relaytrain.resilience.job_time",
+    "mark_finished": "relaytrain.resilience.requeue",
+    "mark_running": "relaytrain.resilience.requeue",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

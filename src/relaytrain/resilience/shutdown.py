@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from relaytrain.config.schema import Config
 from relaytrain.resilience.codes import EXIT_DOUBLE_INTERRUPT, StopReason
+from relaytrain.resilience.early_signals import drain_early_signals
 from relaytrain.resilience.job_time import job_end_time
 from relaytrain.resilience.requeue import handle_stop
 from relaytrain.resilience.watchdog import HardDeadline
@@ -107,6 +108,18 @@ class ShutdownController:
             if name == "SIGUSR1" and self.device.type == "cuda":
                 log.warning("resilience.signals has SIGUSR1, which NCCL uses internally; prefer SIGUSR2")
             self._previous[signum] = signal.signal(signum, self._handle)
+        for signum in drain_early_signals():
+            if signum in self._previous:
+                log.info(
+                    "%s arrived during start-up: the run stops at its first step boundary",
+                    signal.Signals(signum).name,
+                )
+                self._handle(signum, None)
+            else:
+                log.warning(
+                    "%s arrived during start-up but is not in resilience.signals: ignored",
+                    signal.Signals(signum).name,
+                )
         self.deadline.arm()
 
     def uninstall(self, exiting: bool = False) -> None:
