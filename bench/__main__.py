@@ -57,7 +57,7 @@ def _matmul(plan: Plan) -> tuple[dict, str]:
 def _overhead(plan: Plan) -> tuple[dict, str]:
     if plan.peak_flops is None:
         plan.peak_flops = matmul_peak.measure(seconds=1.0, quick=plan.quick)["cpu_peak_flops"]
-    kwargs = {"pairs": 1, "steps": 10, "warmup": 3} if plan.quick else {"pairs": 4, "steps": 30, "warmup": 5}
+    kwargs = {"pairs": 1, "steps": 10, "warmup": 3} if plan.quick else {"pairs": 6, "steps": 20, "warmup": 4}
     result = overhead.measure(**kwargs, threads=plan.threads, peak_flops=plan.peak_flops)
     return result, overhead.render(result)
 

@@ -58,6 +58,7 @@ def run_plain(steps: int, warmup: int, overrides: list[str], threads: int) -> di
         "optimizer_s": median(out["optimizer_s"][keep]),
         "threads": out["threads"],
         "tokens_per_step": out["tokens_per_step"],
+        "peak_flops": out.get("peak_flops"),
     }
 
 
@@ -71,11 +72,14 @@ def run_trainer(index: int, warmup: int, overrides: list[str], threads: int, run
         key: median(r.get(f"time_{key}_s") for r in records)
         for key in ("data", "forward_backward", "optimizer", "checkpoint", "other")
     }
+    # The trainer measured its own CPU peak at start-up; its MFU field gives it back.
+    peaks = [r["tokens_per_s_per_device"] / r["mfu"] for r in records if r.get("mfu")]
     return {
         "side": "relaytrain",
         "command": shown(argv).replace(f"--run.name={name}", "--run.name=overhead"),
         "step_s": [r["time_step_s"] for r in records],
         "trainer_mfu": median(r.get("mfu") for r in records),
+        "trainer_peak_tokens_per_s": median(peaks),
         **{f"{key}_s": value for key, value in split.items()},
     }
 
@@ -140,6 +144,12 @@ def measure(
         runs.append(run_plain(steps, warmup, overrides, threads) | {"order": 2 * i})
         runs.append(run_trainer(i, warmup, overrides, threads, run_root) | {"order": 2 * i + 1})
     args = [f"--pairs={pairs}", f"--steps={steps}", f"--warmup={warmup}", *extra]
+    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
+    # A busy machine only ever lowers a matmul rate: the best of every measurement in this run is the
+    # closest to the CPU's peak (the runner's matmul section, each plain-loop process, each trainer).
+    samples = [peak_flops] if peak_flops else []
+    samples += [r["peak_flops"] for r in runs if r.get("peak_flops")]
+    samples += [r["trainer_peak_tokens_per_s"] * fpt for r in runs if r.get("trainer_peak_tokens_per_s")]
     result = {
         "command": " ".join(["python -m", MODULE, *args]),
         "threads": threads,
@@ -159,8 +169,9 @@ def measure(
             "seq_len": cfg.train.seq_len,
         },
         "tokens_per_step": cfg.train.global_batch_size * cfg.train.seq_len,
-        "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len),
-        "peak_flops": peak_flops,
+        "flops_per_token": fpt,
+        "peak_flops": max(samples) if samples else None,
+        "peak_samples": samples,
         "runs": runs,
         "profile": profile_trainer(min(steps, 12), shape_overrides(min(steps, 12), extra), threads, run_root)
         if profile
@@ -176,11 +187,24 @@ def summarise(result: dict) -> dict:
         per_side[side] = {"run_medians_s": medians, "step_s": median(medians)}
     plain, rt = per_side["plain"]["step_s"], per_side["relaytrain"]["step_s"]
     ordered = sorted(result["runs"], key=lambda r: r["order"])
-    pair_ratios = [
-        median(b["step_s"]) / median(a["step_s"]) - 1
+    pairs = [
+        (a, b)
         for a, b in zip(ordered[0::2], ordered[1::2], strict=False)
         if a["side"] == "plain" and b["side"] == "relaytrain"
     ]
+    pair_ratios = [median(b["step_s"]) / median(a["step_s"]) - 1 for a, b in pairs]
+    # Per pair, how much longer relaytrain's forward+backward took than the plain loop's: the same model
+    # code, so a difference that changes sign between pairs is the machine, not the framework.
+    fwd_bwd_diffs = [b["forward_backward_s"] / a["forward_backward_s"] - 1 for a, b in pairs]
+    rt_runs = [r for r in result["runs"] if r["side"] == "relaytrain"]
+    plain_runs = [r for r in result["runs"] if r["side"] == "plain"]
+    # Time in the trainer's own step sections (data, checkpoint poll, logging and stop agreement) plus
+    # what its clip+optimizer section costs beyond the plain loop's: the overhead the framework adds
+    # outside the model, measured without the noise of the forward+backward.
+    sectioned = sum(median(r[k] for r in rt_runs) for k in ("data_s", "checkpoint_s", "other_s"))
+    sectioned += max(
+        0.0, median(r["optimizer_s"] for r in rt_runs) - median(r["optimizer_s"] for r in plain_runs)
+    )
     overhead = rt / plain - 1
     return {
         "summary": {
@@ -188,6 +212,9 @@ def summarise(result: dict) -> dict:
             "relaytrain_step_s": rt,
             "overhead": overhead,
             "pair_overheads": pair_ratios,
+            "median_pair_overhead": median(pair_ratios),
+            "pair_forward_backward_diffs": fwd_bwd_diffs,
+            "sectioned_overhead": sectioned / plain,
             "met": overhead <= TARGET,
         },
         "sides": per_side,
@@ -226,13 +253,32 @@ def render(result: dict) -> str:
         )
     out += table(["loop", "median step (ms)", "run medians (ms)", "tokens/s", "MFU"], rows)
     pairs = ", ".join(f"{100 * r:+.1f}%" for r in s["pair_overheads"])
+    fwd = ", ".join(f"{100 * r:+.1f}%" for r in s.get("pair_forward_backward_diffs", []))
     out += (
-        f"\n**Overhead: {100 * s['overhead']:+.1f}% of the plain loop's step time** (per pair: {pairs}); "
-        f"{verdict(s['met'], '≤ 3%')}.\n"
+        f"\n**Overhead, end to end: {100 * s['overhead']:+.1f}% of the plain loop's step time** (ratio of "
+        f"the medians; per pair: {pairs}; median of the pairs {100 * s['median_pair_overhead']:+.1f}%); "
+        f"{verdict(s['met'], '≤ 3%')}.\n\n"
+        f"**Overhead in relaytrain's own step sections: {100 * s['sectioned_overhead']:+.2f}%** of the "
+        "plain step (data + checkpoint poll + other, plus clip+optimizer beyond the plain loop's; the table "
+        f"below). Per pair, relaytrain's forward+backward took {fwd} longer than the plain loop's "
+        "forward+backward, which runs the same model code: "
     )
+    diffs = s.get("pair_forward_backward_diffs", [])
+    if diffs and min(diffs) < 0 < max(diffs):
+        out += "the difference changes sign from pair to pair, so that part is the shared machine's noise.\n"
+    else:
+        out += (
+            "the difference has the same sign in every pair, so it is systematic; the functions profiled "
+            "below do not account for it (see the note at the end of this section).\n"
+        )
     if result.get("peak_flops"):
         peak = fmt(result["peak_flops"] / 1e9)
-        out += f"MFU divides by the fp32 matmul peak measured in the same run ({peak} GFLOP/s).\n"
+        n = len(result.get("peak_samples", [])) or 1
+        out += (
+            f"\nMFU divides by {peak} GFLOP/s, the best of {n} fp32 1024² matmul peak measurements taken in "
+            "this run (the matmul section, every plain-loop process, every trainer's start-up measurement): "
+            "other load only ever lowers a measured peak.\n"
+        )
     out += "\nWhere a step's time goes (medians over the measured steps, ms):\n\n"
     plain_runs = [r for r in result["runs"] if r["side"] == "plain"]
     rt_runs = [r for r in result["runs"] if r["side"] == "relaytrain"]
@@ -284,9 +330,10 @@ def render(result: dict) -> str:
         cmd = next(r["command"] for r in result["runs"] if r["side"] == side)
         out += f"- {side}: `{cmd}`\n"
     if not s["met"]:
+        within = "within" if s["sectioned_overhead"] <= TARGET else "also above"
         out += (
-            "\nTarget missed: see the split above (the plain loop has no data loader, no per-step record and "
-            "no stop agreement) and the profile for the functions that cost the difference.\n"
+            f"\nThe end-to-end target is missed in this run; the framework's own sections are {within} 3%. "
+            "The profile above lists the per-step functions that make up the sectioned overhead.\n"
         )
     return out
 

@@ -4,6 +4,8 @@ Same model class (``relaytrain.model.Transformer``) and init, same config (the o
 with ``relaytrain.config.load_config``, so shapes, batch, micro-batching and optimizer settings match
 ``relaytrain train`` given the same overrides), AdamW with the same parameter groups and foreach kernels,
 gradient clipping, random tokens. No data loader, metrics, checkpointing, signal handling or watchdog.
+Before training it measures this process's fp32 matmul peak (1024², 0.5 s), one more sample of the CPU peak
+for the MFU denominator.
 
     python -m bench.plain_loop --steps 30 [--section.key=value ...]
 
@@ -23,9 +25,12 @@ import torch.nn.functional as F
 from relaytrain.config import load_config
 from relaytrain.model import Transformer
 
+from bench.matmul_peak import time_matmul
 
-def run(steps: int, overrides: list[str]) -> dict:
+
+def run(steps: int, overrides: list[str], peak_seconds: float = 0.5) -> dict:
     cfg = load_config(None, overrides)
+    peak = time_matmul(1024, torch.float32, "cpu", peak_seconds)["best_flops"] if peak_seconds > 0 else None
     train, optim = cfg.train, cfg.optim
     torch.manual_seed(cfg.run.seed)
     model = Transformer(cfg.model)
@@ -70,6 +75,7 @@ def run(steps: int, overrides: list[str]) -> dict:
         losses.append(total / n_micro)
     return {
         "threads": torch.get_num_threads(),
+        "peak_flops": peak,
         "tokens_per_step": batch * seq,
         "step_s": step_s,
         "forward_backward_s": fwd_bwd_s,

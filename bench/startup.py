@@ -56,8 +56,17 @@ def timeline(run_dir: Path, spawned: float, event: str, after_step: int) -> dict
     }
 
 
-def import_time(statement: str, threads: int) -> float:
-    return run([sys.executable, "-c", statement], threads).wall_s
+IMPORT_PROBE = (
+    "import json, time; t0 = time.time(); import torch; t1 = time.time(); import relaytrain.trainer; "
+    "print(json.dumps([t0, t1, time.time()]))"
+)
+
+
+def import_times(threads: int) -> dict:
+    """Seconds from spawn to the first line of Python, for `import torch`, then for relaytrain.trainer."""
+    done = run([sys.executable, "-c", IMPORT_PROBE], threads)
+    t0, t1, t2 = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"interpreter_s": t0 - done.start_unix, "torch_s": t1 - t0, "relaytrain_s": t2 - t1}
 
 
 def measure(repeats: int = 3, extra: list[str] | None = None, threads: int | None = None) -> dict:
@@ -68,11 +77,10 @@ def measure(repeats: int = 3, extra: list[str] | None = None, threads: int | Non
     if not (run_root / ".cache").exists():  # the bundled corpus is tokenized once per run.dir
         run(job_argv(run_root, "startup-warm", extra), threads)
         shutil.rmtree(run_root / "startup-warm", ignore_errors=True)
-    samples: dict[str, list] = {"import_torch": [], "import_trainer": [], "fresh": [], "resume": []}
+    samples: dict[str, list] = {"imports": [], "fresh": [], "resume": []}
     argv = []
     for i in range(repeats):
-        samples["import_torch"].append(import_time("import torch", threads))
-        samples["import_trainer"].append(import_time("import relaytrain.trainer", threads))
+        samples["imports"].append(import_times(threads))
         name = f"startup-{i}"
         shutil.rmtree(run_root / name, ignore_errors=True)
         argv = job_argv(run_root, name, extra)
@@ -102,9 +110,11 @@ def render(result: dict) -> str:
     def row(label: str, values: list[float]) -> tuple:
         return label, fmt(median(values)), spread(values)
 
+    imports = s["imports"]
     rows = [
-        row("`python -c 'import torch'` (whole process)", s["import_torch"]),
-        row("`python -c 'import relaytrain.trainer'` (whole process)", s["import_trainer"]),
+        row("interpreter start (spawn -> first line of Python)", [x["interpreter_s"] for x in imports]),
+        row("`import torch`", [x["torch_s"] for x in imports]),
+        row("`import relaytrain.trainer` after torch", [x["relaytrain_s"] for x in imports]),
         row("fresh job: process start -> `start` event (set-up done)", [x["to_setup_s"] for x in s["fresh"]]),
         row("fresh job: process start -> first step done", [x["to_first_step_s"] for x in s["fresh"]]),
         row("fresh job: first step itself", [x["first_step_s"] for x in s["fresh"]]),
@@ -128,10 +138,10 @@ def render(result: dict) -> str:
     )
     out += table(["interval", "median (s)", "range (s)"], rows)
     out += f"\nJob: `{result['job_command']}`\n"
-    torch_s, trainer_s = median(s["import_torch"]), median(s["import_trainer"])
-    out += (
-        "\nApproximate split of the medians (each part from its own processes, so they need not add up):\n\n"
-    )
+    interp_s = median(x["interpreter_s"] for x in imports)
+    torch_s = median(x["torch_s"] for x in imports)
+    own_s = median(x["relaytrain_s"] for x in imports)
+    out += "\nApproximate split of the medians (the import times come from separate probe processes):\n\n"
     for label, key, setup_what in (
         ("fresh job", "fresh", "config, model build and init, data loader, CPU peak measurement (0.3 s)"),
         ("requeued job", "resume", "the same plus loading the checkpoint"),
@@ -139,9 +149,9 @@ def render(result: dict) -> str:
         setup = median([x["to_setup_s"] for x in s[key]])
         first = median([x["first_step_s"] for x in s[key]])
         out += (
-            f"- {label}: interpreter + `import torch` {fmt(torch_s)} s, relaytrain's own imports "
-            f"{fmt(trainer_s - torch_s)} s, set-up ({setup_what}) {fmt(setup - trainer_s)} s, first step "
-            f"{fmt(first)} s.\n"
+            f"- {label}: interpreter {fmt(interp_s)} s, `import torch` {fmt(torch_s)} s, relaytrain's own "
+            f"imports {fmt(own_s)} s, set-up ({setup_what}) {fmt(setup - interp_s - torch_s - own_s)} s, "
+            f"first step {fmt(first)} s.\n"
         )
     return out
 

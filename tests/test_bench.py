@@ -148,10 +148,16 @@ def test_rendering_fake_results():
             "threads": 2,
             "repeats": 1,
             "stop_at": 2,
-            "samples": {"import_torch": [2.0], "import_trainer": [2.5], "fresh": fresh, "resume": resumed},
+            "samples": {
+                "imports": [{"interpreter_s": 0.1, "torch_s": 1.5, "relaytrain_s": 0.5}],
+                "fresh": fresh,
+                "resume": resumed,
+            },
         }
     )
-    assert "first resumed step done | 3.90" in text and "relaytrain's own imports 0.500 s" in text
+    assert "first resumed step done | 3.90" in text
+    assert "relaytrain's own imports 0.500 s, set-up (config" in text
+    assert ") 0.900 s, first step 1.00 s" in text
 
     rows = [
         {
