@@ -3,7 +3,9 @@
 Same model class (``relaytrain.model.Transformer``) and init, same config (the overrides given are read
 with ``relaytrain.config.load_config``, so shapes, batch, micro-batching and optimizer settings match
 ``relaytrain train`` given the same overrides), AdamW with the same parameter groups and foreach kernels,
-gradient clipping, random tokens. No data loader, metrics, checkpointing, signal handling or watchdog.
+gradient clipping. Tokens: by default the trainer's own batches (read from relaytrain's loader before the
+timed loop starts, so loading is not timed), or uniform random ones (``--data random``). No data loading in
+the loop, no metrics, checkpointing, signal handling or watchdog.
 Before training it measures this process's fp32 matmul peak (1024², 0.5 s), one more sample of the CPU peak
 for the MFU denominator.
 
@@ -28,7 +30,20 @@ from relaytrain.model import Transformer
 from bench.matmul_peak import time_matmul
 
 
-def run(steps: int, overrides: list[str], peak_seconds: float = 0.5) -> dict:
+def batches(cfg, steps: int, data: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every step's (inputs, targets), prepared before timing starts."""
+    if data == "corpus":
+        from relaytrain.data import build_train_loader
+
+        loader = build_train_loader(cfg, 0, 1)
+        return [loader.next_batch() for _ in range(steps)]
+    gen = torch.Generator().manual_seed(cfg.run.seed)
+    shape = (steps, cfg.train.global_batch_size, cfg.train.seq_len + 1)
+    tokens = torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def run(steps: int, overrides: list[str], peak_seconds: float = 0.5, data: str = "corpus") -> dict:
     cfg = load_config(None, overrides)
     peak = time_matmul(1024, torch.float32, "cpu", peak_seconds)["best_flops"] if peak_seconds > 0 else None
     train, optim = cfg.train, cfg.optim
@@ -49,13 +64,11 @@ def run(steps: int, overrides: list[str], peak_seconds: float = 0.5) -> dict:
     )
     batch, mbs, seq = train.global_batch_size, train.micro_batch_size, train.seq_len
     n_micro = max(1, batch // mbs)
-    gen = torch.Generator().manual_seed(cfg.run.seed)
-    data = torch.randint(0, cfg.model.vocab_size, (steps, batch, seq + 1), generator=gen)
+    prepared = batches(cfg, steps, data)
     step_s, fwd_bwd_s, opt_s, losses = [], [], [], []
     for step in range(steps):
         start = time.perf_counter()
-        tokens = data[step]
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        inputs, targets = prepared[step]
         total = 0.0
         for i in range(n_micro):
             x = inputs[i * mbs : (i + 1) * mbs].contiguous()
@@ -75,6 +88,7 @@ def run(steps: int, overrides: list[str], peak_seconds: float = 0.5) -> dict:
         losses.append(total / n_micro)
     return {
         "threads": torch.get_num_threads(),
+        "data": data,
         "peak_flops": peak,
         "tokens_per_step": batch * seq,
         "step_s": step_s,
@@ -90,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--data", choices=("corpus", "random"), default="corpus")
     args, overrides = parser.parse_known_args(argv)
-    print(json.dumps(run(args.steps, overrides)))
+    print(json.dumps(run(args.steps, overrides, data=args.data)))
     return 0
 
 

@@ -257,7 +257,23 @@ def test_plain_loop_trains_the_configured_model():
         "--train.global_batch_size=4",
         "--train.micro_batch_size=2",
     ]
-    out = run(3, tiny)
+    out = run(3, tiny, peak_seconds=0.1, data="random")
     assert len(out["step_s"]) == len(out["forward_backward_s"]) == 3
     assert out["tokens_per_step"] == 64
     assert math.isfinite(out["loss_first"]) and math.isfinite(out["loss_last"])
+
+
+def test_step_ab_times_both_step_functions_in_one_process():
+    from bench.step_ab import run
+
+    tiny = [
+        "--model.dim=32",
+        "--model.n_layers=1",
+        "--model.n_heads=2",
+        "--model.n_kv_heads=1",
+        "--train.seq_len=16",
+        "--train.global_batch_size=4",
+        "--train.micro_batch_size=2",
+    ]
+    out = run(2, tiny, data="random")
+    assert len(out["plain"]) == len(out["relaytrain"]) == 2
