@@ -105,7 +105,7 @@ def usage_section() -> str:
         "python -m bench.overhead --pairs=4 --model.dim=512   # one benchmark, any config override\n"
         "```\n\n"
         "Sections: `matmul-peak` (bench/matmul_peak.py), `overhead` (bench/overhead.py, "
-        "bench/plain_loop.py), `startup` (bench/startup.py), `checkpoint-io-run` "
+        "bench/plain_loop.py, bench/step_ab.py), `startup` (bench/startup.py), `checkpoint-io-run` "
         "(bench/checkpoint_io.py via bench/checkpoint_section.py), `torchtitan` "
         "(bench/torchtitan_gpu.py), `gpu` (bench/gpu_mfu.py). "
         "Raw results of the last run: bench/out/results.json (not committed). A section that fails keeps "
