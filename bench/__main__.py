@@ -3,6 +3,7 @@
     python -m bench                  # full run (~5-10 min on 2 cores), rewrites docs/benchmarks.md
     python -m bench --quick          # ~2 min smoke run, writes bench/out/benchmarks.md instead
     python -m bench --only overhead,startup [--page PATH] [--no-write]
+    python -m bench --render-only    # re-render the last results (bench/out/results.json), no measuring
 
 Raw results go to bench/out/results.json. A section that fails keeps its previous text on the page; the
 run then exits 1 after writing the others.
@@ -94,6 +95,26 @@ SECTIONS: dict[str, Callable[[Plan], tuple[dict, str] | None]] = {
 }
 
 
+RENDERERS: dict[str, Callable[[dict], str]] = {
+    "matmul-peak": matmul_peak.render,
+    "overhead": overhead.render,
+    "startup": startup.render,
+    "checkpoint-io-run": checkpoint_section.render,
+    "torchtitan": torchtitan_gpu.render,
+    "gpu": gpu_mfu.render,
+}
+
+
+def render_saved(results: dict) -> dict[str, str]:
+    """Every section of a saved results.json, rendered again (after a change to the page's wording)."""
+    sections = {name: render(results[name]) for name, render in RENDERERS.items() if name in results}
+    if all(name in results for name in SECTIONS):
+        sections["machine"] = render_machine(results["machine"], results["command"], results.get("load_end"))
+        sections[LINKS] = links_section()
+    sections["usage"] = usage_section()
+    return sections
+
+
 def usage_section() -> str:
     return (
         "## How to run\n\n"
@@ -135,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page", type=Path, default=None, help="page to rewrite (default: see above)")
     parser.add_argument("--no-write", action="store_true", help="print the sections instead of writing")
     parser.add_argument(
+        "--render-only", action="store_true", help="measure nothing: render bench/out/results.json again"
+    )
+    parser.add_argument(
         "--threads", type=int, default=0, help="threads per measured process (default: cores)"
     )
     args = parser.parse_args(argv)
@@ -147,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and args.page is None and PAGE.exists() and not page.exists():
         WORK.mkdir(parents=True, exist_ok=True)
         page.write_text(PAGE.read_text())  # a quick run previews the whole page without touching docs/
+
+    order = [*ORDER, LINKS]
+    if args.render_only:
+        saved = json.loads((WORK / "results.json").read_text())
+        return publish(render_saved(saved), order, page, args.no_write, failed=[])
 
     plan = Plan(quick=args.quick, threads=args.threads or os.cpu_count() or 1)
     command = (
@@ -170,15 +199,18 @@ def main(argv: list[str] | None = None) -> int:
             continue
         results[name], sections[name] = outcome
         print(f"[bench] {name} done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    results["load_end"] = load_average()
     if set(names) == set(SECTIONS):
-        sections["machine"] = render_machine(info, command, load_average())
+        sections["machine"] = render_machine(info, command, results["load_end"])
         sections[LINKS] = links_section()
     sections["usage"] = usage_section()
-    results["load_end"] = load_average()
     WORK.mkdir(parents=True, exist_ok=True)
     (WORK / "results.json").write_text(json.dumps(results, indent=1))
-    order = [*ORDER, LINKS]
-    if args.no_write:
+    return publish(sections, order, page, args.no_write, failed)
+
+
+def publish(sections: dict[str, str], order: list[str], page: Path, no_write: bool, failed: list[str]) -> int:
+    if no_write:
         old = page.read_text() if page.exists() else ""
         print(merge_page(old, sections, order))
     else:

@@ -277,3 +277,41 @@ def test_step_ab_times_both_step_functions_in_one_process():
     ]
     out = run(2, tiny, data="random")
     assert len(out["plain"]) == len(out["relaytrain"]) == 2
+
+
+def test_render_saved_results_rebuilds_every_section():
+    from bench.__main__ import render_saved
+
+    saved = {
+        "machine": {
+            "date": "d",
+            "cpu": "X",
+            "cores": 2,
+            "torch_threads": 2,
+            "memory_gib": 4.0,
+            "gpu": None,
+            "python": "3.11",
+            "torch": "2.13",
+            "load_start": [0.5, 0.5, 0.5],
+        },
+        "command": "python -m bench",
+        "load_end": [0.4, 0.4, 0.4],
+        "overhead": fake_overhead(),
+        "torchtitan": torchtitan_gpu.not_run(),
+        "gpu": gpu_mfu.not_run(),
+    }
+    sections = render_saved(saved)
+    assert set(sections) == {"overhead", "torchtitan", "gpu", "usage"}  # not all measured: no machine block
+    for name in ("matmul-peak", "startup", "checkpoint-io-run"):
+        saved[name] = {}
+    from bench import __main__ as runner
+
+    renderers = dict(runner.RENDERERS)
+    try:
+        for name in ("matmul-peak", "startup", "checkpoint-io-run"):
+            runner.RENDERERS[name] = lambda result, name=name: f"## {name}"
+        sections = render_saved(saved)
+    finally:
+        runner.RENDERERS.update(renderers)
+    assert "machine" in sections and "links" in sections and sections["startup"] == "## startup"
+    assert "The pairs disagree" not in sections["overhead"]  # fake pairs agree within 6 points
