@@ -69,6 +69,28 @@ def import_times(threads: int) -> dict:
     return {"interpreter_s": t0 - done.start_unix, "torch_s": t1 - t0, "relaytrain_s": t2 - t1}
 
 
+def heaviest_imports(threads: int, top: int = 8) -> list[dict]:
+    """What `import relaytrain.trainer` spends its time on after torch: its direct imports, by
+    cumulative time, from ``python -X importtime``."""
+    done = run([sys.executable, "-X", "importtime", "-c", "import torch; import relaytrain.trainer"], threads)
+    rows = []
+    for line in done.stderr.splitlines():
+        if not line.startswith("import time:") or "self [us]" in line:
+            continue
+        _self_us, cumulative, name = line[len("import time:") :].split("|")
+        depth = (len(name) - len(name.lstrip(" ")) - 1) // 2
+        rows.append((depth, int(cumulative), name.strip()))
+    names = [r[2] for r in rows]
+    if "torch" not in names or "relaytrain.trainer" not in names:
+        return []
+    start, end = names.index("torch") + 1, names.index("relaytrain.trainer")
+    depth = rows[end][0]
+    # A module's imports are printed before it, one level deeper.
+    children = [r for r in rows[start:end] if r[0] == depth + 1]
+    children.sort(key=lambda r: r[1], reverse=True)
+    return [{"module": name, "cumulative_s": us / 1e6} for _d, us, name in children[:top]]
+
+
 def measure(repeats: int = 3, extra: list[str] | None = None, threads: int | None = None) -> dict:
     threads = threads or os.cpu_count() or 1
     extra = list(extra or [])
@@ -95,6 +117,7 @@ def measure(repeats: int = 3, extra: list[str] | None = None, threads: int | Non
         shutil.rmtree(run_root / name, ignore_errors=True)
     args = [f"--repeats={repeats}", *extra]
     return {
+        "heaviest_imports": heaviest_imports(threads),
         "command": " ".join(["python -m", MODULE, *args]),
         "job_command": re.sub(r"--run\.name=startup-\d+", "--run.name=startup", shown(argv)),
         "threads": threads,
@@ -153,6 +176,14 @@ def render(result: dict) -> str:
             f"imports {fmt(own_s)} s, set-up ({setup_what}) {fmt(setup - interp_s - torch_s - own_s)} s, "
             f"first step {fmt(first)} s.\n"
         )
+    heavy = result.get("heaviest_imports")
+    if heavy:
+        out += (
+            "\nWhere relaytrain's own import time goes: the imports `import relaytrain.trainer` triggers once "
+            "torch is loaded, by cumulative time, each module charged to its first importer "
+            "(`python -X importtime -c 'import torch; import relaytrain.trainer'`):\n\n"
+        )
+        out += table(["module", "seconds"], [(f"`{h['module']}`", fmt(h["cumulative_s"])) for h in heavy])
     return out
 
 

@@ -148,6 +148,7 @@ def test_rendering_fake_results():
             "threads": 2,
             "repeats": 1,
             "stop_at": 2,
+            "heaviest_imports": [{"module": "torch.distributed.checkpoint", "cumulative_s": 0.9}],
             "samples": {
                 "imports": [{"interpreter_s": 0.1, "torch_s": 1.5, "relaytrain_s": 0.5}],
                 "fresh": fresh,
@@ -158,6 +159,7 @@ def test_rendering_fake_results():
     assert "first resumed step done | 3.90" in text
     assert "relaytrain's own imports 0.500 s, set-up (config" in text
     assert ") 0.900 s, first step 1.00 s" in text
+    assert "| `torch.distributed.checkpoint` | 0.900 |" in text
 
     rows = [
         {
