@@ -179,8 +179,8 @@ def render(result: dict) -> str:
     heavy = result.get("heaviest_imports")
     if heavy:
         out += (
-            "\nWhere relaytrain's own import time goes: the imports `import relaytrain.trainer` triggers once "
-            "torch is loaded, by cumulative time, each module charged to its first importer "
+            "\nWhere relaytrain's own import time goes: the imports `import relaytrain.trainer` "
+            "triggers once torch is loaded, by cumulative time, each module charged to its first importer "
             "(`python -X importtime -c 'import torch; import relaytrain.trainer'`):\n\n"
         )
         out += table(["module", "seconds"], [(f"`{h['module']}`", fmt(h["cumulative_s"])) for h in heavy])
