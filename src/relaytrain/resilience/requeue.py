@@ -68,6 +68,10 @@ class SlurmJob:
             return f"{self.array_job_id}_{self.array_task_id}"
         return self.job_id
 
+    def facts(self) -> dict[str, object]:
+        """What every run_state.json record says about the job."""
+        return {"job_id": self.job_id, "requeue_id": self.requeue_id, "restart_count": self.restart_count}
+
 
 def decide_requeue(
     reason: StopReason, requeue_enabled: bool, max_requeues: int, restart_count: int, in_slurm: bool
@@ -153,9 +157,7 @@ def handle_stop(
     requeue = decide_requeue(reason, r.requeue, r.max_requeues, job.restart_count, job.in_slurm)
     status = "failed" if reason in FAILURE_REASONS else "stopped"
     facts = {
-        "job_id": job.job_id,
-        "requeue_id": job.requeue_id,
-        "restart_count": job.restart_count,
+        **job.facts(),
         "saved": saved,
         "exit_code": code,
         "message": message[:500],
@@ -205,9 +207,7 @@ def mark_running(
         "running",
         "",
         step,
-        job_id=job.job_id,
-        requeue_id=job.requeue_id,
-        restart_count=job.restart_count,
+        **job.facts(),
         max_steps=cfg.train.max_steps,
     )
 
@@ -221,9 +221,7 @@ def mark_finished(run_dir: Path | str, rank: int, step: int, env: Mapping[str, s
         "finished",
         "max_steps",
         step,
-        job_id=job.job_id,
-        requeue_id=job.requeue_id,
-        restart_count=job.restart_count,
+        **job.facts(),
         exit_code=0,
     )
 
