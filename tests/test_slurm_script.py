@@ -16,7 +16,9 @@ import pytest
 
 from relaytrain.config import load_config
 from relaytrain.errors import UserError
+from relaytrain.slurm import partition
 from relaytrain.slurm.launch import LaunchRequest, chain, launch, sweep
+from relaytrain.slurm.partition import PartitionFacts, gres_gpus, parse_sinfo
 from relaytrain.slurm.script import sbatch_value
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +46,8 @@ def work(tmp_path, monkeypatch):
         'printf "%s\\n" "$@" > "$FAKE_LOG.sbatch.$n"; echo "$n"\n',
     )
     fake(bin_dir, "squeue", 'echo "node[1-2]"\n')
+    # No cluster answers: gpus_per_node falls back to 8 unless a test writes its own sinfo.
+    fake(bin_dir, "sinfo", "echo 'sinfo: error: no cluster' >&2; exit 1\n")
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "fake"))
     return tmp_path
@@ -104,13 +108,32 @@ def test_several_nodes_use_srun_with_one_task_per_gpu_and_the_env_mapping(work):
     assert "    --ntasks-per-node=4\n" in text and "    --kill-on-bad-exit=1\n" in text
     assert "torch.distributed.run" not in text
     assert (
-        '-m relaytrain.slurm.task --map-env --gpu-monitor-dir "$run_dir/gpu" --gpu-monitor-interval 5.0'
-        in text
+        '-m relaytrain.job.task --map-env --gpu-monitor-dir "$run_dir/gpu" --gpu-monitor-interval 5.0' in text
     )
     assert 'python -m relaytrain.cli train "$config_file"' in text
     assert "export NCCL_IB_DISABLE=0" in text and "export NCCL_NET_GDR_LEVEL=2" in text
     with pytest.raises(UserError, match="must equal slurm.gpus_per_node"):
         dry("7b", slurm={"nodes": 2, "gpus_per_node": 4, "tasks_per_node": 2})
+
+
+def test_gres_strings_and_sinfo_rows():
+    gres = ("(null)", "gpu:8", "gpu:h100:8(S:0-1)", "gpu:a100:4,nvme:1")
+    assert [gres_gpus(g) for g in gres] == [0, 8, 8, 4]
+    rows = "cpu*|(null)|4000\ngpu|gpu:h100:8(S:0-1)|512000\ngpu|gpu:h100:4|256000+\n"
+    assert parse_sinfo(rows, "") == PartitionFacts("cpu", 0, 4000)
+    assert parse_sinfo(rows, "gpu") == PartitionFacts("gpu", 4, 256000)
+    assert parse_sinfo(rows, "nope") is None
+
+
+def test_gpus_per_node_comes_from_the_partition_when_not_given(work):
+    fake(work / "bin", "sinfo", "printf 'debug*|(null)|4000\\ngpu|gpu:h100:4(S:0-1)|512000\\n'\n")
+    partition._cached_facts.cache_clear()
+    cpu = dry("debug", slurm={"nodes": 1, "tasks_per_node": 2, "gpu_type": ""})
+    assert "--gpus-per-node" not in cpu
+    assert load_config(str(work / "runs/debug/slurm/config.toml")).slurm.gpus_per_node == 0
+    gpu = dry("7b", slurm={"nodes": 2, "partition": "gpu"})
+    assert "#SBATCH --gpus-per-node=4" in gpu and "#SBATCH --ntasks-per-node=4" in gpu
+    assert "--gpus-per-node=2" in dry("7b", slurm={"nodes": 2, "partition": "gpu", "gpus_per_node": 2})
 
 
 def test_cpu_only_amd_container_debug_and_environment_activation(work):
@@ -160,7 +183,7 @@ def test_cpu_only_amd_container_debug_and_environment_activation(work):
         assert line in amd.splitlines(), line
     assert 'export MIOPEN_USER_DB_PATH="/tmp/${USER:-relaytrain}-miopen-$job_id"' in amd
     assert "rocm-smi" in amd and "nvidia-smi" not in amd
-    assert "task_wrapper=(uv run --project /src/proj python -m relaytrain.slurm.task" in amd
+    assert "task_wrapper=(uv run --project /src/proj python -m relaytrain.job.task" in amd
     assert "pip freeze" not in amd  # the batch shell is outside the container
 
 
@@ -172,7 +195,7 @@ def test_any_command_gets_the_mapping_wrapper(work):
         slurm={"nodes": 2, "gpus_per_node": 8},
     )
     assert "bash -c 'deepspeed --num_gpus 1 train.py --lr 1e-4'" in text
-    assert "relaytrain.slurm.task --map-env" in text and "relaytrain.cli train" not in text
+    assert "relaytrain.job.task --map-env" in text and "relaytrain.cli train" not in text
     assert "#SBATCH --job-name=ds" in text and "#SBATCH --ntasks-per-node=8" in text
 
 

@@ -3,6 +3,8 @@
 Precedence, highest first: command-line flag > the config's `[slurm]` section (and `--slurm.key=value`
 overrides) > the cluster profile > built-in defaults. `env` tables merge key by key in the same order;
 `setup`, `modules`, `extra_sbatch` and `container_mounts` lists are concatenated, profile entries first.
+`gpus_per_node` that nobody sets comes from the partition's GRES in `sinfo` (0 on CPU-only nodes), and
+is 8 only where `sinfo` cannot answer.
 
 A profile is a TOML file with `SlurmConfig` keys at the top level (or inside a `[slurm]` table). It is
 found by path, or by name in `configs/clusters/<name>.toml` (current directory), then in
@@ -20,8 +22,9 @@ from typing import Any
 
 from relaytrain.config import SlurmConfig, config_from_dict, parse_override
 from relaytrain.errors import UserError
+from relaytrain.slurm.partition import partition_facts
 
-DEFAULT_GPUS_PER_NODE = 8
+DEFAULT_GPUS_PER_NODE = 8  # when neither the user, the profile nor `sinfo` says it
 MERGED_LISTS = ("setup", "modules", "extra_sbatch", "container_mounts")
 _SLURM_KEYS = {f.name for f in dataclasses.fields(SlurmConfig)}
 
@@ -108,7 +111,8 @@ def resolve_slurm(
                 raise ValueError(f"not a slurm key: {key}")
             _merge(resolved, key, value)
     if resolved.gpus_per_node < 0:
-        resolved.gpus_per_node = DEFAULT_GPUS_PER_NODE
+        facts = partition_facts(resolved.partition)
+        resolved.gpus_per_node = facts.gpus_per_node if facts else DEFAULT_GPUS_PER_NODE
     _check(resolved)
     return resolved
 

@@ -1,0 +1,69 @@
+"""What the cluster says about a partition's nodes: GPUs (GRES) and memory, from `sinfo`.
+
+Used where the user did not say it: `slurm.gpus_per_node` left at -1 takes the partition's GPU count
+(0 on CPU-only nodes), and `relaytrain plan` checks host memory against the node's memory when no
+`--mem` is given. Where `sinfo` cannot answer (no Slurm here, controller down) the facts are unknown.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+
+SINFO_TIMEOUT_S = 10
+_GPU_COUNT = re.compile(r"^gpu(?::[^:(]+)*?:(\d+)")
+
+
+@dataclass(frozen=True)
+class PartitionFacts:
+    partition: str
+    gpus_per_node: int  # the smallest GPU count of the partition's node groups; 0: CPU-only
+    memory_mb: int  # the smallest node memory (Slurm's RealMemory), 0 if unknown
+
+
+def gres_gpus(gres: str) -> int:
+    """GPUs in one node's GRES string: 'gpu:h100:8(S:0-1)', 'gpu:4,nvme:1', '(null)' -> 8, 4, 0."""
+    total = 0
+    for item in gres.split(","):
+        match = _GPU_COUNT.match(item.strip())
+        if match:
+            total += int(match.group(1))
+    return total
+
+
+def parse_sinfo(text: str, partition: str) -> PartitionFacts | None:
+    """`sinfo -h -o '%P|%G|%m'` lines -> the facts of `partition` ('' : the default partition)."""
+    rows = [line.split("|") for line in text.splitlines() if line.count("|") == 2]
+    if partition:
+        chosen = [r for r in rows if r[0].rstrip("*") == partition]
+    else:
+        chosen = [r for r in rows if r[0].endswith("*")]
+    if not chosen:
+        return None
+    memory = [m.strip().rstrip("+") for _, _, m in chosen]
+    known = [int(m) for m in memory if m.isdigit()]
+    return PartitionFacts(
+        partition=chosen[0][0].rstrip("*"),
+        gpus_per_node=min(gres_gpus(g) for _, g, _ in chosen),
+        memory_mb=min(known) if known else 0,
+    )
+
+
+def partition_facts(partition: str) -> PartitionFacts | None:
+    """Ask `sinfo` about `partition` (or the default one); None when Slurm cannot answer."""
+    return _cached_facts(partition, os.environ.get("SLURM_CONF", ""), os.environ.get("PATH", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_facts(partition: str, _slurm_conf: str, _path: str) -> PartitionFacts | None:
+    cmd = ["sinfo", "-h", "-o", "%P|%G|%m"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=SINFO_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return parse_sinfo(done.stdout, partition)
