@@ -17,6 +17,7 @@ import torch
 
 from relaytrain.config.loader import load_config
 from relaytrain.errors import ConfigError
+from relaytrain.job import JobFacts
 from relaytrain.resilience import (
     EXIT_DEADLINE,
     EXIT_DOUBLE_INTERRUPT,
@@ -27,12 +28,10 @@ from relaytrain.resilience import (
     NanInjector,
     RunStateFile,
     ShutdownController,
-    SlurmJob,
     StopReason,
     decide_requeue,
     finished_message,
     handle_stop,
-    job_end_time,
     mark_finished,
     mark_running,
 )
@@ -106,21 +105,6 @@ def cfg_for(tmp_path, *overrides: str):
 )
 def test_decide_requeue(reason, enabled, restarts, in_slurm, expected):
     assert decide_requeue(reason, enabled, 5, restarts, in_slurm) is expected
-
-
-def test_slurm_job_ids():
-    plain = SlurmJob.from_env({"SLURM_JOB_ID": "42"})
-    assert (plain.in_slurm, plain.requeue_id, plain.restart_count) == (True, "42", 0)
-    array = SlurmJob.from_env(
-        {
-            "SLURM_JOB_ID": "107",
-            "SLURM_ARRAY_JOB_ID": "100",
-            "SLURM_ARRAY_TASK_ID": "7",
-            "SLURM_RESTART_COUNT": "3",
-        }
-    )
-    assert (array.requeue_id, array.restart_count) == ("100_7", 3)
-    assert not SlurmJob.from_env({}).in_slurm
 
 
 # -- handle_stop: marker + scontrol ---------------------------------------------------------------
@@ -241,12 +225,16 @@ def test_run_state_markers(tmp_path, fake_slurm, monkeypatch):
 # -- the job's end time and the time budget -------------------------------------------------------
 
 
+def job_end_time(environ):
+    return JobFacts.from_env(environ).end_time()
+
+
 def test_job_end_time_sources(fake_slurm, monkeypatch):
     assert job_end_time({"RELAYTRAIN_FAKE_JOB_END_TIME": "1000", "SLURM_JOB_END_TIME": "5"}) == (
         1000.0,
         "RELAYTRAIN_FAKE_JOB_END_TIME",
     )
-    assert job_end_time({"SLURM_JOB_END_TIME": "5"})[0] == 5.0
+    assert job_end_time({"RELAYTRAIN_FAKE_JOB_END_TIME": "soon", "SLURM_JOB_END_TIME": "5"})[0] == 5.0
     assert job_end_time({})[0] is None
     monkeypatch.setenv("FAKE_END", "2030-01-02T03:04:05")
     end, source = job_end_time({"SLURM_JOB_ID": "77"})

@@ -1,4 +1,4 @@
-"""SLURM -> torch environment mapping, job facts, port choice, interface detection, task wrapper."""
+"""The in-job layer (relaytrain.job): job facts, SLURM -> torch env mapping, port, interface, task wrapper."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
-from relaytrain.slurm.env import apply_slurm_env, job_info, normalize_amd_visibility, tasks_on_node
-from relaytrain.slurm.netdetect import IFNAME_AWK, detect_interface, high_speed_interfaces
-from relaytrain.slurm.ports import PORT_MAX, PORT_MIN, base_port, choose_port
+from relaytrain.job import JobFacts
+from relaytrain.job.env import apply_slurm_env, normalize_amd_visibility, tasks_on_node
+from relaytrain.job.netdetect import IFNAME_AWK, detect_interface, high_speed_interfaces
+from relaytrain.job.ports import PORT_MAX, PORT_MIN, base_port, choose_port
 from relaytrain.slurm.script import TEMPLATE_DIR
 
 # What srun sets for task 5 of a 2-node x 4-task step (values as Slurm 22.05 prints them).
@@ -75,11 +76,13 @@ def test_amd_visibility_drops_only_duplicated_absolute_ids():
     assert same["HIP_VISIBLE_DEVICES"] == "0,1"  # renumbered ids mean the same devices: harmless
 
 
-def test_job_info_first_run_array_and_end_time():
-    info = job_info({"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-3]", "SLURMD_NODENAME": "n2"})
-    assert info.in_slurm and info.restart_count == 0 and info.array_aware_id == "77"
-    assert info.nodelist == ["n1", "n2", "n3"] and info.node_name == "n2" and info.end_time is None
-    arr = job_info(
+def test_job_facts_first_run_array_task_and_end_time():
+    env = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-3]", "SLURMD_NODENAME": "n2"}
+    info = JobFacts.from_env(dict(env, SLURM_JOB_NUM_NODES="3"))
+    assert info.in_slurm and info.restart_count == 0 and info.requeue_id == "77"
+    assert info.nodes() == ["n1", "n2", "n3"] and info.num_nodes == 3 and info.host() == "n2"
+    assert info.identity() == {"job_id": "77", "requeue_id": "77", "restart_count": 0}
+    arr = JobFacts.from_env(
         {
             "SLURM_JOB_ID": "81",
             "SLURM_ARRAY_JOB_ID": "80",
@@ -88,8 +91,22 @@ def test_job_info_first_run_array_and_end_time():
             "SLURM_JOB_END_TIME": "1700000000",
         }
     )
-    assert arr.array_aware_id == "80_1" and arr.restart_count == 2 and arr.end_time == 1700000000.0
-    assert not job_info({}).in_slurm
+    assert arr.requeue_id == "80_1" and arr.restart_count == 2
+    assert arr.end_time() == (1700000000.0, "SLURM_JOB_END_TIME")
+    # Old Slurm versions (and some wrappers) export only SLURM_JOBID.
+    assert JobFacts.from_env({"SLURM_JOBID": "9"}).requeue_id == "9"
+    outside = JobFacts.from_env({})
+    assert not outside.in_slurm and outside.nodes() == [] and outside.end_time() == (None, "not a SLURM job")
+
+
+def test_the_job_layer_imports_nothing_above_it():
+    code = (
+        "import sys, relaytrain.job, relaytrain.job.task; "
+        "print(sorted(m for m in sys.modules if m.startswith('relaytrain') or m == 'torch'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = {m for m in eval(out) if not m.startswith(("relaytrain.job", "relaytrain.errors"))}
+    assert loaded == {"relaytrain"}
 
 
 def test_port_is_deterministic_and_skips_ports_in_use():
@@ -181,7 +198,7 @@ def test_task_wrapper_maps_the_environment_and_execs_the_command():
     keys = "('RANK', 'LOCAL_RANK', 'MASTER_ADDR')"
     code = f"import json, os; print(json.dumps({{k: os.environ[k] for k in {keys}}}))"
     out = subprocess.run(
-        [sys.executable, "-m", "relaytrain.slurm.task", "--map-env", "--", sys.executable, "-c", code],
+        [sys.executable, "-m", "relaytrain.job.task", "--map-env", "--", sys.executable, "-c", code],
         env=env,
         capture_output=True,
         text=True,
@@ -189,7 +206,7 @@ def test_task_wrapper_maps_the_environment_and_execs_the_command():
     )
     assert json.loads(out.stdout) == {"RANK": "5", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu07"}
     bad = subprocess.run(
-        [sys.executable, "-m", "relaytrain.slurm.task", "--", "/nonexistent/cmd"],
+        [sys.executable, "-m", "relaytrain.job.task", "--", "/nonexistent/cmd"],
         env=env,
         capture_output=True,
         text=True,

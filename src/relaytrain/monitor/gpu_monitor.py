@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from relaytrain.job import JobFacts
+
 COLUMNS = (
     "time",
     "datetime",
@@ -52,7 +54,7 @@ DMON_COLUMNS = {
 
 
 def host_name() -> str:
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    return JobFacts.from_env().node_name or socket.gethostname().split(".")[0]
 
 
 class GpuCsv:
@@ -71,7 +73,7 @@ class GpuCsv:
     def write(self, rows: list[dict[str, Any]]) -> None:
         now = time.time()
         stamp = datetime.datetime.fromtimestamp(now).isoformat(timespec="seconds")
-        job_id = os.environ.get("SLURM_JOB_ID", "")
+        job_id = JobFacts.from_env().job_id
         for row in rows:
             self._writer.writerow(
                 {"time": f"{now:.3f}", "datetime": stamp, "host": host_name(), "job_id": job_id, **row}

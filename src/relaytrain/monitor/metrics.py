@@ -16,7 +16,6 @@ Non-finite numbers (a NaN loss) are written as null so the file stays strict JSO
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from relaytrain.config.schema import Config
+from relaytrain.job import JobFacts
 from relaytrain.monitor.memory import memory_stats
 from relaytrain.monitor.mfu import mfu, peak_flops_per_device, throughput
 from relaytrain.monitor.sinks import ConsoleSink, JsonlSink, TensorBoardSink, WandbSink
@@ -54,10 +54,8 @@ def default_device(cfg: Config) -> torch.device:
 
 def job_identity() -> dict[str, Any]:
     """The SLURM job this process belongs to; a requeue keeps the id and bumps the count."""
-    return {
-        "job_id": os.environ.get("SLURM_JOB_ID") or None,
-        "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
-    }
+    job = JobFacts.from_env()
+    return {"job_id": job.job_id or None, "restart": job.restart_count}
 
 
 def _si(value: float) -> str:

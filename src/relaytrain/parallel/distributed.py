@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 from relaytrain.config.schema import Config
 from relaytrain.errors import UserError
+from relaytrain.job import JobFacts, apply_slurm_env
 
 log = logging.getLogger("relaytrain")
 
@@ -54,15 +54,8 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def node_name() -> str:
-    # On a local multi-slurmd cluster every node shares one hostname; SLURMD_NODENAME differs.
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
 def init_distributed(cfg: Config) -> DistEnv:
     """Initialise torch.distributed when launched with several processes; no-op for one."""
-    from relaytrain.slurm.env import apply_slurm_env
-
     apply_slurm_env(os.environ)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -70,7 +63,7 @@ def init_distributed(cfg: Config) -> DistEnv:
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     device = pick_device(cfg.run.device, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    env = DistEnv(rank, local_rank, world_size, local_world_size, device, backend, node_name())
+    env = DistEnv(rank, local_rank, world_size, local_world_size, device, backend, JobFacts.from_env().host())
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cpu":
             # Each rank gets its share of the cores; oversubscription makes gloo ranks crawl.

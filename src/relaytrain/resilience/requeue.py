@@ -9,14 +9,13 @@ job that hits its time limit is never requeued, even with ``--requeue``.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from relaytrain.config.schema import Config
+from relaytrain.job import JobFacts
 from relaytrain.resilience.codes import (
     EXIT_HANG,
     EXIT_NONFINITE,
@@ -26,51 +25,11 @@ from relaytrain.resilience.codes import (
     TIME_LIMIT_REASONS,
     StopReason,
 )
-from relaytrain.resilience.job_time import scontrol_job_field
 from relaytrain.resilience.run_state import RunStateFile
 
 log = logging.getLogger(__name__)
 
 SCONTROL_REQUEUE_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class SlurmJob:
-    """The SLURM facts resilience needs, from the environment of a rank."""
-
-    job_id: str = ""
-    array_job_id: str = ""
-    array_task_id: str = ""
-    restart_count: int = 0  # SLURM_RESTART_COUNT; unset on a first run, 1, 2, ... after requeues
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> SlurmJob:
-        env = os.environ if env is None else env
-        try:
-            restarts = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-        except ValueError:
-            restarts = 0
-        return cls(
-            env.get("SLURM_JOB_ID", ""),
-            env.get("SLURM_ARRAY_JOB_ID", ""),
-            env.get("SLURM_ARRAY_TASK_ID", ""),
-            restarts,
-        )
-
-    @property
-    def in_slurm(self) -> bool:
-        return bool(self.job_id)
-
-    @property
-    def requeue_id(self) -> str:
-        """The id ``scontrol requeue`` takes: ARRAYJOBID_TASKID for an array task, else the job id."""
-        if self.array_job_id and self.array_task_id:
-            return f"{self.array_job_id}_{self.array_task_id}"
-        return self.job_id
-
-    def facts(self) -> dict[str, object]:
-        """What every run_state.json record says about the job."""
-        return {"job_id": self.job_id, "requeue_id": self.requeue_id, "restart_count": self.restart_count}
 
 
 def decide_requeue(
@@ -120,11 +79,11 @@ def scontrol_requeue(requeue_id: str) -> tuple[bool, str]:
     return True, " ".join(cmd)
 
 
-def _refine(reason: StopReason, job: SlurmJob) -> StopReason:
+def _refine(reason: StopReason, job: JobFacts) -> StopReason:
     """A SIGTERM from `scancel` looks like a preemption (or, near the end, the time limit) to the
     process; slurmctld marks a cancelled job CANCELLED before its steps get the signal."""
     if reason in (StopReason.PREEMPTION, StopReason.TIME_LIMIT_SIGNAL) and job.in_slurm:
-        state = scontrol_job_field(job.job_id, "JobState")
+        state = job.scheduler_state()
         if state is not None and state.startswith("CANCELLED"):
             return StopReason.CANCELLED
     return reason
@@ -151,13 +110,13 @@ def handle_stop(
     if rank != 0:
         return code
     r = cfg.resilience
-    job = SlurmJob.from_env(env)
+    job = JobFacts.from_env(env)
     reason = _refine(reason, job)
     code = exit_code_for(reason)
     requeue = decide_requeue(reason, r.requeue, r.max_requeues, job.restart_count, job.in_slurm)
     status = "failed" if reason in FAILURE_REASONS else "stopped"
     facts = {
-        **job.facts(),
+        **job.identity(),
         "saved": saved,
         "exit_code": code,
         "message": message[:500],
@@ -195,7 +154,7 @@ def mark_running(
     """At the start of training (rank 0): status running; logs SLURM_RESTART_COUNT."""
     if rank != 0:
         return
-    job = SlurmJob.from_env(env)
+    job = JobFacts.from_env(env)
     if job.in_slurm:
         log.info(
             "SLURM job %s, SLURM_RESTART_COUNT=%d, resuming at step %d",
@@ -207,7 +166,7 @@ def mark_running(
         "running",
         "",
         step,
-        **job.facts(),
+        **job.identity(),
         max_steps=cfg.train.max_steps,
     )
 
@@ -216,12 +175,12 @@ def mark_finished(run_dir: Path | str, rank: int, step: int, env: Mapping[str, s
     """After the last step (rank 0): status finished, so that a stale requeue ends at once."""
     if rank != 0:
         return
-    job = SlurmJob.from_env(env)
+    job = JobFacts.from_env(env)
     RunStateFile(run_dir).write(
         "finished",
         "max_steps",
         step,
-        **job.facts(),
+        **job.identity(),
         exit_code=0,
     )
 

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from relaytrain.config.schema import Config
+from relaytrain.job import JobFacts
 from relaytrain.resilience.codes import EXIT_DOUBLE_INTERRUPT, StopReason
 from relaytrain.resilience.early_signals import drain_early_signals
-from relaytrain.resilience.job_time import job_end_time
 from relaytrain.resilience.requeue import handle_stop
 from relaytrain.resilience.watchdog import HardDeadline
 
@@ -52,7 +52,8 @@ class ShutdownController:
         self.device = torch.device(device)
         self.group = group
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.run.dir) / cfg.run.name
-        self.in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
+        self.job = JobFacts.from_env()
+        self.in_slurm = self.job.in_slurm
         self.stop_reason = StopReason.NONE
         self.stop_step = -1
         self.last_step = 0
@@ -70,7 +71,7 @@ class ShutdownController:
 
     # -- the job's end time -------------------------------------------------------------------------
     def _shared_end_time(self) -> tuple[float | None, str]:
-        end, source = job_end_time() if self.rank == 0 else (None, "")
+        end, source = self.job.end_time() if self.rank == 0 else (None, "")
         if _world(self.group) > 1:  # one scontrol query per job, not per rank
             t = torch.tensor([end if end is not None else -1.0], dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)

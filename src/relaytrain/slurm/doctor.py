@@ -7,7 +7,6 @@ filesystem and the Python environment are checked on every node with `srun --ove
 from __future__ import annotations
 
 import getpass
-import os
 import shutil
 import sys
 import uuid
@@ -15,8 +14,9 @@ from pathlib import Path
 
 import relaytrain
 from relaytrain.config import Config
+from relaytrain.job import JobFacts
+from relaytrain.job.netdetect import high_speed_interfaces, read_ip_brief
 from relaytrain.slurm.jobs import run_tool
-from relaytrain.slurm.netdetect import high_speed_interfaces, read_ip_brief
 
 Check = tuple[str, str, str]
 REQUIRED_TOOLS = ("sbatch", "srun", "squeue", "scontrol")
@@ -216,10 +216,9 @@ def check_tokenizer(cfg: Config | None) -> Check:
 
 
 def run_checks(cfg: Config | None, partition: str = "", account: str = "") -> list[Check]:
-    from relaytrain.slurm.env import expand_nodelist
-
-    in_job = bool(os.environ.get("SLURM_JOB_ID"))
-    nodes = expand_nodelist(os.environ.get("SLURM_JOB_NODELIST", "")) if in_job else []
+    job = JobFacts.from_env()
+    in_job = job.in_slurm
+    nodes = job.nodes()
     s = cfg.slurm if cfg is not None else None
     checks = [check_tools()]
     if checks[0][1] != "fail":

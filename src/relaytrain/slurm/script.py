@@ -19,7 +19,7 @@ import jinja2
 
 from relaytrain.config import Config, SlurmConfig
 from relaytrain.errors import UserError
-from relaytrain.slurm.netdetect import IFNAME_AWK
+from relaytrain.job.netdetect import IFNAME_AWK
 from relaytrain.slurm.profile import is_rocm
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"

@@ -1,27 +1,20 @@
-"""When does this SLURM job end? Sources, first found wins:
-
-1. ``RELAYTRAIN_FAKE_JOB_END_TIME`` (unix seconds): a testing hook, also handy outside SLURM to rehearse
-   the time-budget stop.
-2. ``SLURM_JOB_END_TIME`` (set by recent Slurm versions).
-3. ``scontrol show job -o $SLURM_JOB_ID`` (its ``EndTime=``), then ``squeue -h -j $SLURM_JOB_ID -o %e``.
+"""Asking slurmctld about this job (``scontrol``/``squeue``), for what the environment does not say.
 
 Slurm prints times in the client's local time zone, which ``datetime.fromisoformat(...).timestamp()``
-reads back the same way.
+reads back the same way. Every query is bounded by a timeout and returns None when the client is
+missing (inside a container), fails or times out: callers carry on without the answer.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
 from datetime import datetime
 
 log = logging.getLogger(__name__)
 
-FAKE_END_TIME_ENV = "RELAYTRAIN_FAKE_JOB_END_TIME"
 SLURM_QUERY_TIMEOUT_S = 15.0
 
 
@@ -60,23 +53,12 @@ def scontrol_job_field(job_id: str, key: str) -> str | None:
     return match.group(1) if match else None
 
 
-def job_end_time(env: Mapping[str, str] | None = None) -> tuple[float | None, str]:
-    """(end time in unix seconds or None, where it came from)."""
-    env = os.environ if env is None else env
-    for name in (FAKE_END_TIME_ENV, "SLURM_JOB_END_TIME"):
-        value = env.get(name, "").strip()
-        if value:
-            try:
-                return float(value), name
-            except ValueError:
-                log.warning("ignoring %s=%r: not unix seconds", name, value)
-    job_id = env.get("SLURM_JOB_ID", "").strip()
-    if not job_id:
-        return None, "not a SLURM job"
-    end = scontrol_job_field(job_id, "EndTime")
-    if end is not None and parse_slurm_time(end) is not None:
-        return parse_slurm_time(end), "scontrol show job"
-    out = run_slurm_client(["squeue", "-h", "-j", job_id, "-o", "%e"])
-    if out is not None and parse_slurm_time(out) is not None:
-        return parse_slurm_time(out), "squeue"
+def queried_end_time(job_id: str) -> tuple[float | None, str]:
+    """(end time from ``scontrol show job``, else ``squeue -o %e``, or None; where it came from)."""
+    end = parse_slurm_time(scontrol_job_field(job_id, "EndTime") or "")
+    if end is not None:
+        return end, "scontrol show job"
+    end = parse_slurm_time(run_slurm_client(["squeue", "-h", "-j", job_id, "-o", "%e"]) or "")
+    if end is not None:
+        return end, "squeue"
     return None, "scontrol/squeue gave no end time"

@@ -1,6 +1,6 @@
 """Per-task wrapper the generated scripts put in front of each srun task's command.
 
-`python -m relaytrain.slurm.task [--map-env] [--gpu-monitor-dir DIR --gpu-monitor-interval S] -- CMD...`
+`python -m relaytrain.job.task [--map-env] [--gpu-monitor-dir DIR --gpu-monitor-interval S] -- CMD...`
 
 * `--map-env` applies the SLURM -> torch mapping (`apply_slurm_env`) before CMD starts.
 * On local rank 0 of each node it starts the per-node GPU monitor as a child that ignores the stop
@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 
-from relaytrain.slurm.env import apply_slurm_env
+from relaytrain.job.env import apply_slurm_env
 
 GPU_MONITOR_MODULE = "relaytrain.monitor.gpu_monitor"
 _PR_SET_PDEATHSIG = 1
@@ -39,7 +39,7 @@ def start_gpu_monitor(out_dir: str, interval: float, environ: dict[str, str]) ->
         return None
     if importlib.util.find_spec(GPU_MONITOR_MODULE) is None:
         print(
-            f"relaytrain.slurm.task: {GPU_MONITOR_MODULE} is not installed; no GPU monitoring",
+            f"relaytrain.job.task: {GPU_MONITOR_MODULE} is not installed; no GPU monitoring",
             file=sys.stderr,
         )
         return None
@@ -50,17 +50,17 @@ def start_gpu_monitor(out_dir: str, interval: float, environ: dict[str, str]) ->
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
-        print("usage: python -m relaytrain.slurm.task [options] -- COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m relaytrain.job.task [options] -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m relaytrain.slurm.task")
+    parser = argparse.ArgumentParser(prog="python -m relaytrain.job.task")
     parser.add_argument("--map-env", action="store_true")
     parser.add_argument("--gpu-monitor-dir", default="")
     parser.add_argument("--gpu-monitor-interval", type=float, default=5.0)
     args = parser.parse_args(argv[:split])
     command = argv[split + 1 :]
     if not command:
-        print("relaytrain.slurm.task: no command after --", file=sys.stderr)
+        print("relaytrain.job.task: no command after --", file=sys.stderr)
         return 2
     if args.map_env:
         apply_slurm_env(os.environ)
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         os.execvp(command[0], command)
     except OSError as exc:
-        print(f"relaytrain.slurm.task: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+        print(f"relaytrain.job.task: cannot run {command[0]!r}: {exc}", file=sys.stderr)
         return 127
 
 

@@ -1,21 +1,18 @@
-"""SLURM -> torch.distributed environment mapping, and what a process can learn about its job.
+"""SLURM -> torch.distributed environment mapping inside an srun task.
 
 `srun` starts one task per GPU and sets SLURM_PROCID/SLURM_LOCALID/...; torch wants RANK/LOCAL_RANK/
 WORLD_SIZE/MASTER_ADDR/MASTER_PORT. `apply_slurm_env` fills them in inside an srun step, unless a
-launcher (torchrun) has already set them. `python -m relaytrain.slurm.env -- CMD ...` applies the mapping
-and execs CMD, so any program (DeepSpeed, Lightning, a plain script) gets the same variables.
+launcher (torchrun) has already set them. The task wrapper (`python -m relaytrain.job.task --map-env
+-- CMD ...`) applies it before any program (DeepSpeed, Lightning, a plain script) starts.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
 
-from relaytrain.slurm.ports import base_port
+from relaytrain.job.ports import base_port
 
 # Slurm's internal ids for the batch and extern steps (and others near 2**32) are not srun steps.
 _MAX_REAL_STEP_ID = 0xFFFFFF00
@@ -108,61 +105,3 @@ def apply_slurm_env(environ: MutableMapping[str, str]) -> bool:
         environ["MASTER_PORT"] = str(base_port(environ.get("SLURM_JOB_ID", "0")))
     normalize_amd_visibility(environ)
     return True
-
-
-@dataclass
-class JobInfo:
-    """What a process knows about the SLURM job it runs in (all None/0 outside SLURM)."""
-
-    job_id: str | None = None
-    array_job_id: str | None = None
-    array_task_id: str | None = None
-    restart_count: int = 0  # SLURM_RESTART_COUNT is unset on the first run
-    node_name: str | None = None
-    nodelist: list[str] = field(default_factory=list)
-    end_time: float | None = None  # epoch seconds of the time limit (SLURM_JOB_END_TIME, Slurm >= 23.02)
-
-    @property
-    def in_slurm(self) -> bool:
-        return self.job_id is not None
-
-    @property
-    def array_aware_id(self) -> str | None:
-        """`ARRAYJOBID_TASKID` for array tasks (what squeue shows), else the job id."""
-        if self.array_job_id and self.array_task_id:
-            return f"{self.array_job_id}_{self.array_task_id}"
-        return self.job_id
-
-
-def job_info(environ: Mapping[str, str] | None = None) -> JobInfo:
-    environ = os.environ if environ is None else environ
-    end = environ.get("SLURM_JOB_END_TIME", "")
-    return JobInfo(
-        job_id=environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or None,
-        array_job_id=environ.get("SLURM_ARRAY_JOB_ID") or None,
-        array_task_id=environ.get("SLURM_ARRAY_TASK_ID") or None,
-        restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0),
-        node_name=environ.get("SLURMD_NODENAME") or None,
-        nodelist=expand_nodelist(environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST", "")),
-        end_time=float(end) if end.isdigit() else None,
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m relaytrain.slurm.env -- CMD ARGS...`: apply the mapping, then exec CMD."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--":
-        argv = argv[1:]
-    if not argv:
-        print("usage: python -m relaytrain.slurm.env -- COMMAND [ARGS...]", file=sys.stderr)
-        return 2
-    apply_slurm_env(os.environ)
-    try:
-        os.execvp(argv[0], argv)
-    except OSError as exc:
-        print(f"relaytrain.slurm.env: cannot run {argv[0]!r}: {exc}", file=sys.stderr)
-        return 127
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -65,7 +65,7 @@ def read_ip_brief() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relaytrain.slurm.netdetect", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m relaytrain.job.netdetect", description=__doc__)
     parser.add_argument("--prefer", default="", help="use this interface (the profile's network_interface)")
     args = parser.parse_args(argv)
     name = detect_interface(read_ip_brief(), args.prefer)
