@@ -34,12 +34,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """[CONFIG] [--section.key=value ...] -> (config path or None, overrides)."""
-    rest = list(args.config_args or []) + list(getattr(args, "extra_overrides", []))
-    config = rest.pop(0) if rest and not rest[0].startswith("--") else None
-    bad = [o for o in rest if not o.startswith("--")]
-    if bad:
-        raise UserError(f"unexpected argument '{bad[0]}': overrides look like --section.key=value")
-    return config, rest
+    from relaytrain.config.overrides import split_config_args as split
+
+    return split(list(args.config_args or []) + list(getattr(args, "extra_overrides", [])))
 
 
 def cmd_train(args: argparse.Namespace) -> int:

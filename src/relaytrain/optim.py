@@ -30,21 +30,52 @@ def build_optimizer(
     )
 
 
+def schedule_phases(cfg: OptimConfig, max_steps: int) -> tuple[int, int]:
+    """(warmup steps, decay steps) as run in a `max_steps` run.
+
+    A run shorter than the configured phases still runs: the warmup is cut to max_steps - 1 steps so
+    the peak is reached, and the wsd decay to the steps left after the warmup. Only the schedule is
+    fitted; the config keeps the values the user wrote.
+    """
+    warmup = min(cfg.warmup_steps, max(0, max_steps - 1))
+    if cfg.schedule == "constant":
+        return warmup, 0
+    if cfg.schedule == "wsd":
+        decay = max(1, round(cfg.decay_fraction * max_steps))
+        return warmup, max(1, min(decay, max_steps - warmup))
+    return warmup, max(1, max_steps - warmup)
+
+
+def schedule_fit_warning(cfg: OptimConfig, max_steps: int) -> str | None:
+    """The one line to log when the schedule had to be fitted to a short run, else None."""
+    warmup, decay = schedule_phases(cfg, max_steps)
+    parts = []
+    if warmup != cfg.warmup_steps:
+        parts.append(f"the warmup runs {warmup} steps instead of optim.warmup_steps={cfg.warmup_steps}")
+    asked = max(1, round(cfg.decay_fraction * max_steps))
+    if cfg.schedule == "wsd" and decay != asked:
+        parts.append(
+            f"the decay runs the last {decay} steps instead of the {asked} that "
+            f"optim.decay_fraction={cfg.decay_fraction} asks for"
+        )
+    if not parts:
+        return None
+    return f"train.max_steps={max_steps} is shorter than the LR schedule: " + "; ".join(parts)
+
+
 def lr_at(cfg: OptimConfig, step: int, max_steps: int) -> float:
     """Learning rate for optimizer step `step` (1-based: the first update uses lr_at(1))."""
-    if cfg.warmup_steps > 0 and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
+    warmup, decay = schedule_phases(cfg, max_steps)
+    if warmup > 0 and step <= warmup:
+        return cfg.lr * step / warmup
     if cfg.schedule == "constant":
         return cfg.lr
+    decay_start = max_steps - decay
+    if step <= decay_start:  # wsd: the stable phase
+        return cfg.lr
+    progress = min(1.0, (step - decay_start) / decay)
     if cfg.schedule == "wsd":
-        decay_steps = max(1, round(cfg.decay_fraction * max_steps))
-        decay_start = max_steps - decay_steps
-        if step <= decay_start:
-            return cfg.lr
-        progress = min(1.0, (step - decay_start) / decay_steps)
         return cfg.lr - (cfg.lr - cfg.min_lr) * progress
-    span = max(1, max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 

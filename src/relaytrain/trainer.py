@@ -23,7 +23,7 @@ from relaytrain.errors import UserError
 from relaytrain.model import flops_per_token
 from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer, memory_stats, peak_flops_per_device
 from relaytrain.monitor.logs import setup_logging
-from relaytrain.optim import build_optimizer, lr_at, set_lr
+from relaytrain.optim import build_optimizer, lr_at, schedule_fit_warning, set_lr
 from relaytrain.parallel import parallelize
 from relaytrain.parallel.distributed import DistEnv, init_distributed, shutdown_distributed
 from relaytrain.resilience import (
@@ -135,6 +135,9 @@ class Trainer:
         if done:
             log.info("%s", done)
             return 0
+        fitted = schedule_fit_warning(cfg.optim, cfg.train.max_steps)
+        if fitted and self.env.rank == 0:
+            log.warning("%s", fitted)
         resumed = self.checkpoint.load()
         mark_running(cfg, self.run_dir, self.env.rank, state.step)
         self.metrics.log_event(

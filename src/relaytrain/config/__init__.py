@@ -6,8 +6,8 @@ from relaytrain.config.loader import (
     config_to_dict,
     config_to_toml,
     load_config,
-    parse_override,
 )
+from relaytrain.config.overrides import check_overrides, parse_override, split_config_args
 from relaytrain.config.schema import (
     CheckpointConfig,
     Config,
@@ -34,10 +34,12 @@ __all__ = [
     "RunConfig",
     "SlurmConfig",
     "TrainConfig",
+    "check_overrides",
     "config_from_dict",
     "config_hash",
     "config_to_dict",
     "config_to_toml",
     "load_config",
     "parse_override",
+    "split_config_args",
 ]

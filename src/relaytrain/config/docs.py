@@ -11,6 +11,7 @@ import re
 import typing
 
 from relaytrain.config import schema
+from relaytrain.config.domains import domain_of
 from relaytrain.config.loader import _type_name
 
 HEADER = """# Configuration reference
@@ -18,18 +19,37 @@ HEADER = """# Configuration reference
 One TOML file, ten sections. `relaytrain train CONFIG --section.key=value ...` overrides any key
 (values are TOML literals: `--optim.betas=[0.9,0.95]`, `--parallel.compile=true`; bare words are
 strings). The embedded default is `configs/debug.toml`. Unknown keys, wrong types and impossible
-combinations are refused before any work starts, with one line that names the key.
+combinations are refused before any work starts, with one line that names the key, the value and
+what is allowed.
+
+Every key's allowed values are checked against the "allowed" column below. Besides that, every float
+must be finite (no `nan`, `inf`) and every string printable UTF-8 (no NUL, line breaks or other
+control characters). Checks between keys (`model.n_heads` divides `model.dim`, `optim.min_lr <=
+optim.lr`, ...) follow; the parallel layout is checked against the world size when the ranks start.
+
+Short runs just work: `--train.max_steps=5` trains 5 steps. When the run is shorter than the LR
+schedule, the schedule (not the config) is fitted and one warning line says how: the warmup runs at
+most `train.max_steps - 1` steps, so the peak LR is reached and the last step decays; with
+`schedule = "wsd"` the decay runs only the steps left after the warmup. Evaluation, checkpointing
+and logging also happen at the last step, so intervals longer than the run need no change.
 
 This page is generated from `src/relaytrain/config/schema.py` by `python -m relaytrain.config.docs`.
 """
 
 
 def _comments(cls: type) -> dict[str, str]:
-    out = {}
+    """A field's comment: at the end of its line, else the comment lines directly above it."""
+    out: dict[str, str] = {}
+    above: list[str] = []
     for line in inspect.getsource(cls).splitlines():
-        match = re.match(r"\s+(\w+):.*?#\s*(.*)$", line)
+        own = re.match(r"\s+#\s*(.*)$", line)
+        if own:
+            above.append(own.group(1))
+            continue
+        match = re.match(r"\s+(\w+):[^#]*?(?:#\s*(.*))?$", line)
         if match:
-            out[match.group(1)] = match.group(2)
+            out[match.group(1)] = match.group(2) or " ".join(above)
+        above = []
     return out
 
 
@@ -40,13 +60,17 @@ def render() -> str:
         hints = typing.get_type_hints(cls)
         comments = _comments(cls)
         parts.append(
-            f"\n## [{section.name}]\n\n| key | type | default | meaning |\n| --- | --- | --- | --- |"
+            f"\n## [{section.name}]\n\n| key | type | default | allowed | meaning |\n"
+            "| --- | --- | --- | --- | --- |"
         )
         defaults = cls()
         for f in dataclasses.fields(cls):
             default = getattr(defaults, f.name)
+            domain = domain_of(f)
+            allowed = domain.describe() if domain else ""
             parts.append(
-                f"| `{f.name}` | {_type_name(hints[f.name])} | `{default!r}` | {comments.get(f.name, '')} |"
+                f"| `{f.name}` | {_type_name(hints[f.name])} | `{default!r}` | {allowed} "
+                f"| {comments.get(f.name, '')} |"
             )
     return "\n".join(parts) + "\n"
 

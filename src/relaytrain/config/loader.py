@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import difflib
 import hashlib
 import json
@@ -14,6 +13,7 @@ from typing import Any
 
 import tomli_w
 
+from relaytrain.config.overrides import parse_override
 from relaytrain.config.schema import Config
 from relaytrain.errors import ConfigError
 
@@ -23,6 +23,11 @@ def _closest(name: str, choices: list[str], prefix: str = "") -> str:
     if match:
         return f"; did you mean '{prefix}{match[0]}'?"
     return "; valid: " + ", ".join(prefix + c for c in choices)
+
+
+def _quote(text: str) -> str:
+    """`'text'` on one line, with line breaks, NUL and undecodable bytes escaped."""
+    return f"'{text}'" if text.isprintable() else repr(text)
 
 
 def _type_name(tp: Any) -> str:
@@ -75,7 +80,7 @@ def _apply(cfg: Config, data: dict[str, Any], source: str) -> None:
     for section_name, table in data.items():
         if section_name not in sections:
             raise ConfigError(
-                f"{source}: unknown config section '[{section_name}]'"
+                f"{source}: unknown config section {_quote('[' + section_name + ']')}"
                 + _closest(section_name, list(sections))
             )
         if not isinstance(table, dict):
@@ -86,26 +91,10 @@ def _apply(cfg: Config, data: dict[str, Any], source: str) -> None:
             full = f"{section_name}.{key}"
             if key not in fields:
                 raise ConfigError(
-                    f"{source}: unknown config key '{full}'"
+                    f"{source}: unknown config key {_quote(full)}"
                     + _closest(key, list(fields), prefix=f"{section_name}.")
                 )
             setattr(section, key, _coerce(full, value, fields[key]))
-
-
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """`--section.key=value` -> (section, key, value). Values are TOML literals, else strings."""
-    body = text[2:] if text.startswith("--") else text
-    if "=" not in body or "." not in body.split("=", 1)[0]:
-        raise ConfigError(f"override '{text}' must look like --section.key=value")
-    path, raw = body.split("=", 1)
-    section, key = path.split(".", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    if isinstance(value, (datetime.date, datetime.time)):
-        value = raw  # `--slurm.time=02:00:00` is a duration string, not a TOML time
-    return section, key, value
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -115,13 +104,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     if path is not None:
         path = Path(path)
+        shown = repr(str(path))
         if not path.is_file():
-            raise ConfigError(f"config file '{path}' not found; pass an existing TOML file")
+            raise ConfigError(f"config file {shown} not found; pass an existing TOML file")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {shown} is not UTF-8 text (bad byte at offset {exc.start}); save it as UTF-8"
+            ) from None
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from None
-        _apply(cfg, data, str(path))
+            raise ConfigError(f"config file {shown} is not valid TOML: {exc}") from None
+        _apply(cfg, data, shown)
     for text in overrides or []:
         section, key, value = parse_override(text)
         _apply(cfg, {section: {key: value}}, "override")
