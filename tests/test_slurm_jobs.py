@@ -188,3 +188,57 @@ def test_plan_cli_exit_codes(capsys):
     assert "verdict: ok" in capsys.readouterr().out
     assert main(["plan", str(REPO / "configs/70b.toml"), "--nodes", "2", "--gpus-per-node", "4"]) == 1
     assert "impossible" in capsys.readouterr().out
+
+
+OFFLOADED_8B = [
+    "plan",
+    str(REPO / "configs/8b.toml"),
+    "--nodes",
+    "2",
+    "--gpus-per-node",
+    "1",
+    "--gpu",
+    "h100",
+    "--parallel.cpu_offload=true",
+]
+
+
+def test_plan_counts_offloaded_states_in_host_memory(tmp_path, monkeypatch, capsys):
+    fake(tmp_path / "bin", "sinfo", "printf 'gpu*|gpu:h100:1|524288\\n'\n")  # 512 GiB nodes
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    assert main(OFFLOADED_8B) == 0
+    out = capsys.readouterr().out
+    assert "in host memory" in out and "verdict: ok" in out
+    assert "69.8 GiB per node" in out and "of 512.0 GiB" in out
+    assert main([*OFFLOADED_8B, "--mem", "64G"]) == 1
+    out = capsys.readouterr().out
+    assert "host memory │ fail" in out and "of 64.0 GiB" in out and "verdict: impossible" in out
+    # The GPU holds only the gathered layers, activations and logits: without offload the same layout
+    # needs the 59.8 GiB of states per GPU on top.
+    on_gpu = make_plan(load_config(REPO / "configs/8b.toml"), 2, 1, "h100")
+    offloaded = make_plan(
+        load_config(REPO / "configs/8b.toml", ["--parallel.cpu_offload=true"]), 2, 1, "h100"
+    )
+    assert on_gpu.verdict == "impossible" and offloaded.verdict == "warn"  # warn: node memory not given
+    assert "node memory unknown; pass --mem" in " ".join(d for _, _, d in offloaded.checks)
+
+
+def test_plan_bad_mem_is_one_line(capsys):
+    assert main([*OFFLOADED_8B, "--mem", "64GB"]) == 2
+    assert "slurm.mem='64GB' is not a Slurm memory size" in capsys.readouterr().err
+
+
+def test_plan_prints_parameters_in_human_units(capsys):
+    main(
+        [
+            "plan",
+            str(REPO / "configs/debug.toml"),
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            "1",
+        ]
+    )
+    assert "│ parameters              │ 3.1 M" in capsys.readouterr().out

@@ -22,6 +22,7 @@ _SLURM_FLAGS = {  # CLI flag -> (SlurmConfig key, type)
     "partition": ("partition", str),
     "account": ("account", str),
     "qos": ("qos", str),
+    "mem": ("mem", str),
     "gpu": ("gpu_type", str),
 }
 _LEVEL_STYLE = {"pass": "green", "ok": "green", "warn": "yellow", "fail": "red"}
@@ -42,6 +43,7 @@ def _add_slurm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition")
     p.add_argument("--account")
     p.add_argument("--qos")
+    p.add_argument("--mem", help="memory per node as sbatch --mem (64G; 0: all); checked with CPU offload")
     p.add_argument("--gpu", help="GPU type for the memory check: h100, h200, a100, a100-40gb, mi250x, ...")
     p.add_argument("--profile", help="cluster profile: a TOML path or a name in configs/clusters/")
 
@@ -56,11 +58,9 @@ def _add_submit_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
-    extra = list(getattr(args, "extra_overrides", []) or [])
-    bad = [o for o in extra if not (o.startswith("--") and "=" in o)]
-    if bad:
-        raise UserError(f"unexpected argument '{bad[0]}': overrides look like --section.key=value")
-    return extra
+    from relaytrain.config.overrides import check_overrides
+
+    return check_overrides(list(getattr(args, "extra_overrides", []) or []))
 
 
 def _request(args: argparse.Namespace, config: str | None):
@@ -101,12 +101,11 @@ def cmd_chain(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from relaytrain.slurm.launch import load_resolved
-    from relaytrain.slurm.plan import make_plan, plan_rows
+    from relaytrain.slurm.plan import plan_for, plan_rows
 
     req = _request(args, args.config)
     cfg = load_resolved(req)
-    s = cfg.slurm
-    plan = make_plan(cfg, s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node)
+    plan = plan_for(cfg)
     console = _console()
     facts = Table(title=f"relaytrain plan: {cfg.run.name}", show_header=False)
     facts.add_column("what")

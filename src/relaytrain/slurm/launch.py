@@ -18,7 +18,7 @@ from typing import Any
 
 from relaytrain.config import Config, config_to_toml, load_config, parse_override
 from relaytrain.errors import UserError
-from relaytrain.slurm.plan import Plan, make_plan
+from relaytrain.slurm.plan import Plan, plan_for
 from relaytrain.slurm.profile import explicit_config_keys, resolve_slurm
 from relaytrain.slurm.script import JobSpec, SweepPoint, render_script
 from relaytrain.slurm.submit import record_job, submit
@@ -56,8 +56,7 @@ def run_dir_of(cfg: Config) -> Path:
 
 
 def check_plan(cfg: Config, force: bool, out: Printer) -> Plan | None:
-    s = cfg.slurm
-    plan = make_plan(cfg, s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node)
+    plan = plan_for(cfg)
     for name, level, detail in plan.checks:
         if level != "ok":
             out(f"plan {level}: {name}: {detail}")

@@ -1,8 +1,9 @@
 """What the cluster says about a partition's nodes: GPUs (GRES) and memory, from `sinfo`.
 
 Used where the user did not say it: `slurm.gpus_per_node` left at -1 takes the partition's GPU count
-(0 on CPU-only nodes), and `relaytrain plan` checks host memory against the node's memory when no
-`--mem` is given. Where `sinfo` cannot answer (no Slurm here, controller down) the facts are unknown.
+(0 on CPU-only nodes), and `relaytrain plan` checks host memory (CPU offload) against `--mem`, or the
+node's memory when no `--mem` is given. Where `sinfo` cannot answer (no Slurm here, controller down)
+the facts are unknown.
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ import re
 import subprocess
 from dataclasses import dataclass
 
+from relaytrain.errors import UserError
+
 SINFO_TIMEOUT_S = 10
 _GPU_COUNT = re.compile(r"^gpu(?::[^:(]+)*?:(\d+)")
+_MEM = re.compile(r"^(\d+)([KMGT]?)$", re.I)
+_MEM_UNITS = {"K": 1024, "": 1024**2, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,27 @@ class PartitionFacts:
     partition: str
     gpus_per_node: int  # the smallest GPU count of the partition's node groups; 0: CPU-only
     memory_mb: int  # the smallest node memory (Slurm's RealMemory), 0 if unknown
+
+
+def mem_bytes(mem: str) -> int:
+    """`slurm.mem` as sbatch reads it ('64G', '500000', '512000M'; no suffix: MB) -> bytes; 0: whole node."""
+    match = _MEM.match(mem.strip())
+    if not match:
+        raise UserError(
+            f"slurm.mem={mem!r} is not a Slurm memory size; use e.g. 64G, 500000M or 0 (whole node)"
+        )
+    return int(match.group(1)) * _MEM_UNITS[match.group(2).upper()]
+
+
+def host_memory(partition: str, mem: str) -> tuple[float, str] | None:
+    """Memory per node a job gets, and where that figure comes from: --mem, else the node's in sinfo."""
+    asked = mem_bytes(mem) if mem else 0
+    if asked:
+        return float(asked), f"--mem {mem}"
+    facts = partition_facts(partition)
+    if facts and facts.memory_mb:
+        return facts.memory_mb * 1024.0**2, f"node memory of partition {facts.partition} (sinfo)"
+    return None
 
 
 def gres_gpus(gres: str) -> int:

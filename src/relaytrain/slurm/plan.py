@@ -19,6 +19,12 @@ sharding degree z = dp_shard * cp):
 * logits: s b V / tp x 6 bytes (bf16 logits and fp32 loss inputs).
 * overhead: 3 GiB (CUDA context, NCCL buffers) plus 10% for allocator fragmentation.
 
+With `parallel.cpu_offload` (FSDP2 CPUOffloadPolicy, ZeRO-3 offload) the sharded weights, gradients and
+AdamW state live in host memory: the GPU holds only the working copies (always, since every layer is
+copied in), activations and logits. Host memory per node is then 16 P / (m z) x 1.10 plus 4 GiB per
+process (interpreter, torch, CUDA host side, data loader), for each process on the node, checked
+against `slurm.mem` (`--mem`), else the node's memory as `sinfo` reports it.
+
 Checkpoint: 12 P bytes (fp32 weights + two AdamW moments), written in parallel by all ranks at
 `slurm.fs_write_gbps` GB/s in aggregate; the emergency save must finish within
 `resilience.hard_deadline_s` (and the signal lead time).
@@ -32,12 +38,14 @@ from relaytrain.config import Config
 from relaytrain.errors import UserError
 from relaytrain.model import count_parameters
 from relaytrain.model.transformer import ffn_hidden_dim
+from relaytrain.slurm.partition import host_memory
 
 GIB = 1024**3
 GB = 1e9
 OVERHEAD_BYTES = 3 * GIB
 FRAGMENTATION = 1.10
 TIGHT_FRACTION = 0.90  # above this share of the GPU's memory the verdict is "tight"
+HOST_OVERHEAD_PER_PROCESS = 4 * GIB
 
 # Memory per device in GB as the vendor sells it (one GCD for MI250X, as Slurm and torch count them).
 GPU_MEMORY_GB = {
@@ -66,10 +74,17 @@ class MemoryEstimate:
     working: float  # gathered bf16 units and their gradients
     activations: dict[str, float]  # by activation_checkpointing mode
     logits: float
+    offloaded: bool = False  # states live in host memory (parallel.cpu_offload)
 
     def total(self, mode: str) -> float:
-        raw = self.states + self.working + self.activations[mode] + self.logits
+        """Bytes per GPU."""
+        on_gpu = 0.0 if self.offloaded else self.states
+        raw = on_gpu + self.working + self.activations[mode] + self.logits
         return raw * FRAGMENTATION + OVERHEAD_BYTES
+
+    def host_per_process(self) -> float:
+        """Host bytes per process: offloaded states plus the process's own share."""
+        return (self.states if self.offloaded else 0.0) * FRAGMENTATION + HOST_OVERHEAD_PER_PROCESS
 
 
 @dataclass
@@ -110,7 +125,8 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
     states = 16 * params / (model_parallel * shard)
     block = count_parameters(m, include_embedding=False) // max(m.n_layers, 1)
     unit = max(block, m.vocab_size * m.dim)
-    working = 2 * 6 * unit / dims.tp if shard > 1 else 0.0
+    offloaded = p.cpu_offload
+    working = 2 * 6 * unit / dims.tp if shard > 1 or offloaded else 0.0
     per_layer = activation_bytes_per_layer(cfg, dims.tp, dims.cp)
     layers_per_stage = -(-m.n_layers // dims.pp)
     in_flight = dims.pp if p.pp_schedule != "gpipe" else (p.pp_microbatches or dims.pp)
@@ -121,7 +137,9 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
             held += per_layer["none"]  # the layer being recomputed in backward
         activations[mode] = held
     logits = 6 * cfg.train.seq_len * cfg.train.micro_batch_size * m.vocab_size / dims.tp
-    return MemoryEstimate(states=states, working=working, activations=activations, logits=logits)
+    return MemoryEstimate(
+        states=states, working=working, activations=activations, logits=logits, offloaded=offloaded
+    )
 
 
 def gpu_memory_bytes(gpu: str) -> float | None:
@@ -129,8 +147,19 @@ def gpu_memory_bytes(gpu: str) -> float | None:
     return GPU_MEMORY_GB[key] * GB if key in GPU_MEMORY_GB else None
 
 
-def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "", tasks_per_node: int = 0) -> Plan:
-    """Layout, memory and checkpoint checks; never raises for a bad plan (the verdict says it)."""
+def make_plan(
+    cfg: Config,
+    nodes: int,
+    gpus_per_node: int,
+    gpu: str = "",
+    tasks_per_node: int = 0,
+    host_memory: tuple[float, str] | None = None,
+) -> Plan:
+    """Layout, memory and checkpoint checks; never raises for a bad plan (the verdict says it).
+
+    `host_memory`: bytes per node and where the figure comes from (relaytrain.slurm.partition), checked
+    when the states are offloaded to host memory.
+    """
     from relaytrain.parallel.layout import validate_layout
 
     per_node = gpus_per_node or tasks_per_node
@@ -172,6 +201,8 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "", tasks_
             plan.checks.append(("memory", "warn", detail + " (tight: less than 10% headroom)"))
         else:
             plan.checks.append(("memory", "ok", detail))
+    if plan.memory.offloaded:
+        plan.checks.append(_host_memory_check(plan.memory, per_node, host_memory))
     plan.checkpoint_bytes = 12.0 * plan.parameters
     plan.save_seconds = plan.checkpoint_bytes / (cfg.slurm.fs_write_gbps * GB)
     r = cfg.resilience
@@ -194,16 +225,49 @@ def make_plan(cfg: Config, nodes: int, gpus_per_node: int, gpu: str = "", tasks_
     return plan
 
 
+def plan_for(cfg: Config) -> Plan:
+    """The plan for the resolved `[slurm]` section of `cfg` (what launch submits and plan prints)."""
+    s = cfg.slurm
+    host = host_memory(s.partition, s.mem) if cfg.parallel.cpu_offload else None
+    return make_plan(cfg, s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node, host)
+
+
+def _host_memory_check(mem: MemoryEstimate, per_node: int, host_memory: tuple[float, str] | None):
+    need = mem.host_per_process() * per_node
+    detail = (
+        f"{need / GIB:.1f} GiB per node for {per_node} process(es) with offloaded weights, gradients and "
+        "AdamW state"
+    )
+    if host_memory is None:
+        return ("host memory", "warn", detail + ": node memory unknown; pass --mem (e.g. --mem 0 for all)")
+    capacity, source = host_memory
+    detail += f", of {capacity / GIB:.1f} GiB ({source})"
+    if need > capacity:
+        return ("host memory", "fail", detail + "; ask for more --mem, use more nodes, or shard further")
+    if need > capacity * TIGHT_FRACTION:
+        return ("host memory", "warn", detail + " (tight: less than 10% headroom)")
+    return ("host memory", "ok", detail)
+
+
+def human_count(n: float) -> str:
+    """3.1 M, 8.03 B, 512."""
+    for scale, suffix, digits in ((1e12, "T", 2), (1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {suffix}"
+    return f"{n:.0f}"
+
+
 def plan_rows(plan: Plan) -> list[tuple[str, str]]:
     """Readable facts for the table printed by `relaytrain plan`."""
     rows = [
-        ("parameters", f"{plan.parameters / 1e9:.2f} B"),
+        ("parameters", human_count(plan.parameters)),
         ("nodes x GPUs", f"{plan.nodes} x {plan.gpus_per_node} ({plan.gpu or 'GPU type not given'})"),
     ]
     if plan.memory is not None:
         mem = plan.memory
+        where = "per process, in host memory (cpu_offload)" if mem.offloaded else "per GPU"
         rows += [
-            ("weights+grads+AdamW", f"{mem.states / GIB:.1f} GiB per GPU"),
+            ("weights+grads+AdamW", f"{mem.states / GIB:.1f} GiB {where}"),
             ("gathered layers", f"{mem.working / GIB:.1f} GiB"),
             ("logits", f"{mem.logits / GIB:.1f} GiB"),
         ]

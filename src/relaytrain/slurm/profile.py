@@ -22,7 +22,7 @@ from typing import Any
 
 from relaytrain.config import SlurmConfig, config_from_dict, parse_override
 from relaytrain.errors import UserError
-from relaytrain.slurm.partition import partition_facts
+from relaytrain.slurm.partition import mem_bytes, partition_facts
 
 DEFAULT_GPUS_PER_NODE = 8  # when neither the user, the profile nor `sinfo` says it
 MERGED_LISTS = ("setup", "modules", "extra_sbatch", "container_mounts")
@@ -120,6 +120,8 @@ def resolve_slurm(
 def _check(s: SlurmConfig) -> None:
     if s.nodes < 1:
         raise UserError(f"slurm.nodes must be >= 1, got {s.nodes}")
+    if s.mem:
+        mem_bytes(s.mem)
     if s.gpus_per_node == 0 and s.tasks_per_node < 1:
         raise UserError(
             "slurm.gpus_per_node=0 (CPU-only nodes) needs slurm.tasks_per_node >= 1 (--tasks-per-node T)"
