@@ -6,28 +6,81 @@ hang       the watchdog (timeout 1 s) fires while the main thread sleeps in `stu
 gil_hang   the main thread holds the GIL in a catastrophic regex: only faulthandler's backstop can fire
 beating    beats keep the watchdog quiet for 3x its timeout, then the process exits 0
 deadline   a SIGTERM triggers the hard deadline (1 s) while the "save" hangs
+blocked    a SIGTERM arrives while the main thread is blocked in C++ (a store wait, like a collective)
+finished   the stop completes (finish), then teardown outlasts the hard deadline (1 s): no second record
+unlisted   SIGTERM arrives during start-up but resilience.signals does not list it: it kills the process
 sigint     waits for SIGINTs: a second one (>= 1 s after the first) exits at once
+load_fails the checkpoint load raises: run_state.json says failed, not the previous job's `stopped`
+eval_stop  SIGUSR2 arrives during the evaluation of step 2: the evaluation still logs val_loss
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from relaytrain.config.loader import load_config
-from relaytrain.resilience import HangWatchdog, ShutdownController
+from relaytrain.errors import UserError
+from relaytrain.resilience import HangWatchdog, RunStateFile, ShutdownController
+from relaytrain.resilience.early_signals import capture_early_signals
+
+from conftest import TINY
 
 
 def stuck_in_collective() -> None:
     time.sleep(600)
 
 
+def trainer_case(case: str, run_dir: Path) -> int:
+    from relaytrain.parallel.distributed import init_distributed
+    from relaytrain.trainer import Trainer, prepare_run_dir
+
+    cfg = load_config(
+        None,
+        [*TINY, f"--run.dir={run_dir.parent}", f"--run.name={run_dir.name}", "--train.max_steps=6"]
+        + (["--train.eval_every=2"] if case == "eval_stop" else []),
+    )
+    env = init_distributed(cfg)
+    prepare_run_dir(cfg, env.is_main)
+    trainer = Trainer(cfg, env)
+    if case == "load_fails":
+        RunStateFile(run_dir).write("stopped", "preemption", 4, saved=True)  # the previous job's record
+
+        def load():
+            raise UserError("checkpoint step_4 is unreadable")
+
+        trainer.checkpoint.load = load
+    else:
+        eval_loss = trainer.pm.eval_loss
+
+        def eval_loss_then_signal(*args):
+            os.kill(os.getpid(), signal.SIGUSR2)  # the time-limit signal, in the middle of an evaluation
+            return eval_loss(*args)
+
+        trainer.pm.eval_loss = eval_loss_then_signal
+    try:
+        code = trainer.run()
+    except UserError as exc:
+        print("error:", exc, flush=True)
+        code = 2
+    print("state:", RunStateFile(run_dir).read()["status"], flush=True)
+    return code
+
+
 def main(case: str, run_dir: Path) -> int:
+    if case in ("load_fails", "eval_stop"):
+        return trainer_case(case, run_dir)
+    if case == "unlisted":
+        capture_early_signals()
+        os.kill(os.getpid(), signal.SIGTERM)  # during start-up: recorded, not acted on yet
     if case in ("hang", "gil_hang", "beating"):
         watchdog = HangWatchdog(1.0, rank=0, log_dir=run_dir / "logs", backstop_s=1.0)
         watchdog.start()
@@ -48,7 +101,8 @@ def main(case: str, run_dir: Path) -> int:
         [
             f"--run.dir={run_dir.parent}",
             f"--run.name={run_dir.name}",
-            f"--resilience.hard_deadline_s={1 if case == 'deadline' else 100}",
+            f"--resilience.hard_deadline_s={1 if case in ('deadline', 'blocked', 'finished') else 100}",
+            *(['--resilience.signals=["SIGUSR2", "SIGINT"]'] if case == "unlisted" else []),
         ],
     )
     controller = ShutdownController(cfg, rank=0, device=torch.device("cpu"))
@@ -59,6 +113,20 @@ def main(case: str, run_dir: Path) -> int:
         print("agreed:", controller.agree(7).label, flush=True)
         stuck_in_collective()  # the emergency save that never ends
         return 3
+    if case == "blocked":
+        controller.last_step = 5
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        store = torch.distributed.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))
+        store.get("a key no rank ever sets")  # C++ wait: the Python signal handler cannot run meanwhile
+        return 3
+    if case == "finished":
+        os.kill(os.getpid(), 15)
+        reason = controller.agree(7)
+        print("exit code:", controller.finish(reason, 7), flush=True)
+        time.sleep(3)  # a slow teardown, longer than the hard deadline
+        return 0
+    if case == "unlisted":
+        return 3  # install() above must have delivered the early SIGTERM with its default action
     if case == "sigint":
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

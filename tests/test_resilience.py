@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from relaytrain.resilience import (
     mark_finished,
     mark_running,
 )
+from relaytrain.resilience.early_signals import capture_early_signals
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = Path(__file__).with_name("resilience_cases.py")
@@ -310,6 +312,42 @@ def test_handlers_are_restored(tmp_path, fake_slurm, monkeypatch):
     assert signal.getsignal(signal.SIGUSR2) == before
 
 
+def test_a_start_up_signal_not_listed_gets_its_default_action_back(tmp_path, fake_slurm, monkeypatch):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    c = controller(tmp_path, monkeypatch, None, '--resilience.signals=["SIGUSR2", "SIGINT"]')
+    try:
+        capture_early_signals()  # what the CLI does first thing
+        c.install()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # kill -TERM ends the run
+        assert signal.getsignal(signal.SIGUSR2) == c._handle
+    finally:
+        c.uninstall()
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+    proc = run_case("unlisted", tmp_path / "run")  # ... and one received during start-up is delivered
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    assert "ready" not in proc.stdout
+
+
+def test_concurrent_marker_writes_do_not_collide(tmp_path):
+    errors: list[BaseException] = []
+
+    def write(status: str) -> None:
+        try:
+            for step in range(200):
+                RunStateFile(tmp_path).write(status, "", step)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(s,)) for s in ("stopped", "failed")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert RunStateFile(tmp_path).read()["step"] == 199
+
+
 def test_config_checks(tmp_path):
     with pytest.raises(ConfigError, match="hard_deadline_s"):
         cfg_for(tmp_path, "--resilience.hard_deadline_s=200", "--resilience.signal_lead_s=180")
@@ -367,6 +405,42 @@ def test_hard_deadline_exits_when_the_save_hangs(tmp_path):
         7,
         False,
     )
+
+
+def test_hard_deadline_starts_while_the_main_thread_is_blocked_in_cpp(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_case("blocked", run_dir)  # without the wakeup pipe: the 60 s store timeout, then 3
+    assert proc.returncode == EXIT_DEADLINE, proc.stderr
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert (state["status"], state["step"], state["saved"]) == ("stopped", 5, False)
+
+
+def test_a_completed_stop_disarms_the_hard_deadline(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_case("finished", run_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert f"exit code: {EXIT_RESUME}" in proc.stdout
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert (state["status"], state["step"], state["saved"]) == ("stopped", 7, True)
+    assert not (run_dir / "logs" / "deadline_rank0.txt").exists()
+
+
+def test_a_failed_checkpoint_load_marks_the_run_failed(tmp_path):
+    proc = run_case("load_fails", tmp_path / "run")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "error: checkpoint step_4 is unreadable" in proc.stdout
+    assert "state: failed" in proc.stdout
+
+
+def test_a_stop_during_evaluation_keeps_that_evaluation(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_case("eval_stop", run_dir)
+    assert proc.returncode == EXIT_RESUME, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [2] and evals[0]["val_loss"] is not None
+    assert "state: stopped" in proc.stdout
+    assert json.loads((run_dir / "run_state.json").read_text())["step"] == 2
 
 
 def test_second_ctrl_c_exits_at_once(tmp_path):

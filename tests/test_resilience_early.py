@@ -49,3 +49,22 @@ def test_sigusr2_while_importing_torch_stops_with_a_checkpoint(tmp_path):
     assert state["status"] == "stopped" and state["step"] == 1
     assert (tmp_path / "debug" / "checkpoints" / "step_1" / "COMPLETE").exists()
     assert "arrived during start-up" in out
+
+
+def _import_cli_as(argv: list[str]) -> subprocess.CompletedProcess:
+    """Import relaytrain.cli the way `relaytrain ARGV...` does, then send SIGUSR2 before main() runs."""
+    code = (
+        f"import os, signal, sys; sys.argv = {argv!r}; import relaytrain.cli; "
+        "os.kill(os.getpid(), signal.SIGUSR2); "
+        "from relaytrain.resilience.early_signals import drain_early_signals; print(drain_early_signals())"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env())
+
+
+def test_the_recorder_is_in_place_as_soon_as_the_cli_module_is_imported():
+    # Before the argument parser and the command modules: a signal then is recorded, not fatal.
+    for argv in (["relaytrain", "train", "c.toml"], ["relaytrain"]):
+        proc = _import_cli_as(argv)
+        assert (proc.returncode, proc.stdout.strip()) == (0, f"[{int(signal.SIGUSR2)}]"), proc.stderr
+    for argv in (["relaytrain", "status"], ["pytest", "train"]):  # other commands keep the default action
+        assert _import_cli_as(argv).returncode == -signal.SIGUSR2

@@ -5,13 +5,34 @@ User mistakes (relaytrain.errors.UserError) print one line and exit with code 2,
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import logging
 import sys
+from pathlib import Path
 
-from relaytrain import __version__
-from relaytrain.errors import USAGE_EXIT_CODE, UserError
+from relaytrain.resilience.early_signals import capture_early_signals
+
+
+def runs_training(argv: list[str]) -> bool:
+    """Is this process `relaytrain [train ...]` or `python -m relaytrain.cli [train ...]`? (No command
+    means train.) Another program that imports this module (a test runner) keeps its signals."""
+    if not argv or (
+        Path(argv[0]).name != "relaytrain" and Path(argv[0]).resolve() != Path(__file__).resolve()
+    ):
+        return False
+    return len(argv) == 1 or argv[1] == "train"
+
+
+# Before anything else, even the argument parser: a requeued job can be preempted or reach its
+# time-limit signal in its first fraction of a second, and the default action of SIGTERM/SIGUSR2 would
+# kill the rank without a checkpoint or a marker. Only for training; other commands keep the defaults.
+if runs_training(sys.argv):
+    capture_early_signals()
+
+import argparse  # noqa: E402
+import importlib  # noqa: E402
+import logging  # noqa: E402
+
+from relaytrain import __version__  # noqa: E402
+from relaytrain.errors import USAGE_EXIT_CODE, UserError  # noqa: E402
 
 # Packages whose `commands.register(subparsers)` adds subcommands, in help order.
 COMMAND_MODULES = [
@@ -40,9 +61,7 @@ def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from relaytrain.resilience.early_signals import capture_early_signals
-
-    capture_early_signals()  # before importing torch: a stop signal now must not kill the rank
+    capture_early_signals()  # main(argv) called from Python: before importing torch (idempotent)
     from relaytrain.config import load_config
     from relaytrain.trainer import train
 

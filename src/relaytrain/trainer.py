@@ -33,7 +33,6 @@ from relaytrain.resilience import (
     ShutdownController,
     StopReason,
     finished_message,
-    handle_stop,
     mark_finished,
     mark_running,
 )
@@ -115,7 +114,7 @@ class Trainer:
             cfg.resilience.hang_timeout_s,
             env.rank,
             self.run_dir / "logs",
-            on_fire=lambda step: handle_stop(cfg, self.run_dir, StopReason.HANG, step, env.rank),
+            on_fire=lambda step: self.controller.finish(StopReason.HANG, step),
         )
         self.nan_guard = NanGuard(cfg, env.device)
         self.inject_nan = NanInjector(env.rank, env.world_size)  # RELAYTRAIN_INJECT_NAN_AT_STEPS test hook
@@ -138,22 +137,25 @@ class Trainer:
         fitted = schedule_fit_warning(cfg.optim, cfg.train.max_steps)
         if fitted and self.env.rank == 0:
             log.warning("%s", fitted)
-        resumed = self.checkpoint.load()
-        mark_running(cfg, self.run_dir, self.env.rank, state.step)
-        self.metrics.log_event(
-            "resume" if resumed is not None else "start",
-            state.step,
-            world_size=self.env.world_size,
-            nodes=self.env.num_nodes,
-        )
+        # Handlers first: a stop signal during the load is kept for the first step boundary. The load is
+        # inside the error handling, so a failed load marks the run failed instead of leaving the
+        # previous job's `stopped` marker.
         self.controller.install()
-        self.watchdog.start()
         try:
+            resumed = self.checkpoint.load()
+            mark_running(cfg, self.run_dir, self.env.rank, state.step)
+            self.metrics.log_event(
+                "resume" if resumed is not None else "start",
+                state.step,
+                world_size=self.env.world_size,
+                nodes=self.env.num_nodes,
+            )
+            self.watchdog.start()
             if resumed is None and cfg.checkpoint.save_initial and cfg.checkpoint.enabled:
                 self.checkpoint.save(0, reason="initial")
             return self._loop()
         except BaseException as exc:
-            handle_stop(cfg, self.run_dir, StopReason.ERROR, state.step, self.env.rank, message=repr(exc))
+            self.controller.finish(StopReason.ERROR, state.step, message=repr(exc))
             raise
         finally:
             self.watchdog.stop()
@@ -210,6 +212,7 @@ class Trainer:
                 is_last = step == train.max_steps
                 if cfg.checkpoint.enabled and self.checkpoint.should_save(step, is_last):
                     self.checkpoint.save(step, reason="final" if is_last else "interval")
+                    self.watchdog.beat(step)  # a save is progress: the hang timeout is per unit of work
             reason = self.controller.agree(step, self.checkpoint.save_seconds_estimate())
             if (
                 reason == StopReason.NONE
@@ -230,14 +233,16 @@ class Trainer:
         if reason != StopReason.NAN:
             self.controller.start_hard_deadline()
             if self.cfg.checkpoint.enabled:
+                self.watchdog.beat()
                 self.checkpoint.wait()
                 self.checkpoint.save(step, reason=reason.name.lower())
                 self.checkpoint.wait()
         self.metrics.log_event("stop", step, reason=reason.name.lower())
-        return handle_stop(self.cfg, self.run_dir, reason, step, self.env.rank)
+        return self.controller.finish(reason, step)
 
     def _rollback(self) -> None:
         self.checkpoint.wait()
+        self.watchdog.beat()
         resumed = self.checkpoint.load()
         if resumed is None:
             raise UserError(
@@ -273,10 +278,10 @@ class Trainer:
                 self.pm.eval_loss(inputs.to(self.env.device), targets.to(self.env.device))
             )
             batches += 1
-            # A stop signal during a long evaluation: every rank leaves at the same batch; the step-boundary
-            # agree() right after returns the same reason, and the run saves and stops.
-            if self.controller.agree(step, self.checkpoint.save_seconds_estimate()) != StopReason.NONE:
-                return
+            # No early exit on a stop request: the evaluation of the stop step finishes (it is bounded by
+            # train.eval_steps), so a stopped and resumed run logs the same val_loss curve as one that
+            # never stopped. The stop is agreed at the step boundary right after.
+            self.watchdog.beat()
         if batches:
             val = total / batches
             self.metrics.log_eval(step, {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))})

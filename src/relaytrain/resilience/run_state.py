@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -18,6 +19,11 @@ from typing import Any
 
 RUN_STATE_FILE = "run_state.json"
 STATUSES = ("running", "stopped", "finished", "failed")
+# The main thread, the hard deadline and the hang watchdog may write at the same time: one writer at a
+# time, each through its own temporary file. A writer stuck on a dead filesystem must not keep the
+# others (which exit right after) from writing, hence the timeout.
+_WRITE_LOCK = threading.Lock()
+_WRITE_LOCK_WAIT_S = 30.0
 
 
 class RunStateFile:
@@ -50,7 +56,12 @@ class RunStateFile:
         }
         state.update(extra)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{RUN_STATE_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(state, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, self.path)
+        tmp = self.path.with_name(f".{RUN_STATE_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
+        locked = _WRITE_LOCK.acquire(timeout=_WRITE_LOCK_WAIT_S)
+        try:
+            tmp.write_text(json.dumps(state, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            os.replace(tmp, self.path)
+        finally:
+            if locked:
+                _WRITE_LOCK.release()
         return state

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from relaytrain.config.schema import Config
 from relaytrain.job import JobFacts
 from relaytrain.resilience.codes import EXIT_DOUBLE_INTERRUPT, StopReason
-from relaytrain.resilience.early_signals import drain_early_signals
+from relaytrain.resilience.early_signals import EARLY_SIGNALS, drain_early_signals
 from relaytrain.resilience.requeue import handle_stop
 from relaytrain.resilience.watchdog import HardDeadline
 
@@ -32,6 +33,9 @@ TIME_LIMIT_SLACK_S = 90.0
 # Two SIGINTs this close together are one Ctrl-C delivered twice (by the terminal to the whole process
 # group and again by torchrun), not a second Ctrl-C.
 DOUBLE_INTERRUPT_MIN_GAP_S = 1.0
+# How long the hard deadline waits for a stop record in progress on the main thread (scontrol requeue
+# has its own 30 s timeout) before it exits without writing one.
+RECORD_WAIT_S = 45.0
 
 
 def _world(group) -> int:
@@ -60,6 +64,11 @@ class ShutdownController:
         self._signals: list[int] = []  # in arrival order; written only by the handler
         self._first_sigint_at: float | None = None
         self._previous: dict[int, object] = {}
+        self._wakeup: tuple[int, int] | None = None  # (read, write) ends of signal.set_wakeup_fd's pipe
+        self._previous_wakeup_fd = -1
+        # The stop is recorded (run_state.json, requeue) once: by finish() or by the hard deadline.
+        self._record_lock = threading.Lock()
+        self._recorded = False
         self.end_time, self.end_source = self._shared_end_time()
         self.deadline = HardDeadline(
             self.r.hard_deadline_s,
@@ -103,12 +112,19 @@ class ShutdownController:
 
     # -- signals ------------------------------------------------------------------------------------
     def install(self) -> None:
-        """Install the handlers for resilience.signals (main thread only) and arm the hard deadline."""
+        """Install the handlers for resilience.signals (main thread only) and arm the hard deadline.
+
+        The start-up recorder's signals that resilience.signals does not list get their default
+        action back; one of them that arrived during start-up is delivered again, with that action.
+        """
         for name in self.r.signals:
             signum = getattr(signal, name)
             if name == "SIGUSR1" and self.device.type == "cuda":
                 log.warning("resilience.signals has SIGUSR1, which NCCL uses internally; prefer SIGUSR2")
             self._previous[signum] = signal.signal(signum, self._handle)
+        unlisted = [getattr(signal, n) for n in EARLY_SIGNALS if getattr(signal, n) not in self._previous]
+        for signum in unlisted:
+            signal.signal(signum, signal.SIG_DFL)
         for signum in drain_early_signals():
             if signum in self._previous:
                 log.info(
@@ -118,10 +134,15 @@ class ShutdownController:
                 self._handle(signum, None)
             else:
                 log.warning(
-                    "%s arrived during start-up but is not in resilience.signals: ignored",
+                    "%s arrived during start-up and is not in resilience.signals: its default action applies",
                     signal.Signals(signum).name,
                 )
-        self.deadline.arm()
+                signal.raise_signal(signum)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # the C-level handler must never block on a full pipe
+        self._wakeup = (read_fd, write_fd)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self.deadline.arm(read_fd, frozenset(self._previous))
 
     def uninstall(self, exiting: bool = False) -> None:
         """Restore the previous handlers and cancel the hard deadline.
@@ -141,6 +162,11 @@ class ShutdownController:
             signal.signal(signum, previous)
         self._previous.clear()
         self.deadline.cancel()
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            for fd in self._wakeup:
+                os.close(fd)
+            self._wakeup = None
 
     @property
     def stop_requested(self) -> bool:
@@ -219,16 +245,39 @@ class ShutdownController:
         reason = self.stop_reason if self.stop_reason != StopReason.NONE else self.local_reason()
         return f"step {self.last_step}, stop reason {reason.label}"
 
-    def _on_deadline(self) -> None:
-        if self.rank != 0:
-            return
-        reason = self.stop_reason if self.stop_reason != StopReason.NONE else self.local_reason()
-        handle_stop(
-            self.cfg,
-            self.run_dir,
-            reason,
-            self.last_step,
-            self.rank,
-            saved=False,
-            message=f"hard deadline: the save did not finish within {self.r.hard_deadline_s:g} s",
-        )
+    # -- the end of a stop ---------------------------------------------------------------------------
+    def finish(self, reason: StopReason, step: int, *, saved: bool = True, message: str = "") -> int:
+        """Record the stop (rank 0: run_state.json and requeue), disarm the hard deadline, return the
+        exit code. Call it on every rank once the stop's checkpoint is complete (or after an error).
+
+        Whatever teardown follows is no longer the stop's business: a hard deadline still armed would
+        requeue a second time and mark the saved stop as not saved.
+        """
+        with self._record_lock:
+            code = handle_stop(self.cfg, self.run_dir, reason, step, self.rank, saved=saved, message=message)
+            self._recorded = True
+        self.deadline.cancel()
+        return code
+
+    def _on_deadline(self) -> bool:
+        """The hard deadline expired: record the stop as not saved, unless finish() got there first."""
+        if not self._record_lock.acquire(timeout=RECORD_WAIT_S):
+            return True  # the main thread is stuck writing the record: exit without one
+        try:
+            if self._recorded:
+                return False  # the stop completed while the deadline expired: nothing is stuck
+            self._recorded = True
+            if self.rank == 0:
+                reason = self.stop_reason if self.stop_reason != StopReason.NONE else self.local_reason()
+                handle_stop(
+                    self.cfg,
+                    self.run_dir,
+                    reason,
+                    self.last_step,
+                    self.rank,
+                    saved=False,
+                    message=f"hard deadline: the save did not finish within {self.r.hard_deadline_s:g} s",
+                )
+            return True
+        finally:
+            self._record_lock.release()

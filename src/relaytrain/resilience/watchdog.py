@@ -1,14 +1,17 @@
 """Timers that end a stuck rank: the hang watchdog and the hard deadline after a stop request.
 
-Both dump every thread's Python stack (faulthandler) to stderr and to a file under ``<run_dir>/logs``,
-tagged with rank and step, then ``os._exit`` so that no ``finally`` or atexit hook can block the exit.
+Both end the same way (``dump_and_exit``): every thread's Python stack (faulthandler) goes to stderr
+and to a file under ``<run_dir>/logs``, tagged with rank and step, then ``os._exit`` so that no
+``finally`` or atexit hook can block the exit.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
+import select
 import sys
 import threading
 import time
@@ -36,6 +39,22 @@ def dump_stacks(header: str, path: Path | None) -> None:
             f.write(line)
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+
+
+def dump_and_exit(header: str, path: Path, callback: Callable[[], object] | None, code: int) -> None:
+    """Log ``header``, dump the stacks, run ``callback`` (whatever it raises) and exit with ``code``.
+
+    A callback that returns False means the rank is not stuck after all: no exit.
+    """
+    log.error(header)
+    dump_stacks(header, path)
+    if callback is not None:
+        try:
+            if callback() is False:
+                return
+        except Exception:  # noqa: BLE001 - the exit below must happen whatever the callback did
+            log.exception("%s callback failed", header.split(":", 1)[0])
+    os._exit(code)
 
 
 class HangWatchdog:
@@ -122,14 +141,8 @@ class HangWatchdog:
                 f"{idle:.0f} s (resilience.hang_timeout_s={self.timeout_s:g}); stacks follow, "
                 f"exiting with code {EXIT_HANG}"
             )
-            log.error(header)
-            dump_stacks(header, self.path)
-            if self.on_fire is not None:
-                try:
-                    self.on_fire(self._step)
-                except Exception:  # noqa: BLE001 - the exit below must happen whatever the callback did
-                    log.exception("hang watchdog callback failed")
-            os._exit(EXIT_HANG)
+            on_fire = functools.partial(self.on_fire, self._step) if self.on_fire else None
+            dump_and_exit(header, self.path, on_fire, EXIT_HANG)
 
 
 class HardDeadline:
@@ -138,7 +151,14 @@ class HardDeadline:
     ``arm()`` starts a polling thread; ``trigger()`` starts the clock and only assigns an attribute,
     so a signal handler may call it (starting a thread or taking a lock there could deadlock against the
     interrupted main thread). ``on_expire()`` runs before the exit: rank 0 records the stop and
-    requeues, so the job still resumes from the previous checkpoint.
+    requeues, so the job still resumes from the previous checkpoint; it returns False when the stop
+    completed meanwhile (no exit).
+
+    Python runs a signal handler only when the main thread is between bytecodes, so a rank blocked in
+    a collective would start the clock only when the collective returns (collective_timeout_s later).
+    ``arm(wakeup_fd, signals)`` therefore also watches the read end of ``signal.set_wakeup_fd``'s
+    pipe, to which the C-level handler writes each signal number at once: the clock starts when a
+    stop signal arrives, whatever the main thread is doing.
     """
 
     def __init__(
@@ -157,10 +177,13 @@ class HardDeadline:
         self.triggered_at: float | None = None
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
+        self._wakeup_fd: int | None = None
+        self._signals: frozenset[int] = frozenset()
 
-    def arm(self) -> None:
+    def arm(self, wakeup_fd: int | None = None, signals: frozenset[int] = frozenset()) -> None:
         if self._thread is not None or self.deadline_s <= 0:
             return
+        self._wakeup_fd, self._signals = wakeup_fd, signals
         self._cancel.clear()
         self._thread = threading.Thread(target=self._run, name=f"hard-deadline-rank{self.rank}", daemon=True)
         self._thread.start()
@@ -175,9 +198,25 @@ class HardDeadline:
             self._thread.join(timeout=5)
             self._thread = None
 
+    @property
+    def armed(self) -> bool:
+        return self._thread is not None
+
+    def _wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; start the clock if a stop signal's number arrives. True: cancelled."""
+        if self._wakeup_fd is None:
+            return self._cancel.wait(seconds)
+        try:
+            readable, _, _ = select.select([self._wakeup_fd], [], [], seconds)
+            if readable and self._signals.intersection(os.read(self._wakeup_fd, 64)):
+                self.trigger()
+        except (OSError, ValueError):  # the pipe was closed under us: fall back to plain polling
+            self._wakeup_fd = None
+        return self._cancel.is_set()
+
     def _run(self) -> None:
         poll = min(0.5, self.deadline_s / 10)
-        while not self._cancel.wait(poll):
+        while not self._wait(poll):
             if self.triggered_at is not None and time.monotonic() - self.triggered_at >= self.deadline_s:
                 break
         else:
@@ -187,11 +226,4 @@ class HardDeadline:
             f"{self.deadline_s:g} s after the stop request (resilience.hard_deadline_s); stacks follow, "
             f"exiting with code {EXIT_DEADLINE}"
         )
-        log.error(header)
-        dump_stacks(header, self.path)
-        if self.on_expire is not None:
-            try:
-                self.on_expire()
-            except Exception:  # noqa: BLE001 - the exit below must happen whatever the callback did
-                log.exception("hard deadline callback failed")
-        os._exit(EXIT_DEADLINE)
+        dump_and_exit(header, self.path, self.on_expire, EXIT_DEADLINE)
