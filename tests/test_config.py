@@ -61,8 +61,8 @@ def test_hash_ignores_run_name_but_not_model():
         ('--resilience.signals=["SIGTERM", "SIGKILL"]', "resilience.signals[1]='SIGKILL' is not allowed"),
         ('--resilience.signals=["SIG_DFL"]', "resilience.signals[0]='SIG_DFL' is not allowed"),
         ("--model.multiple_of=0", "model.multiple_of=0 is not allowed: must be >= 1"),
-        ("--model.ffn_dim_multiplier=nan", "model.ffn_dim_multiplier=nan is not allowed: floats must be finite"),
-        ("--resilience.hang_timeout_s=1e308", "resilience.hang_timeout_s=1e+308 is not allowed: must be in [0,"),
+        ("--model.ffn_dim_multiplier=nan", "ffn_dim_multiplier=nan is not allowed: floats must be finite"),
+        ("--resilience.hang_timeout_s=1e308", "hang_timeout_s=1e+308 is not allowed: must be in [0,"),
         ("--model.init_std=-0.1", "model.init_std=-0.1 is not allowed: must be in (0, 1]"),
         ("--optim.lr=inf", "optim.lr=inf is not allowed: floats must be finite"),
         ("--optim.eps=0", "optim.eps=0.0 is not allowed: must be > 0"),
@@ -110,3 +110,31 @@ def test_cli_prints_one_line_and_exits_2(capsys):
 
 def test_time_like_override_stays_a_string():
     assert load_config(None, ["--slurm.time=02:00:00"]).slurm.time == "02:00:00"
+
+
+def test_schedule_fits_a_run_shorter_than_its_phases():
+    from relaytrain.config import OptimConfig
+    from relaytrain.optim import lr_at, schedule_fit_warning
+
+    cos = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=20)
+    lrs = [lr_at(cos, step, 5) for step in range(1, 6)]
+    assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0, 0.1])  # warmup to the peak, then the floor
+    assert "the warmup runs 4 steps instead of optim.warmup_steps=20" in schedule_fit_warning(cos, 5)
+    assert lr_at(cos, 1, 1) == pytest.approx(0.1)  # a one-step run still gets a finite LR
+    assert schedule_fit_warning(cos, 200) is None and cos.warmup_steps == 20  # the config is untouched
+    wsd = OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=6, schedule="wsd", decay_fraction=0.5)
+    assert [lr_at(wsd, s, 10) for s in range(6, 11)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert "the decay runs the last 4 steps instead of the 5" in schedule_fit_warning(wsd, 10)
+
+
+def test_a_shortened_run_trains_with_one_warning(tmp_path):
+    from conftest import TINY, read_metrics, run_cli
+
+    result = run_cli(
+        ["train", *TINY, "--optim.warmup_steps=20", "--train.max_steps=5", f"--run.dir={tmp_path}"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in (result.stdout + result.stderr).splitlines() if " WARNING " in line]
+    assert len(warnings) == 1 and "train.max_steps=5 is shorter than the LR schedule" in warnings[0]
+    assert [r["step"] for r in read_metrics(tmp_path / "debug")] == [1, 2, 3, 4, 5]
