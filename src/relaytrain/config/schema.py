@@ -132,8 +132,6 @@ class CheckpointConfig:
     init_from: str = ""  # start weights from a checkpoint or HF directory, fresh optimizer
     # check every file's CRC-32 before resuming (reads the checkpoint once more; off for huge ones)
     verify: bool = True
-    # check every file's CRC-32 before resuming (reads the checkpoint once more; off for huge ones)
-    verify: bool = True
 
 
 @dataclass(kw_only=True)
