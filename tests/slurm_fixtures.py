@@ -20,8 +20,8 @@ import time
 import pytest
 
 from relaytrain.errors import UserError
-from relaytrain.slurm import local_cluster
-from relaytrain.slurm.local_cluster_daemons import install_command, is_root, missing_packages
+from relaytrain.localcluster import cluster as local_cluster
+from relaytrain.localcluster.daemons import install_command, is_root, missing_packages
 
 FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
 

@@ -45,7 +45,7 @@ from e2e_slurm_jobs import (
     wait_step,
     write_config,
 )
-from relaytrain.slurm import local_cluster
+from relaytrain.localcluster import cluster as local_cluster
 
 from slurm_fixtures import job_fields, sbatch, slurm, wait_for, wait_job_finished
 

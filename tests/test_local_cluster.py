@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from relaytrain.errors import UserError
-from relaytrain.slurm import cluster_commands, local_cluster
-from relaytrain.slurm import local_cluster_daemons as daemons
-from relaytrain.slurm import local_cluster_net as net
+from relaytrain.localcluster import cluster as local_cluster
+from relaytrain.localcluster import commands as cluster_commands
+from relaytrain.localcluster import daemons, net
 
 import slurm_fixtures
 from slurm_fixtures import job_fields, sbatch, slurm, wait_for, wait_job_finished

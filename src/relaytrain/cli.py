@@ -39,7 +39,7 @@ COMMAND_MODULES = [
     "relaytrain.data.commands",
     "relaytrain.checkpoint.commands",
     "relaytrain.slurm.commands",
-    "relaytrain.slurm.cluster_commands",
+    "relaytrain.localcluster.commands",
     "relaytrain.monitor.commands",
 ]
 

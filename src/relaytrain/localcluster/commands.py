@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from relaytrain.slurm import local_cluster
+from relaytrain.localcluster import cluster as local_cluster
 
 
 def _progress(message: str) -> None:

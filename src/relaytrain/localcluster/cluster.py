@@ -18,8 +18,7 @@ from pathlib import Path
 import jinja2
 
 from relaytrain.errors import UserError
-from relaytrain.slurm import local_cluster_daemons as daemons
-from relaytrain.slurm import local_cluster_net as net
+from relaytrain.localcluster import daemons, net
 
 DEFAULT_BASE_DIR = Path("/tmp/relaytrain-cluster")
 BASE_DIR_ENV = "RELAYTRAIN_CLUSTER_DIR"
@@ -136,14 +135,14 @@ def _healthy(base: Path, state: dict) -> bool:
 
 def _render_conf(base: Path, nodes: int, cpus_per_node: int) -> str:
     templates = jinja2.Environment(
-        loader=jinja2.PackageLoader("relaytrain.slurm", "templates"),
+        loader=jinja2.PackageLoader("relaytrain.localcluster", "templates"),
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
         undefined=jinja2.StrictUndefined,
     )
     mem_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
-    return templates.get_template("local_slurm.conf.j2").render(
+    return templates.get_template("slurm.conf.j2").render(
         base_dir=base,
         controller_name=net.CONTROLLER_NAME,
         controller_addr=net.CONTROLLER_ADDR,
