@@ -70,7 +70,7 @@ class TrainConfig:
     max_steps: int = setting(200, at_least(1))  # the LR schedule spans this many optimizer steps
     # sequences per optimizer step, over all data-parallel ranks
     global_batch_size: int = setting(16, at_least(1))
-    micro_batch_size: int = setting(8, at_least(1))  # sequences per forward/backward on one rank
+    micro_batch_size: int = setting(4, at_least(1))  # sequences per forward/backward on one rank
     seq_len: int = setting(128, at_least(1))
     grad_clip: float = setting(1.0, at_least(0))  # max global grad norm; 0 disables clipping
     eval_every: int = setting(100, at_least(0))  # 0 disables evaluation
