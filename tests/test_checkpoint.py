@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaytrain.checkpoint import CheckpointManager, layout
+from relaytrain.checkpoint import CheckpointManager, files
 from relaytrain.checkpoint.schedule import SaveSchedule, retention_victims
 from relaytrain.checkpoint.state import merged_view
 from relaytrain.config import Config
@@ -144,7 +144,7 @@ def test_initial_save_keeps_optimizer_untouched(tmp_path):
     assert mgr.should_save(0, False)
     mgr.save(0, reason="initial")
     assert not opt.state  # asking DCP for optimizer state would have created step-1 moments
-    meta = layout.read_metadata(tmp_path / "run/checkpoints/step_0")
+    meta = files.read_metadata(tmp_path / "run/checkpoints/step_0")
     assert meta["contents"] == ["model", "train_state"] and meta["reason"] == "initial"
     expected = train_step(parts, opt, state, 0)
     mgr2, parts2, opt2, state2 = make(tmp_path, seed=5)
@@ -161,7 +161,7 @@ def test_latest_is_an_atomic_symlink_to_the_newest(tmp_path):
     assert (ckpt / "latest").is_symlink() and os.readlink(ckpt / "latest") == "step_2"
     assert not any(p.name.endswith(".tmp") for p in ckpt.iterdir())
     mgr.save(2, reason="stop")  # same step again: nothing new
-    assert [e.step for e in layout.list_steps(ckpt)] == [1, 2]
+    assert [e.step for e in files.list_steps(ckpt)] == [1, 2]
 
 
 def test_retention_keeps_last_and_every(tmp_path):
@@ -169,12 +169,12 @@ def test_retention_keeps_last_and_every(tmp_path):
     for step in range(1, 8):
         train_step(parts, opt, state, step)
         mgr.save(step)
-    assert [e.step for e in layout.list_steps(tmp_path / "run/checkpoints")] == [4, 6, 7]
+    assert [e.step for e in files.list_steps(tmp_path / "run/checkpoints")] == [4, 6, 7]
 
 
 def test_retention_never_deletes_latest_or_protected():
     def entry(step, complete=True):
-        return layout.StepEntry(step, Path(f"/c/step_{step}"), complete)
+        return files.StepEntry(step, Path(f"/c/step_{step}"), complete)
 
     entries = [entry(1), entry(2), entry(3, False), entry(4), entry(5), entry(6, False)]
     victims = retention_victims(entries, Path("/c/step_1"), 1, 0, protected={Path("/c/step_2")})
@@ -196,8 +196,8 @@ def test_interrupted_save_leaves_previous_checkpoint_loaded(tmp_path, caplog):
         assert mgr2.load() == 1
     assert "skipping incomplete checkpoint" in caplog.text and "step_9" in caplog.text
     # latest pointing at an incomplete dir (a crash between swap and a later deletion) is not trusted
-    layout.point_latest(ckpt, partial)
-    assert layout.choose_resume(ckpt)[0] == ckpt / "step_1"
+    files.point_latest(ckpt, partial)
+    assert files.choose_resume(ckpt)[0] == ckpt / "step_1"
 
 
 KILLED_SAVE = textwrap.dedent(
@@ -231,7 +231,7 @@ def test_killed_save_process_leaves_previous_checkpoint(tmp_path):
     mgr.save(2)  # replaces the leftover
     train_step(parts, opt, state, 2)
     mgr.save(3)
-    assert [(e.step, e.complete) for e in layout.list_steps(ckpt)] == [(1, True), (2, True), (3, True)]
+    assert [(e.step, e.complete) for e in files.list_steps(ckpt)] == [(1, True), (2, True), (3, True)]
 
 
 def test_shape_mismatch_lists_the_tensors(tmp_path):
@@ -248,23 +248,30 @@ def test_shape_mismatch_lists_the_tensors(tmp_path):
     assert "layers.2.attention.wq.weight missing" in text
 
 
-def test_damaged_checkpoint_names_step_and_older_one(tmp_path):
+def test_damaged_checkpoint_names_step_and_older_one(tmp_path, caplog):
     mgr, parts, opt, state = make(tmp_path)
     for step in (1, 2):
         train_step(parts, opt, state, step)
         mgr.save(step)
     shard = tmp_path / "run/checkpoints/step_2/__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
+    # resume=auto skips it for the previous complete one, naming the file
+    with caplog.at_level(logging.WARNING, logger="relaytrain.checkpoint"):
+        assert make(tmp_path, seed=1)[0].load() == 1
+    assert "skipping damaged checkpoint" in caplog.text and "__0_0.distcp has 100 bytes" in caplog.text
+    # asked for by name, it is an error that names the older one
     with pytest.raises(UserError) as err:
-        make(tmp_path, seed=1)[0].load()
+        make(tmp_path, seed=1, resume=str(shard.parent))[0].load()
     assert "step_2 is damaged" in str(err.value) and "__0_0.distcp has 100 bytes" in str(err.value)
     assert f"checkpoint.resume={tmp_path / 'run/checkpoints/step_1'}" in str(err.value)
     # same size, garbage content: the DCP metadata cannot be read
     meta = tmp_path / "run/checkpoints/step_1/.metadata"
     meta.write_bytes(b"\0" * meta.stat().st_size)
-    mgr3 = make(tmp_path, seed=1, resume=str(tmp_path / "run/checkpoints/step_1"))[0]
+    step1 = str(tmp_path / "run/checkpoints/step_1")
+    with pytest.raises(UserError, match=r"step_1 is damaged \(.metadata does not match its checksum"):
+        make(tmp_path, seed=1, resume=step1)[0].load()
     with pytest.raises(UserError, match="step_1 has an unreadable .metadata"):
-        mgr3.load()
+        make(tmp_path, seed=1, resume=step1, verify=False)[0].load()
 
 
 def test_resume_none_refuses_existing_and_explicit_path_resumes(tmp_path):
@@ -281,7 +288,7 @@ def test_resume_none_refuses_existing_and_explicit_path_resumes(tmp_path):
     mgr2.save(2)  # a new line of checkpoints replaces the abandoned step_2
     train_step(parts2, opt2, state2, 10)
     mgr2.save(3)
-    assert layout.read_metadata(tmp_path / "run/checkpoints/step_3")["resumed_from"] == str(step1.resolve())
+    assert files.read_metadata(tmp_path / "run/checkpoints/step_3")["resumed_from"] == str(step1.resolve())
     # the requeued job (same config) continues from its own progress, not from step_1 again
     assert make(tmp_path, resume=str(step1))[0].load() == 3
 

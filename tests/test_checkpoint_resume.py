@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from relaytrain.checkpoint import layout, load_model
+from relaytrain.checkpoint import files, load_model
 
 from conftest import losses_by_step, run_cli, run_torchrun
 
@@ -30,7 +30,7 @@ def test_stop_and_resume_is_bit_exact_one_process(tmp_path, tiny_args):
     _, out = train(tmp_path, tiny_args, "cut", "--train.stop_at_step=3", "--checkpoint.mode=async")
     assert "resuming from" in out and "step_2" in out
     assert (run / "checkpoints/step_3/COMPLETE").is_file()
-    assert layout.read_metadata(run / "checkpoints/step_3")["reason"] == "stop_at_step"
+    assert files.read_metadata(run / "checkpoints/step_3")["reason"] == "stop_at_step"
     _, out = train(tmp_path, tiny_args, "cut")
     assert "(step 3)" in out
     expected = losses_by_step(reference)
@@ -48,10 +48,10 @@ def test_fsdp_resume_and_resharding(tmp_path, tiny_args):
     _, out = train(tmp_path, tiny_args, "fsdp", *extra, nproc=2)
     expected = losses_by_step(reference)
     assert losses_by_step(run) == expected
-    assert [e.step for e in layout.list_steps(run / "checkpoints")] == [3, 4, 5, 6]  # keep_last=3 + every 3
+    assert [e.step for e in files.list_steps(run / "checkpoints")] == [3, 4, 5, 6]  # keep_last=3 + every 3
 
     step3 = run / "checkpoints/step_3"
-    assert layout.read_metadata(step3)["world_size"] == 2
+    assert files.read_metadata(step3)["world_size"] == 2
     later = {s: v for s, v in expected.items() if s > 3}
     # 2-rank FSDP -> 1 process, -> 2-rank tensor parallel, -> 2-stage pipeline
     one, out = train(tmp_path, tiny_args, "one", f"--checkpoint.resume={step3}")

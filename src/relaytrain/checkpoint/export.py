@@ -7,15 +7,14 @@ import json
 import logging
 import shutil
 import time
-import tomllib
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 import relaytrain
+from relaytrain.checkpoint import files as L
 from relaytrain.checkpoint import hf
-from relaytrain.checkpoint import layout as L
 from relaytrain.checkpoint.sources import TORCH_EXPORT_NAME, TORCH_FORMAT, read_full_state
 from relaytrain.config import Config, config_to_dict, config_to_toml
 from relaytrain.config.loader import config_from_dict
@@ -39,41 +38,26 @@ def _fresh_dir(out: Path) -> None:
 
 
 def _tokenizer_source(info: dict) -> tuple[str, Path | None]:
-    """('byte' | 'file', path of the tokenizer.json) for the checkpoint that `info` describes."""
+    """('byte' | 'file', path of the tokenizer.json) for the checkpoint that `info` describes.
+
+    Only the copy inside the checkpoint counts: a path named in its metadata or config could point
+    anywhere on this machine, and the export would publish that file.
+    """
     meta = info.get("metadata") or {}
     spec = meta.get("tokenizer", "byte")
     if spec == "byte":
         return "byte", None
     path = info["path"]
-    copied = path / L.TOKENIZER if path.is_dir() else path.parent / L.TOKENIZER
-    if copied.is_file():
+    copied = L.inside(path if path.is_dir() else path.parent, L.TOKENIZER)
+    if copied is not None and copied.is_file():
         return "file", copied
-    named = Path(spec).expanduser()
-    named = named / "tokenizer.json" if named.is_dir() else named
-    if named.is_file():
-        return "file", named
-    for source in _config_sources(path):
-        prepared = _prepared_tokenizer(Path(source))
-        if prepared is not None:
-            return "file", prepared
-    log.warning("the checkpoint's tokenizer %s was not found; the export has no tokenizer files", spec)
+    log.warning(
+        "checkpoint %s carries no %s copy of its tokenizer (%s); the export has no tokenizer files",
+        path,
+        L.TOKENIZER,
+        spec,
+    )
     return "file", None
-
-
-def _config_sources(path: Path) -> list[str]:
-    config = (path if path.is_dir() else path.parent) / L.CONFIG
-    if not config.is_file():
-        return []
-    return list(tomllib.loads(config.read_text()).get("data", {}).get("sources", []))
-
-
-def _prepared_tokenizer(data_dir: Path) -> Path | None:
-    try:
-        meta = json.loads((data_dir / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    name = meta.get("tokenizer_file")
-    return data_dir / name if name and (data_dir / name).is_file() else None
 
 
 def _special_ids(kind: str, tokenizer: Path | None) -> tuple[int, int, dict]:

@@ -233,6 +233,12 @@ def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
             f"{hf_dir} has no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}; only safetensors "
             "weights can be imported"
         )
+    for name in files:
+        # Hub snapshots link their files into a blob store, so links are fine; names leading out are not.
+        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise UserError(
+                f"{index} maps weights to {name!r}, which is not a file inside {hf_dir}; refusing to read it"
+            )
     state: dict[str, torch.Tensor] = {}
     for name in files:
         try:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import relaytrain
-from relaytrain.checkpoint import layout as L
+from relaytrain.checkpoint import dcp_io
+from relaytrain.checkpoint import files as L
 from relaytrain.checkpoint.schedule import SaveSchedule, retention_victims
 from relaytrain.checkpoint.sources import init_model_from, verify_model_fits
 from relaytrain.checkpoint.state import (
@@ -54,6 +54,7 @@ class _Pending:
     future: Future | None = None
     finished: float | None = None
     blocking_s: float = 0.0
+    checksums: dict[str, str] = field(default_factory=dict)  # this rank's files, computed off the loop
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -87,7 +88,10 @@ class CheckpointManager:
         self._ctrl = dist.new_group(backend="gloo") if self._dist else None
         self._save_pg = dist.new_group(backend="gloo") if self._dist else None
         self._stager = None
+        self._checksummer: ThreadPoolExecutor | None = None
         if self.ckpt.mode == "async":
+            # Checksums of this rank's files are computed after its write, on this thread, not the loop's.
+            self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-ckpt-checksum")
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             # Host buffers for the snapshot, kept and reused by every save (no fresh allocation and page
@@ -107,8 +111,11 @@ class CheckpointManager:
         self._saved_steps: set[int] = set()
         self._durations: list[float] = []
         self._resumed: tuple[Path, int] | None = None  # the step dir this process resumed from
-        self._resumed_from = ""  # explicit checkpoint.resume path this run's line of checkpoints started at
+        # The explicit checkpoint.resume this run's line of checkpoints started at: the step dir it
+        # resolved to and the argument as given (absolute), so a requeue recognises its own progress.
+        self._lineage = {"resumed_from": "", "resume_arg": ""}
         self._loads = 0
+        self._verified: Path | None = None  # the step dir whose checksums the last load plan checked
 
     # -- collectives on the control group ---------------------------------------------------------
 
@@ -183,13 +190,14 @@ class CheckpointManager:
         pending = _Pending(step, reason, step_dir, started, contents)
         writer = dcp.FileSystemWriter(step_dir, sync_files=True)
         if self.ckpt.mode == "async":
-            pending.future = dcp.async_save(
+            written = dcp.async_save(
                 state,
                 storage_writer=writer,
                 process_group=self._save_pg,
                 async_stager=self._stager,
                 no_dist=not self._dist,
             )
+            pending.future = self._checksummer.submit(self._checksum_after, written, step_dir)
             pending.future.add_done_callback(
                 lambda _f, p=pending: setattr(p, "finished", time.perf_counter())
             )
@@ -203,6 +211,7 @@ class CheckpointManager:
             )
         else:
             dcp.save(state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist)
+            pending.checksums = self._own_checksums(step_dir)
             pending.finished = time.perf_counter()
             pending.blocking_s = pending.finished - started
             self._commit(pending)
@@ -244,6 +253,20 @@ class CheckpointManager:
             os.fsync(f.fileno())
         tmp.replace(path)
 
+    def _own_checksums(self, step_dir: Path) -> dict[str, str]:
+        return {rel: L.file_checksum(step_dir / rel) for rel in L.rank_files(step_dir, self.rank)}
+
+    def _checksum_after(self, written: Future, step_dir: Path) -> dict[str, str]:
+        written.result()
+        return self._own_checksums(step_dir)
+
+    def _gather_checksums(self, own: dict[str, str]) -> dict[str, str]:
+        if not self._dist:
+            return own
+        box = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(own, box, dst=0, group=self._ctrl)
+        return {k: v for part in box or [] for k, v in part.items()}
+
     def poll(self) -> None:
         """Commit a finished async save; cheap when none is pending (no collective)."""
         if self._pending is None:
@@ -260,7 +283,7 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         error = None
         try:
-            pending.future.result()
+            pending.checksums = pending.future.result()
         except Exception as exc:  # reported below on every rank, after all ranks know
             error = exc
         if self._any(error is not None):
@@ -273,10 +296,10 @@ class CheckpointManager:
 
     def _commit(self, pending: _Pending) -> None:
         """Every rank's files are written and fsynced (its save returned): rank 0 marks the step complete."""
-        self._barrier()
+        checksums = self._gather_checksums(pending.checksums)
         if self.rank == 0:
             self._write_metadata(pending)
-            L.write_complete(pending.step_dir)
+            L.write_complete(pending.step_dir, checksums)
             L.point_latest(self.ckpt_dir, pending.step_dir)
             self._apply_retention()
         self._barrier()
@@ -308,7 +331,7 @@ class CheckpointManager:
             "world_size": self.world_size,
             "layout": self.layout,
             "save_mode": self.ckpt.mode,
-            "resumed_from": self._resumed_from,
+            **self._lineage,
             "model": config_to_dict(self.cfg)["model"],
             "tokenizer": self.cfg.data.tokenizer,
         }
@@ -316,7 +339,7 @@ class CheckpointManager:
         L.write_durable(pending.step_dir / L.CONFIG, config_to_toml(self.cfg).encode())
         tokenizer = _tokenizer_file(self.cfg.data.tokenizer)
         if tokenizer is not None:
-            shutil.copyfile(tokenizer, pending.step_dir / L.TOKENIZER)
+            L.copy_durable(tokenizer, pending.step_dir / L.TOKENIZER)
 
     def _apply_retention(self) -> None:
         entries = L.list_steps(self.ckpt_dir)
@@ -352,18 +375,18 @@ class CheckpointManager:
             return None
         return self._resume(Path(path), why, lineage)
 
-    def _plan_load(self) -> tuple[str, str | None, str, str | None]:
-        """(kind, path, why, lineage) where lineage is the explicit resume path a run continues from
+    def _plan_load(self) -> tuple[str, str | None, str, dict | None]:
+        """(kind, path, why, lineage) where lineage names the explicit resume path a run continues from
         (None: take it from the checkpoint's metadata)."""
         ck = self.ckpt
         if self._saved_steps:  # a reload during the run (NaN rollback): this run's own newest checkpoint
-            chosen, why = L.choose_resume(self.ckpt_dir)
+            chosen, why = self._choose_own()
             if chosen is not None:
                 return "resume", str(chosen), why, None
         if self._resumed is not None:
             return "resume", str(self._resumed[0]), "reloading the checkpoint this run resumed from", None
         if ck.enabled and ck.resume == "auto":
-            chosen, why = L.choose_resume(self.ckpt_dir)
+            chosen, why = self._choose_own()
             if chosen is not None:
                 return "resume", str(chosen), why, None
         elif ck.enabled and ck.resume == "none":
@@ -375,14 +398,19 @@ class CheckpointManager:
                     "run.name or checkpoint.dir to start over"
                 )
         elif ck.enabled:
+            # A requeued job keeps its config: once this run has saved after resuming from the path, its
+            # own newer checkpoints win over going back to it (which retention may have deleted since).
+            own, why = self._choose_own()
+            argument = _absolute(ck.resume)
+            if own is not None:
+                meta = L.read_metadata(own)
+                if argument in (meta.get("resume_arg"), meta.get("resumed_from")) and own.resolve() != Path(
+                    argument
+                ):
+                    return "resume", str(own), f"{why} (this run's progress since {ck.resume})", None
             explicit = L.resolve_checkpoint(ck.resume).resolve()
-            own, why = L.choose_resume(self.ckpt_dir)
-            # A requeued job keeps its config: once this run has saved after resuming from `explicit`,
-            # its own newer checkpoints win over going back to `explicit` again.
-            progressed = own is not None and own.resolve() != explicit
-            if progressed and L.read_metadata(own).get("resumed_from") == str(explicit):
-                return "resume", str(own), f"{why} (this run's progress since {ck.resume})", None
-            return "resume", str(explicit), f"checkpoint.resume={ck.resume}", str(explicit)
+            lineage = {"resumed_from": str(explicit), "resume_arg": argument}
+            return "resume", str(explicit), f"checkpoint.resume={ck.resume}", lineage
         if ck.init_from:
             return (
                 "init",
@@ -393,18 +421,25 @@ class CheckpointManager:
         why = "checkpointing is disabled" if not ck.enabled else f"no complete checkpoint in {self.ckpt_dir}"
         return "fresh", None, why, None
 
+    def _choose_own(self) -> tuple[Path | None, str]:
+        chosen, why = L.choose_resume(self.ckpt_dir, self.ckpt.verify)
+        self._verified = chosen.resolve() if chosen is not None and self.ckpt.verify else None
+        return chosen, why
+
     def _check_resumable(self, step_dir: Path) -> dict[str, Any]:
         if not (step_dir / L.COMPLETE).is_file():
             raise UserError(
                 f"checkpoint {step_dir} is incomplete (no {L.COMPLETE} marker: its save was "
                 "interrupted); resume from an older step_<N> directory instead"
             )
-        problems = L.damaged_problems(step_dir)
+        # choose_resume has just read every byte of the one it chose; sizes are enough then.
+        verify = self.ckpt.verify and step_dir.resolve() != self._verified
+        problems = L.damaged_problems(step_dir, verify)
         if problems:
             older = [
                 e.path
                 for e in L.list_steps(step_dir.parent)
-                if e.complete and e.path != step_dir and not L.damaged_problems(e.path)
+                if e.complete and e.path != step_dir and not L.damaged_problems(e.path, verify=False)
             ]
             hint = f"checkpoint.resume={older[-1]}" if older else "checkpoint.resume=<an older step dir>"
             raise UserError(
@@ -427,7 +462,7 @@ class CheckpointManager:
             )
         return meta
 
-    def _resume(self, step_dir: Path, why: str, lineage: str | None) -> int:
+    def _resume(self, step_dir: Path, why: str, lineage: dict | None) -> int:
         meta = self._on_rank0(lambda: self._check_resumable(step_dir))
         step = int(meta["step"])
         log.info("resuming from %s (step %d): %s", step_dir, step, why)
@@ -443,9 +478,9 @@ class CheckpointManager:
             state: dict[str, Any] = {"model": model_state(self.model_parts)}
             if "optimizer" in meta["contents"]:
                 state["optim"] = optimizer_state(self.model_parts, self.optimizers)
-            dcp.load(
+            dcp_io.load(
                 state,
-                storage_reader=dcp.FileSystemReader(step_dir),
+                step_dir,
                 process_group=self._save_pg,
                 no_dist=not self._dist,
             )
@@ -470,7 +505,7 @@ class CheckpointManager:
             # Per-rank random streams cannot be mapped onto a different number of ranks; derive new ones.
             reseed_rng(self.cfg.run.seed, step, self.rank)
         self._resumed = (step_dir.resolve(), step)
-        self._resumed_from = lineage if lineage is not None else str(meta.get("resumed_from", ""))
+        self._lineage = lineage or {k: str(meta.get(k, "")) for k in ("resumed_from", "resume_arg")}
         self._saved_steps = {s for s in self._saved_steps if s <= step}
         self._schedule.mark_saved()
         return step
@@ -480,11 +515,18 @@ class CheckpointManager:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        if self._checksummer is not None:
+            self._checksummer.shutdown()
+            self._checksummer = None
         for group in (self._ctrl, self._save_pg):
             if group is not None and self._dist and dist.is_initialized():
                 dist.destroy_process_group(group)
         self._ctrl = self._save_pg = None
         self._dist = False
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
 
 
 def _tokenizer_file(spec: str) -> Path | None:

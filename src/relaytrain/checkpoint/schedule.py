@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from relaytrain.checkpoint.layout import StepEntry
+from relaytrain.checkpoint.files import StepEntry
 from relaytrain.config.schema import CheckpointConfig
 
 

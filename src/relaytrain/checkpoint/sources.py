@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from relaytrain.checkpoint import hf
-from relaytrain.checkpoint import layout as L
+from relaytrain.checkpoint import dcp_io, hf
+from relaytrain.checkpoint import files as L
 from relaytrain.checkpoint.state import (
     expected_model_shapes,
     model_state,
@@ -38,13 +37,7 @@ TORCH_FORMAT = "relaytrain-torch"
 
 def _dcp_tensor_metadata(step_dir: Path) -> dict[str, Any]:
     """Model tensor name -> DCP TensorStorageMetadata (size, dtype), from the checkpoint's .metadata."""
-    try:
-        meta = dcp.FileSystemReader(step_dir).read_metadata()
-    except Exception as exc:  # unpickling garbage raises anything
-        raise UserError(
-            f"checkpoint {step_dir} has an unreadable {L.DCP_METADATA} file ({type(exc).__name__}); "
-            "it is damaged: resume from an older one with --checkpoint.resume=<older step dir>"
-        ) from None
+    meta = dcp_io.read_metadata(step_dir)
     return {
         k.removeprefix("model."): v for k, v in meta.state_dict_metadata.items() if k.startswith("model.")
     }
@@ -106,7 +99,9 @@ def read_full_state(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     )
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in tensors.items()}
     try:
-        dcp.load({"model": state}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        dcp_io.load({"model": state}, path)
+    except UserError:
+        raise
     except Exception as exc:
         raise UserError(
             f"cannot read checkpoint {path} ({type(exc).__name__}: {exc}); it is damaged"
@@ -123,9 +118,9 @@ def init_model_from(path: Path, parts: list[nn.Module], cfg: ModelConfig, proces
         _committed(concrete)
         verify_model_fits(concrete, cfg)
         state = {"model": model_state(parts)}
-        dcp.load(
+        dcp_io.load(
             state,
-            storage_reader=dcp.FileSystemReader(concrete),
+            concrete,
             process_group=process_group,
             no_dist=not (dist.is_available() and dist.is_initialized()),
         )

@@ -7,7 +7,7 @@
             metadata.json               step, reason, config hash, layout, world size, versions, time
             config.toml                 the full config of the run that wrote it
             tokenizer.json              copy of the run's tokenizer file (HF tokenizers only)
-            COMPLETE                    written last: a manifest of every file and its size
+            COMPLETE                    written last: a manifest of every file, its size and CRC-32
         latest -> step_<N>          symlink to the newest committed checkpoint, swapped atomically
 
 A step directory counts only once COMPLETE exists; COMPLETE is written after every rank's files are
@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ FORMAT_NAME = "relaytrain-checkpoint"
 FORMAT_VERSION = 1
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_CHUNK = 16 << 20
 
 
 def step_dir_name(step: int) -> str:
@@ -70,11 +72,19 @@ def list_steps(ckpt_dir: Path) -> list[StepEntry]:
 
 
 def read_latest(ckpt_dir: Path) -> Path | None:
-    """Where ``latest`` points (it may point to a missing or damaged directory), or None."""
+    """Where ``latest`` points (it may point to a missing or damaged directory), or None.
+
+    relaytrain only ever points it at a sibling ``step_<N>``; any other target (absolute, ``..``) is
+    ignored, so that a checkpoint directory never leads a load outside itself.
+    """
     link = ckpt_dir / LATEST
     if not link.is_symlink():
         return None
-    return ckpt_dir / os.readlink(link)
+    target = os.readlink(link)
+    if not _STEP_RE.match(target):
+        log.warning("ignoring %s: it points to %r, not to a step_<N> directory beside it", link, target)
+        return None
+    return ckpt_dir / target
 
 
 def fsync_path(path: Path) -> None:
@@ -83,6 +93,12 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def copy_durable(source: Path, target: Path) -> None:
+    """Copy a file and fsync the copy (its size goes into COMPLETE, so it must be on disk first)."""
+    shutil.copyfile(source, target)
+    fsync_path(target)
 
 
 def write_durable(path: Path, data: bytes) -> None:
@@ -96,20 +112,40 @@ def write_durable(path: Path, data: bytes) -> None:
     fsync_path(path.parent)
 
 
-def manifest(step_dir: Path) -> dict[str, int]:
-    """Relative path -> size of every file in the step directory except COMPLETE."""
+def file_checksum(path: Path) -> str:
+    """CRC-32 of the file's content: catches the flipped bits and torn pages a size check cannot."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"
+
+
+def rank_files(step_dir: Path, rank: int) -> list[str]:
+    """The files of `step_dir` that `rank` writes itself (its DCP shards and its train state)."""
+    own = sorted(step_dir.glob(f"__{rank}_*.distcp")) + [train_state_file(step_dir, rank)]
+    return [str(p.relative_to(step_dir)) for p in own if p.is_file()]
+
+
+def manifest(step_dir: Path, checksums: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """Relative path -> size and checksum of every file in the step directory except COMPLETE;
+    checksums already computed (by the ranks that wrote the files) are taken from `checksums`."""
+    known = checksums or {}
     files = {}
     for path in sorted(step_dir.rglob("*")):
         if path.is_file() and path.name != COMPLETE and not path.name.endswith(".tmp"):
-            files[str(path.relative_to(step_dir))] = path.stat().st_size
+            rel = str(path.relative_to(step_dir))
+            checksum = known.get(rel) or file_checksum(path)
+            files[rel] = {"size": path.stat().st_size, "checksum": checksum}
     return files
 
 
-def write_complete(step_dir: Path) -> None:
+def write_complete(step_dir: Path, checksums: dict[str, str] | None = None) -> None:
     """Commit a step directory whose files are all durable: fsync its folders, then write COMPLETE."""
     for folder in [p for p in step_dir.rglob("*") if p.is_dir()] + [step_dir]:
         fsync_path(folder)
-    write_durable(step_dir / COMPLETE, json.dumps({"files": manifest(step_dir)}, indent=1).encode())
+    listing = {"files": manifest(step_dir, checksums)}
+    write_durable(step_dir / COMPLETE, json.dumps(listing, indent=1).encode())
 
 
 def point_latest(ckpt_dir: Path, step_dir: Path) -> None:
@@ -145,19 +181,40 @@ def read_metadata(step_dir: Path) -> dict[str, Any]:
     return data
 
 
-def damaged_problems(step_dir: Path) -> list[str]:
-    """What is wrong with a committed step directory's files (empty: sizes match the manifest)."""
+def inside(step_dir: Path, rel: Any) -> Path | None:
+    """`step_dir / rel` when `rel` names a regular file path inside `step_dir` (not absolute, no ``..``,
+    not a symbolic link); None otherwise."""
+    if not isinstance(rel, str) or not rel or "\\" in rel:
+        return None
+    parts = Path(rel).parts
+    if Path(rel).is_absolute() or any(p in ("..", ".") for p in parts):
+        return None
+    path = step_dir / rel
+    return None if path.is_symlink() else path
+
+
+def damaged_problems(step_dir: Path, verify: bool = True) -> list[str]:
+    """What is wrong with a committed step directory's files (empty: all match the manifest).
+
+    `verify` also compares content checksums (reads every byte); otherwise only sizes are compared.
+    Checkpoints written before checksums existed list sizes only.
+    """
     try:
         listed = json.loads((step_dir / COMPLETE).read_text())["files"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        listed = {rel: e if isinstance(e, dict) else {"size": e} for rel, e in listed.items()}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         return [f"unreadable {COMPLETE} marker ({exc})"]
     problems = []
-    for rel, size in listed.items():
-        path = step_dir / rel
-        if not path.is_file():
+    for rel, entry in listed.items():
+        path = inside(step_dir, rel)
+        if path is None:
+            problems.append(f"its {COMPLETE} manifest names {rel!r}, which is not a file inside it")
+        elif not path.is_file():
             problems.append(f"{rel} is missing")
-        elif path.stat().st_size != size:
-            problems.append(f"{rel} has {path.stat().st_size} bytes, expected {size}")
+        elif path.stat().st_size != entry.get("size"):
+            problems.append(f"{rel} has {path.stat().st_size} bytes, expected {entry.get('size')}")
+        elif verify and entry.get("checksum") and file_checksum(path) != entry["checksum"]:
+            problems.append(f"{rel} does not match its checksum (its content changed after the save)")
     return problems
 
 
@@ -179,11 +236,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
-def choose_resume(ckpt_dir: Path) -> tuple[Path | None, str]:
+def choose_resume(ckpt_dir: Path, verify: bool = True) -> tuple[Path | None, str]:
     """The step dir to resume from and a sentence saying why; (None, why) when there is none.
 
     ``latest`` wins when it is committed; otherwise the newest committed step. Incomplete step
-    directories (a save that was killed) are never chosen.
+    directories (a save that was killed) are never chosen, and a committed one whose files do not match
+    its manifest (sizes; content checksums with `verify`) is skipped for the one before it, with a warning
+    naming the file.
     """
     entries = list_steps(ckpt_dir)
     complete = [e for e in entries if e.complete]
@@ -193,14 +252,27 @@ def choose_resume(ckpt_dir: Path) -> tuple[Path | None, str]:
             "skipping incomplete checkpoint %s (no %s marker: its save was interrupted)", entry.path, COMPLETE
         )
     latest = read_latest(ckpt_dir)
+    candidates: list[tuple[Path, str]] = []
     if latest is not None and (latest / COMPLETE).is_file():
         newest = complete[-1].path if complete else latest
         if newest.resolve() != latest.resolve():
             log.warning(
                 "latest points to %s but %s is newer and complete; using latest", latest.name, newest.name
             )
-        return latest, f"'latest' points to {latest.name}"
+        candidates.append((latest, f"'latest' points to {latest.name}"))
+        latest_step = int(_STEP_RE.match(latest.name).group(1))
+        older = [e for e in complete if e.step < latest_step]
+    else:
+        why = "no 'latest' link" if latest is None else f"'latest' points to {latest.name}, not complete"
+        older = complete
+    for entry in reversed(older):
+        reason = why if not candidates else "the checkpoints after it are damaged"
+        candidates.append((entry.path, f"{reason}; using the newest complete checkpoint {entry.path.name}"))
+    for path, reason in candidates:
+        problems = damaged_problems(path, verify)
+        if not problems:
+            return path, reason
+        log.warning("skipping damaged checkpoint %s: %s", path, "; ".join(problems[:3]))
     if not complete:
         return None, f"no complete checkpoint in {ckpt_dir}"
-    why = "no 'latest' link" if latest is None else f"'latest' points to {latest.name}, which is not complete"
-    return complete[-1].path, f"{why}; using the newest complete checkpoint {complete[-1].path.name}"
+    return None, f"every complete checkpoint in {ckpt_dir} is damaged"
