@@ -7,6 +7,7 @@ Run as `torchrun --standalone --nproc_per_node=N tests/parallel_cases.py CASE [C
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -17,7 +18,9 @@ import time
 import torch
 
 from relaytrain.config.schema import Config
+from relaytrain.model.transformer import Transformer
 from relaytrain.parallel import parallelize
+from relaytrain.parallel.parallel_model import cross_entropy
 
 STEPS = int(os.environ.get("PARALLEL_CASES_STEPS", "3"))  # bench/parallel_layouts.py runs more
 
@@ -108,9 +111,73 @@ def run_case(name: str, world_size: int, rank: int, gpus_per_node: int) -> dict:
         "losses": losses,
         "grad_norms": norms,
         "eval_loss": eval_loss,
+        "master_dtypes": sorted({str(p.dtype) for p in params}),
         "total_s": time.perf_counter() - started,
         "steady_step_s": steady,
         "tokens_per_s": tokens_per_step / steady,
+    }
+
+
+def mixed_precision_reference(scheme: str) -> dict:
+    """Textbook bf16 training in one process, written without relaytrain's step code.
+
+    bf16 rounds differently on every CPU instruction set (AVX2, AVX-512, AVX-512-BF16/AMX), so a bf16
+    layout is compared with this reference computed on the same CPU, not with the fp32 run.
+    scheme "autocast": fp32 parameters, forward under torch.autocast (the one-process path).
+    scheme "cast_params": what FSDP's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) does: a
+    bf16 copy of the fp32 master weights computes forward and backward, each micro batch's gradient is
+    accumulated in fp32 onto the master weights, the blocks' inputs are cast to bf16, and AdamW updates
+    the fp32 masters.
+    """
+    cfg = tiny_config({}, {})
+    with torch.device("meta"):
+        master = Transformer(cfg.model)
+    master.to_empty(device="cpu")
+    master.init_weights(cfg.run.seed, buffer_device=torch.device("cpu"))
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    compute = master
+    if scheme == "cast_params":
+        # The RoPE tables are cast too: FSDP casts each block's floating-point inputs, and the
+        # tables are passed to every block.
+        compute = copy.deepcopy(master).to(torch.bfloat16)
+    data = batches(cfg)
+    mbs = cfg.train.micro_batch_size
+    n_micro = cfg.train.global_batch_size // mbs
+
+    def loss_of(tokens: torch.Tensor) -> torch.Tensor:
+        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if scheme == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return cross_entropy(compute(inputs), targets)
+        return cross_entropy(compute(inputs), targets)
+
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = 0.0
+        for i in range(n_micro):
+            loss = loss_of(data[step, i * mbs : (i + 1) * mbs])
+            (loss / n_micro).backward()
+            total += float(loss.detach())
+            if compute is not master:
+                for m, c in zip(master.parameters(), compute.parameters(), strict=True):
+                    m.grad = c.grad.float() if m.grad is None else m.grad + c.grad.float()
+                    c.grad = None
+        norms.append(float(torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0, foreach=True)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if compute is not master:
+            with torch.no_grad():
+                for m, c in zip(master.parameters(), compute.parameters(), strict=True):
+                    c.copy_(m)
+        losses.append(total / n_micro)
+    with torch.no_grad():
+        eval_loss = float(loss_of(data[STEPS]))
+    return {
+        "case": f"reference_{scheme}",
+        "losses": losses,
+        "grad_norms": norms,
+        "eval_loss": eval_loss,
+        "master_dtypes": sorted({str(p.dtype) for p in master.parameters()}),
     }
 
 

@@ -2,10 +2,19 @@
 
 The tiny model (dim 64, 4 layers, 4 heads, 2 KV heads, vocab 256, seq 32, global batch 8) is initialised
 identically in every layout (per-name seeded init, sharding-invariant), trained with AdamW lr 1e-2 and
-grad clipping at 1.0 on the same global batches. Tolerances: fp32 losses and eval loss agree within
-2e-5 absolute (observed <= 1e-6: only the reduction order differs), grad norms within 1e-4 relative
-(AdamW amplifies reduction-order noise in the weights by step 3); bf16 parameters (FSDP mixed
-precision, or autocast in one process) within 5e-2 of the fp32 reference (bf16 rounding, amplified by AdamW).
+grad clipping at 1.0 on the same global batches. fp32 layouts are compared with the one-process fp32 run:
+losses and eval loss within 2e-5 absolute (observed <= 1e-6: only the reduction order differs), grad
+norms within 1e-4 relative (AdamW amplifies reduction-order noise in the weights by step 3).
+
+bf16 rounds differently on every CPU instruction set: by step 3 the autocast grad norm is 2 % from the
+fp32 run on AVX-512 and 11 % on AVX2, so no tolerance against fp32 holds everywhere. A bf16 layout is
+therefore compared with a textbook bf16 run of the same scheme computed on the same CPU
+(`mixed_precision_reference`): within 5e-3 absolute in loss and 1e-2 relative in grad norm (observed
+<= 7e-4 and 1.4e-3 on AVX-512 and AVX2; a 1-ulp bf16 flip in a weight is 0.4 %), and at step 0, before
+any update, within 1e-5 relative (observed 2e-7: the same bf16 products, only fp32 sums differ; a
+gradient reduced in bf16 moves it 4e-5). It must also keep fp32
+master weights, differ from the fp32 run (bf16 is really used), and stay within 1e-2 of it at step 0,
+before AdamW amplifies anything (observed 2e-4).
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parallel_cases import run_case  # noqa: E402
+from parallel_cases import mixed_precision_reference, run_case  # noqa: E402
 
 WORKER = Path(__file__).parent / "parallel_cases.py"
 N2_CASES = [
@@ -40,7 +49,8 @@ N2_CASES = [
     "pp_interleaved",
 ]
 N4_CASES = ["hsdp_2x2", "fsdp_tp", "pp_fsdp_pp_outer_order", "pp_tp_interleaved"]
-BF16_CASES = {"fsdp_bf16", "autocast_bf16"}
+# bf16 case -> the textbook scheme it must reproduce (see mixed_precision_reference).
+BF16_SCHEMES = {"fsdp_bf16": "cast_params", "autocast_bf16": "autocast"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,14 +67,32 @@ def reference(one_thread) -> dict:
     return run_case("single", world_size=1, rank=0, gpus_per_node=1)
 
 
-def assert_matches(result: dict, reference: dict) -> None:
-    loose = result["case"] in BF16_CASES
-    loss_tol = 5e-2 if loose else 2e-5
-    assert result["losses"] == pytest.approx(reference["losses"], abs=loss_tol), result["case"]
-    assert result["eval_loss"] == pytest.approx(reference["eval_loss"], abs=loss_tol), result["case"]
-    assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=5e-2 if loose else 1e-4), (
-        result["case"]
-    )
+@pytest.fixture(scope="module")
+def bf16_references(one_thread) -> dict[str, dict]:
+    return {scheme: mixed_precision_reference(scheme) for scheme in sorted(set(BF16_SCHEMES.values()))}
+
+
+def assert_close(result: dict, expected: dict, loss_abs: float, norm_rel: float) -> None:
+    case = result["case"]
+    assert result["losses"] == pytest.approx(expected["losses"], abs=loss_abs), case
+    assert result["eval_loss"] == pytest.approx(expected["eval_loss"], abs=loss_abs), case
+    assert result["grad_norms"] == pytest.approx(expected["grad_norms"], rel=norm_rel), case
+
+
+def assert_matches(result: dict, reference: dict, bf16_references: dict[str, dict]) -> None:
+    case = result["case"]
+    assert result["master_dtypes"] == ["torch.float32"], f"{case}: the optimizer must update fp32 weights"
+    if case not in BF16_SCHEMES:
+        assert_close(result, reference, loss_abs=2e-5, norm_rel=1e-4)
+        return
+    expected = bf16_references[BF16_SCHEMES[case]]
+    assert_close(result, expected, loss_abs=5e-3, norm_rel=1e-2)
+    # Before the first update both runs multiply the same bf16 numbers: only fp32 sums differ.
+    assert result["losses"][0] == pytest.approx(expected["losses"][0], rel=1e-5), case
+    assert result["grad_norms"][0] == pytest.approx(expected["grad_norms"][0], rel=1e-5), case
+    assert result["losses"] != reference["losses"], f"{case}: identical to fp32, bf16 was not used"
+    assert result["losses"][0] == pytest.approx(reference["losses"][0], abs=1e-2), case
+    assert result["grad_norms"][0] == pytest.approx(reference["grad_norms"][0], rel=1e-2), case
 
 
 def launch(nproc: int, cases: list[str], tmp_path: Path) -> dict[str, dict]:
@@ -93,19 +121,19 @@ def launch(nproc: int, cases: list[str], tmp_path: Path) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("case", ["ac_full", "ac_selective", "autocast_bf16"])
-def test_single_process_features_match_reference(case, reference):
-    assert_matches(run_case(case, world_size=1, rank=0, gpus_per_node=1), reference)
+def test_single_process_features_match_reference(case, reference, bf16_references):
+    assert_matches(run_case(case, world_size=1, rank=0, gpus_per_node=1), reference, bf16_references)
 
 
 @pytest.mark.slow
-def test_two_process_layouts_match_single_process(reference, tmp_path):
+def test_two_process_layouts_match_single_process(reference, bf16_references, tmp_path):
     results = launch(2, N2_CASES, tmp_path)
     for case in N2_CASES:
-        assert_matches(results[case], reference)
+        assert_matches(results[case], reference, bf16_references)
 
 
 @pytest.mark.slow
-def test_four_process_layouts_match_single_process(reference, tmp_path):
+def test_four_process_layouts_match_single_process(reference, bf16_references, tmp_path):
     results = launch(4, N4_CASES, tmp_path)
     for case in N4_CASES:
-        assert_matches(results[case], reference)
+        assert_matches(results[case], reference, bf16_references)
