@@ -64,3 +64,18 @@ def test_fsdp_resume_and_resharding(tmp_path, tiny_args):
     tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(load_model(pp)(tokens), load_model(run)(tokens), atol=1e-4, rtol=0)
+
+
+def test_requeue_after_explicit_resume_continues_its_own_progress(tmp_path, tiny_args):
+    """checkpoint.resume=<step_4>, then retention deletes step_4: the requeued job (same command line)
+    continues from its own newest checkpoint instead of failing on the deleted path."""
+    run = tmp_path / "runs" / "requeue"
+    common = ["--train.max_steps=14", "--checkpoint.interval=2", "--checkpoint.keep_last=3"]
+    train(tmp_path, tiny_args, "requeue", *common, "--train.stop_at_step=8")
+    again = [*common, f"--checkpoint.resume={run / 'checkpoints/step_4'}", "--train.stop_at_step=12"]
+    _, out = train(tmp_path, tiny_args, "requeue", *again)
+    assert "checkpoint.resume=" in out and "(step 4)" in out
+    assert not (run / "checkpoints/step_4").exists()  # retention removed the path the job was started from
+    _, out = train(tmp_path, tiny_args, "requeue", *again)
+    assert "this run's progress since" in out and "(step 12)" in out
+    assert files.read_metadata(run / "checkpoints/step_14")["resume_arg"] == str(run / "checkpoints/step_4")
