@@ -76,6 +76,14 @@ def write_run_files(cfg: Config) -> tuple[Path, Path]:
     return slurm_dir, config_file
 
 
+def write_script(spec: JobSpec) -> str:
+    """Render the job script, write it executable to spec.script_path, and return its text."""
+    text = render_script(spec)
+    spec.script_path.write_text(text)
+    spec.script_path.chmod(0o755)
+    return text
+
+
 def build_spec(cfg: Config, req: LaunchRequest, config_file: Path, origin: str = "launch") -> JobSpec:
     run_dir = run_dir_of(cfg)
     script = run_dir / "slurm" / ("attach.sh" if req.jobid else "job.sh")
@@ -110,9 +118,7 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
         check_plan(cfg, req.force, out)
     slurm_dir, config_file = write_run_files(cfg)
     spec = build_spec(cfg, req, config_file)
-    text = render_script(spec)
-    spec.script_path.write_text(text)
-    spec.script_path.chmod(0o755)
+    text = write_script(spec)
     if req.dry_run:
         out(text)
         out(f"dry run: wrote {spec.script_path} and {config_file}; nothing submitted")
@@ -206,9 +212,7 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
         array=array,
         origin="sweep",
     )
-    text = render_script(spec)
-    spec.script_path.write_text(text)
-    spec.script_path.chmod(0o755)
+    text = write_script(spec)
     if req.dry_run:
         out(text)
         out(f"dry run: wrote {spec.script_path} and {sweep_dir / 'sweep.tsv'}; nothing submitted")
