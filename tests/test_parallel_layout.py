@@ -6,7 +6,7 @@ import pytest
 
 from relaytrain.config.schema import Config
 from relaytrain.errors import UserError
-from relaytrain.parallel.layout import ParallelDims, resolve_dims, validate_layout
+from relaytrain.parallel.layout import ParallelDims, batch_split_note, resolve_dims, validate_layout
 
 
 def make_cfg(**parallel) -> Config:
@@ -67,8 +67,7 @@ def test_cp_group_must_stay_in_a_node():
 
 def test_hsdp_dims_and_mesh_order():
     dims = validate_layout(make_cfg(dp_replicate=2, tp=2), 8, 4)
-    assert dims == ParallelDims(2, 2, 1, 2, 1, 8)
-    assert dims.fsdp_enabled and dims.hsdp_enabled
+    assert dims == ParallelDims(2, 2, 1, 2, 1, 8, micro_batch_size=1, grad_accum=8)
     assert [name for name, _ in dims.mesh_dims] == ["dp_replicate", "dp_shard", "pp", "cp", "tp"]
     # HSDP: the replicate groups go across nodes, shard groups stay inside one.
     assert dims.group_of(0, "dp_replicate") == [0, 4]
@@ -123,15 +122,45 @@ def test_vocab_heads_ffn_seq_and_tied_embeddings_with_tp():
     assert "feed-forward" in refused(cfg, 2, 2)
 
 
-def test_batch_must_divide_by_dp_and_micro_batches():
+def test_batch_must_divide_by_dp_and_pipeline_microbatches():
     cfg = make_cfg()
-    cfg.train.global_batch_size, cfg.train.micro_batch_size = 12, 4
-    assert "multiple of 16" in refused(cfg, 4, 4)
+    cfg.train.global_batch_size = 14
+    msg = refused(cfg, 4, 4)
+    assert "global_batch_size=14 must be divisible by the data-parallel degree 4" in msg
+    assert "use global_batch_size=12 or 16" in msg
     cfg = make_cfg(pp=2, pp_microbatches=4)
     cfg.train.global_batch_size = 12
     assert "pp_microbatches=4" in refused(cfg, 4, 4)
     cfg.train.global_batch_size = 16
-    assert validate_layout(cfg, 4, 4).dp == 2
+    dims = validate_layout(cfg, 4, 4)
+    assert (dims.dp, dims.micro_batch_size, dims.grad_accum) == (2, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "micro", "world", "split"),
+    [
+        (16, 4, 1, (4, 4)),  # divides: the configured micro batch
+        (16, 4, 4, (4, 1)),
+        (16, 8, 4, (4, 1)),  # debug.toml's old 16/8 on 4 ranks: 4 sequences a rank, one micro batch
+        (16, 8, 2, (8, 1)),
+        (12, 8, 2, (6, 1)),  # largest divisor of 6 that is <= 8
+        (24, 4, 2, (4, 3)),
+        (36, 8, 4, (3, 3)),  # 9 a rank: 8 does not divide, 3 does
+        (14, 4, 2, (1, 7)),  # 7 a rank is prime: micro batch 1
+    ],
+)
+def test_micro_batch_adapts_to_the_local_batch(global_batch, micro, world, split):
+    cfg = make_cfg()
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = global_batch, micro
+    dims = validate_layout(cfg, world, world)
+    assert (dims.micro_batch_size, dims.grad_accum) == split
+    assert dims.micro_batch_size * dims.grad_accum * dims.dp == global_batch
+    note = batch_split_note(cfg, dims)
+    if split[0] == micro:
+        assert note is None
+    else:
+        assert f"train.micro_batch_size={micro} does not divide" in note
+        assert f"using micro batch {split[0]} with {split[1]} accumulation steps" in note
 
 
 def test_cp_refused_on_cpu_with_a_clear_message():
@@ -145,3 +174,21 @@ def test_resolve_dims_fills_dp_shard():
     dims = resolve_dims(cfg.parallel, 8)
     assert (dims.dp_shard, dims.dp, dims.world_size) == (2, 2, 8)
     assert dims.coordinates(5) == {"dp_replicate": 0, "dp_shard": 1, "pp": 0, "cp": 0, "tp": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("micro", [None, 8])
+def test_embedded_debug_config_trains_on_four_ranks(tmp_path, micro):
+    """`relaytrain train` with no config on 4 ranks; micro 8 (the old debug.toml) must adapt, not refuse."""
+    from conftest import read_metrics, run_torchrun
+
+    extra = [] if micro is None else [f"--train.micro_batch_size={micro}"]
+    args = ["train", "--train.max_steps=3", "--train.eval_every=0", f"--run.dir={tmp_path}", *extra]
+    result = run_torchrun(4, args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_metrics(tmp_path / "debug")[-1]["step"] == 3
+    out = result.stdout + result.stderr
+    adapted = "train.micro_batch_size=8 does not divide the 4 sequences per data-parallel rank"
+    assert (adapted in out) == (micro == 8)
+    if micro == 8:
+        assert out.count(adapted) == 1, "one info line, from rank 0 only"

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from relaytrain.checkpoint import CheckpointManager
-from relaytrain.config import Config, config_to_toml
+from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord
+from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.data import build_train_loader, build_val_loader
 from relaytrain.errors import UserError
 from relaytrain.model import flops_per_token
@@ -41,35 +41,22 @@ log = logging.getLogger("relaytrain")
 
 
 class TrainState:
-    """Everything besides weights and optimizer moments that a resumed run needs to continue exactly."""
+    """The loop's own counters; the data position and the RNG streams are checkpointed beside it."""
 
-    def __init__(self, loader, run_id: str):
+    def __init__(self, run_id: str):
         self.step = 0
         self.tokens_seen = 0
         self.lr_scale = 1.0  # lowered by the NaN rollback policy
         self.run_id = run_id
-        self.loader = loader
 
     def state_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "lr_scale": self.lr_scale,
-            "run_id": self.run_id,
-            "data": self.loader.state_dict(),
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0),
-        }
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "lr_scale": self.lr_scale, "run_id": self.run_id}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.lr_scale = float(state.get("lr_scale", 1.0))
         self.run_id = str(state["run_id"])
-        self.loader.load_state_dict(state["data"])
-        torch.set_rng_state(state["rng_cpu"])
-        if torch.cuda.is_available() and state["rng_cuda"].numel():
-            torch.cuda.set_rng_state(state["rng_cuda"])
 
 
 def prepare_run_dir(cfg: Config, is_main: bool) -> Path:
@@ -97,16 +84,17 @@ class Trainer:
         self.val_loader = (
             build_val_loader(cfg, self.pm.dp_rank, self.pm.dp_size) if cfg.train.eval_every else None
         )
-        self.state = TrainState(self.loader, run_id=uuid.uuid4().hex[:12])
+        self.state = TrainState(run_id=uuid.uuid4().hex[:12])
         self.checkpoint = CheckpointManager(
-            cfg,
+            cfg.checkpoint,
             self.run_dir,
+            RunRecord(cfg.run.name, config_to_toml(cfg), config_hash(cfg), cfg.model, cfg.data.tokenizer),
             self.pm.model_parts,
             self.optimizers,
-            self.state,
+            {"train_state": self.state, "data": self.loader, "rng": RngState(cfg.run.seed)},
             rank=env.rank,
             world_size=env.world_size,
-            layout=vars(self.pm.dims) | {"nodes": env.num_nodes},
+            parallel_dims=vars(self.pm.dims) | {"nodes": env.num_nodes},
         )
         self.metrics = MetricsLogger(cfg, self.run_dir, is_main=env.is_main)
         self.controller = ShutdownController(cfg, env.rank, env.device)
@@ -273,7 +261,7 @@ class Trainer:
     def _evaluate(self, step: int) -> None:
         train = self.cfg.train
         total, batches = 0.0, 0
-        for inputs, targets in self.val_loader.batches(train.eval_steps, train.micro_batch_size):
+        for inputs, targets in self.val_loader.batches(train.eval_steps, self.pm.dims.micro_batch_size):
             total += self.pm.reduce_mean(
                 self.pm.eval_loss(inputs.to(self.env.device), targets.to(self.env.device))
             )

@@ -7,10 +7,17 @@ split, a batch that does not divide) is refused with a message that names the fi
 Rank order: `parallel.rank_order` lists the dimensions innermost first. The innermost dimension gets
 adjacent ranks; torchrun and Slurm number ranks node by node, so adjacent ranks share a node. Data
 parallelism ("dp") expands to dp_replicate (outer, typically across nodes) and dp_shard (inner).
+
+Batch split: the global batch is fixed; each data-parallel rank takes global / dp sequences and runs them
+as `grad_accum` micro batches of `micro_batch_size`. When train.micro_batch_size does not divide the local
+batch, the largest micro batch below it that does is used (`batch_split_note` says so), so one config runs
+on any data-parallel degree that divides the global batch. The trainer, the data loader, the step and
+`relaytrain plan` read the split from the returned `ParallelDims`, never from the config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -31,35 +38,15 @@ class ParallelDims:
     pp: int
     world_size: int
     rank_order: tuple[str, ...] = ("tp", "cp", "pp", "dp")  # innermost first
+    # The batch split, filled by validate_layout (0 until then): sequences per forward on one rank, and
+    # forwards per step (the pipeline's microbatch count under pipeline parallelism).
+    micro_batch_size: int = 0
+    grad_accum: int = 0
 
     @property
     def dp(self) -> int:
         """Data-parallel degree: ranks that see different batches."""
         return self.dp_replicate * self.dp_shard
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        return self.dp_shard * self.cp > 1
-
-    @property
-    def hsdp_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
 
     @property
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
@@ -74,9 +61,12 @@ class ParallelDims:
         return tuple(out)
 
     def describe(self) -> str:
+        batch = ""
+        if self.micro_batch_size:
+            batch = f", micro batch {self.micro_batch_size} x {self.grad_accum} per rank"
         return (
             f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp} "
-            f"cp={self.cp} (world size {self.world_size}, rank order {','.join(self.rank_order)})"
+            f"cp={self.cp} (world size {self.world_size}, rank order {','.join(self.rank_order)}{batch})"
         )
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -147,6 +137,18 @@ def resolve_dims(pcfg: ParallelConfig, world_size: int) -> ParallelDims:
 
 def pp_microbatches(cfg: Config) -> int:
     return cfg.parallel.pp_microbatches or cfg.parallel.pp
+
+
+def batch_split_note(cfg: Config, dims: ParallelDims) -> str | None:
+    """The one info line for a micro batch that differs from train.micro_batch_size; None if it does not."""
+    if dims.pp > 1 or dims.micro_batch_size == cfg.train.micro_batch_size:
+        return None
+    local = cfg.train.global_batch_size // dims.dp
+    return (
+        f"train.micro_batch_size={cfg.train.micro_batch_size} does not divide the {local} sequences per "
+        f"data-parallel rank (global batch {cfg.train.global_batch_size} / dp {dims.dp}); using micro batch "
+        f"{dims.micro_batch_size} with {dims.grad_accum} accumulation steps"
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -337,21 +339,26 @@ def validate_layout(
             f"the micro batch is train.micro_batch_size, so leave pp_microbatches=0",
         )
     gbs, mbs, dp = t.global_batch_size, t.micro_batch_size, dims.dp
+    require(
+        gbs % dp == 0,
+        f"train.global_batch_size={gbs} must be divisible by the data-parallel degree {dp} (each "
+        f"data-parallel rank takes an equal share); use global_batch_size={max(1, gbs // dp) * dp} or "
+        f"{(gbs // dp + 1) * dp}",
+    )
+    local = gbs // dp
     if dims.pp > 1:
         n_mb = pp_microbatches(cfg)
         require(
-            gbs % (dp * n_mb) == 0,
+            local % n_mb == 0,
             f"train.global_batch_size={gbs} must be divisible by data-parallel degree {dp} x "
             f"parallel.pp_microbatches={n_mb} = {dp * n_mb}; use global_batch_size="
             f"{max(1, gbs // (dp * n_mb)) * dp * n_mb}",
         )
+        micro, accum = local // n_mb, n_mb
     else:
-        require(
-            gbs % (dp * mbs) == 0,
-            f"train.global_batch_size={gbs} must be divisible by data-parallel degree {dp} x "
-            f"train.micro_batch_size={mbs} = {dp * mbs}; use a global_batch_size that is a multiple of "
-            f"{dp * mbs}, or a smaller micro_batch_size",
-        )
+        micro = max(d for d in _divisors(local) if d <= max(1, mbs))
+        accum = local // micro
+    dims = dataclasses.replace(dims, micro_batch_size=micro, grad_accum=accum)
     if p.cpu_offload:
         require(
             dims.world_size > 1,

@@ -13,6 +13,7 @@ of micro batches (the pipeline schedule by its microbatch count), and FSDP avera
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -28,9 +29,11 @@ from relaytrain.config.schema import Config
 from relaytrain.model.transformer import Transformer
 from relaytrain.parallel.activation import apply_ac, apply_compile
 from relaytrain.parallel.fsdp import apply_fsdp, param_dtype
-from relaytrain.parallel.layout import ParallelDims, pp_microbatches, validate_layout
+from relaytrain.parallel.layout import ParallelDims, batch_split_note, pp_microbatches, validate_layout
 from relaytrain.parallel.mesh import build_mesh, fsdp_mesh, submesh
 from relaytrain.parallel.pipeline import build_schedule, split_stage, stage_ids_of
+
+log = logging.getLogger(__name__)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -134,7 +137,7 @@ class ParallelModel:
         if self.schedule is not None:
             return self._train_step_pipeline(inputs, targets)
         (model,) = self.model_parts
-        mbs = self.cfg.train.micro_batch_size
+        mbs = self.dims.micro_batch_size
         n_micro = max(1, inputs.shape[0] // mbs)
         total = torch.zeros((), device=self.device)
         for i in range(n_micro):
@@ -234,6 +237,9 @@ def parallelize(
 ) -> ParallelModel:
     """Validate the layout, build the mesh and this rank's sharded, initialised model parts."""
     dims = validate_layout(cfg, world_size, gpus_per_node, device.type)
+    note = batch_split_note(cfg, dims)
+    if note and rank == 0:
+        log.info("%s", note)
     pcfg = cfg.parallel
     mesh = build_mesh(dims, device.type) if world_size > 1 else None
     with torch.device("meta"):
