@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from relaytrain.checkpoint import CheckpointManager
-from relaytrain.config import Config
+from relaytrain.checkpoint import CheckpointManager, RunRecord
+from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.config.schema import ModelConfig
 from relaytrain.model import Transformer, count_parameters
 
@@ -87,7 +87,15 @@ def build(cfg: Config, run_dir: Path, mode: str):
         model,
         opt,
         CheckpointManager(
-            cfg, run_dir, [model], [opt], BenchState(), rank=0, world_size=1, layout={"world_size": 1}
+            cfg.checkpoint,
+            run_dir,
+            RunRecord("bench", config_to_toml(cfg), config_hash(cfg), cfg.model, cfg.data.tokenizer),
+            [model],
+            [opt],
+            {"train_state": BenchState()},
+            rank=0,
+            world_size=1,
+            parallel_dims={"world_size": 1},
         ),
     )
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaytrain.checkpoint import CheckpointManager, files
+from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord, files
 from relaytrain.checkpoint.schedule import SaveSchedule, retention_victims
 from relaytrain.checkpoint.state import merged_view
-from relaytrain.config import Config
+from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.config.schema import CheckpointConfig, ModelConfig
 from relaytrain.errors import UserError
 from relaytrain.model import Transformer
@@ -26,22 +26,29 @@ SMALL = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq
 
 
 class State:
-    """The trainer's train state in miniature: step, a data position and the torch RNG."""
+    """The trainer's train state in miniature: step and a data position (the manager owns the RNG)."""
 
     def __init__(self):
         self.step, self.position = 0, 0
 
     def state_dict(self):
-        return {"step": self.step, "position": self.position, "rng": torch.get_rng_state()}
+        return {"step": self.step, "position": self.position}
 
     def load_state_dict(self, d):
         self.step, self.position = d["step"], d["position"]
-        torch.set_rng_state(d["rng"])
 
 
-def make(tmp_path: Path, seed: int = 0, model: dict | None = None, parts: int = 1, **ckpt):
+def make(
+    tmp_path: Path,
+    seed: int = 0,
+    model: dict | None = None,
+    parts: int = 1,
+    tokenizer: str = "byte",
+    **ckpt,
+):
     cfg = Config()
     cfg.model = ModelConfig(**(model or SMALL))
+    cfg.data.tokenizer = tokenizer
     for key, value in ckpt.items():
         setattr(cfg.checkpoint, key, value)
     torch.manual_seed(seed)
@@ -50,8 +57,17 @@ def make(tmp_path: Path, seed: int = 0, model: dict | None = None, parts: int = 
     model_parts = split(full, parts) if parts > 1 else [full]
     opt = torch.optim.AdamW([p for m in model_parts for p in m.parameters()], lr=1e-2)
     state = State()
+    record = RunRecord("run", config_to_toml(cfg), config_hash(cfg), cfg.model, tokenizer)
     mgr = CheckpointManager(
-        cfg, tmp_path / "run", model_parts, [opt], state, rank=0, world_size=1, layout={"pp": parts}
+        cfg.checkpoint,
+        tmp_path / "run",
+        record,
+        model_parts,
+        [opt],
+        {"train_state": state, "rng": RngState(cfg.run.seed)},
+        rank=0,
+        world_size=1,
+        parallel_dims={"pp": parts},
     )
     return mgr, model_parts, opt, state
 
@@ -354,3 +370,17 @@ def test_save_estimate_and_disabled(tmp_path, caplog):
         mgr.save(1)
     assert not (tmp_path / "run/checkpoints").exists() and "enabled=false" in caplog.text
     mgr.close()
+
+
+def test_checkpoint_of_an_older_format_gets_one_line(tmp_path):
+    mgr, parts, opt, state = make(tmp_path)
+    train_step(parts, opt, state, 0)
+    mgr.save(1)
+    step_dir = tmp_path / "run/checkpoints/step_1"
+    meta = json.loads((step_dir / "metadata.json").read_text())
+    (step_dir / "metadata.json").write_text(json.dumps(meta | {"format_version": 1}))
+    files.write_complete(step_dir)
+    with pytest.raises(UserError, match=r"step_1 has format 1 .* --checkpoint.init_from=.*step_1"):
+        make(tmp_path, seed=1)[0].load()
+    mgr2, parts2, *_ = make(tmp_path / "b", seed=1, init_from=str(step_dir))
+    assert mgr2.load() is None and torch.equal(params(parts2)["norm.weight"], params(parts)["norm.weight"])

@@ -27,8 +27,7 @@ GQA_TIED = dict(
 
 
 def trained_checkpoint(tmp_path: Path, model: dict | None = None, tokenizer: str = "byte") -> Path:
-    mgr, parts, opt, state = make(tmp_path, model=model)
-    mgr.cfg.data.tokenizer = tokenizer
+    mgr, parts, opt, state = make(tmp_path, model=model, tokenizer=tokenizer)
     for step in range(2):
         train_step(parts, opt, state, step)
     mgr.save(2)

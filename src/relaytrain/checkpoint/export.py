@@ -187,7 +187,7 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
         "config_hash": "",
         "run_name": "",
         "world_size": 1,
-        "layout": {},
+        "parallel_dims": {},
         "save_mode": "sync",
         "resumed_from": "",
         "model": dataclasses.asdict(model_cfg),

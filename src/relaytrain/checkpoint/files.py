@@ -38,7 +38,7 @@ TRAIN_STATE_DIR = "train_state"
 LATEST = "latest"
 DCP_METADATA = ".metadata"
 FORMAT_NAME = "relaytrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: train_state/rank_<r>.pt holds a registry of named states (RNG once)
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _CHUNK = 16 << 20

@@ -7,6 +7,7 @@ disagree; asynchronous saves run their collectives on a second gloo group, away 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,16 +28,13 @@ from relaytrain.checkpoint import files as L
 from relaytrain.checkpoint.schedule import SaveSchedule, retention_victims
 from relaytrain.checkpoint.sources import init_model_from, verify_model_fits
 from relaytrain.checkpoint.state import (
-    capture_rng,
     model_state,
     optimizer_state,
     optimizers_have_state,
-    reseed_rng,
-    restore_rng,
     set_model_state,
     set_optimizer_state,
 )
-from relaytrain.config import Config, config_hash, config_to_dict, config_to_toml
+from relaytrain.config.schema import CheckpointConfig, ModelConfig
 from relaytrain.errors import UserError
 
 log = logging.getLogger("relaytrain.checkpoint")
@@ -58,28 +56,49 @@ class _Pending:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RunRecord:
+    """What every checkpoint records about the run that wrote it (metadata.json, config.toml, tokenizer)."""
+
+    name: str
+    config_toml: str
+    config_hash: str
+    model: ModelConfig
+    tokenizer: str  # "byte" or the tokenizer file / directory, copied into each checkpoint
+
+
 class CheckpointManager:
+    """Saves and restores model parts and optimizers (DCP, resharded on load) and a registry of per-rank
+    stateful objects (``train_state/rank_<r>.pt``: train state, data position, RNG, ...).
+
+    `states` maps a name to an object with ``state_dict()`` / ``load_state_dict()``. An object with
+    ``reseed(step, rank)`` (the RNG streams) cannot be carried to a different world size and is reseeded
+    instead; every other one is restored from rank 0's file then.
+    """
+
     def __init__(
         self,
-        cfg: Config,
+        cfg: CheckpointConfig,
         run_dir: Path,
+        record: RunRecord,
         model_parts: list[nn.Module],
         optimizers: list[torch.optim.Optimizer],
-        train_state,
+        states: dict[str, Any],
         *,
         rank: int,
         world_size: int,
-        layout: dict,
+        parallel_dims: dict,
     ):
-        self.cfg = cfg
-        self.ckpt = cfg.checkpoint
+        self.ckpt = cfg
+        self.record = record
         self.run_dir = Path(run_dir)
         self.ckpt_dir = Path(self.ckpt.dir) if self.ckpt.dir else self.run_dir / "checkpoints"
         self.model_parts = list(model_parts)
         self.optimizers = list(optimizers)
-        self.train_state = train_state
+        self.states = dict(states)
         self.rank, self.world_size = rank, world_size
-        self.layout = json.loads(json.dumps(layout))  # as metadata.json stores it (tuples become lists)
+        # as metadata.json stores it (tuples become lists), so that a comparison after loading is exact
+        self.parallel_dims = json.loads(json.dumps(parallel_dims))
         self._dist = dist.is_available() and dist.is_initialized()
         if world_size > 1 and not self._dist:
             raise RuntimeError("CheckpointManager with world_size > 1 needs an initialized process group")
@@ -239,8 +258,8 @@ class CheckpointManager:
 
     def _write_train_state(self, step_dir: Path, step: int) -> None:
         payload = {
-            "train_state": self.train_state.state_dict(),
-            "rng": capture_rng(),
+            "format_version": L.FORMAT_VERSION,
+            "states": {name: obj.state_dict() for name, obj in self.states.items()},
             "step": step,
             "rank": self.rank,
             "world_size": self.world_size,
@@ -326,18 +345,18 @@ class CheckpointManager:
             "unix_time": time.time(),
             "relaytrain_version": relaytrain.__version__,
             "torch_version": torch.__version__,
-            "config_hash": config_hash(self.cfg),
-            "run_name": self.cfg.run.name,
+            "config_hash": self.record.config_hash,
+            "run_name": self.record.name,
             "world_size": self.world_size,
-            "layout": self.layout,
+            "parallel_dims": self.parallel_dims,
             "save_mode": self.ckpt.mode,
             **self._lineage,
-            "model": config_to_dict(self.cfg)["model"],
-            "tokenizer": self.cfg.data.tokenizer,
+            "model": dataclasses.asdict(self.record.model),
+            "tokenizer": self.record.tokenizer,
         }
         L.write_durable(pending.step_dir / L.METADATA, json.dumps(meta, indent=1).encode())
-        L.write_durable(pending.step_dir / L.CONFIG, config_to_toml(self.cfg).encode())
-        tokenizer = _tokenizer_file(self.cfg.data.tokenizer)
+        L.write_durable(pending.step_dir / L.CONFIG, self.record.config_toml.encode())
+        tokenizer = _tokenizer_file(self.record.tokenizer)
         if tokenizer is not None:
             L.copy_durable(tokenizer, pending.step_dir / L.TOKENIZER)
 
@@ -371,7 +390,15 @@ class CheckpointManager:
             return None
         if kind == "init":
             log.info("initialising weights from %s (fresh optimizer, step 0): %s", path, why)
-            init_model_from(Path(path), self.model_parts, self.cfg.model, process_group=self._save_pg)
+            try:
+                init_model_from(Path(path), self.model_parts, self.record.model, process_group=self._save_pg)
+            except UserError:
+                raise
+            except Exception as exc:
+                raise UserError(
+                    f"cannot load the weights of checkpoint.init_from={path} ({type(exc).__name__}: "
+                    f"{exc}); it is damaged or not a checkpoint"
+                ) from None
             return None
         return self._resume(Path(path), why, lineage)
 
@@ -452,13 +479,20 @@ class CheckpointManager:
                 f"{step_dir} holds model weights only (an import or export); start from it with "
                 f"checkpoint.init_from={step_dir} instead of checkpoint.resume"
             )
-        verify_model_fits(step_dir, self.cfg.model)
-        if meta.get("config_hash") != config_hash(self.cfg):
+        if meta.get("format_version", 1) < L.FORMAT_VERSION:
+            raise UserError(
+                f"checkpoint {step_dir} has format {meta.get('format_version', 1)} (relaytrain "
+                f"{meta.get('relaytrain_version')}), whose train state this relaytrain (format "
+                f"{L.FORMAT_VERSION}) cannot restore; finish that run with the relaytrain that wrote it, or "
+                f"start from its weights with --checkpoint.init_from={step_dir}"
+            )
+        verify_model_fits(step_dir, self.record.model)
+        if meta.get("config_hash") != self.record.config_hash:
             log.warning(
                 "the config changed since %s was written (hash %s -> %s); resuming anyway",
                 step_dir,
                 meta.get("config_hash"),
-                config_hash(self.cfg),
+                self.record.config_hash,
             )
         return meta
 
@@ -466,13 +500,14 @@ class CheckpointManager:
         meta = self._on_rank0(lambda: self._check_resumable(step_dir))
         step = int(meta["step"])
         log.info("resuming from %s (step %d): %s", step_dir, step, why)
-        if meta["world_size"] != self.world_size or meta["layout"] != self.layout:
+        if meta["world_size"] != self.world_size or meta["parallel_dims"] != self.parallel_dims:
             log.info(
-                "resharding: saved with world size %s layout %s, loading with world size %s layout %s",
+                "resharding: saved with world size %s parallel dims %s, loading with world size %s "
+                "parallel dims %s",
                 meta["world_size"],
-                meta["layout"],
+                meta["parallel_dims"],
                 self.world_size,
-                self.layout,
+                self.parallel_dims,
             )
         try:
             state: dict[str, Any] = {"model": model_state(self.model_parts)}
@@ -498,12 +533,17 @@ class CheckpointManager:
                 "not from this relaytrain; resume from an older one with "
                 "--checkpoint.resume=<older step dir>"
             ) from exc
-        self.train_state.load_state_dict(payload["train_state"])
-        if same_world:
-            restore_rng(payload["rng"])
-        else:
-            # Per-rank random streams cannot be mapped onto a different number of ranks; derive new ones.
-            reseed_rng(self.cfg.run.seed, step, self.rank)
+        missing = sorted(set(self.states) - set(payload["states"]))
+        if missing:
+            raise UserError(
+                f"checkpoint {step_dir} has no saved state for {', '.join(missing)}; it was written by a "
+                "different trainer: start from its weights with --checkpoint.init_from instead"
+            )
+        for name, obj in self.states.items():
+            if not same_world and hasattr(obj, "reseed"):
+                obj.reseed(step, self.rank)  # per-rank streams do not map onto another number of ranks
+            else:
+                obj.load_state_dict(payload["states"][name])
         self._resumed = (step_dir.resolve(), step)
         self._lineage = lineage or {k: str(meta.get(k, "")) for k in ("resumed_from", "resume_arg")}
         self._saved_steps = {s for s in self._saved_steps if s <= step}
@@ -511,7 +551,13 @@ class CheckpointManager:
         return step
 
     def close(self) -> None:
-        self.wait()
+        """Commit a pending save, then release the stager, the checksum thread and the gloo groups.
+
+        Safe in a ``finally``: a failed pending save is logged here (it already stays incomplete)."""
+        try:
+            self.wait()
+        except Exception as exc:
+            log.error("%s", exc)
         if self._stager is not None:
             self._stager.close()
             self._stager = None

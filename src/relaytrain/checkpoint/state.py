@@ -148,6 +148,22 @@ def set_optimizer_state(
         set_optimizer_state_dict(module, opt, optim_state_dict=state, options=_FLAT)
 
 
+class RngState:
+    """This rank's torch, CUDA, Python ``random`` and NumPy streams: their one owner in a checkpoint."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restore_rng(state)
+
+    def reseed(self, step: int, rank: int) -> None:
+        reseed_rng(self.seed, step, rank)
+
+
 def capture_rng() -> dict[str, Any]:
     return {
         "torch": torch.get_rng_state(),
