@@ -3,8 +3,8 @@
     <checkpoint dir>/
         step_<N>/                   one checkpoint
             .metadata, __<r>_0.distcp   torch.distributed.checkpoint files (model, optimizer)
-            train_state/rank_<r>.pt     per-rank train state (step, data position, scheduler, RNG)
-            metadata.json               step, reason, config hash, layout, world size, versions, time
+            train_state/rank_<r>.pt     per-rank registry of states (train state, data position, RNG)
+            metadata.json               step, reason, config hash, parallel dims, world size, versions
             config.toml                 the full config of the run that wrote it
             tokenizer.json              copy of the run's tokenizer file (HF tokenizers only)
             COMPLETE                    written last: a manifest of every file, its size and CRC-32
