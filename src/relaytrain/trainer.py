@@ -21,7 +21,7 @@ from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.data import build_train_loader, build_val_loader
 from relaytrain.errors import UserError
 from relaytrain.model import flops_per_token
-from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer, memory_stats, peak_flops_per_device
+from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer
 from relaytrain.monitor.logs import setup_logging
 from relaytrain.optim import build_optimizer, lr_at, schedule_fit_warning, set_lr
 from relaytrain.parallel import parallelize
@@ -96,7 +96,14 @@ class Trainer:
             world_size=env.world_size,
             parallel_dims=vars(self.pm.dims) | {"nodes": env.num_nodes},
         )
-        self.metrics = MetricsLogger(cfg, self.run_dir, is_main=env.is_main)
+        self.metrics = MetricsLogger(
+            cfg,
+            self.run_dir,
+            is_main=env.is_main,
+            device=env.device,
+            world_size=env.world_size,
+            flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len),
+        )
         self.controller = ShutdownController(cfg, env.rank, env.device)
         self.watchdog = HangWatchdog(
             cfg.resilience.hang_timeout_s,
@@ -111,8 +118,6 @@ class Trainer:
         self.step_delay_s = float(os.environ.get("RELAYTRAIN_STEP_DELAY_S") or 0.0)
         self.profiler = StepProfiler(cfg, self.run_dir, env.rank)
         self.timer = StepTimer(env.device)
-        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak_flops = peak_flops_per_device(env.device, cfg.metrics.peak_flops)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -242,20 +247,15 @@ class Trainer:
     # -- reporting --------------------------------------------------------------------------------
 
     def _log_train(self, step, loss, grad_norm, lr, tokens, elapsed) -> None:
-        tokens_per_s = tokens / max(elapsed, 1e-9)
-        per_device = tokens_per_s / self.env.world_size
         record = {
             "loss": self.pm.reduce_mean(loss),
             "lr": lr,
             "grad_norm": float(grad_norm),
-            "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_device": per_device,
-            "mfu": self.flops_per_token * per_device / self.peak_flops if self.peak_flops else 0.0,
             "tokens_seen": self.state.tokens_seen,
         }
         record |= {f"time_{k}_s": v for k, v in self.timer.window().items()}
-        record |= memory_stats(self.env.device)
-        self.metrics.log_train(step, record)
+        # Raw counts: the metrics logger alone derives tokens/s, MFU and memory from them.
+        self.metrics.log_train(step, record, tokens=tokens, seconds=elapsed)
 
     @torch.no_grad()
     def _evaluate(self, step: int) -> None:
