@@ -21,7 +21,7 @@ from relaytrain.monitor import timer as timer_mod
 from relaytrain.monitor.logs import setup_logging
 from relaytrain.monitor.memory import memory_stats
 from relaytrain.monitor.metrics import MetricsLogger, format_train_line
-from relaytrain.monitor.mfu import lookup_gpu_peak_flops, mfu, peak_flops_per_device, throughput
+from relaytrain.monitor.mfu import Peak, lookup_gpu_peak_flops, mfu, peak_flops_per_device, throughput
 from relaytrain.monitor.profiler import StepProfiler, classify_op, dump_memory_snapshot, record_memory_history
 from relaytrain.monitor.sinks import ConsoleSink
 from relaytrain.monitor.timer import StepTimer
@@ -75,16 +75,45 @@ def test_gpu_peak_table(name, peak):
     assert lookup_gpu_peak_flops(name) == peak
 
 
-def test_peak_flops_per_device(monkeypatch):
-    assert peak_flops_per_device(torch.device("cpu"), override=5e11) == 5e11
+def test_peak_flops_per_device_names_its_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert peak_flops_per_device(torch.device("cpu"), override=5e11) == Peak(5e11, "from metrics.peak_flops")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
-    assert peak_flops_per_device(torch.device("cuda", 0)) == 756e12
-    measured = peak_flops_per_device(torch.device("cpu"))
-    assert measured > 1e8  # any CPU does more than 0.1 GFLOP/s
-    calls = []
-    monkeypatch.setattr(mfu_mod.time, "perf_counter", lambda: calls.append(1) or 0.0)
-    assert peak_flops_per_device(torch.device("cpu")) == measured  # cached: no second measurement
-    assert not calls
+    peak = peak_flops_per_device(torch.device("cuda", 0))
+    assert peak.flops == 756e12 and "table" in peak.source and "H100 PCIe" in peak.source
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce GTX 1080")
+    assert peak_flops_per_device(torch.device("cuda", 0)).flops == 0.0
+
+
+def test_cpu_peak_is_the_best_measurement_of_this_machine(monkeypatch, tmp_path):
+    """A moment of load must not lower the peak (and so inflate every MFU): the cache keeps the best."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rates = iter([1.8e11, 0.6e11, 2.0e11, 1.9e11])  # the second run's machine is busy
+    monkeypatch.setattr(mfu_mod, "measure_cpu_peak_flops", lambda seconds: next(rates))
+    cache = tmp_path / "relaytrain" / "cpu_peak.json"
+    peaks = [peak_flops_per_device(torch.device("cpu")) for _ in range(3)]
+    assert [p.flops for p in peaks] == [1.8e11, 1.8e11, 2.0e11]
+    assert f"cached in {cache}" in peaks[0].source and "best of 2 measurements" in peaks[1].source
+    assert mfu_mod.cpu_capability() in peaks[0].source
+    assert f"{torch.get_num_threads()} threads" in peaks[0].source
+    (entry,) = json.loads(cache.read_text()).values()
+    assert entry["flops"] == 2.0e11 and entry["samples"] == 3
+    # Another thread count is another machine as far as the peak goes.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    assert peak_flops_per_device(torch.device("cpu")).flops == 1.9e11
+    assert len(json.loads(cache.read_text())) == 2
+
+
+def test_mfu_above_one_warns_once_naming_the_peak_source(tmp_path, caplog):
+    logger = MetricsLogger(
+        _cfg(peak_flops=1e6), tmp_path, True, world_size=1, flops_per_token=1e6, progress_bar=False
+    )
+    with caplog.at_level("WARNING", logger="relaytrain"):
+        logger.log_train(1, {"loss": 1.0}, tokens=10, seconds=1.0)
+        logger.log_train(2, {"loss": 1.0}, tokens=10, seconds=1.0)
+    logger.close()
+    warnings = [r.getMessage() for r in caplog.records if "above 100%" in r.getMessage()]
+    assert len(warnings) == 1 and "from metrics.peak_flops" in warnings[0]
 
 
 def test_memory_stats_cpu():
@@ -137,7 +166,7 @@ def test_metrics_logger_jsonl_records(tmp_path, monkeypatch):
     )
     logger.log_event("start", 0, config_hash="abc", checkpoint=tmp_path / "ckpt")
     logger.log_train(10, {"loss": torch.tensor(2.5), "lr": 1e-3, "grad_norm": 0.75, "time_step_s": 0.25})
-    logger.log_train(20, {"loss": float("nan"), "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0})
+    logger.log_train(20, {"loss": float("nan"), "lr": 1e-3, "grad_norm": 1.0}, tokens=2000, seconds=2.0)
     logger.log_eval(20, {"val_loss": 2.0})
     logger.close()
 

@@ -15,6 +15,7 @@ Non-finite numbers (a NaN loss) are written as null so the file stays strict JSO
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import asdict
@@ -26,8 +27,10 @@ import torch
 from relaytrain.config.schema import Config
 from relaytrain.job import JobFacts
 from relaytrain.monitor.memory import memory_stats
-from relaytrain.monitor.mfu import mfu, peak_flops_per_device, throughput
+from relaytrain.monitor.mfu import cpu_capability, mfu, peak_flops_per_device, throughput
 from relaytrain.monitor.sinks import ConsoleSink, JsonlSink, TensorBoardSink, WandbSink
+
+log = logging.getLogger("relaytrain")
 
 
 def _json_value(value: Any) -> Any:
@@ -105,11 +108,12 @@ def format_train_line(step: int, total_steps: int, rec: dict[str, Any]) -> str:
 class MetricsLogger:
     """Sinks for one run. Every rank may build one; only ``is_main`` writes anything.
 
-    ``log_train(step, metrics)`` expects ``loss`` (already averaged over data-parallel ranks),
-    ``lr``, ``grad_norm`` and the ``StepTimer.window()`` values as ``time_<name>_s``. From
-    ``time_step_s`` it derives tokens/s (``tokens_per_step`` defaults to global_batch_size *
-    seq_len), tokens/s per device, MFU, and adds memory stats, unless the trainer passed those
-    keys itself. ``device`` defaults to the one ``run.device`` selects.
+    ``log_train(step, metrics, tokens=, seconds=)`` expects ``loss`` (already averaged over
+    data-parallel ranks), ``lr``, ``grad_norm`` and the ``StepTimer.window()`` values as
+    ``time_<name>_s``, plus the raw counts: tokens processed over all ranks in ``seconds`` of wall
+    time (default: one global batch in ``time_step_s``). This class alone derives tokens/s, tokens/s
+    per device, MFU (against the peak it owns) and memory stats. ``device`` defaults to the one
+    ``run.device`` selects.
     """
 
     def __init__(
@@ -135,8 +139,9 @@ class MetricsLogger:
         self.world_size = world_size
         self._sinks: list[Any] = []
         self._console: ConsoleSink | None = None
-        self.peak_flops = 0.0
+        self.peak_flops, self.peak_source = 0.0, ""
         self.flops_per_token = 0.0
+        self._mfu_warned = False
         if not is_main:
             return
         if flops_per_token is None:
@@ -144,7 +149,16 @@ class MetricsLogger:
 
             flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
         self.flops_per_token = float(flops_per_token)
-        self.peak_flops = peak_flops_per_device(self.device, cfg.metrics.peak_flops)
+        peak = peak_flops_per_device(self.device, cfg.metrics.peak_flops)
+        self.peak_flops, self.peak_source = peak.flops, peak.source
+        log.info(
+            "device %s (CPU capability %s, %d threads): peak %.4g GFLOP/s per device: %s",
+            self.device,
+            cpu_capability(),
+            torch.get_num_threads(),
+            peak.flops / 1e9,
+            peak.source,
+        )
 
         m = cfg.metrics
         if m.jsonl:
@@ -167,27 +181,35 @@ class MetricsLogger:
         for sink in self._sinks:
             sink.write(record)
 
-    def derive(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """Add tokens/s, tokens/s per device, MFU and memory to the trainer's measurements."""
+    def derive(
+        self, metrics: dict[str, Any], tokens: float | None = None, seconds: float | None = None
+    ) -> dict[str, Any]:
+        """The measurements plus tokens/s, tokens/s per device, MFU and memory."""
         out = {key: _json_value(value) for key, value in metrics.items()}
-        step_time = out.get("time_step_s")
-        if "tokens_per_s" not in out and step_time:
-            tokens = out.pop("tokens_per_step", self.tokens_per_step)
-            out["tokens_per_s"], out["tokens_per_s_per_device"] = throughput(
-                tokens, step_time, self.world_size
-            )
-        if "tokens_per_s_per_device" not in out and out.get("tokens_per_s") is not None:
-            out["tokens_per_s_per_device"] = out["tokens_per_s"] / self.world_size
-        if "mfu" not in out and out.get("tokens_per_s_per_device") is not None:
+        if seconds is None:
+            seconds = out.get("time_step_s")
+            tokens = self.tokens_per_step if tokens is None else tokens
+        if seconds and tokens is not None:
+            out["tokens_per_s"], out["tokens_per_s_per_device"] = throughput(tokens, seconds, self.world_size)
             out["mfu"] = mfu(out["tokens_per_s_per_device"], self.flops_per_token, self.peak_flops)
-        if not any(key.startswith("mem_") for key in out):
-            out.update(memory_stats(self.device))
+            if out["mfu"] > 1.0 and not self._mfu_warned:
+                self._mfu_warned = True
+                log.warning(
+                    "MFU %.0f%% is above 100%%: the peak of %.4g GFLOP/s is too low (%s); delete that "
+                    "cache to measure again on an idle machine, or set metrics.peak_flops",
+                    100 * out["mfu"],
+                    self.peak_flops / 1e9,
+                    self.peak_source,
+                )
+        out.update(memory_stats(self.device))
         return {key: _json_value(value) for key, value in out.items()}
 
-    def log_train(self, step: int, metrics: dict[str, Any]) -> None:
+    def log_train(
+        self, step: int, metrics: dict[str, Any], *, tokens: float | None = None, seconds: float | None = None
+    ) -> None:
         if not self.is_main:
             return
-        record = self._record("train", step, self.derive(metrics))
+        record = self._record("train", step, self.derive(metrics, tokens, seconds))
         self._emit(record)
         if self._console is not None:
             line = format_train_line(step, self.total_steps, record)

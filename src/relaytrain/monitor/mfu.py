@@ -7,15 +7,25 @@ MFU = achieved model FLOP/s per device / peak FLOP/s per device, where
 ``flops_per_token`` is the training cost of one token (forward + backward, from
 ``relaytrain.model.flops.flops_per_token``); recomputation from activation checkpointing is not
 counted, so MFU measures useful work only. Peak FLOP/s are the vendors' dense (no sparsity)
-bf16 tensor-core figures for GPUs; on CPU they are measured once per process with fp32 matmuls,
-because CPU training runs in fp32 and no table can know the laptop's CPU.
+bf16 tensor-core figures for GPUs. On CPU no table can know the machine, so the peak is measured with
+fp32 matmuls (CPU training runs in fp32). A measurement taken in a moment of load is low and would
+inflate every MFU of the run, so the peak is the best rate ever measured on this machine (CPU model,
+instruction set, thread count): each run adds a half-second measurement to
+``$XDG_CACHE_HOME/relaytrain/cpu_peak.json`` (default ``~/.cache``), and the peak can only rise. An MFU
+above 100 % warns once and names the cache. Every peak carries its source, which the start log prints.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import platform
 import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
 
 import torch
 
@@ -42,7 +52,13 @@ PEAK_FLOPS_TABLE: list[tuple[tuple[str, ...], float]] = [
     (("MI250",), 181e12),
 ]
 
-_cpu_peak_cache: dict[int, float] = {}
+
+@dataclass(frozen=True)
+class Peak:
+    """Peak FLOP/s of one device (0.0: unknown, MFU not reported) and where the figure came from."""
+
+    flops: float
+    source: str
 
 
 def lookup_gpu_peak_flops(device_name: str) -> float:
@@ -54,11 +70,30 @@ def lookup_gpu_peak_flops(device_name: str) -> float:
     return 0.0
 
 
-def measure_cpu_peak_flops(size: int = 1024, seconds: float = 0.3) -> float:
-    """Best fp32 matmul rate of this process (FLOP/s), timed over ~``seconds``; cached."""
-    threads = torch.get_num_threads()
-    if threads in _cpu_peak_cache:
-        return _cpu_peak_cache[threads]
+def cpu_capability() -> str:
+    """The instruction set PyTorch's CPU kernels use (DEFAULT, AVX2, AVX512, ...): bf16 speed and rounding
+    depend on it, so it is printed beside every CPU figure."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak_cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "relaytrain" / "cpu_peak.json"
+
+
+def measure_cpu_peak_flops(size: int = 1024, seconds: float = 0.5) -> float:
+    """Best fp32 matmul rate (FLOP/s) of this process over ~``seconds``: the best single matmul, so that
+    load on the machine during part of the second does not lower it."""
     a = torch.randn(size, size)
     b = torch.randn(size, size)
     torch.mm(a, b)  # warm-up: thread pool start and kernel selection
@@ -71,32 +106,52 @@ def measure_cpu_peak_flops(size: int = 1024, seconds: float = 0.3) -> float:
         elapsed = time.perf_counter() - start
         best = max(best, flops_per_mm / max(elapsed, 1e-9))
         if time.perf_counter() >= deadline:
-            break
-    _cpu_peak_cache[threads] = best
-    log.info(
-        "measured CPU peak: %.1f GFLOP/s (fp32 %dx%d matmul, %d threads)", best / 1e9, size, size, threads
-    )
-    return best
+            return best
 
 
-def peak_flops_per_device(device: torch.device, override: float = 0.0) -> float:
-    """Peak FLOP/s of one device: ``override`` when > 0, the GPU table, or a CPU measurement.
+def cpu_peak(seconds: float = 0.5) -> Peak:
+    """The best fp32 matmul rate ever measured on this machine: each run adds one measurement to the
+    per-machine cache, and a busy moment can never lower the peak, only fail to raise it."""
+    path = cpu_peak_cache_path()
+    key = f"{cpu_model()} | {cpu_capability()} | {torch.get_num_threads()} threads"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    cache = cache if isinstance(cache, dict) else {}
+    entry = cache.get(key) if isinstance(cache.get(key), dict) else {}
+    measured, today = measure_cpu_peak_flops(seconds=seconds), date.today().isoformat()
+    best = float(entry.get("flops", 0.0))
+    if measured > best:
+        best, entry = measured, entry | {"flops": measured, "date": today}
+    entry["samples"] = int(entry.get("samples", 0)) + 1
+    summary = f"best of {entry['samples']} measurements on this machine, {entry['date']} ({key})"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache | {key: entry}, indent=1) + "\n")
+        tmp.replace(path)
+    except OSError as err:
+        return Peak(best, f"{summary}, not cached: {err}")
+    return Peak(best, f"{summary}, cached in {path}")
 
-    Returns 0.0 for a GPU the table does not know (MFU is then not reported); set
-    ``metrics.peak_flops`` for such GPUs.
+
+def peak_flops_per_device(device: torch.device, override: float = 0.0) -> Peak:
+    """Peak FLOP/s of one device: ``override`` when > 0, the GPU table, or this CPU's cached peak.
+
+    Unknown GPUs get 0.0 (MFU is then not reported); set ``metrics.peak_flops`` for them.
     """
     if override > 0:
-        return float(override)
+        return Peak(float(override), "from metrics.peak_flops")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = lookup_gpu_peak_flops(name)
         if peak == 0.0:
-            log.warning("no peak FLOP/s known for GPU %r: MFU is not reported; set metrics.peak_flops", name)
-        return peak
+            return Peak(0.0, f"no table entry for GPU {name!r}: set metrics.peak_flops to report MFU")
+        return Peak(peak, f"dense bf16 table entry for {name!r}")
     if device.type == "cpu":
-        return measure_cpu_peak_flops()
-    log.warning("no peak FLOP/s known for device type %r: set metrics.peak_flops", device.type)
-    return 0.0
+        return cpu_peak()
+    return Peak(0.0, f"unknown for device type {device.type!r}: set metrics.peak_flops to report MFU")
 
 
 def throughput(tokens: float, seconds: float, world_size: int) -> tuple[float, float]:

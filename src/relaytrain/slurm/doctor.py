@@ -16,6 +16,7 @@ import relaytrain
 from relaytrain.config import Config
 from relaytrain.job import JobFacts
 from relaytrain.job.netdetect import high_speed_interfaces, read_ip_brief
+from relaytrain.monitor.mfu import cpu_capability
 from relaytrain.slurm.jobs import run_tool
 
 Check = tuple[str, str, str]
@@ -230,5 +231,6 @@ def run_checks(cfg: Config | None, partition: str = "", account: str = "") -> li
     expected = s.gpus_per_node if s and s.gpus_per_node > 0 else 0
     checks.append(check_gpus(expected, in_job))
     checks.append(check_environment(nodes))
+    checks.append(("CPU capability", "pass", f"{cpu_capability()} (bf16 speed and rounding depend on it)"))
     checks.append(check_tokenizer(cfg))
     return checks
