@@ -225,7 +225,10 @@ def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 
     index = hf_dir / SAFETENSORS_INDEX
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()), key=str)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"{index} is not a safetensors index with a weight_map ({exc})") from None
     elif (hf_dir / SAFETENSORS_SINGLE).is_file():
         files = [SAFETENSORS_SINGLE]
     else:
