@@ -12,6 +12,7 @@ import math
 import os
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -97,12 +98,16 @@ class Trainer:
             parallel_dims=vars(self.pm.dims) | {"nodes": env.num_nodes},
         )
         self.metrics = MetricsLogger(
-            cfg,
+            cfg.metrics,
             self.run_dir,
             is_main=env.is_main,
             device=env.device,
             world_size=env.world_size,
+            total_steps=cfg.train.max_steps,
+            tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
             flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len),
+            run_name=cfg.run.name,
+            run_config=asdict(cfg),
         )
         self.controller = ShutdownController(cfg, env.rank, env.device)
         self.watchdog = HangWatchdog(
@@ -116,7 +121,7 @@ class Trainer:
         # RELAYTRAIN_STEP_DELAY_S test hook: sleep after every step, so that a tiny model's run lasts long
         # enough for a real scheduler to signal, preempt or kill it mid-training, without using CPU.
         self.step_delay_s = float(os.environ.get("RELAYTRAIN_STEP_DELAY_S") or 0.0)
-        self.profiler = StepProfiler(cfg, self.run_dir, env.rank)
+        self.profiler = StepProfiler(cfg.metrics, self.run_dir, env.rank, env.device)
         self.timer = StepTimer(env.device)
 
     # -- the loop ---------------------------------------------------------------------------------
