@@ -2,7 +2,8 @@
 
 Usage: python bench/parallel_layouts.py [--steps 10] [--compile]
 Runs the one-process layouts in this process and the others under `torchrun --standalone` (gloo, CPU),
-reusing the layouts of tests/parallel_cases.py, and prints a Markdown table (median step after the first).
+running the layouts listed in tests/parallel_cases.py (LAYOUTS, shared with the parity tests), and
+prints a Markdown table (median step after the first).
 """
 
 from __future__ import annotations
@@ -19,24 +20,6 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 WORKER = TESTS / "parallel_cases.py"
-LAYOUTS = {
-    1: ["single", "ac_full", "ac_selective", "autocast_bf16"],
-    2: [
-        "fsdp",
-        "fsdp_reshard_never",
-        "fsdp_cpu_offload",
-        "fsdp_ac_full",
-        "fsdp_ac_selective",
-        "fsdp_bf16",
-        "hsdp_2x1",
-        "tp",
-        "tp_no_loss_parallel",
-        "pp_gpipe",
-        "pp_1f1b",
-        "pp_interleaved",
-    ],
-    4: ["hsdp_2x2", "fsdp_tp", "pp_fsdp", "pp_tp", "pp_tp_interleaved"],
-}
 
 
 def run_torchrun(nproc: int, cases: list[str], steps: int, workdir: str) -> list[dict]:
@@ -68,13 +51,13 @@ def main() -> int:
     sys.path.insert(0, str(TESTS))
     import torch
 
-    from parallel_cases import run_case
+    from parallel_cases import BENCH_OPT_IN, LAYOUTS, run_case
 
     torch.set_num_threads(1)  # as each torchrun rank; the machine is 2 cores
     rows = [(1, run_case(name, 1, 0, 1)) for name in LAYOUTS[1]]
     with tempfile.TemporaryDirectory() as workdir:
         for nproc in (2, 4):
-            cases = LAYOUTS[nproc] + (["fsdp_compile"] if args.compile and nproc == 2 else [])
+            cases = [case for case in LAYOUTS[nproc] if args.compile or case not in BENCH_OPT_IN]
             rows += [(nproc, r) for r in run_torchrun(nproc, cases, args.steps, workdir)]
     print(
         f"{date.today()} on {platform.node()}: {os.cpu_count()} CPUs "

@@ -146,7 +146,7 @@ def render_machine(info: dict, command: str, load_end: list[float] | None) -> st
         ("date", info["date"]),
         ("command", code(command)),
         ("commit", info.get("commit") or "unknown"),
-        ("CPU", f"{info['cpu']} ({info.get('cpu_capability', '?')})"),
+        ("CPU (torch CPU capability)", f"{info['cpu']} ({info.get('cpu_capability', '?')})"),
         ("cores", f"{info['cores']} (torch threads {info['torch_threads']})"),
         ("memory", f"{info['memory_gib']} GiB" if info.get("memory_gib") else "unknown"),
         ("GPU", info["gpu"] or "none"),

@@ -59,6 +59,33 @@ CASES: dict[str, tuple[dict, dict]] = {
 }
 
 
+# Layouts run at each process count: the parity tests and bench/parallel_layouts.py both read this list.
+# fsdp_compile is opt-in in the benchmark (inductor's cold compile dominates its time); pp_fsdp and
+# pp_tp are benchmark-only (the parity test covers their schedules in pp_1f1b and pp_tp_interleaved).
+LAYOUTS: dict[int, list[str]] = {
+    1: ["single", "ac_full", "ac_selective", "autocast_bf16"],
+    2: [
+        "fsdp",
+        "fsdp_reshard_never",
+        "fsdp_cpu_offload",
+        "fsdp_ac_full",
+        "fsdp_ac_selective",
+        "fsdp_bf16",
+        "fsdp_compile",
+        "hsdp_2x1",
+        "tp",
+        "tp_no_loss_parallel",
+        "tp_ac_selective",
+        "pp_gpipe",
+        "pp_1f1b",
+        "pp_interleaved",
+    ],
+    4: ["hsdp_2x2", "fsdp_tp", "pp_fsdp_pp_outer_order", "pp_fsdp", "pp_tp", "pp_tp_interleaved"],
+}
+BENCH_ONLY = {"pp_fsdp", "pp_tp"}
+BENCH_OPT_IN = {"fsdp_compile"}
+
+
 def tiny_config(parallel: dict, train: dict) -> Config:
     cfg = Config()
     m = cfg.model

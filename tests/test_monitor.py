@@ -9,6 +9,7 @@ import logging
 import math
 import sys
 import types
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,22 @@ def _cfg(**metrics) -> Config:
     for key, value in metrics.items():
         setattr(cfg.metrics, key, value)
     return cfg
+
+
+def _logger(cfg: Config, run_dir: Path, is_main: bool, world_size: int = 1, **kwargs) -> MetricsLogger:
+    return MetricsLogger(
+        cfg.metrics,
+        run_dir,
+        is_main,
+        device=torch.device("cpu"),
+        world_size=world_size,
+        total_steps=cfg.train.max_steps,
+        tokens_per_step=cfg.train.global_batch_size * cfg.train.seq_len,
+        flops_per_token=kwargs.pop("flops_per_token", 1e6),
+        run_name=cfg.run.name,
+        run_config=asdict(cfg),
+        **kwargs,
+    )
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -105,7 +122,7 @@ def test_cpu_peak_is_the_best_measurement_of_this_machine(monkeypatch, tmp_path)
 
 
 def test_mfu_above_one_warns_once_naming_the_peak_source(tmp_path, caplog):
-    logger = MetricsLogger(
+    logger = _logger(
         _cfg(peak_flops=1e6), tmp_path, True, world_size=1, flops_per_token=1e6, progress_bar=False
     )
     with caplog.at_level("WARNING", logger="relaytrain"):
@@ -161,9 +178,7 @@ def test_step_timer_windows(monkeypatch):
 def test_metrics_logger_jsonl_records(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
-    logger = MetricsLogger(
-        _cfg(), tmp_path, is_main=True, world_size=4, flops_per_token=1e6, progress_bar=False
-    )
+    logger = _logger(_cfg(), tmp_path, is_main=True, world_size=4, flops_per_token=1e6, progress_bar=False)
     logger.log_event("start", 0, config_hash="abc", checkpoint=tmp_path / "ckpt")
     logger.log_train(10, {"loss": torch.tensor(2.5), "lr": 1e-3, "grad_norm": 0.75, "time_step_s": 0.25})
     logger.log_train(20, {"loss": float("nan"), "lr": 1e-3, "grad_norm": 1.0}, tokens=2000, seconds=2.0)
@@ -172,9 +187,7 @@ def test_metrics_logger_jsonl_records(tmp_path, monkeypatch):
 
     monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.delenv("SLURM_RESTART_COUNT")
-    again = MetricsLogger(
-        _cfg(), tmp_path, is_main=True, world_size=4, flops_per_token=1e6, progress_bar=False
-    )
+    again = _logger(_cfg(), tmp_path, is_main=True, world_size=4, flops_per_token=1e6, progress_bar=False)
     again.log_event("resume", 20)
     again.close()
 
@@ -194,7 +207,7 @@ def test_metrics_logger_jsonl_records(tmp_path, monkeypatch):
 def test_metrics_logger_tensorboard_and_non_main(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    logger = MetricsLogger(_cfg(tensorboard=True), tmp_path, True, world_size=1, flops_per_token=1e6)
+    logger = _logger(_cfg(tensorboard=True), tmp_path, True, world_size=1, flops_per_token=1e6)
     for step, loss in ((10, 3.0), (20, 2.0)):
         logger.log_train(step, {"loss": loss, "lr": 1e-3, "grad_norm": 0.5, "time_step_s": 1.0})
     logger.log_eval(20, {"val_loss": 2.2})
@@ -209,7 +222,7 @@ def test_metrics_logger_tensorboard_and_non_main(tmp_path):
     assert acc.Scalars("eval/val_loss")[0].value == pytest.approx(2.2)
 
     other = tmp_path / "rank1"
-    worker = MetricsLogger(_cfg(tensorboard=True), other, is_main=False)
+    worker = _logger(_cfg(tensorboard=True), other, is_main=False)
     worker.log_train(10, {"loss": 1.0, "lr": 1.0, "grad_norm": 1.0})
     worker.log_event("stop", 10)
     worker.close()
@@ -234,14 +247,14 @@ def test_wandb_sink_persists_and_reuses_run_id(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", fake)
     cfg = _cfg(wandb=True, wandb_project="proj", wandb_mode="offline", jsonl=False)
 
-    first = MetricsLogger(cfg, tmp_path, True, world_size=2, flops_per_token=1e6)
+    first = _logger(cfg, tmp_path, True, world_size=2, flops_per_token=1e6)
     first.log_train(5, {"loss": 1.5, "lr": 1e-3, "grad_norm": 0.1, "time_step_s": 2.0})
     first.log_eval(5, {"val_loss": 1.7})
     first.log_event("stop", 5)
     first.close()
     run_id = (tmp_path / "wandb_id").read_text().strip()
     assert len(run_id) == 16
-    second = MetricsLogger(cfg, tmp_path, True, world_size=2, flops_per_token=1e6)  # the requeued job
+    second = _logger(cfg, tmp_path, True, world_size=2, flops_per_token=1e6)  # the requeued job
     second.close()
 
     assert [r.kwargs["id"] for r in runs] == [run_id, run_id]
@@ -257,7 +270,7 @@ def test_wandb_sink_persists_and_reuses_run_id(tmp_path, monkeypatch):
 def test_wandb_missing_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     with pytest.raises(UserError, match="pip install wandb"):
-        MetricsLogger(_cfg(wandb=True, jsonl=False), tmp_path, True, flops_per_token=1e6)
+        _logger(_cfg(wandb=True, jsonl=False), tmp_path, True, flops_per_token=1e6)
 
 
 def test_console_line_and_progress_bar(capsys):
@@ -343,7 +356,7 @@ def test_profiler_writes_trace_and_summary(tmp_path, caplog):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    prof = StepProfiler(_profile_cfg([2, 4]), tmp_path, rank=0)
+    prof = StepProfiler(_profile_cfg([2, 4]).metrics, tmp_path, rank=0, device=torch.device("cpu"))
     caplog.set_level(logging.INFO, logger="relaytrain.monitor.profiler")
     prof.step(0)  # before the loop: the job starts from step 0
     for step in range(1, 6):
@@ -362,8 +375,8 @@ def test_profiler_writes_trace_and_summary(tmp_path, caplog):
     assert "profile of 2 steps" in caplog.text and "compute" in caplog.text
 
     with pytest.raises(UserError, match="profile_steps"):
-        StepProfiler(_profile_cfg([5, 5]), tmp_path, 0)
-    idle = StepProfiler(_profile_cfg([]), tmp_path / "idle", 0)
+        StepProfiler(_profile_cfg([5, 5]).metrics, tmp_path, 0, torch.device("cpu"))
+    idle = StepProfiler(_profile_cfg([]).metrics, tmp_path / "idle", 0, torch.device("cpu"))
     idle.step(1)
     idle.close()
     assert not (tmp_path / "idle").exists()
@@ -375,7 +388,7 @@ def test_profiler_counts_collectives_and_closes_early(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         layer = torch.nn.Linear(16, 16)
-        prof = StepProfiler(_profile_cfg([1, 10]), tmp_path, rank=0)
+        prof = StepProfiler(_profile_cfg([1, 10]).metrics, tmp_path, rank=0, device=torch.device("cpu"))
         prof.step(0)
         for step in (1, 2):
             layer(torch.randn(4, 16)).sum().backward()

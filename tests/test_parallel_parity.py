@@ -29,26 +29,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parallel_cases import mixed_precision_reference, run_case  # noqa: E402
+from parallel_cases import BENCH_ONLY, LAYOUTS, mixed_precision_reference, run_case  # noqa: E402
 
 WORKER = Path(__file__).parent / "parallel_cases.py"
-N2_CASES = [
-    "fsdp",
-    "fsdp_reshard_never",
-    "fsdp_cpu_offload",
-    "fsdp_ac_full",
-    "fsdp_ac_selective",
-    "fsdp_bf16",
-    "fsdp_compile",
-    "hsdp_2x1",
-    "tp",
-    "tp_no_loss_parallel",
-    "tp_ac_selective",
-    "pp_gpipe",
-    "pp_1f1b",
-    "pp_interleaved",
-]
-N4_CASES = ["hsdp_2x2", "fsdp_tp", "pp_fsdp_pp_outer_order", "pp_tp_interleaved"]
+N2_CASES = [case for case in LAYOUTS[2] if case not in BENCH_ONLY]
+N4_CASES = [case for case in LAYOUTS[4] if case not in BENCH_ONLY]
 # bf16 case -> the textbook scheme it must reproduce (see mixed_precision_reference).
 BF16_SCHEMES = {"fsdp_bf16": "cast_params", "autocast_bf16": "autocast"}
 
@@ -120,7 +105,7 @@ def launch(nproc: int, cases: list[str], tmp_path: Path) -> dict[str, dict]:
     return results
 
 
-@pytest.mark.parametrize("case", ["ac_full", "ac_selective", "autocast_bf16"])
+@pytest.mark.parametrize("case", [case for case in LAYOUTS[1] if case != "single"])
 def test_single_process_features_match_reference(case, reference, bf16_references):
     assert_matches(run_case(case, world_size=1, rank=0, gpus_per_node=1), reference, bf16_references)
 

@@ -18,13 +18,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from relaytrain.config.schema import Config
+from relaytrain.config.schema import MetricsConfig
 from relaytrain.job import JobFacts
 from relaytrain.monitor.memory import memory_stats
 from relaytrain.monitor.mfu import cpu_capability, mfu, peak_flops_per_device, throughput
@@ -46,13 +45,6 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _json_value(v) for k, v in value.items()}
     return str(value)
-
-
-def default_device(cfg: Config) -> torch.device:
-    """This process's device as ``run.device`` selects it (CUDA: the current device)."""
-    if cfg.run.device != "cpu" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def job_identity() -> dict[str, Any]:
@@ -112,30 +104,30 @@ class MetricsLogger:
     data-parallel ranks), ``lr``, ``grad_norm`` and the ``StepTimer.window()`` values as
     ``time_<name>_s``, plus the raw counts: tokens processed over all ranks in ``seconds`` of wall
     time (default: one global batch in ``time_step_s``). This class alone derives tokens/s, tokens/s
-    per device, MFU (against the peak it owns) and memory stats. ``device`` defaults to the one
-    ``run.device`` selects.
+    per device, MFU (against the peak it owns) and memory stats. It takes its own config section;
+    ``run_config`` is the whole run's config as a dict, stored with the W&B run.
     """
 
     def __init__(
         self,
-        cfg: Config,
+        mcfg: MetricsConfig,
         run_dir: Path,
         is_main: bool,
         *,
-        device: torch.device | None = None,
-        world_size: int | None = None,
-        flops_per_token: float | None = None,
+        device: torch.device,
+        world_size: int,
+        total_steps: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        run_name: str,
+        run_config: dict[str, Any] | None = None,
         progress_bar: bool | None = None,
     ):
-        self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.is_main = is_main
-        self.total_steps = cfg.train.max_steps
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-        self.device = device if device is not None else default_device(cfg)
-        if world_size is None:
-            dist = torch.distributed
-            world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self.device = device
         self.world_size = world_size
         self._sinks: list[Any] = []
         self._console: ConsoleSink | None = None
@@ -144,12 +136,8 @@ class MetricsLogger:
         self._mfu_warned = False
         if not is_main:
             return
-        if flops_per_token is None:
-            from relaytrain.model.flops import flops_per_token as model_flops_per_token
-
-            flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
         self.flops_per_token = float(flops_per_token)
-        peak = peak_flops_per_device(self.device, cfg.metrics.peak_flops)
+        peak = peak_flops_per_device(self.device, mcfg.peak_flops)
         self.peak_flops, self.peak_source = peak.flops, peak.source
         log.info(
             "device %s (CPU capability %s, %d threads): peak %.4g GFLOP/s per device: %s",
@@ -160,14 +148,14 @@ class MetricsLogger:
             peak.source,
         )
 
-        m = cfg.metrics
+        m = mcfg
         if m.jsonl:
             self._sinks.append(JsonlSink(self.run_dir / "metrics.jsonl"))
         if m.tensorboard:
             self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
         if m.wandb:
             self._sinks.append(
-                WandbSink(self.run_dir, m.wandb_project, m.wandb_mode, cfg.run.name, asdict(cfg))
+                WandbSink(self.run_dir, m.wandb_project, m.wandb_mode, run_name, run_config or {})
             )
         self._console = ConsoleSink(self.total_steps, progress_bar=progress_bar)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from relaytrain.config.schema import Config
+from relaytrain.config.schema import MetricsConfig
 from relaytrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -112,16 +112,13 @@ class StepProfiler:
     when nothing ran) writes what was captured if the run stops inside the window.
     """
 
-    def __init__(self, cfg: Config, run_dir: Path, rank: int, device: torch.device | None = None):
-        window = list(cfg.metrics.profile_steps)
+    def __init__(self, mcfg: MetricsConfig, run_dir: Path, rank: int, device: torch.device):
+        window = list(mcfg.profile_steps)
         if window and (len(window) != 2 or not 0 <= window[0] < window[1]):
             raise UserError(f"metrics.profile_steps must be [start, end) with 0 <= start < end, got {window}")
         self.window = tuple(window)
         self.out_dir = Path(run_dir) / "profile"
         self.rank = rank
-        if device is None:
-            cuda = cfg.run.device != "cpu" and torch.cuda.is_available()
-            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.device = device
         self._prof: profile | None = None
         self._step_span: record_function | None = None
