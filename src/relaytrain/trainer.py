@@ -51,7 +51,12 @@ class TrainState:
         self.run_id = run_id
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "lr_scale": self.lr_scale, "run_id": self.run_id}
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "lr_scale": self.lr_scale,
+            "run_id": self.run_id,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
