@@ -1,0 +1,110 @@
+"""The layer rule of docs/architecture.md: a package imports only packages of strictly lower layers.
+
+Imports are read from the source (also those inside functions, the lazy `_EXPORTS` tables and the
+CLI's `COMMAND_MODULES`), so an import hidden in a function body cannot break the rule unseen.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "relaytrain"
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+
+# Bottom to top; the same table is drawn in docs/architecture.md.
+LAYERS: list[set[str]] = [
+    {"errors", "lazy", "job"},  # the in-job layer: facts of the job this process runs in
+    {"config"},
+    {"model", "data", "optim"},
+    {"parallel", "checkpoint", "resilience", "monitor"},
+    {"slurm", "localcluster"},  # login-node side: launcher and job tools; the local test cluster
+    {"trainer", "program"},
+    {"cli", "__init__"},
+]
+LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+MODULE_RE = re.compile(r"^relaytrain\.([a-z_]+)(\.[a-z_]+)*$")
+
+
+def _unit(path: Path) -> str:
+    rel = path.relative_to(SRC)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imported_units(tree: ast.AST) -> set[str]:
+    found: set[str] = set()
+
+    def add(module: str) -> None:
+        match = MODULE_RE.match(module)
+        if match:
+            found.add(match.group(1))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "relaytrain":
+                for alias in node.names:
+                    add(f"relaytrain.{alias.name}")
+            else:
+                add(node.module)
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id in ("_EXPORTS", "COMMAND_MODULES") for t in node.targets
+        ):
+            for const in ast.walk(node.value):
+                if isinstance(const, ast.Constant) and isinstance(const.value, str):
+                    add(const.value)
+    return found
+
+
+def _edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for path in SRC.rglob("*.py"):
+        unit = _unit(path)
+        targets = _imported_units(ast.parse(path.read_text(), filename=str(path))) - {unit}
+        edges.setdefault(unit, set()).update(targets)
+    return edges
+
+
+def test_every_package_has_a_layer():
+    units = {_unit(p) for p in SRC.rglob("*.py")}
+    missing = sorted(u for u in units if u not in LAYER_OF)
+    assert not missing, f"add {missing} to LAYERS here and to docs/architecture.md"
+
+
+def test_lower_layers_never_import_higher_ones():
+    violations = [
+        f"{unit} (layer {LAYER_OF[unit]}) imports {target} (layer {LAYER_OF[target]})"
+        for unit, targets in sorted(_edges().items())
+        for target in sorted(targets)
+        if target in LAYER_OF and unit in LAYER_OF and LAYER_OF[target] >= LAYER_OF[unit]
+    ]
+    assert not violations, "\n".join(violations)
+
+
+def test_only_the_in_job_layer_reads_slurm_variables_inside_a_job():
+    # The launcher (slurm/) and the local cluster write SLURM_* into scripts and configs; inside a
+    # job only relaytrain.job reads them.
+    readers = sorted(
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if _unit(p) not in ("job", "slurm", "localcluster") and re.search(r"[\"']SLURM_[A-Z_]+", p.read_text())
+    )
+    assert not readers, f"these read SLURM_* variables; ask relaytrain.job.JobFacts instead: {readers}"
+
+
+@pytest.mark.parametrize("layer", range(len(LAYERS)))
+def test_the_architecture_page_draws_each_layer(layer):
+    text = ARCHITECTURE.read_text()
+    for name in LAYERS[layer]:
+        shown = {"__init__": "relaytrain/__init__", "lazy": "lazy"}.get(name, name)
+        assert shown in text, f"docs/architecture.md does not mention {shown}"
+
+
+def test_the_rule_catches_an_upward_import(tmp_path):
+    tree = ast.parse("def f():\n    from relaytrain.trainer import Trainer\n")
+    assert "trainer" in _imported_units(tree)
