@@ -92,7 +92,8 @@ def test_only_the_in_job_layer_reads_slurm_variables_inside_a_job():
     readers = sorted(
         str(p.relative_to(SRC))
         for p in SRC.rglob("*.py")
-        if _unit(p) not in ("job", "slurm", "localcluster") and re.search(r"[\"']SLURM_[A-Z_]+", p.read_text())
+        if _unit(p) not in ("job", "slurm", "localcluster")
+        and re.search(r"[\"']SLURM_[A-Z_]+", p.read_text())
     )
     assert not readers, f"these read SLURM_* variables; ask relaytrain.job.JobFacts instead: {readers}"
 
