@@ -27,13 +27,16 @@ from relaytrain.monitor.logs import setup_logging
 from relaytrain.optim import build_optimizer, lr_at, schedule_fit_warning, set_lr
 from relaytrain.parallel import parallelize
 from relaytrain.parallel.distributed import DistEnv, init_distributed, shutdown_distributed
+from relaytrain.parallel.layout import resize_fields, validate_layout
 from relaytrain.resilience import (
     HangWatchdog,
     NanGuard,
     NanInjector,
+    RunStateFile,
     ShutdownController,
     StopReason,
     finished_message,
+    handle_stop,
     mark_finished,
     mark_running,
 )
@@ -153,6 +156,9 @@ class Trainer:
                 world_size=self.env.world_size,
                 nodes=self.env.num_nodes,
             )
+            resize = resize_fields(self.checkpoint.resumed_layout, self.pm.dims, self.env.num_nodes)
+            if resumed is not None and resize is not None:
+                self.metrics.log_event("resize", state.step, **resize)
             self.watchdog.start()
             if resumed is None and cfg.checkpoint.save_initial and cfg.checkpoint.enabled:
                 self.checkpoint.save(0, reason="initial")
@@ -161,6 +167,8 @@ class Trainer:
             self.controller.finish(StopReason.ERROR, state.step, message=repr(exc))
             raise
         finally:
+            # Before the watchdog stops: a pending async save that never commits is still a hang.
+            self.checkpoint.close()
             self.watchdog.stop()
             self.controller.uninstall(exiting=True)
             self.profiler.close()
@@ -285,6 +293,18 @@ class Trainer:
             self.metrics.log_eval(step, {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
 
 
+def check_world(cfg: Config, env: DistEnv, run_dir: Path) -> None:
+    """Refuse a world no layout fits (e.g. a requeue on fewer nodes than the global batch divides by):
+    run_state.json says failed with the reason, so the job ends instead of requeueing into the same error."""
+    try:
+        validate_layout(cfg, env.world_size, env.local_world_size, env.device.type)
+    except UserError as exc:
+        message = f"no valid layout for {env.world_size} rank(s) on {env.num_nodes} node(s): {exc}"
+        step = int((RunStateFile(run_dir).read() or {}).get("step", 0))
+        handle_stop(cfg, run_dir, StopReason.ERROR, step, env.rank, saved=False, message=message)
+        raise UserError(message) from None
+
+
 def train(cfg: Config) -> int:
     """Run (or continue) the configured training job; returns the process exit code."""
     env = init_distributed(cfg)
@@ -297,6 +317,7 @@ def train(cfg: Config) -> int:
         ) from None
     torch.manual_seed(cfg.run.seed)
     try:
+        check_world(cfg, env, run_dir)
         return Trainer(cfg, env).run()
     finally:
         shutdown_distributed()
