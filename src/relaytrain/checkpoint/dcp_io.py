@@ -5,7 +5,8 @@ planner reads non-tensor entries with ``torch.load(weights_only=False)``: a prep
 directory could run any command as the user. Checkpoints get downloaded and shared, so every DCP read in
 relaytrain goes through `load` / `read_metadata` here: ``.metadata`` is unpickled by an unpickler that
 only builds the classes DCP metadata consists of, every data file it names must be a plain file name in
-the checkpoint directory, and non-tensor entries are read with ``weights_only=True``.
+the checkpoint directory, and non-tensor entries are read with ``weights_only=True``. The data files
+themselves are read by storage.RawReader (raw tensor bytes, checksummed on the way).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from relaytrain.checkpoint.storage import ChecksumMismatch, RawReader
 from relaytrain.errors import UserError
 
 DCP_METADATA = ".metadata"
@@ -100,8 +102,8 @@ def read_metadata(step_dir: Path) -> Metadata:
     return meta
 
 
-class SafeReader(dcp.FileSystemReader):
-    """A FileSystemReader whose metadata comes from `read_metadata` above."""
+class SafeReader(RawReader):
+    """A RawReader whose metadata comes from `read_metadata` above."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         meta = read_metadata(Path(self.path))
@@ -132,13 +134,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def load(state: dict[str, Any], step_dir: Path, *, process_group=None, no_dist: bool = True) -> None:
-    """`dcp.load` of `state` from `step_dir` through the safe reader and planner (in place)."""
+def load(
+    state: dict[str, Any],
+    step_dir: Path,
+    *,
+    process_group=None,
+    no_dist: bool = True,
+    expected: dict[str, str] | None = None,
+) -> set[str]:
+    """`dcp.load` of `state` from `step_dir` through the safe reader and planner (in place).
+
+    `expected`: file -> checksum (the manifest's); a file this rank reads whole is compared with it, and
+    a mismatch on any rank raises `ChecksumMismatch` on every rank. Returns the data files this rank read
+    whole (and so checked)."""
     read_metadata(step_dir)  # a refusal raised inside dcp.load would reach the caller wrapped and vague
+    reader = SafeReader(step_dir, expected)
     try:
         dcp.load(
             state,
-            storage_reader=SafeReader(step_dir),
+            storage_reader=reader,
             planner=SafeLoadPlanner(Path(step_dir)),
             process_group=process_group,
             no_dist=no_dist,
@@ -147,7 +161,11 @@ def load(state: dict[str, Any], step_dir: Path, *, process_group=None, no_dist: 
         # A BaseException holding every rank's traceback: hand on this process's cause, as an Exception.
         causes = [cause for cause, _trace in exc.failures.values()]
         for cause in causes:
+            if isinstance(cause, ChecksumMismatch):
+                raise ChecksumMismatch(str(cause)) from None
+        for cause in causes:
             if isinstance(cause, UserError):
                 raise UserError(str(cause)) from None
         first = causes[0] if causes else exc
         raise RuntimeError(f"{type(first).__name__}: {first}") from None
+    return reader.verified

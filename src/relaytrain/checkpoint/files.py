@@ -112,13 +112,32 @@ def write_durable(path: Path, data: bytes) -> None:
     fsync_path(path.parent)
 
 
+def crc_text(crc: int) -> str:
+    """How a manifest records a CRC-32 (the writers compute it while writing; `file_checksum` reads)."""
+    return f"crc32:{crc:08x}"
+
+
 def file_checksum(path: Path) -> str:
     """CRC-32 of the file's content: catches the flipped bits and torn pages a size check cannot."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
-    return f"crc32:{crc:08x}"
+    return crc_text(crc)
+
+
+def is_data_file(rel: str) -> bool:
+    """A DCP shard file (model and optimizer tensors): the bulk of a checkpoint."""
+    return rel.endswith(".distcp") and "/" not in rel
+
+
+def listed_checksums(step_dir: Path) -> dict[str, str]:
+    """Relative path -> checksum as the COMPLETE manifest records them (empty for old manifests)."""
+    try:
+        listed = json.loads((step_dir / COMPLETE).read_text())["files"]
+        return {rel: e["checksum"] for rel, e in listed.items() if isinstance(e, dict) and "checksum" in e}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 def rank_files(step_dir: Path, rank: int) -> list[str]:
@@ -193,11 +212,13 @@ def inside(step_dir: Path, rel: Any) -> Path | None:
     return None if path.is_symlink() else path
 
 
-def damaged_problems(step_dir: Path, verify: bool = True) -> list[str]:
+def damaged_problems(step_dir: Path, verify: bool = True, data: bool = True) -> list[str]:
     """What is wrong with a committed step directory's files (empty: all match the manifest).
 
     `verify` also compares content checksums (reads every byte); otherwise only sizes are compared.
-    Checkpoints written before checksums existed list sizes only.
+    `data=False` leaves the checksums of the DCP shard files to the load that reads them anyway
+    (storage.RawReader compares them on the way). Checkpoints written before checksums existed list
+    sizes only.
     """
     try:
         listed = json.loads((step_dir / COMPLETE).read_text())["files"]
@@ -213,7 +234,12 @@ def damaged_problems(step_dir: Path, verify: bool = True) -> list[str]:
             problems.append(f"{rel} is missing")
         elif path.stat().st_size != entry.get("size"):
             problems.append(f"{rel} has {path.stat().st_size} bytes, expected {entry.get('size')}")
-        elif verify and entry.get("checksum") and file_checksum(path) != entry["checksum"]:
+        elif (
+            verify
+            and entry.get("checksum")
+            and (data or not is_data_file(rel))
+            and file_checksum(path) != entry["checksum"]
+        ):
             problems.append(f"{rel} does not match its checksum (its content changed after the save)")
     return problems
 
@@ -236,13 +262,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
-def choose_resume(ckpt_dir: Path, verify: bool = True) -> tuple[Path | None, str]:
+def choose_resume(
+    ckpt_dir: Path, verify: bool = True, data: bool = True, skip: frozenset[Path] = frozenset()
+) -> tuple[Path | None, str]:
     """The step dir to resume from and a sentence saying why; (None, why) when there is none.
 
     ``latest`` wins when it is committed; otherwise the newest committed step. Incomplete step
     directories (a save that was killed) are never chosen, and a committed one whose files do not match
-    its manifest (sizes; content checksums with `verify`) is skipped for the one before it, with a warning
-    naming the file.
+    its manifest (sizes; content checksums with `verify`, of shard files too with `data`) is skipped for
+    the one before it, with a warning naming the file; so are the step dirs in `skip` (resolved paths: a
+    load found them damaged).
     """
     entries = list_steps(ckpt_dir)
     complete = [e for e in entries if e.complete]
@@ -269,10 +298,23 @@ def choose_resume(ckpt_dir: Path, verify: bool = True) -> tuple[Path | None, str
         reason = why if not candidates else "the checkpoints after it are damaged"
         candidates.append((entry.path, f"{reason}; using the newest complete checkpoint {entry.path.name}"))
     for path, reason in candidates:
-        problems = damaged_problems(path, verify)
+        if path.resolve() in skip:
+            continue
+        problems = damaged_problems(path, verify, data)
         if not problems:
             return path, reason
         log.warning("skipping damaged checkpoint %s: %s", path, "; ".join(problems[:3]))
     if not complete:
         return None, f"no complete checkpoint in {ckpt_dir}"
     return None, f"every complete checkpoint in {ckpt_dir} is damaged"
+
+
+def data_problems(step_dir: Path, checked: set[str]) -> list[str]:
+    """Shard files whose content differs from the manifest, among those a load did not already check
+    while reading them (files read in part, or written by torch's own writer)."""
+    problems = []
+    for rel, checksum in listed_checksums(step_dir).items():
+        path = inside(step_dir, rel)
+        if is_data_file(rel) and rel not in checked and path is not None and file_checksum(path) != checksum:
+            problems.append(f"{rel} does not match its checksum (its content changed after the save)")
+    return problems

@@ -8,10 +8,12 @@ disagree; asynchronous saves run their collectives on a second gloo group, away 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import os
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,7 @@ from relaytrain.checkpoint.state import (
     set_model_state,
     set_optimizer_state,
 )
+from relaytrain.checkpoint.storage import ChecksumMismatch, RawWriter
 from relaytrain.config.schema import CheckpointConfig, ModelConfig
 from relaytrain.errors import UserError
 
@@ -130,11 +133,14 @@ class CheckpointManager:
         self._saved_steps: set[int] = set()
         self._durations: list[float] = []
         self._resumed: tuple[Path, int] | None = None  # the step dir this process resumed from
+        # world_size and parallel dims the resumed checkpoint was saved with (the trainer's resize event)
+        self.resumed_layout: dict[str, Any] | None = None
         # The explicit checkpoint.resume this run's line of checkpoints started at: the step dir it
         # resolved to and the argument as given (absolute), so a requeue recognises its own progress.
         self._lineage = {"resumed_from": "", "resume_arg": ""}
         self._loads = 0
         self._verified: Path | None = None  # the step dir whose checksums the last load plan checked
+        self._damaged: set[Path] = set()  # step dirs a load found damaged (skipped by the next plan)
 
     # -- collectives on the control group ---------------------------------------------------------
 
@@ -199,15 +205,15 @@ class CheckpointManager:
             return
         started = time.perf_counter()
         self._schedule.mark_saved()
-        self._write_train_state(step_dir, step)
+        own_train_state = self._write_train_state(step_dir, step)
         contents = ["model", "train_state"]
         state: dict[str, Any] = {"model": model_state(self.model_parts)}
         # A never-stepped optimizer has no state; asking for it would create some (and change training).
         if self._any(optimizers_have_state(self.optimizers)):
             state["optim"] = optimizer_state(self.model_parts, self.optimizers)
             contents.insert(1, "optimizer")
-        pending = _Pending(step, reason, step_dir, started, contents)
-        writer = dcp.FileSystemWriter(step_dir, sync_files=True)
+        pending = _Pending(step, reason, step_dir, started, contents, checksums=own_train_state)
+        writer = RawWriter(step_dir)
         if self.ckpt.mode == "async":
             written = dcp.async_save(
                 state,
@@ -216,7 +222,7 @@ class CheckpointManager:
                 async_stager=self._stager,
                 no_dist=not self._dist,
             )
-            pending.future = self._checksummer.submit(self._checksum_after, written, step_dir)
+            pending.future = self._checksummer.submit(self._checksums_after, written, writer, pending)
             pending.future.add_done_callback(
                 lambda _f, p=pending: setattr(p, "finished", time.perf_counter())
             )
@@ -230,7 +236,7 @@ class CheckpointManager:
             )
         else:
             dcp.save(state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist)
-            pending.checksums = self._own_checksums(step_dir)
+            pending.checksums |= writer.checksums
             pending.finished = time.perf_counter()
             pending.blocking_s = pending.finished - started
             self._commit(pending)
@@ -256,7 +262,8 @@ class CheckpointManager:
             ) from None
         return "created"
 
-    def _write_train_state(self, step_dir: Path, step: int) -> None:
+    def _write_train_state(self, step_dir: Path, step: int) -> dict[str, str]:
+        """Write this rank's train state file; its manifest checksum, computed from the bytes written."""
         payload = {
             "format_version": L.FORMAT_VERSION,
             "states": {name: obj.state_dict() for name, obj in self.states.items()},
@@ -266,18 +273,18 @@ class CheckpointManager:
         }
         path = L.train_state_file(step_dir, self.rank)
         tmp = path.with_name(path.name + ".tmp")
+        data = io.BytesIO()
+        torch.save(payload, data)
         with open(tmp, "wb") as f:
-            torch.save(payload, f)
+            f.write(data.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
+        return {str(path.relative_to(step_dir)): L.crc_text(zlib.crc32(data.getbuffer()))}
 
-    def _own_checksums(self, step_dir: Path) -> dict[str, str]:
-        return {rel: L.file_checksum(step_dir / rel) for rel in L.rank_files(step_dir, self.rank)}
-
-    def _checksum_after(self, written: Future, step_dir: Path) -> dict[str, str]:
+    def _checksums_after(self, written: Future, writer: RawWriter, pending: _Pending) -> dict[str, str]:
         written.result()
-        return self._own_checksums(step_dir)
+        return pending.checksums | writer.checksums
 
     def _gather_checksums(self, own: dict[str, str]) -> dict[str, str]:
         if not self._dist:
@@ -383,8 +390,21 @@ class CheckpointManager:
 
     def load(self) -> int | None:
         self.wait()
-        kind, path, why, lineage = self._on_rank0(self._plan_load)
         self._loads += 1
+        while True:
+            kind, path, why, lineage = self._on_rank0(self._plan_load)
+            if kind != "resume":
+                break
+            try:
+                return self._resume(Path(path), why, lineage)
+            except ChecksumMismatch as exc:
+                if lineage is not None:  # asked for by name: no silent substitute
+                    raise UserError(
+                        f"checkpoint {path} is damaged ({exc}); resume from an older one with "
+                        "--checkpoint.resume=<older step dir>"
+                    ) from None
+                log.warning("skipping damaged checkpoint %s: %s", path, exc)
+                self._damaged.add(Path(path).resolve())
         if kind == "fresh":
             log.info("starting fresh: %s", why)
             return None
@@ -400,7 +420,7 @@ class CheckpointManager:
                     f"{exc}); it is damaged or not a checkpoint"
                 ) from None
             return None
-        return self._resume(Path(path), why, lineage)
+        raise AssertionError(kind)
 
     def _plan_load(self) -> tuple[str, str | None, str, dict | None]:
         """(kind, path, why, lineage) where lineage names the explicit resume path a run continues from
@@ -449,7 +469,9 @@ class CheckpointManager:
         return "fresh", None, why, None
 
     def _choose_own(self) -> tuple[Path | None, str]:
-        chosen, why = L.choose_resume(self.ckpt_dir, self.ckpt.verify)
+        # Shard files are checked while the load reads them (storage.RawReader), not in a read before it.
+        skip = frozenset(self._damaged)
+        chosen, why = L.choose_resume(self.ckpt_dir, self.ckpt.verify, data=False, skip=skip)
         self._verified = chosen.resolve() if chosen is not None and self.ckpt.verify else None
         return chosen, why
 
@@ -461,7 +483,7 @@ class CheckpointManager:
             )
         # choose_resume has just read every byte of the one it chose; sizes are enough then.
         verify = self.ckpt.verify and step_dir.resolve() != self._verified
-        problems = L.damaged_problems(step_dir, verify)
+        problems = L.damaged_problems(step_dir, verify, data=False)
         if problems:
             older = [
                 e.path
@@ -513,12 +535,14 @@ class CheckpointManager:
             state: dict[str, Any] = {"model": model_state(self.model_parts)}
             if "optimizer" in meta["contents"]:
                 state["optim"] = optimizer_state(self.model_parts, self.optimizers)
-            dcp_io.load(
+            checked = dcp_io.load(
                 state,
                 step_dir,
                 process_group=self._save_pg,
                 no_dist=not self._dist,
+                expected=L.listed_checksums(step_dir) if self.ckpt.verify else None,
             )
+            self._check_data(step_dir, checked)
             set_model_state(self.model_parts, state["model"])
             if "optim" in state:
                 set_optimizer_state(self.model_parts, self.optimizers, state["optim"])
@@ -528,6 +552,7 @@ class CheckpointManager:
         except UserError:
             raise
         except Exception as exc:
+            self._check_data(step_dir, set())  # garbage content makes torch's reader fail on the way
             raise UserError(
                 f"cannot load checkpoint {step_dir} ({type(exc).__name__}: {exc}); it is damaged or "
                 "not from this relaytrain; resume from an older one with "
@@ -545,10 +570,21 @@ class CheckpointManager:
             else:
                 obj.load_state_dict(payload["states"][name])
         self._resumed = (step_dir.resolve(), step)
+        self.resumed_layout = {"world_size": meta["world_size"], **meta["parallel_dims"]}
         self._lineage = lineage or {k: str(meta.get(k, "")) for k in ("resumed_from", "resume_arg")}
         self._saved_steps = {s for s in self._saved_steps if s <= step}
         self._schedule.mark_saved()
         return step
+
+    def _check_data(self, step_dir: Path, checked: set[str]) -> None:
+        """Raise ChecksumMismatch on every rank when a shard file no rank checked while reading it (read in
+        part when resharding, or written by torch's own writer) differs from the manifest."""
+        if not self.ckpt.verify:
+            return
+        seen = set(self._gather_checksums(dict.fromkeys(checked, "")))
+        problems = self._on_rank0(lambda: L.data_problems(step_dir, seen))
+        if problems:
+            raise ChecksumMismatch("; ".join(problems[:3]))
 
     def close(self) -> None:
         """Commit a pending save, then release the stager, the checksum thread and the gloo groups.
