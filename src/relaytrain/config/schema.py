@@ -147,6 +147,8 @@ class ResilienceConfig:
     hard_deadline_s: float = setting(120.0, seconds(zero_ok=False))
     requeue: bool = True  # after a time-limit or preemption stop, rank 0 requeues the job
     max_requeues: int = setting(20, at_least(0))  # cap on requeues for time limits
+    # cap on requeues after crashes (a rank killed, an exception, a hang) within one SLURM job
+    max_crash_requeues: int = setting(3, at_least(0))
     # process-group init and the first health all-reduce
     init_timeout_s: float = setting(120.0, seconds(zero_ok=False))
     collective_timeout_s: float = setting(1800.0, seconds(zero_ok=False))  # timeout of training collectives

@@ -166,6 +166,16 @@ def last_step(run_dir: Path) -> int | None:
     return None
 
 
+def run_state_note(run_dir: Path) -> str:
+    """For a failed run, `<reason>: <message>` from its run_state.json (a crash loop says so), else ``""``."""
+    from relaytrain.resilience.run_state import RunStateFile
+
+    state = RunStateFile(run_dir).read() or {}
+    if state.get("status") != "failed":
+        return ""
+    return f"{state.get('reason', '?')}: {state.get('message', '')}".strip()
+
+
 def find_entry(job_id: str, runs_root: Path = Path("runs")) -> dict | None:
     """The jobs.jsonl record `relaytrain launch/sweep` wrote for this job id (array task ids too)."""
     base = job_id.split("_")[0]
@@ -203,6 +213,8 @@ def describe(job_or_run: str, runs_root: Path = Path("runs")) -> list[Job]:
         for job in jobs:
             job.run_dir = str(run_dir)
             job.last_step = last_step(run_dir)
+        if jobs:
+            jobs[-1].reason = run_state_note(run_dir) or jobs[-1].reason
         return jobs
     jobs = query_job(job_or_run)
     for job in jobs:
@@ -210,6 +222,7 @@ def describe(job_or_run: str, runs_root: Path = Path("runs")) -> list[Job]:
         if found is not None:
             job.run_dir = str(found)
             job.last_step = last_step(found)
+            job.reason = run_state_note(found) or job.reason
     return jobs
 
 

@@ -1,0 +1,218 @@
+"""Crash recovery: a job step that crashed is requeued from the last complete checkpoint, capped per job.
+
+The unit tests drive ``relaytrain.resilience.crash`` with a fake requeue; the Slurm tests SIGKILL one
+rank of a real job on the local cluster and check the resumed run against an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from e2e_slurm_jobs import (
+    FIRST_RUN_ONLY,
+    assert_losses_match,
+    cli,
+    complete_checkpoints,
+    job_log,
+    launch,
+    marker,
+    records,
+    setup_override,
+    start_reference,
+    write_config,
+)
+from relaytrain.job import JobFacts
+from relaytrain.resilience import crash
+from relaytrain.resilience.run_state import RunStateFile
+
+from slurm_fixtures import wait_for, wait_job_finished
+
+JOB = {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2"}
+
+
+@pytest.fixture
+def requeues(monkeypatch):
+    calls: list[str] = []
+
+    def fake(requeue_id: str) -> tuple[bool, str]:
+        calls.append(requeue_id)
+        return True, f"scontrol requeue {requeue_id}"
+
+    monkeypatch.setattr(crash, "scontrol_requeue", fake)
+    return calls
+
+
+def write_state(run_dir: Path, status: str, reason: str = "", job_id: str = "41", restart: int = 2, **extra):
+    RunStateFile(run_dir).write(status, reason, 12, job_id=job_id, restart_count=restart, **extra)
+
+
+@pytest.mark.parametrize(
+    ("status", "reason", "job_id", "code", "is_crash"),
+    [
+        ("running", "", "41", 137, True),  # a rank SIGKILLed mid-step: no record
+        ("failed", "error", "41", 1, True),  # an exception on one rank
+        ("failed", "hang", "41", 1, True),  # the watchdog
+        ("failed", "nan", "41", 1, False),  # NaN policy: the same data would fail again
+        ("stopped", "preemption", "41", 1, False),  # torchrun exits 1 after SIGTERM; the stop decided
+        ("finished", "max_steps", "41", 0, False),
+        ("stopped", "preemption", "40", 1, True),  # marker of an earlier job: died before writing
+        ("stopped", "preemption", "40", 2, False),  # exit 2: a config error, retrying cannot help
+    ],
+)
+def test_classify(tmp_path, status, reason, job_id, code, is_crash):
+    write_state(tmp_path, status, reason, job_id=job_id)
+    got, why = crash.classify(RunStateFile(tmp_path).read(), JobFacts.from_env(JOB), code)
+    assert got is is_crash, why
+
+
+def test_crash_requeues_until_the_cap_then_records_a_crash_loop(tmp_path, requeues):
+    log_tail = (
+        "[relaytrain] job 41: restart count 1, 1 node(s)\nsrun: error: node1: task 0: Exited\n"
+        "[relaytrain] job 41: restart count 2, 1 node(s)\nsrun: error: node2: task 1: Killed\n"
+    )
+    for attempt in range(3):
+        write_state(tmp_path, "running")
+        requeued = crash.after_step(tmp_path, 137, 2, True, log_tail, env=JOB)
+        state = RunStateFile(tmp_path).read()
+        assert state is not None
+        if attempt < 2:
+            assert requeued and requeues == ["41"] * (attempt + 1)
+            assert (state["status"], state["reason"], state["requeued"]) == ("failed", "crash", True)
+        else:
+            assert not requeued and len(requeues) == 2
+            assert (state["status"], state["reason"]) == ("failed", "crash_loop")
+            assert "max_crash_requeues=2" in state["message"]
+        assert state["crash"]["signal"] == "SIGKILL" and state["crash"]["nodes"] == ["node2"]
+        assert state["crash_count"] == attempt + 1
+    entries = [json.loads(line) for line in (tmp_path / crash.CRASH_LOG_FILE).read_text().splitlines()]
+    assert [e["job_id"] for e in entries] == ["41"] * 3
+    # A job resubmitted by hand starts with a fresh allowance.
+    write_state(tmp_path, "running", job_id="42", restart=0)
+    assert crash.after_step(tmp_path, 1, 2, True, env={"SLURM_JOB_ID": "42"})
+
+
+def test_no_requeue_when_requeue_is_off_or_not_a_crash(tmp_path, requeues):
+    write_state(tmp_path, "running")
+    assert not crash.after_step(tmp_path, 1, 3, False, env=JOB)
+    state = RunStateFile(tmp_path).read()
+    assert state and (state["status"], state["reason"]) == ("failed", "crash")
+    assert state["requeue_pending"] is False
+    write_state(tmp_path, "stopped", "time_limit_signal")
+    assert not crash.after_step(tmp_path, 1, 3, True, env=JOB)
+    assert RunStateFile(tmp_path).read()["status"] == "stopped"  # untouched
+    assert requeues == []
+
+
+def test_torchrun_failure_summary_names_the_signal():
+    text = "traceback : Signal 9 (SIGKILL) received by PID 4242\n"
+    assert crash.torchrun_signals(text) == ["SIGKILL"]
+    assert crash.signal_of(137) == "SIGKILL" and crash.signal_of(1) == ""
+
+
+def test_crash_check_block_of_the_batch_script_and_the_default_cap():
+    from relaytrain.config import load_config
+
+    template = (Path(crash.__file__).parents[1] / "slurm" / "templates" / "job.sh.j2").read_text()
+    assert "-m relaytrain.resilience.crash --config" in template
+    assert load_config(None).resilience.max_crash_requeues == 3
+
+
+# --------------------------------------------------------------------------------------------------
+# On the real local Slurm cluster
+# --------------------------------------------------------------------------------------------------
+
+
+def rank_pids(job_id: str, rank: int) -> list[int]:
+    """Training processes of a job (found through their environment) with RANK=rank."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (
+            f"SLURM_JOB_ID={job_id}".encode() in environ
+            and f"RANK={rank}".encode() in environ
+            and b"relaytrain.cli\0train" in cmdline
+            and b"torch.distributed.run" not in cmdline
+        ):
+            pids.append(int(proc.name))
+    return pids
+
+
+def kill_rank_at(run_dir: Path, job_id: str, restart: int, step: int, rank: int = 1) -> int:
+    """SIGKILL one rank once run `restart` of the job logged `step`; returns the last logged step."""
+
+    def reached():
+        rows = [r for r in records(run_dir, "train") if r.get("restart") == restart]
+        return max((r["step"] for r in rows), default=0) >= step and rank_pids(job_id, rank)
+
+    wait_for(reached, 240, f"run {restart} of job {job_id} to reach step {step}", interval=0.5)
+    for pid in rank_pids(job_id, rank):
+        os.kill(pid, signal.SIGKILL)
+    return max(r["step"] for r in records(run_dir, "train") if r.get("restart") == restart)
+
+
+CRASH_STEPS = 40
+CRASH_RESILIENCE = "\n[checkpoint]\ninterval = 10\n"
+
+
+@pytest.mark.slurm
+def test_sigkill_of_one_rank_requeues_and_resumes_bit_exact(slurm_cluster, tmp_path):
+
+    runs = tmp_path / "runs"
+    cfg = write_config(tmp_path / "crash.toml", runs, "crash", CRASH_STEPS)
+    cfg.write_text(cfg.read_text() + CRASH_RESILIENCE)
+    reference = start_reference(runs / "reference", cfg)
+    slow = FIRST_RUN_ONLY.format("export RELAYTRAIN_STEP_DELAY_S=0.4")
+    job = launch(str(cfg), "--nodes", "1", "--tasks-per-node", "2", setup_override(slow))
+    run_dir = runs / "crash"
+    try:
+        killed_at = kill_rank_at(run_dir, job, 0, 15)
+        checkpoints = complete_checkpoints(run_dir)
+        fields = wait_job_finished(int(job), timeout=300)
+        out, _ = reference.communicate(timeout=300)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+        if reference.poll() is None:
+            reference.kill()
+    assert reference.returncode == 0, out[-3000:]
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", job_log(run_dir, job)
+    resumes = [r for r in records(run_dir, "event") if r["event"] == "resume"]
+    assert resumes and resumes[0]["step"] == max(checkpoints) <= killed_at
+    entries = crash.CrashLog(run_dir).entries()
+    assert len(entries) == 1 and entries[0]["job_id"] == job and entries[0]["signal"] == "SIGKILL", entries
+    assert marker(run_dir)["status"] == "finished"
+    reference_losses = {r["step"]: r["loss"] for r in records(runs / "reference", "train")}
+    assert_losses_match(run_dir, reference_losses)
+
+
+@pytest.mark.slurm
+def test_a_crash_loop_stops_at_max_crash_requeues(slurm_cluster, tmp_path):
+    runs = tmp_path / "runs"
+    cfg = write_config(tmp_path / "loop.toml", runs, "loop", CRASH_STEPS)
+    cfg.write_text(cfg.read_text() + CRASH_RESILIENCE + "\n[resilience]\nmax_crash_requeues = 1\n")
+    slow = setup_override("export RELAYTRAIN_STEP_DELAY_S=0.4")
+    job = launch(str(cfg), "--nodes", "1", "--tasks-per-node", "2", slow)
+    run_dir = runs / "loop"
+    try:
+        kill_rank_at(run_dir, job, 0, 3)
+        kill_rank_at(run_dir, job, 1, 3)
+        fields = wait_job_finished(int(job), timeout=300)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    assert fields["JobState"] == "FAILED" and fields["Restarts"] == "1", job_log(run_dir, job)
+    state = marker(run_dir)
+    assert (state["status"], state["reason"], state["crash_count"]) == ("failed", "crash_loop", 2), state
+    assert len(crash.CrashLog(run_dir).entries()) == 2
+    code, out = cli("status", job, "--runs", str(runs))
+    assert code == 0 and "crash_loop" in out, out
