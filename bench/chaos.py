@@ -1,0 +1,434 @@
+"""`python -m bench.chaos`: interrupt real Slurm jobs at random moments and check that no work is lost.
+
+    python -m bench.chaos --trials 20 --seed 7      # writes its section of docs/benchmarks.md
+    python -m bench.chaos --quick                   # 3 trials (the `slurm` test runs this), no page
+
+Each trial draws a (phase, event) pair from a seeded generator, launches a tiny 2-rank run on the local
+Slurm cluster (`relaytrain cluster up`), waits for the phase, fires the event, and continues the run to
+the end: the job requeues itself (preemption, a crash), or the benchmark resubmits it where the policy
+is not to requeue (a USR2 cancel). The finished run is compared with one uninterrupted reference run of
+the same config: every logged loss bit-identical, the set of steps the same (replayed steps counted),
+`checkpoints/latest` naming a complete checkpoint, no files beyond the documented set, and the last
+`run_state.json` saying `finished`.
+
+The benchmark holds /tmp/relaytrain-slurm.lock (the cluster is shared) for chunks of `--chunk` trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from bench.report import REPO, code, machine_info, table, write_page
+
+LOCK = "/tmp/relaytrain-slurm.lock"
+OUT = REPO / "bench" / "out" / "chaos"
+STEPS = 40
+INTERVAL = 10
+EVAL_EVERY = 10
+STEP_DELAY_S = 0.3  # first run only: a 40-step tiny run lasts ~15 s, long enough to hit a phase
+PHASES = ("mid_step", "mid_eval", "async_save", "startup", "resume_load", "emergency_save")
+EVENTS = ("usr2", "preempt", "sigkill_rank", "kill_node")
+# Files a finished run may hold: everything else is a leftover.
+ALLOWED = re.compile(
+    r"^(config\.toml|metrics\.jsonl|run_state\.json|crashes\.jsonl|slurm/.*|logs/.*|tensorboard/.*|"
+    r"checkpoints/latest|checkpoints/step_\d+/.*)$"
+)
+CONFIG = """[run]
+name = "{name}"
+dir = "{runs}"
+
+[model]
+dim = 64
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+vocab_size = 320
+
+[train]
+seq_len = 32
+global_batch_size = 8
+micro_batch_size = 2
+max_steps = {steps}
+eval_every = {eval_every}
+eval_steps = 2
+
+[optim]
+warmup_steps = 2
+
+[metrics]
+log_every = 1
+tensorboard = false
+
+[checkpoint]
+interval = {interval}
+mode = "async"
+
+[resilience]
+hard_deadline_s = 60
+hang_timeout_s = 60
+
+[slurm]
+profile = "{profile}"
+"""
+
+
+@dataclass
+class Trial:
+    index: int
+    phase: str
+    event: str
+    job: str = ""
+    fired_at_step: int = -1
+    resubmits: int = 0
+    restarts: int = 0
+    bit_exact: bool = False
+    steps_replayed: int = 0
+    latest_complete: bool = False
+    leftovers: list[str] = field(default_factory=list)
+    final_status: str = ""
+    seconds: float = 0.0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.bit_exact and self.latest_complete and not self.leftovers and self.final_status == "finished"
+        )
+
+
+def relaytrain(*args: str, timeout: float = 120) -> str:
+    done = subprocess.run(["relaytrain", *args], capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"relaytrain {' '.join(args)} exited {done.returncode}: {done.stdout}{done.stderr}"
+        )
+    return done.stdout
+
+
+def scontrol_job(job: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    return dict(re.findall(r"(?:^|\s)(\w+)=(\S*)", out))
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in rows if r.get("kind") == kind]
+
+
+def wait(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.3):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def rank_pids(job: str, rank: int | None = None) -> list[int]:
+    """The job's training processes (not torchrun), found through their environment."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job}".encode() not in environ or b"relaytrain.cli\0train" not in cmdline:
+            continue
+        if b"torch.distributed.run" in cmdline:
+            continue
+        if rank is None or f"RANK={rank}".encode() in environ:
+            pids.append(int(proc.name))
+    return pids
+
+
+@contextmanager
+def cluster_lock(enabled: bool = True):
+    """flock(LOCK), unless the caller already holds it (`flock LOCK pytest -m slurm` runs the quick test)."""
+    if not enabled:
+        yield
+        return
+    with open(LOCK, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class Bench:
+    def __init__(self, base: Path, cluster):
+        self.base, self.cluster = base, cluster
+        self.runs = base / "runs"
+        self.config = base / "chaos.toml"
+        self.config.write_text(
+            CONFIG.format(
+                name="reference",
+                runs=self.runs,
+                steps=STEPS,
+                eval_every=EVAL_EVERY,
+                interval=INTERVAL,
+                profile=REPO / "configs" / "clusters" / "local.toml",
+            )  # fmt: skip
+        )
+        self.reference: dict[int, float] = {}
+        self.reference_val: dict[int, float] = {}
+
+    def run_reference(self) -> None:
+        """The uninterrupted run: torchrun on this machine, same config and world size (2)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+        env["OMP_NUM_THREADS"] = "1"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "relaytrain.cli", "train", str(self.config)]  # fmt: skip
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"the reference run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        run_dir = self.runs / "reference"
+        self.reference = {r["step"]: r["loss"] for r in records(run_dir, "train")}
+        self.reference_val = {r["step"]: r["val_loss"] for r in records(run_dir, "eval") if "val_loss" in r}
+
+    # -- one trial ---------------------------------------------------------------------------------
+
+    def launch(self, name: str) -> str:
+        delay = f"export RELAYTRAIN_STEP_DELAY_S={STEP_DELAY_S}"
+        slow = f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {delay}; fi'
+        out = relaytrain("launch", str(self.config), "--nodes", "1", "--tasks-per-node", "2",
+                         f"--run.name={name}", f"--slurm.setup=['{slow}']")  # fmt: skip
+        match = re.search(r"submitted job (\d+)", out)
+        if not match:
+            raise RuntimeError(f"no job id in: {out}")
+        return match.group(1)
+
+    def wait_phase(self, trial: Trial, run_dir: Path, rng: random.Random) -> None:
+        def last() -> int:
+            return max((r["step"] for r in records(run_dir, "train") if r.get("restart", 0) == 0), default=0)
+
+        def running() -> bool:
+            return bool(rank_pids(trial.job))
+
+        if trial.phase == "startup":
+            wait(running, 120, "the ranks to start")
+            time.sleep(rng.uniform(0.0, 4.0))  # before or after `import torch` (about 3 s here)
+        elif trial.phase == "mid_eval":
+            target = rng.choice([EVAL_EVERY * k for k in range(1, STEPS // EVAL_EVERY)])
+            wait(lambda: last() >= target - 1, 180, f"step {target - 1}")
+        elif trial.phase == "async_save":
+            target = rng.choice([INTERVAL * k for k in range(1, STEPS // INTERVAL)])
+            wait(lambda: last() >= target, 180, f"step {target}")
+        else:  # mid_step, emergency_save, resume_load (the first event)
+            target = rng.randint(3, STEPS - 8)
+            wait(lambda: last() >= target, 180, f"step {target}")
+        trial.fired_at_step = last()
+
+    def fire(self, trial: Trial, event: str) -> None:
+        if event == "usr2":
+            subprocess.run(["scancel", "--signal=USR2", trial.job], check=False, timeout=30)
+        elif event == "sigkill_rank":
+            for pid in rank_pids(trial.job, rank=1):
+                os.kill(pid, signal.SIGKILL)
+        elif event == "preempt":
+            node = scontrol_job(trial.job).get("BatchHost", "")
+            subprocess.run(["sbatch", "--partition=high", f"--nodelist={node}", "--nodes=1", "--ntasks=1",
+                            f"--cpus-per-task={self.cluster.cpus_per_node}", "--output=/dev/null",
+                            "--wrap=sleep 2"], check=True, capture_output=True, timeout=30)  # fmt: skip
+        elif event == "kill_node":
+            from relaytrain.localcluster import cluster as local_cluster
+
+            node = scontrol_job(trial.job).get("BatchHost", "")
+            local_cluster.kill_node(node, self.cluster.base_dir)
+            trial.error = f"killed {node}"
+            self._dead_node = node
+        else:
+            raise ValueError(event)
+
+    def run_trial(self, trial: Trial, rng: random.Random) -> None:
+        start = time.monotonic()
+        name = f"chaos-{trial.index}"
+        run_dir = self.runs / name
+        self._dead_node = ""
+        try:
+            trial.job = self.launch(name)
+            self.wait_phase(trial, run_dir, rng)
+            self.fire(trial, trial.event)
+            if trial.phase == "emergency_save":
+                time.sleep(rng.uniform(0.1, 1.0))  # a second signal while the first one's save runs
+                self.fire(trial, "usr2" if trial.event != "kill_node" else "kill_node")
+            if trial.phase == "resume_load":
+                wait(lambda: int(scontrol_job(trial.job).get("Restarts", "0")) >= 1
+                     or scontrol_job(trial.job).get("JobState") not in ("RUNNING", "PENDING"),
+                     120, "a requeue")  # fmt: skip
+                if int(scontrol_job(trial.job).get("Restarts", "0")) >= 1:
+                    wait(lambda: rank_pids(trial.job), 120, "the resumed ranks to start")
+                    time.sleep(rng.uniform(1.0, 5.0))  # torch import, then the checkpoint load
+                    self.fire(trial, "sigkill_rank")
+            if self._dead_node:
+                from relaytrain.localcluster import cluster as local_cluster
+
+                wait(
+                    lambda: int(scontrol_job(trial.job).get("Restarts", "0")) >= 1,
+                    120,
+                    "node-failure requeue",
+                )
+                local_cluster.restart_node(self._dead_node, self.cluster.base_dir)
+                trial.error = ""
+            self.finish(trial, run_dir)
+            self.check(trial, run_dir)
+        except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as err:
+            trial.error = str(err)[:300]
+            subprocess.run(["scancel", trial.job], capture_output=True, timeout=30)
+        trial.seconds = round(time.monotonic() - start, 1)
+
+    def finish(self, trial: Trial, run_dir: Path) -> None:
+        """Wait for the job; resubmit while the run is not finished (the policy did not requeue)."""
+        job = trial.job
+        for _ in range(4):
+            fields = wait(lambda job=job: (f := scontrol_job(job)) and f.get("JobState") in
+                          ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") and f, 420,
+                          f"job {job} to end", interval=1.0)  # fmt: skip
+            trial.restarts += int(fields.get("Restarts", "0"))
+            state = (
+                json.loads((run_dir / "run_state.json").read_text())
+                if (run_dir / "run_state.json").exists()
+                else {}
+            )
+            trial.final_status = state.get("status", "")
+            if trial.final_status == "finished":
+                return
+            trial.resubmits += 1
+            job = self.launch(run_dir.name)
+        raise RuntimeError(f"run {run_dir.name} did not finish after {trial.resubmits} resubmissions")
+
+    def check(self, trial: Trial, run_dir: Path) -> None:
+        rows = records(run_dir, "train")
+        steps = [r["step"] for r in rows]
+        trial.steps_replayed = len(steps) - len(set(steps))
+        vals = {r["step"]: r["val_loss"] for r in records(run_dir, "eval") if "val_loss" in r}
+        trial.bit_exact = (
+            set(steps) == set(self.reference)
+            and all(r["loss"] == self.reference[r["step"]] for r in rows)
+            and all(v == self.reference_val.get(s) for s, v in vals.items())
+            and set(vals) == set(self.reference_val)
+        )
+        latest = run_dir / "checkpoints" / "latest"
+        target = latest.read_text().strip() if latest.is_file() else ""
+        trial.latest_complete = bool(target) and (run_dir / "checkpoints" / target / "COMPLETE").is_file()
+        trial.leftovers = sorted(
+            str(p.relative_to(run_dir)) for p in run_dir.rglob("*")
+            if p.is_file() and not ALLOWED.match(str(p.relative_to(run_dir)))
+        )[:5]  # fmt: skip
+
+
+def draw(trials: int, seed: int) -> list[Trial]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(trials):
+        phase = rng.choice(PHASES)
+        event = rng.choice(("sigkill_rank",) if phase == "resume_load" else EVENTS)
+        out.append(Trial(i, phase, event))
+    return out
+
+
+def render(trials: list[Trial], seed: int, command: str, info: dict) -> str:
+    ok = sum(t.ok for t in trials)
+    rows = [
+        (t.index, t.phase, t.event, t.fired_at_step, t.restarts, t.resubmits,
+         "yes" if t.bit_exact else "**no**", t.steps_replayed,
+         "yes" if t.latest_complete else "**no**", ", ".join(t.leftovers) or "none",
+         t.final_status, t.seconds, t.error or "")
+        for t in trials
+    ]  # fmt: skip
+    return (
+        "## Chaos: random interruptions on real Slurm\n\n"
+        f"Date {datetime.now(UTC).date()}, machine: {info.get('cpu', '?')} ({info.get('cores', '?')} cores), "
+        f"local Slurm cluster (`relaytrain cluster up`). Seed **{seed}**. Command: {code(command)}.\n"
+        f"A 2-rank tiny run ({STEPS} steps, async checkpoint every {INTERVAL}, eval every {EVAL_EVERY}) "
+        "per trial, "
+        "compared with one uninterrupted reference run. Leftovers: files outside config.toml, metrics.jsonl, "
+        "run_state.json, crashes.jsonl, slurm/, logs/, checkpoints/latest and complete checkpoints.\n\n"
+        f"**{ok} of {len(trials)} trials passed** (bit-exact losses and val_losses, latest complete, "
+        "no leftovers, finished).\n\n"
+        + table(
+            [
+                "#",
+                "phase",
+                "event",
+                "fired at step",
+                "restarts",
+                "resubmits",
+                "bit-exact",
+                "steps replayed",
+                "latest complete",
+                "leftovers",
+                "final status",
+                "s",
+                "error",
+            ],
+            rows,
+        )  # fmt: skip
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=None, help="default: from the clock (printed)")
+    parser.add_argument("--quick", action="store_true", help="3 trials, no page")
+    parser.add_argument("--chunk", type=int, default=5, help="trials per hold of the cluster lock")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--no-lock", action="store_true", help=f"the caller holds {LOCK} already")
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else int(time.time()) % 100000
+    trials = draw(3 if args.quick else args.trials, seed)
+    print(f"bench.chaos: seed {seed}, {len(trials)} trials", flush=True)
+    from relaytrain.localcluster import cluster as local_cluster
+
+    base = Path(args.out) / f"seed{seed}-{int(time.time())}"
+    base.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed + 1)
+    with cluster_lock(not args.no_lock):
+        info = local_cluster.running_cluster() or local_cluster.cluster_up(nodes=2, cpus_per_node=4)
+    os.environ.update(info.env)
+    bench = Bench(base, info)
+    bench.run_reference()
+    for start in range(0, len(trials), args.chunk):
+        with cluster_lock(not args.no_lock):
+            for trial in trials[start : start + args.chunk]:
+                bench.run_trial(trial, rng)
+                print(f"bench.chaos: {json.dumps(asdict(trial))}", flush=True)
+    (base / "results.json").write_text(json.dumps([asdict(t) for t in trials], indent=1))
+    command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
+    section = render(trials, seed, command.strip(), machine_info())
+    print(section)
+    if not (args.quick or args.no_write):
+        write_page({"chaos": section})
+    return 0 if all(t.ok for t in trials) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
