@@ -167,7 +167,9 @@ class SlurmConfig:
     partition: str = ""
     account: str = ""
     qos: str = ""
-    nodes: int = setting(1, at_least(1))
+    nodes: int = setting(1, at_least(1))  # the most nodes (with min_nodes: the top of the range)
+    # 0: exactly `nodes`; else Slurm may start each job of the chain on min_nodes..nodes (--nodes MIN-MAX)
+    min_nodes: int = setting(0, at_least(0))
     # -1: from the profile, else 8; 0: CPU-only nodes (set tasks_per_node)
     gpus_per_node: int = setting(-1, at_least(-1))
     gpu_type: str = ""  # h100, h200, a100, mi250x, ... (relaytrain plan); mi*: AMD ROCm/RCCL

@@ -32,8 +32,24 @@ def _console() -> Console:
     return Console(highlight=False, soft_wrap=False, width=150 if not sys.stdout.isatty() else None)
 
 
+def _node_range(text: str) -> tuple[int, int]:
+    """`--nodes 4` -> (0, 4); `--nodes 2-4` -> (2, 4): slurm.min_nodes and slurm.nodes."""
+    low, dash, high = text.strip().partition("-")
+    try:
+        lo, hi = (int(low), int(high)) if dash else (0, int(low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a node count N or a range MIN-MAX (2-4)") from None
+    if hi < 1 or (dash and not 1 <= lo <= hi):
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX (e.g. --nodes 2-4)")
+    return lo, hi
+
+
 def _add_slurm_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, help="number of nodes")
+    p.add_argument(
+        "--nodes",
+        type=_node_range,
+        help="number of nodes, or MIN-MAX (e.g. 2-4): Slurm may start each job of the chain on any count",
+    )
     p.add_argument(
         "--gpus-per-node", type=int, help="GPUs per node (0: CPU-only nodes, set --tasks-per-node)"
     )
@@ -67,6 +83,8 @@ def _request(args: argparse.Namespace, config: str | None):
     from relaytrain.slurm.launch import LaunchRequest
 
     slurm = {key: getattr(args, flag, None) for flag, (key, _) in _SLURM_FLAGS.items()}
+    if slurm["nodes"] is not None:
+        slurm["min_nodes"], slurm["nodes"] = slurm["nodes"]
     return LaunchRequest(
         config=config,
         overrides=_overrides(args),
@@ -101,12 +119,24 @@ def cmd_chain(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from relaytrain.slurm.launch import load_resolved
-    from relaytrain.slurm.plan import plan_for, plan_rows
+    from relaytrain.slurm.plan import plan_rows, plans_for, range_rows
 
     req = _request(args, args.config)
     cfg = load_resolved(req)
-    plan = plan_for(cfg)
+    plans = plans_for(cfg)
+    plan = plans[-1]
     console = _console()
+    if len(plans) > 1:  # --nodes MIN-MAX: each count Slurm may start a job of the chain on
+        counts = Table(title="node range: the layout at each count (global batch fixed)", show_header=True)
+        for column in ("nodes", "ranks", "layout", "micro batch x accum", "memory per GPU", "verdict"):
+            counts.add_column(column, overflow="fold")
+        for row in range_rows(plans):
+            counts.add_row(*row)
+        console.print(counts)
+        for other in plans[:-1]:
+            for name, level, detail in other.checks:
+                if level == "fail":
+                    console.print(f"[red]fail at {other.nodes} node(s)[/]: {name}: {detail}")
     facts = Table(title=f"relaytrain plan: {cfg.run.name}", show_header=False)
     facts.add_column("what")
     facts.add_column("value")
@@ -119,8 +149,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for name, level, detail in plan.checks:
         checks.add_row(name, f"[{_LEVEL_STYLE[level]}]{level}[/]", detail)
     console.print(checks)
-    console.print(f"verdict: [{'red' if plan.verdict == 'impossible' else 'green'}]{plan.verdict}[/]")
-    return 1 if plan.verdict == "impossible" else 0
+    verdict = "impossible" if any(p.verdict == "impossible" for p in plans) else plan.verdict
+    console.print(f"verdict: [{'red' if verdict == 'impossible' else 'green'}]{verdict}[/]")
+    return 1 if verdict == "impossible" else 0
 
 
 def _job_table(jobs) -> Table:

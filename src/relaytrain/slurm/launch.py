@@ -8,6 +8,7 @@ so a requeued run uses exactly it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import subprocess
@@ -18,7 +19,7 @@ from typing import Any
 
 from relaytrain.config import Config, config_to_toml, load_config, parse_override
 from relaytrain.errors import UserError
-from relaytrain.slurm.plan import Plan, plan_for
+from relaytrain.slurm.plan import Plan, plans_for
 from relaytrain.slurm.profile import explicit_config_keys, resolve_slurm
 from relaytrain.slurm.script import JobSpec, SweepPoint, render_script
 from relaytrain.slurm.submit import record_job, submit
@@ -40,13 +41,16 @@ class LaunchRequest:
     force: bool = False
 
 
+def name_override(name: str) -> str:
+    """`--run.name="..."`: a run name from --name or a sweep goes through the config's own run.name check."""
+    return "--run.name=" + json.dumps(name, ensure_ascii=False)  # a TOML basic string: "12" stays a str
+
+
 def load_resolved(req: LaunchRequest, extra_overrides: list[str] | None = None) -> Config:
     overrides = list(req.overrides) + list(extra_overrides or [])
-    cfg = load_config(req.config, overrides)
     if req.name is not None:
-        if not req.name.strip() or "/" in req.name:
-            raise UserError(f"--name {req.name!r} must be a non-empty name without '/'")
-        cfg.run.name = req.name
+        overrides.append(name_override(req.name))
+    cfg = load_config(req.config, overrides)
     cfg.slurm = resolve_slurm(cfg.slurm, explicit_config_keys(req.config, overrides), req.slurm, req.profile)
     return cfg
 
@@ -56,16 +60,22 @@ def run_dir_of(cfg: Config) -> Path:
 
 
 def check_plan(cfg: Config, force: bool, out: Printer) -> Plan | None:
-    plan = plan_for(cfg)
-    for name, level, detail in plan.checks:
-        if level != "ok":
-            out(f"plan {level}: {name}: {detail}")
-    if plan.verdict == "impossible":
-        failed = "; ".join(detail for _, level, detail in plan.checks if level == "fail")
+    """Check every node count Slurm may start the job on (one, or each of a --nodes MIN-MAX range)."""
+    plans = plans_for(cfg)
+    failed = []
+    for plan in plans:
+        at = f" at {plan.nodes} node(s)" if len(plans) > 1 else ""
+        for name, level, detail in plan.checks:
+            if level != "ok":
+                out(f"plan {level}{at}: {name}: {detail}")
+            if level == "fail":
+                failed.append(f"{detail}{at}")
+    if failed:
         if not force:
-            raise UserError(f"plan refused ({failed}); fix the config or pass --force")
+            narrow = "; narrow the --nodes range," if len(plans) > 1 else ";"
+            raise UserError(f"plan refused ({'; '.join(failed)}){narrow} fix the config or pass --force")
         out("plan refused, submitting anyway (--force)")
-    return plan
+    return plans[-1]
 
 
 def write_run_files(cfg: Config) -> tuple[Path, Path]:
@@ -178,15 +188,15 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
     points: list[tuple[list[str], Config]] = []
     for index, values in enumerate(itertools.product(*[options for _, options in grid])):
         point_overrides = [f"--{k}={v}" for k, v in zip(keys, values, strict=True)]
-        cfg = load_config(req.config, list(req.overrides) + point_overrides)
-        cfg.run.name = f"{base.run.name}-{index}"
+        cfg = load_config(
+            req.config, list(req.overrides) + point_overrides + [name_override(f"{base.run.name}-{index}")]
+        )
         cfg.slurm = copy.deepcopy(base.slurm)
         points.append((point_overrides, cfg))
     for point_overrides, cfg in points:
         out(f"point {cfg.run.name}: {' '.join(point_overrides)}")
         check_plan(cfg, req.force, out)
-    sweep_cfg = copy.deepcopy(base)
-    sweep_cfg.run.name = f"{base.run.name}-sweep"
+    sweep_cfg = load_resolved(dataclasses.replace(req, name=f"{base.run.name}-sweep"))
     sweep_dir = run_dir_of(sweep_cfg)
     (sweep_dir / "slurm").mkdir(parents=True, exist_ok=True)
     array = []

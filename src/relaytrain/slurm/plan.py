@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from relaytrain.config import Config
+from relaytrain.config import Config, SlurmConfig
 from relaytrain.errors import UserError
 from relaytrain.model import count_parameters
 from relaytrain.model.transformer import ffn_hidden_dim
@@ -93,6 +93,8 @@ class Plan:
     gpus_per_node: int
     gpu: str
     parameters: int
+    tasks_per_node: int = 0  # processes per node on CPU-only nodes (gpus_per_node 0)
+    mode: str = "none"  # parallel.activation_checkpointing, the mode `total` is checked for
     dims: object | None = None  # relaytrain.parallel.layout.ParallelDims
     memory: MemoryEstimate | None = None
     gpu_bytes: float = 0.0
@@ -106,9 +108,10 @@ class Plan:
         return "impossible" if "fail" in levels else "warn" if "warn" in levels else "ok"
 
 
-def activation_bytes_per_layer(cfg: Config, tp: int, cp: int) -> dict[str, float]:
+def activation_bytes_per_layer(cfg: Config, tp: int, cp: int, micro_batch: int = 0) -> dict[str, float]:
+    """`micro_batch`: the one the layout chose (ParallelDims.micro_batch_size); 0: train.micro_batch_size."""
     m, t = cfg.model, cfg.train
-    s, b, h, f = t.seq_len, t.micro_batch_size, m.dim, ffn_hidden_dim(m)
+    s, b, h, f = t.seq_len, micro_batch or t.micro_batch_size, m.dim, ffn_hidden_dim(m)
     kv_share = m.n_kv_heads / m.n_heads
     # bf16 tensors kept for backward: attention: residual input, norm output, q, k, v, attention output;
     # MLP: residual input, norm output, w1 and w3 outputs, the SiLU product and its input.
@@ -127,7 +130,8 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
     unit = max(block, m.vocab_size * m.dim)
     offloaded = p.cpu_offload
     working = 2 * 6 * unit / dims.tp if shard > 1 or offloaded else 0.0
-    per_layer = activation_bytes_per_layer(cfg, dims.tp, dims.cp)
+    micro = getattr(dims, "micro_batch_size", 0) or cfg.train.micro_batch_size
+    per_layer = activation_bytes_per_layer(cfg, dims.tp, dims.cp, micro)
     layers_per_stage = -(-m.n_layers // dims.pp)
     in_flight = dims.pp if p.pp_schedule != "gpipe" else (p.pp_microbatches or dims.pp)
     activations = {}
@@ -136,7 +140,7 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
         if mode == "full":
             held += per_layer["none"]  # the layer being recomputed in backward
         activations[mode] = held
-    logits = 6 * cfg.train.seq_len * cfg.train.micro_batch_size * m.vocab_size / dims.tp
+    logits = 6 * cfg.train.seq_len * micro * m.vocab_size / dims.tp
     return MemoryEstimate(
         states=states, working=working, activations=activations, logits=logits, offloaded=offloaded
     )
@@ -163,7 +167,14 @@ def make_plan(
     from relaytrain.parallel.layout import validate_layout
 
     per_node = gpus_per_node or tasks_per_node
-    plan = Plan(nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, parameters=count_parameters(cfg.model))
+    plan = Plan(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        gpu=gpu,
+        parameters=count_parameters(cfg.model),
+        tasks_per_node=tasks_per_node,
+        mode=cfg.parallel.activation_checkpointing,
+    )
     world = nodes * per_node
     try:
         plan.dims = validate_layout(cfg, world, per_node, "cuda" if gpus_per_node else "cpu")
@@ -225,11 +236,37 @@ def make_plan(
     return plan
 
 
-def plan_for(cfg: Config) -> Plan:
-    """The plan for the resolved `[slurm]` section of `cfg` (what launch submits and plan prints)."""
+def plan_for(cfg: Config, nodes: int = 0) -> Plan:
+    """The plan for the resolved `[slurm]` section of `cfg` at `nodes` nodes (0: slurm.nodes)."""
     s = cfg.slurm
     host = host_memory(s.partition, s.mem) if cfg.parallel.cpu_offload else None
-    return make_plan(cfg, s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node, host)
+    return make_plan(cfg, nodes or s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node, host)
+
+
+def node_counts(s: SlurmConfig) -> list[int]:
+    """Every node count Slurm may start a job on: slurm.min_nodes..slurm.nodes, or just slurm.nodes."""
+    return list(range(min(s.min_nodes or s.nodes, s.nodes), s.nodes + 1))
+
+
+def plans_for(cfg: Config) -> list[Plan]:
+    """One plan per node count of the range (what launch checks and `relaytrain plan` prints)."""
+    return [plan_for(cfg, nodes) for nodes in node_counts(cfg.slurm)]
+
+
+def range_rows(plans: list[Plan]) -> list[tuple[str, ...]]:
+    """For a node range: per count, the layout, the batch split and the memory per GPU (process)."""
+    rows = []
+    for plan in plans:
+        d = plan.dims
+        layout = split = memory = "-"
+        if d is not None:
+            layout = f"dp {d.dp} ({d.dp_replicate} x {d.dp_shard}), tp {d.tp}, pp {d.pp}, cp {d.cp}"
+            split = f"{d.micro_batch_size} x {d.grad_accum}"
+        if plan.memory is not None:
+            memory = f"{plan.memory.total(plan.mode) / GIB:.1f} GiB"
+        world = plan.nodes * (plan.gpus_per_node or plan.tasks_per_node)
+        rows.append((str(plan.nodes), str(world), layout, split, memory, plan.verdict))
+    return rows
 
 
 def _host_memory_check(mem: MemoryEstimate, per_node: int, host_memory: tuple[float, str] | None):

@@ -120,6 +120,11 @@ def resolve_slurm(
 def _check(s: SlurmConfig) -> None:
     if s.nodes < 1:
         raise UserError(f"slurm.nodes must be >= 1, got {s.nodes}")
+    if s.min_nodes > s.nodes:
+        raise UserError(
+            f"slurm.min_nodes={s.min_nodes} is above slurm.nodes={s.nodes}; a node range is MIN-MAX "
+            f"(--nodes {s.nodes}-{s.min_nodes}?)"
+        )
     if s.mem:
         mem_bytes(s.mem)
     if s.gpus_per_node == 0 and s.tasks_per_node < 1:

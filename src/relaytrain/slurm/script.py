@@ -69,7 +69,12 @@ class JobSpec:
     def launcher(self) -> str:
         if self.kind == "command":
             return "command"
-        return "torchrun" if self.slurm.nodes == 1 else "srun"
+        return "torchrun" if self.slurm.nodes == 1 else "srun"  # a node range 1-N needs srun too
+
+
+def node_range(s: SlurmConfig) -> str:
+    """`--nodes` as sbatch takes it: `4`, or `2-4` when Slurm may start the job on fewer nodes."""
+    return f"{s.min_nodes}-{s.nodes}" if s.min_nodes and s.min_nodes != s.nodes else str(s.nodes)
 
 
 def sbatch_value(value: object) -> str:
@@ -103,13 +108,13 @@ def check_layout(spec: JobSpec) -> None:
 
 def sbatch_options(spec: JobSpec) -> list[str]:
     s, r = spec.slurm, spec.cfg.resilience
-    nodes, tasks = s.nodes, spec.tasks_per_node
+    tasks = spec.tasks_per_node
     cpus = s.cpus_per_task
     if spec.launcher == "torchrun":  # one srun task (torchrun) holds every worker's CPUs
         tasks, cpus = 1, s.cpus_per_task * spec.tasks_per_node
     out = [
         f"--job-name={sbatch_value(spec.job_name or job_name_for(spec.cfg.run.name))}",
-        f"--nodes={nodes}",
+        f"--nodes={node_range(s)}",
         f"--ntasks-per-node={tasks}",
     ]
     if s.gpus_per_node > 0:
@@ -156,7 +161,9 @@ def srun_options(spec: JobSpec) -> list[str]:
     s = spec.slurm
     tasks = 1 if spec.launcher == "torchrun" else spec.tasks_per_node
     cpus = s.cpus_per_task * (spec.tasks_per_node if spec.launcher == "torchrun" else 1)
-    out = [f"--nodes={s.nodes}", f"--ntasks-per-node={tasks}", "--kill-on-bad-exit=1"]
+    # With a node range the step takes every node Slurm gave the job (srun without --nodes).
+    out = [] if "-" in node_range(s) else [f"--nodes={s.nodes}"]
+    out += [f"--ntasks-per-node={tasks}", "--kill-on-bad-exit=1"]
     if cpus > 0:
         out.append(f"--cpus-per-task={cpus}")
     if spec.attach_jobid:

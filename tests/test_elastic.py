@@ -1,0 +1,107 @@
+"""Elastic across requeues: a run stopped on 2 ranks continues on 1 or 4 with the same global batch.
+
+The layout (data-parallel degree, micro batch x accumulation) is re-derived from the world the job got;
+the checkpoint is resharded at load and the sampler continues at the exact sample. Losses match the
+uninterrupted 2-rank run up to fp32 reduction order; the samples read are the same, index for index.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import child_env, losses_by_step, read_metrics, run_cli
+
+HERE = Path(__file__).parent
+# micro batch 2: 2 ranks take 4 sequences each as 2 x 2, 1 rank 8 as 2 x 4, 4 ranks 2 as 2 x 1.
+STEPS = ["--train.max_steps=6", "--checkpoint.interval=2", "--train.micro_batch_size=2"]
+# fp32 sums in another order: measured at most 1.1e-7 relative (AVX-512), the issue's own measurement
+# 2.9e-7; the bound leaves room for other CPUs' kernels (AVX2, AMX).
+REDUCTION_ORDER_RTOL = 1e-5
+
+
+def train(tmp_path: Path, tiny_args: list[str], name: str, nproc: int, *extra: str) -> Path:
+    log = tmp_path / f"samples-{name}"
+    args = ["train", *tiny_args, *STEPS, f"--run.name={name}", *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    proc = subprocess.run([*cmd, str(HERE / "elastic_worker.py"), *args], cwd=tmp_path,
+                          env=child_env(ELASTIC_SAMPLE_LOG=str(log)),
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp_path / "runs" / name
+
+
+def samples_by_step(tmp_path: Path, name: str) -> dict[int, list[int]]:
+    """Step -> the sorted global sample indices all ranks read at that step."""
+    seen: dict[int, list[int]] = {}
+    for path in tmp_path.glob(f"samples-{name}.*"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            seen.setdefault(rec["step"], []).extend(range(rec["first"], rec["first"] + rec["count"]))
+    return {step: sorted(indices) for step, indices in seen.items()}
+
+
+def events(run_dir: Path, name: str) -> list[dict]:
+    return [r for r in read_metrics(run_dir, "event") if r["event"] == name]
+
+
+@pytest.mark.slow
+def test_resume_on_fewer_or_more_ranks_matches_the_uninterrupted_run(tmp_path, tiny_args):
+    reference = train(tmp_path, tiny_args, "ref", 2)
+    cut = train(tmp_path, tiny_args, "cut", 2, "--train.stop_at_step=3")
+    shutil.copytree(cut, tmp_path / "runs" / "cut4", symlinks=True)
+    for log in tmp_path.glob("samples-cut.*"):
+        shutil.copy(log, str(log).replace("samples-cut.", "samples-cut4."))
+    train(tmp_path, tiny_args, "cut", 1)
+    wide = train(tmp_path, tiny_args, "cut4", 4)
+
+    expected = losses_by_step(reference)
+    expected_samples = samples_by_step(tmp_path, "ref")
+    assert sorted(expected) == list(range(1, 7))
+    # each step reads the global batch: 8 consecutive samples, 8*(step-1) onward
+    assert expected_samples == {s: list(range(8 * (s - 1), 8 * s)) for s in range(1, 7)}
+    worst = 0.0
+    for run, name, world, split in ((cut, "cut", 1, (2, 4)), (wide, "cut4", 4, (2, 1))):
+        losses = losses_by_step(run)
+        assert sorted(losses) == list(range(1, 7))
+        for step in range(1, 4):
+            assert losses[step] == expected[step]  # before the resize: the same 2-rank run
+        for step in range(4, 7):
+            rel = abs(losses[step] - expected[step]) / abs(expected[step])
+            worst = max(worst, rel)
+            assert rel < REDUCTION_ORDER_RTOL, (name, step, losses[step], expected[step])
+        assert samples_by_step(tmp_path, name) == expected_samples
+        (resize,) = events(run, "resize")
+        assert resize["step"] == 3
+        assert (resize["from_world_size"], resize["world_size"]) == (2, world)
+        assert (resize["from_dp"], resize["dp"]) == (2, world)
+        assert (resize["from_micro_batch"], resize["from_grad_accum"]) == (2, 2)
+        assert (resize["micro_batch"], resize["grad_accum"]) == split
+        assert json.loads((run / "run_state.json").read_text())["status"] == "finished"
+    print(f"\nelastic resume: max relative loss difference after the resize {worst:.2e}")
+
+
+def test_unchanged_layout_logs_no_resize(tmp_path, tiny_args):
+    args = ["train", *tiny_args, *STEPS, "--run.name=same"]
+    for extra in (["--train.stop_at_step=2"], []):
+        proc = run_cli([*args, *extra], tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "runs" / "same"
+    assert len(events(run, "resume")) == 1
+    assert events(run, "resize") == []
+
+
+def test_a_world_no_layout_fits_fails_with_the_reason_and_no_requeue(tmp_path, tiny_args):
+    proc = run_cli(["train", *tiny_args, *STEPS, "--run.name=nofit", "--parallel.dp_shard=2"], tmp_path)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no valid layout for 1 rank(s) on 1 node(s)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    state = json.loads((tmp_path / "runs" / "nofit" / "run_state.json").read_text())
+    assert state["status"] == "failed" and state["reason"] == "error"
+    assert "no valid layout" in state["message"]
+    assert state["requeue_pending"] is False and state["requeue_requested"] is False
