@@ -105,3 +105,34 @@ def test_a_world_no_layout_fits_fails_with_the_reason_and_no_requeue(tmp_path, t
     assert state["status"] == "failed" and state["reason"] == "error"
     assert "no valid layout" in state["message"]
     assert state["requeue_pending"] is False and state["requeue_requested"] is False
+
+
+def _record(kind: str, step: int, restart: int, t: float, **fields) -> str:
+    return json.dumps({"kind": kind, "step": step, "time": t, "job_id": "7", "restart": restart, **fields})
+
+
+def test_status_and_report_show_the_node_count_of_each_run(tmp_path):
+    from relaytrain.monitor.history import load_history
+    from relaytrain.monitor.plots import _restarts_by_step
+    from relaytrain.monitor.report import make_report
+    from relaytrain.slurm.jobs import nodes_per_run
+
+    lines = [_record("event", 0, 0, 1.0, event="start", world_size=4, nodes=2)]
+    lines += [_record("train", s, 0, 1.0 + s, loss=5.0 - 0.1 * s) for s in (1, 2, 3)]
+    lines += [_record("event", 2, 1, 10.0, event="resume", world_size=2, nodes=1),
+              _record("event", 2, 1, 10.0, event="resize", from_nodes=2, nodes=1, from_world_size=4,
+                      world_size=2, from_dp=4, dp=2, from_micro_batch=2, micro_batch=2,
+                      from_grad_accum=1, grad_accum=2)]  # fmt: skip
+    lines += [_record("train", s, 1, 10.0 + s, loss=5.0 - 0.1 * s) for s in (3, 4)]
+    lines += [_record("event", 4, 2, 20.0, event="resume", world_size=4, nodes=2)]
+    lines += [_record("train", 5, 2, 21.0, loss=4.5)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    assert nodes_per_run(tmp_path, "7") == "2, 1, 2"
+    assert nodes_per_run(tmp_path, "8") == ""
+    history = load_history(tmp_path)
+    assert [seg.nodes for seg in history.segments] == [2, 1, 2]
+    labels = [label for _, label in _restarts_by_step(history)]
+    assert "resized 2 -> 1 nodes (4 -> 2 ranks)" in labels[0] and "resized" not in labels[1]
+    report = make_report(tmp_path).read_text()
+    assert "| nodes |" in report and "(resized 2 -> 1 nodes (4 -> 2 ranks))" in report

@@ -49,6 +49,26 @@ class Segment:
         train = self.train
         return int(train[0]["step"]) if train else None
 
+    def event(self, name: str) -> dict[str, Any] | None:
+        return next((r for r in self.records if r["kind"] == "event" and r.get("event") == name), None)
+
+    @property
+    def nodes(self) -> int | None:
+        """Nodes this segment ran on (its start/resume event), None in older metrics."""
+        start = self.event("resume") or self.event("start")
+        return start.get("nodes") if start else None
+
+    @property
+    def resize_note(self) -> str:
+        """`resized 2 -> 1 nodes (4 -> 2 ranks)` when this segment resumed on another layout, else ""."""
+        ev = self.event("resize")
+        if ev is None:
+            return ""
+        return (
+            f"resized {ev.get('from_nodes')} -> {ev.get('nodes')} nodes "
+            f"({ev.get('from_world_size')} -> {ev.get('world_size')} ranks)"
+        )
+
     @property
     def label(self) -> str:
         if self.job_id is not None:

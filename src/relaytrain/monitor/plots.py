@@ -69,7 +69,8 @@ def _restarts_by_step(history: History) -> list[tuple[float, str]]:
     for seg in history.segments[1:]:
         step = seg.resume_step()
         if step is not None:
-            out.append((float(step), f"{seg.label}, from step {step}"))
+            resized = f", {seg.resize_note}" if seg.resize_note else ""
+            out.append((float(step), f"{seg.label}, from step {step}{resized}"))
     return out
 
 

@@ -76,8 +76,8 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
         "",
         "## Jobs",
         "",
-        "| segment | job | first record | records | train steps | resumed from step |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| segment | job | nodes | first record | records | train steps | resumed from step |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for seg in history.segments:
         train = seg.train
@@ -85,8 +85,9 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
         first = datetime.datetime.fromtimestamp(seg.start_time).isoformat(sep=" ", timespec="seconds")
         resumed = seg.resume_step() if seg.index else None
         lines.append(
-            f"| {seg.index} | {seg.label} | {first} | {len(seg.records)} | {span} | "
-            f"{'' if resumed is None else resumed} |"
+            f"| {seg.index} | {seg.label} | {'' if seg.nodes is None else seg.nodes} | {first} | "
+            f"{len(seg.records)} | {span} | {'' if resumed is None else resumed}"
+            f"{' (' + seg.resize_note + ')' if seg.resize_note else ''} |"
         )
     lines += [
         "",

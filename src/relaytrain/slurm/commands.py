@@ -177,7 +177,7 @@ def _job_table(jobs) -> Table:
             str(job.restarts),
             job.elapsed,
             job.time_limit,
-            job.nodes,
+            f"{job.nodes} (nodes per run: {job.nodes_per_run})" if job.nodes_per_run else job.nodes,
             job.reason or job.exit_code,
             "" if job.last_step is None else str(job.last_step),
             job.run_dir,

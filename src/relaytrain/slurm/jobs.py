@@ -35,6 +35,7 @@ class Job:
     source: str = ""  # which tool answered
     run_dir: str = ""
     last_step: int | None = None
+    nodes_per_run: str = ""  # node count of the first run and each requeue, e.g. "2, 1, 2" (elastic)
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -166,6 +167,31 @@ def last_step(run_dir: Path) -> int | None:
     return None
 
 
+def nodes_per_run(run_dir: Path, job_id: str) -> str:
+    """The node count each run of a job (its first start, then every requeue) trained on, from the start and
+    resume events in <run_dir>/metrics.jsonl: "2, 1, 2" for a job that lost a node and got it back."""
+    counts: dict[int, object] = {}
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        if '"resume"' not in line and '"start"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if (
+            isinstance(rec, dict)
+            and rec.get("event") in ("start", "resume")
+            and str(rec.get("job_id")) == job_id
+            and rec.get("nodes") is not None
+        ):
+            counts[int(rec.get("restart") or 0)] = rec["nodes"]
+    return ", ".join(str(counts[k]) for k in sorted(counts))
+
+
 def run_state_note(run_dir: Path) -> str:
     """For a failed run, `<reason>: <message>` from its run_state.json (a crash loop says so), else ``""``."""
     from relaytrain.resilience.run_state import RunStateFile
@@ -213,6 +239,7 @@ def describe(job_or_run: str, runs_root: Path = Path("runs")) -> list[Job]:
         for job in jobs:
             job.run_dir = str(run_dir)
             job.last_step = last_step(run_dir)
+            job.nodes_per_run = nodes_per_run(run_dir, job.job_id)
         if jobs:
             jobs[-1].reason = run_state_note(run_dir) or jobs[-1].reason
         return jobs
@@ -222,6 +249,7 @@ def describe(job_or_run: str, runs_root: Path = Path("runs")) -> list[Job]:
         if found is not None:
             job.run_dir = str(found)
             job.last_step = last_step(found)
+            job.nodes_per_run = nodes_per_run(found, job.job_id)
             job.reason = run_state_note(found) or job.reason
     return jobs
 
