@@ -35,6 +35,7 @@ class StopReason(enum.IntEnum):
     NAN = 8  # NaN/Inf loss or grad norm and the NaN policy stopped the run
     HANG = 9  # hang watchdog
     ERROR = 10  # an exception in the trainer
+    PROGRAM_EXIT = 11  # a --command program exited 75 (or called exit_for_requeue) with no stop agreed
 
     @property
     def label(self) -> str:
@@ -42,8 +43,13 @@ class StopReason(enum.IntEnum):
 
 
 # Stops after which the run is resumable and the job may be requeued (if the policy allows).
-REQUEUE_REASONS = frozenset({StopReason.TIME_BUDGET, StopReason.TIME_LIMIT_SIGNAL, StopReason.PREEMPTION})
-# Time-limit stops are capped by resilience.max_requeues; preemptions are not the job's fault.
-TIME_LIMIT_REASONS = frozenset({StopReason.TIME_BUDGET, StopReason.TIME_LIMIT_SIGNAL})
+REQUEUE_REASONS = frozenset(
+    {StopReason.TIME_BUDGET, StopReason.TIME_LIMIT_SIGNAL, StopReason.PREEMPTION, StopReason.PROGRAM_EXIT}
+)
+# Time-limit stops (and a program's own request to continue, docs/programs.md) are capped by
+# resilience.max_requeues; preemptions are not the job's fault.
+TIME_LIMIT_REASONS = frozenset(
+    {StopReason.TIME_BUDGET, StopReason.TIME_LIMIT_SIGNAL, StopReason.PROGRAM_EXIT}
+)
 # Real errors: the run is marked failed and never requeued.
 FAILURE_REASONS = frozenset({StopReason.NAN, StopReason.HANG, StopReason.ERROR})

