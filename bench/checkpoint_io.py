@@ -6,7 +6,8 @@ Builds a ~100M-parameter model with AdamW state (one optimizer step), then measu
 - the disk: sequential write of a file as large as the checkpoint with fsync, and its read with the page
   cache dropped (posix_fadvise DONTNEED, which needs no root), the same way checkpoint files are read;
 - CheckpointManager sync save (until COMPLETE), async save (time training is blocked, and time until
-  committed), and load (model + optimizer + train state, page cache dropped first).
+  committed), and load (model + optimizer + train state, page cache dropped first);
+- the peak resident memory of the process during each, above what it held before (sampled every 5 ms).
 Prints a Markdown table (best of --repeats) and one JSON line.
 """
 
@@ -19,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +76,32 @@ def disk_speed(directory: Path, nbytes: int) -> tuple[float, float]:
     return write, read
 
 
+class PeakRss:
+    """Peak resident set size while the block runs, above the size at its start (bytes)."""
+
+    def __enter__(self):
+        self.start = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+        self.extra = self.peak - self.start
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -127,11 +155,14 @@ def main() -> None:
     opt.zero_grad(set_to_none=True)
 
     results: dict[str, list[float]] = {k: [] for k in ("sync_save", "async_block", "async_total", "load")}
+    extra_mem: dict[str, int] = {"sync_save": 0, "async_save": 0, "load": 0}
     step = 1
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        mgr.save(step)
+        with PeakRss() as mem:
+            mgr.save(step)
         results["sync_save"].append(time.perf_counter() - t0)
+        extra_mem["sync_save"] = max(extra_mem["sync_save"], mem.extra)
         step += 1
     ckpt_bytes = dir_bytes(work / "run/checkpoints" / f"step_{step - 1}")
     mgr.close()
@@ -141,10 +172,12 @@ def main() -> None:
     async_opt.load_state_dict(opt.state_dict())
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        amgr.save(step)
-        results["async_block"].append(time.perf_counter() - t0)
-        amgr.wait()
+        with PeakRss() as mem:
+            amgr.save(step)
+            results["async_block"].append(time.perf_counter() - t0)
+            amgr.wait()
         results["async_total"].append(time.perf_counter() - t0)
+        extra_mem["async_save"] = max(extra_mem["async_save"], mem.extra)
         step += 1
     amgr.close()
 
@@ -152,8 +185,10 @@ def main() -> None:
         drop_cache(work / "run/checkpoints")
         _, _, lmgr = build(cfg, work / "run", "sync")
         t0 = time.perf_counter()
-        assert lmgr.load() == step - 1
+        with PeakRss() as mem:
+            assert lmgr.load() == step - 1
         results["load"].append(time.perf_counter() - t0)
+        extra_mem["load"] = max(extra_mem["load"], mem.extra)
         lmgr.close()
 
     disk_w, disk_r = max(disk_speed(work, ckpt_bytes) for _ in range(args.repeats))
@@ -193,6 +228,15 @@ def main() -> None:
         f"{ckpt_bytes / best['load'] / disk_r:.2f} |"
     )
     print(
+        "\npeak host memory above the process's before each (state = model + AdamW + train state, "
+        f"{mb:.0f} MB): "
+        + ", ".join(
+            f"{k.replace('_', ' ')} {v / 1e6:.0f} MB ({v / ckpt_bytes:.2f} × state)"
+            for k, v in extra_mem.items()
+        )
+        + "\n"
+    )
+    print(
         json.dumps(
             {
                 "params": params,
@@ -200,6 +244,7 @@ def main() -> None:
                 "disk_write_Bps": disk_w,
                 "disk_read_Bps": disk_r,
                 **{k: v for k, v in best.items()},
+                "peak_extra_bytes": extra_mem,
             }
         )
     )

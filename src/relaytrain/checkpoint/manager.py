@@ -30,6 +30,7 @@ from relaytrain.checkpoint import files as L
 from relaytrain.checkpoint.schedule import SaveSchedule, retention_victims
 from relaytrain.checkpoint.sources import init_model_from, verify_model_fits
 from relaytrain.checkpoint.state import (
+    create_adam_state,
     model_state,
     optimizer_state,
     optimizers_have_state,
@@ -534,6 +535,7 @@ class CheckpointManager:
         try:
             state: dict[str, Any] = {"model": model_state(self.model_parts)}
             if "optimizer" in meta["contents"]:
+                create_adam_state(self.optimizers)
                 state["optim"] = optimizer_state(self.model_parts, self.optimizers)
             checked = dcp_io.load(
                 state,

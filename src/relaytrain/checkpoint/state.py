@@ -129,6 +129,33 @@ def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimiz
     return state
 
 
+def create_adam_state(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Give never-stepped Adam/AdamW optimizers the state a load overwrites, as their first step would
+    create it (zero moments, step 0; DTensor moments keep their parameter's placements). torch's
+    state-dict helpers would otherwise create it by running a zero-LR step: a full optimizer pass."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    for opt in optimizers:
+        if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or opt.state:
+            continue
+        for group in opt.param_groups:
+            on_device = group["capturable"] or group["fused"]
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                step_dtype = _get_scalar_dtype(is_fused=group["fused"])
+                state = {
+                    "step": torch.zeros((), dtype=step_dtype, device=p.device)
+                    if on_device
+                    else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                opt.state[p] = state
+
+
 def optimizers_have_state(optimizers: list[torch.optim.Optimizer]) -> bool:
     return any(len(opt.state) > 0 for opt in optimizers)
 
