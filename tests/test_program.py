@@ -207,3 +207,11 @@ def test_two_torchrun_ranks_stop_at_the_same_step_when_only_one_got_the_signal(t
     state = json.loads((tmp_path / "run_state.json").read_text())
     assert state["status"] == "stopped" and state["step"] == int(step) and state["exit_code"] == 75
     assert not state["requeue_requested"]
+
+
+def test_status_takes_a_foreign_runs_last_step_from_run_state(tmp_path):
+    from relaytrain.slurm.jobs import last_step
+
+    assert last_step(tmp_path) is None
+    (tmp_path / "run_state.json").write_text(json.dumps({"status": "stopped", "step": 17}))
+    assert last_step(tmp_path) == 17

@@ -149,10 +149,14 @@ def list_queue(user_only: bool = True) -> list[Job]:
 
 
 def last_step(run_dir: Path) -> int | None:
-    """`step` of the last record of <run_dir>/metrics.jsonl that has one."""
+    """`step` of the last record of <run_dir>/metrics.jsonl that has one; for a --command program
+    that writes no metrics, the step of its last stop in run_state.json (docs/programs.md)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        return None
+        from relaytrain.resilience.run_state import RunStateFile
+
+        step = (RunStateFile(run_dir).read() or {}).get("step")
+        return step if isinstance(step, int) and step >= 0 else None
     with open(path, "rb") as f:
         f.seek(0, 2)
         f.seek(max(0, f.tell() - 65536))
