@@ -334,9 +334,10 @@ class Bench:
             and all(v == self.reference_val.get(s) for s, v in vals.items())
             and set(vals) == set(self.reference_val)
         )
-        latest = run_dir / "checkpoints" / "latest"
-        target = latest.read_text().strip() if latest.is_file() else ""
-        trial.latest_complete = bool(target) and (run_dir / "checkpoints" / target / "COMPLETE").is_file()
+        from relaytrain.checkpoint.files import COMPLETE, read_latest
+
+        latest = read_latest(run_dir / "checkpoints")  # the checkpoint layer owns what `latest` is
+        trial.latest_complete = latest is not None and (latest / COMPLETE).is_file()
         trial.leftovers = sorted(
             str(p.relative_to(run_dir)) for p in run_dir.rglob("*")
             if p.is_file() and not ALLOWED.match(str(p.relative_to(run_dir)))
