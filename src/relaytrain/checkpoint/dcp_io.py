@@ -103,10 +103,14 @@ def read_metadata(step_dir: Path) -> Metadata:
 
 
 class SafeReader(RawReader):
-    """A RawReader whose metadata comes from `read_metadata` above."""
+    """A RawReader whose metadata comes from `read_metadata` above (`metadata`: already read by it)."""
+
+    def __init__(self, path: Path, expected: dict[str, str] | None = None, metadata: Metadata | None = None):
+        super().__init__(path, expected)
+        self.metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        meta = read_metadata(Path(self.path))
+        meta, self.metadata = self.metadata or read_metadata(Path(self.path)), None
         if getattr(meta, "storage_meta", None) is None:
             meta.storage_meta = StorageMeta()
         meta.storage_meta.load_id = self.load_id
@@ -147,8 +151,8 @@ def load(
     `expected`: file -> checksum (the manifest's); a file this rank reads whole is compared with it, and
     a mismatch on any rank raises `ChecksumMismatch` on every rank. Returns the data files this rank read
     whole (and so checked)."""
-    read_metadata(step_dir)  # a refusal raised inside dcp.load would reach the caller wrapped and vague
-    reader = SafeReader(step_dir, expected)
+    # read here: a refusal raised inside dcp.load would reach the caller wrapped and vague
+    reader = SafeReader(step_dir, expected, read_metadata(step_dir))
     try:
         dcp.load(
             state,

@@ -15,6 +15,7 @@ import os
 import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import relaytrain
 from relaytrain.checkpoint import dcp_io
@@ -37,7 +39,7 @@ from relaytrain.checkpoint.state import (
     set_model_state,
     set_optimizer_state,
 )
-from relaytrain.checkpoint.storage import ChecksumMismatch, RawWriter
+from relaytrain.checkpoint.storage import ChecksumMismatch, LiveStager, RawWriter
 from relaytrain.config.schema import CheckpointConfig, ModelConfig
 from relaytrain.errors import UserError
 
@@ -57,6 +59,7 @@ class _Pending:
     finished: float | None = None
     blocking_s: float = 0.0
     checksums: dict[str, str] = field(default_factory=dict)  # this rank's files, computed off the loop
+    written: Future | None = None  # this rank's write (async): the next optimizer step waits for it (live)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -117,18 +120,32 @@ class CheckpointManager:
             self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-ckpt-checksum")
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            # Host buffers for the snapshot, kept and reused by every save (no fresh allocation and page
-            # faults each time); pinned on CUDA so the device-to-host copy is fast. Only the copy blocks
-            # training; the write runs in the background. Non-blocking copies need an accelerator.
+            on_host = all(p.device.type == "cpu" for part in self.model_parts for p in part.parameters())
+            # State already in host memory is written from the live tensors, with no copy: only the
+            # optimizers change them in place, so their next step waits until this rank's write is done
+            # (the forward and backward passes in between overlap with the write).
+            # Off the host: host buffers for the snapshot, kept and reused by every save (no fresh
+            # allocation and page faults each time); pinned on CUDA so the device-to-host copy is fast.
+            # Only the copy blocks training. Non-blocking copies need an accelerator.
             cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=cuda,
+            self._stager = (
+                LiveStager()
+                if on_host
+                else DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=cuda,
+                        use_shared_memory=False,
+                        use_async_staging=False,
+                        use_non_blocking_copy=cuda,
+                    )
                 )
             )
+        self._step_hooks = []
+        if isinstance(self._stager, LiveStager):
+            self._step_hooks = [o.register_step_pre_hook(self._before_optimizer_step) for o in optimizers]
+        self.last_save: dict[str, float] = {}  # seconds: blocking, written (since the start), commit
+        self._janitor = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-ckpt-retention")
+        self._retention: Future | None = None
         self._schedule = SaveSchedule(self.ckpt, self._agree_flag)
         self._pending: _Pending | None = None
         self._saved_steps: set[int] = set()
@@ -223,6 +240,9 @@ class CheckpointManager:
                 async_stager=self._stager,
                 no_dist=not self._dist,
             )
+            if isinstance(written, AsyncSaveResponse):
+                written = written.upload_completion
+            pending.written = written
             pending.future = self._checksummer.submit(self._checksums_after, written, writer, pending)
             pending.future.add_done_callback(
                 lambda _f, p=pending: setattr(p, "finished", time.perf_counter())
@@ -283,6 +303,14 @@ class CheckpointManager:
         tmp.replace(path)
         return {str(path.relative_to(step_dir)): L.crc_text(zlib.crc32(data.getbuffer()))}
 
+    def _before_optimizer_step(self, *_args) -> None:
+        """A live async save writes from the tensors the optimizer is about to change: wait for it."""
+        pending = self._pending
+        if pending is not None and pending.written is not None and not pending.written.done():
+            waited = time.perf_counter()
+            wait_futures([pending.written])
+            pending.blocking_s += time.perf_counter() - waited
+
     def _checksums_after(self, written: Future, writer: RawWriter, pending: _Pending) -> dict[str, str]:
         written.result()
         return pending.checksums | writer.checksums
@@ -303,8 +331,12 @@ class CheckpointManager:
         self._finish_pending()
 
     def wait(self) -> None:
+        """Until the pending save is committed and the retention it started has deleted what it deletes."""
         if self._pending is not None:
             self._finish_pending()
+        retention, self._retention = self._retention, None
+        if retention is not None:
+            retention.result()
 
     def _finish_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -323,14 +355,21 @@ class CheckpointManager:
 
     def _commit(self, pending: _Pending) -> None:
         """Every rank's files are written and fsynced (its save returned): rank 0 marks the step complete."""
+        commit_started = time.perf_counter()
         checksums = self._gather_checksums(pending.checksums)
         if self.rank == 0:
             self._write_metadata(pending)
             L.write_complete(pending.step_dir, checksums)
             L.point_latest(self.ckpt_dir, pending.step_dir)
-            self._apply_retention()
+            # Deleting old checkpoints need not hold up training; wait() (every save, load, close) joins it.
+            self._retention = self._janitor.submit(self._apply_retention)
         self._barrier()
         finished = pending.finished or time.perf_counter()
+        self.last_save = {
+            "blocking_s": pending.blocking_s,
+            "written_s": finished - pending.started,
+            "commit_s": time.perf_counter() - commit_started,
+        }
         self._durations = (self._durations + [time.perf_counter() - pending.started])[-5:]
         self._saved_steps.add(pending.step)
         log.info(
@@ -596,12 +635,16 @@ class CheckpointManager:
             self.wait()
         except Exception as exc:
             log.error("%s", exc)
+        for hook in self._step_hooks:
+            hook.remove()
+        self._step_hooks = []
         if self._stager is not None:
             self._stager.close()
             self._stager = None
         if self._checksummer is not None:
             self._checksummer.shutdown()
             self._checksummer = None
+        self._janitor.shutdown()
         for group in (self._ctrl, self._save_pg):
             if group is not None and self._dist and dist.is_initialized():
                 dist.destroy_process_group(group)

@@ -130,9 +130,10 @@ def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimiz
 
 
 def create_adam_state(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Give never-stepped Adam/AdamW optimizers the state a load overwrites, as their first step would
-    create it (zero moments, step 0; DTensor moments keep their parameter's placements). torch's
-    state-dict helpers would otherwise create it by running a zero-LR step: a full optimizer pass."""
+    """Give never-stepped Adam/AdamW optimizers the state a load then overwrites entirely (DCP refuses a
+    partial load): the entries their first step would create, with the same dtypes, shapes, devices and
+    DTensor placements, but uninitialised moments (the load's reads fault the pages in once; zeros would
+    be written twice). torch's state-dict helpers would otherwise run a zero-LR optimizer step."""
     from torch.optim.optimizer import _get_scalar_dtype
 
     for opt in optimizers:
@@ -148,11 +149,11 @@ def create_adam_state(optimizers: list[torch.optim.Optimizer]) -> None:
                     "step": torch.zeros((), dtype=step_dtype, device=p.device)
                     if on_device
                     else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg": torch.empty_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.empty_like(p, memory_format=torch.preserve_format),
                 }
                 if group["amsgrad"]:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["max_exp_avg_sq"] = torch.empty_like(p, memory_format=torch.preserve_format)
                 opt.state[p] = state
 
 
