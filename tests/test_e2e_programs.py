@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_slurm_jobs import FIRST_RUN_ONLY, job_log, launch, setup_override
+from e2e_slurm_jobs import FIRST_RUN_ONLY, job_log, launch
 
 from conftest import REPO, child_env
 from slurm_fixtures import slurm, wait_for, wait_job_finished
@@ -27,8 +27,18 @@ from slurm_fixtures import slurm, wait_for, wait_job_finished
 pytestmark = pytest.mark.slurm
 
 PROFILE = ("--profile", str(REPO / "configs" / "clusters" / "local.toml"), "--gpus-per-node", "0")
-SIGNALLED = ("--time", "2", "--signal", "USR2@60", "--resilience.time_budget_margin_s=5")
-SLOW_FIRST_RUN = setup_override(FIRST_RUN_ONLY.format("export STEP_DELAY_S=2"))
+SIGNALLED = ("--time", "2", "--signal", "USR2@60")
+# The jobs' config: runs under the test's directory, a 5 s time-budget margin (2-minute jobs), and a
+# first run slowed down by STEP_DELAY_S so that the signal comes mid-training.
+CONFIG = """[run]
+dir = "{runs}"
+
+[resilience]
+time_budget_margin_s = 5
+
+[slurm]
+setup = ['{setup}']
+"""
 DDP = f"python {REPO / 'examples' / 'ddp_train.py'} --out $RELAYTRAIN_RUN_DIR/out"
 HF = f"python {REPO / 'examples' / 'hf_trainer.py'} --out $RELAYTRAIN_RUN_DIR/out"
 IGNORES = "python -c 'import signal, time; signal.signal(signal.SIGUSR2, signal.SIG_IGN); time.sleep(600)'"
@@ -59,14 +69,17 @@ def programs(slurm_cluster, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.chdir(base)
     jobs: dict[str, str] = {}
 
+    config = base / "programs.toml"
+    config.write_text(CONFIG.format(runs=runs, setup=FIRST_RUN_ONLY.format("export STEP_DELAY_S=2")))
+
     def go(name: str, *args: str) -> None:
-        jobs[name] = launch("--name", name, f"--run.dir={runs}", *PROFILE, *args)
+        jobs[name] = launch(str(config), "--name", name, *PROFILE, *args)
 
     try:
         go("ddp", "--command", f"{DDP} --steps 40 --step-delay ${{STEP_DELAY_S:-0}}", "--nodes", "2",
-           "--tasks-per-node", "2", *SIGNALLED, SLOW_FIRST_RUN)  # fmt: skip
+           "--tasks-per-node", "2", *SIGNALLED)  # fmt: skip
         go("hf", "--command", f"{HF} --steps 40 --step-delay ${{STEP_DELAY_S:-0}}", "--nodes", "1",
-           "--tasks-per-node", "1", *SIGNALLED, SLOW_FIRST_RUN)  # fmt: skip
+           "--tasks-per-node", "1", *SIGNALLED)  # fmt: skip
         go("ignores", "--command", IGNORES, "--nodes", "1", "--tasks-per-node", "1", "--time", "1",
            "--signal", "USR2@30")  # fmt: skip
         go("default", "--command", "sleep 600", "--nodes", "1", "--tasks-per-node", "1", "--time", "1")
