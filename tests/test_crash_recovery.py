@@ -52,6 +52,14 @@ def write_state(run_dir: Path, status: str, reason: str = "", job_id: str = "41"
     RunStateFile(run_dir).write(status, reason, 12, job_id=job_id, restart_count=restart, **extra)
 
 
+def test_a_user_error_recorded_by_the_run_is_not_a_crash(tmp_path):
+    """torchrun exits 1 for a worker's exit 2: a full disk during a save is told by its recorded message."""
+    message = "UserError('checkpoint save of step 20 failed: no space')"
+    write_state(tmp_path, "failed", "error", message=message)
+    got, why = crash.classify(RunStateFile(tmp_path).read(), JobFacts.from_env(JOB), 1)
+    assert got is False and "no space" in why
+
+
 @pytest.mark.parametrize(
     ("status", "reason", "job_id", "code", "is_crash"),
     [

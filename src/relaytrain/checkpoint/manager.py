@@ -24,11 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 import relaytrain
 from relaytrain.checkpoint import dcp_io
 from relaytrain.checkpoint import files as L
+from relaytrain.checkpoint.save_errors import disk_full_error, save_failure
 from relaytrain.checkpoint.schedule import SaveSchedule, retention_victims
 from relaytrain.checkpoint.sources import init_model_from, verify_model_fits
 from relaytrain.checkpoint.state import (
@@ -223,7 +225,12 @@ class CheckpointManager:
             return
         started = time.perf_counter()
         self._schedule.mark_saved()
-        own_train_state = self._write_train_state(step_dir, step)
+        try:
+            own_train_state, error = self._write_train_state(step_dir, step), None
+        except OSError as exc:
+            own_train_state, error = {}, exc
+        if self._any(error is not None):
+            raise self._save_failed(step, step_dir, error)
         contents = ["model", "train_state"]
         state: dict[str, Any] = {"model": model_state(self.model_parts)}
         # A never-stepped optimizer has no state; asking for it would create some (and change training).
@@ -256,7 +263,10 @@ class CheckpointManager:
                 pending.blocking_s,
             )
         else:
-            dcp.save(state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist)
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self._save_pg, no_dist=not self._dist)
+            except (Exception, CheckpointException) as exc:  # DCP raises it on every rank
+                raise self._save_failed(step, step_dir, exc) from None
             pending.checksums |= writer.checksums
             pending.finished = time.perf_counter()
             pending.blocking_s = pending.finished - started
@@ -343,15 +353,17 @@ class CheckpointManager:
         error = None
         try:
             pending.checksums = pending.future.result()
-        except Exception as exc:  # reported below on every rank, after all ranks know
+        except (Exception, CheckpointException) as exc:  # reported below on every rank, after all know
             error = exc
         if self._any(error is not None):
             log.error("checkpoint step %d failed on rank %d: %r", pending.step, self.rank, error)
-            raise RuntimeError(
-                f"asynchronous checkpoint save of step {pending.step} failed on at least one "
-                f"rank (this rank: {error!r}); {pending.step_dir} stays incomplete and unused"
-            )
+            raise self._save_failed(pending.step, pending.step_dir, error)
         self._commit(pending)
+
+    def _save_failed(self, step: int, step_dir: Path, error: BaseException | None) -> Exception:
+        """Collective: every rank gets the same kind of error, and the partial step dir is gone."""
+        full = self._any(disk_full_error(error) is not None)
+        return save_failure(step, step_dir, error, self.rank == 0, full)
 
     def _commit(self, pending: _Pending) -> None:
         """Every rank's files are written and fsynced (its save returned): rank 0 marks the step complete."""

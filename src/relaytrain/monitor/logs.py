@@ -33,6 +33,18 @@ class _CurrentStream(logging.StreamHandler):
         pass
 
 
+class _RankLogFile(logging.FileHandler):
+    """A rank's log file that, when a write fails (a full disk), says so once, not a traceback a line."""
+
+    _reported = False
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        if not self._reported:
+            self._reported = True
+            error = sys.exc_info()[1]
+            print(f"relaytrain: cannot write {self.baseFilename} ({error}); console only", file=sys.stderr)
+
+
 def setup_logging(run_dir: Path | str, rank: int, local_rank: int, node: str, rank_logs: bool) -> Path | None:
     """Configure the root logger for this process; returns the rank's log file (or None).
 
@@ -66,7 +78,7 @@ def setup_logging(run_dir: Path | str, rank: int, local_rank: int, node: str, ra
     if rank_logs:
         log_file = Path(run_dir) / "logs" / f"rank_{rank}.log"
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(log_file, mode="a", encoding="utf-8")
+        file_handler = _RankLogFile(log_file, mode="a", encoding="utf-8")
         file_handler.setLevel(logging.INFO)
         handlers.append(file_handler)
 

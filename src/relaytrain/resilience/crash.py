@@ -7,8 +7,8 @@ outside the step, so it survives the ranks) and this module decides from ``run_s
 
 * ``stopped`` or ``finished`` by the current run: not a crash (the stop path already decided; torchrun
   exits 1 after a SIGTERM even when every worker saved);
-* ``failed`` with reason ``nan``, or a step exit code 2 (a config or usage error): a deterministic
-  failure, never requeued;
+* ``failed`` with reason ``nan``, a UserError recorded as the message (a full disk during a save), or a
+  step exit code 2 (a config or usage error): a deterministic failure, never requeued;
 * ``failed`` with reason ``error`` or ``hang``, ``running``, or a marker written by an earlier run (the
   process died before or while loading its checkpoint): a crash.
 
@@ -85,6 +85,10 @@ def classify(state: Mapping[str, Any] | None, job: JobFacts, exit_code: int) -> 
         return False, f"the run {status} ({reason}); the stop path decided about requeueing"
     if status == "failed" and reason in NEVER_REQUEUED_REASONS:
         return False, f"the run failed ({reason}): not retried, the same data would fail again"
+    if status == "failed" and str(state.get("message", "")).startswith("UserError("):
+        # A condition the user must fix (a full disk during a save, a bad resume): torchrun exits 1 for it,
+        # so the step's exit code does not say so; the same job would fail the same way again.
+        return False, f"the run failed with an error the user must fix: {state['message']}"
     if status == "failed" and reason in CRASH_REASONS:
         return True, f"the run failed ({reason}): {state.get('message', '')}".strip()
     if status == "running":
