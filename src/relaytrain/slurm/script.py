@@ -33,6 +33,7 @@ _PLAIN = re.compile(r"[A-Za-z0-9_.,:=/%@+\-]*")
 class SweepPoint:
     config_file: str
     run_dir: str
+    command: str = ""  # a --command sweep: this point's command, its grid values substituted
 
 
 @dataclass
