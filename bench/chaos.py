@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.chaos_special import SPECIAL_KINDS, SpecialTrial, SpecialTrials
 from bench.report import REPO, code, machine_info, table, write_page
 
 LOCK = "/tmp/relaytrain-slurm.lock"
@@ -214,11 +215,12 @@ class Bench:
 
     # -- one trial ---------------------------------------------------------------------------------
 
-    def launch(self, name: str) -> str:
+    def launch(self, name: str, *overrides: str, setup: str | None = None) -> str:
+        """Submit the run; `setup` replaces the default (slow steps in the first run only)."""
         delay = f"export RELAYTRAIN_STEP_DELAY_S={STEP_DELAY_S}"
-        slow = f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {delay}; fi'
+        slow = setup or f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {delay}; fi'
         out = relaytrain("launch", str(self.config), "--nodes", "1", "--tasks-per-node", "2",
-                         f"--run.name={name}", f"--slurm.setup=['{slow}']")  # fmt: skip
+                         f"--run.name={name}", f"--slurm.setup=['{slow}']", *overrides)  # fmt: skip
         match = re.search(r"submitted job (\d+)", out)
         if not match:
             raise RuntimeError(f"no job id in: {out}")
@@ -303,7 +305,7 @@ class Bench:
             subprocess.run(["scancel", trial.job], capture_output=True, timeout=30)
         trial.seconds = round(time.monotonic() - start, 1)
 
-    def finish(self, trial: Trial, run_dir: Path) -> None:
+    def finish(self, trial, run_dir: Path, overrides: tuple[str, ...] = (), setup: str | None = None) -> None:
         """Wait for the job; resubmit while the run is not finished (the policy did not requeue)."""
         job = trial.job
         for _ in range(4):
@@ -317,13 +319,15 @@ class Bench:
                 else {}
             )
             trial.final_status = state.get("status", "")
+            if hasattr(trial, "states"):
+                trial.states.append({k: state.get(k) for k in ("status", "reason", "step", "message")})
             if trial.final_status == "finished":
                 return
             trial.resubmits += 1
-            job = self.launch(run_dir.name)
+            job = self.launch(run_dir.name, *overrides, setup=setup)
         raise RuntimeError(f"run {run_dir.name} did not finish after {trial.resubmits} resubmissions")
 
-    def check(self, trial: Trial, run_dir: Path) -> None:
+    def check(self, trial, run_dir: Path) -> None:
         rows = records(run_dir, "train")
         steps = [r["step"] for r in rows]
         trial.steps_replayed = len(steps) - len(set(steps))
@@ -354,7 +358,7 @@ def draw(trials: int, seed: int) -> list[Trial]:
     return out
 
 
-def render(trials: list[Trial], seed: int, command: str, info: dict) -> str:
+def render(trials: list[Trial], seed: int, command: str, info: dict, load: str = "") -> str:
     ok = sum(t.ok for t in trials)
     rows = [
         (t.index, t.phase, t.event, t.fired_at_step, t.restarts, t.resubmits,
@@ -367,6 +371,7 @@ def render(trials: list[Trial], seed: int, command: str, info: dict) -> str:
         "## Chaos: random interruptions on real Slurm\n\n"
         f"Date {datetime.now(UTC).date()}, machine: {info.get('cpu', '?')} ({info.get('cores', '?')} cores), "
         f"local Slurm cluster (`relaytrain cluster up`). Seed **{seed}**. Command: {code(command)}.\n"
+        f"Load average (1/5/15 min) at the start → end: {load or 'not recorded'}.\n"
         f"A 2-rank tiny run ({STEPS} steps, async checkpoint every {INTERVAL}, eval every {EVAL_EVERY}) "
         "per trial, "
         "compared with one uninterrupted reference run. Leftovers: files outside config.toml, metrics.jsonl, "
@@ -394,41 +399,109 @@ def render(trials: list[Trial], seed: int, command: str, info: dict) -> str:
     )
 
 
+def draw_special(kill_saves: int, specials: bool, start: int) -> list[SpecialTrial]:
+    kinds = [("kill_save_async", "kill_save_sync")[i % 2] for i in range(kill_saves)]
+    kinds += list(SPECIAL_KINDS) if specials else []
+    return [SpecialTrial(start + i, kind) for i, kind in enumerate(kinds)]
+
+
+def render_special(trials: list[SpecialTrial]) -> str:
+    if not trials:
+        return ""
+    kill = [t for t in trials if t.kind.startswith("kill_save")]
+    in_flight = sum(t.checks.get("save in flight when killed", False) for t in kill)
+    fell_back = sum(
+        t.checks.get("resumed from the previous complete checkpoint", False) and t.ok for t in kill
+    )
+    rows = [
+        (t.index, t.kind, t.detail or "–",
+         "; ".join(f"{name}: {'yes' if ok else '**no**'}" for name, ok in t.checks.items()) or "–",
+         "yes" if t.bit_exact else "**no**", t.steps_replayed, t.restarts, t.resubmits,
+         "yes" if t.latest_complete else "**no**", ", ".join(t.leftovers) or "none", t.final_status,
+         t.seconds, t.error or "")
+        for t in trials
+    ]  # fmt: skip
+    return (
+        "\n### Targeted trials\n\n"
+        f"SIGKILL during a save: **{fell_back} of {len(kill)}** fell back to the previous complete "
+        f"checkpoint and finished bit-exact ({in_flight} of {len(kill)} kills landed while the save was in "
+        "flight: its step directory existed without COMPLETE). The kinds: `bench/chaos_special.py`.\n\n"
+        + table(["#", "kind", "what happened", "checks", "bit-exact", "steps replayed", "restarts",
+                 "resubmits", "latest complete", "leftovers", "final status", "s", "error"], rows)
+    )  # fmt: skip
+
+
+def load_results(paths: list[str]) -> tuple[list[Trial], list[SpecialTrial]]:
+    trials, special = [], []
+    for path in paths:
+        for row in json.loads(Path(path).read_text()):
+            (special if "kind" in row else trials).append(
+                SpecialTrial(**row) if "kind" in row else Trial(**row)
+            )
+    return trials, special
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--trials", type=int, default=20, help="random (phase, event) trials")
+    parser.add_argument("--kill-saves", type=int, default=10, help="SIGKILL-during-save trials")
+    parser.add_argument("--no-special", action="store_true", help="skip time limit/cap, hang, disk full")
     parser.add_argument("--seed", type=int, default=None, help="default: from the clock (printed)")
-    parser.add_argument("--quick", action="store_true", help="3 trials, no page")
+    parser.add_argument("--quick", action="store_true", help="3 random trials only, no page")
     parser.add_argument("--chunk", type=int, default=5, help="trials per hold of the cluster lock")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-lock", action="store_true", help=f"the caller holds {LOCK} already")
     parser.add_argument("--out", default=str(OUT))
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--page-from",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="write the page from earlier runs' results.json files (seed from --seed)",
+    )
+    parser.add_argument("--load", default="", help="load averages to print on the page (with --page-from)")
+    args = parser.parse_args(argv)  # fmt: skip
+    command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.page_from:
+        trials, special = load_results(args.page_from)
+        section = render(trials, args.seed, command.strip(), machine_info(), args.load) + render_special(
+            special
+        )
+        print(section)
+        write_page({"chaos": section})
+        return 0
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     trials = draw(3 if args.quick else args.trials, seed)
-    print(f"bench.chaos: seed {seed}, {len(trials)} trials", flush=True)
+    special = [] if args.quick else draw_special(args.kill_saves, not args.no_special, len(trials))
+    print(f"bench.chaos: seed {seed}, {len(trials)} random + {len(special)} targeted trials", flush=True)
     from relaytrain.localcluster import cluster as local_cluster
 
     base = Path(args.out) / f"seed{seed}-{int(time.time())}"
     base.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed + 1)
+    load = [os.getloadavg()]
     with cluster_lock(not args.no_lock):
         info = local_cluster.running_cluster() or local_cluster.cluster_up(nodes=2, cpus_per_node=4)
     os.environ.update(info.env)
     bench = Bench(base, info)
     bench.run_reference()
-    for start in range(0, len(trials), args.chunk):
+    targeted = SpecialTrials(bench, records, rank_pids, wait)
+    everything = [*trials, *special]
+    for start in range(0, len(everything), args.chunk):
         with cluster_lock(not args.no_lock):
-            for trial in trials[start : start + args.chunk]:
-                bench.run_trial(trial, rng)
+            for trial in everything[start : start + args.chunk]:
+                if isinstance(trial, SpecialTrial):
+                    targeted.run(trial, rng)
+                else:
+                    bench.run_trial(trial, rng)
                 print(f"bench.chaos: {json.dumps(asdict(trial))}", flush=True)
-    (base / "results.json").write_text(json.dumps([asdict(t) for t in trials], indent=1))
-    command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
-    section = render(trials, seed, command.strip(), machine_info())
+                (base / "results.json").write_text(json.dumps([asdict(t) for t in everything], indent=1))
+    load.append(os.getloadavg())
+    loads = " → ".join("/".join(f"{x:.1f}" for x in la) for la in load)
+    section = render(trials, seed, command.strip(), machine_info(), loads) + render_special(special)
     print(section)
     if not (args.quick or args.no_write):
         write_page({"chaos": section})
-    return 0 if all(t.ok for t in trials) else 1
+    return 0 if all(t.ok for t in everything) else 1
 
 
 if __name__ == "__main__":
