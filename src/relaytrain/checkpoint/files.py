@@ -2,7 +2,7 @@
 
     <checkpoint dir>/
         step_<N>/                   one checkpoint
-            .metadata, __<r>_0.distcp   torch.distributed.checkpoint files (model, optimizer)
+            .metadata, __<r>_<t>.distcp torch.distributed.checkpoint files (model, optimizer; storage.py)
             train_state/rank_<r>.pt     per-rank registry of states (train state, data position, RNG)
             metadata.json               step, reason, config hash, parallel dims, world size, versions
             config.toml                 the full config of the run that wrote it
@@ -138,12 +138,6 @@ def listed_checksums(step_dir: Path) -> dict[str, str]:
         return {rel: e["checksum"] for rel, e in listed.items() if isinstance(e, dict) and "checksum" in e}
     except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
         return {}
-
-
-def rank_files(step_dir: Path, rank: int) -> list[str]:
-    """The files of `step_dir` that `rank` writes itself (its DCP shards and its train state)."""
-    own = sorted(step_dir.glob(f"__{rank}_*.distcp")) + [train_state_file(step_dir, rank)]
-    return [str(p.relative_to(step_dir)) for p in own if p.is_file()]
 
 
 def manifest(step_dir: Path, checksums: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
