@@ -61,6 +61,18 @@ def test_example_outside_slurm_stops_on_a_signal_and_resumes_to_the_same_loss(tm
     steps = [r["step"] for r in losses(run / "out")]
     assert steps == list(range(1, 13))  # resumed right after the saved step, nothing replayed
     assert losses(run / "out")[-1]["loss"] == losses(ref / "out")[-1]["loss"]
+    # The API's events in metrics.jsonl: `relaytrain report` tells the stop and the restart.
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in events] == [("start", 0), ("stop", stop), ("resume", stop),
+                                                         ("finished", 12)]  # fmt: skip
+    assert events[1]["saved"] and events[1]["exit_code"] == 75 and not events[1]["requeue_requested"]
+    from relaytrain.cli import main
+
+    assert main(["report", str(run)]) == 0
+    report = (run / "report" / "report.md").read_text()
+    assert "| last step | 12 |" in report and "| restarts | 1 |" in report
+    assert f"| local | {stop} | stop | {events[1]['reason']} | True | False | 75 |" in report
+    assert "| local | 12 | finished |" in report and "No training metrics" in report
 
 
 def test_outside_slurm_the_api_never_stops_on_its_own(tmp_path):

@@ -46,6 +46,7 @@ from relaytrain.resilience.run_state import RunStateFile
 log = logging.getLogger(__name__)
 
 RUN_DIR_ENV = "RELAYTRAIN_RUN_DIR"
+METRICS_FILE = "metrics.jsonl"  # the trainer's metrics log; a program's records are events only
 CONFIG_ENV = "RELAYTRAIN_CONFIG"
 
 _state: dict[str, Any] = {
@@ -74,6 +75,30 @@ def _load_config(config):
     return load_config(path) if path else Config()
 
 
+def _rank() -> int:
+    controller = _state["controller"]
+    return controller.rank if controller is not None else int(os.environ.get("RANK", "0"))
+
+
+def _log_event(event: str, step: int, **fields: Any) -> None:
+    """Rank 0 appends ``event`` to <run_dir>/metrics.jsonl as the trainer's metrics logger does (one
+    record per start, resume, stop and finish, with the job id and restart count), so that
+    `relaytrain status` and `report` tell this program's restarts and stops like the trainer's."""
+    if _rank() != 0:
+        return
+    from relaytrain.monitor.sinks import JsonlSink
+
+    job = JobFacts.from_env()
+    record = {"kind": "event", "step": int(step), "time": time.time()}
+    record.update(job_id=job.job_id or None, restart=job.restart_count, event=event, **fields)
+    try:
+        sink = JsonlSink(_state["run_dir"] / METRICS_FILE)
+        sink.write(record)
+        sink.close()
+    except OSError as error:  # a full or read-only disk must not keep the program from its own work
+        log.warning("could not record %s in %s: %s", event, _state["run_dir"] / METRICS_FILE, error)
+
+
 def install(run_dir: str | Path | None = None, config=None) -> None:
     """Record stop signals from now on (call it before importing torch); idempotent.
 
@@ -88,6 +113,12 @@ def install(run_dir: str | Path | None = None, config=None) -> None:
     _state["config"] = config
     _state["previous"] = RunStateFile(_state["run_dir"]).read()
     _state["installed"] = True
+    previous = previous_stop()
+    job = JobFacts.from_env()
+    if previous is not None or job.restart_count:
+        _log_event("resume", int((previous or {}).get("step", -1)), nodes=job.num_nodes or None)
+    else:
+        _log_event("start", 0, nodes=job.num_nodes or None)
 
 
 def _controller():
@@ -176,7 +207,9 @@ def exit_for_requeue(step: int | None = None, *, saved: bool = True) -> NoReturn
     controller = _controller()
     reason = controller.stop_reason if controller.stop_reason != StopReason.NONE else StopReason.PROGRAM_EXIT
     at = controller.stop_step if step is None and controller.stop_step >= 0 else step
-    code = controller.finish(reason, controller.last_step if at is None else at, saved=saved)
+    at = controller.last_step if at is None else at
+    code = controller.finish(reason, at, saved=saved)
+    _log_stop(at)
     controller.uninstall(exiting=True)
     import torch.distributed as dist
 
@@ -190,14 +223,23 @@ def exit_for_requeue(step: int | None = None, *, saved: bool = True) -> NoReturn
     sys.exit(code)
 
 
+def _log_stop(step: int) -> None:
+    """The stop as run_state.json recorded it (reason, saved, requeue), as a `stop` event."""
+    state = RunStateFile(_state["run_dir"]).read() or {}
+    fields = {
+        key: state.get(key) for key in ("reason", "saved", "requeue_requested", "exit_code") if key in state
+    }
+    _log_event("stop", step, **fields)
+
+
 def finish(step: int) -> None:
     """The program reached its end: run_state.json says finished (rank 0 writes it)."""
     from relaytrain.resilience.requeue import mark_finished
 
     install()
     controller = _state["controller"]
-    rank = controller.rank if controller is not None else int(os.environ.get("RANK", "0"))
-    mark_finished(_state["run_dir"], rank, step)
+    mark_finished(_state["run_dir"], _rank(), step)
+    _log_event("finished", step)
     if controller is not None:
         controller.uninstall()
 
@@ -228,6 +270,8 @@ def after_step(exit_code: int, run_dir: str | Path, config=None) -> str:
         0,
         message=f"the program exited {EXIT_RESUME} without recording a stop: continue it",
     )
+    _state["run_dir"] = Path(run_dir).absolute()
+    _log_stop(step)
     after = RunStateFile(run_dir).read() or {}
     return f"exit {EXIT_RESUME}: requeue {'requested' if after.get('requeue_requested') else 'refused'}"
 

@@ -36,8 +36,10 @@ def summarize(history: History) -> dict[str, Any]:
     job_ids = list(dict.fromkeys(s.job_id for s in history.segments if s.job_id is not None))
     lost_s, lost_steps = history.lost_time()
     mfu = _mean(history, "mfu")
+    steps = [int(r["step"]) for r in history.events if int(r["step"]) >= 0]
     return {
-        "last_step": last["step"] if last else None,
+        # A program under `launch --command` logs no train records, only its events (relaytrain.program).
+        "last_step": last["step"] if last else max(steps, default=None),
         "final_loss": last.get("loss") if last else None,
         "best_val_loss": best["val_loss"] if best else None,
         "best_val_step": best["step"] if best else None,
@@ -89,6 +91,15 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
             f"{len(seg.records)} | {span} | {'' if resumed is None else resumed}"
             f"{' (' + seg.resize_note + ')' if seg.resize_note else ''} |"
         )
+    stops = [r for r in history.events if r.get("event") in ("stop", "finished")]
+    if stops:
+        lines += ["", "## Stops", "", "| job | step | event | reason | saved | requeue asked | exit code |"]
+        lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in stops:
+        job = f"{r.get('job_id') or 'local'}" + (f" (requeue {r['restart']})" if r.get("restart") else "")
+        cells = [r.get(key) for key in ("reason", "saved", "requeue_requested", "exit_code")]
+        row = [job, str(r["step"]), r["event"], *("" if c is None else str(c) for c in cells)]
+        lines.append("| " + " | ".join(row) + " |")
     lines += [
         "",
         "Time lost to restarts: wall time between the last progress of one job and the next",
@@ -99,6 +110,8 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
     if history.skipped_lines:
         lines += [f"{history.skipped_lines} unreadable line(s) of metrics.jsonl were skipped.", ""]
     lines += ["## Plots", ""]
+    if not images:
+        lines += ["No training metrics: the program logs its own (docs/programs.md).", ""]
     for p in images:
         lines += [f"![{p.stem}]({p.name})", ""]
     return "\n".join(lines)
@@ -112,7 +125,9 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     history = load_history(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
     name = run_dir.resolve().name
-    images = plot_all(history, read_gpu_csvs(run_dir / "gpu"), name, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gpus = read_gpu_csvs(run_dir / "gpu")
+    images = plot_all(history, gpus, name, out_dir) if history.train or gpus else []
     report = out_dir / "report.md"
     report.write_text(render_markdown(name, history, summarize(history), images), encoding="utf-8")
     return report
