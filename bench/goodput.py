@@ -291,9 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         results.append(RunResult("time-limit", "--time=1, signal 30 s ahead"))
     with cluster_lock(not args.no_lock):
         info = local_cluster.running_cluster() or local_cluster.cluster_up(nodes=2, cpus_per_node=4)
-        os.environ.update(info.env)
-        runner = Runner(base, info, steps)
-        for r in results:
+    os.environ.update(info.env)
+    runner = Runner(base, info, steps)
+    for r in results:  # one hold of the shared cluster's lock a run
+        with cluster_lock(not args.no_lock):
             print(f"bench.goodput: {r.name} ...", flush=True)
             if r.name.startswith("preempt"):
                 runner.run(r, float(r.name.removeprefix("preempt-").removesuffix("s")))
@@ -301,9 +302,9 @@ def main(argv: list[str] | None = None) -> int:
                 runner.run(r, 0.0, "--slurm.time=00:01:00", "--resilience.signal_lead_s=30")
             else:
                 runner.run(r)
-            print(f"bench.goodput: {json.dumps(asdict(r))}", flush=True)
+        print(f"bench.goodput: {json.dumps(asdict(r))}", flush=True)
+        (base / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     load.append(os.getloadavg())
-    (base / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     loads = " → ".join("/".join(f"{x:.1f}" for x in la) for la in load)
     command = "python -m bench.goodput " + " ".join(argv if argv is not None else sys.argv[1:])
     section = render(results, command.strip(), machine_info(), loads) + render_extrapolation(Extrapolation())
