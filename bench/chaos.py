@@ -358,7 +358,7 @@ def draw(trials: int, seed: int) -> list[Trial]:
     return out
 
 
-def render(trials: list[Trial], seed: int, command: str, info: dict, load: str = "") -> str:
+def render(trials: list[Trial], seed: int | str, command: str, info: dict, load: str = "") -> str:
     ok = sum(t.ok for t in trials)
     rows = [
         (t.index, t.phase, t.event, t.fired_at_step, t.restarts, t.resubmits,
@@ -370,7 +370,7 @@ def render(trials: list[Trial], seed: int, command: str, info: dict, load: str =
     return (
         "## Chaos: random interruptions on real Slurm\n\n"
         f"Date {datetime.now(UTC).date()}, machine: {info.get('cpu', '?')} ({info.get('cores', '?')} cores), "
-        f"local Slurm cluster (`relaytrain cluster up`). Seed **{seed}**. Command: {code(command)}.\n"
+        f"local Slurm cluster (`relaytrain cluster up`). Seed(s) **{seed}**. Command(s): {code(command)}.\n"
         f"Load average (1/5/15 min) at the start → end: {load or 'not recorded'}.\n"
         f"A 2-rank tiny run ({STEPS} steps, async checkpoint every {INTERVAL}, eval every {EVAL_EVERY}) "
         "per trial, "
@@ -459,13 +459,14 @@ def main(argv: list[str] | None = None) -> int:
         help="write the page from earlier runs' results.json files (seed from --seed)",
     )
     parser.add_argument("--load", default="", help="load averages to print on the page (with --page-from)")
+    parser.add_argument("--command", action="append", default=[], help="a run's command (--page-from)")
     args = parser.parse_args(argv)  # fmt: skip
     command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.page_from:
         trials, special = load_results(args.page_from)
-        section = render(trials, args.seed, command.strip(), machine_info(), args.load) + render_special(
-            special
-        )
+        seeds = ", ".join(sorted({m.group(1) for p in args.page_from if (m := re.search(r"seed(\d+)", p))}))
+        shown = "`; `".join(args.command) if args.command else command.strip()
+        section = render(trials, seeds, shown, machine_info(), args.load) + render_special(special)
         print(section)
         write_page({"chaos": section})
         return 0
