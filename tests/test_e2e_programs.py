@@ -7,7 +7,9 @@ All jobs are submitted at once, then polled:
   relaytrain.program and resume; each ends with exactly the uninterrupted run's loss;
 * a program that ignores the signal, and one run with the --command default (no signal), end
   TIMEOUT and are not requeued;
-* `scancel --signal=USR2` stops the DDP example with a checkpoint and no requeue.
+* `scancel --signal=USR2` stops the DDP example with a checkpoint and no requeue;
+* a `sweep --command` array whose tasks exit 75 on their first run: each task is requeued on its own
+  and then runs its own command, with its grid value, in its own run directory.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from e2e_slurm_jobs import FIRST_RUN_ONLY, job_log, launch
+from e2e_slurm_jobs import FIRST_RUN_ONLY, cli, job_log, launch, submitted_id
 
 from conftest import REPO, child_env
-from slurm_fixtures import slurm, wait_for, wait_job_finished
+from slurm_fixtures import FINISHED_STATES, job_fields, slurm, wait_for, wait_job_finished
 
 pytestmark = pytest.mark.slurm
 
@@ -43,6 +45,10 @@ setup = ['{setup}']
 """
 DDP = f"python {REPO / 'examples' / 'ddp_train.py'} --out $RELAYTRAIN_RUN_DIR/out"
 HF = f"python {REPO / 'examples' / 'hf_trainer.py'} --out $RELAYTRAIN_RUN_DIR/out"
+ARRAY_TASK = (
+    'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then exit 75; fi; '
+    'echo {value} "$SLURM_ARRAY_TASK_ID" > "$RELAYTRAIN_RUN_DIR/done"'
+)
 IGNORES = "python -c 'import signal, time; signal.signal(signal.SIGUSR2, signal.SIG_IGN); time.sleep(600)'"
 
 
@@ -87,6 +93,11 @@ def programs(slurm_cluster, tmp_path_factory, monkeypatch_module):
         go("default", "--command", "sleep 600", "--nodes", "1", "--tasks-per-node", "1", "--time", "1")
         go("cancel", "--command", f"{DDP} --steps 300 --step-delay 1", "--nodes", "1",
            "--tasks-per-node", "1", "--time", "5", "--signal", "USR2@30")  # fmt: skip
+        code, out = cli("sweep", str(config), "--command", ARRAY_TASK, "--name", "arr", "--grid", "value=a,b",
+                        *PROFILE, "--nodes", "1", "--tasks-per-node", "1", "--time", "2")  # fmt: skip
+        assert code == 0, out
+        array = submitted_id(out)
+        jobs["arr"] = array
         refs = base / "refs"
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
         ddp_ref = run_local([*torchrun, str(REPO / "examples" / "ddp_train.py"), "--out",
@@ -98,10 +109,20 @@ def programs(slurm_cluster, tmp_path_factory, monkeypatch_module):
         cancel_dir = runs / "cancel"
         wait_for(lambda: losses(cancel_dir), 240, "the cancel job's first step", interval=1.0)
         slurm("scancel", "--signal=USR2", jobs["cancel"])
-        fields = {name: wait_job_finished(int(job), timeout=400) for name, job in jobs.items()}
-        yield {"runs": runs, "refs": refs, "jobs": jobs, "fields": fields}
+        fields = {
+            name: wait_job_finished(int(job), timeout=400) for name, job in jobs.items() if name != "arr"
+        }
+        tasks = [
+            wait_for(lambda i=i: finished(f"{array}_{i}"), 300, f"array task {array}_{i}") for i in (0, 1)
+        ]
+        yield {"runs": runs, "refs": refs, "jobs": jobs, "fields": fields, "tasks": tasks}
     finally:
         subprocess.run(["scancel", *jobs.values()], capture_output=True, timeout=30)
+
+
+def finished(job_id: str) -> dict[str, str] | None:
+    fields = job_fields(job_id)
+    return fields if fields.get("JobState") in FINISHED_STATES else None
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +170,14 @@ def test_scancel_signal_stops_with_a_checkpoint_and_no_requeue(programs):
     assert record["reason"] == "cancelled" and record["saved"] and not record["requeue_requested"], log
     assert (run / "out" / "checkpoint.pt").exists()
     assert record["step"] == max(losses(run))
+
+
+def test_a_command_sweep_requeues_each_array_task_that_exits_75(programs):
+    array = programs["jobs"]["arr"]
+    for index, value in enumerate("ab"):
+        run, fields = programs["runs"] / f"arr-{index}", programs["tasks"][index]
+        log = (programs["runs"] / "arr-sweep" / "slurm" / f"{array}_{index}.out").read_text(errors="replace")
+        assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", log
+        assert (run / "done").read_text().split() == [value, str(index)], log
+        record = state(run)
+        assert record["reason"] == "program_exit" and record["requeue_requested"], log
