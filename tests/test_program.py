@@ -113,6 +113,11 @@ def test_an_unrecorded_exit_75_requeues_the_array_task_with_reason_program_exit(
     state = json.loads((job_env / "run_state.json").read_text())
     assert state["reason"] == "program_exit" and state["requeue_requested"] and state["requeued"]
     assert scontrol_calls(job_env) == ["requeue 40_1"]
+    (event,) = [json.loads(line) for line in (job_env / "metrics.jsonl").read_text().splitlines()]
+    assert event["event"] == "stop" and event["reason"] == "program_exit" and event["job_id"] == "41"
+    from relaytrain.slurm.jobs import last_step
+
+    assert last_step(job_env) is None  # the batch script does not know the program's step
 
 
 def test_exit_75_is_capped_by_max_requeues(job_env, monkeypatch):

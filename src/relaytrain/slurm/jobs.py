@@ -166,8 +166,8 @@ def last_step(run_dir: Path) -> int | None:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            return record["step"]
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] >= 0:
+            return record["step"]  # -1: a stop whose step the batch script could not know (exit 75)
     return None
 
 
