@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
+from relaytrain.job.machine import cpu_model
+
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "benchmarks.md"
 
@@ -85,16 +87,6 @@ def verdict(met: bool | None, target: str) -> str:
 
 
 # -- machine --------------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def load_average() -> list[float] | None:

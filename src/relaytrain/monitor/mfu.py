@@ -21,13 +21,14 @@ import json
 import logging
 import math
 import os
-import platform
 import time
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
 import torch
+
+from relaytrain.job.machine import cpu_model
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +75,6 @@ def cpu_capability() -> str:
     """The instruction set PyTorch's CPU kernels use (DEFAULT, AVX2, AVX512, ...): bf16 speed and rounding
     depend on it, so it is printed beside every CPU figure."""
     return torch.backends.cpu.get_cpu_capability()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_peak_cache_path() -> Path:
