@@ -277,7 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-lock", action="store_true", help=f"the caller holds {LOCK} already")
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--page-from", metavar="RESULTS_JSON", help="write the page from an earlier run's results")
+    parser.add_argument("--load", default="", help="load averages to print (with --page-from)")
     args = parser.parse_args(argv)
+    command = "python -m bench.goodput " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.page_from:
+        results = [RunResult(**row) for row in json.loads(Path(args.page_from).read_text())]
+        section = render(results, command.strip(), machine_info(), args.load)
+        write_page({"goodput": section + render_extrapolation(Extrapolation())})
+        print(section)
+        return 0
     intervals = [60.0] if args.quick else [float(t) for t in args.intervals.split(",") if t]
     steps = 160 if args.quick else args.steps
     from relaytrain.localcluster import cluster as local_cluster
@@ -306,7 +315,6 @@ def main(argv: list[str] | None = None) -> int:
         (base / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     load.append(os.getloadavg())
     loads = " → ".join("/".join(f"{x:.1f}" for x in la) for la in load)
-    command = "python -m bench.goodput " + " ".join(argv if argv is not None else sys.argv[1:])
     section = render(results, command.strip(), machine_info(), loads) + render_extrapolation(Extrapolation())
     print(section)
     if not (args.quick or args.no_write):
