@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-lock", action="store_true", help=f"the caller holds {LOCK} already")
     parser.add_argument("--out", default=str(OUT))
-    parser.add_argument("--page-from", metavar="RESULTS_JSON", help="write the page from an earlier run's results")
+    parser.add_argument("--page-from", metavar="RESULTS_JSON", help="write the page from saved results")
     parser.add_argument("--load", default="", help="load averages to print (with --page-from)")
     args = parser.parse_args(argv)
     command = "python -m bench.goodput " + " ".join(argv if argv is not None else sys.argv[1:])
