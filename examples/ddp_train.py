@@ -57,6 +57,13 @@ def main() -> int:
             print(f"resuming at step {start} (restart {program.restart_count()}, "
                   f"previous stop: {program.previous_stop()})", flush=True)  # fmt: skip
     ddp = DistributedDataParallel(model) if distributed else model
+    if distributed:
+        # DDP reduces the first backward's gradients in one bucket in parameter order and rebuilds its
+        # buckets in backward order after it, which changes the order of the sums: the first step of a
+        # resumed job would differ from an uninterrupted run in the last bits. A throw-away backward
+        # (no optimizer step) fixes the layout before the first real step of every job.
+        ddp(torch.zeros(1, 32)).sum().backward()
+        optimizer.zero_grad(set_to_none=True)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     step = start
     while step < args.steps:
