@@ -136,3 +136,23 @@ def test_status_and_report_show_the_node_count_of_each_run(tmp_path):
     assert "resized 2 -> 1 nodes (4 -> 2 ranks)" in labels[0] and "resized" not in labels[1]
     report = make_report(tmp_path).read_text()
     assert "| nodes |" in report and "(resized 2 -> 1 nodes (4 -> 2 ranks))" in report
+
+
+def test_a_node_range_job_reserves_cpus_per_node_not_a_task_count(tmp_path, monkeypatch):
+    """Slurm 22.05 rewrites the task count of an --ntasks-per-node job to nodes x tasks at each start and
+    keeps it on requeue, so a 1-2 job that ran on 2 nodes could not restart on 1 (docs/elastic.md)."""
+    from relaytrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "tiny.toml"
+    config.write_text(f'[run]\nname = "el"\ndir = "{tmp_path / "runs"}"\n[slurm]\ncpus_per_task = 3\n')
+    cpu = ["--gpus-per-node", "0", "--tasks-per-node", "2", "--time", "00:10:00", "--dry-run"]
+    assert main(["launch", str(config), "--nodes", "1-2", *cpu]) == 0
+    script = (tmp_path / "runs" / "el" / "slurm" / "job.sh").read_text()
+    sbatch = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --mincpus=6" in sbatch and not [o for o in sbatch if "--ntasks" in o]
+    srun = script.split("srun_options=(", 1)[1].split(")", 1)[0]
+    assert "--ntasks-per-node=2" in srun and "--cpus-per-task=3" in srun
+    assert main(["launch", str(config), "--nodes", "2", *cpu]) == 0
+    script = (tmp_path / "runs" / "el" / "slurm" / "job.sh").read_text()
+    assert "#SBATCH --ntasks-per-node=2" in script and "--mincpus" not in script

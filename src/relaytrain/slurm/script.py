@@ -118,8 +118,14 @@ def sbatch_options(spec: JobSpec) -> list[str]:
     out = [
         f"--job-name={sbatch_value(spec.job_name or job_name_for(spec.cfg.run.name))}",
         f"--nodes={node_range(s)}",
-        f"--ntasks-per-node={tasks}",
     ]
+    if "-" in node_range(s):
+        # Slurm 22.05 sets a job's task count to nodes x --ntasks-per-node at each start and keeps it
+        # across a requeue: a range job that ran on 2 nodes could restart only on 2 (docs/elastic.md).
+        # Reserve the CPUs of the ranks per node instead; the step's srun sets the tasks per node.
+        out.append(f"--mincpus={tasks * max(cpus, 1)}")
+    else:
+        out.append(f"--ntasks-per-node={tasks}")
     if s.gpus_per_node > 0:
         out.append(f"--gpus-per-node={s.gpus_per_node}")
     if cpus > 0:
