@@ -91,7 +91,7 @@ class SpecialTrials:
     def kill_save(self, trial: SpecialTrial, rng) -> None:
         from bench.chaos import INTERVAL, STEPS
 
-        mode = "sync" if trial.kind.endswith("sync") else "async"
+        mode = trial.kind.removeprefix("kill_save_")
         overrides = (f"--checkpoint.mode={mode}",)
         name = f"special-{trial.index}-{trial.kind}"
         run_dir = self.bench.runs / name
