@@ -400,11 +400,11 @@ def render(trials: list[Trial], seed: int | str, command: str, info: dict, load:
 
 
 def draw_special(
-    kill_saves: int, specials: bool, start: int, modes: str = "async,sync"
+    kill_saves: int, specials: bool | list[str], start: int, modes: str = "async,sync"
 ) -> list[SpecialTrial]:
     cycle = [f"kill_save_{mode}" for mode in modes.split(",")]
     kinds = [cycle[i % len(cycle)] for i in range(kill_saves)]
-    kinds += list(SPECIAL_KINDS) if specials else []
+    kinds += list(specials if isinstance(specials, list | tuple) else SPECIAL_KINDS if specials else [])
     return [SpecialTrial(start + i, kind) for i, kind in enumerate(kinds)]
 
 
@@ -449,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=20, help="random (phase, event) trials")
     parser.add_argument("--kill-saves", type=int, default=10, help="SIGKILL-during-save trials")
     parser.add_argument("--kill-save-modes", default="async,sync", help="checkpoint.mode of those, in turn")
+    parser.add_argument("--special", default="", help=f"only these of {','.join(SPECIAL_KINDS)}")
     parser.add_argument("--no-special", action="store_true", help="skip time limit/cap, hang, disk full")
     parser.add_argument("--seed", type=int, default=None, help="default: from the clock (printed)")
     parser.add_argument("--quick", action="store_true", help="3 random trials only, no page")
@@ -476,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     trials = draw(3 if args.quick else args.trials, seed)
-    special = draw_special(args.kill_saves, not args.no_special, len(trials), args.kill_save_modes)
+    kinds = args.special.split(",") if args.special else not args.no_special
+    special = draw_special(args.kill_saves, kinds, len(trials), args.kill_save_modes)
     special = [] if args.quick else special
     print(f"bench.chaos: seed {seed}, {len(trials)} random + {len(special)} targeted trials", flush=True)
     from relaytrain.localcluster import cluster as local_cluster

@@ -115,7 +115,8 @@ class SpecialTrials:
     def time_limit_cap(self, trial: SpecialTrial, rng) -> None:
         name = f"special-{trial.index}-time-limit"
         run_dir = self.bench.runs / name
-        capped = ("--slurm.time=00:01:00", "--resilience.signal_lead_s=30", "--resilience.max_requeues=1")
+        capped = ("--slurm.time=00:01:00", "--resilience.signal_lead_s=30", "--resilience.hard_deadline_s=20",
+                  "--resilience.max_requeues=1")  # fmt: skip
         trial.job = self.bench.launch(name, *capped, setup="export RELAYTRAIN_STEP_DELAY_S=3")
         self.bench.finish(trial, run_dir, (), setup=NO_DELAY)
         self.bench.check(trial, run_dir)
@@ -157,11 +158,10 @@ class SpecialTrials:
         trial.checks["cause recorded as hang"] = any("hang" in json.dumps(c) for c in crashes)
 
     def disk_full(self, trial: SpecialTrial, rng) -> None:
-        from bench.chaos import INTERVAL
-
         mount = self.bench.base / "small-fs"
         mount.mkdir(exist_ok=True)
-        ckpt = tree_bytes(self.bench.runs / "reference" / "checkpoints" / L.step_dir_name(INTERVAL))
+        ref = self.bench.runs / "reference" / "checkpoints"  # retention kept its last checkpoints only
+        ckpt = max(tree_bytes(p) for p in ref.glob("step_*"))
         size = tree_bytes(self.bench.runs / ".cache") + int(ckpt * 1.6) + 768 * 1024
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True)
         try:

@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             if r.name.startswith("preempt"):
                 runner.run(r, float(r.name.removeprefix("preempt-").removesuffix("s")))
             elif r.name == "time-limit":
-                runner.run(r, 0.0, "--slurm.time=00:01:00", "--resilience.signal_lead_s=30")
+                runner.run(r, 0.0, "--slurm.time=00:01:00", "--resilience.signal_lead_s=30",
+                           "--resilience.hard_deadline_s=20")  # fmt: skip
             else:
                 runner.run(r)
         print(f"bench.goodput: {json.dumps(asdict(r))}", flush=True)
