@@ -464,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         help="write the page from earlier runs' results.json files (seed from --seed)",
     )
     parser.add_argument("--load", default="", help="load averages to print on the page (with --page-from)")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph to add (--page-from)")
     parser.add_argument("--command", action="append", default=[], help="a run's command (--page-from)")
     args = parser.parse_args(argv)  # fmt: skip
     command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -472,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds = ", ".join(sorted({m.group(1) for p in args.page_from if (m := re.search(r"seed(\d+)", p))}))
         shown = "`; `".join(args.command) if args.command else command.strip()
         section = render(trials, seeds, shown, machine_info(), args.load) + render_special(special)
+        section += "".join(f"\n{note}\n" for note in args.note)
         print(section)
         write_page({"chaos": section})
         return 0
