@@ -279,11 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--page-from", metavar="RESULTS_JSON", help="write the page from saved results")
     parser.add_argument("--load", default="", help="load averages to print (with --page-from)")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph to add (--page-from)")
     args = parser.parse_args(argv)
     command = "python -m bench.goodput " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.page_from:
         results = [RunResult(**row) for row in json.loads(Path(args.page_from).read_text())]
         section = render(results, command.strip(), machine_info(), args.load)
+        section += "".join(f"\n{note}\n" for note in args.note)
         write_page({"goodput": section + render_extrapolation(Extrapolation())})
         print(section)
         return 0
