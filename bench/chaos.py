@@ -35,6 +35,9 @@ from pathlib import Path
 from bench.chaos_special import SPECIAL_KINDS, SpecialTrial, SpecialTrials
 from bench.report import REPO, code, machine_info, table, write_page
 
+sys.path.insert(0, str(REPO / "tests"))  # the tiny config the tests use too
+from tiny_config import TINY_TOML  # noqa: E402
+
 LOCK = "/tmp/relaytrain-slurm.lock"
 OUT = REPO / "bench" / "out" / "chaos"
 STEPS = 40
@@ -48,22 +51,14 @@ ALLOWED = re.compile(
     r"^(config\.toml|metrics\.jsonl|run_state\.json|crashes\.jsonl|slurm/.*|logs/.*|tensorboard/.*|"
     r"checkpoints/latest|checkpoints/step_\d+/.*)$"
 )
-CONFIG = """[run]
+CONFIG = (
+    """[run]
 name = "{name}"
 dir = "{runs}"
 
-[model]
-dim = 64
-n_layers = 2
-n_heads = 4
-n_kv_heads = 2
-vocab_size = 320
-
-[train]
-seq_len = 32
-global_batch_size = 8
-micro_batch_size = 2
-max_steps = {steps}
+"""
+    + TINY_TOML
+    + """max_steps = {steps}
 eval_every = {eval_every}
 eval_steps = 2
 
@@ -85,6 +80,7 @@ hang_timeout_s = 60
 [slurm]
 profile = "{profile}"
 """
+)
 
 
 @dataclass

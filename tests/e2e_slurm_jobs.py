@@ -16,22 +16,15 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from tiny_config import TINY_TOML
+
 from conftest import REPO, child_env
 from slurm_fixtures import job_fields, wait_for
 
-MODEL = """
-[model]
-dim = 64
-n_layers = 2
-n_heads = 4
-n_kv_heads = 2
-vocab_size = 320
-
-[train]
-seq_len = 32
-global_batch_size = 8
-micro_batch_size = 2
-max_steps = {steps}
+MODEL = (
+    "\n"
+    + TINY_TOML
+    + """max_steps = {steps}
 eval_every = 0
 
 [optim]
@@ -41,6 +34,7 @@ warmup_steps = 2
 log_every = 1
 tensorboard = false
 """
+)
 
 # The resilience jobs: 200 steps, a checkpoint every 25; a 90 s signal lead (with --time 3 the signal
 # comes 60-90 s after the start, Slurm checks limits every 30 s) and a 10 s time-budget margin.

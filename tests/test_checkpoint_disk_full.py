@@ -15,23 +15,17 @@ from relaytrain.checkpoint.save_errors import disk_full_error
 from relaytrain.job import JobFacts
 from relaytrain.resilience import crash
 from relaytrain.resilience.run_state import RunStateFile
+from tiny_config import TINY_TOML
 
 from conftest import run_cli
 
-CONFIG = """[run]
+CONFIG = (
+    """[run]
 name = "full"
 dir = "{runs}"
-[model]
-dim = 64
-n_layers = 2
-n_heads = 4
-n_kv_heads = 2
-vocab_size = 320
-[train]
-seq_len = 32
-global_batch_size = 8
-micro_batch_size = 2
-max_steps = 30
+"""
+    + TINY_TOML
+    + """max_steps = 30
 [optim]
 warmup_steps = 2
 [metrics]
@@ -41,6 +35,7 @@ tensorboard = false
 interval = 10
 mode = "{mode}"
 """
+)
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:

@@ -31,6 +31,7 @@ from relaytrain.job import JobFacts
 from relaytrain.resilience import crash
 from relaytrain.resilience.run_state import RunStateFile
 
+from bench.chaos import rank_pids
 from slurm_fixtures import wait_for, wait_job_finished
 
 JOB = {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2"}
@@ -134,27 +135,6 @@ def test_crash_check_block_of_the_batch_script_and_the_default_cap():
 # --------------------------------------------------------------------------------------------------
 # On the real local Slurm cluster
 # --------------------------------------------------------------------------------------------------
-
-
-def rank_pids(job_id: str, rank: int) -> list[int]:
-    """Training processes of a job (found through their environment) with RANK=rank."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if (
-            f"SLURM_JOB_ID={job_id}".encode() in environ
-            and f"RANK={rank}".encode() in environ
-            and b"relaytrain.cli\0train" in cmdline
-            and b"torch.distributed.run" not in cmdline
-        ):
-            pids.append(int(proc.name))
-    return pids
 
 
 def kill_rank_at(run_dir: Path, job_id: str, restart: int, step: int, rank: int = 1) -> int:

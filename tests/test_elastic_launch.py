@@ -5,21 +5,10 @@ from __future__ import annotations
 import pytest
 
 from relaytrain.cli import main
+from tiny_config import TINY_TOML
 
 CPU = ["--gpus-per-node", "0", "--tasks-per-node", "2", "--time", "00:10:00"]
-TINY = """
-[model]
-dim = 64
-n_layers = 2
-n_heads = 4
-n_kv_heads = 2
-vocab_size = 320
-[train]
-seq_len = 32
-global_batch_size = 8
-micro_batch_size = 2
-max_steps = 4
-"""
+TINY = "\n" + TINY_TOML + "max_steps = 4\n"
 
 
 @pytest.fixture
