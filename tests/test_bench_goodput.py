@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from datetime import datetime
 
 import pytest
@@ -48,3 +49,115 @@ def test_the_7b_extrapolation_formula():
     assert x.goodput(1800) == pytest.approx(1 - 159 / 1800 - x.async_block_s / x.ckpt_every_s)
     assert x.goodput(14400) > x.goodput(1800)
     assert "goodput(T) = 1 −" in goodput.render_extrapolation(x)
+
+
+def run(name: str, **fields) -> goodput.RunResult:
+    return goodput.RunResult(name, fields.pop("interruption", "none"), **fields)
+
+
+def test_a_time_limit_stop_is_counted_with_its_reason_and_positive_signal_to_exit(tmp_path):
+    t0 = 2_000_000.0
+    rows = [{"kind": "train", "step": s, "time": t0 + s, "time_step_s": 0.5} for s in range(1, 5)]
+    rows += [{"kind": "event", "event": "stop", "step": 4, "time": t0 + 4.1, "reason": "time_limit_signal"}]
+    rows += [{"kind": "event", "event": "resume", "step": 4, "time": t0 + 25}]
+    rows += [{"kind": "train", "step": s, "time": t0 + 21 + s, "time_step_s": 0.5} for s in range(5, 9)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    save = "checkpoint step 4 (time_limit_signal) committed: /x (write 0.30s, blocking 0.30s)"
+    log = log_line(t0 + 4, save)
+    result = goodput.RunResult("time-limit", "time limit")
+    # the job requeues itself after the save: its End comes after the stop, not at the signal
+    goodput.analyse(result, tmp_path, [(t0 - 1, t0 + 5), (t0 + 17, t0 + 30)], log)
+
+    assert (result.interruptions, result.replayed, result.stop_reasons) == (1, 0, ["time_limit_signal"])
+    (s2e,) = result.signal_to_exit
+    assert s2e == pytest.approx({"total": 0.9, "save": 0.3, "exit": 0.6})
+    assert goodput.interruptions_cell(result) == "1 (1 time_limit_signal)"
+
+
+def test_results_files_carry_their_command_and_load_and_the_old_list_format_still_reads(tmp_path):
+    new = goodput.ResultsFile("python -m bench.goodput --only time-limit", "0.5/0.4/0.3", "2026-11-23",
+                              [run("time-limit", job="7", steps=240)])  # fmt: skip
+    goodput.save_results(tmp_path / "new.json", new)
+    assert goodput.load_results(tmp_path / "new.json") == new
+
+    (tmp_path / "old.json").write_text(json.dumps([asdict(run("uninterrupted", job="1"))]))
+    old = goodput.load_results(tmp_path / "old.json")
+    assert (old.command, old.load, [r.name for r in old.runs]) == ("", "", ["uninterrupted"])
+
+
+def test_merging_keeps_each_run_once_from_the_file_that_measured_it_last():
+    first = goodput.ResultsFile("cmd A", runs=[run("uninterrupted", job="1"), run("preempt-60s", job="2"),
+                                               run("time-limit")])  # fmt: skip
+    second = goodput.ResultsFile("cmd B", runs=[run("time-limit", job="3")])
+    third = goodput.ResultsFile("cmd C", runs=[run("preempt-60s", error="timed out")])
+
+    merged = goodput.merge_results([first, second, third])
+
+    assert [(f.command, [(r.name, r.job) for r in runs]) for f, runs in merged] == [
+        ("cmd A", [("uninterrupted", "1")]),
+        ("cmd B", [("time-limit", "3")]),
+        ("cmd C", [("preempt-60s", "")]),
+    ]
+    assert goodput.merge_results([goodput.ResultsFile("cmd D", runs=[run("time-limit")])]) == []
+
+
+def test_the_section_names_each_measuring_command_once_and_keeps_notes_separate():
+    preempt = goodput.ResultsFile(
+        "python -m bench.goodput --intervals 60,120 --steps 240", "0.7/1.2/1.6", "2026-11-23",
+        [run("uninterrupted", job="1", steps=240, allocated_s=10, productive_s=9, final="finished")],
+    )  # fmt: skip
+    limit = goodput.ResultsFile(runs=[run("time-limit", job="2", steps=240, error="the run did not finish")])
+    notes = ["First note: **steps lost 0**.", "Second note."]
+
+    section = goodput.render(goodput.merge_results([preempt, limit]), {"cpu": "CPU", "cores": 2}, notes)
+
+    assert "- uninterrupted: `python -m bench.goodput --intervals 60,120 --steps 240` (2026-11-23; " \
+        "load average 1/5/15 min start → end: 0.7/1.2/1.6)" in section  # fmt: skip
+    assert "- time-limit: command not recorded (date not recorded; load not recorded)" in section
+    assert "--page-from" not in section and "--note" not in section
+    for note in notes:
+        assert section.count(note) == 1 and f"\n\n{note}\n" in section
+    assert section.index("| uninterrupted |") < section.index("| time-limit |") < section.index(notes[0])
+    assert "| finished |" in section and "| the run did not finish |" in section
+
+
+def test_page_from_merges_several_files_and_writes_only_the_goodput_section(tmp_path, monkeypatch):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    goodput.save_results(a, goodput.ResultsFile("cmd A", runs=[run("uninterrupted", job="1")]))
+    goodput.save_results(b, goodput.ResultsFile("cmd B", runs=[run("time-limit", job="2")]))
+    written = {}
+    monkeypatch.setattr(goodput, "write_page", written.update)
+
+    assert goodput.main(["--page-from", str(a), str(b), "--note", "N."]) == 0
+
+    (section,) = written.values()
+    assert list(written) == ["goodput"]
+    assert "`cmd A`" in section and "`cmd B`" in section and "\nN.\n" in section
+    assert "### 7B-class extrapolation" in section
+
+
+def test_only_refuses_a_run_that_is_not_planned(capsys):
+    with pytest.raises(SystemExit):
+        goodput.main(["--only", "time-limit,preempt-90s", "--intervals", "60"])
+    err = capsys.readouterr().err
+    assert "--only: no run named preempt-90s; runs: uninterrupted, preempt-60s, time-limit" in err
+
+
+def test_the_time_limit_run_is_stopped_by_the_signal_and_its_requeue_cap_covers_the_run():
+    overrides = goodput.time_limit_overrides(240)
+    assert "--resilience.time_budget_margin_s=0" in overrides  # else a 1-minute job stops after step 1
+    assert not any("max_requeues" in o for o in overrides)  # 240 steps need ~12 jobs at most: default 20
+    assert "--resilience.max_requeues=60" in goodput.time_limit_overrides(600)
+    (time_limit,) = [r for r in goodput.planned_runs([60.0], True, 600) if r.name == "time-limit"]
+    assert "max_requeues=60" in time_limit.interruption
+
+
+def test_the_sensitivity_grid_says_what_reaches_the_target():
+    x = goodput.Extrapolation()
+    assert goodput.cost_budget_s(x) == pytest.approx(0.02 * 1800 - 1)
+    grid = goodput.sensitivity(x)
+    assert grid[2.0, 60.0, 1.0].goodput(1800) == pytest.approx(x.goodput(1800))
+    assert grid[50.0, 20.0, 0.0].goodput(1800) >= 0.98 > grid[50.0, 20.0, 1.0].goodput(1800)
+    text = goodput.render_extrapolation(x)
+    assert "not met with the default inputs" in text
+    assert "only 50 GB/s, start-up 20 s, 0 lost steps reaches it" in text
