@@ -84,10 +84,14 @@ def sacct_runs(job: str) -> list[tuple[float, float]]:
 _LOG_TIME = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \[rank 0 .*?\] INFO relaytrain\.checkpoint: (.*)$", re.M
 )
-# the emergency save's line: `checkpoint step 57 (preemption) committed: ... (write 0.12s, blocking ...)`
-_STOP_SAVE = re.compile(
-    r"\((?:preemption|time_limit\w*|time_budget|signal)\) committed: .*?\(write ([\d.]+)s"
-)
+# `checkpoint step 57 (preemption) committed: ... (write 0.12s, blocking ...)`
+_COMMIT = re.compile(r"checkpoint step (\d+) \(\w+\) committed: .*?\(write ([\d.]+)s")
+
+
+def save_seconds(log_text: str) -> dict[int, float]:
+    """Write seconds of the checkpoint of each step. A stop at a step whose interval save was in flight
+    saves nothing more ('already checkpointed') but waits for that commit: its write is the stop's save."""
+    return {int(step): float(write) for step, write in _COMMIT.findall(log_text)}
 
 
 def log_times(text: str, what: str) -> list[float]:
@@ -112,13 +116,13 @@ def analyse(result: RunResult, run_dir: Path, runs: list[tuple[float, float]], l
     resumes = [e for e in events if e.get("event") == "resume"]
     result.interruptions = len(stops)
     result.stop_reasons = [str(e.get("reason", "?")) for e in stops]
-    saves = [float(m) for m in _STOP_SAVE.findall(log_text)]
+    saves = save_seconds(log_text)
     loads = log_times(log_text, "resuming from")
-    for k, stop in enumerate(stops):
+    for stop in stops:
         end = next((e for s, e in runs if s <= stop["time"] <= e + 1), None)
         if end is None:
             continue
-        save = saves[k] if k < len(saves) else float("nan")
+        save = saves.get(stop["step"], float("nan"))
         total = end - stop["time"]
         result.signal_to_exit.append({"total": total, "save": save, "exit": total - save})
         after = [(s, e) for s, e in runs if s >= end - 0.5]
@@ -416,7 +420,9 @@ TIME_LIMIT = (
     "--resilience.time_budget_margin_s=0",
 )
 DEFAULT_MAX_REQUEUES = 20
-MIN_STEPS_PER_JOB = 20  # a 1-minute job trains ~30 s less start-up at ~0.6 s a step: 30-40 steps
+# Slurm sends --signal up to 60 s early (its time-limit check is periodic): measured here, a 1-minute job
+# with a 30 s lead got USR2 with 33-47 s left, so it trained 8-30 steps (~0.6 s each) after its start-up.
+MIN_STEPS_PER_JOB = 5
 
 
 def time_limit_overrides(steps: int) -> tuple[str, ...]:
