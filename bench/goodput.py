@@ -2,21 +2,26 @@
 
     python -m bench.goodput --intervals 60,180     # writes its section of docs/benchmarks.md
     python -m bench.goodput --quick --no-write      # one 60 s interval, a short run
+    python -m bench.goodput --only time-limit       # chosen runs only; no page
+    python -m bench.goodput --page-from A.json B.json --note "..."  # the page from saved results
+
+Each invocation saves results.json (its command, date, load averages and runs) in its own directory
+under bench/out/goodput; --page-from renders the union of several such files, each with its command.
 
 On the local Slurm cluster (`relaytrain cluster up`) a tiny 2-rank run (steps slowed to STEP_DELAY_S so a
 run lasts minutes) runs uninterrupted, preempted every T seconds (a job on the `high` partition takes its
-node; PreemptMode=REQUEUE), and cut by `--time=1` limits. Per run:
+node; PreemptMode=REQUEUE), and cut by `--time=1` limits (USR2 30 s ahead; see TIME_LIMIT). Per run:
 
 * goodput = productive step time / allocated time. Productive: the step times (`time_step_s`) of the steps
   that count (a replayed step counts once); allocated: the sum of each job run's Start..End (sacct -c).
 * steps lost per interruption: the replayed steps (train records beyond one per step) / interruptions.
 * signal -> exit: the `stop` event (the first step boundary after the signal) to the run's End, split into
-  the emergency save (its `write` seconds in the job log) and the rest (exit).
+  the save (the `write` seconds of the stop step's checkpoint in the job log) and the rest (exit).
 * requeue -> first resumed step: the run's End to the next run's first train record, split into queue
   (End -> next Start), start-up (Start -> `resume` event, less the load) and load (`resuming from` log line
   -> `resume` event; the log has 1 s resolution).
 
-The 7B extrapolation (`extrapolate`) uses the formula printed on the page.
+The 7B extrapolation (`Extrapolation`) uses the formula printed on the page, with a sensitivity grid.
 """
 
 from __future__ import annotations

@@ -173,3 +173,21 @@ def test_a_stop_at_an_interval_step_is_matched_with_that_checkpoint_and_not_the_
         log_line(9, "checkpoint step 38 (time_limit_signal) committed: /x (write 0.13s, blocking 0.03s)"),
     ])  # fmt: skip
     assert goodput.save_seconds(text) == {30: 0.07, 38: 0.13}
+
+
+@pytest.mark.slurm
+def test_quick_goodput_run_on_the_local_cluster(slurm_cluster, tmp_path, capsys):
+    """`--quick`: uninterrupted and preempted every 60 s, 160 steps (under `flock`, hence --no-lock)."""
+    code = goodput.main(["--quick", "--no-lock", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    saved = goodput.load_results(next(tmp_path.glob("run-*/results.json")))
+
+    assert code == 0, out[-4000:]
+    assert saved.command == f"python -m bench.goodput --quick --no-lock --out {tmp_path}" and saved.load
+    uninterrupted, preempted = saved.runs
+    assert [r.final for r in saved.runs] == ["finished (max_steps) at step 160"] * 2
+    assert uninterrupted.interruptions == 0 and preempted.interruptions >= 1
+    assert set(preempted.stop_reasons) == {"preemption"}
+    assert preempted.replayed <= preempted.interruptions  # at most 1 step lost per interruption
+    assert len(preempted.signal_to_exit) == preempted.interruptions
+    assert 0 < preempted.goodput <= 1 and 0 < uninterrupted.goodput <= 1
