@@ -360,6 +360,8 @@ def interruptions_cell(r: RunResult) -> str:
     if not r.interruptions:
         return "0"
     counts = Counter(r.stop_reasons)
+    if len(counts) == 1:
+        return f"{r.interruptions} ({next(iter(counts))})"
     reasons = ", ".join(f"{n} {reason}" for reason, n in counts.items())
     return f"{r.interruptions} ({reasons})" if reasons else str(r.interruptions)
 

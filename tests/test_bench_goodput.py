@@ -73,7 +73,9 @@ def test_a_time_limit_stop_is_counted_with_its_reason_and_positive_signal_to_exi
     assert (result.interruptions, result.replayed, result.stop_reasons) == (1, 0, ["time_limit_signal"])
     (s2e,) = result.signal_to_exit
     assert s2e == pytest.approx({"total": 0.9, "save": 0.3, "exit": 0.6})
-    assert goodput.interruptions_cell(result) == "1 (1 time_limit_signal)"
+    assert goodput.interruptions_cell(result) == "1 (time_limit_signal)"
+    result.interruptions, result.stop_reasons = 3, ["time_limit_signal", "time_budget", "time_limit_signal"]
+    assert goodput.interruptions_cell(result) == "3 (2 time_limit_signal, 1 time_budget)"
 
 
 def test_results_files_carry_their_command_and_load_and_the_old_list_format_still_reads(tmp_path):
