@@ -6,10 +6,16 @@ Builds a ~100M-parameter model with AdamW state (one optimizer step), then measu
 - the disk: sequential write of a file as large as the checkpoint with fsync, and its read with the page
   cache dropped (posix_fadvise DONTNEED, which needs no root), the same way checkpoint files are read;
 - CheckpointManager sync save (until COMPLETE), async save (time training is blocked, and time until
-  committed), and load (model + optimizer + train state, page cache dropped first). An async save is
+  committed), and load (model + optimizer + train state, page cache dropped first; with and without
+  the checksum comparison, `checkpoint.verify`). An async save is
   followed by one training step, as in training: a save of host-memory state writes from the live
   tensors and the next optimizer step waits for that write, so "blocked" is the save call plus that
-  wait; "until committed" is the write plus the commit (not the training step around them);
+  wait; "until committed" is the write plus the commit (not the training step around them). The same
+  async save with the trainer idle (save, then wait) separates the async path's own cost from the
+  contention with the step on the machine's cores;
+- the CPU seconds (all threads, `time.process_time`) of a sync save, a training step, the async save
+  window with its training step, and a load, and how busy the cores were during the async window: a
+  write that competes with a step on saturated cores cannot finish sooner than their CPU seconds allow;
 - the peak resident memory of the process during each, above what it held before (sampled every 5 ms).
 Prints a Markdown table (best of --repeats) and one JSON line.
 """
@@ -138,8 +144,9 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def build(cfg: Config, run_dir: Path, mode: str):
+def build(cfg: Config, run_dir: Path, mode: str, verify: bool = True):
     cfg.checkpoint.mode = mode
+    cfg.checkpoint.verify = verify
     cfg.checkpoint.keep_last = 1
     model = Transformer(cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -191,9 +198,15 @@ def main() -> None:
         return time.perf_counter() - t0
 
     train_step(model, opt)
+    cpu0 = time.process_time()
     step_s = min(train_step(model, opt) for _ in range(2))
+    cpu_s: dict[str, float] = {"train_step": (time.process_time() - cpu0) / 2}
 
-    results: dict[str, list[float]] = {k: [] for k in ("sync_save", "async_block", "async_total", "load")}
+    results: dict[str, list[float]] = {
+        k: []
+        for k in ("sync_save", "async_block", "async_total", "async_idle_total", "load", "load_unverified")
+    }
+    busy: list[float] = []  # the cores' busy fraction during an async save window with a step in it
     extra_mem: dict[str, int] = {"sync_save": 0, "async_save": 0, "load": 0}
     # The disk is shared and its speed drifts: it is probed next to every save and load it is compared with.
     probe_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
@@ -208,10 +221,11 @@ def main() -> None:
     step = 1
     for _ in range(args.repeats):
         probe_disk()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         with PeakRss() as mem:
             mgr.save(step)
         results["sync_save"].append(time.perf_counter() - t0)
+        cpu_s["sync_save"] = min(cpu_s.get("sync_save", 1e9), time.process_time() - cpu0)
         extra_mem["sync_save"] = max(extra_mem["sync_save"], mem.extra)
         step += 1
     ckpt_bytes = dir_bytes(work / "run/checkpoints" / f"step_{step - 1}")
@@ -221,13 +235,22 @@ def main() -> None:
     async_model.load_state_dict(model.state_dict())
     async_opt.load_state_dict(opt.state_dict())
     for _ in range(args.repeats):
+        t0, cpu0 = time.perf_counter(), time.process_time()
         with PeakRss() as mem:
             amgr.save(step)
             train_step(async_model, async_opt)
             amgr.wait()
+        window_cpu, window_s = time.process_time() - cpu0, time.perf_counter() - t0
+        busy.append(window_cpu / (window_s * (os.cpu_count() or 1)))
+        cpu_s["async_window"] = min(cpu_s.get("async_window", 1e9), window_cpu)
         results["async_block"].append(amgr.last_save["blocking_s"])
         results["async_total"].append(amgr.last_save["written_s"] + amgr.last_save["commit_s"])
         extra_mem["async_save"] = max(extra_mem["async_save"], mem.extra)
+        step += 1
+    for _ in range(args.repeats):
+        amgr.save(step)
+        amgr.wait()
+        results["async_idle_total"].append(amgr.last_save["written_s"] + amgr.last_save["commit_s"])
         step += 1
     amgr.close()
 
@@ -235,12 +258,19 @@ def main() -> None:
         probe_disk()
         drop_cache(work / "run/checkpoints")
         _, _, lmgr = build(cfg, work / "run", "sync")
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         with PeakRss() as mem:
             assert lmgr.load() == step - 1
         results["load"].append(time.perf_counter() - t0)
+        cpu_s["load"] = min(cpu_s.get("load", 1e9), time.process_time() - cpu0)
         extra_mem["load"] = max(extra_mem["load"], mem.extra)
         lmgr.close()
+        drop_cache(work / "run/checkpoints")
+        _, _, umgr = build(cfg, work / "run", "sync", verify=False)
+        t0 = time.perf_counter()
+        assert umgr.load() == step - 1
+        results["load_unverified"].append(time.perf_counter() - t0)
+        umgr.close()
 
     disk_w, disk_r = max(disk_writes), max(disk_reads)
     source = torch.arange(ckpt_bytes // 8, dtype=torch.int64)
@@ -287,8 +317,24 @@ def main() -> None:
         f"{ckpt_bytes / best['async_total'] / disk_w:.2f} |"
     )
     print(
+        f"| async save, until committed, trainer idle | {best['async_idle_total']:.2f} | "
+        f"{mb / best['async_idle_total']:.0f} | {ckpt_bytes / best['async_idle_total'] / disk_w:.2f} |"
+    )
+    print(
         f"| load (resume), uncached | {best['load']:.2f} | {mb / best['load']:.0f} | "
         f"{ckpt_bytes / best['load'] / disk_r:.2f} |"
+    )
+    print(
+        f"| load (resume), uncached, checkpoint.verify = false | {best['load_unverified']:.2f} | "
+        f"{mb / best['load_unverified']:.0f} | {ckpt_bytes / best['load_unverified'] / disk_r:.2f} |"
+    )
+    cores = os.cpu_count() or 1
+    print(
+        f"\nCPU seconds (all threads): sync save {cpu_s['sync_save']:.2f}, training step "
+        f"{cpu_s['train_step']:.2f}, async save window with its step {cpu_s['async_window']:.2f} "
+        f"(cores busy {100 * max(busy):.0f}% of {cores} × the window), load {cpu_s['load']:.2f}. "
+        f"A write beside the step on {cores} saturated cores needs at least (sync save + step CPU) / "
+        f"{cores} = {(cpu_s['sync_save'] + cpu_s['train_step']) / cores:.2f} s."
     )
     print(
         "\npeak host memory above the process's before each (state = model + AdamW + train state, "
@@ -311,6 +357,10 @@ def main() -> None:
                 "train_step": step_s,
                 "memory_write_Bps": mem_w,
                 "fresh_read_Bps": mem_r,
+                "cpu_s": cpu_s,
+                "async_window_busy": max(busy),
+                "cores": os.cpu_count() or 1,
+                "load_average": [load_before, os.getloadavg()[0]],
             }
         )
     )
