@@ -15,8 +15,9 @@ node; PreemptMode=REQUEUE), and cut by `--time=1` limits (USR2 30 s ahead; see T
 * goodput = productive step time / allocated time. Productive: the step times (`time_step_s`) of the steps
   that count (a replayed step counts once); allocated: the sum of each job run's Start..End (sacct -c).
 * steps lost per interruption: the replayed steps (train records beyond one per step) / interruptions.
-* signal -> exit: the `stop` event (the first step boundary after the signal) to the run's End, split into
-  the save (the `write` seconds of the stop step's checkpoint in the job log) and the rest (exit).
+* signal -> exit: the first step boundary after the signal (the stop step's train record) to the run's End
+  (sacct: whole seconds), split into the save (up to the `stop` event, which the trainer logs after its
+  save) and the exit (the event to End).
 * requeue -> first resumed step: the run's End to the next run's first train record, split into queue
   (End -> next Start), start-up (Start -> `resume` event, less the load) and load (`resuming from` log line
   -> `resume` event; the log has 1 s resolution).
@@ -64,6 +65,7 @@ class RunResult:
     signal_to_exit: list[dict] = field(default_factory=list)
     requeue_to_step: list[dict] = field(default_factory=list)
     stop_reasons: list[str] = field(default_factory=list)
+    job_runs: list[list[float]] = field(default_factory=list)  # sacct Start, End of each job run
     final: str = ""  # run_state.json at the end: status (reason) at step N
     error: str = ""
 
@@ -117,6 +119,7 @@ def analyse(result: RunResult, run_dir: Path, runs: list[tuple[float, float]], l
     result.productive_s = sum(r["time_step_s"] for r in last.values())
     result.allocated_s = sum(end - start for start, end in runs)
     result.wall_s = runs[-1][1] - runs[0][0] if runs else 0.0
+    result.job_runs = [[start, end] for start, end in runs]
     stops = [e for e in events if e.get("event") == "stop"]
     resumes = [e for e in events if e.get("event") == "resume"]
     result.interruptions = len(stops)
@@ -127,9 +130,9 @@ def analyse(result: RunResult, run_dir: Path, runs: list[tuple[float, float]], l
         end = next((e for s, e in runs if s <= stop["time"] <= e + 1), None)
         if end is None:
             continue
-        save = saves.get(stop["step"], float("nan"))
-        total = end - stop["time"]
-        result.signal_to_exit.append({"total": total, "save": save, "exit": total - save})
+        result.signal_to_exit.append(
+            stop_split(stop, train, runs, end, saves.get(stop["step"], float("nan")))
+        )
         after = [(s, e) for s, e in runs if s >= end - 0.5]
         resume = next((r for r in resumes if r["time"] > end), None)
         if not after or resume is None:
@@ -146,8 +149,28 @@ def analyse(result: RunResult, run_dir: Path, runs: list[tuple[float, float]], l
         })  # fmt: skip
 
 
+def stop_split(
+    stop: dict, train: list[dict], runs: list[tuple[float, float]], end: float, write: float
+) -> dict:
+    """signal -> exit of one stop. The trainer logs the `stop` event after its save, so the stop begins
+    at the train record of the stop step (the step boundary where the ranks agreed); save is that record
+    to the event (the wait for an async save in flight plus the emergency save), exit the event to End.
+    `write` is the emergency save's own write seconds from the job log, for reference."""
+    start = next(s for s, e in runs if s <= stop["time"] <= e + 1)
+    boundary = max(
+        (r["time"] for r in train if r["step"] == stop["step"] and start <= r["time"] <= stop["time"]),
+        default=stop["time"] - (write if write == write else 0.0),
+    )
+    return {
+        "total": end - boundary,
+        "save": stop["time"] - boundary,
+        "exit": end - stop["time"],
+        "write": write,
+    }
+
+
 def mean(rows: list[dict], key: str) -> float:
-    values = [r[key] for r in rows if r[key] == r[key]]
+    values = [r[key] for r in rows if key in r and r[key] == r[key]]
     return sum(values) / len(values) if values else float("nan")
 
 
