@@ -96,8 +96,9 @@ _COMMIT = re.compile(r"checkpoint step (\d+) \(\w+\) committed: .*?\(write ([\d.
 
 
 def save_seconds(log_text: str) -> dict[int, float]:
-    """Write seconds of the checkpoint of each step. A stop at a step whose interval save was in flight
-    saves nothing more ('already checkpointed') but waits for that commit: its write is the stop's save."""
+    """Write seconds of the checkpoint of each step, by step: a stop at a step whose interval save was in
+    flight saves nothing more ('already checkpointed'), so counting emergency-save lines in order would
+    give a stop the next stop's save."""
     return {int(step): float(write) for step, write in _COMMIT.findall(log_text)}
 
 
