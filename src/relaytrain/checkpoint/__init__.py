@@ -10,7 +10,7 @@ from relaytrain.lazy import lazy_getattr
 _EXPORTS = {
     "CheckpointManager": "relaytrain.checkpoint.manager",
     "RngState": "relaytrain.checkpoint.state",
-    "RunRecord": "relaytrain.checkpoint.manager",
+    "RunRecord": "relaytrain.checkpoint.record",
     "load_model": "relaytrain.checkpoint.sources",
     "read_full_state": "relaytrain.checkpoint.sources",
 }

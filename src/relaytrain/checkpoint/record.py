@@ -1,0 +1,107 @@
+"""The files of a step directory that are not DCP shards: what the run that wrote it was, and each
+rank's train state (the registry of stateful objects: train state, data position, RNG, ...)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import relaytrain
+from relaytrain.checkpoint import files as L
+from relaytrain.config.schema import ModelConfig
+
+log = logging.getLogger("relaytrain.checkpoint")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What every checkpoint records about the run that wrote it (metadata.json, config.toml, tokenizer)."""
+
+    name: str
+    config_toml: str
+    config_hash: str
+    model: ModelConfig
+    tokenizer: str  # "byte" or the tokenizer file / directory, copied into each checkpoint
+
+
+def write_train_state(
+    step_dir: Path, states: dict[str, Any], *, step: int, rank: int, world_size: int
+) -> dict[str, str]:
+    """Write this rank's train state file; its manifest checksum, computed from the bytes written."""
+    payload = {
+        "format_version": L.FORMAT_VERSION,
+        "states": {name: obj.state_dict() for name, obj in states.items()},
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+    }
+    path = L.train_state_file(step_dir, rank)
+    tmp = path.with_name(path.name + ".tmp")
+    data = io.BytesIO()
+    torch.save(payload, data)
+    with open(tmp, "wb") as f:
+        f.write(data.getbuffer())
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return {str(path.relative_to(step_dir)): L.crc_text(zlib.crc32(data.getbuffer()))}
+
+
+def write_run_record(
+    step_dir: Path,
+    record: RunRecord,
+    *,
+    step: int,
+    reason: str,
+    contents: list[str],
+    world_size: int,
+    parallel_dims: dict,
+    save_mode: str,
+    lineage: dict[str, str],
+) -> None:
+    """metadata.json, config.toml and a copy of the tokenizer file (rank 0, before the commit)."""
+    meta = {
+        "format": L.FORMAT_NAME,
+        "format_version": L.FORMAT_VERSION,
+        "step": step,
+        "reason": reason,
+        "contents": contents,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "unix_time": time.time(),
+        "relaytrain_version": relaytrain.__version__,
+        "torch_version": torch.__version__,
+        "config_hash": record.config_hash,
+        "run_name": record.name,
+        "world_size": world_size,
+        "parallel_dims": parallel_dims,
+        "save_mode": save_mode,
+        **lineage,
+        "model": dataclasses.asdict(record.model),
+        "tokenizer": record.tokenizer,
+    }
+    L.write_durable(step_dir / L.METADATA, json.dumps(meta, indent=1).encode())
+    L.write_durable(step_dir / L.CONFIG, record.config_toml.encode())
+    tokenizer = _tokenizer_file(record.tokenizer)
+    if tokenizer is not None:
+        L.copy_durable(tokenizer, step_dir / L.TOKENIZER)
+
+
+def _tokenizer_file(spec: str) -> Path | None:
+    if spec == "byte":
+        return None
+    path = Path(spec).expanduser()
+    path = path / "tokenizer.json" if path.is_dir() else path
+    if not path.is_file():
+        log.warning("tokenizer file %s not found; checkpoints will not carry a copy of it", spec)
+        return None
+    return path

@@ -1,0 +1,265 @@
+"""Which checkpoint a run starts from, and loading it: resume, init_from, or fresh.
+
+Rank 0 plans the load (reads the checkpoint directory, checks the chosen step before anything is
+loaded) and broadcasts the plan; every rank then loads its shards and its train state. A checkpoint
+found damaged while loading is skipped and the plan is made again, unless it was asked for by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from relaytrain.checkpoint import dcp_io
+from relaytrain.checkpoint import files as L
+from relaytrain.checkpoint.collectives import Collectives
+from relaytrain.checkpoint.sources import init_model_from, verify_model_fits
+from relaytrain.checkpoint.state import (
+    create_adam_state,
+    model_state,
+    optimizer_state,
+    set_model_state,
+    set_optimizer_state,
+)
+from relaytrain.checkpoint.storage import ChecksumMismatch
+from relaytrain.config.schema import CheckpointConfig, ModelConfig
+from relaytrain.errors import UserError
+
+log = logging.getLogger("relaytrain.checkpoint")
+
+
+class CheckpointLoader:
+    """The load side of `CheckpointManager`; it remembers what this process resumed from, which the save
+    side needs (a resumed step is not saved again; every checkpoint records the run's lineage)."""
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        ckpt_dir: Path,
+        model: ModelConfig,
+        config_hash: str,
+        model_parts: list[nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        states: dict[str, Any],
+        collectives: Collectives,
+        parallel_dims: dict,
+    ):
+        self.ckpt = cfg
+        self.ckpt_dir = ckpt_dir
+        self.model, self.config_hash = model, config_hash
+        self.model_parts, self.optimizers, self.states = model_parts, optimizers, states
+        self.coll = collectives
+        self.rank, self.world_size = collectives.rank, collectives.world_size
+        self.parallel_dims = parallel_dims
+        self.resumed: tuple[Path, int] | None = None  # the step dir this process resumed from
+        # world_size and parallel dims the resumed checkpoint was saved with (the trainer's resize event)
+        self.resumed_layout: dict[str, Any] | None = None
+        # The explicit checkpoint.resume this run's line of checkpoints started at: the step dir it
+        # resolved to and the argument as given (absolute), so a requeue recognises its own progress.
+        self.lineage = {"resumed_from": "", "resume_arg": ""}
+        self._verified: Path | None = None  # the step dir whose checksums the last load plan checked
+        self._damaged: set[Path] = set()  # step dirs a load found damaged (skipped by the next plan)
+
+    def load(self, saved_this_run: bool) -> int | None:
+        """The step resumed at, or None when the run starts at step 0 (fresh or init_from)."""
+        while True:
+            kind, path, why, lineage = self.coll.on_rank0(lambda: self._plan(saved_this_run))
+            if kind != "resume":
+                break
+            try:
+                return self._resume(Path(path), why, lineage)
+            except ChecksumMismatch as exc:
+                if lineage is not None:  # asked for by name: no silent substitute
+                    raise UserError(
+                        f"checkpoint {path} is damaged ({exc}); resume from an older one with "
+                        "--checkpoint.resume=<older step dir>"
+                    ) from None
+                log.warning("skipping damaged checkpoint %s: %s", path, exc)
+                self._damaged.add(Path(path).resolve())
+        if kind == "fresh":
+            log.info("starting fresh: %s", why)
+            return None
+        if kind == "init":
+            log.info("initialising weights from %s (fresh optimizer, step 0): %s", path, why)
+            try:
+                init_model_from(Path(path), self.model_parts, self.model, process_group=self.coll.save_group)
+            except UserError:
+                raise
+            except Exception as exc:
+                raise UserError(
+                    f"cannot load the weights of checkpoint.init_from={path} ({type(exc).__name__}: "
+                    f"{exc}); it is damaged or not a checkpoint"
+                ) from None
+            return None
+        raise AssertionError(kind)
+
+    def _plan(self, saved_this_run: bool) -> tuple[str, str | None, str, dict | None]:
+        """(kind, path, why, lineage) where lineage names the explicit resume path a run continues from
+        (None: take it from the checkpoint's metadata)."""
+        ck = self.ckpt
+        if saved_this_run:  # a reload during the run (NaN rollback): this run's own newest checkpoint
+            chosen, why = self._choose_own()
+            if chosen is not None:
+                return "resume", str(chosen), why, None
+        if self.resumed is not None:
+            return "resume", str(self.resumed[0]), "reloading the checkpoint this run resumed from", None
+        if ck.enabled and ck.resume == "auto":
+            chosen, why = self._choose_own()
+            if chosen is not None:
+                return "resume", str(chosen), why, None
+        elif ck.enabled and ck.resume == "none":
+            complete = [e for e in L.list_steps(self.ckpt_dir) if e.complete]
+            if complete:
+                raise UserError(
+                    f"checkpoint.resume='none' but {self.ckpt_dir} already holds checkpoints (newest "
+                    f"{complete[-1].path.name}); use checkpoint.resume=auto to continue them, or a new "
+                    "run.name or checkpoint.dir to start over"
+                )
+        elif ck.enabled:
+            # A requeued job keeps its config: once this run has saved after resuming from the path, its
+            # own newer checkpoints win over going back to it (which retention may have deleted since).
+            own, why = self._choose_own()
+            argument = _absolute(ck.resume)
+            if own is not None:
+                meta = L.read_metadata(own)
+                if argument in (meta.get("resume_arg"), meta.get("resumed_from")) and own.resolve() != Path(
+                    argument
+                ):
+                    return "resume", str(own), f"{why} (this run's progress since {ck.resume})", None
+            explicit = L.resolve_checkpoint(ck.resume).resolve()
+            lineage = {"resumed_from": str(explicit), "resume_arg": argument}
+            return "resume", str(explicit), f"checkpoint.resume={ck.resume}", lineage
+        if ck.init_from:
+            return (
+                "init",
+                ck.init_from,
+                "checkpoint.init_from is set and there is no checkpoint to resume",
+                None,
+            )
+        why = "checkpointing is disabled" if not ck.enabled else f"no complete checkpoint in {self.ckpt_dir}"
+        return "fresh", None, why, None
+
+    def _choose_own(self) -> tuple[Path | None, str]:
+        # Shard files are checked while the load reads them (storage.RawReader), not in a read before it.
+        skip = frozenset(self._damaged)
+        chosen, why = L.choose_resume(self.ckpt_dir, self.ckpt.verify, data=False, skip=skip)
+        self._verified = chosen.resolve() if chosen is not None and self.ckpt.verify else None
+        return chosen, why
+
+    def _check_resumable(self, step_dir: Path) -> dict[str, Any]:
+        if not (step_dir / L.COMPLETE).is_file():
+            raise UserError(
+                f"checkpoint {step_dir} is incomplete (no {L.COMPLETE} marker: its save was "
+                "interrupted); resume from an older step_<N> directory instead"
+            )
+        # choose_resume has just read every byte of the one it chose; sizes are enough then.
+        verify = self.ckpt.verify and step_dir.resolve() != self._verified
+        problems = L.damaged_problems(step_dir, verify, data=False)
+        if problems:
+            older = [
+                e.path
+                for e in L.list_steps(step_dir.parent)
+                if e.complete and e.path != step_dir and not L.damaged_problems(e.path, verify=False)
+            ]
+            hint = f"checkpoint.resume={older[-1]}" if older else "checkpoint.resume=<an older step dir>"
+            raise UserError(
+                f"checkpoint {step_dir} is damaged ({'; '.join(problems[:3])}); resume from an "
+                f"older one with --{hint}"
+            )
+        meta = L.read_metadata(step_dir)
+        if "train_state" not in meta.get("contents", []):
+            raise UserError(
+                f"{step_dir} holds model weights only (an import or export); start from it with "
+                f"checkpoint.init_from={step_dir} instead of checkpoint.resume"
+            )
+        if meta.get("format_version", 1) < L.FORMAT_VERSION:
+            raise UserError(
+                f"checkpoint {step_dir} has format {meta.get('format_version', 1)} (relaytrain "
+                f"{meta.get('relaytrain_version')}), whose train state this relaytrain (format "
+                f"{L.FORMAT_VERSION}) cannot restore; finish that run with the relaytrain that wrote it, or "
+                f"start from its weights with --checkpoint.init_from={step_dir}"
+            )
+        verify_model_fits(step_dir, self.model)
+        if meta.get("config_hash") != self.config_hash:
+            log.warning(
+                "the config changed since %s was written (hash %s -> %s); resuming anyway",
+                step_dir,
+                meta.get("config_hash"),
+                self.config_hash,
+            )
+        return meta
+
+    def _resume(self, step_dir: Path, why: str, lineage: dict | None) -> int:
+        meta = self.coll.on_rank0(lambda: self._check_resumable(step_dir))
+        step = int(meta["step"])
+        log.info("resuming from %s (step %d): %s", step_dir, step, why)
+        if meta["world_size"] != self.world_size or meta["parallel_dims"] != self.parallel_dims:
+            log.info(
+                "resharding: saved with world size %s parallel dims %s, loading with world size %s "
+                "parallel dims %s",
+                meta["world_size"],
+                meta["parallel_dims"],
+                self.world_size,
+                self.parallel_dims,
+            )
+        try:
+            state: dict[str, Any] = {"model": model_state(self.model_parts)}
+            if "optimizer" in meta["contents"]:
+                create_adam_state(self.optimizers)
+                state["optim"] = optimizer_state(self.model_parts, self.optimizers)
+            checked = dcp_io.load(
+                state,
+                step_dir,
+                process_group=self.coll.save_group,
+                no_dist=not self.coll.dist,
+                expected=L.listed_checksums(step_dir) if self.ckpt.verify else None,
+            )
+            self._check_data(step_dir, checked)
+            set_model_state(self.model_parts, state["model"])
+            if "optim" in state:
+                set_optimizer_state(self.model_parts, self.optimizers, state["optim"])
+            same_world = meta["world_size"] == self.world_size
+            source = L.train_state_file(step_dir, self.rank if same_world else 0)
+            payload = torch.load(source, weights_only=True, map_location="cpu")
+        except UserError:
+            raise
+        except Exception as exc:
+            self._check_data(step_dir, set())  # garbage content makes torch's reader fail on the way
+            raise UserError(
+                f"cannot load checkpoint {step_dir} ({type(exc).__name__}: {exc}); it is damaged or "
+                "not from this relaytrain; resume from an older one with "
+                "--checkpoint.resume=<older step dir>"
+            ) from exc
+        missing = sorted(set(self.states) - set(payload["states"]))
+        if missing:
+            raise UserError(
+                f"checkpoint {step_dir} has no saved state for {', '.join(missing)}; it was written by a "
+                "different trainer: start from its weights with --checkpoint.init_from instead"
+            )
+        for name, obj in self.states.items():
+            if not same_world and hasattr(obj, "reseed"):
+                obj.reseed(step, self.rank)  # per-rank streams do not map onto another number of ranks
+            else:
+                obj.load_state_dict(payload["states"][name])
+        self.resumed = (step_dir.resolve(), step)
+        self.resumed_layout = {"world_size": meta["world_size"], **meta["parallel_dims"]}
+        self.lineage = lineage or {k: str(meta.get(k, "")) for k in ("resumed_from", "resume_arg")}
+        return step
+
+    def _check_data(self, step_dir: Path, checked: set[str]) -> None:
+        """Raise ChecksumMismatch on every rank when a shard file no rank checked while reading it (read in
+        part when resharding, or written by torch's own writer) differs from the manifest."""
+        if not self.ckpt.verify:
+            return
+        seen = set(self.coll.gather_dicts(dict.fromkeys(checked, "")))
+        problems = self.coll.on_rank0(lambda: L.data_problems(step_dir, seen))
+        if problems:
+            raise ChecksumMismatch("; ".join(problems[:3]))
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
