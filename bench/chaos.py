@@ -2,6 +2,11 @@
 
     python -m bench.chaos --trials 20 --seed 7      # writes its section of docs/benchmarks.md
     python -m bench.chaos --quick                   # 3 trials (the `slurm` test runs this), no page
+    python -m bench.chaos --page-from A/results.json B/results.json ...  # the page from several runs
+
+With several runs' results (in run order) the page shows every random trial and every SIGKILL-during-save
+trial (listed under the checkpoint.mode it reported), and of the other targeted kinds only the latest run
+that has each, saying which earlier rows it replaces.
 
 Each trial draws a (phase, event) pair from a seeded generator, launches a tiny 2-rank run on the local
 Slurm cluster (`relaytrain cluster up`), waits for the phase, fires the event, and continues the run to
@@ -28,7 +33,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -404,39 +409,135 @@ def draw_special(
     return [SpecialTrial(start + i, kind) for i, kind in enumerate(kinds)]
 
 
-def render_special(trials: list[SpecialTrial]) -> str:
-    if not trials:
-        return ""
+# A kill-save trial names the checkpoint.mode it really ran with (a benchmark bug once ran every one sync).
+KILL_MODE = re.compile(r"in the (a?sync) save")
+
+
+@dataclass
+class MergedSpecial:
+    """The targeted rows of several runs as the page shows them."""
+
+    trials: list[SpecialTrial]
+    superseded: list[SpecialTrial]  # replaced by a later run of the same kind
+    relabelled: int  # kill-save rows whose kind was corrected to the mode they ran with
+
+
+def merge_special(trials: list[SpecialTrial]) -> MergedSpecial:
+    """Merge rows given in run order: kill-save trials add up (each is one more kill), any other kind
+    shows only the latest run that has it. Rows are numbered again from 0."""
+    kills, relabelled = [], 0
+    for t in trials:
+        if not t.kind.startswith("kill_save"):
+            continue
+        mode = KILL_MODE.search(t.detail)
+        if mode and t.kind != f"kill_save_{mode.group(1)}":
+            t, relabelled = replace(t, kind=f"kill_save_{mode.group(1)}"), relabelled + 1
+        kills.append(t)
+    others = [t for t in trials if not t.kind.startswith("kill_save")]
+    latest = {t.kind: t.seed for t in others}  # the last run wins
+    kept = [t for t in others if t.seed == latest[t.kind]]
+    order = {kind: i for i, kind in enumerate(SPECIAL_KINDS)}
+    kept.sort(key=lambda t: order.get(t.kind, len(order)))  # stable: a run's own order within a kind
+    superseded = [t for t in others if t.seed != latest[t.kind]]
+    rows = [replace(t, index=i) for i, t in enumerate(kills + kept)]
+    return MergedSpecial(rows, superseded, relabelled)
+
+
+def kill_save_line(trials: list[SpecialTrial]) -> str:
     kill = [t for t in trials if t.kind.startswith("kill_save")]
     in_flight = sum(t.checks.get("save in flight when killed", False) for t in kill)
     fell_back = sum(
         t.checks.get("resumed from the previous complete checkpoint", False) and t.ok for t in kill
     )
+    modes = ", ".join(
+        f"{sum(t.kind == f'kill_save_{m}' for t in kill)} {m}" for m in ("async", "sync")
+    )  # fmt: skip
+    return (
+        f"SIGKILL during a save: **{fell_back} of {len(kill)}** ({modes}) fell back to the previous complete "
+        f"checkpoint and finished bit-exact ({in_flight} of {len(kill)} kills landed while the save was in "
+        "flight: its step directory existed without COMPLETE)."
+    )
+
+
+def render_special(trials: list[SpecialTrial], merged: MergedSpecial | None = None) -> str:
+    if not trials:
+        return ""
+    seeds = merged is not None
     rows = [
-        (t.index, t.kind, t.detail or "–",
+        ((t.index, t.seed) if seeds else (t.index,)) + (t.kind, t.detail or "–",
          "; ".join(f"{name}: {'yes' if ok else '**no**'}" for name, ok in t.checks.items()) or "–",
          "yes" if t.bit_exact else "**no**", t.steps_replayed, t.restarts, t.resubmits,
          "yes" if t.latest_complete else "**no**", ", ".join(t.leftovers) or "none", t.final_status,
          t.seconds, t.error or "")
         for t in trials
     ]  # fmt: skip
+    header = ["#", "seed"] if seeds else ["#"]
+    notes = ""
+    if merged is not None and merged.relabelled:
+        notes += (
+            f" {merged.relabelled} kill-save rows are listed under the checkpoint.mode they reported "
+            "('what happened'), not the one their run asked for."
+        )
+    if merged is not None and merged.superseded:
+        dropped = "; ".join(
+            f"seed {seed}: " + ", ".join(sorted({t.kind for t in merged.superseded if t.seed == seed}))
+            for seed in sorted({t.seed for t in merged.superseded})
+        )  # fmt: skip
+        notes += f" Not shown, because a later run of the same kind replaces them: {dropped}."
     return (
         "\n### Targeted trials\n\n"
-        f"SIGKILL during a save: **{fell_back} of {len(kill)}** fell back to the previous complete "
-        f"checkpoint and finished bit-exact ({in_flight} of {len(kill)} kills landed while the save was in "
-        "flight: its step directory existed without COMPLETE). The kinds: `bench/chaos_special.py`.\n\n"
-        + table(["#", "kind", "what happened", "checks", "bit-exact", "steps replayed", "restarts",
-                 "resubmits", "latest complete", "leftovers", "final status", "s", "error"], rows)
+        + kill_save_line(trials)
+        + " The kinds: `bench/chaos_special.py`."
+        + notes
+        + "\n\n"
+        + table(header + ["kind", "what happened", "checks", "bit-exact", "steps replayed", "restarts",
+                          "resubmits", "latest complete", "leftovers", "final status", "s", "error"], rows)
     )  # fmt: skip
 
 
+def summary(trials: list[Trial], special: list[SpecialTrial]) -> str:
+    """The issue's targets, each with what this page's trials show."""
+
+    def verdict(kinds: tuple[str, ...]) -> str:
+        rows = [t for t in special if t.kind in kinds]
+        if not rows:
+            return "not run"
+        parts = []
+        for t in rows:
+            failed = [name for name, ok in t.checks.items() if not ok]
+            state = "pass" if t.ok else "**fail** (" + ", ".join(failed or [t.error or "not finished"]) + ")"
+            parts.append(f"{t.kind} (row {t.index}): {state}")
+        return "; ".join(parts)
+
+    bit_exact = sum(t.bit_exact for t in trials)
+    kill = [t for t in special if t.kind.startswith("kill_save")]
+    fell_back = sum(
+        t.ok and t.checks.get("resumed from the previous complete checkpoint", False) for t in kill
+    )
+    disk = [t for t in special if t.kind == "disk_full"]
+    lost = sum(not t.checks.get("previous checkpoint intact", False) for t in disk)
+    lines = [
+        f"- 20 random trials, 20 bit-exact: **{bit_exact} of {len(trials)}** bit-exact, "
+        f"{sum(t.ok for t in trials)} passed every check.",
+        f"- ≥ 10 SIGKILL-during-save trials fall back: **{fell_back} of {len(kill)}**.",
+        f"- Disk full, 0 checkpoints lost: **{lost} lost** in {len(disk)} trial(s); "
+        f"{verdict(('disk_full',))}.",
+        f"- Requeue cap: {verdict(('time_limit_cap', 'time_limit_cap_budget'))}.",
+        f"- Hang: {verdict(('hang',))}.",
+    ]  # fmt: skip
+    return "\n### Against the issue's targets\n\n" + "\n".join(lines) + "\n"
+
+
 def load_results(paths: list[str]) -> tuple[list[Trial], list[SpecialTrial]]:
+    """Trials of several runs' results.json, in the order given; targeted ones carry their run's seed."""
     trials, special = [], []
     for path in paths:
+        seed = m.group(1) if (m := re.search(r"seed(\d+)", str(path))) else ""
         for row in json.loads(Path(path).read_text()):
-            (special if "kind" in row else trials).append(
-                SpecialTrial(**row) if "kind" in row else Trial(**row)
-            )
+            if "kind" in row:
+                special.append(SpecialTrial(**{**row, "seed": row.get("seed") or seed}))
+            else:
+                trials.append(Trial(**row))
     return trials, special
 
 
@@ -466,9 +567,14 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.page_from:
         trials, special = load_results(args.page_from)
+        merged = merge_special(special)
         seeds = ", ".join(sorted({m.group(1) for p in args.page_from if (m := re.search(r"seed(\d+)", p))}))
         shown = "`; `".join(args.command) if args.command else command.strip()
-        section = render(trials, seeds, shown, machine_info(), args.load) + render_special(special)
+        section = (
+            render(trials, seeds, shown, machine_info(), args.load)
+            + render_special(merged.trials, merged)
+            + summary(trials, merged.trials)
+        )
         section += "".join(f"\n{note}\n" for note in args.note)
         print(section)
         write_page({"chaos": section})
@@ -477,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     trials = draw(3 if args.quick else args.trials, seed)
     kinds = args.special.split(",") if args.special else not args.no_special
     special = draw_special(args.kill_saves, kinds, len(trials), args.kill_save_modes)
-    special = [] if args.quick else special
+    special = [] if args.quick else [replace(t, seed=str(seed)) for t in special]
     print(f"bench.chaos: seed {seed}, {len(trials)} random + {len(special)} targeted trials", flush=True)
     from relaytrain.localcluster import cluster as local_cluster
 
@@ -504,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     load.append(os.getloadavg())
     loads = " → ".join("/".join(f"{x:.1f}" for x in la) for la in load)
     section = render(trials, seed, command.strip(), machine_info(), loads) + render_special(special)
+    section += summary(trials, special)
     print(section)
     if not (args.quick or args.no_write):
         write_page({"chaos": section})

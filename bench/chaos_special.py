@@ -6,6 +6,9 @@
 * ``time_limit_cap``: ``--time=1`` with the pre-timeout signal 30 s ahead, every run slowed so that none
   can finish inside its limit, ``resilience.max_requeues=1``: the first limit requeues the job, the
   second stops at the cap with the reason in the job log; the benchmark then resubmits to the end.
+  ``resilience.time_budget_margin_s=0``, so Slurm's signal comes before the trainer's own time budget.
+* ``time_limit_cap_budget``: the same with ``time_budget_margin_s=40``: the trainer stops itself on its
+  time budget (time left < save estimate + margin) before the signal, the other way a time limit ends a job.
 * ``hang``: SIGSTOP one rank mid-step with ``resilience.hang_timeout_s=15``: the other rank's watchdog
   dumps its stacks (``logs/hang_rank0.txt``) and ends the job; crash recovery requeues it and it resumes.
 * ``disk_full``: the run dir on a tmpfs with room for one checkpoint, not two: one clear error, the
@@ -26,7 +29,15 @@ from pathlib import Path
 
 from relaytrain.checkpoint import files as L
 
-SPECIAL_KINDS = ("time_limit_cap", "hang", "disk_full")
+SPECIAL_KINDS = ("time_limit_cap", "time_limit_cap_budget", "hang", "disk_full")
+# The stop reasons (StopReason labels in run_state.json and metrics.jsonl) a time limit may end a job
+# with, and what each means.
+TIME_LIMIT_STOPS = {"time_limit_signal": "Slurm's --signal", "time_budget": "the trainer's time budget"}
+# kind -> (the stop it should exercise, resilience.time_budget_margin_s that makes that one come first)
+TIME_LIMIT_VARIANTS = {
+    "time_limit_cap": ("time_limit_signal", 0),
+    "time_limit_cap_budget": ("time_budget", 40),
+}
 NO_DELAY = "true"  # a setup line that changes nothing: the resubmitted run goes at full speed
 
 
@@ -47,6 +58,7 @@ class SpecialTrial:
     states: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     error: str = ""
+    seed: str = ""  # the run it came from, set when several runs' results are merged for the page
 
     @property
     def ok(self) -> bool:
@@ -69,6 +81,42 @@ def start_step(run_dir: Path, records) -> int:
     return int(events[1]["step"]) if len(events) > 1 else -1
 
 
+def method_of(kind: str) -> str:
+    """The SpecialTrials method that runs a kind (its variants share one)."""
+    for family in ("kill_save", "time_limit_cap"):
+        if kind.startswith(family):
+            return family
+    return kind
+
+
+def first_job_stops(events: list[dict], job: str) -> list[tuple[int, str]]:
+    """(step, reason) of each stop of the first job, in order (its requeued runs included)."""
+    return [(int(e["step"]), str(e.get("reason"))) for e in events
+            if e.get("event") == "stop" and str(e.get("job_id")) == job]  # fmt: skip
+
+
+def time_limit_checks(
+    stops: list[tuple[int, str]], expected: str, restarts: int, first_state: dict, log: str
+) -> dict[str, bool]:
+    """A time-limit stop is Slurm's signal or the trainer's own time budget; either requeues once."""
+    first = stops[0][1] if stops else ""
+    return {
+        "time limit requeued once": restarts >= 1 and first in TIME_LIMIT_STOPS,
+        f"first stop by {TIME_LIMIT_STOPS[expected]}": first == expected,
+        "stopped at max_requeues, reason logged": (
+            first_state.get("status") == "stopped" and "reached resilience.max_requeues=1" in log
+        ),
+    }
+
+
+def describe_stops(stops: list[tuple[int, str]], restarts: int) -> str:
+    said = [
+        f"{reason} ({TIME_LIMIT_STOPS.get(reason, 'not a time limit')}) at step {step}"
+        for step, reason in stops
+    ]
+    return f"first job, {restarts} requeue(s): stops " + (", then ".join(said) or "none recorded")
+
+
 def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -82,7 +130,7 @@ class SpecialTrials:
     def run(self, trial: SpecialTrial, rng) -> None:
         start = time.monotonic()
         try:
-            getattr(self, trial.kind.removesuffix("_async").removesuffix("_sync"))(trial, rng)
+            getattr(self, method_of(trial.kind))(trial, rng)
         except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError, KeyError) as err:
             trial.error = str(err)[:300]
             subprocess.run(["scancel", trial.job], capture_output=True, timeout=30)
@@ -113,23 +161,18 @@ class SpecialTrials:
         trial.checks["resumed from the previous complete checkpoint"] = resumed in expected
 
     def time_limit_cap(self, trial: SpecialTrial, rng) -> None:
-        name = f"special-{trial.index}-time-limit"
+        expected, margin = TIME_LIMIT_VARIANTS[trial.kind]
+        name = f"special-{trial.index}-{trial.kind.replace('_', '-')}"
         run_dir = self.bench.runs / name
         capped = ("--slurm.time=00:01:00", "--resilience.signal_lead_s=30", "--resilience.hard_deadline_s=20",
-                  "--resilience.max_requeues=1")  # fmt: skip
+                  "--resilience.max_requeues=1", f"--resilience.time_budget_margin_s={margin}")  # fmt: skip
         trial.job = self.bench.launch(name, *capped, setup="export RELAYTRAIN_STEP_DELAY_S=3")
         self.bench.finish(trial, run_dir, (), setup=NO_DELAY)
         self.bench.check(trial, run_dir)
-        first = trial.states[0] if trial.states else {}
-        log = job_log(run_dir)
-        trial.detail = (
-            f"first job: {trial.restarts} requeue(s), then {first.get('status')} "
-            f"({first.get('reason')}) at step {first.get('step')}"
-        )
-        trial.checks["time limit requeued once"] = trial.restarts >= 1 and "time_limit" in log
-        trial.checks["stopped at max_requeues, reason logged"] = (
-            first.get("status") == "stopped" and "reached resilience.max_requeues=1" in log
-        )
+        stops = first_job_stops(self.records(run_dir, "event"), trial.job)
+        first_state = trial.states[0] if trial.states else {}
+        trial.detail = describe_stops(stops, trial.restarts) + f"; then {first_state.get('status')}"
+        trial.checks.update(time_limit_checks(stops, expected, trial.restarts, first_state, job_log(run_dir)))
 
     def hang(self, trial: SpecialTrial, rng) -> None:
         from bench.chaos import STEPS

@@ -1,6 +1,7 @@
-"""`python -m bench.chaos --quick` on the real local Slurm cluster: 3 random interruptions, no work lost.
+"""bench.chaos: how trials are drawn, checked and merged onto the page (fast), and `--quick` on the real
+local Slurm cluster: 3 random interruptions, no work lost (`slurm`).
 
-Like every `slurm` test it runs under `flock /tmp/relaytrain-slurm.lock`, hence `--no-lock`.
+Like every `slurm` test the quick run goes under `flock /tmp/relaytrain-slurm.lock`, hence `--no-lock`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,22 @@ import json
 import pytest
 
 from bench import chaos
+from bench.chaos_special import (
+    SpecialTrial,
+    first_job_stops,
+    method_of,
+    time_limit_checks,
+)
 
-pytestmark = pytest.mark.slurm
+KILL_OK = {"save in flight when killed": True, "resumed from the previous complete checkpoint": True}
+CAP_LOG = "not requeuing: SLURM_RESTART_COUNT=1 reached resilience.max_requeues=1"
+
+
+def special(kind: str, seed: str, detail: str = "", ok: bool = True, **checks: bool) -> SpecialTrial:
+    return SpecialTrial(
+        index=0, kind=kind, seed=seed, detail=detail, checks=checks, bit_exact=ok, latest_complete=ok,
+        final_status="finished",
+    )  # fmt: skip
 
 
 def test_trials_are_drawn_from_the_seed():
@@ -20,6 +35,115 @@ def test_trials_are_drawn_from_the_seed():
     assert all(t.event == "sigkill_rank" for t in chaos.draw(40, 3) if t.phase == "resume_load")
 
 
+def test_each_kind_runs_its_own_method():
+    assert method_of("kill_save_async") == method_of("kill_save_sync") == "kill_save"
+    assert method_of("time_limit_cap") == method_of("time_limit_cap_budget") == "time_limit_cap"
+    assert method_of("disk_full") == "disk_full"
+
+
+def test_stops_of_the_first_job_only():
+    events = [
+        {"event": "start", "step": 0, "job_id": "7"},
+        {"event": "stop", "step": 9, "job_id": "7", "reason": "time_limit_signal"},
+        {"event": "resume", "step": 9, "job_id": "7"},
+        {"event": "stop", "step": 14, "job_id": "7", "reason": "time_budget"},
+        {"event": "stop", "step": 20, "job_id": "8", "reason": "time_limit_signal"},
+    ]
+    assert first_job_stops(events, "7") == [(9, "time_limit_signal"), (14, "time_budget")]
+
+
+@pytest.mark.parametrize("reason", ["time_limit_signal", "time_budget"])
+def test_either_time_limit_stop_counts_as_the_requeued_time_limit(reason):
+    checks = time_limit_checks([(3, reason), (5, reason)], reason, 1, {"status": "stopped"}, CAP_LOG)
+    assert all(checks.values()), checks
+
+
+def test_the_variant_says_when_the_other_stop_came_first():
+    checks = time_limit_checks([(1, "time_budget")], "time_limit_signal", 1, {"status": "stopped"}, CAP_LOG)
+    assert checks["time limit requeued once"]
+    assert not checks["first stop by Slurm's --signal"]
+
+
+def test_a_preemption_or_no_requeue_is_not_a_time_limit_requeue():
+    stopped = {"status": "stopped"}
+    assert not time_limit_checks([(4, "preemption")], "time_limit_signal", 1, stopped, CAP_LOG)[
+        "time limit requeued once"
+    ]
+    assert not time_limit_checks([(4, "time_limit_signal")], "time_limit_signal", 0, stopped, CAP_LOG)[
+        "time limit requeued once"
+    ]
+    capped = time_limit_checks([(4, "time_budget")], "time_budget", 1, {"status": "finished"}, CAP_LOG)
+    assert not capped["stopped at max_requeues, reason logged"]
+
+
+def test_results_carry_their_runs_seed(tmp_path):
+    for seed, rows in (("17", [chaos.Trial(0, "mid_step", "usr2")]), ("20", [SpecialTrial(0, "hang")])):
+        path = tmp_path / f"seed{seed}-123" / "results.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps([chaos.asdict(r) for r in rows]))
+    trials, targeted = chaos.load_results(sorted(str(p) for p in tmp_path.glob("*/results.json")))
+    assert [t.phase for t in trials] == ["mid_step"]
+    assert [(t.kind, t.seed) for t in targeted] == [("hang", "20")]
+
+
+def test_merge_adds_up_kills_under_their_real_mode_and_keeps_the_latest_run_of_other_kinds():
+    rows = [
+        special("kill_save_async", "18", "killed rank 0 in the sync save of step 30", **KILL_OK),
+        special("kill_save_sync", "18", "killed rank 1 in the sync save of step 10", **KILL_OK),
+        special("time_limit_cap", "18", ok=False),
+        special("hang", "18"),
+        special("disk_full", "18", **{"previous checkpoint intact": False}),
+        special("kill_save_async", "20", "killed rank 0 in the async save of step 10", **KILL_OK),
+        special("disk_full", "20", **{"previous checkpoint intact": True}),
+        special("time_limit_cap", "21", **{"time limit requeued once": True}),
+        special("time_limit_cap_budget", "21", **{"time limit requeued once": True}),
+    ]
+    merged = chaos.merge_special(rows)
+    shown = [(t.index, t.seed, t.kind) for t in merged.trials]
+    assert shown == [
+        (0, "18", "kill_save_sync"),
+        (1, "18", "kill_save_sync"),
+        (2, "20", "kill_save_async"),
+        (3, "21", "time_limit_cap"),
+        (4, "21", "time_limit_cap_budget"),
+        (5, "18", "hang"),
+        (6, "20", "disk_full"),
+    ]
+    assert merged.relabelled == 1
+    assert sorted((t.seed, t.kind) for t in merged.superseded) == [
+        ("18", "disk_full"),
+        ("18", "time_limit_cap"),
+    ]
+    page = chaos.render_special(merged.trials, merged)
+    assert "**3 of 3** (1 async, 2 sync)" in page
+    assert (
+        "Not shown, because a later run of the same kind replaces them: seed 18: disk_full, time_limit_cap"
+        in page
+    )
+    assert "**no**" not in page
+    assert [line.split(" | ")[0] for line in page.splitlines() if line.startswith("| ")][2:] == [
+        f"| {i}" for i in range(7)
+    ]
+
+
+def test_summary_against_the_targets():
+    done = {"bit_exact": True, "latest_complete": True, "final_status": "finished"}
+    randoms = [chaos.Trial(i, "mid_step", "usr2", **done) for i in range(3)]
+    rows = chaos.merge_special([
+        special("kill_save_sync", "1", "in the sync save", **KILL_OK),
+        special("kill_save_async", "1", "in the async save", ok=False, **KILL_OK),
+        special("disk_full", "1", **{"previous checkpoint intact": True}),
+        special("time_limit_cap", "1", **{"first stop by Slurm's --signal": False}),
+    ]).trials  # fmt: skip
+    text = chaos.summary(randoms, rows)
+    assert "**3 of 3** bit-exact" in text
+    assert "fall back: **1 of 2**" in text
+    assert "**0 lost** in 1 trial(s)" in text
+    assert "time_limit_cap (row 2): **fail** (first stop by Slurm's --signal)" in text
+    assert "Hang: not run" in text
+
+
+@pytest.mark.slurm
 def test_quick_chaos_run_loses_no_work(slurm_cluster, tmp_path, capsys):
     code = chaos.main(["--quick", "--seed", "1", "--no-lock", "--out", str(tmp_path)])
     out = capsys.readouterr().out
