@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from relaytrain.cli import main
-from relaytrain.config import config_from_dict, config_hash, config_to_dict, config_to_toml, load_config
+from relaytrain.config import (
+    Config,
+    SlurmConfig,
+    config_from_dict,
+    config_hash,
+    config_to_dict,
+    config_to_toml,
+    load_config,
+)
 from relaytrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,3 +147,27 @@ def test_a_shortened_run_trains_with_one_warning(tmp_path):
     warnings = [line for line in (result.stdout + result.stderr).splitlines() if " WARNING " in line]
     assert len(warnings) == 1 and "train.max_steps=5 is shorter than the LR schedule" in warnings[0]
     assert [r["step"] for r in read_metrics(tmp_path / "debug")] == [1, 2, 3, 4, 5]
+
+
+def test_a_loaded_config_is_read_only():
+    cfg = load_config(None)
+    with pytest.raises(dataclasses.FrozenInstanceError, match="TrainConfig.max_steps is read-only"):
+        cfg.train.max_steps = 5
+    with pytest.raises(dataclasses.FrozenInstanceError, match="Config.slurm is read-only"):
+        cfg.slurm = SlurmConfig()
+    variant = dataclasses.replace(cfg.train, max_steps=cfg.train.max_steps + 1)  # a new, own section
+    variant.max_steps += 1
+    assert variant.max_steps == cfg.train.max_steps + 2
+    built = Config()  # built by hand (tests, benchmarks), not validated: stays writable
+    built.train.max_steps = 5
+    assert built.train.max_steps == 5
+
+
+def test_derived_values_are_validated_with_the_config():
+    """What a command derives (the launcher's profile and flags) is checked like the file's values."""
+    with pytest.raises(ConfigError, match=r"slurm.nodes=0 is not allowed: must be >= 1"):
+        load_config(None, [], {"slurm": {"nodes": 0}})
+    with pytest.raises(ConfigError, match=r"config key 'resilience.requeue' expects bool"):
+        load_config(None, [], {"resilience": {"requeue": "no"}})
+    cfg = load_config(None, ["--slurm.nodes=2", "--slurm.env={A = '1'}"], {"slurm": {"nodes": 3}})
+    assert cfg.slurm.nodes == 3 and cfg.slurm.env == {"A": "1"}

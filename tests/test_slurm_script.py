@@ -3,6 +3,7 @@ profiles and the plan gate. Scripts run under bash with fake srun/scontrol/sbatc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ import pytest
 from relaytrain.config import load_config
 from relaytrain.errors import UserError
 from relaytrain.slurm import partition
-from relaytrain.slurm.launch import LaunchRequest, chain, launch, sweep
+from relaytrain.slurm.launch import LaunchRequest, chain, launch, load_for_job, sweep
 from relaytrain.slurm.partition import PartitionFacts, gres_gpus, parse_sinfo
 from relaytrain.slurm.script import sbatch_value
 
@@ -411,6 +412,27 @@ def test_profile_config_and_cli_precedence(work):
     assert "export NCCL_IB_GID_INDEX=3" in text and "#SBATCH --partition=cfg" in text
     with pytest.raises(UserError, match="not found"):
         launch(LaunchRequest(config=str(cfg_path), profile="nowhere", dry_run=True), quiet)
+
+
+def test_profile_jobid_and_signal_are_part_of_the_validated_config(work):
+    """The launcher validates the config once, with what the profile, --jobid and --signal set, and the
+    job reads exactly that config; a profile value outside its domain gets the schema's one line."""
+    (work / "configs/clusters").mkdir(parents=True)
+    profile = "gpus_per_node = 0\ntasks_per_node = 1\n"
+    (work / "configs/clusters/slowfs.toml").write_text(profile + "fs_write_gbps = 0\n")
+    debug = str(REPO / "configs/debug.toml")
+    with pytest.raises(UserError, match=r"slurm.fs_write_gbps=0.0 is not allowed: must be > 0"):
+        launch(LaunchRequest(config=debug, profile="slowfs", dry_run=True), quiet)
+    (work / "configs/clusters/cpu.toml").write_text(profile)
+    req = LaunchRequest(config=debug, profile="cpu", jobid="4567", signal="USR1@300", dry_run=True)
+    cfg, send_signal = load_for_job(req)
+    r = cfg.resilience
+    assert send_signal and not r.requeue and (r.slurm_signal, r.signal_lead_s) == ("SIGUSR1", 300)
+    assert "SIGUSR1" in r.signals and (cfg.slurm.profile, cfg.slurm.gpus_per_node) == ("cpu", 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.requeue = True
+    assert launch(req, quiet) == 0
+    assert load_config(work / "runs/debug/slurm/config.toml") == cfg
 
 
 def test_plan_gate_refuses_impossible_layouts_unless_forced(work):

@@ -16,7 +16,7 @@ import relaytrain
 from relaytrain.checkpoint import files as L
 from relaytrain.checkpoint import hf
 from relaytrain.checkpoint.sources import TORCH_EXPORT_NAME, TORCH_FORMAT, read_full_state
-from relaytrain.config import Config, config_to_dict, config_to_toml
+from relaytrain.config import config_to_toml
 from relaytrain.config.loader import config_from_dict
 from relaytrain.config.schema import ModelConfig
 from relaytrain.errors import UserError
@@ -168,12 +168,11 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
         storage_writer=dcp.FileSystemWriter(out),
         no_dist=True,
     )
-    cfg = Config()
-    cfg.model = model_cfg
+    data = {}
     if (hf_dir / "tokenizer.json").is_file():
         shutil.copyfile(hf_dir / "tokenizer.json", out / L.TOKENIZER)
-        cfg.data.tokenizer = str(out / L.TOKENIZER)
-    cfg = config_from_dict(config_to_dict(cfg))
+        data["tokenizer"] = str(out / L.TOKENIZER)
+    cfg = config_from_dict({"model": dataclasses.asdict(model_cfg), "data": data})
     meta = {
         "format": L.FORMAT_NAME,
         "format_version": L.FORMAT_VERSION,

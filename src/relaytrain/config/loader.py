@@ -1,4 +1,5 @@
-"""TOML loading, `--section.key=value` overrides and type checking against the schema."""
+"""TOML loading, `--section.key=value` overrides and type checking against the schema; the loaded config
+is validated and then frozen."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import tomli_w
 
 from relaytrain.config.overrides import parse_override
-from relaytrain.config.schema import Config
+from relaytrain.config.schema import Config, freeze
 from relaytrain.errors import ConfigError
 
 
@@ -97,8 +98,15 @@ def _apply(cfg: Config, data: dict[str, Any], source: str) -> None:
             setattr(section, key, _coerce(full, value, fields[key]))
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load a TOML config (None: the embedded debug default) and apply overrides, then validate."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    derived: dict[str, dict[str, Any]] | None = None,
+) -> Config:
+    """Load a TOML config (None: the embedded debug default), apply overrides, then `derived` values
+    ({section: {key: value}}: what a command takes from outside the config, such as the launcher's
+    cluster profile and flags), then validate the whole and freeze it (schema.Section): the validated
+    config is the one every component uses, unchanged."""
     from relaytrain.config.validate import validate
 
     cfg = Config()
@@ -119,8 +127,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for text in overrides or []:
         section, key, value = parse_override(text)
         _apply(cfg, {section: {key: value}}, "override")
+    _apply(cfg, derived or {}, "derived setting")
     validate(cfg)
-    return cfg
+    return freeze(cfg)
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

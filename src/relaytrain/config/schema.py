@@ -6,8 +6,9 @@ same names). Defaults are the embedded debug run: a tiny model on the bundled co
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from relaytrain.config.domains import (
     MAX_SECONDS,
@@ -25,8 +26,24 @@ from relaytrain.config.domains import (
 )
 
 
+class Section:
+    """Base of every section and of Config. `freeze` (load_config runs it after validation) makes every
+    assignment fail, so no component changes the validated config it was handed: a value a command derives
+    goes into load_config before validation, and a component that needs a variant makes a new section
+    with `dataclasses.replace`. Lists and tables inside stay Python lists and dicts: replace them, never
+    change them in place."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"config {type(self).__name__}.{name} is read-only after validation; pass the value to "
+                "load_config (an override) or derive a new section with dataclasses.replace"
+            )
+        object.__setattr__(self, name, value)
+
+
 @dataclass(kw_only=True)
-class RunConfig:
+class RunConfig(Section):
     # run directory is <dir>/<name>; the same name resumes the same run
     name: str = setting("debug", path_name())
     dir: str = setting("runs", path_without_percent())  # parent of run directories
@@ -35,7 +52,7 @@ class RunConfig:
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(Section):
     preset: str = "debug"  # informational name of the size preset the config came from
     dim: int = setting(256, at_least(1))  # model width (hidden size)
     n_layers: int = setting(4, at_least(1))  # transformer blocks
@@ -56,7 +73,7 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(Section):
     # Prepared dataset directories (from `relaytrain prepare-data`). Empty: the bundled corpus,
     # tokenized on first use with the byte tokenizer into <run.dir>/.cache.
     sources: list[str] = field(default_factory=list)
@@ -66,7 +83,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(Section):
     max_steps: int = setting(200, at_least(1))  # the LR schedule spans this many optimizer steps
     # sequences per optimizer step, over all data-parallel ranks
     global_batch_size: int = setting(16, at_least(1))
@@ -80,7 +97,7 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
-class OptimConfig:
+class OptimConfig(Section):
     lr: float = setting(3e-3, positive())  # peak learning rate
     # AdamW betas
     betas: list[float] = setting(
@@ -97,7 +114,7 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
-class ParallelConfig:
+class ParallelConfig(Section):
     dp_replicate: int = setting(1, at_least(1))  # HSDP replicas (typically across nodes)
     # FSDP shard degree; -1 fills the ranks the other degrees leave
     dp_shard: int = setting(-1, minus_one_or_at_least(1))
@@ -118,7 +135,7 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True)
-class CheckpointConfig:
+class CheckpointConfig(Section):
     enabled: bool = True
     dir: str = ""  # empty: <run dir>/checkpoints
     interval: int = setting(100, at_least(0))  # save every N steps (0: only at the end and on demand)
@@ -135,7 +152,7 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
-class ResilienceConfig:
+class ResilienceConfig(Section):
     signals: list[str] = setting(domain=catchable_signal(), factory=lambda: ["SIGTERM", "SIGUSR2", "SIGINT"])
     # what `--signal` in generated sbatch scripts sends
     slurm_signal: str = setting("SIGUSR2", catchable_signal())
@@ -162,7 +179,7 @@ class ResilienceConfig:
 
 
 @dataclass(kw_only=True)
-class SlurmConfig:
+class SlurmConfig(Section):
     profile: str = ""  # cluster profile TOML (partition, account, gpus per node, network, env)
     partition: str = ""
     account: str = ""
@@ -201,7 +218,7 @@ class SlurmConfig:
 
 
 @dataclass(kw_only=True)
-class MetricsConfig:
+class MetricsConfig(Section):
     log_every: int = setting(10, at_least(1))
     jsonl: bool = True
     tensorboard: bool = True
@@ -217,7 +234,7 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True)
-class Config:
+class Config(Section):
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -228,3 +245,11 @@ class Config:
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def freeze(cfg: Config) -> Config:
+    """`cfg` with it and every section read-only (see Section)."""
+    for f in dataclasses.fields(cfg):
+        object.__setattr__(getattr(cfg, f.name), "_frozen", True)
+    object.__setattr__(cfg, "_frozen", True)
+    return cfg

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relaytrain.config import Config, config_to_toml, load_config
+from relaytrain.config import Config, ResilienceConfig, SlurmConfig, config_to_toml, load_config
 from relaytrain.errors import UserError
 from relaytrain.slurm.grid import parse_grid, render_command
 from relaytrain.slurm.plan import Plan, plans_for
@@ -48,46 +48,78 @@ def name_override(name: str) -> str:
     return "--run.name=" + json.dumps(name, ensure_ascii=False)  # a TOML basic string: "12" stays a str
 
 
-def load_resolved(req: LaunchRequest, extra_overrides: list[str] | None = None) -> Config:
+def _overrides(req: LaunchRequest, extra_overrides: list[str] | None) -> list[str]:
     overrides = list(req.overrides) + list(extra_overrides or [])
     if req.name is not None:
         overrides.append(name_override(req.name))
-    cfg = load_config(req.config, overrides)
-    cfg.slurm = resolve_slurm(cfg.slurm, explicit_config_keys(req.config, overrides), req.slurm, req.profile)
-    return cfg
+    return overrides
 
 
-def apply_signal(cfg: Config, req: LaunchRequest) -> bool:
-    """Apply --signal to cfg.resilience; returns whether the script asks Slurm for a pre-timeout signal.
+def load_resolved(req: LaunchRequest, extra_overrides: list[str] | None = None) -> Config:
+    """The config with its [slurm] section merged from the cluster profile, the config and the flags
+    (profile.resolve_slurm), validated as a whole."""
+    overrides = _overrides(req, extra_overrides)
+    written = load_config(req.config, overrides)  # the user's own values, checked as written
+    return load_config(req.config, overrides, {"slurm": _resolved_slurm(req, overrides, written)})
+
+
+def _resolved_slurm(req: LaunchRequest, overrides: list[str], written: Config) -> dict[str, Any]:
+    explicit = explicit_config_keys(req.config, overrides)
+    return dataclasses.asdict(resolve_slurm(written.slurm, explicit, req.slurm, req.profile))
+
+
+def load_for_job(
+    req: LaunchRequest, slurm: SlurmConfig | None = None, extra_overrides: list[str] | None = None
+) -> tuple[Config, bool]:
+    """The config a job runs with, and whether its script asks Slurm for a pre-timeout signal.
+
+    `slurm` is the resolved section (None: resolve it here); --jobid and --signal set [resilience] keys.
+    All of it goes through load_config, so the validated config is the one written and used.
+    """
+    overrides = _overrides(req, extra_overrides)
+    written = load_config(req.config, overrides)  # the user's own values, checked as written
+    merged = _resolved_slurm(req, overrides, written) if slurm is None else dataclasses.asdict(slurm)
+    send_signal, resilience = signal_settings(written.resilience, req)
+    if req.jobid:
+        # The allocation belongs to someone else's job: a stop must never requeue it.
+        resilience["requeue"] = False
+    derived = {"slurm": merged, "resilience": resilience}
+    return load_config(req.config, overrides, derived), send_signal
+
+
+def signal_settings(resilience: ResilienceConfig, req: LaunchRequest) -> tuple[bool, dict[str, Any]]:
+    """What --signal means: whether the script asks Slurm for a pre-timeout signal, and the
+    [resilience] keys it sets.
 
     A --command program is sent none unless --signal names one: a program that does not handle it
     would die by it (docs/programs.md).
     """
     if req.signal is None:
-        return req.command is None
+        return req.command is None, {}
     text = req.signal.strip()
     if text.lower() == "none":
-        return False
+        return False, {}
     name, at, lead = text.partition("@")
     name = name.strip().upper()
     name = name if name.startswith("SIG") else f"SIG{name}"
     if name not in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGURG"):
         raise UserError(f"--signal {req.signal!r}: name USR2, USR1, TERM, ... (e.g. USR2@180), or none")
+    settings: dict[str, Any] = {}
     if at:
         if not lead.strip().isdigit() or int(lead) > 65535:
             raise UserError(f"--signal {req.signal!r}: the lead after @ is whole seconds (USR2@180)")
-        if cfg.resilience.hard_deadline_s >= int(lead):
+        if resilience.hard_deadline_s >= int(lead):
             # The resolved config.toml must load in the job (validate's rule): refuse it here.
             raise UserError(
                 f"--signal {req.signal!r}: the lead must be longer than resilience.hard_deadline_s="
-                f"{cfg.resilience.hard_deadline_s:g} (the save deadline); lower it, e.g. "
+                f"{resilience.hard_deadline_s:g} (the save deadline); lower it, e.g. "
                 f"--resilience.hard_deadline_s={max(1, int(lead) // 2)}"
             )
-        cfg.resilience.signal_lead_s = int(lead)
-    cfg.resilience.slurm_signal = name
-    if name not in cfg.resilience.signals:
-        cfg.resilience.signals.append(name)  # the program must catch what the script forwards
-    return True
+        settings["signal_lead_s"] = int(lead)
+    settings["slurm_signal"] = name
+    if name not in resilience.signals:
+        settings["signals"] = [*resilience.signals, name]  # the program must catch what the script forwards
+    return True, settings
 
 
 def signal_label(cfg: Config) -> str:
@@ -159,11 +191,7 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
     """Like `launch`, and also returns the submitted job id (None for dry runs and attach)."""
     if req.command is None and req.config is None:
         raise UserError("relaytrain launch needs a CONFIG, or --command 'CMD' (with --name)")
-    cfg = load_resolved(req)
-    if req.jobid:
-        # The allocation belongs to someone else's job: a stop must never requeue it.
-        cfg.resilience.requeue = False
-    send_signal = apply_signal(cfg, req)
+    cfg, send_signal = load_for_job(req)
     if req.command is None:
         check_plan(cfg, req.force, out)
     slurm_dir, config_file = write_run_files(cfg)
@@ -214,23 +242,20 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
     base = load_resolved(req)
     keys = [key for key, _ in grid]
     points: list[tuple[dict[str, str], Config, str]] = []
+    send_signal = False
     for index, values in enumerate(itertools.product(*[options for _, options in grid])):
         point = dict(zip(keys, values, strict=True))
         point_overrides = [f"--{k}={v}" for k, v in point.items() if "." in k]
-        cfg = load_config(
-            req.config, list(req.overrides) + point_overrides + [name_override(f"{base.run.name}-{index}")]
-        )
-        cfg.slurm = copy.deepcopy(base.slurm)
+        # Every point runs on the sweep's resolved [slurm] section, whatever the point's overrides say.
+        point_req = dataclasses.replace(req, name=f"{base.run.name}-{index}")
+        cfg, send_signal = load_for_job(point_req, base.slurm, point_overrides)
         command = render_command(req.command, point) if req.command is not None else ""
         points.append((point, cfg, command))
-    send_signal = False
     for point, cfg, command in points:
         out(f"point {cfg.run.name}: {_values(point)}" + (f": {command}" if command else ""))
-        send_signal = apply_signal(cfg, req)
         if req.command is None:
             check_plan(cfg, req.force, out)
-    sweep_cfg = load_resolved(dataclasses.replace(req, name=f"{base.run.name}-sweep"))
-    apply_signal(sweep_cfg, req)
+    sweep_cfg, _ = load_for_job(dataclasses.replace(req, name=f"{base.run.name}-sweep"), base.slurm)
     sweep_dir = run_dir_of(sweep_cfg)
     (sweep_dir / "slurm").mkdir(parents=True, exist_ok=True)
     array = []
