@@ -520,8 +520,9 @@ def summary(trials: list[Trial], special: list[SpecialTrial]) -> str:
         f"- 20 random trials, 20 bit-exact: **{bit_exact} of {len(trials)}** bit-exact, "
         f"{sum(t.ok for t in trials)} passed every check.",
         f"- ≥ 10 SIGKILL-during-save trials fall back: **{fell_back} of {len(kill)}**.",
-        f"- Disk full, 0 checkpoints lost: **{lost} lost** in {len(disk)} trial(s); "
-        f"{verdict(('disk_full',))}.",
+        "- Disk full, 0 checkpoints lost: "
+        + (f"**{lost} lost** in {len(disk)} trial(s); " if disk else "")
+        + f"{verdict(('disk_full',))}.",
         f"- Requeue cap: {verdict(('time_limit_cap', 'time_limit_cap_budget'))}.",
         f"- Hang: {verdict(('hang',))}.",
     ]  # fmt: skip

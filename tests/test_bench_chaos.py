@@ -141,6 +141,7 @@ def test_summary_against_the_targets():
     assert "**0 lost** in 1 trial(s)" in text
     assert "time_limit_cap (row 2): **fail** (first stop by Slurm's --signal)" in text
     assert "Hang: not run" in text
+    assert "Disk full, 0 checkpoints lost: not run" in chaos.summary(randoms, [])
 
 
 @pytest.mark.slurm
