@@ -162,8 +162,8 @@ def rank_pids(job: str, rank: int | None = None) -> list[int]:
             continue
         if f"SLURM_JOB_ID={job}".encode() not in environ or b"relaytrain.cli\0train" not in cmdline:
             continue
-        if b"torch.distributed.run" in cmdline:
-            continue
+        if b"torch.distributed.run" in cmdline or b"relaytrain.job.torchrun" in cmdline:
+            continue  # the torchrun agent, not a rank
         if rank is None or f"RANK={rank}".encode() in environ:
             pids.append(int(proc.name))
     return pids

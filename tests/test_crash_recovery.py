@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,28 @@ def test_a_crash_loop_stops_at_max_crash_requeues(slurm_cluster, tmp_path):
     assert len(crash.CrashLog(run_dir).entries()) == 2
     code, out = cli("status", job, "--runs", str(runs))
     assert code == 0 and "crash_loop" in out, out
+
+
+def test_the_requeues_own_sigterm_does_not_cut_the_record_short(tmp_path):
+    """`scontrol requeue` ends the batch job, so Slurm's SIGTERM reaches the crash check (a child of the
+    batch shell) right after the call: it must still record the requeue and exit 0."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text("#!/bin/sh\nkill -TERM $PPID\nsleep 0.5\nexit 0\n")
+    scontrol.chmod(0o755)
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    run_dir = tmp_path / "run"
+    write_state(run_dir, "running")
+    done = subprocess.run(
+        [sys.executable, "-m", "relaytrain.resilience.crash", "--config", str(config),
+         "--run-dir", str(run_dir), "--exit-code", "137"],
+        env={**os.environ, **JOB, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "requeuing from the last complete checkpoint" in done.stdout
+    assert "relaytrain: requeued (scontrol requeue 41)" in done.stdout
+    state = RunStateFile(run_dir).read()
+    assert state is not None and state["requeued"] is True

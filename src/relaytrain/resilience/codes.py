@@ -1,8 +1,9 @@
 """Exit codes and stop reasons shared by the resilience pieces.
 
 Exit codes are documented in docs/resilience.md. They describe what one rank did; the decision to
-requeue lives in ``<run_dir>/run_state.json``, because launchers rewrite exit codes (torchrun exits 1
-after a SIGTERM even when every worker saved and exited 0).
+requeue lives in ``<run_dir>/run_state.json``, because launchers rewrite exit codes (torchrun, through
+``relaytrain.job.torchrun``, exits 128 + the signal after a stop signal even when every worker saved and
+exited 0; torchrun itself exits 1).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The generated batch script runs ``python -m relaytrain.resilience.crash`` after 
 outside the step, so it survives the ranks) and this module decides from ``run_state.json``:
 
 * ``stopped`` or ``finished`` by the current run: not a crash (the stop path already decided; torchrun
-  exits 1 after a SIGTERM even when every worker saved);
+  exits 128 + the signal after a stop signal even when every worker saved);
 * ``failed`` with reason ``nan``, a UserError recorded as the message (a full disk during a save), or a
   step exit code 2 (a config or usage error): a deterministic failure, never requeued;
 * ``failed`` with reason ``error`` or ``hang``, ``running``, or a marker written by an earlier run (the
@@ -86,7 +86,7 @@ def classify(state: Mapping[str, Any] | None, job: JobFacts, exit_code: int) -> 
     if status == "failed" and reason in NEVER_REQUEUED_REASONS:
         return False, f"the run failed ({reason}): not retried, the same data would fail again"
     if status == "failed" and str(state.get("message", "")).startswith("UserError("):
-        # A condition the user must fix (a full disk during a save, a bad resume): torchrun exits 1 for it,
+        # A condition the user must fix (a full disk during a save, a bad resume): torchrun exits 1 for any,
         # so the step's exit code does not say so; the same job would fail the same way again.
         return False, f"the run failed with an error the user must fix: {state['message']}"
     if status == "failed" and reason in CRASH_REASONS:
@@ -160,7 +160,7 @@ def after_step(
     count = earlier + 1
     if allowed:
         status, reason = "failed", "crash"
-        message = f"crash {count} of this job ({why}); requeued from the last complete checkpoint"
+        message = f"crash {count} of this job ({why}); requeuing from the last complete checkpoint"
     else:
         status, reason = "failed", "crash_loop" if requeue_enabled and job.in_slurm else "crash"
         message = (
@@ -182,10 +182,17 @@ def after_step(
     print(f"relaytrain: {message}", flush=True)
     if not allowed:
         return False
-    done, how = scontrol_requeue(job.requeue_id)
-    if done:
-        state_file.write(status, reason, step, requeue_requested=True, requeued=True, **facts)
-        return True
+    # The requeue ends this batch job, and Slurm's SIGTERM reaches this process too (a child of the batch
+    # shell): without this the record below was lost and the script logged the check as failed.
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        done, how = scontrol_requeue(job.requeue_id)
+        if done:
+            state_file.write(status, reason, step, requeue_requested=True, requeued=True, **facts)
+            print(f"relaytrain: requeued ({how})", flush=True)
+            return True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"relaytrain: could not requeue after the crash: {how}", file=sys.stderr, flush=True)
     return False
 

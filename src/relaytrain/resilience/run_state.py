@@ -1,6 +1,7 @@
 """``<run_dir>/run_state.json``: the run's state and the requeue decision, written by rank 0.
 
-Exit codes do not survive launchers (torchrun exits 1 after a SIGTERM whatever its workers returned),
+Exit codes do not survive launchers (after a stop signal torchrun's says which signal it got, not what
+its workers returned),
 so whoever needs to know how the run ended (the batch script's requeue fallback, a stale requeue of
 a finished run, a human) reads this file. The JSON is written atomically, one key per line with sorted
 keys, so a shell can test ``grep -q '"requeue_pending": true'`` without a JSON parser.
