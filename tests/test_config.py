@@ -119,6 +119,9 @@ def test_cli_prints_one_line_and_exits_2(capsys):
 
 def test_time_like_override_stays_a_string():
     assert load_config(None, ["--slurm.time=02:00:00"]).slurm.time == "02:00:00"
+    # a text field keeps an override's text: 30 minutes, not the integer 30 (which it would refuse)
+    assert load_config(None, ["--slurm.time=30", "--run.name=1.50"]).slurm.time == "30"
+    assert load_config(None, ["--run.name=1.50"]).run.name == "1.50"
 
 
 def test_schedule_fits_a_run_shorter_than_its_phases():

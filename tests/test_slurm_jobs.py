@@ -242,3 +242,30 @@ def test_plan_prints_parameters_in_human_units(capsys):
         ]
     )
     assert "│ parameters              │ 3.1 M" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "time_limit, margin, level",
+    [
+        ("5", 300, "fail"),  # 300 s limit: the time budget (save estimate + 300 s) stops every job at once
+        ("10", 300, "ok"),
+        ("5", 30, "ok"),
+        ("2", 5, "warn"),  # 120 s: time to train, but the default 180 s signal lead comes as it starts
+        ("UNLIMITED", 300, "ok"),
+    ],
+)
+def test_plan_checks_that_the_time_limit_leaves_time_to_train(time_limit, margin, level):
+    overrides = [f"--slurm.time={time_limit}", f"--resilience.time_budget_margin_s={margin}"]
+    plan = make_plan(load_config(REPO / "configs/debug.toml", overrides), 1, 0, "", tasks_per_node=2)
+    (check,) = [c for c in plan.checks if c[0] == "time limit"]
+    assert check[1] == level, check
+    if level == "fail":
+        assert "every job would stop after its first step" in check[2]
+        assert "resilience.time_budget_margin_s" in check[2] and "slurm.time" in check[2]
+
+
+@pytest.mark.parametrize("bad", ["1 hour", "1:2:3:4", "2-", "-5", "01:00:00 "])
+def test_a_malformed_slurm_time_is_one_line_before_anything_is_queued(bad, capsys):
+    assert main(["plan", str(REPO / "configs/debug.toml"), f"--slurm.time={bad}"]) == 2
+    err = capsys.readouterr().err
+    assert "slurm.time" in err and "a Slurm time limit: M, M:S, H:M:S" in err and "Traceback" not in err

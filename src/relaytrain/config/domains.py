@@ -87,6 +87,43 @@ def catchable_signal() -> Domain:
     return Domain("a catchable signal name such as 'SIGTERM' (not SIGKILL or SIGSTOP)", lambda v: v in names)
 
 
+def slurm_time_seconds(text: str) -> int | None:
+    """Seconds of a Slurm time limit (sbatch --time: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None for no
+    limit (empty: the partition's default; 0, UNLIMITED, INFINITE). ValueError for anything else."""
+    if text.upper() in ("", "UNLIMITED", "INFINITE"):
+        return None
+    days, dash, rest = text.partition("-")
+    if not dash:
+        days, rest = "0", text
+    parts = rest.split(":")
+    if not all(p.isdigit() for p in (days, *parts)) or len(parts) > 3 or (dash and not parts[0]):
+        raise ValueError(f"{text!r} is not a Slurm time")
+    numbers = [int(p) for p in parts]
+    if dash:  # D-H, D-H:M, D-H:M:S
+        h, m, sec = (numbers + [0, 0])[:3]
+    elif len(numbers) == 3:  # H:M:S
+        h, m, sec = numbers
+    else:  # M, M:S
+        h, m, sec = 0, numbers[0], (numbers[1] if len(numbers) == 2 else 0)
+    total = ((int(days) * 24 + h) * 60 + m) * 60 + sec
+    return total or None
+
+
+def slurm_time() -> Domain:
+    def test(v: str) -> bool:
+        try:
+            slurm_time_seconds(v)
+        except ValueError:
+            return False
+        return True
+
+    return Domain(
+        "a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S ('' for the partition's default, 0 or "
+        "UNLIMITED for none)",
+        test,
+    )
+
+
 def path_name() -> Domain:
     """One directory-name component that also reaches sbatch's `--output` pattern."""
 

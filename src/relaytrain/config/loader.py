@@ -76,6 +76,12 @@ def _section_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
 
 
+def _is_text(section: str, key: str) -> bool:
+    """Whether `section.key` is a plain string field (unknown names: no; _apply names them)."""
+    section_cls = _section_types(Config).get(section)
+    return isinstance(section_cls, type) and _section_types(section_cls).get(key) is str
+
+
 def _apply(cfg: Config, data: dict[str, Any], source: str) -> None:
     sections = _section_types(Config)
     for section_name, table in data.items():
@@ -126,6 +132,8 @@ def load_config(
         _apply(cfg, data, shown)
     for text in overrides or []:
         section, key, value = parse_override(text)
+        if not isinstance(value, str) and _is_text(section, key):
+            value = text.split("=", 1)[1]  # `--slurm.time=30` is 30 minutes, not the integer 30
         _apply(cfg, {section: {key: value}}, "override")
     _apply(cfg, derived or {}, "derived setting")
     validate(cfg)

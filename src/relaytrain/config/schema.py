@@ -22,6 +22,7 @@ from relaytrain.config.domains import (
     positive,
     seconds,
     setting,
+    slurm_time,
     with_lengths,
 )
 
@@ -193,7 +194,7 @@ class SlurmConfig(Section):
     tasks_per_node: int = setting(0, at_least(0))  # 0: one task per GPU (CPU-only clusters set this)
     cpus_per_task: int = setting(0, at_least(0))  # 0: let Slurm decide; sets OMP_NUM_THREADS
     mem: str = ""
-    time: str = "01:00:00"
+    time: str = setting("01:00:00", slurm_time())
     exclusive: bool = False
     mail_user: str = ""
     mail_type: str = ""

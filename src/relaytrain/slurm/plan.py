@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from relaytrain.config import Config, SlurmConfig
+from relaytrain.config.domains import slurm_time_seconds
 from relaytrain.errors import UserError
 from relaytrain.model import count_parameters
 from relaytrain.model.transformer import ffn_hidden_dim
@@ -233,7 +234,36 @@ def make_plan(
         )
     else:
         plan.checks.append(("checkpoint", "ok", detail))
+    plan.checks.append(_time_limit_check(cfg, plan.save_seconds))
     return plan
+
+
+def _time_limit_check(cfg: Config, save_seconds: float) -> tuple[str, str, str]:
+    """A job must have time to train before its own time budget stops it (resilience/shutdown.py stops
+    when less than the save estimate + time_budget_margin_s remain): else every job of the chain trains
+    one step, saves and requeues until max_requeues."""
+    limit, r = slurm_time_seconds(cfg.slurm.time), cfg.resilience
+    if limit is None:
+        return ("time limit", "ok", f"slurm.time={cfg.slurm.time!r}: no time limit, no time-budget stop")
+    stop = save_seconds + r.time_budget_margin_s
+    detail = (
+        f"slurm.time={cfg.slurm.time} ({limit} s); the run stops itself {stop:.0f} s before the limit "
+        f"(save estimate {save_seconds:.0f} s + resilience.time_budget_margin_s={r.time_budget_margin_s:g})"
+    )
+    if limit <= stop:
+        return (
+            "time limit",
+            "fail",
+            detail + ": every job would stop after its first step; raise slurm.time or lower "
+            "resilience.time_budget_margin_s",
+        )
+    if limit <= r.signal_lead_s:
+        return (
+            "time limit",
+            "warn",
+            detail + f"; Slurm's signal (resilience.signal_lead_s={r.signal_lead_s}) comes as the job starts",
+        )
+    return ("time limit", "ok", detail)
 
 
 def plan_for(cfg: Config, nodes: int = 0) -> Plan:
