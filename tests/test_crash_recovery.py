@@ -209,24 +209,30 @@ def test_a_crash_loop_stops_at_max_crash_requeues(slurm_cluster, tmp_path):
 
 def test_the_requeues_own_sigterm_does_not_cut_the_record_short(tmp_path):
     """`scontrol requeue` ends the batch job, so Slurm's SIGTERM reaches the crash check (a child of the
-    batch shell) right after the call: it must still record the requeue and exit 0."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    scontrol = bin_dir / "scontrol"
-    scontrol.write_text("#!/bin/sh\nkill -TERM $PPID\nsleep 0.5\nexit 0\n")
-    scontrol.chmod(0o755)
+    batch shell) during the call or at any moment after it returned: it must still record the requeue
+    and exit 0 (the batch script logs 'the crash check failed' otherwise)."""
     config = tmp_path / "config.toml"
     config.write_text("")
     run_dir = tmp_path / "run"
     write_state(run_dir, "running")
-    done = subprocess.run(
-        [sys.executable, "-m", "relaytrain.resilience.crash", "--config", str(config),
-         "--run-dir", str(run_dir), "--exit-code", "137"],
-        env={**os.environ, **JOB, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    snippet = f"""
+import os, signal, time
+from relaytrain.resilience import crash
+
+def requeue(requeue_id):
+    os.kill(os.getpid(), signal.SIGTERM)  # Slurm ends the job while scontrol runs
+    return True, f"scontrol requeue {{requeue_id}}"
+
+crash.scontrol_requeue = requeue
+code = crash.main(["--config", {str(config)!r}, "--run-dir", {str(run_dir)!r}, "--exit-code", "137"])
+os.kill(os.getpid(), signal.SIGTERM)  # ... or just after it returned
+time.sleep(0.2)
+print("exit code", code)
+"""
+    done = subprocess.run([sys.executable, "-c", snippet], env={**os.environ, **JOB}, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, (done.returncode, done.stderr)
     assert "requeuing from the last complete checkpoint" in done.stdout
-    assert "relaytrain: requeued (scontrol requeue 41)" in done.stdout
+    assert "relaytrain: requeued (scontrol requeue 41)" in done.stdout and "exit code 0" in done.stdout
     state = RunStateFile(run_dir).read()
     assert state is not None and state["requeued"] is True

@@ -182,17 +182,11 @@ def after_step(
     print(f"relaytrain: {message}", flush=True)
     if not allowed:
         return False
-    # The requeue ends this batch job, and Slurm's SIGTERM reaches this process too (a child of the batch
-    # shell): without this the record below was lost and the script logged the check as failed.
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        done, how = scontrol_requeue(job.requeue_id)
-        if done:
-            state_file.write(status, reason, step, requeue_requested=True, requeued=True, **facts)
-            print(f"relaytrain: requeued ({how})", flush=True)
-            return True
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    done, how = scontrol_requeue(job.requeue_id)
+    if done:
+        state_file.write(status, reason, step, requeue_requested=True, requeued=True, **facts)
+        print(f"relaytrain: requeued ({how})", flush=True)
+        return True
     print(f"relaytrain: could not requeue after the crash: {how}", file=sys.stderr, flush=True)
     return False
 
@@ -214,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exit-code", type=int, required=True, help="the job step's exit code")
     parser.add_argument("--job-log", default="", help="the job's output file (srun names the dead tasks)")
     args = parser.parse_args(argv)
+    # Its own `scontrol requeue` ends this batch job, and Slurm's SIGTERM reaches this process too (a
+    # child of the batch shell), at any moment after that call: the record must still be written and
+    # the exit be 0, or the script logs the check as failed.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="relaytrain: %(message)s")
     from relaytrain.config import load_config
 
