@@ -168,7 +168,7 @@ def test_latest_and_manifest_cannot_point_outside(tmp_path, caplog):
 def test_flipped_byte_falls_back_to_the_previous_checkpoint(tmp_path, caplog):
     step_dir = saved(tmp_path, steps=(1, 2))
     listed = json.loads((step_dir / "COMPLETE").read_text())["files"]
-    assert all(entry["checksum"].startswith("crc32:") for entry in listed.values())
+    assert all(entry["checksum"].startswith("xxh3_64:") for entry in listed.values())
     shard = step_dir / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -188,3 +188,33 @@ def test_async_save_records_checksums_and_old_manifests_still_load(tmp_path):
     (step_dir / "COMPLETE").write_text(json.dumps({"files": {k: v["size"] for k, v in listed.items()}}))
     assert files.damaged_problems(step_dir) == []
     assert make(tmp_path, seed=3)[0].load() == 1
+
+
+def test_crc32_manifests_of_older_checkpoints_are_still_verified(tmp_path, caplog):
+    """Checkpoints written before xxh3_64 record crc32: they load, and a flipped byte is still caught."""
+    step_dir = saved(tmp_path, steps=(1, 2))
+    for step in (step_dir.parent / "step_1", step_dir):
+        complete = json.loads((step / "COMPLETE").read_text())
+        for rel, entry in complete["files"].items():
+            entry["checksum"] = files.file_checksum(step / rel, like="crc32:0")
+            assert entry["checksum"].startswith("crc32:")
+        (step / "COMPLETE").write_text(json.dumps(complete))
+    assert files.damaged_problems(step_dir) == []
+    assert make(tmp_path, seed=3)[0].load() == 2
+    shard = step_dir / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="relaytrain.checkpoint"):
+        assert make(tmp_path, seed=3)[0].load() == 1
+    assert "__0_0.distcp does not match" in caplog.text
+
+
+def test_a_checksum_of_an_unknown_kind_counts_as_damage(tmp_path):
+    step_dir = saved(tmp_path, steps=(1,))
+    complete = json.loads((step_dir / "COMPLETE").read_text())
+    complete["files"]["config.toml"]["checksum"] = "md5:0123"
+    (step_dir / "COMPLETE").write_text(json.dumps(complete))
+    assert files.damaged_problems(step_dir) == [
+        "config.toml does not match its checksum (its content changed after the save)"
+    ]

@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,7 @@ def write_train_state(
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
-    return {str(path.relative_to(step_dir)): L.crc_text(zlib.crc32(data.getbuffer()))}
+    return {str(path.relative_to(step_dir)): L.bytes_checksum(data.getbuffer())}
 
 
 def write_run_record(

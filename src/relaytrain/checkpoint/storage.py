@@ -1,17 +1,18 @@
-"""DCP data files at the disk's speed: raw tensor bytes, several writer threads, a CRC-32 while writing.
+"""DCP data files at the disk's speed: raw tensor bytes, several writer threads, a checksum while writing.
 
 torch's ``FileSystemWriter`` runs ``torch.save`` (a pickle and a zip record) for every tensor from one
 thread, and its reader ``torch.load``s every tensor into a fresh buffer before copying it into place.
 `RawWriter` keeps DCP's planning, metadata and file naming (so resharding to any world size and layout
 works as before) and replaces only how the bytes go to disk: each rank's items are split into
 `thread_count` files written in parallel, every tensor as its contiguous bytes in one ``write`` (no
-pickle, no copy), and each file's CRC-32 is computed over the bytes as they are written, so the COMPLETE
+pickle, no copy), and each file's checksum (files.Checksum) is computed over the bytes as they are
+written, so the COMPLETE
 manifest needs no second read. Tensor entries carry the transform descriptor `RAW` in ``.metadata``;
 torch's own reader refuses them (unknown extension) instead of misreading them.
 
 `RawReader` reads such files with ``readinto`` straight into the tensors being loaded where a saved chunk
 maps onto one contiguous target (the common same-layout resume), else into one scratch buffer that is
-narrowed and copied (resharding). A file read from its first byte to its last has its CRC-32 computed on
+narrowed and copied (resharding). A file read from its first byte to its last has its checksum computed on
 the way and compared with the manifest before any non-tensor entry from it is unpickled; a mismatch
 raises `ChecksumMismatch`. Files written by torch's writer (older checkpoints) are read the stock way.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import zlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from relaytrain.checkpoint.files import crc_text
+from relaytrain.checkpoint.files import Checksum
 from relaytrain.errors import UserError
 
 RAW = "relaytrain-raw-v1"  # transform descriptor of a tensor stored as its bare bytes
@@ -49,7 +49,7 @@ WRITER_THREADS = 2
 
 
 class ChecksumMismatch(UserError):
-    """A data file's content differs from the CRC-32 its COMPLETE manifest recorded."""
+    """A data file's content differs from the checksum its COMPLETE manifest recorded."""
 
 
 def _bytes_of(data: torch.Tensor | io.BytesIO) -> memoryview:
@@ -62,7 +62,7 @@ def _bytes_of(data: torch.Tensor | io.BytesIO) -> memoryview:
 
 
 class RawWriter(dcp.FileSystemWriter):
-    """DCP storage writer for raw tensor bytes; `checksums` holds file name -> CRC-32 after the write."""
+    """DCP storage writer for raw tensor bytes; `checksums` holds file name -> checksum after the write."""
 
     def __init__(self, path: str | os.PathLike, thread_count: int = WRITER_THREADS):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
@@ -79,19 +79,19 @@ class RawWriter(dcp.FileSystemWriter):
         return done
 
     def _write_file(self, name: str, items: list, planner) -> list[WriteResult]:
-        results, crc, offset = [], 0, 0
+        results, checksum, offset = [], Checksum(), 0
         with open(Path(self.path) / name, "wb") as f:
             for item in items:
                 buf = _bytes_of(planner.resolve_data(item))
-                f.write(buf)  # file writes and zlib.crc32 release the GIL: the threads overlap
-                crc = zlib.crc32(buf, crc)
+                f.write(buf)  # file writes and the checksum release the GIL: the threads overlap
+                checksum.update(buf)
                 raw = None if item.type == WriteItemType.BYTE_IO else [RAW]
                 info = _StorageInfo(name, offset, len(buf), transform_descriptors=raw)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(buf), storage_data=info))
                 offset += len(buf)
             f.flush()
             os.fsync(f.fileno())
-        self.checksums[name] = crc_text(crc)
+        self.checksums[name] = checksum.text()
         return results
 
 
@@ -172,7 +172,8 @@ class RawReader(dcp.FileSystemReader):
             groups.setdefault(req.storage_index, []).append(req)
         entries = sorted(groups.items(), key=lambda kv: self.storage_data[kv[0]].offset)
         deferred_bytes = []  # unpickled only once the whole file's checksum is known to match
-        crc, covered = 0, 0  # covered: bytes read from the start without a gap (-1 after a gap)
+        covered = 0  # bytes read from the start without a gap (-1 after a gap)
+        checksum = self._checksum_for(name) if self.checking else None
         with open(Path(self.path) / name, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -189,14 +190,15 @@ class RawReader(dcp.FileSystemReader):
                     deferred_bytes += [(req, buf) for req in group]
                 else:
                     buf = self._read_tensor(f, name, index, info, group, planner)
-                if not self.checking:
+                if checksum is None:
                     continue
                 if covered == info.offset:
-                    crc, covered = zlib.crc32(buf, crc), covered + info.length
+                    checksum.update(buf)
+                    covered += info.length
                 else:
                     covered = -1
-        whole = self.checking and covered == size
-        if whole and self.expected.get(name, crc_text(crc)) != crc_text(crc):
+        whole = checksum is not None and covered == size
+        if whole and self.expected.get(name, checksum.text()) != checksum.text():
             raise ChecksumMismatch(
                 f"checkpoint file {name} does not match its checksum (its content changed after the save)"
             )
@@ -204,6 +206,15 @@ class RawReader(dcp.FileSystemReader):
             self.verified.add(name)
         for req, buf in deferred_bytes:
             planner.load_bytes(req, io.BytesIO(buf.tobytes()))
+
+    def _checksum_for(self, name: str) -> Checksum:
+        try:
+            return Checksum.like(self.expected.get(name))
+        except ValueError:
+            raise ChecksumMismatch(
+                f"checkpoint file {name} has a checksum of a kind this relaytrain does not know "
+                f"({self.expected[name].partition(':')[0]!r}); resume from another checkpoint"
+            ) from None
 
     def _read_tensor(self, f, name: str, index, info, group: list, planner) -> memoryview:
         sizes, dtype = self._chunks[(index.fqn, tuple(index.offset))]

@@ -148,7 +148,7 @@ class CheckpointConfig(Section):
     save_initial: bool = False  # save step 0 before training
     resume: str = "auto"  # "auto" (newest complete checkpoint of this run), "none", or a path
     init_from: str = ""  # start weights from a checkpoint or HF directory, fresh optimizer
-    # check every file's CRC-32 before resuming (reads the checkpoint once more; off for huge ones)
+    # check every file's checksum before resuming (reads the checkpoint once more; off for huge ones)
     verify: bool = True
 
 
