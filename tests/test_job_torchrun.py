@@ -6,13 +6,21 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 WORKER = """
-import signal, sys, time
+import os, pathlib, signal, sys, time
 signal.signal(signal.SIGUSR2, lambda *_: sys.exit(0))  # a worker that saved and stops cleanly
-print("ready", flush=True)
+pathlib.Path(sys.argv[1], "ready-" + os.environ["LOCAL_RANK"]).touch()
 time.sleep(60)
 """
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without what other tests or a job may leave that torchrun reads."""
+    prefixes = ("PET_", "TORCHELASTIC_", "SLURM_", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    return {**env, "OMP_NUM_THREADS": "1"}
 
 
 def test_a_forwarded_stop_signal_ends_in_one_line_and_its_exit_code(tmp_path):
@@ -21,14 +29,14 @@ def test_a_forwarded_stop_signal_ends_in_one_line_and_its_exit_code(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "relaytrain.job.torchrun", "--standalone", "--nproc_per_node=2",
          "--max_restarts=0", "--signals-to-handle=SIGTERM,SIGINT,SIGUSR2", "--shutdown-timeout=20",
-         str(script)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+         str(script), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
     )  # fmt: skip
-    ready = 0
-    while ready < 2:
-        line = proc.stdout.readline()
-        assert line, f"torchrun ended before its workers started: {proc.stderr.read()[-2000:]}"
-        ready += line.strip() == "ready"
+    deadline = time.monotonic() + 90
+    while len(list(tmp_path.glob("ready-*"))) < 2:
+        assert proc.poll() is None, f"torchrun ended before its workers started: {proc.communicate()}"
+        assert time.monotonic() < deadline, "the workers did not start within 90 s"
+        time.sleep(0.1)
     os.kill(proc.pid, signal.SIGUSR2)
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGUSR2, err[-2000:]
@@ -41,7 +49,7 @@ def test_a_failing_worker_keeps_torchruns_error_summary(tmp_path):
     script.write_text("raise SystemExit(3)\n")
     done = subprocess.run(
         [sys.executable, "-m", "relaytrain.job.torchrun", "--standalone", "--nproc_per_node=1", str(script)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=120, env=clean_env(),
     )  # fmt: skip
     assert done.returncode == 1
     assert "ChildFailedError" in done.stderr and "exitcode  : 3" in done.stderr
