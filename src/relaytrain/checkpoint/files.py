@@ -152,8 +152,8 @@ class Checksum:
         return f"crc32:{self._crc:08x}"
 
 
-def bytes_checksum(data, like: str | None = None) -> str:
-    checksum = Checksum.like(like)
+def bytes_checksum(data) -> str:
+    checksum = Checksum()
     checksum.update(data)
     return checksum.text()
 
