@@ -101,7 +101,8 @@ def measure(
 def not_run(reason: str = "") -> dict:
     return {
         "ran": False,
-        "reason": reason or "no GPU on the machine that ran `python -m bench` (the device tool offered none)",
+        "reason": reason
+        or "the figures on this page come from a machine without a CUDA GPU; run the command above on one",
         "command": f"python -m {MODULE}",
     }
 

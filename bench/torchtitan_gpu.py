@@ -208,8 +208,7 @@ def not_run(reason: str = "") -> dict:
     return {
         "ran": False,
         "reason": reason
-        or "no GPU on the machine that ran `python -m bench` (the device tool offered none to this session), "
-        "and torchtitan is not installed here",
+        or "the figures on this page come from a machine without a CUDA GPU and without torchtitan installed",
         "command": f"python -m {MODULE}",
     }
 
@@ -221,8 +220,8 @@ def render(result: dict) -> str:
         return out + (
             f"**Not run**: {result['reason']}. On CPU torchtitan 0.3.0 does not run as shipped: it needs an "
             "87-line shim for 7 blockers (no CPU device option, FlexAttention has no CPU backward, "
-            "`ReduceOp.PREMUL_SUM` is not supported by gloo, an API newer than torch 2.13, ...; "
-            "`/work/shared/notes/torch-cpu.md`, row 13), and a run through that shim measures the shim. On "
+            "`ReduceOp.PREMUL_SUM` is not supported by gloo, an API newer than torch 2.13, ...), and a run "
+            "through that shim measures the shim. On "
             "CPU the anchor is therefore the plain PyTorch loop above. `bench/torchtitan_gpu.py` is ready for"
             " a machine with GPUs: `pip install torchtitan==0.3.0 triton` (and its declared dependencies), "
             "then `python -m bench.torchtitan_gpu --gpus 1`; `python -m bench` runs it whenever CUDA and "
