@@ -17,7 +17,7 @@ ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 # Bottom to top; the same table is drawn in docs/architecture.md.
 LAYERS: list[set[str]] = [
-    {"errors", "lazy", "job"},  # the in-job layer: facts of the job this process runs in
+    {"errors", "lazy", "version", "job"},  # the in-job layer: facts of the job this process runs in
     {"config"},
     {"model", "data", "optim"},
     {"parallel", "checkpoint", "resilience", "monitor"},
@@ -45,11 +45,18 @@ def _imported_units(tree: ast.AST) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                add(alias.name)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `import relaytrain` runs the top package; `import relaytrain.x.y` runs it too, but
+                # only the way down to x matters for the rule (the package's __init__ imports nothing).
+                add("relaytrain.__init__" if alias.name == "relaytrain" else alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            raise AssertionError("relative imports hide their target from this test: use relaytrain.x")
+        elif isinstance(node, ast.ImportFrom) and node.module:
             if node.module == "relaytrain":
                 for alias in node.names:
-                    add(f"relaytrain.{alias.name}")
+                    # `from relaytrain import program` imports a module; `from relaytrain import
+                    # load_model` takes a name from the top package.
+                    is_module = (SRC / alias.name).is_dir() or (SRC / f"{alias.name}.py").is_file()
+                    add(f"relaytrain.{alias.name}" if is_module else "relaytrain.__init__")
             else:
                 add(node.module)
         elif isinstance(node, ast.Assign) and any(
@@ -109,3 +116,18 @@ def test_the_architecture_page_draws_each_layer(layer):
 def test_the_rule_catches_an_upward_import(tmp_path):
     tree = ast.parse("def f():\n    from relaytrain.trainer import Trainer\n")
     assert "trainer" in _imported_units(tree)
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["import relaytrain\n", "from relaytrain import __version__\n", "from relaytrain import load_model\n"],
+)
+def test_the_rule_sees_an_import_of_the_top_package(source):
+    assert _imported_units(ast.parse(source)) == {"__init__"}
+
+
+def test_from_relaytrain_import_a_module_names_the_module():
+    assert _imported_units(ast.parse("from relaytrain import program, checkpoint\n")) == {
+        "program",
+        "checkpoint",
+    }

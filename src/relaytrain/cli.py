@@ -31,8 +31,8 @@ import argparse  # noqa: E402
 import importlib  # noqa: E402
 import logging  # noqa: E402
 
-from relaytrain import __version__  # noqa: E402
 from relaytrain.errors import USAGE_EXIT_CODE, UserError  # noqa: E402
+from relaytrain.version import __version__  # noqa: E402
 
 # Packages whose `commands.register(subparsers)` adds subcommands, in help order.
 COMMAND_MODULES = [

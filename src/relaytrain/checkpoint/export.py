@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-import relaytrain
 from relaytrain.checkpoint import files as L
 from relaytrain.checkpoint import hf
 from relaytrain.checkpoint.sources import TORCH_EXPORT_NAME, TORCH_FORMAT, read_full_state
@@ -20,6 +19,7 @@ from relaytrain.config import config_to_toml
 from relaytrain.config.loader import config_from_dict
 from relaytrain.config.schema import ModelConfig
 from relaytrain.errors import UserError
+from relaytrain.version import __version__
 
 log = logging.getLogger("relaytrain.checkpoint")
 
@@ -94,7 +94,7 @@ def export_checkpoint(
         "step": meta.get("step"),
         "run_name": meta.get("run_name"),
         "config_hash": meta.get("config_hash"),
-        "relaytrain_version": relaytrain.__version__,
+        "relaytrain_version": __version__,
     }
     out = Path(out).expanduser()
     if fmt == "torch":
@@ -145,7 +145,7 @@ def export_checkpoint(
         )
     )
     (out / "README.md").write_text(
-        f"# relaytrain export\n\nLlama model exported by relaytrain {relaytrain.__version__} from "
+        f"# relaytrain export\n\nLlama model exported by relaytrain {__version__} from "
         f"`{info['path']}` (step {meta.get('step')}, run `{meta.get('run_name')}`, config hash "
         f"`{meta.get('config_hash')}`) on {time.strftime('%Y-%m-%d')}.\n\n"
         "Load it with `transformers.LlamaForCausalLM.from_pretrained(this dir)` or with "
@@ -181,7 +181,7 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
         "contents": ["model"],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "unix_time": time.time(),
-        "relaytrain_version": relaytrain.__version__,
+        "relaytrain_version": __version__,
         "torch_version": torch.__version__,
         "config_hash": "",
         "run_name": "",

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-import relaytrain
 from relaytrain.checkpoint import files as L
 from relaytrain.config.schema import ModelConfig
+from relaytrain.version import __version__
 
 log = logging.getLogger("relaytrain.checkpoint")
 
@@ -77,7 +77,7 @@ def write_run_record(
         "contents": contents,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "unix_time": time.time(),
-        "relaytrain_version": relaytrain.__version__,
+        "relaytrain_version": __version__,
         "torch_version": torch.__version__,
         "config_hash": record.config_hash,
         "run_name": record.name,

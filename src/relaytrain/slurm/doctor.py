@@ -12,12 +12,12 @@ import sys
 import uuid
 from pathlib import Path
 
-import relaytrain
 from relaytrain.config import Config
 from relaytrain.job import JobFacts
 from relaytrain.job.netdetect import high_speed_interfaces, read_ip_brief
 from relaytrain.monitor.mfu import cpu_capability
 from relaytrain.slurm.jobs import run_tool
+from relaytrain.version import __version__
 
 Check = tuple[str, str, str]
 REQUIRED_TOOLS = ("sbatch", "srun", "squeue", "scontrol")
@@ -181,7 +181,7 @@ def check_gpus(expected: int, in_job: bool) -> Check:
 
 
 def _environment_signature() -> str:
-    return f"{sys.executable} relaytrain {relaytrain.__version__}"
+    return f"{sys.executable} relaytrain {__version__}"
 
 
 def check_environment(nodes: list[str]) -> Check:

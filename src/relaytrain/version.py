@@ -1,0 +1,3 @@
+"""relaytrain's version, at the bottom layer so that any package may record it (checkpoints, exports)."""
+
+__version__ = "0.1.0"
