@@ -48,7 +48,8 @@ def _add_slurm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nodes",
         type=_node_range,
-        help="number of nodes, or MIN-MAX (e.g. 2-4): Slurm may start each job of the chain on any count",
+        help="number of nodes, or MIN-MAX (e.g. 2-4): Slurm may start the job, and each requeue of it, on "
+        "any count in the range",
     )
     p.add_argument(
         "--gpus-per-node", type=int, help="GPUs per node (0: CPU-only nodes, set --tasks-per-node)"
@@ -111,6 +112,7 @@ def _request(args: argparse.Namespace):
         dry_run=args.dry_run,
         force=args.force,
         signal=getattr(args, "signal_spec", None),
+        max_concurrent=getattr(args, "max_concurrent", None),
     )
 
 
@@ -310,6 +312,12 @@ def register(subparsers) -> None:
         help="run this command in each array task, {key} replaced by the point's value (docs/programs.md)",
     )
     p.add_argument("--name", help="sweep name: runs NAME-0, NAME-1, ... (default: run.name of the config)")
+    p.add_argument(
+        "--max-concurrent",
+        type=int,
+        metavar="N",
+        help="run at most N array tasks at once (--array=0-K%%N); default: no cap",
+    )
     _add_submit_flags(p)
     p.set_defaults(func=cmd_sweep, accepts_overrides=True)
 
