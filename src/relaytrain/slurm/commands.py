@@ -138,9 +138,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from relaytrain.slurm.launch import load_resolved
     from relaytrain.slurm.plan import plan_rows, plans_for, range_rows
 
+    from relaytrain.slurm.estimate import DEFAULT_MFU
+
+    if args.mfu is not None and not 0 < args.mfu <= 100:
+        raise UserError(f"--mfu {args.mfu:g}: the assumed MFU is a percentage in (0, 100], e.g. --mfu 40")
     req = _request(args)
-    cfg = load_resolved(req)
-    plans = plans_for(cfg)
+    notes: list[str] = []
+    cfg = load_resolved(req, notes=notes)
+    plans = plans_for(cfg, DEFAULT_MFU if args.mfu is None else args.mfu / 100)
     plan = plans[-1]
     console = _console()
     if len(plans) > 1:  # --nodes MIN-MAX: each count Slurm may start a job of the chain on
@@ -166,6 +171,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for name, level, detail in plan.checks:
         checks.add_row(name, f"[{_LEVEL_STYLE[level]}]{level}[/]", detail)
     console.print(checks)
+    for line in notes:
+        console.print(line)
     verdict = "impossible" if any(p.verdict == "impossible" for p in plans) else plan.verdict
     console.print(f"verdict: [{'red' if verdict == 'impossible' else 'green'}]{verdict}[/]")
     return 1 if verdict == "impossible" else 0
@@ -329,6 +336,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="check layout, memory per GPU and checkpoint time before queueing")
     p.add_argument("config")
     _add_slurm_flags(p)
+    p.add_argument(
+        "--mfu",
+        type=float,
+        metavar="PERCENT",
+        help="MFU assumed for the step-time and time-to-train estimates (default 40)",
+    )
     p.set_defaults(func=cmd_plan, accepts_overrides=True, after=None, dry_run=False, force=False)
 
     p = subparsers.add_parser("status", help="jobs: state, restarts, last step (squeue/scontrol/sacct)")
