@@ -135,10 +135,9 @@ def cmd_chain(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from relaytrain.slurm.estimate import DEFAULT_MFU
     from relaytrain.slurm.launch import load_resolved
     from relaytrain.slurm.plan import plan_rows, plans_for, range_rows
-
-    from relaytrain.slurm.estimate import DEFAULT_MFU
 
     if args.mfu is not None and not 0 < args.mfu <= 100:
         raise UserError(f"--mfu {args.mfu:g}: the assumed MFU is a percentage in (0, 100], e.g. --mfu 40")

@@ -34,9 +34,9 @@ def inside_path(path: Path, mounts: list[tuple[Path, Path]]) -> Path | None:
     """Where `path` (absolute, on the host) appears inside the container; None when no mount holds it."""
     best: tuple[Path, Path] | None = None
     for src, dst in mounts:
-        if path == src or src in path.parents:
-            if best is None or len(src.parts) > len(best[0].parts):  # the innermost mount wins
-                best = (src, dst)
+        inner = best is None or len(src.parts) > len(best[0].parts)  # the innermost mount wins
+        if (path == src or src in path.parents) and inner:
+            best = (src, dst)
     if best is None:
         return None
     return best[1] / path.relative_to(best[0])
@@ -59,7 +59,8 @@ def check_container(cfg: Config, run_dir: Path, launch_dir: Path) -> list[str]:
     if not s.container_image:
         return []
     mounts = parse_mounts(s.container_mounts)
-    example = f"--slurm.container_mounts='[\"{Path(cfg.run.dir).absolute()}:{Path(cfg.run.dir).absolute()}\"]'"
+    top = Path(cfg.run.dir).absolute()
+    example = f"--slurm.container_mounts='[\"{top}:{top}\"]'"
     where = f"slurm.container_mounts={s.container_mounts}" if mounts else "slurm.container_mounts is empty"
     for what, path in (("run directory", run_dir), ("checkpoint directory", _absolute(cfg.checkpoint.dir))):
         if path is not None and inside_path(path, mounts) != path:
@@ -74,7 +75,8 @@ def check_container(cfg: Config, run_dir: Path, launch_dir: Path) -> list[str]:
             f"container job: run.dir={cfg.run.dir!r} is relative and the job runs in "
             f"{workdir or 'the image working directory'} (slurm.container_workdir), not in the launch "
             f"directory {launch_dir}: it would write to {inside}; launch from "
-            f"{workdir or 'a mounted directory'}, leave slurm.container_workdir empty, or make run.dir absolute"
+            f"{workdir or 'a mounted directory'}, leave slurm.container_workdir empty, or make run.dir "
+            "absolute"
         )
     lines = []
     for what, text in _data_paths(cfg):

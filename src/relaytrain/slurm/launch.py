@@ -265,7 +265,9 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
     if req.after:
         check_after(req.after)
     if req.max_concurrent is not None and req.max_concurrent < 1:
-        raise UserError(f"--max-concurrent {req.max_concurrent}: pass the most array tasks to run at once (>= 1)")
+        raise UserError(
+            f"--max-concurrent {req.max_concurrent}: pass the most array tasks to run at once (>= 1)"
+        )
     notes: list[str] = []
     base = load_resolved(req, notes=notes)
     keys = [key for key, _ in grid]
@@ -279,7 +281,7 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
         cfg, send_signal = load_for_job(point_req, base.slurm, point_overrides)
         command = render_command(req.command, point) if req.command is not None else ""
         points.append((point, cfg, command))
-    for point, cfg, _ in points:
+    for _, cfg, _ in points:
         notes += check_container(cfg, run_dir_of(cfg), Path.cwd())
     for line in dict.fromkeys(notes):  # the same line once, not once per point
         out(line)

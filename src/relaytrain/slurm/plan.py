@@ -250,7 +250,9 @@ def _checkpoint_check(cfg: Config, plan: Plan) -> tuple[str, str, str]:
     short_lead = step > 0 and r.signal_lead_s < step + r.hard_deadline_s
     if not (short_deadline or short_lead):
         return ("checkpoint", "ok", detail)
-    deadline = max(r.hard_deadline_s, _round_up(save * SAVE_HEADROOM)) if short_deadline else r.hard_deadline_s
+    deadline = r.hard_deadline_s
+    if short_deadline:
+        deadline = max(deadline, _round_up(save * SAVE_HEADROOM))
     lead = max(r.signal_lead_s, _round_up(deadline + step + EXIT_MARGIN_S))
     settings = [f"--resilience.hard_deadline_s={deadline:g}"] if short_deadline else []
     settings.append(f"--resilience.signal_lead_s={lead}")
@@ -263,14 +265,16 @@ def _checkpoint_check(cfg: Config, plan: Plan) -> tuple[str, str, str]:
         )
     fix = f"{why}; these pass: {' '.join(settings)}"
     tighter = _round_up(save * SAVE_HEADROOM, 30)
-    if not short_deadline and tighter < r.hard_deadline_s and step + tighter + EXIT_MARGIN_S <= r.signal_lead_s:
+    fits = step + tighter + EXIT_MARGIN_S <= r.signal_lead_s
+    if not short_deadline and tighter < r.hard_deadline_s and fits:
         fix += f", or a hard deadline closer to the save estimate: --resilience.hard_deadline_s={tighter}"
     if short_deadline:
         # The same deadline holds on a filesystem fast enough (the aggregate write bandwidth is a guess).
         gbps = plan.checkpoint_bytes / (r.hard_deadline_s / SAVE_HEADROOM) / GB
         alternative = [f"--slurm.fs_write_gbps={gbps:.1f}"]
         if step > 0 and r.signal_lead_s < step + r.hard_deadline_s:
-            alternative.append(f"--resilience.signal_lead_s={_round_up(r.hard_deadline_s + step + EXIT_MARGIN_S)}")
+            lead_as_is = _round_up(r.hard_deadline_s + step + EXIT_MARGIN_S)
+            alternative.append(f"--resilience.signal_lead_s={lead_as_is}")
         fix += f" (or, if the filesystem writes {gbps:.1f} GB/s: {' '.join(alternative)})"
     return ("checkpoint", "warn", f"{detail}: {fix}")
 

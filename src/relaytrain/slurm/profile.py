@@ -24,6 +24,7 @@ from relaytrain.config import SlurmConfig, config_from_dict, parse_override
 from relaytrain.errors import UserError
 from relaytrain.slurm.partition import DEFAULT_GPUS_PER_NODE, mem_bytes, partition_facts
 from relaytrain.slurm.resources import choose_resources
+
 MERGED_LISTS = ("setup", "modules", "extra_sbatch", "container_mounts")
 _SLURM_KEYS = {f.name for f in dataclasses.fields(SlurmConfig)}
 

@@ -24,7 +24,7 @@ from relaytrain.slurm.partition import DEFAULT_GPUS_PER_NODE, partition_facts
 
 CHOSEN_KEYS = ("cpus_per_task", "mem", "exclusive")
 DEFAULT_CPUS_PER_GPU = 4  # per process on part of a node when sinfo cannot tell the node's CPUs
-OVERRIDE_HINT = "set slurm.cpus_per_task, slurm.mem or slurm.exclusive (flags, config or profile) to change it"
+OVERRIDE_HINT = "set slurm.cpus_per_task, slurm.mem or slurm.exclusive (flag, config, profile) to change it"
 
 
 def choose_resources(s: SlurmConfig, given: set[str]) -> list[str]:
@@ -54,14 +54,11 @@ def choose_resources(s: SlurmConfig, given: set[str]) -> list[str]:
         whole = s.gpus_per_node >= DEFAULT_GPUS_PER_NODE
         cpus = 0 if whole else DEFAULT_CPUS_PER_GPU * s.gpus_per_node // max(tasks, 1)
         mem = "0" if whole else ""
-        source = (
-            f"sinfo could not describe partition {s.partition or '(default)'}: "
-            + (
-                f"{s.gpus_per_node} GPUs per node taken as whole nodes, the step splits the node's CPUs "
-                "over its processes at run time"
-                if whole
-                else f"{DEFAULT_CPUS_PER_GPU} CPUs per GPU, Slurm's default memory"
-            )
+        source = f"sinfo could not describe partition {s.partition or '(default)'}: " + (
+            f"{s.gpus_per_node} GPUs per node taken as whole nodes, the step splits the node's CPUs "
+            "over its processes at run time"
+            if whole
+            else f"{DEFAULT_CPUS_PER_GPU} CPUs per GPU, Slurm's default memory"
         )
     chosen = []
     if "exclusive" in free:

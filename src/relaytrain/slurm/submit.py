@@ -36,8 +36,9 @@ def sbatch_command(script: Path, after: str | None = None, parsable: bool = True
 def submission_line(script: Path, after: str | None = None, parsable: bool = True, variable: str = "") -> str:
     """The sbatch command as a shell line; `variable`: assign the job id it prints to this shell variable
     (`stage1=$(sbatch --parsable --dependency=afterok:"$stage0" ...)`, how a chain's dry run shows it)."""
+    placeholder = bool(after and STAGE_VARIABLE.fullmatch(after))
     words = [
-        f'"{word}"' if after and STAGE_VARIABLE.fullmatch(after) and word.endswith(after) else shlex.quote(word)
+        f'"{word}"' if placeholder and word.endswith(str(after)) else shlex.quote(word)
         for word in sbatch_command(script, after, parsable)
     ]
     line = " ".join(words)
