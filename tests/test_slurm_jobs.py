@@ -170,7 +170,15 @@ def test_doctor_inside_an_allocation_checks_every_node(cluster, monkeypatch):
         ),
         ("70b", [], 2, 4, "impossible", "larger than the 4 GPUs"),
         ("70b", ["--parallel.rank_order=dp,pp,cp,tp"], 2, 8, "impossible", "rank_order"),
-        ("70b", [], 8, 8, "warn", "emergency save cannot finish"),
+        ("70b", [], 8, 8, "ok", "hard deadline 540 s, signal 960 s"),
+        (
+            "70b",
+            ["--resilience.hard_deadline_s=120", "--resilience.signal_lead_s=180"],
+            8,
+            8,
+            "warn",
+            "these pass: --resilience.hard_deadline_s=540 --resilience.signal_lead_s=780",
+        ),
     ],
 )
 def test_plan_verdicts_on_the_presets(preset, overrides, nodes, gpus, verdict, reason):
@@ -208,7 +216,7 @@ def test_plan_counts_offloaded_states_in_host_memory(tmp_path, monkeypatch, caps
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     assert main(OFFLOADED_8B) == 0
     out = capsys.readouterr().out
-    assert "in host memory" in out and "verdict: ok" in out
+    assert "in host memory" in out and "host memory │ ok" in out
     assert "69.8 GiB per node" in out and "of 512.0 GiB" in out
     assert main([*OFFLOADED_8B, "--mem", "64G"]) == 1
     out = capsys.readouterr().out

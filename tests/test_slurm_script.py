@@ -153,8 +153,8 @@ def test_cpu_only_amd_container_debug_and_environment_activation(work):
             "modules": ["rocm/6.0"],
             "uv_project": "/src/proj",
             "container_image": "/img/torch.sqsh",
-            "container_mounts": ["/lustre:/lustre"],
-            "container_workdir": "/lustre/w",
+            "container_mounts": ["/lustre:/lustre", f"{work}:{work}"],
+            "container_workdir": str(work),
             "container_remap_root": True,
             "mail_user": "me@example.org",
             "exclusive": True,
@@ -173,8 +173,8 @@ def test_cpu_only_amd_container_debug_and_environment_activation(work):
         "export HIP_LAUNCH_BLOCKING=1",
         "set -x",
         "    --container-image=/img/torch.sqsh",
-        "    --container-mounts=/lustre:/lustre",
-        "    --container-workdir=/lustre/w",
+        f"    --container-mounts=/lustre:/lustre,{work}:{work}",
+        f"    --container-workdir={work}",
         "    --container-remap-root",
         "#SBATCH --mail-user=me@example.org",
         "#SBATCH --mail-type=END,FAIL",
@@ -211,6 +211,7 @@ def test_every_variant_passes_shellcheck(work):
             "nodes": 2,
             "gpu_type": "mi250x",
             "container_image": "i.sqsh",
+            "container_mounts": [str(work)],
             "uv_project": "/p",
             "modules": ["rocm"],
             "conda_env": "train",
@@ -258,7 +259,7 @@ def test_hostile_names_paths_and_values_execute_nothing(work):
         overrides=[
             f"--run.dir={json.dumps(bad_dir)}",
             f"--slurm.env={{ V = {json.dumps(HOSTILE)} }}",
-            f"--slurm.container_mounts=[{json.dumps('/a:/b;$(touch pwned5)')}]",
+            f"--slurm.container_mounts=[{json.dumps('/a:/b;$(touch pwned5)')}, {json.dumps(str(work))}]",
             f"--slurm.partition={json.dumps('p $(touch pwned6)')}",
         ],
         slurm={"nodes": 2, "gpus_per_node": 0, "tasks_per_node": 1, "container_image": "img'$(touch pwned7)"},
@@ -273,7 +274,7 @@ def test_hostile_names_paths_and_values_execute_nothing(work):
     assert not list(work.rglob("pwned*")), "a hostile string was executed"
     (call,) = srun_calls(work)
     assert str(run_dir / "slurm" / "config.toml") in call
-    assert "--container-mounts=/a:/b;$(touch pwned5)" in call
+    assert f"--container-mounts=/a:/b;$(touch pwned5),{work}" in call
     assert "--container-image=img'$(touch pwned7)" in call
     assert load_config(run_dir / "slurm" / "config.toml").slurm.env["V"] == HOSTILE
 

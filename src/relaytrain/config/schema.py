@@ -192,7 +192,7 @@ class SlurmConfig(Section):
     gpus_per_node: int = setting(-1, at_least(-1))
     gpu_type: str = ""  # h100, h200, a100, mi250x, ... (relaytrain plan); mi*: AMD ROCm/RCCL
     tasks_per_node: int = setting(0, at_least(0))  # 0: one task per GPU (CPU-only clusters set this)
-    cpus_per_task: int = setting(0, at_least(0))  # 0: let Slurm decide; sets OMP_NUM_THREADS
+    cpus_per_task: int = setting(0, at_least(0))  # unset: chosen at launch; sets OMP_NUM_THREADS
     mem: str = ""
     time: str = setting("01:00:00", slurm_time())
     exclusive: bool = False

@@ -48,7 +48,8 @@ def _add_slurm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nodes",
         type=_node_range,
-        help="number of nodes, or MIN-MAX (e.g. 2-4): Slurm may start each job of the chain on any count",
+        help="number of nodes, or MIN-MAX (e.g. 2-4): Slurm may start the job, and each requeue of it, on "
+        "any count in the range",
     )
     p.add_argument(
         "--gpus-per-node", type=int, help="GPUs per node (0: CPU-only nodes, set --tasks-per-node)"
@@ -111,6 +112,7 @@ def _request(args: argparse.Namespace):
         dry_run=args.dry_run,
         force=args.force,
         signal=getattr(args, "signal_spec", None),
+        max_concurrent=getattr(args, "max_concurrent", None),
     )
 
 
@@ -133,12 +135,16 @@ def cmd_chain(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from relaytrain.slurm.estimate import DEFAULT_MFU
     from relaytrain.slurm.launch import load_resolved
     from relaytrain.slurm.plan import plan_rows, plans_for, range_rows
 
+    if args.mfu is not None and not 0 < args.mfu <= 100:
+        raise UserError(f"--mfu {args.mfu:g}: the assumed MFU is a percentage in (0, 100], e.g. --mfu 40")
     req = _request(args)
-    cfg = load_resolved(req)
-    plans = plans_for(cfg)
+    notes: list[str] = []
+    cfg = load_resolved(req, notes=notes)
+    plans = plans_for(cfg, DEFAULT_MFU if args.mfu is None else args.mfu / 100)
     plan = plans[-1]
     console = _console()
     if len(plans) > 1:  # --nodes MIN-MAX: each count Slurm may start a job of the chain on
@@ -164,6 +170,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for name, level, detail in plan.checks:
         checks.add_row(name, f"[{_LEVEL_STYLE[level]}]{level}[/]", detail)
     console.print(checks)
+    for line in notes:
+        console.print(line)
     verdict = "impossible" if any(p.verdict == "impossible" for p in plans) else plan.verdict
     console.print(f"verdict: [{'red' if verdict == 'impossible' else 'green'}]{verdict}[/]")
     return 1 if verdict == "impossible" else 0
@@ -310,6 +318,12 @@ def register(subparsers) -> None:
         help="run this command in each array task, {key} replaced by the point's value (docs/programs.md)",
     )
     p.add_argument("--name", help="sweep name: runs NAME-0, NAME-1, ... (default: run.name of the config)")
+    p.add_argument(
+        "--max-concurrent",
+        type=int,
+        metavar="N",
+        help="run at most N array tasks at once (--array=0-K%%N); default: no cap",
+    )
     _add_submit_flags(p)
     p.set_defaults(func=cmd_sweep, accepts_overrides=True)
 
@@ -321,6 +335,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="check layout, memory per GPU and checkpoint time before queueing")
     p.add_argument("config")
     _add_slurm_flags(p)
+    p.add_argument(
+        "--mfu",
+        type=float,
+        metavar="PERCENT",
+        help="MFU assumed for the step-time and time-to-train estimates (default 40)",
+    )
     p.set_defaults(func=cmd_plan, accepts_overrides=True, after=None, dry_run=False, force=False)
 
     p = subparsers.add_parser("status", help="jobs: state, restarts, last step (squeue/scontrol/sacct)")

@@ -19,11 +19,12 @@ from typing import Any
 
 from relaytrain.config import Config, ResilienceConfig, SlurmConfig, config_to_toml, load_config
 from relaytrain.errors import UserError
+from relaytrain.slurm.container import check_container
 from relaytrain.slurm.grid import parse_grid, render_command
 from relaytrain.slurm.plan import Plan, plans_for
 from relaytrain.slurm.profile import explicit_config_keys, resolve_slurm
 from relaytrain.slurm.script import JobSpec, SweepPoint, render_script
-from relaytrain.slurm.submit import record_job, submit
+from relaytrain.slurm.submit import check_after, record_job, submission_line, submit
 
 Printer = Callable[[str], None]
 
@@ -41,6 +42,9 @@ class LaunchRequest:
     dry_run: bool = False
     force: bool = False
     signal: str | None = None  # --signal NAME[@SECONDS] | none; None: none for --command, else the config's
+    max_concurrent: int | None = None  # sweep: at most this many array tasks at once (--array=0-K%N)
+    # a dry run prints its sbatch line assigning the job id to this shell variable (a chain's stages)
+    job_variable: str = ""
 
 
 def name_override(name: str) -> str:
@@ -55,30 +59,41 @@ def _overrides(req: LaunchRequest, extra_overrides: list[str] | None) -> list[st
     return overrides
 
 
-def load_resolved(req: LaunchRequest, extra_overrides: list[str] | None = None) -> Config:
+def load_resolved(
+    req: LaunchRequest, extra_overrides: list[str] | None = None, notes: list[str] | None = None
+) -> Config:
     """The config with its [slurm] section merged from the cluster profile, the config and the flags
-    (profile.resolve_slurm), validated as a whole."""
+    (profile.resolve_slurm), validated as a whole. `notes`: see `_resolved_slurm`."""
     overrides = _overrides(req, extra_overrides)
     written = load_config(req.config, overrides)  # the user's own values, checked as written
-    return load_config(req.config, overrides, {"slurm": _resolved_slurm(req, overrides, written)})
+    return load_config(req.config, overrides, {"slurm": _resolved_slurm(req, overrides, written, notes)})
 
 
-def _resolved_slurm(req: LaunchRequest, overrides: list[str], written: Config) -> dict[str, Any]:
+def _resolved_slurm(
+    req: LaunchRequest, overrides: list[str], written: Config, notes: list[str] | None = None
+) -> dict[str, Any]:
+    """With `notes`, CPUs/memory/exclusivity nobody set are chosen and the choice is appended to it
+    (relaytrain.slurm.resources); never for --jobid, whose allocation is already made."""
     explicit = explicit_config_keys(req.config, overrides)
-    return dataclasses.asdict(resolve_slurm(written.slurm, explicit, req.slurm, req.profile))
+    choose = None if req.jobid else notes
+    return dataclasses.asdict(resolve_slurm(written.slurm, explicit, req.slurm, req.profile, choose))
 
 
 def load_for_job(
-    req: LaunchRequest, slurm: SlurmConfig | None = None, extra_overrides: list[str] | None = None
+    req: LaunchRequest,
+    slurm: SlurmConfig | None = None,
+    extra_overrides: list[str] | None = None,
+    notes: list[str] | None = None,
 ) -> tuple[Config, bool]:
     """The config a job runs with, and whether its script asks Slurm for a pre-timeout signal.
 
-    `slurm` is the resolved section (None: resolve it here); --jobid and --signal set [resilience] keys.
-    All of it goes through load_config, so the validated config is the one written and used.
+    `slurm` is the resolved section (None: resolve it here, `notes` as in `_resolved_slurm`); --jobid
+    and --signal set [resilience] keys. All of it goes through load_config, so the validated config is
+    the one written and used.
     """
     overrides = _overrides(req, extra_overrides)
     written = load_config(req.config, overrides)  # the user's own values, checked as written
-    merged = _resolved_slurm(req, overrides, written) if slurm is None else dataclasses.asdict(slurm)
+    merged = _resolved_slurm(req, overrides, written, notes) if slurm is None else dataclasses.asdict(slurm)
     send_signal, resilience = signal_settings(written.resilience, req)
     if req.jobid:
         # The allocation belongs to someone else's job: a stop must never requeue it.
@@ -178,6 +193,7 @@ def build_spec(cfg: Config, req: LaunchRequest, config_file: Path, origin: str =
         command=req.command or "",
         attach_jobid=req.jobid or "",
         origin=origin,
+        after=req.after or "",
     )
 
 
@@ -191,7 +207,13 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
     """Like `launch`, and also returns the submitted job id (None for dry runs and attach)."""
     if req.command is None and req.config is None:
         raise UserError("relaytrain launch needs a CONFIG, or --command 'CMD' (with --name)")
-    cfg, send_signal = load_for_job(req)
+    if req.after:
+        check_after(req.after)
+    notes: list[str] = []
+    cfg, send_signal = load_for_job(req, notes=notes)
+    notes += check_container(cfg, run_dir_of(cfg), Path.cwd())
+    for line in notes:
+        out(line)
     if req.command is None:
         check_plan(cfg, req.force, out)
     slurm_dir, config_file = write_run_files(cfg)
@@ -201,6 +223,7 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
     if req.dry_run:
         out(text)
         out(f"dry run: wrote {spec.script_path} and {config_file}; nothing submitted")
+        out("submit with: " + submission_line(spec.script_path, req.after, variable=req.job_variable))
         return 0, None
     if req.jobid:
         out(f"attaching to allocation {req.jobid}: bash {spec.script_path}")
@@ -239,7 +262,14 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
     if req.jobid:
         raise UserError("relaytrain sweep submits a job array; --jobid does not apply")
     grid = parse_grid(grid_items, req.command)
-    base = load_resolved(req)
+    if req.after:
+        check_after(req.after)
+    if req.max_concurrent is not None and req.max_concurrent < 1:
+        raise UserError(
+            f"--max-concurrent {req.max_concurrent}: pass the most array tasks to run at once (>= 1)"
+        )
+    notes: list[str] = []
+    base = load_resolved(req, notes=notes)
     keys = [key for key, _ in grid]
     points: list[tuple[dict[str, str], Config, str]] = []
     send_signal = False
@@ -251,6 +281,10 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
         cfg, send_signal = load_for_job(point_req, base.slurm, point_overrides)
         command = render_command(req.command, point) if req.command is not None else ""
         points.append((point, cfg, command))
+    for _, cfg, _ in points:
+        notes += check_container(cfg, run_dir_of(cfg), Path.cwd())
+    for line in dict.fromkeys(notes):  # the same line once, not once per point
+        out(line)
     for point, cfg, command in points:
         out(f"point {cfg.run.name}: {_values(point)}" + (f": {command}" if command else ""))
         if req.command is None:
@@ -280,13 +314,16 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
         kind="command" if req.command is not None else "train",
         command=req.command or "",
         array=array,
+        array_max_concurrent=req.max_concurrent or 0,
         origin="sweep",
         send_signal=send_signal,
+        after=req.after or "",
     )
     text = write_script(spec)
     if req.dry_run:
         out(text)
         out(f"dry run: wrote {spec.script_path} and {sweep_dir / 'sweep.tsv'}; nothing submitted")
+        out("submit with: " + submission_line(spec.script_path, req.after))
         return 0
     job_id = submit(spec.script_path, req.after)
     record_job(
@@ -319,15 +356,35 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
 
 
 def chain(req: LaunchRequest, configs: list[str], out: Printer = print) -> int:
-    """Submit each config as a job that starts only after the previous one succeeded (afterok)."""
+    """Submit each config as a job that starts only after the previous one succeeded (afterok).
+
+    A dry run submits nothing, so a stage's job id is not known: each stage's sbatch line is printed
+    assigning its id to `$stageN`, and the next stage depends on that variable (the whole chain,
+    links included, can be pasted into a shell).
+    """
     if len(configs) < 1:
         raise UserError("relaytrain chain needs at least one CONFIG")
     if req.jobid or req.command:
         raise UserError("relaytrain chain submits new jobs; --jobid and --command do not apply")
+    if req.after:
+        check_after(req.after)
+    submissions: list[str] = []
+
+    def stage_out(line: str) -> None:
+        if line.startswith("submit with: "):
+            submissions.append(line.removeprefix("submit with: "))
+        out(line)
+
     previous = req.after
     for stage, config in enumerate(configs):
         stage_req = copy.copy(req)
         stage_req.config, stage_req.after = config, previous
+        stage_req.job_variable = f"stage{stage}" if req.dry_run else ""
         out(f"stage {stage}: {config}" + (f" (after {previous})" if previous else ""))
-        _, previous = launch_job(stage_req, out)
+        _, job_id = launch_job(stage_req, stage_out)
+        previous = f"$stage{stage}" if req.dry_run else job_id
+    if req.dry_run:
+        out("dry run: the chain is submitted with these commands, in order:")
+        for line in submissions:
+            out(f"    {line}")
     return 0

@@ -1,8 +1,9 @@
-"""What the cluster says about a partition's nodes: GPUs (GRES) and memory, from `sinfo`.
+"""What the cluster says about a partition's nodes: GPUs (GRES), CPUs and memory, from `sinfo`.
 
 Used where the user did not say it: `slurm.gpus_per_node` left at -1 takes the partition's GPU count
 (0 on CPU-only nodes), and `relaytrain plan` checks host memory (CPU offload) against `--mem`, or the
-node's memory when no `--mem` is given. Where `sinfo` cannot answer (no Slurm here, controller down)
+node's memory when no `--mem` is given; CPUs, memory and `--exclusive` that nobody set are chosen from
+them (relaytrain.slurm.resources). Where `sinfo` cannot answer (no Slurm here, controller down)
 the facts are unknown.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from relaytrain.errors import UserError
 
 SINFO_TIMEOUT_S = 10
+DEFAULT_GPUS_PER_NODE = 8  # GPUs per node assumed when neither the user, the profile nor `sinfo` says it
 _GPU_COUNT = re.compile(r"^gpu(?::[^:(]+)*?:(\d+)")
 _MEM = re.compile(r"^(\d+)([KMGT]?)$", re.I)
 _MEM_UNITS = {"K": 1024, "": 1024**2, "M": 1024**2, "G": 1024**3, "T": 1024**4}
@@ -27,6 +29,7 @@ class PartitionFacts:
     partition: str
     gpus_per_node: int  # the smallest GPU count of the partition's node groups; 0: CPU-only
     memory_mb: int  # the smallest node memory (Slurm's RealMemory), 0 if unknown
+    cpus: int = 0  # the smallest CPU count per node, 0 if unknown
 
 
 def mem_bytes(mem: str) -> int:
@@ -60,21 +63,26 @@ def gres_gpus(gres: str) -> int:
     return total
 
 
+def _smallest(values: list[str]) -> int:
+    """The smallest of sinfo's figures ('512000', '96+' for a range): 0 when none is a number."""
+    known = [int(v.strip().rstrip("+")) for v in values if v.strip().rstrip("+").isdigit()]
+    return min(known) if known else 0
+
+
 def parse_sinfo(text: str, partition: str) -> PartitionFacts | None:
-    """`sinfo -h -o '%P|%G|%m'` lines -> the facts of `partition` ('' : the default partition)."""
-    rows = [line.split("|") for line in text.splitlines() if line.count("|") == 2]
+    """`sinfo -h -o '%P|%G|%m|%c'` lines -> the facts of `partition` ('' : the default partition)."""
+    rows = [line.split("|") + [""] for line in text.splitlines() if line.count("|") in (2, 3)]
     if partition:
         chosen = [r for r in rows if r[0].rstrip("*") == partition]
     else:
         chosen = [r for r in rows if r[0].endswith("*")]
     if not chosen:
         return None
-    memory = [m.strip().rstrip("+") for _, _, m in chosen]
-    known = [int(m) for m in memory if m.isdigit()]
     return PartitionFacts(
         partition=chosen[0][0].rstrip("*"),
-        gpus_per_node=min(gres_gpus(g) for _, g, _ in chosen),
-        memory_mb=min(known) if known else 0,
+        gpus_per_node=min(gres_gpus(row[1]) for row in chosen),
+        memory_mb=_smallest([row[2] for row in chosen]),
+        cpus=_smallest([row[3] for row in chosen]),
     )
 
 
@@ -85,7 +93,7 @@ def partition_facts(partition: str) -> PartitionFacts | None:
 
 @functools.lru_cache(maxsize=16)
 def _cached_facts(partition: str, _slurm_conf: str, _path: str) -> PartitionFacts | None:
-    cmd = ["sinfo", "-h", "-o", "%P|%G|%m"]
+    cmd = ["sinfo", "-h", "-o", "%P|%G|%m|%c"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=SINFO_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError):

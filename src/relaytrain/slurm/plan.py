@@ -27,11 +27,16 @@ against `slurm.mem` (`--mem`), else the node's memory as `sinfo` reports it.
 
 Checkpoint: 12 P bytes (fp32 weights + two AdamW moments), written in parallel by all ranks at
 `slurm.fs_write_gbps` GB/s in aggregate; the emergency save must finish within
-`resilience.hard_deadline_s` (and the signal lead time).
+`resilience.hard_deadline_s`, and Slurm's signal must come early enough for the step in flight to end and
+the save to run (`resilience.signal_lead_s` >= one step + the hard deadline).
+
+The step time in that check is an estimate (relaytrain.slurm.estimate), also printed with the time to
+train.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from relaytrain.config import Config, SlurmConfig
@@ -39,6 +44,7 @@ from relaytrain.config.domains import slurm_time_seconds
 from relaytrain.errors import UserError
 from relaytrain.model import count_parameters
 from relaytrain.model.transformer import ffn_hidden_dim
+from relaytrain.slurm.estimate import DEFAULT_MFU, StepEstimate, estimate_rows, estimate_step
 from relaytrain.slurm.partition import host_memory
 
 GIB = 1024**3
@@ -47,6 +53,8 @@ OVERHEAD_BYTES = 3 * GIB
 FRAGMENTATION = 1.10
 TIGHT_FRACTION = 0.90  # above this share of the GPU's memory the verdict is "tight"
 HOST_OVERHEAD_PER_PROCESS = 4 * GIB
+SAVE_HEADROOM = 1.2  # a suggested hard deadline leaves 20% over the save estimate
+EXIT_MARGIN_S = 60  # a suggested signal lead leaves this after the hard deadline for the processes to exit
 
 # Memory per device in GB as the vendor sells it (one GCD for MI250X, as Slurm and torch count them).
 GPU_MEMORY_GB = {
@@ -101,6 +109,7 @@ class Plan:
     gpu_bytes: float = 0.0
     checkpoint_bytes: float = 0.0
     save_seconds: float = 0.0
+    step: StepEstimate | None = None  # None on CPU-only nodes
     checks: list[tuple[str, str, str]] = field(default_factory=list)  # (name, ok|warn|fail, detail)
 
     @property
@@ -159,6 +168,7 @@ def make_plan(
     gpu: str = "",
     tasks_per_node: int = 0,
     host_memory: tuple[float, str] | None = None,
+    mfu: float = DEFAULT_MFU,
 ) -> Plan:
     """Layout, memory and checkpoint checks; never raises for a bad plan (the verdict says it).
 
@@ -215,27 +225,58 @@ def make_plan(
             plan.checks.append(("memory", "ok", detail))
     if plan.memory.offloaded:
         plan.checks.append(_host_memory_check(plan.memory, per_node, host_memory))
+    if gpus_per_node:
+        plan.step = estimate_step(cfg, world, gpu, mfu)
     plan.checkpoint_bytes = 12.0 * plan.parameters
     plan.save_seconds = plan.checkpoint_bytes / (cfg.slurm.fs_write_gbps * GB)
-    r = cfg.resilience
-    detail = (
-        f"{plan.checkpoint_bytes / GB:.1f} GB, about {plan.save_seconds:.0f} s at "
-        f"{cfg.slurm.fs_write_gbps:g} GB/s; hard deadline {r.hard_deadline_s:g} s, "
-        f"signal {r.signal_lead_s} s before the time limit"
-    )
-    if plan.save_seconds > r.hard_deadline_s:
-        plan.checks.append(
-            (
-                "checkpoint",
-                "warn",
-                detail + ": an emergency save cannot finish; raise "
-                "resilience.hard_deadline_s and resilience.signal_lead_s",
-            )
-        )
-    else:
-        plan.checks.append(("checkpoint", "ok", detail))
+    plan.checks.append(_checkpoint_check(cfg, plan))
     plan.checks.append(_time_limit_check(cfg, plan.save_seconds))
     return plan
+
+
+def _round_up(seconds: float, to: int = 60) -> int:
+    return int(math.ceil(seconds / to) * to)
+
+
+def _checkpoint_check(cfg: Config, plan: Plan) -> tuple[str, str, str]:
+    """The emergency save must fit in the hard deadline, and the signal must leave time for the step in
+    flight (the stop is agreed at a step boundary) and the hard deadline; a warning names values that pass."""
+    r, save, step = cfg.resilience, plan.save_seconds, plan.step.seconds if plan.step else 0.0
+    detail = (
+        f"{plan.checkpoint_bytes / GB:.1f} GB, about {save:.0f} s at {cfg.slurm.fs_write_gbps:g} GB/s; "
+        f"hard deadline {r.hard_deadline_s:g} s, signal {r.signal_lead_s} s before the time limit"
+    )
+    short_deadline = save > r.hard_deadline_s
+    short_lead = step > 0 and r.signal_lead_s < step + r.hard_deadline_s
+    if not (short_deadline or short_lead):
+        return ("checkpoint", "ok", detail)
+    deadline = r.hard_deadline_s
+    if short_deadline:
+        deadline = max(deadline, _round_up(save * SAVE_HEADROOM))
+    lead = max(r.signal_lead_s, _round_up(deadline + step + EXIT_MARGIN_S))
+    settings = [f"--resilience.hard_deadline_s={deadline:g}"] if short_deadline else []
+    settings.append(f"--resilience.signal_lead_s={lead}")
+    if short_deadline:
+        why = "an emergency save cannot finish within the hard deadline"
+    else:
+        why = (
+            f"the signal leaves less than one step (about {step:.0f} s, estimate) + the hard deadline "
+            "for the stop and its save"
+        )
+    fix = f"{why}; these pass: {' '.join(settings)}"
+    tighter = _round_up(save * SAVE_HEADROOM, 30)
+    fits = step + tighter + EXIT_MARGIN_S <= r.signal_lead_s
+    if not short_deadline and tighter < r.hard_deadline_s and fits:
+        fix += f", or a hard deadline closer to the save estimate: --resilience.hard_deadline_s={tighter}"
+    if short_deadline:
+        # The same deadline holds on a filesystem fast enough (the aggregate write bandwidth is a guess).
+        gbps = plan.checkpoint_bytes / (r.hard_deadline_s / SAVE_HEADROOM) / GB
+        alternative = [f"--slurm.fs_write_gbps={gbps:.1f}"]
+        if step > 0 and r.signal_lead_s < step + r.hard_deadline_s:
+            lead_as_is = _round_up(r.hard_deadline_s + step + EXIT_MARGIN_S)
+            alternative.append(f"--resilience.signal_lead_s={lead_as_is}")
+        fix += f" (or, if the filesystem writes {gbps:.1f} GB/s: {' '.join(alternative)})"
+    return ("checkpoint", "warn", f"{detail}: {fix}")
 
 
 def _time_limit_check(cfg: Config, save_seconds: float) -> tuple[str, str, str]:
@@ -266,11 +307,11 @@ def _time_limit_check(cfg: Config, save_seconds: float) -> tuple[str, str, str]:
     return ("time limit", "ok", detail)
 
 
-def plan_for(cfg: Config, nodes: int = 0) -> Plan:
+def plan_for(cfg: Config, nodes: int = 0, mfu: float = DEFAULT_MFU) -> Plan:
     """The plan for the resolved `[slurm]` section of `cfg` at `nodes` nodes (0: slurm.nodes)."""
     s = cfg.slurm
     host = host_memory(s.partition, s.mem) if cfg.parallel.cpu_offload else None
-    return make_plan(cfg, nodes or s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node, host)
+    return make_plan(cfg, nodes or s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node, host, mfu)
 
 
 def node_counts(s: SlurmConfig) -> list[int]:
@@ -278,9 +319,9 @@ def node_counts(s: SlurmConfig) -> list[int]:
     return list(range(min(s.min_nodes or s.nodes, s.nodes), s.nodes + 1))
 
 
-def plans_for(cfg: Config) -> list[Plan]:
+def plans_for(cfg: Config, mfu: float = DEFAULT_MFU) -> list[Plan]:
     """One plan per node count of the range (what launch checks and `relaytrain plan` prints)."""
-    return [plan_for(cfg, nodes) for nodes in node_counts(cfg.slurm)]
+    return [plan_for(cfg, nodes, mfu) for nodes in node_counts(cfg.slurm)]
 
 
 def range_rows(plans: list[Plan]) -> list[tuple[str, ...]]:
@@ -345,4 +386,4 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
                     f"{mem.activations[mode] / GIB:.1f} GiB -> total {mem.total(mode) / GIB:.1f} GiB",
                 )
             )
-    return rows
+    return rows + estimate_rows(plan.step, plan.gpu)

@@ -22,9 +22,9 @@ from typing import Any
 
 from relaytrain.config import SlurmConfig, config_from_dict, parse_override
 from relaytrain.errors import UserError
-from relaytrain.slurm.partition import mem_bytes, partition_facts
+from relaytrain.slurm.partition import DEFAULT_GPUS_PER_NODE, mem_bytes, partition_facts
+from relaytrain.slurm.resources import choose_resources
 
-DEFAULT_GPUS_PER_NODE = 8  # when neither the user, the profile nor `sinfo` says it
 MERGED_LISTS = ("setup", "modules", "extra_sbatch", "container_mounts")
 _SLURM_KEYS = {f.name for f in dataclasses.fields(SlurmConfig)}
 
@@ -93,14 +93,24 @@ def _merge(base: SlurmConfig, key: str, value: Any) -> None:
 
 
 def resolve_slurm(
-    config_slurm: SlurmConfig, explicit: set[str], cli: dict[str, Any], profile: str | None = None
+    config_slurm: SlurmConfig,
+    explicit: set[str],
+    cli: dict[str, Any],
+    profile: str | None = None,
+    notes: list[str] | None = None,
 ) -> SlurmConfig:
-    """Merge defaults < profile < config (`explicit` keys of `config_slurm`) < CLI (non-None values)."""
+    """Merge defaults < profile < config (`explicit` keys of `config_slurm`) < CLI (non-None values).
+
+    With `notes` (a list), CPUs, memory and exclusivity nobody set are chosen (relaytrain.slurm.resources)
+    and the line saying what was chosen is appended to it; without, they stay as given.
+    """
     resolved = SlurmConfig()
+    given = set(explicit) | {key for key, value in cli.items() if value is not None}
     profile_name = profile or config_slurm.profile
     if profile_name:
         for key, value in load_profile(profile_name).items():
             _merge(resolved, key, value)
+            given.add(key)
         resolved.profile = profile_name
     for key in sorted(explicit):
         if key != "profile":
@@ -114,6 +124,8 @@ def resolve_slurm(
         facts = partition_facts(resolved.partition)
         resolved.gpus_per_node = facts.gpus_per_node if facts else DEFAULT_GPUS_PER_NODE
     _check(resolved)
+    if notes is not None:
+        notes.extend(choose_resources(resolved, given))
     return resolved
 
 

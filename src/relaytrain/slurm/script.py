@@ -20,7 +20,9 @@ import jinja2
 from relaytrain.config import Config, SlurmConfig
 from relaytrain.errors import UserError
 from relaytrain.job.netdetect import IFNAME_AWK
+from relaytrain.slurm.container import step_workdir
 from relaytrain.slurm.profile import is_rocm
+from relaytrain.slurm.submit import submission_line
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 HEARTBEAT_S = 300
@@ -49,6 +51,8 @@ class JobSpec:
     command: str = ""
     attach_jobid: str = ""
     array: list[SweepPoint] = field(default_factory=list)
+    array_max_concurrent: int = 0  # a sweep: at most this many array tasks run at once (0: no cap)
+    after: str = ""  # submitted with --dependency=afterok on this job (a chain stage, --after)
     job_name: str = ""
     origin: str = "launch"
     # --signal none: no pre-timeout signal (the default for --command, docs/programs.md)
@@ -153,7 +157,8 @@ def sbatch_options(spec: JobSpec) -> list[str]:
         out.append(f"--signal=B:{signal_short(r.slurm_signal)}@{r.signal_lead_s}")
     out.append("--requeue" if r.requeue else "--no-requeue")
     if spec.array:
-        out.append(f"--array=0-{len(spec.array) - 1}")
+        cap = f"%{spec.array_max_concurrent}" if spec.array_max_concurrent else ""
+        out.append(f"--array=0-{len(spec.array) - 1}{cap}")
     for extra in s.extra_sbatch:
         if "\n" in extra or "\r" in extra:
             raise UserError(f"slurm.extra_sbatch entry {extra!r} contains a line break")
@@ -182,8 +187,9 @@ def srun_options(spec: JobSpec) -> list[str]:
         out.append(f"--container-image={s.container_image}")
         if s.container_mounts:
             out.append("--container-mounts=" + ",".join(s.container_mounts))
-        if s.container_workdir:
-            out.append(f"--container-workdir={s.container_workdir}")
+        workdir = step_workdir(spec.cfg, spec.workdir)
+        if workdir:
+            out.append(f"--container-workdir={workdir}")
         if s.container_remap_root:
             out.append("--container-remap-root")
     return out
@@ -214,6 +220,7 @@ def render_script(spec: JobSpec) -> str:
         "created": datetime.now().isoformat(timespec="seconds"),
         "description": " ".join(what.split()),
         "script_path": shlex.quote(str(spec.script_path)),
+        "reproduce": submission_line(spec.script_path, spec.after or None, parsable=False),
         "sbatch_options": sbatch_options(spec),
         "attach_jobid": spec.attach_jobid,
         "slurm": s,
@@ -230,6 +237,9 @@ def render_script(spec: JobSpec) -> str:
         "python_cmd": python_command(s),
         "heartbeat_s": HEARTBEAT_S,
         "srun_options": srun_options(spec),
+        # An exclusive job nobody gave cpus_per_task: its processes share the node's CPUs (resources.py).
+        "step_cpus_at_run_time": s.exclusive and s.cpus_per_task == 0 and not spec.attach_jobid,
+        "processes_per_task": spec.tasks_per_node if spec.launcher == "torchrun" else 1,
         "gpu_monitor": s.gpus_per_node > 0 and spec.cfg.metrics.gpu_monitor_interval_s > 0,
         "gpu_monitor_interval": spec.cfg.metrics.gpu_monitor_interval_s,
         "map_env": spec.launcher != "torchrun",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -12,14 +14,35 @@ from typing import Any
 from relaytrain.errors import UserError
 
 JOBS_FILE = "jobs.jsonl"
+_JOB_IDS = re.compile(r"[0-9]+(?:_[0-9]+)?(?::[0-9]+(?:_[0-9]+)?)*")  # 1234, 1234_5, 1234:1240
+# A chain's dry run: the job id of an earlier stage, which only its submission will tell.
+STAGE_VARIABLE = re.compile(r"\$stage[0-9]+")
 
 
-def sbatch_command(script: Path, after: str | None = None) -> list[str]:
-    cmd = ["sbatch", "--parsable"]
+def check_after(after: str) -> None:
+    if not (_JOB_IDS.fullmatch(after) or STAGE_VARIABLE.fullmatch(after)):
+        raise UserError(f"--after {after!r} is not a Slurm job id; pass one like --after 1234 (or 1234:1240)")
+
+
+def sbatch_command(script: Path, after: str | None = None, parsable: bool = True) -> list[str]:
+    cmd = ["sbatch", "--parsable"] if parsable else ["sbatch"]
     if after:
+        check_after(after)
         # A failed prerequisite cancels the dependant instead of leaving it pending forever.
         cmd += [f"--dependency=afterok:{after}", "--kill-on-invalid-dep=yes"]
     return cmd + [str(script)]
+
+
+def submission_line(script: Path, after: str | None = None, parsable: bool = True, variable: str = "") -> str:
+    """The sbatch command as a shell line; `variable`: assign the job id it prints to this shell variable
+    (`stage1=$(sbatch --parsable --dependency=afterok:"$stage0" ...)`, how a chain's dry run shows it)."""
+    placeholder = bool(after and STAGE_VARIABLE.fullmatch(after))
+    words = [
+        f'"{word}"' if placeholder and word.endswith(str(after)) else shlex.quote(word)
+        for word in sbatch_command(script, after, parsable)
+    ]
+    line = " ".join(words)
+    return f"{variable}=$({line})" if variable else line
 
 
 def submit(script: Path, after: str | None = None) -> str:
