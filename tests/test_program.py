@@ -154,6 +154,9 @@ def test_command_default_sends_no_signal_and_trainer_default_is_unchanged(work):
     assert 'relaytrain.program after-step "$step_rc"' in text
     trainer = dry("7b", slurm={"nodes": 1})
     assert "#SBATCH --signal=B:USR2@180" in trainer and "relaytrain.program" not in trainer
+    # What the job's ranks learn of it: a SIGUSR2 in a job that asked for none is not the time limit.
+    assert "export RELAYTRAIN_SLURM_SIGNAL=none" in text.splitlines()
+    assert "export RELAYTRAIN_SLURM_SIGNAL=USR2" in trainer.splitlines()
 
 
 def test_signal_flag_per_launch(work):

@@ -195,9 +195,13 @@ class ShutdownController:
             return StopReason.USER_INTERRUPT
         left = self.time_left()
         if name == self.r.slurm_signal and name != "SIGTERM":
-            if self.in_slurm and left is not None and left > self.r.signal_lead_s + TIME_LIMIT_SLACK_S:
-                # Far too early for Slurm's --signal: someone ran `scancel --signal` (`relaytrain
-                # cancel --signal`) to stop the run with a checkpoint; requeuing would restart it.
+            if not self.in_slurm:
+                return StopReason.SIGNAL  # sent by hand: no scheduler sends a time-limit signal here
+            too_early = left is not None and left > self.r.signal_lead_s + TIME_LIMIT_SLACK_S
+            if too_early or not self.job.sends_pre_timeout_signal(name):
+                # Not Slurm's --signal (far too early, or the job asked for none): someone ran
+                # `scancel --signal` (`relaytrain cancel --signal`) to stop the run with a checkpoint;
+                # requeuing would restart it.
                 return StopReason.CANCELLED
             return StopReason.TIME_LIMIT_SIGNAL
         if not self.in_slurm:
