@@ -61,9 +61,15 @@ class ParallelDims:
         return tuple(out)
 
     def describe(self) -> str:
+        """The layout in one line: degrees, world size, rank order and (once set) the batch split."""
         batch = ""
         if self.micro_batch_size:
-            batch = f", micro batch {self.micro_batch_size} x {self.grad_accum} per rank"
+            global_batch = self.micro_batch_size * self.grad_accum * self.dp
+            batch = (
+                f", micro batch {self.micro_batch_size} x {self.grad_accum} "
+                f"{'pipeline microbatches' if self.pp > 1 else 'accumulation steps'} per data-parallel "
+                f"rank = global batch {global_batch} sequences"
+            )
         return (
             f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp} "
             f"cp={self.cp} (world size {self.world_size}, rank order {','.join(self.rank_order)}{batch})"
