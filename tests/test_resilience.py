@@ -340,6 +340,23 @@ def test_handlers_are_restored(tmp_path, fake_slurm, monkeypatch):
     assert signal.getsignal(signal.SIGUSR2) == before
 
 
+def test_after_a_recorded_stop_without_a_signal_an_exiting_rank_ignores_late_stop_signals(
+    tmp_path, fake_slurm, monkeypatch
+):
+    # exit_for_requeue() with no stop agreed (the program's own exit 75): torchrun SIGTERMs the ranks
+    # still tearing down when the first exits; their 75 must not turn into -15.
+    before = signal.getsignal(signal.SIGTERM)
+    c = controller(tmp_path, monkeypatch, None)
+    c.install()
+    try:
+        assert c.finish(S.PROGRAM_EXIT, 3) == EXIT_RESUME
+        c.uninstall(exiting=True)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        c.uninstall()
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_a_start_up_signal_not_listed_gets_its_default_action_back(tmp_path, fake_slurm, monkeypatch):
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
     c = controller(tmp_path, monkeypatch, None, '--resilience.signals=["SIGUSR2", "SIGINT"]')

@@ -147,13 +147,14 @@ class ShutdownController:
     def uninstall(self, exiting: bool = False) -> None:
         """Restore the previous handlers and cancel the hard deadline.
 
-        ``exiting=True`` (the trainer, right before the process exits): after a stop request the stop
-        signals other than SIGINT are ignored from here on, and the hard deadline keeps running.
+        ``exiting=True`` (the trainer, right before the process exits): after a stop request, or once
+        a stop was recorded (``finish``: a program's own exit 75 needs no signal), the stop signals
+        other than SIGINT are ignored from here on, and the hard deadline keeps running.
         torchrun SIGTERMs the other workers as soon as one exits with a non-zero code (75), and they
         may still be tearing down; SIG_IGN (unlike a Python handler, which interpreter finalization
         resets to the default) keeps their clean 75 from turning into -15.
         """
-        if exiting and self.stop_requested:
+        if exiting and (self.stop_requested or self._recorded):
             for signum in self._previous:
                 if signum != signal.SIGINT:
                     signal.signal(signum, signal.SIG_IGN)
