@@ -61,14 +61,12 @@ class ParallelDims:
         return tuple(out)
 
     def describe(self) -> str:
-        """The layout in one line: degrees, world size, rank order and (once set) the batch split."""
         batch = ""
-        if self.micro_batch_size:
-            global_batch = self.micro_batch_size * self.grad_accum * self.dp
+        if self.micro_batch_size:  # set by validate_layout: the batch split, and the global batch it makes
+            steps = "pipeline microbatches" if self.pp > 1 else "accumulation steps"
             batch = (
-                f", micro batch {self.micro_batch_size} x {self.grad_accum} "
-                f"{'pipeline microbatches' if self.pp > 1 else 'accumulation steps'} per data-parallel "
-                f"rank = global batch {global_batch} sequences"
+                f", micro batch {self.micro_batch_size} x {self.grad_accum} {steps} per data-parallel rank "
+                f"= global batch {self.micro_batch_size * self.grad_accum * self.dp} sequences"
             )
         return (
             f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp} "
