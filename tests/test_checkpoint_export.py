@@ -11,7 +11,7 @@ import torch
 
 from relaytrain.checkpoint import load_model, read_full_state
 from relaytrain.checkpoint.export import export_checkpoint, import_hf
-from relaytrain.checkpoint.hf import parse_size, permute_from_hf, permute_to_hf
+from relaytrain.checkpoint.hf import parse_size, permute_from_hf, permute_to_hf, write_safetensors
 from relaytrain.cli import main as cli_main
 from relaytrain.errors import UserError
 
@@ -65,6 +65,19 @@ def test_hf_export_matches_transformers_logits(tmp_path, model):
     # the export itself loads back through load_model
     with torch.no_grad():
         torch.testing.assert_close(load_model(out)(tokens), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("max_shard_bytes", [1 << 30, 8])
+def test_exported_weights_get_the_mode_of_any_file_the_user_writes(tmp_path, max_shard_bytes):
+    import os
+
+    state = {"a": torch.zeros(4), "b": torch.ones(4)}
+    old = os.umask(0o022)
+    try:
+        names = write_safetensors(state, tmp_path, max_shard_bytes)  # safetensors alone leaves 0600
+    finally:
+        os.umask(old)
+    assert {oct((tmp_path / n).stat().st_mode & 0o777) for n in names} == {"0o644"}
 
 
 def test_sharded_export_with_index_and_import_round_trip(tmp_path):

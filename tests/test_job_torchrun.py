@@ -8,6 +8,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from relaytrain.resilience.codes import EXIT_RESUME
+
 WORKER = """
 import os, pathlib, signal, sys, time
 signal.signal(signal.SIGUSR2, lambda *_: sys.exit(0))  # a worker that saved and stops cleanly
@@ -53,3 +57,42 @@ def test_a_failing_worker_keeps_torchruns_error_summary(tmp_path):
     )  # fmt: skip
     assert done.returncode == 1
     assert "ChildFailedError" in done.stderr and "exitcode  : 3" in done.stderr
+
+
+def _wrapper(tmp_path, program: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    script = tmp_path / "worker.py"
+    script.write_text(program)
+    return subprocess.run(
+        [sys.executable, "-m", "relaytrain.job.torchrun", "--standalone", f"--nproc_per_node={nproc}",
+         "--max_restarts=0", str(script)],
+        capture_output=True, text=True, timeout=120, env=clean_env(),
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_every_worker_exiting_75_is_exit_75_in_one_line(tmp_path):
+    """75 is the agreed graceful stop asking to be continued (docs/programs.md): plain torchrun calls it
+    a failure (`FAILED ... exitcode: 75`, a ChildFailedError traceback) and exits 1."""
+    done = _wrapper(tmp_path, "raise SystemExit(75)\n")
+    assert done.returncode == EXIT_RESUME, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr
+    assert "FAILED" not in done.stderr and "failed (exitcode: 75)" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "relaytrain.job.torchrun" in line]
+    assert lines == [
+        "relaytrain.job.torchrun: workers (rank 0,1) exited 75: stopped with a checkpoint, to be "
+        "continued; exit code 75"
+    ], done.stderr
+
+
+@pytest.mark.slow
+def test_a_worker_that_fails_beside_a_75_keeps_torchruns_failure(tmp_path):
+    done = _wrapper(tmp_path, "import os, time\nif os.environ['RANK'] == '0': time.sleep(1)\n"
+                              "raise SystemExit(75 if os.environ['RANK'] == '0' else 3)\n")  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "ChildFailedError" in done.stderr and "exitcode  : 3" in done.stderr
+
+
+def test_the_wrappers_resume_code_is_relaytrains():
+    from relaytrain.job import torchrun
+
+    assert torchrun.EXIT_RESUME == EXIT_RESUME

@@ -177,3 +177,44 @@ def test_report_out_dir_and_missing_metrics(tmp_path):
         make_report(empty)
     with pytest.raises(UserError, match="does not exist"):
         make_report(tmp_path / "nope")
+
+
+def _write(run_dir: Path, recs: list[dict]) -> None:
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_a_run_trained_further_after_it_finished_is_no_restart(tmp_path):
+    # Finished at step 50, then run again days later with train.max_steps=100 (a local run: no job id).
+    recs = [_event("start", 0, 1000.0, None, 0)]
+    recs += [_train(step, 1000.0 + step, None, 0) for step in range(10, 51, 10)]
+    recs += [_event("finished", 50, 1051.0, None, 0), _event("resume", 50, 90000.0, None, 0)]
+    recs += [_train(step, 90000.0 + step, None, 0) for step in range(60, 101, 10)]
+    recs += [_event("finished", 100, 90101.0, None, 0)]
+    _write(tmp_path / "run", recs)
+    history = load_history(tmp_path / "run")
+    assert len(history.segments) == 2 and history.segments[1].extends_finished
+    assert history.restarts == 0 and history.lost_time() == (0.0, 0)
+    md = make_report(tmp_path / "run").read_text()
+    assert "| restarts | 0 |" in md and "| extended after finishing | 1 |" in md
+    assert "| time lost to restarts | 0m 00s (0 steps recomputed) |" in md
+    assert "50 (extended: train.max_steps raised) |" in md
+
+
+def test_report_says_which_plots_it_wrote_and_when_there_are_none(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    program_run = tmp_path / "program"  # relaytrain.program records events only
+    _write(program_run, [_event("start", 0, 1000.0, "7", 0), _event("finished", 12, 1010.0, "7", 0)])
+    args = parser.parse_args(["report", str(program_run)])
+    assert args.func(args) == 0
+    said = capsys.readouterr().out
+    assert "no plots" in said and "plots in" not in said
+    assert not list((program_run / "report").glob("*.png"))
+    trainer_run = tmp_path / "trainer"
+    write_synthetic_run(trainer_run)
+    args = parser.parse_args(["report", str(trainer_run)])
+    assert args.func(args) == 0
+    said = capsys.readouterr().out
+    written = sorted(p.name for p in (trainer_run / "report").glob("*.png"))
+    assert f"and {len(written)} plots in" in said and all(name in said for name in written)

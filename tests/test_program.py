@@ -154,6 +154,9 @@ def test_command_default_sends_no_signal_and_trainer_default_is_unchanged(work):
     assert 'relaytrain.program after-step "$step_rc"' in text
     trainer = dry("7b", slurm={"nodes": 1})
     assert "#SBATCH --signal=B:USR2@180" in trainer and "relaytrain.program" not in trainer
+    # What the job's ranks learn of it: a SIGUSR2 in a job that asked for none is not the time limit.
+    assert "export RELAYTRAIN_SLURM_SIGNAL=none" in text.splitlines()
+    assert "export RELAYTRAIN_SLURM_SIGNAL=USR2" in trainer.splitlines()
 
 
 def test_signal_flag_per_launch(work):
@@ -234,3 +237,44 @@ def test_status_takes_a_foreign_runs_last_step_from_run_state(tmp_path):
     assert last_step(tmp_path) is None
     (tmp_path / "run_state.json").write_text(json.dumps({"status": "stopped", "step": 17}))
     assert last_step(tmp_path) == 17
+
+
+# -- docs/programs.md "Under torchrun", run as written ----------------------------------------------
+
+
+def _documented_torchrun_command() -> str:
+    from test_readme import bash_blocks
+
+    (lines,) = [
+        lines for heading, lines in bash_blocks(REPO / "docs" / "programs.md") if heading == "Under torchrun"
+    ]
+    return "\n".join(lines)
+
+
+@pytest.mark.slow
+def test_the_documented_torchrun_wrapper_keeps_the_agreed_stops_exit_75(tmp_path):
+    """Plain torchrun turned the workers' agreed exit 75 into a ChildFailedError traceback and exit 1."""
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    env = child_env()
+    for key in [k for k in env if k.startswith(("SLURM_", "PET_", "TORCHELASTIC_", "RELAYTRAIN_"))]:
+        env.pop(key)
+    env |= {"OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    command = _documented_torchrun_command()
+    # A job end time inside the time budget: every rank agrees to stop at the first step, saves, exits 75.
+    stopping = env | {"RELAYTRAIN_FAKE_JOB_END_TIME": str(time.time() + 60)}
+    done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=stopping, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr[-3000:]
+    assert "relaytrain.job.torchrun: workers (rank 0,1) exited 75: stopped with a checkpoint" in done.stderr
+    state = json.loads((tmp_path / "run_state.json").read_text())
+    assert (state["status"], state["reason"], state["exit_code"]) == ("stopped", "time_budget", 75)
+    # The same command again continues from the checkpoint to the end.
+    done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "run_state.json").read_text())["status"] == "finished"
+    steps = [r["step"] for r in losses(tmp_path / "runs" / "ddp" / "out")]
+    assert steps == list(range(1, 41))

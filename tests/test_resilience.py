@@ -31,6 +31,7 @@ from relaytrain.resilience import (
     ShutdownController,
     StopReason,
     decide_requeue,
+    exit_code_for,
     finished_message,
     handle_stop,
     mark_finished,
@@ -69,6 +70,7 @@ def fake_slurm(tmp_path, monkeypatch):
         "SLURM_RESTART_COUNT",
         "SLURM_JOB_END_TIME",
         "RELAYTRAIN_FAKE_JOB_END_TIME",
+        "RELAYTRAIN_SLURM_SIGNAL",
     ):
         monkeypatch.delenv(name, raising=False)
 
@@ -282,7 +284,8 @@ def _signal_self_and_agree(c: ShutdownController, signum: int) -> StopReason:
 @pytest.mark.parametrize(
     ("signum", "slurm", "end_in_s", "expected"),
     [
-        (signal.SIGUSR2, False, None, S.TIME_LIMIT_SIGNAL),  # resilience.slurm_signal
+        (signal.SIGUSR2, False, None, S.SIGNAL),  # resilience.slurm_signal sent by hand outside Slurm
+        (signal.SIGUSR2, False, 200, S.SIGNAL),  # ... even with a (rehearsed) end time close
         (signal.SIGUSR2, True, 200, S.TIME_LIMIT_SIGNAL),  # Slurm's --signal, within lead + slack
         (signal.SIGUSR2, True, 86400, S.CANCELLED),  # scancel --signal=USR2 long before the limit
         (signal.SIGTERM, False, None, S.SIGNAL),  # kill / torchrun outside SLURM
@@ -295,6 +298,31 @@ def test_signal_classification(tmp_path, fake_slurm, monkeypatch, signum, slurm,
     overrides = ("--resilience.time_budget_margin_s=0",)
     c = controller(tmp_path, monkeypatch, end_in_s, *overrides, slurm=slurm)
     assert _signal_self_and_agree(c, signum) == expected
+
+
+@pytest.mark.parametrize(
+    ("script_signal", "expected"),
+    [
+        ("USR2", S.TIME_LIMIT_SIGNAL),  # the batch script asked Slurm for --signal=B:USR2@...
+        ("none", S.CANCELLED),  # --signal none: a SIGUSR2 near the end is still someone's scancel --signal
+        ("TERM", S.CANCELLED),
+    ],
+)
+def test_a_slurm_signal_the_job_did_not_ask_for_is_not_the_time_limit(
+    tmp_path, fake_slurm, monkeypatch, script_signal, expected
+):
+    monkeypatch.setenv("RELAYTRAIN_SLURM_SIGNAL", script_signal)
+    c = controller(tmp_path, monkeypatch, 200, "--resilience.time_budget_margin_s=0", slurm=True)
+    assert _signal_self_and_agree(c, signal.SIGUSR2) == expected
+
+
+def test_ctrl_c_stop_exits_130_not_the_requeue_code(tmp_path):
+    # 75 asks a batch script to requeue; a Ctrl-C on a laptop is the user's stop (saved, not requeued).
+    assert exit_code_for(S.USER_INTERRUPT) == 130
+    assert handle_stop(cfg_for(tmp_path), tmp_path, S.USER_INTERRUPT, 3, rank=0) == 130
+    state = json.loads((tmp_path / "run_state.json").read_text())
+    assert (state["reason"], state["exit_code"], state["requeue_requested"]) == ("user_interrupt", 130, False)
+    assert exit_code_for(S.SIGNAL) == EXIT_RESUME
 
 
 def test_handlers_are_restored(tmp_path, fake_slurm, monkeypatch):
@@ -310,6 +338,23 @@ def test_handlers_are_restored(tmp_path, fake_slurm, monkeypatch):
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN and c.deadline.triggered_at is not None
     c.uninstall()
     assert signal.getsignal(signal.SIGUSR2) == before
+
+
+def test_after_a_recorded_stop_without_a_signal_an_exiting_rank_ignores_late_stop_signals(
+    tmp_path, fake_slurm, monkeypatch
+):
+    # exit_for_requeue() with no stop agreed (the program's own exit 75): torchrun SIGTERMs the ranks
+    # still tearing down when the first exits; their 75 must not turn into -15.
+    before = signal.getsignal(signal.SIGTERM)
+    c = controller(tmp_path, monkeypatch, None)
+    c.install()
+    try:
+        assert c.finish(S.PROGRAM_EXIT, 3) == EXIT_RESUME
+        c.uninstall(exiting=True)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        c.uninstall()
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_a_start_up_signal_not_listed_gets_its_default_action_back(tmp_path, fake_slurm, monkeypatch):
@@ -389,7 +434,7 @@ def test_hang_watchdog_backstop_when_the_gil_is_held(tmp_path):
 def test_hang_watchdog_quiet_while_steps_finish(tmp_path):
     proc = run_case("beating", tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert not (tmp_path / "logs" / "hang_rank0.txt").read_text()
+    assert not (tmp_path / "logs" / "hang_rank0.txt").exists()  # no empty dump file left behind
 
 
 def test_hard_deadline_exits_when_the_save_hangs(tmp_path):

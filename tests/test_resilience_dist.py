@@ -130,7 +130,8 @@ def fake_scontrol(tmp_path) -> tuple[str, Path]:
 def test_stop_requeue_resume_bit_exact(tmp_path, fake_scontrol):
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     reference = start(ref_dir)
-    # 1. SIGUSR2 (the time-limit signal) to rank 1 only: both ranks stop at the same step, exit 75.
+    # 1. SIGUSR2 to rank 1 only: both ranks stop at the same step, exit 75 (outside Slurm the signal was
+    #    sent by hand: reason `signal`, not the time limit).
     proc = start(run_dir)
     wait_for_step(run_dir, 3, proc)
     os.kill(worker_pid(proc.pid, 1), signal.SIGUSR2)
@@ -138,7 +139,7 @@ def test_stop_requeue_resume_bit_exact(tmp_path, fake_scontrol):
     assert rc != 0 and exit_codes(out) == {"75"}, out[-3000:]
     state = marker(run_dir)
     stop_step = state["step"]
-    assert (state["status"], state["reason"], state["saved"]) == ("stopped", "time_limit_signal", True)
+    assert (state["status"], state["reason"], state["saved"]) == ("stopped", "signal", True)
     assert 3 <= stop_step < STEPS and (run_dir / "checkpoints" / f"step_{stop_step}").is_dir()
     assert max(losses(run_dir)) == stop_step
 

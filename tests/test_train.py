@@ -20,9 +20,10 @@ def test_quickstart_short_run_writes_the_run_directory(tmp_path):
     run = tmp_path / "runs" / "debug"
     assert (run / "config.toml").is_file()
     records = read_metrics(run)
-    assert [r["step"] for r in records] == [10, 12]
+    assert [r["step"] for r in records] == [1, 10, 12]  # the first step's loss too, for the loss plot
+    assert records[0]["loss"] > records[-1]["loss"]
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
-        assert key in records[0], key
+        assert key in records[1], key
     assert records[-1]["loss"] < 5.0  # from ~5.8 (uniform over the byte vocabulary)
     evals = read_metrics(run, kind="eval")
     assert [e["step"] for e in evals] == [6, 12] and evals[-1]["val_loss"] > 0
@@ -30,6 +31,9 @@ def test_quickstart_short_run_writes_the_run_directory(tmp_path):
     assert (run / "checkpoints" / "step_12").is_dir()
     assert json.loads((run / "run_state.json").read_text())["status"] == "finished"
     assert "step 10/12" in result.stdout + result.stderr  # the readable console line
+    # the layout the run actually uses, in one line at start
+    assert "parallel layout: dp_replicate=1 dp_shard=1 tp=1 pp=1 cp=1 (world size 1" in result.stdout
+    assert "global batch 16 sequences" in result.stdout
 
 
 def test_rerunning_a_finished_run_does_nothing(tmp_path, tiny_args):

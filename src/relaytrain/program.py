@@ -202,7 +202,7 @@ def exit_for_requeue(step: int | None = None, *, saved: bool = True) -> NoReturn
     stop while SLURM_RESTART_COUNT < resilience.max_requeues, a preemption); a cancel, Ctrl-C or a
     stop outside Slurm is recorded without a requeue. Called with no stop agreed, the stop is the
     program's own request to continue (``program_exit``, capped like a time-limit stop). The exit
-    code is 75 for every resumable stop.
+    code is 75 for every resumable stop, 130 after a Ctrl-C (the user's stop, not a requeue request).
     """
     controller = _controller()
     reason = controller.stop_reason if controller.stop_reason != StopReason.NONE else StopReason.PROGRAM_EXIT

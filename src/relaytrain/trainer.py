@@ -88,6 +88,8 @@ class Trainer:
         self.cfg, self.env = cfg, env
         self.run_dir = Path(cfg.run.dir) / cfg.run.name
         self.pm = parallelize(cfg, env.device, env.world_size, env.rank, env.local_world_size)
+        if env.is_main:
+            log.info("parallel layout: %s", self.pm.dims.describe())
         self.optimizers = [build_optimizer(cfg.optim, self.pm.model_parts, env.device)]
         self.loader = build_train_loader(cfg, self.pm.dp_rank, self.pm.dp_size)
         self.val_loader = (
@@ -209,7 +211,8 @@ class Trainer:
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
             self.profiler.step(step)
-            if step % cfg.metrics.log_every == 0 or step == train.max_steps:
+            # Step 1 too: the loss curve starts at the initial loss, not log_every steps into it.
+            if step % cfg.metrics.log_every == 0 or step in (1, train.max_steps):
                 elapsed = time.perf_counter() - window_start
                 self._log_train(step, loss, grad_norm, lr, window_tokens, elapsed)
                 window_start, window_tokens = time.perf_counter(), 0

@@ -9,6 +9,7 @@ below, and import applies its inverse.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -191,6 +192,15 @@ def parse_size(text: str) -> int:
     return int(number * powers[unit])
 
 
+def _save_readable(save_file, tensors: dict[str, torch.Tensor], path: Path, metadata: dict) -> None:
+    """safetensors writes through a private temporary file (mode 0600); an exported model is shared
+    like any file the user writes, so it gets the mode ``open()`` would give it (0644 under umask 022)."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
 def write_safetensors(state: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int) -> list[str]:
     """One model.safetensors, or numbered shards plus model.safetensors.index.json above the limit."""
     from safetensors.torch import save_file
@@ -206,12 +216,12 @@ def write_safetensors(state: dict[str, torch.Tensor], out_dir: Path, max_shard_b
         size += nbytes
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], str(out_dir / SAFETENSORS_SINGLE), metadata=metadata)
+        _save_readable(save_file, shards[0], out_dir / SAFETENSORS_SINGLE, metadata)
         return [SAFETENSORS_SINGLE]
     names, weight_map = [], {}
     for i, shard in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / fname), metadata=metadata)
+        _save_readable(save_file, shard, out_dir / fname, metadata)
         names.append(fname)
         weight_map |= dict.fromkeys(shard, fname)
     total = sum(t.numel() * t.element_size() for t in state.values())

@@ -26,6 +26,9 @@ from relaytrain.job.slurmctld import queried_end_time, scontrol_job_field
 log = logging.getLogger(__name__)
 
 FAKE_END_TIME_ENV = "RELAYTRAIN_FAKE_JOB_END_TIME"
+# Set by relaytrain's batch script: the signal it asked Slurm for with `--signal=B:SIG@SECONDS`
+# (`USR2`), or `none` (`--signal none`, attach mode). Absent: the job was submitted another way.
+PRE_TIMEOUT_SIGNAL_ENV = "RELAYTRAIN_SLURM_SIGNAL"
 _END_TIME_VARIABLES = (FAKE_END_TIME_ENV, "SLURM_JOB_END_TIME")
 
 
@@ -34,6 +37,14 @@ def _int(text: str | None) -> int:
         return int(text or 0)
     except ValueError:
         return 0
+
+
+def _signal_name(text: str) -> str:
+    """`USR2` and `SIGUSR2` -> `SIGUSR2`; `none` stays; empty stays empty."""
+    text = text.strip().upper()
+    if not text or text == "NONE":
+        return text.lower()
+    return text if text.startswith("SIG") else f"SIG{text}"
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,7 @@ class JobFacts:
     env_end_time: float | None = None  # RELAYTRAIN_FAKE_JOB_END_TIME, else SLURM_JOB_END_TIME
     env_end_source: str = ""  # which of the two gave env_end_time
     unreadable_end_time: str = ""  # `NAME='value'` of an end-time variable that is not unix seconds
+    pre_timeout_signal: str = ""  # RELAYTRAIN_SLURM_SIGNAL: `SIGUSR2`, `none`, or "" (not known)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> JobFacts:
@@ -75,11 +87,22 @@ class JobFacts:
             env_end_time=end,
             env_end_source=end_source,
             unreadable_end_time=unreadable,
+            pre_timeout_signal=_signal_name(environ.get(PRE_TIMEOUT_SIGNAL_ENV, "")),
         )
 
     @property
     def in_slurm(self) -> bool:
         return bool(self.job_id)
+
+    def sends_pre_timeout_signal(self, name: str) -> bool:
+        """Whether Slurm sends signal ``name`` (`SIGUSR2`) to this job before its time limit.
+
+        Never outside Slurm. In a job of relaytrain's batch script, only the signal it asked for; in a
+        job submitted another way it cannot be known, and the configured signal is assumed.
+        """
+        if not self.in_slurm:
+            return False
+        return self.pre_timeout_signal in ("", name)
 
     @property
     def requeue_id(self) -> str:

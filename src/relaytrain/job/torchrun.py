@@ -1,23 +1,51 @@
 """`python -m relaytrain.job.torchrun ARGS...`: torchrun (``torch.distributed.run``) for a Slurm job step.
 
-The same program and arguments as ``python -m torch.distributed.run``, with one difference. When a signal
-named in ``--signals-to-handle`` arrives (Slurm's pre-timeout signal, preemption's SIGTERM), torchrun
-forwards it to its workers, waits for them up to ``--shutdown-timeout``, and then raises
-``SignalException`` out of its main function: Python prints that as two chained tracebacks in the job log
-at every preemption and time limit, after the workers have saved their checkpoint and recorded the stop.
-A stop is the expected path, so here it is one line, and the exit code says which signal ended the step
-(128 + its number, as a shell reports it). Worker failures keep torchrun's own error summary.
+The same program and arguments as ``python -m torch.distributed.run``, with two differences, both about
+a stop being the expected path rather than a failure:
+
+* When a signal named in ``--signals-to-handle`` arrives (Slurm's pre-timeout signal, preemption's
+  SIGTERM), torchrun forwards it to its workers, waits for them up to ``--shutdown-timeout``, and then
+  raises ``SignalException`` out of its main function: Python prints that as two chained tracebacks in
+  the job log at every preemption and time limit, after the workers have saved their checkpoint and
+  recorded the stop. Here it is one line, and the exit code says which signal ended the step (128 + its
+  number, as a shell reports it).
+* When every worker that did not finish exited 75 (EX_TEMPFAIL: stopped with a checkpoint, asking to be
+  continued, docs/programs.md), torchrun calls that a failure: it logs ``failed (exitcode: 75)``, prints
+  a ``ChildFailedError`` traceback with a FAILED summary, and exits 1, so a batch script can no longer
+  tell the agreed stop from a crash. Here it is one line and exit code 75.
+
+Any other worker failure keeps torchrun's own error summary and exit code.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
+
+EXIT_RESUME = 75  # relaytrain.resilience.codes.EXIT_RESUME (job/ is below resilience/: not imported)
+# torchrun's agent logs each failed worker here, before it knows whether all of them asked to resume.
+_AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _HideResumeExits(logging.Filter):
+    """Drop the agent's `failed (exitcode: 75) local_rank: ...` line; other failures keep theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        about_exit = isinstance(record.msg, str) and record.msg.startswith("failed (exitcode")
+        return not (about_exit and isinstance(record.args, tuple) and record.args[:1] == (EXIT_RESUME,))
+
+
+def _all_resume(exc: ChildFailedError) -> bool:
+    return bool(exc.failures) and all(f.exitcode == EXIT_RESUME for f in exc.failures.values())
 
 
 def main(argv: list[str] | None = None) -> int:
+    hide = _HideResumeExits()
+    logging.getLogger(_AGENT_LOGGER).addFilter(hide)
     try:
         torchrun_main(sys.argv[1:] if argv is None else argv)
     except SignalException as exc:
@@ -29,6 +57,19 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         return code
+    except ChildFailedError as exc:
+        if not _all_resume(exc):
+            raise
+        ranks = ",".join(str(rank) for rank in sorted(exc.failures))
+        print(
+            f"relaytrain.job.torchrun: workers (rank {ranks}) exited {EXIT_RESUME}: stopped with a "
+            f"checkpoint, to be continued; exit code {EXIT_RESUME}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_RESUME
+    finally:
+        logging.getLogger(_AGENT_LOGGER).removeFilter(hide)
     return 0
 
 

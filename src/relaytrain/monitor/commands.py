@@ -7,10 +7,10 @@ from pathlib import Path
 
 
 def report_command(args: argparse.Namespace) -> int:
-    from relaytrain.monitor.report import make_report  # matplotlib only when the command runs
+    from relaytrain.monitor.report import write_report, written_line  # matplotlib only when it runs
 
-    report = make_report(Path(args.run_dir), Path(args.out) if args.out else None)
-    print(f"wrote {report} and its plots in {report.parent}")
+    report, images = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    print(written_line(report, images))
     return 0
 
 

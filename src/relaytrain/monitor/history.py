@@ -28,6 +28,9 @@ class Segment:
     job_id: str | None
     restart: int
     records: list[dict[str, Any]] = field(default_factory=list)
+    # The previous segment ended with `finished` and this one trains on (train.max_steps raised): a
+    # continuation the user asked for, not a restart, so no time or steps are lost to it.
+    extends_finished: bool = False
 
     @property
     def start_time(self) -> float:
@@ -70,10 +73,18 @@ class Segment:
         )
 
     @property
+    def finished(self) -> bool:
+        """The segment's last event is `finished`: the run reached train.max_steps here."""
+        events = [r for r in self.records if r["kind"] == "event"]
+        return bool(events) and events[-1].get("event") == "finished"
+
+    @property
     def label(self) -> str:
         if self.job_id is not None:
             return f"job {self.job_id}" + (f" (requeue {self.restart})" if self.restart else "")
-        return "local run" if self.index == 0 else f"local resume {self.index}"
+        if self.index == 0:
+            return "local run"
+        return f"local {'extension' if self.extends_finished else 'resume'} {self.index}"
 
 
 @dataclass
@@ -90,6 +101,11 @@ class History:
     def start_time(self) -> float:
         return self.segments[0].start_time
 
+    @property
+    def restarts(self) -> int:
+        """Segments after the first that resumed an unfinished run (an extension is not a restart)."""
+        return sum(1 for seg in self.segments[1:] if not seg.extends_finished)
+
     def lost_time(self) -> tuple[float, int]:
         """(seconds, steps) lost to restarts.
 
@@ -101,6 +117,8 @@ class History:
         lost_s, lost_steps = 0.0, 0
         frontier_step, frontier_time, frontier_seg = None, 0.0, -1
         for seg in self.segments:
+            if seg.extends_finished:
+                frontier_seg = seg.index  # picks up where the finished run ended: nothing lost
             resume = seg.resume_step()
             if frontier_step is not None and resume is not None and seg.index != frontier_seg:
                 lost_steps += max(frontier_step - resume, 0)
@@ -147,7 +165,8 @@ def build_history(records: list[dict[str, Any]], skipped_lines: int = 0) -> Hist
         starts = rec["kind"] == "event" and rec.get("event") in START_EVENTS
         current = segments[-1] if segments else None
         if current is None or (current.job_id, current.restart) != key or (starts and current.records):
-            current = Segment(len(segments), key[0], key[1])
+            extends = current is not None and current.finished
+            current = Segment(len(segments), key[0], key[1], extends_finished=extends)
             segments.append(current)
         current.records.append(rec)
     latest: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "eval": {}}

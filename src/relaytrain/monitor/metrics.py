@@ -4,7 +4,8 @@ Record schema (metrics.jsonl, one object per line; docs/monitoring.md has the fu
 
 - every record: ``kind`` ("train" | "eval" | "event"), ``step``, ``time`` (unix seconds),
   ``job_id`` (SLURM_JOB_ID or null), ``restart`` (SLURM_RESTART_COUNT or 0)
-- train: ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``tokens_per_s_per_device``, ``mfu``,
+- train: ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``tokens_per_s_per_device``, ``mfu``
+  (and ``mfu_estimate: true`` when the peak was measured on this CPU rather than taken from a table),
   memory (``mem_*_gib``), step time split (``time_<section>_s``, ``time_step_s``) and whatever
   else the trainer passed
 - eval: ``val_loss``, ``val_ppl``
@@ -26,7 +27,7 @@ import torch
 from relaytrain.config.schema import MetricsConfig
 from relaytrain.job import JobFacts
 from relaytrain.monitor.memory import memory_stats
-from relaytrain.monitor.mfu import cpu_capability, mfu, peak_flops_per_device, throughput
+from relaytrain.monitor.mfu import cpu_capability, mfu, peak_flops_per_device, raise_cpu_peak, throughput
 from relaytrain.monitor.sinks import ConsoleSink, JsonlSink, TensorBoardSink, WandbSink
 
 log = logging.getLogger("relaytrain")
@@ -131,14 +132,14 @@ class MetricsLogger:
         self.world_size = world_size
         self._sinks: list[Any] = []
         self._console: ConsoleSink | None = None
-        self.peak_flops, self.peak_source = 0.0, ""
+        self.peak_flops, self.peak_source, self.peak_estimate = 0.0, "", False
         self.flops_per_token = 0.0
         self._mfu_warned = False
         if not is_main:
             return
         self.flops_per_token = float(flops_per_token)
         peak = peak_flops_per_device(self.device, mcfg.peak_flops)
-        self.peak_flops, self.peak_source = peak.flops, peak.source
+        self.peak_flops, self.peak_source, self.peak_estimate = peak.flops, peak.source, peak.estimate
         log.info(
             "device %s (CPU capability %s, %d threads): peak %.4g GFLOP/s per device: %s",
             self.device,
@@ -180,11 +181,25 @@ class MetricsLogger:
         if seconds and tokens is not None:
             out["tokens_per_s"], out["tokens_per_s_per_device"] = throughput(tokens, seconds, self.world_size)
             out["mfu"] = mfu(out["tokens_per_s_per_device"], self.flops_per_token, self.peak_flops)
+            if self.peak_estimate:
+                out["mfu_estimate"] = True
+                if out["mfu"] > 1.0:  # the CPU peak was measured under load: what ran is the better figure
+                    achieved = out["tokens_per_s_per_device"] * self.flops_per_token
+                    peak = raise_cpu_peak(achieved)
+                    log.info(
+                        "this window ran at %.4g GFLOP/s, above the CPU peak of %.4g measured under "
+                        "load: the peak is now %s",
+                        achieved / 1e9,
+                        self.peak_flops / 1e9,
+                        peak.source,
+                    )
+                    self.peak_flops, self.peak_source = peak.flops, peak.source
+                    out["mfu"] = 1.0
             if out["mfu"] > 1.0 and not self._mfu_warned:
                 self._mfu_warned = True
                 log.warning(
-                    "MFU %.0f%% is above 100%%: the peak of %.4g GFLOP/s is too low (%s); delete that "
-                    "cache to measure again on an idle machine, or set metrics.peak_flops",
+                    "MFU %.0f%% is above 100%%: the peak of %.4g GFLOP/s is too low (%s); set "
+                    "metrics.peak_flops to this device's real peak",
                     100 * out["mfu"],
                     self.peak_flops / 1e9,
                     self.peak_source,

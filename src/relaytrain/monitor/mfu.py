@@ -8,11 +8,13 @@ MFU = achieved model FLOP/s per device / peak FLOP/s per device, where
 ``relaytrain.model.flops.flops_per_token``); recomputation from activation checkpointing is not
 counted, so MFU measures useful work only. Peak FLOP/s are the vendors' dense (no sparsity)
 bf16 tensor-core figures for GPUs. On CPU no table can know the machine, so the peak is measured with
-fp32 matmuls (CPU training runs in fp32). A measurement taken in a moment of load is low and would
-inflate every MFU of the run, so the peak is the best rate ever measured on this machine (CPU model,
-instruction set, thread count): each run adds a half-second measurement to
-``$XDG_CACHE_HOME/relaytrain/cpu_peak.json`` (default ``~/.cache``), and the peak can only rise. An MFU
-above 100 % warns once and names the cache. Every peak carries its source, which the start log prints.
+fp32 matmuls (CPU training runs in fp32), once per machine (CPU model, instruction set, thread count),
+and kept in ``$XDG_CACHE_HOME/relaytrain/cpu_peak.json`` (default ``~/.cache``): every later run and
+every job of a requeued run divides by the same figure, so its MFU does not jump with the load of the
+moment a job started. A figure measured on a busy machine is too low; the first training window that
+beats it raises it to the rate achieved (``raise_cpu_peak``), so CPU MFU never exceeds 100 %. CPU MFU
+stays an estimate (``Peak.estimate``; train records say ``mfu_estimate``). Every peak carries its
+source, which the start log prints.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Peak:
 
     flops: float
     source: str
+    estimate: bool = False  # measured on this CPU, not a datasheet figure: MFU is only an estimate
 
 
 def lookup_gpu_peak_flops(device_name: str) -> float:
@@ -100,31 +103,58 @@ def measure_cpu_peak_flops(size: int = 1024, seconds: float = 0.5) -> float:
             return best
 
 
-def cpu_peak(seconds: float = 0.5) -> Peak:
-    """The best fp32 matmul rate ever measured on this machine: each run adds one measurement to the
-    per-machine cache, and a busy moment can never lower the peak, only fail to raise it."""
-    path = cpu_peak_cache_path()
-    key = f"{cpu_model()} | {cpu_capability()} | {torch.get_num_threads()} threads"
+def _cpu_key() -> str:
+    return f"{cpu_model()} | {cpu_capability()} | {torch.get_num_threads()} threads"
+
+
+def _read_cache(path: Path) -> dict:
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
-        cache = {}
-    cache = cache if isinstance(cache, dict) else {}
-    entry = cache.get(key) if isinstance(cache.get(key), dict) else {}
-    measured, today = measure_cpu_peak_flops(seconds=seconds), date.today().isoformat()
-    best = float(entry.get("flops", 0.0))
-    if measured > best:
-        best, entry = measured, entry | {"flops": measured, "date": today}
-    entry["samples"] = int(entry.get("samples", 0)) + 1
-    summary = f"best of {entry['samples']} measurements on this machine, {entry['date']} ({key})"
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _write_cache_entry(path: Path, key: str, entry: dict) -> str:
+    """Store ``entry`` under ``key``; returns "" or why it could not be cached."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache | {key: entry}, indent=1) + "\n")
+        tmp.write_text(json.dumps(_read_cache(path) | {key: entry}, indent=1) + "\n")
         tmp.replace(path)
     except OSError as err:
-        return Peak(best, f"{summary}, not cached: {err}")
-    return Peak(best, f"{summary}, cached in {path}")
+        return str(err)
+    return ""
+
+
+def _describe(entry: dict, key: str, path: Path) -> str:
+    how = "raised to a rate a run achieved" if entry.get("raised") else "measured"
+    return f"{how} on this machine {entry.get('date', '?')} ({key}), cached in {path}; MFU is an estimate"
+
+
+def cpu_peak(seconds: float = 0.5) -> Peak:
+    """This CPU's peak: the cached figure, else measured now and cached. Never re-measured while cached,
+    so every run and every job of a run on this machine reports MFU against the same figure."""
+    path, key = cpu_peak_cache_path(), _cpu_key()
+    entry = _read_cache(path).get(key)
+    if isinstance(entry, dict) and float(entry.get("flops", 0.0)) > 0:
+        return Peak(float(entry["flops"]), _describe(entry, key, path), estimate=True)
+    entry = {"flops": measure_cpu_peak_flops(seconds=seconds), "date": date.today().isoformat()}
+    failed = _write_cache_entry(path, key, entry)
+    source = _describe(entry, key, path) if not failed else f"measured now ({key}), not cached: {failed}"
+    return Peak(entry["flops"], source, estimate=True)
+
+
+def raise_cpu_peak(achieved_flops: float) -> Peak:
+    """A training window achieved more than the cached peak: the measurement was taken under load.
+    The achieved rate becomes this CPU's peak (cached), so MFU stays at or below 100 %."""
+    path, key = cpu_peak_cache_path(), _cpu_key()
+    entry = {"flops": float(achieved_flops), "date": date.today().isoformat(), "raised": True}
+    failed = _write_cache_entry(path, key, entry)
+    source = (
+        _describe(entry, key, path) if not failed else f"raised to an achieved rate, not cached: {failed}"
+    )
+    return Peak(entry["flops"], source, estimate=True)
 
 
 def peak_flops_per_device(device: torch.device, override: float = 0.0) -> Peak:

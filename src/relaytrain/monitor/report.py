@@ -46,7 +46,9 @@ def summarize(history: History) -> dict[str, Any]:
         "mean_tokens_per_s": _mean(history, "tokens_per_s"),
         "mean_tokens_per_s_per_device": _mean(history, "tokens_per_s_per_device"),
         "mean_mfu": mfu,
-        "restarts": len(history.segments) - 1,
+        "mfu_estimate": any(r.get("mfu_estimate") for r in history.train),
+        "restarts": history.restarts,
+        "extensions": len(history.segments) - 1 - history.restarts,
         "job_ids": job_ids,
         "lost_s": lost_s,
         "lost_steps": lost_steps,
@@ -67,8 +69,12 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
         ("best validation loss", best),
         ("mean tokens/s (all devices)", _fmt(s["mean_tokens_per_s"], ",.0f")),
         ("mean tokens/s per device", _fmt(s["mean_tokens_per_s_per_device"], ",.0f")),
-        ("mean MFU", _fmt(None if s["mean_mfu"] is None else 100 * s["mean_mfu"], ".1f", " %")),
+        (
+            "mean MFU (estimate: CPU peak measured on this machine)" if s["mfu_estimate"] else "mean MFU",
+            _fmt(None if s["mean_mfu"] is None else 100 * s["mean_mfu"], ".1f", " %"),
+        ),
         ("restarts", str(s["restarts"])),
+        *([("extended after finishing", str(s["extensions"]))] if s["extensions"] else []),
         ("SLURM job ids", ", ".join(s["job_ids"]) or "none (not run under SLURM)"),
         ("time lost to restarts", f"{_duration(s['lost_s'])} ({s['lost_steps']} steps recomputed)"),
     ]
@@ -89,6 +95,7 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
         lines.append(
             f"| {seg.index} | {seg.label} | {'' if seg.nodes is None else seg.nodes} | {first} | "
             f"{len(seg.records)} | {span} | {'' if resumed is None else resumed}"
+            f"{' (extended: train.max_steps raised)' if seg.extends_finished else ''}"
             f"{' (' + seg.resize_note + ')' if seg.resize_note else ''} |"
         )
     stops = [r for r in history.events if r.get("event") in ("stop", "finished")]
@@ -104,7 +111,9 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
         "",
         "Time lost to restarts: wall time between the last progress of one job and the next",
         "job's first new step, less that step's own compute time (queueing, startup, checkpoint",
-        "load, recomputed steps). Later records of a repeated step replace earlier ones.",
+        "load, recomputed steps). A run trained further after it finished (train.max_steps raised)",
+        "is an extension: neither a restart nor lost time. Later records of a repeated step",
+        "replace earlier ones.",
         "",
     ]
     if history.skipped_lines:
@@ -119,6 +128,22 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
 
 def make_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     """Write the plots and ``report.md`` to ``out_dir`` (default ``<run_dir>/report``)."""
+    return write_report(run_dir, out_dir)[0]
+
+
+def written_line(report: Path, images: list[Path]) -> str:
+    """What `relaytrain report` tells the user it wrote: the plots by name, or that there are none."""
+    if not images:
+        return (
+            f"wrote {report}; no plots: the run logged no training metrics (a relaytrain.program run "
+            f"records only its start, stop and finish events)"
+        )
+    names = ", ".join(p.name for p in images)
+    return f"wrote {report} and {len(images)} plots in {report.parent}: {names}"
+
+
+def write_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list[Path]]:
+    """Write the plots and ``report.md``; return report.md's path and the plots written."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist")
@@ -130,4 +155,4 @@ def make_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     images = plot_all(history, gpus, name, out_dir) if history.train or gpus else []
     report = out_dir / "report.md"
     report.write_text(render_markdown(name, history, summarize(history), images), encoding="utf-8")
-    return report
+    return report, images

@@ -62,8 +62,12 @@ class ParallelDims:
 
     def describe(self) -> str:
         batch = ""
-        if self.micro_batch_size:
-            batch = f", micro batch {self.micro_batch_size} x {self.grad_accum} per rank"
+        if self.micro_batch_size:  # set by validate_layout: the batch split, and the global batch it makes
+            steps = "pipeline microbatches" if self.pp > 1 else "accumulation steps"
+            batch = (
+                f", micro batch {self.micro_batch_size} x {self.grad_accum} {steps} per data-parallel rank "
+                f"= global batch {self.micro_batch_size * self.grad_accum * self.dp} sequences"
+            )
         return (
             f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp} "
             f"cp={self.cp} (world size {self.world_size}, rank order {','.join(self.rank_order)}{batch})"

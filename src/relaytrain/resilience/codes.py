@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import enum
 
-EXIT_RESUME = 75  # EX_TEMPFAIL: stopped with a checkpoint, to be resumed (signal, time budget, Ctrl-C)
+EXIT_RESUME = 75  # EX_TEMPFAIL: stopped with a checkpoint, to be resumed (signal, time budget)
+# Ctrl-C: stopped with a checkpoint because the user asked; 128 + SIGINT as a shell reports an
+# interrupted command, not 75, which asks a batch script for a requeue.
+EXIT_INTERRUPTED = 130
 EXIT_HANG = 86  # the hang watchdog fired: no step finished within resilience.hang_timeout_s
 EXIT_DEADLINE = 87  # the hard deadline passed after a stop request (the emergency save hung)
 EXIT_NONFINITE = 88  # NaN/Inf loss or grad norm and the NaN policy said stop

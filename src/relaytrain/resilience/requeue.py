@@ -18,6 +18,7 @@ from relaytrain.config.schema import Config
 from relaytrain.job import JobFacts
 from relaytrain.resilience.codes import (
     EXIT_HANG,
+    EXIT_INTERRUPTED,
     EXIT_NONFINITE,
     EXIT_RESUME,
     FAILURE_REASONS,
@@ -57,6 +58,8 @@ def exit_code_for(reason: StopReason) -> int:
         return EXIT_HANG
     if reason == StopReason.ERROR:
         return 1
+    if reason == StopReason.USER_INTERRUPT:
+        return EXIT_INTERRUPTED
     return EXIT_RESUME
 
 

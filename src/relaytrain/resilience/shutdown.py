@@ -147,13 +147,14 @@ class ShutdownController:
     def uninstall(self, exiting: bool = False) -> None:
         """Restore the previous handlers and cancel the hard deadline.
 
-        ``exiting=True`` (the trainer, right before the process exits): after a stop request the stop
-        signals other than SIGINT are ignored from here on, and the hard deadline keeps running.
+        ``exiting=True`` (the trainer, right before the process exits): after a stop request, or once
+        a stop was recorded (``finish``: a program's own exit 75 needs no signal), the stop signals
+        other than SIGINT are ignored from here on, and the hard deadline keeps running.
         torchrun SIGTERMs the other workers as soon as one exits with a non-zero code (75), and they
         may still be tearing down; SIG_IGN (unlike a Python handler, which interpreter finalization
         resets to the default) keeps their clean 75 from turning into -15.
         """
-        if exiting and self.stop_requested:
+        if exiting and (self.stop_requested or self._recorded):
             for signum in self._previous:
                 if signum != signal.SIGINT:
                     signal.signal(signum, signal.SIG_IGN)
@@ -195,9 +196,13 @@ class ShutdownController:
             return StopReason.USER_INTERRUPT
         left = self.time_left()
         if name == self.r.slurm_signal and name != "SIGTERM":
-            if self.in_slurm and left is not None and left > self.r.signal_lead_s + TIME_LIMIT_SLACK_S:
-                # Far too early for Slurm's --signal: someone ran `scancel --signal` (`relaytrain
-                # cancel --signal`) to stop the run with a checkpoint; requeuing would restart it.
+            if not self.in_slurm:
+                return StopReason.SIGNAL  # sent by hand: no scheduler sends a time-limit signal here
+            too_early = left is not None and left > self.r.signal_lead_s + TIME_LIMIT_SLACK_S
+            if too_early or not self.job.sends_pre_timeout_signal(name):
+                # Not Slurm's --signal (far too early, or the job asked for none): someone ran
+                # `scancel --signal` (`relaytrain cancel --signal`) to stop the run with a checkpoint;
+                # requeuing would restart it.
                 return StopReason.CANCELLED
             return StopReason.TIME_LIMIT_SIGNAL
         if not self.in_slurm:

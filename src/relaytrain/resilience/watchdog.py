@@ -7,6 +7,7 @@ and to a file under ``<run_dir>/logs``, tagged with rank and step, then ``os._ex
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import logging
@@ -118,6 +119,10 @@ class HangWatchdog:
         if self._backstop_file is not None:
             self._backstop_file.close()
             self._backstop_file = None
+            # faulthandler needs the file open in advance; one that never got a dump is no report.
+            with contextlib.suppress(OSError):
+                if self.path.stat().st_size == 0:
+                    self.path.unlink()
 
     def _arm_backstop(self) -> None:
         # Re-arming starts a C thread, so not on every (maybe 10 ms) step: at most every backstop_s / 2,
