@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from relaytrain.errors import UserError
+from relaytrain.slurm.client import run_slurm
 
 JOBS_FILE = "jobs.jsonl"
 
@@ -28,7 +28,7 @@ def submit(script: Path, after: str | None = None) -> str:
         raise UserError(
             "sbatch not found: run on a Slurm login node, or use --dry-run to only write the script"
         )
-    result = subprocess.run(sbatch_command(script, after), capture_output=True, text=True)
+    result = run_slurm(sbatch_command(script, after), timeout=None)
     if result.returncode != 0:
         message = (result.stderr or result.stdout).strip().splitlines()
         raise UserError(
