@@ -1,4 +1,4 @@
-"""status, cancel and doctor where Slurm is not installed or not configured; `status RUN` from the run's files.
+"""status, cancel and doctor where Slurm is not installed or not configured; `status RUN` from its files.
 
 "Not installed" is a PATH without Slurm's commands; "not configured" is the real client with a
 configuration it cannot use. Nothing here imitates Slurm's answers.
@@ -65,9 +65,8 @@ def test_doctor_fails_without_slurm(no_slurm, capsys):
 
 def test_status_of_a_run_reads_its_directory_without_slurm(no_slurm, capsys):
     run = no_slurm / "runs" / "debug"
-    RunStateFile(run).write(
-        "failed", "error", 7, message="RuntimeError('boom')", checkpoint_error="step_5 is damaged: bad checksum"
-    )
+    damage = "step_5 is damaged: bad checksum"
+    RunStateFile(run).write("failed", "error", 7, message="RuntimeError('boom')", checkpoint_error=damage)
     (run / "metrics.jsonl").write_text(json.dumps({"step": 6, "time": 1.0, "loss": 2.0}) + "\n")
     for target in ("debug", str(run), "runs/debug"):
         assert main(["status", target]) == 0, target

@@ -283,10 +283,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from relaytrain.config import load_config
-    from relaytrain.slurm.doctor import run_checks
 
     config, overrides = _config_and_overrides(args)
     cfg = load_config(config, overrides) if config else None
+    from relaytrain.slurm.doctor import run_checks  # imports torch (the CPU capability)
+
     checks = run_checks(cfg, args.partition or "", args.account or "")
     table = Table(title="relaytrain doctor", show_header=True)
     for column in ("check", "result", "detail"):

@@ -38,7 +38,7 @@ from relaytrain.config import Config, SlurmConfig
 from relaytrain.config.domains import slurm_time_seconds
 from relaytrain.errors import UserError
 from relaytrain.model import count_parameters
-from relaytrain.model.transformer import ffn_hidden_dim
+from relaytrain.model.flops import ffn_hidden_dim
 from relaytrain.slurm.partition import host_memory
 
 GIB = 1024**3
