@@ -110,7 +110,8 @@ def test_in_a_slurm_job_a_world_no_layout_fits_is_recorded_and_not_requeued(tmp_
     from relaytrain.resilience.crash import classify
 
     job = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}
-    proc = run_cli(["train", *tiny_args, *STEPS, "--run.name=nofit", "--parallel.dp_shard=2"], tmp_path, **job)
+    args = ["train", *tiny_args, *STEPS, "--run.name=nofit", "--parallel.dp_shard=2"]
+    proc = run_cli(args, tmp_path, **job)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "no valid layout for 1 rank(s) on 1 node(s)" in proc.stderr
     assert "Traceback" not in proc.stderr
