@@ -85,3 +85,21 @@ def test_status_of_a_launched_run_without_slurm_still_shows_the_run(no_slurm, ca
     assert main(["status", "big"]) == 0
     out = capsys.readouterr().out
     assert "stopped (time_limit)" in out and "its Slurm jobs: unknown (scontrol not found" in out
+
+
+@pytest.mark.slurm
+def test_with_slurm_present_the_same_commands_answer(slurm_cluster, tmp_path, monkeypatch, capsys):
+    """Slurm's ordinary refusals (an unknown job) are answers, not "Slurm cannot be asked"."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["status", "--all"]) == 0
+    capsys.readouterr()
+    assert main(["status", "999999"]) == 2
+    assert "no job or run '999999' found" in _one_error_line(capsys)
+    run = tmp_path / "runs" / "done"
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "jobs.jsonl").write_text(json.dumps({"job_id": "999999", "run_dir": str(run)}) + "\n")
+    RunStateFile(run).write("finished", "max_steps", 4)
+    assert main(["status", "done"]) == 0
+    out = capsys.readouterr().out
+    assert "finished (max_steps)" in out and "999999" in out and "UNKNOWN" in out
+    assert main(["doctor"]) == 0, capsys.readouterr().out
