@@ -20,7 +20,8 @@ One TOML file, ten sections. `relaytrain train CONFIG --section.key=value ...` o
 (values are TOML literals: `--optim.betas=[0.9,0.95]`, `--parallel.compile=true`; bare words are
 strings). The embedded default is `configs/debug.toml`. Unknown keys, wrong types and impossible
 combinations are refused before any work starts, with one line that names the key, the value and
-what is allowed.
+what is allowed; `train`, `plan`, `launch`, `sweep`, `chain` and `doctor` check the config before they
+import torch, so a mistake is reported in a fraction of a second.
 
 Every key's allowed values are checked against the "allowed" column below. Besides that, every float
 must be finite (no `nan`, `inf`) and every string printable UTF-8 (no NUL, line breaks or other
