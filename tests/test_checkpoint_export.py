@@ -168,3 +168,18 @@ def test_export_errors_are_user_errors(tmp_path, capsys):
     (tmp_path / "hfdir/model.safetensors").write_bytes(b"")
     assert cli_main(["import-hf", str(tmp_path / "hfdir"), "--out", str(tmp_path / "y")]) == 2
     assert "only 'llama'" in capsys.readouterr().err
+
+
+def test_export_and_import_say_where_they_wrote_once(tmp_path):
+    from conftest import run_cli
+
+    run = trained_checkpoint(tmp_path)
+    proc = run_cli(["export", str(run), "--format", "torch", "--out", str(tmp_path / "m.pt")], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (proc.stdout + proc.stderr).count("exported") == 1, proc.stdout + proc.stderr
+    proc = run_cli(["export", str(run), "--out", str(tmp_path / "hf")], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (proc.stdout + proc.stderr).count("exported") == 1, proc.stdout + proc.stderr
+    proc = run_cli(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (proc.stdout + proc.stderr).count("imported") == 1, proc.stdout + proc.stderr

@@ -96,8 +96,22 @@ def test_unchanged_layout_logs_no_resize(tmp_path, tiny_args):
     assert events(run, "resize") == []
 
 
-def test_a_world_no_layout_fits_fails_with_the_reason_and_no_requeue(tmp_path, tiny_args):
-    proc = run_cli(["train", *tiny_args, *STEPS, "--run.name=nofit", "--parallel.dp_shard=2"], tmp_path)
+def test_a_world_no_layout_fits_is_one_line_before_the_run_starts(tmp_path, tiny_args):
+    for layout in ("--parallel.dp_shard=2", "--parallel.tp=2"):
+        proc = run_cli(["train", *tiny_args, *STEPS, "--run.name=nofit", layout], tmp_path)
+        assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+        (line,) = (proc.stdout + proc.stderr).strip().splitlines()  # no "run failed ... exit code 1"
+        assert line.startswith("relaytrain: error: no valid layout for 1 rank(s) on 1 node(s)")
+        assert not (tmp_path / "runs" / "nofit").exists()
+
+
+def test_in_a_slurm_job_a_world_no_layout_fits_is_recorded_and_not_requeued(tmp_path, tiny_args):
+    from relaytrain.job import JobFacts
+    from relaytrain.resilience.crash import classify
+
+    job = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}
+    args = ["train", *tiny_args, *STEPS, "--run.name=nofit", "--parallel.dp_shard=2"]
+    proc = run_cli(args, tmp_path, **job)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "no valid layout for 1 rank(s) on 1 node(s)" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -105,6 +119,8 @@ def test_a_world_no_layout_fits_fails_with_the_reason_and_no_requeue(tmp_path, t
     assert state["status"] == "failed" and state["reason"] == "error"
     assert "no valid layout" in state["message"]
     assert state["requeue_pending"] is False and state["requeue_requested"] is False
+    # torchrun exits 1 whatever its worker returned: the crash check must still not retry it
+    assert classify(state, JobFacts.from_env(job), 1)[0] is False
 
 
 def _record(kind: str, step: int, restart: int, t: float, **fields) -> str:

@@ -63,10 +63,12 @@ def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 def cmd_train(args: argparse.Namespace) -> int:
     capture_early_signals()  # main(argv) called from Python: before importing torch (idempotent)
     from relaytrain.config import load_config
-    from relaytrain.trainer import train
 
     config, overrides = split_config_args(args)
-    return train(load_config(config, overrides))
+    cfg = load_config(config, overrides)  # a config mistake is reported before torch is imported (seconds)
+    from relaytrain.trainer import train
+
+    return train(cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:

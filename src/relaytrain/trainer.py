@@ -21,6 +21,7 @@ from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord
 from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.data import build_train_loader, build_val_loader
 from relaytrain.errors import UserError
+from relaytrain.job import JobFacts
 from relaytrain.model import flops_per_token
 from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer
 from relaytrain.monitor.logs import setup_logging
@@ -296,21 +297,32 @@ class Trainer:
             self.metrics.log_eval(step, {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
 
 
-def check_world(cfg: Config, env: DistEnv, run_dir: Path) -> None:
-    """Refuse a world no layout fits (e.g. a requeue on fewer nodes than the global batch divides by):
-    run_state.json says failed with the reason, so the job ends instead of requeueing into the same error."""
+def check_world(cfg: Config, env: DistEnv, run_dir: Path | None) -> None:
+    """Refuse a world no layout fits (e.g. `--parallel.tp=2` on one process, a requeue on fewer nodes than
+    the global batch divides by). In a Slurm job (`run_dir` given) run_state.json says failed with the
+    reason, as an error the user must fix, so the job ends instead of requeueing into the same error."""
     try:
         validate_layout(cfg, env.world_size, env.local_world_size, env.device.type)
     except UserError as exc:
         message = f"no valid layout for {env.world_size} rank(s) on {env.num_nodes} node(s): {exc}"
-        step = int((RunStateFile(run_dir).read() or {}).get("step", 0))
-        handle_stop(cfg, run_dir, StopReason.ERROR, step, env.rank, saved=False, message=message)
+        if run_dir is not None:
+            step = int((RunStateFile(run_dir).read() or {}).get("step", 0))
+            recorded = repr(UserError(message))  # read by resilience/crash.py: not a crash to retry
+            handle_stop(cfg, run_dir, StopReason.ERROR, step, env.rank, saved=False, message=recorded)
         raise UserError(message) from None
 
 
 def train(cfg: Config) -> int:
     """Run (or continue) the configured training job; returns the process exit code."""
     env = init_distributed(cfg)
+    if not JobFacts.from_env().in_slurm:
+        # No batch shell reads run_state.json: an impossible layout is a usage error like a config
+        # mistake, one line and exit 2 before the run directory is touched.
+        try:
+            check_world(cfg, env, None)
+        except UserError:
+            shutdown_distributed()
+            raise
     run_dir = prepare_run_dir(cfg, env.is_main)
     try:
         setup_logging(run_dir, env.rank, env.local_rank, env.node, cfg.metrics.rank_logs)

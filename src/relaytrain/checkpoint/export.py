@@ -17,7 +17,6 @@ from relaytrain.checkpoint import hf
 from relaytrain.checkpoint.sources import TORCH_EXPORT_NAME, TORCH_FORMAT, read_full_state
 from relaytrain.config import config_to_toml
 from relaytrain.config.loader import config_from_dict
-from relaytrain.config.schema import ModelConfig
 from relaytrain.errors import UserError
 from relaytrain.version import __version__
 
@@ -115,8 +114,7 @@ def export_checkpoint(
         tmp.replace(target)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, target.parent / L.TOKENIZER)
-        log.info("exported %s -> %s", info["path"], target)
-        return target
+        return target  # the caller says where it went (relaytrain export prints one line)
     if fmt != "hf":
         raise UserError(f"export format {fmt!r} is unknown; use 'hf' or 'torch'")
     _fresh_dir(out)
@@ -152,7 +150,6 @@ def export_checkpoint(
         "`relaytrain.load_model(this dir)`.\n\n"
         f"Weights: {', '.join(files)} ({str(out_dtype).removeprefix('torch.')}).\n\n{tokenizer_note}\n"
     )
-    log.info("exported %s -> %s (%s)", info["path"], out, ", ".join(files))
     return out
 
 
@@ -196,10 +193,4 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
     L.write_durable(out / L.METADATA, json.dumps(meta, indent=1).encode())
     L.write_durable(out / L.CONFIG, config_to_toml(cfg).encode())
     L.write_complete(out)
-    log.info("imported %s -> %s (%s)", hf_dir, out, _describe(model_cfg))
     return out
-
-
-def _describe(cfg: ModelConfig) -> str:
-    heads = f"{cfg.n_heads} heads / {cfg.n_kv_heads} KV"
-    return f"dim {cfg.dim}, {cfg.n_layers} layers, {heads}, vocab {cfg.vocab_size}"

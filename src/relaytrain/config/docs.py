@@ -20,7 +20,8 @@ One TOML file, ten sections. `relaytrain train CONFIG --section.key=value ...` o
 (values are TOML literals: `--optim.betas=[0.9,0.95]`, `--parallel.compile=true`; bare words are
 strings). The embedded default is `configs/debug.toml`. Unknown keys, wrong types and impossible
 combinations are refused before any work starts, with one line that names the key, the value and
-what is allowed.
+what is allowed; `train`, `plan`, `launch`, `sweep`, `chain` and `doctor` check the config before they
+import torch, so a mistake is reported in a fraction of a second.
 
 Every key's allowed values are checked against the "allowed" column below. Besides that, every float
 must be finite (no `nan`, `inf`) and every string printable UTF-8 (no NUL, line breaks or other
@@ -32,6 +33,19 @@ schedule, the schedule (not the config) is fitted and one warning line says how:
 most `train.max_steps - 1` steps, so the peak LR is reached and the last step decays; with
 `schedule = "wsd"` the decay runs only the steps left after the warmup. Evaluation, checkpointing
 and logging also happen at the last step, so intervals longer than the run need no change.
+
+**Relative paths.** The keys that name something the run reads are `data.sources`, `data.tokenizer`
+(unless `"byte"`), `checkpoint.init_from`, `checkpoint.resume` (unless `"auto"` or `"none"`) and
+`slurm.profile` (when it is a path: it ends in `.toml` or has a `/`; a bare name is looked up in
+`configs/clusters/`). In a config file their relative paths are relative to the directory of that
+file, so a config works from any directory; given on the command line (`--data.sources='["data/x"]'`)
+they are relative to the current directory. Either way they are made absolute when the config is
+loaded, so the config a run saves, and the one a launched job trains from, name the same files
+wherever they are read. Everything else stays as written and is relative to the current directory:
+what the run writes (`run.dir`, `checkpoint.dir`: `relaytrain train configs/debug.toml` run from the
+repository writes `./runs/debug`) and what the job's shell reads (`slurm.venv`, `slurm.uv_project`,
+`slurm.setup`, `slurm.container_*`, in the directory the job was launched from). The embedded default
+has no input paths (it trains on the bundled corpus).
 
 This page is generated from `src/relaytrain/config/schema.py` by `python -m relaytrain.config.docs`.
 """

@@ -104,6 +104,46 @@ def _apply(cfg: Config, data: dict[str, Any], source: str) -> None:
             setattr(section, key, _coerce(full, value, fields[key]))
 
 
+# Keys that name a file or directory the run reads, each with the words that are not paths. They are
+# made absolute at load: in a config file against that file's directory (a config travels with its data
+# and tokenizer), on the command line (overrides, a command's flags) against the current directory. So
+# a saved config (the run's, the one a launched job trains from) means the same wherever it is loaded.
+# Outputs (run.dir, checkpoint.dir) and what the job's shell reads (slurm.venv, slurm.setup, ...) stay
+# as written: relative to the current directory of the command or the job.
+INPUT_PATHS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("data", "sources"): (),
+    ("data", "tokenizer"): ("byte",),
+    ("checkpoint", "init_from"): (),
+    ("checkpoint", "resume"): ("auto", "none"),
+    ("slurm", "profile"): (),  # only a path (`*.toml` or with a `/`); a bare name is a profile name
+}
+
+
+def _against(base: Path, section: str, key: str, value: str) -> str:
+    if not value or value in INPUT_PATHS[(section, key)] or Path(value).expanduser().is_absolute():
+        return value
+    if (section, key) == ("slurm", "profile") and not (value.endswith(".toml") or "/" in value):
+        return value
+    return str(base / value)
+
+
+def _with_absolute_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """`data` ({section: {key: value}}) with the relative input paths joined to `base`; values of a
+    wrong type are left for the type check to name."""
+    out = dict(data)
+    for section, key in INPUT_PATHS:
+        table = data.get(section)
+        if not isinstance(table, dict) or key not in table:
+            continue
+        value = table[key]
+        if isinstance(value, str):
+            value = _against(base, section, key, value)
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = [_against(base, section, key, v) for v in value]
+        out[section] = {**out[section], key: value}
+    return out
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
@@ -112,7 +152,7 @@ def load_config(
     """Load a TOML config (None: the embedded debug default), apply overrides, then `derived` values
     ({section: {key: value}}: what a command takes from outside the config, such as the launcher's
     cluster profile and flags), then validate the whole and freeze it (schema.Section): the validated
-    config is the one every component uses, unchanged."""
+    config is the one every component uses, unchanged. Input paths come out absolute (INPUT_PATHS)."""
     from relaytrain.config.validate import validate
 
     cfg = Config()
@@ -129,13 +169,13 @@ def load_config(
             ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {shown} is not valid TOML: {exc}") from None
-        _apply(cfg, data, shown)
+        _apply(cfg, _with_absolute_paths(data, path.absolute().parent), shown)
     for text in overrides or []:
         section, key, value = parse_override(text)
         if not isinstance(value, str) and _is_text(section, key):
             value = text.split("=", 1)[1]  # `--slurm.time=30` is 30 minutes, not the integer 30
-        _apply(cfg, {section: {key: value}}, "override")
-    _apply(cfg, derived or {}, "derived setting")
+        _apply(cfg, _with_absolute_paths({section: {key: value}}, Path.cwd()), "override")
+    _apply(cfg, _with_absolute_paths(derived or {}, Path.cwd()), "derived setting")
     validate(cfg)
     return freeze(cfg)
 

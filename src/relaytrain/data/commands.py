@@ -71,5 +71,6 @@ def run_prepare_data(args: argparse.Namespace) -> int:
     print(
         f"use it with: --data.sources='[\"{out}\"]'"
         + (f" --data.tokenizer={ds.tokenizer_file}" if ds.tokenizer_file else "")
+        + f" --model.vocab_size={ds.vocab_size}"  # at least the tokenizer's; the model may have more
     )
     return 0

@@ -75,9 +75,12 @@ def resolve_sources(cfg: Config) -> list[Path]:
                 if ds.tokenizer_file is not None
                 else 'set data.tokenizer = "byte"'
             )
+            ours = repr(cfg.data.tokenizer)
+            if cfg.data.tokenizer != expected:  # a file: name the tokenizer it holds
+                ours += f" (that is {expected!r})"
             raise UserError(
-                f"{path} was prepared with tokenizer {ds.tokenizer_name!r} but data.tokenizer "
-                f"{cfg.data.tokenizer!r} is {expected!r}; {hint}, or prepare the data with the same tokenizer"
+                f"{path} was prepared with tokenizer {ds.tokenizer_name!r} but data.tokenizer is {ours}; "
+                f"{hint}, or prepare the data with the same tokenizer"
             )
         if ds.vocab_size > cfg.model.vocab_size:
             raise UserError(

@@ -1,13 +1,21 @@
-"""The Llama-style transformer, parameter and FLOP counting."""
+"""The Llama-style transformer, parameter and FLOP counting.
 
-from relaytrain.model.flops import count_parameters, flops_per_token, matmul_parameters
-from relaytrain.model.transformer import Transformer, TransformerBlock, ffn_hidden_dim
+Names are imported lazily: the counts (flops.py) need no torch, so that `relaytrain plan` and a config
+check do not pay for importing it.
+"""
 
-__all__ = [
-    "Transformer",
-    "TransformerBlock",
-    "count_parameters",
-    "ffn_hidden_dim",
-    "flops_per_token",
-    "matmul_parameters",
-]
+from __future__ import annotations
+
+from relaytrain.lazy import lazy_getattr
+
+_EXPORTS = {
+    "Transformer": "relaytrain.model.transformer",
+    "TransformerBlock": "relaytrain.model.transformer",
+    "count_parameters": "relaytrain.model.flops",
+    "ffn_hidden_dim": "relaytrain.model.flops",
+    "flops_per_token": "relaytrain.model.flops",
+    "matmul_parameters": "relaytrain.model.flops",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -14,8 +14,17 @@ forward, x3 with backward, over T keys), without discounting the causal mask.
 
 from __future__ import annotations
 
+import math
+
 from relaytrain.config.schema import ModelConfig
-from relaytrain.model.transformer import ffn_hidden_dim
+
+
+def ffn_hidden_dim(cfg: ModelConfig) -> int:
+    """Llama's rule: 2/3 of 4*dim, scaled by a multiplier, rounded up to `multiple_of`."""
+    if cfg.ffn_dim > 0:
+        return cfg.ffn_dim
+    hidden = int(cfg.ffn_dim_multiplier * int(2 * 4 * cfg.dim / 3))
+    return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
 
 
 def count_parameters(cfg: ModelConfig, include_embedding: bool = True) -> int:

@@ -16,14 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from relaytrain.config.schema import ModelConfig
-
-
-def ffn_hidden_dim(cfg: ModelConfig) -> int:
-    """Llama's rule: 2/3 of 4*dim, scaled by a multiplier, rounded up to `multiple_of`."""
-    if cfg.ffn_dim > 0:
-        return cfg.ffn_dim
-    hidden = int(cfg.ffn_dim_multiplier * int(2 * 4 * cfg.dim / 3))
-    return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
+from relaytrain.model.flops import ffn_hidden_dim
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

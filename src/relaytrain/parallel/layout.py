@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from relaytrain.config.schema import Config, ParallelConfig
 from relaytrain.errors import UserError
-from relaytrain.model.transformer import ffn_hidden_dim
+from relaytrain.model.flops import ffn_hidden_dim
 
 RANK_ORDER_NAMES = ("tp", "cp", "pp", "dp")
 DEFAULT_RANK_ORDER = "tp,cp,pp,dp"

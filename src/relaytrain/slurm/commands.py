@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -211,24 +210,43 @@ def _job_table(jobs) -> Table:
 def cmd_status(args: argparse.Namespace) -> int:
     from relaytrain.slurm import jobs
 
-    if args.target:
-        found = jobs.describe(args.target, Path(args.runs))
+    console = _console()
+    runs = Path(args.runs)
+    if not args.target:
+        found = jobs.list_queue(user_only=not args.all)  # a UserError when Slurm cannot be asked
+        for job in found:
+            run_dir = jobs.find_run_dir(job, runs)
+            if run_dir is not None:
+                job.run_dir, job.last_step = str(run_dir), jobs.last_step(run_dir)
+        console.print(_job_table(found) if found else "no pending or running jobs")
+        return 0
+    from relaytrain.slurm.client import SlurmUnavailable
+    from relaytrain.slurm.run_view import find_run, run_rows
+
+    run_dir = find_run(args.target, runs)
+    if run_dir is None:
+        try:
+            found = jobs.describe(args.target, runs)
+        except SlurmUnavailable as exc:
+            raise UserError(f"no run {args.target!r} under {args.runs}/ or at that path, and {exc}") from None
         if not found:
             raise UserError(
                 f"no job or run {args.target!r} found (squeue, scontrol, sacct and "
                 f"{args.runs}/*/slurm/jobs.jsonl know nothing of it)"
             )
-    else:
-        found = jobs.list_queue(user_only=not args.all)
-        for job in found:
-            run_dir = jobs.find_run_dir(job, Path(args.runs))
-            if run_dir is not None:
-                job.run_dir, job.last_step = str(run_dir), jobs.last_step(run_dir)
-    console = _console()
-    if not found:
-        console.print("no pending or running jobs")
+        console.print(_job_table(found))
         return 0
-    console.print(_job_table(found))
+    facts = Table(title=f"run {run_dir.name}", show_header=False)
+    facts.add_column("what")
+    facts.add_column("value", overflow="fold")
+    for name, value in run_rows(run_dir):
+        facts.add_row(name, value)
+    console.print(facts)
+    if (run_dir / "slurm").is_dir():
+        try:
+            console.print(_job_table(jobs.describe_run(run_dir)))
+        except SlurmUnavailable as exc:  # the run's own files above still answer
+            console.print(f"its Slurm jobs: unknown ({exc})")
     return 0
 
 
@@ -259,12 +277,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    from relaytrain.slurm.client import run_slurm, slurm_error
     from relaytrain.slurm.jobs import cancel_command
 
     cmd = cancel_command(args.jobid, args.signal)
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    result = run_slurm(cmd)
     if result.returncode != 0:
-        raise UserError(f"{' '.join(cmd)} failed: {(result.stderr or result.stdout).strip()}")
+        raise UserError(f"{' '.join(cmd)} failed: {slurm_error(result)}")
     what = f"sent SIG{args.signal.removeprefix('SIG')} to the steps of" if args.signal else "cancelled"
     print(f"{what} job {args.jobid}")
     return 0
@@ -272,10 +291,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from relaytrain.config import load_config
-    from relaytrain.slurm.doctor import run_checks
 
     config, overrides = _config_and_overrides(args)
     cfg = load_config(config, overrides) if config else None
+    from relaytrain.slurm.doctor import run_checks  # imports torch (the CPU capability)
+
     checks = run_checks(cfg, args.partition or "", args.account or "")
     table = Table(title="relaytrain doctor", show_header=True)
     for column in ("check", "result", "detail"):
@@ -343,7 +363,7 @@ def register(subparsers) -> None:
     )
     p.set_defaults(func=cmd_plan, accepts_overrides=True, after=None, dry_run=False, force=False)
 
-    p = subparsers.add_parser("status", help="jobs: state, restarts, last step (squeue/scontrol/sacct)")
+    p = subparsers.add_parser("status", help="your queued jobs, a job, or a run's state and its jobs")
     p.add_argument("target", nargs="?", help="job id or run name/directory (default: your queued jobs)")
     p.add_argument("--all", action="store_true", help="every user's jobs")
     p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import getpass
 import shutil
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -16,7 +17,7 @@ from relaytrain.config import Config
 from relaytrain.job import JobFacts
 from relaytrain.job.netdetect import high_speed_interfaces, read_ip_brief
 from relaytrain.monitor.mfu import cpu_capability
-from relaytrain.slurm.jobs import run_tool
+from relaytrain.slurm.client import SlurmUnavailable, run_slurm, slurm_error
 from relaytrain.version import __version__
 
 Check = tuple[str, str, str]
@@ -43,6 +44,15 @@ SHARED_FS = {
 LOCAL_FS = {"tmpfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "overlay", "zfs", "ramfs"}
 
 
+def run_tool(cmd: list[str]) -> tuple[int, str, str]:
+    """Run a local tool (stat, nvidia-smi, sacctmgr, an srun probe) and keep whatever it says."""
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return 127, "", str(exc)
+    return result.returncode, result.stdout, result.stderr
+
+
 def check_tools() -> Check:
     missing = [t for t in REQUIRED_TOOLS if shutil.which(t) is None]
     optional = [t for t in OPTIONAL_TOOLS if shutil.which(t) is None]
@@ -53,9 +63,13 @@ def check_tools() -> Check:
 
 
 def check_partition(partition: str) -> Check:
-    rc, out, err = run_tool(["sinfo", "-h", "-o", "%P|%a|%D"])
-    if rc != 0:
-        return ("partition", "warn", f"sinfo failed: {(err or out).strip()[:120]}")
+    try:
+        result = run_slurm(["sinfo", "-h", "-o", "%P|%a|%D"])
+    except SlurmUnavailable as exc:
+        return ("partition", "fail", str(exc))
+    if result.returncode != 0:
+        return ("partition", "fail", f"sinfo failed: {slurm_error(result)}")
+    out = result.stdout
     parts = {line.split("|")[0]: line.split("|") for line in out.splitlines() if "|" in line}
     default = next((p.rstrip("*") for p in parts if p.endswith("*")), "")
     names = {p.rstrip("*") for p in parts}
@@ -76,21 +90,14 @@ def check_account(account: str) -> Check:
         return ("account", "pass", "none given (Slurm uses your default account)")
     if shutil.which("sacctmgr") is None:
         return ("account", "warn", "sacctmgr not found; cannot check the account")
-    rc, out, err = run_tool(
-        [
-            "sacctmgr",
-            "-n",
-            "-P",
-            "show",
-            "assoc",
-            f"user={getpass.getuser()}",
-            f"account={account}",
-            "format=account",
-        ]
-    )
-    if rc != 0:
-        return ("account", "warn", f"sacctmgr failed ({(err or out).strip()[:100]}); cannot check")
-    if account in {line.strip() for line in out.splitlines()}:
+    cmd = ["sacctmgr", "-n", "-P", "show", "assoc", f"user={getpass.getuser()}", f"account={account}"]
+    try:
+        result = run_slurm([*cmd, "format=account"])
+    except SlurmUnavailable as exc:
+        return ("account", "fail", str(exc))
+    if result.returncode != 0:
+        return ("account", "warn", f"sacctmgr failed ({slurm_error(result)[:100]}); cannot check")
+    if account in {line.strip() for line in result.stdout.splitlines()}:
         return ("account", "pass", f"{account} is one of your associations")
     return ("account", "fail", f"you have no association with account {account!r}")
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relaytrain.errors import UserError
+from relaytrain.slurm.client import run_slurm, slurm_error
 from relaytrain.slurm.submit import read_jobs
 
 _KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9:_/]*)=")
@@ -37,14 +38,6 @@ class Job:
     last_step: int | None = None
     nodes_per_run: str = ""  # node count of the first run and each requeue, e.g. "2, 1, 2" (elastic)
     extra: dict[str, str] = field(default_factory=dict)
-
-
-def run_tool(cmd: list[str]) -> tuple[int, str, str]:
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return 127, "", str(exc)
-    return result.returncode, result.stdout, result.stderr
 
 
 def parse_scontrol_record(line: str) -> dict[str, str]:
@@ -98,18 +91,24 @@ def _jobs_from_sacct(text: str, source: str) -> list[Job]:
     return jobs
 
 
+def _answer(cmd: list[str]) -> str:
+    """What a Slurm query printed, "" when it had no answer (an unknown job, accounting disabled)."""
+    result = run_slurm(cmd)
+    return result.stdout if result.returncode == 0 else ""
+
+
 def query_job(job_id: str) -> list[Job]:
     """Records of a job (one per array task), from scontrol, else sacct, else sacct -c."""
-    rc, out, _ = run_tool(["scontrol", "show", "job", "-o", job_id])
-    if rc == 0 and out.strip():
+    out = _answer(["scontrol", "show", "job", "-o", job_id])
+    if out.strip():
         return [_job_from_scontrol(parse_scontrol_record(line)) for line in out.splitlines() if line.strip()]
-    rc, out, _ = run_tool(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", SACCT_FIELDS])
-    if rc == 0 and out.strip():
+    out = _answer(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", SACCT_FIELDS])
+    if out.strip():
         jobs = _jobs_from_sacct(out, "sacct")
         if jobs:
             return _merge_requeued(jobs)
-    rc, out, _ = run_tool(["sacct", "-c", "-j", job_id, "-n", "-P", "-o", SACCT_FIELDS])
-    if rc == 0 and out.strip():
+    out = _answer(["sacct", "-c", "-j", job_id, "-n", "-P", "-o", SACCT_FIELDS])
+    if out.strip():
         return _merge_requeued(_jobs_from_sacct(out, "sacct -c"))
     return []
 
@@ -128,9 +127,11 @@ def list_queue(user_only: bool = True) -> list[Job]:
     cmd = ["squeue", "-h", "-o", "%i|%j|%T|%M|%l|%D|%R"]
     if user_only:
         cmd.append("--me")
-    rc, out, _ = run_tool(cmd)
+    result = run_slurm(cmd)
+    if result.returncode != 0:
+        raise UserError(f"{' '.join(cmd[:1])} failed: {slurm_error(result)}")
     jobs = []
-    for line in out.splitlines() if rc == 0 else []:
+    for line in result.stdout.splitlines():
         parts = line.split("|")
         if len(parts) == 7:
             jobs.append(
@@ -231,22 +232,26 @@ def find_run_dir(job: Job, runs_root: Path = Path("runs")) -> Path | None:
     return None
 
 
+def describe_run(run_dir: Path) -> list[Job]:
+    """The last jobs `relaytrain launch/sweep` recorded in the run's jobs.jsonl, as Slurm knows them."""
+    jobs = []
+    for entry in read_jobs(run_dir / "slurm")[-5:]:
+        found = query_job(str(entry["job_id"])) or [Job(job_id=str(entry["job_id"]), state="UNKNOWN")]
+        jobs.extend(found)
+    for job in jobs:
+        job.run_dir = str(run_dir)
+        job.last_step = last_step(run_dir)
+        job.nodes_per_run = nodes_per_run(run_dir, job.job_id)
+    if jobs:
+        jobs[-1].reason = run_state_note(run_dir) or jobs[-1].reason
+    return jobs
+
+
 def describe(job_or_run: str, runs_root: Path = Path("runs")) -> list[Job]:
     """Jobs for a job id, or for a run (name or directory) through its jobs.jsonl."""
     run_dir = Path(job_or_run) if "/" in job_or_run else runs_root / job_or_run
     if not re.fullmatch(r"\d+(_\d+)?", job_or_run) and (run_dir / "slurm").is_dir():
-        entries = read_jobs(run_dir / "slurm")
-        jobs = []
-        for entry in entries[-5:]:
-            found = query_job(str(entry["job_id"])) or [Job(job_id=str(entry["job_id"]), state="UNKNOWN")]
-            jobs.extend(found)
-        for job in jobs:
-            job.run_dir = str(run_dir)
-            job.last_step = last_step(run_dir)
-            job.nodes_per_run = nodes_per_run(run_dir, job.job_id)
-        if jobs:
-            jobs[-1].reason = run_state_note(run_dir) or jobs[-1].reason
-        return jobs
+        return describe_run(run_dir)
     jobs = query_job(job_or_run)
     for job in jobs:
         found = find_run_dir(job, runs_root)
@@ -273,8 +278,9 @@ def log_path(job: Job, runs_root: Path = Path("runs")) -> Path | None:
 
 
 def is_active(job_id: str) -> bool:
-    rc, out, _ = run_tool(["squeue", "-h", "-j", job_id, "-o", "%T"])
-    return rc == 0 and any(state.strip() in ACTIVE_STATES for state in out.splitlines())
+    result = run_slurm(["squeue", "-h", "-j", job_id, "-o", "%T"])
+    states = result.stdout.splitlines() if result.returncode == 0 else []
+    return any(state.strip() in ACTIVE_STATES for state in states)
 
 
 def cancel_command(job_id: str, signal: str | None = None) -> list[str]:

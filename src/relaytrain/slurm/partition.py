@@ -12,10 +12,10 @@ from __future__ import annotations
 import functools
 import os
 import re
-import subprocess
 from dataclasses import dataclass
 
 from relaytrain.errors import UserError
+from relaytrain.slurm.client import SlurmUnavailable, run_slurm
 
 SINFO_TIMEOUT_S = 10
 DEFAULT_GPUS_PER_NODE = 8  # GPUs per node assumed when neither the user, the profile nor `sinfo` says it
@@ -93,11 +93,10 @@ def partition_facts(partition: str) -> PartitionFacts | None:
 
 @functools.lru_cache(maxsize=16)
 def _cached_facts(partition: str, _slurm_conf: str, _path: str) -> PartitionFacts | None:
-    cmd = ["sinfo", "-h", "-o", "%P|%G|%m|%c"]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=SINFO_TIMEOUT_S)
-    except (OSError, subprocess.SubprocessError):
-        return None
+        done = run_slurm(["sinfo", "-h", "-o", "%P|%G|%m|%c"], timeout=SINFO_TIMEOUT_S)
+    except SlurmUnavailable:
+        return None  # planning off the cluster: the facts are unknown
     if done.returncode != 0:
         return None
     return parse_sinfo(done.stdout, partition)

@@ -43,7 +43,7 @@ from relaytrain.config import Config, SlurmConfig
 from relaytrain.config.domains import slurm_time_seconds
 from relaytrain.errors import UserError
 from relaytrain.model import count_parameters
-from relaytrain.model.transformer import ffn_hidden_dim
+from relaytrain.model.flops import ffn_hidden_dim
 from relaytrain.slurm.estimate import DEFAULT_MFU, StepEstimate, estimate_rows, estimate_step
 from relaytrain.slurm.partition import host_memory
 

@@ -6,12 +6,12 @@ import json
 import re
 import shlex
 import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from relaytrain.errors import UserError
+from relaytrain.slurm.client import run_slurm
 
 JOBS_FILE = "jobs.jsonl"
 _JOB_IDS = re.compile(r"[0-9]+(?:_[0-9]+)?(?::[0-9]+(?:_[0-9]+)?)*")  # 1234, 1234_5, 1234:1240
@@ -51,7 +51,7 @@ def submit(script: Path, after: str | None = None) -> str:
         raise UserError(
             "sbatch not found: run on a Slurm login node, or use --dry-run to only write the script"
         )
-    result = subprocess.run(sbatch_command(script, after), capture_output=True, text=True)
+    result = run_slurm(sbatch_command(script, after), timeout=None)
     if result.returncode != 0:
         message = (result.stderr or result.stdout).strip().splitlines()
         raise UserError(

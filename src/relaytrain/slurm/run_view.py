@@ -1,0 +1,66 @@
+"""`relaytrain status RUN` without Slurm: what a run directory says of its run.
+
+A run's own files answer for it (run_state.json, metrics.jsonl, checkpoints/latest), wherever it ran: on
+a laptop, under torchrun or in a Slurm job. The jobs of a launched run are added by `jobs.describe`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from relaytrain.checkpoint.files import read_latest
+from relaytrain.resilience.run_state import RUN_STATE_FILE, RunStateFile
+from relaytrain.slurm.jobs import last_step
+
+# Files only a run directory holds (train writes the first two at once; launch writes slurm/).
+RUN_MARKERS = (RUN_STATE_FILE, "metrics.jsonl", "config.toml", "slurm")
+# run_state.json keys shown in their own rows, or not worth a row.
+_SHOWN = {"status", "reason", "step", "time", "unix_time", "host", "job_id", "restart_count", "message"}
+JOB_ID = re.compile(r"\d+(_\d+)?")
+_NOTE_KEY = re.compile(r"reason|error|message|problem|damage", re.IGNORECASE)
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / name).exists() for name in RUN_MARKERS)
+
+
+def find_run(target: str, runs_root: Path) -> Path | None:
+    """A run name under `runs_root`, or the path of a run directory; None when it is neither."""
+    candidates = [runs_root / target]
+    if not JOB_ID.fullmatch(target):  # a bare number is a job id unless runs_root holds a run of that name
+        candidates.append(Path(target))
+    return next((path for path in candidates if is_run_dir(path)), None)
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def run_rows(run_dir: Path) -> list[tuple[str, str]]:
+    """(what, value) rows: state, step, time, the job that wrote it, the latest checkpoint and every
+    reason, error or message run_state.json records (whoever wrote it: the loop, the crash check, a
+    checkpoint check)."""
+    state = RunStateFile(run_dir).read()
+    rows = [("run dir", str(run_dir))]
+    if state is None:
+        rows.append(("state", f"unknown: no readable {RUN_STATE_FILE} (the run has not started yet)"))
+    else:
+        status, reason = str(state.get("status", "?")), str(state.get("reason", ""))
+        rows.append(("state", f"{status} ({reason})" if reason else status))
+        rows.append(("at step", str(state.get("step", "?"))))
+        rows.append(("recorded", f"{state.get('time', '?')} on {state.get('host', '?')}"))
+        if state.get("job_id"):
+            rows.append(("slurm job", f"{state['job_id']} (restart {state.get('restart_count', 0)})"))
+        if state.get("message"):
+            rows.append(("message", _text(state["message"])))
+        for key in sorted(state):
+            if key not in _SHOWN and _NOTE_KEY.search(key) and state[key] not in ("", None, [], {}):
+                rows.append((key, _text(state[key])))
+    step = last_step(run_dir)
+    rows.append(("last logged step", "none yet" if step is None else str(step)))
+    latest = read_latest(run_dir / "checkpoints")
+    if latest is not None:
+        rows.append(("latest checkpoint", str(latest)))
+    return rows
