@@ -40,6 +40,7 @@ from relaytrain.resilience import (
     mark_finished,
     mark_running,
 )
+from relaytrain.resilience.run_lock import take_run_lock
 
 log = logging.getLogger("relaytrain")
 
@@ -308,6 +309,8 @@ def check_world(cfg: Config, env: DistEnv, run_dir: Path) -> None:
 def train(cfg: Config) -> int:
     """Run (or continue) the configured training job; returns the process exit code."""
     env = init_distributed(cfg)
+    # One writer per run directory: rank 0 takes its lock before anything is written into it.
+    lock = take_run_lock(Path(cfg.run.dir) / cfg.run.name, env.rank, env.device, "relaytrain train")
     run_dir = prepare_run_dir(cfg, env.is_main)
     try:
         setup_logging(run_dir, env.rank, env.local_rank, env.node, cfg.metrics.rank_logs)
@@ -320,4 +323,5 @@ def train(cfg: Config) -> int:
         check_world(cfg, env, run_dir)
         return Trainer(cfg, env).run()
     finally:
+        lock.release()
         shutdown_distributed()

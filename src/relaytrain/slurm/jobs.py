@@ -12,6 +12,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relaytrain.job.slurmctld import queue_states
 from relaytrain.slurm.submit import read_jobs
 
 _KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9:_/]*)=")
@@ -273,8 +274,7 @@ def log_path(job: Job, runs_root: Path = Path("runs")) -> Path | None:
 
 
 def is_active(job_id: str) -> bool:
-    rc, out, _ = run_tool(["squeue", "-h", "-j", job_id, "-o", "%T"])
-    return rc == 0 and any(state.strip() in ACTIVE_STATES for state in out.splitlines())
+    return any(state in ACTIVE_STATES for state in queue_states(job_id) or [])
 
 
 def cancel_command(job_id: str, signal: str | None = None) -> list[str]:

@@ -22,6 +22,7 @@ from relaytrain.errors import UserError
 from relaytrain.slurm.grid import parse_grid, render_command
 from relaytrain.slurm.plan import Plan, plans_for
 from relaytrain.slurm.profile import explicit_config_keys, resolve_slurm
+from relaytrain.slurm.run_owner import refuse_busy_run_dir
 from relaytrain.slurm.script import JobSpec, SweepPoint, render_script
 from relaytrain.slurm.submit import record_job, submit
 
@@ -192,6 +193,7 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
     if req.command is None and req.config is None:
         raise UserError("relaytrain launch needs a CONFIG, or --command 'CMD' (with --name)")
     cfg, send_signal = load_for_job(req)
+    refuse_busy_run_dir(run_dir_of(cfg), req.after, req.jobid)  # before its files are rewritten
     if req.command is None:
         check_plan(cfg, req.force, out)
     slurm_dir, config_file = write_run_files(cfg)
@@ -252,6 +254,7 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
         command = render_command(req.command, point) if req.command is not None else ""
         points.append((point, cfg, command))
     for point, cfg, command in points:
+        refuse_busy_run_dir(run_dir_of(cfg), req.after)
         out(f"point {cfg.run.name}: {_values(point)}" + (f": {command}" if command else ""))
         if req.command is None:
             check_plan(cfg, req.force, out)
