@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 LOCK_FILE = "run.lock"
 BUSY_WORDS = " is in use by "  # in every refusal; the crash check finds a refused step by it
 UNREADABLE_GRACE_S = 60.0  # an unreadable lock younger than this may still be being written
-_ATTEMPTS = 5
+TAKEOVER_GRACE_S = 10.0  # a takeover guard older than this was left by a start that died taking over
+_ATTEMPTS = 100  # turns at the lock: a start waiting for another's takeover sleeps 50 ms a turn
 
 
 @dataclass(frozen=True)
@@ -95,14 +96,17 @@ class Holder:
     def text(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
 
-    def describe(self) -> str:
+    def describe(self, why: str = "") -> str:
+        """`job 12 (relaytrain train, pid 345 on node1 since ...; WHY)`, or without a job
+        `relaytrain train (pid 345 on host since ...; WHY)`."""
         where = f"pid {self.pid} on {self.node or self.host}"
         if self.node and self.host and self.node != self.host:
             where += f" ({self.host})"
-        what = f"{self.command}, " if self.command else ""
+        details = f"{where} since {self.since}" + (f"; {why}" if why else "")
+        command = self.command or "a run"
         if self.job_id:
-            return f"job {self.job_id} ({what}{where}, since {self.since})"
-        return f"{what}{where} (since {self.since})"
+            return f"job {self.job_id} ({command}, {details})"
+        return f"{command} ({details})"
 
 
 def process_start(pid: int) -> str:
@@ -155,16 +159,13 @@ def holder_alive(holder: Holder, me: Holder) -> tuple[bool, str]:
     return True, "it runs on another host, where its process cannot be checked"
 
 
-def busy_message(run_dir: Path, holder_text: str, why: str, job_id: str = "", lock: bool = True) -> str:
+def busy_message(run_dir: Path, holder: str, job_id: str = "", lock: bool = True) -> str:
     """The one-line refusal: who holds the run directory and what to do."""
     todo = "wait for it to end"
     if job_id:
         todo += f", stop it with `relaytrain cancel {job_id}`"
     gone = f" (if that holder is surely gone, delete {run_dir / LOCK_FILE})" if lock else ""
-    return (
-        f"the run directory {run_dir}{BUSY_WORDS}{holder_text} ({why}): {todo}, or choose another "
-        f"--run.name{gone}"
-    )
+    return f"the run directory {run_dir}{BUSY_WORDS}{holder}: {todo}, or choose another --run.name{gone}"
 
 
 def is_busy_refusal(output: str) -> bool:
@@ -207,20 +208,23 @@ class RunLock:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(_unwritable(self.run_dir, exc)) from None
+        took_over = None
         for _ in range(_ATTEMPTS):
             if self._create(me):
                 self.holder = me
                 atexit.register(self.release)  # an exit before the holder's own release (an exception)
+                if took_over:
+                    log.warning("taking over %s from %s", self.path, took_over)
                 return self
             holder, raw = self.read()
             if raw is None:
                 continue  # released in between
             alive, why = self._judge(holder, me)
-            text = holder.describe() if holder is not None else "an unreadable lock"
+            text = holder.describe(why) if holder is not None else f"an unreadable lock ({why})"
             if alive:
-                raise UserError(busy_message(self.run_dir, text, why, holder.job_id if holder else ""))
+                raise UserError(busy_message(self.run_dir, text, holder.job_id if holder else ""))
             if self._remove_stale(raw):
-                log.warning("taking over %s from %s: %s", self.path, text, why)
+                took_over = text
         raise UserError(
             f"could not take {self.path}: other starts keep taking it; start one run per run directory"
         )
@@ -247,59 +251,73 @@ class RunLock:
 
     def _create(self, me: Holder) -> bool:
         """Create run.lock with our record; False when it exists."""
-        tmp = self.run_dir / f".{LOCK_FILE}.{me.host}.{me.pid}.{me.token[:8]}"
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(me.text())
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                os.link(tmp, self.path)
-                return True
-            except FileExistsError:
-                # NFS: a retransmitted link whose first reply was lost says EEXIST although it worked.
-                return os.stat(tmp).st_nlink == 2
-            except OSError:
-                return self._create_exclusive(me)  # a filesystem without hard links
+            return _create_with(self.path, me.text(), f"{me.host}.{me.pid}.{me.token[:8]}")
         except OSError as exc:
             raise UserError(_unwritable(self.run_dir, exc)) from None
-        finally:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-
-    def _create_exclusive(self, me: Holder) -> bool:
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(me.text())
-            f.flush()
-            os.fsync(f.fileno())
-        return True
 
     def _remove_stale(self, stale_text: str) -> bool:
-        """Remove run.lock if it still holds ``stale_text``; a lock another start took meanwhile stays."""
-        aside = self.run_dir / f".{LOCK_FILE}.stale.{uuid.uuid4().hex[:12]}"
+        """Remove run.lock if it still holds ``stale_text``. Removers take turns through a guard file,
+        so the check and the removal are one step for them; a creator cannot replace an existing
+        lock, so a lock another start took meanwhile (another token) is never removed."""
+        guard = self.run_dir / f"{LOCK_FILE}.takeover"
         try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False  # another start removed it first
-        try:
-            if aside.read_text(encoding="utf-8") == stale_text:
-                return True
-            with contextlib.suppress(FileExistsError):
-                os.link(aside, self.path)  # a fresh lock of another start: put it back
+            mine = _create_with(guard, f"{socket.gethostname()} {os.getpid()}\n", uuid.uuid4().hex[:8])
+        except OSError as exc:
+            raise UserError(_unwritable(self.run_dir, exc)) from None
+        if not mine:
+            with contextlib.suppress(OSError):
+                if time.time() - guard.stat().st_mtime > TAKEOVER_GRACE_S:
+                    guard.unlink()  # its owner died within the few milliseconds of a takeover
+            time.sleep(0.05)
             return False
+        try:
+            _, raw = self.read()
+            if raw != stale_text:
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            return True
         finally:
             with contextlib.suppress(OSError):
-                aside.unlink()
+                guard.unlink()
 
     def _old(self) -> bool:
         try:
             return time.time() - self.path.stat().st_mtime > UNREADABLE_GRACE_S
         except FileNotFoundError:
             return True
+
+
+def _create_with(path: Path, text: str, tag: str) -> bool:
+    """Create ``path`` holding ``text`` unless it exists, atomically on NFS and Lustre: a private file
+    hard-linked to the name (O_CREAT|O_EXCL where the filesystem has no hard links)."""
+    tmp = path.with_name(f".{path.name}.{tag}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            # NFS: a retransmitted link whose first reply was lost says EEXIST although it worked.
+            return os.stat(tmp).st_nlink == 2
+        except OSError:
+            pass  # no hard links here
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    return True
 
 
 def take_run_lock(run_dir: Path | str, rank: int, device, command: str) -> RunLock:

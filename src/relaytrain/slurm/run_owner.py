@@ -26,10 +26,8 @@ def refuse_busy_run_dir(run_dir: Path, after: str | None = None, attach: str | N
     waits_for = set(re.split(r"[:,?\s]+", after or "")) - {""}
     holder, alive, why = RunLock(run_dir).current_holder()
     if alive and not (holder is not None and holder.job_id in waits_for | {attach}):
-        text = holder.describe() if holder is not None else "an unreadable lock"
-        raise UserError(
-            busy_message(run_dir, text, why, holder.job_id if holder else "") + "; nothing submitted"
-        )
+        text = holder.describe(why) if holder is not None else f"an unreadable lock ({why})"
+        raise UserError(busy_message(run_dir, text, holder.job_id if holder else "") + "; nothing submitted")
     recorded = {str(entry.get("job_id", "")) for entry in read_jobs(run_dir / "slurm")}
     recorded = {
         job for job in recorded if job and job not in waits_for and job.split("_")[0] not in waits_for
@@ -37,6 +35,6 @@ def refuse_busy_run_dir(run_dir: Path, after: str | None = None, attach: str | N
     for job_id, state in (queued_jobs(sorted(recorded)) or []) if recorded else []:
         if not job_is_over([state]):
             raise UserError(
-                busy_message(run_dir, f"job {job_id}", f"submitted for it, {state}", job_id, lock=False)
+                busy_message(run_dir, f"job {job_id} (submitted for it, {state})", job_id, lock=False)
                 + "; nothing submitted"
             )
