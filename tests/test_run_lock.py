@@ -20,6 +20,7 @@ from relaytrain.errors import UserError
 from relaytrain.resilience import crash
 from relaytrain.resilience.run_lock import LOCK_FILE, Holder, RunLock, process_start
 from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.slurm.submit import read_jobs
 from test_slurm_script import fake
 from tiny_config import TINY_TOML
 
@@ -271,6 +272,7 @@ def test_launch_refuses_a_run_directory_whose_job_is_still_queued(tmp_path, no_j
 @pytest.mark.slurm
 def test_resubmitting_a_run_whose_job_is_pending_is_refused(slurm_cluster, tmp_path):
     cfg = launch_config(tmp_path)
+    slurm_dir = tmp_path / "runs" / "lock" / "slurm"
     hold = "--slurm.extra_sbatch=['--hold']"  # stays PENDING until released
     code, out = cli("launch", str(cfg), "--nodes", "1", "--tasks-per-node", "1", hold)
     assert code == 0, out
@@ -281,10 +283,11 @@ def test_resubmitting_a_run_whose_job_is_pending_is_refused(slurm_cluster, tmp_p
         assert code == 2, out
         assert f"is in use by job {job} (submitted for it, PENDING)" in out, out
         assert f"relaytrain cancel {job}" in out and "submitted job" not in out
-        mine = slurm("squeue", "-h", "-o", "%i").split()
-        assert [j for j in mine if int(j) > int(job)] == [], mine  # nothing else was queued
+        assert len(read_jobs(slurm_dir)) == 1  # nothing else was submitted
+        queued = slurm("squeue", "-h", "-n", "lock", "-o", "%i").split()
+        assert [j for j in queued if int(j) > int(job)] == [], queued
     finally:
-        slurm("scancel", job)
+        slurm("scancel", *{str(entry["job_id"]) for entry in read_jobs(slurm_dir)})
     wait_for(lambda: job_fields(int(job))["JobState"] == "CANCELLED", 60, f"job {job} to be cancelled")
     code, out = cli("launch", str(cfg), "--nodes", "1", "--tasks-per-node", "1", "--dry-run")
     assert code == 0, out
