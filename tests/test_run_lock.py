@@ -269,6 +269,17 @@ def test_launch_refuses_a_run_directory_whose_job_is_still_queued(tmp_path, no_j
     assert code == 0, out
 
 
+def test_sweep_refuses_a_point_whose_array_task_is_still_queued(tmp_path, no_job, monkeypatch):
+    cfg = launch_config(tmp_path)
+    point = tmp_path / "runs" / "lock-1" / "slurm"
+    point.mkdir(parents=True)
+    (point / "jobs.jsonl").write_text(json.dumps({"job_id": "555_1"}) + "\n")
+    squeue_says(tmp_path, monkeypatch, "555_1 RUNNING\n")
+    code, out = cli("sweep", str(cfg), "--grid", "optim.lr=1e-3,2e-3", "--dry-run")
+    assert code == 2 and "lock-1 is in use by job 555_1 (submitted for it, RUNNING)" in out, out
+    assert not (tmp_path / "runs" / "lock-sweep").exists()
+
+
 @pytest.mark.slurm
 def test_resubmitting_a_run_whose_job_is_pending_is_refused(slurm_cluster, tmp_path):
     cfg = launch_config(tmp_path)
