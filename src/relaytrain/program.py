@@ -41,6 +41,7 @@ from typing import Any, NoReturn
 from relaytrain.job import JobFacts
 from relaytrain.resilience.codes import EXIT_RESUME, StopReason
 from relaytrain.resilience.early_signals import capture_early_signals
+from relaytrain.resilience.run_lock import RunLock
 from relaytrain.resilience.run_state import RunStateFile
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ def install(run_dir: str | Path | None = None, config=None) -> None:
         return
     capture_early_signals()
     _state["run_dir"] = _run_dir(run_dir)
+    if _rank() == 0:
+        _take_run_lock(_state["run_dir"])
     _state["config"] = config
     _state["previous"] = RunStateFile(_state["run_dir"]).read()
     _state["installed"] = True
@@ -119,6 +122,17 @@ def install(run_dir: str | Path | None = None, config=None) -> None:
         _log_event("resume", int((previous or {}).get("step", -1)), nodes=job.num_nodes or None)
     else:
         _log_event("start", 0, nodes=job.num_nodes or None)
+
+
+def _take_run_lock(run_dir: Path) -> None:
+    """One writer per run directory (docs/resilience.md): held until the process exits."""
+    from relaytrain.errors import USAGE_EXIT_CODE, UserError
+
+    try:
+        RunLock(run_dir).acquire("relaytrain.program")  # released at exit
+    except UserError as error:
+        print(f"relaytrain: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(USAGE_EXIT_CODE)
 
 
 def _controller():

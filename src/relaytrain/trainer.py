@@ -41,6 +41,7 @@ from relaytrain.resilience import (
     mark_finished,
     mark_running,
 )
+from relaytrain.resilience.run_lock import take_run_lock
 
 log = logging.getLogger("relaytrain")
 
@@ -323,6 +324,8 @@ def train(cfg: Config) -> int:
         except UserError:
             shutdown_distributed()
             raise
+    # One writer per run directory: rank 0 takes its lock before anything is written into it.
+    lock = take_run_lock(Path(cfg.run.dir) / cfg.run.name, env.rank, env.device, "relaytrain train")
     run_dir = prepare_run_dir(cfg, env.is_main)
     try:
         setup_logging(run_dir, env.rank, env.local_rank, env.node, cfg.metrics.rank_logs)
@@ -335,4 +338,5 @@ def train(cfg: Config) -> int:
         check_world(cfg, env, run_dir)
         return Trainer(cfg, env).run()
     finally:
+        lock.release()
         shutdown_distributed()

@@ -62,3 +62,53 @@ def queried_end_time(job_id: str) -> tuple[float | None, str]:
     if end is not None:
         return end, "squeue"
     return None, "scontrol/squeue gave no end time"
+
+
+# States after which a job never runs again (a requeued job is PENDING or REQUEUED*, not one of these).
+ENDED_STATES = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "REVOKED",
+        "TIMEOUT",
+    }
+)
+
+
+def queued_jobs(job_ids: list[str]) -> list[tuple[str, str]] | None:
+    """(id, state) of each of these jobs that ``squeue`` still shows (array tasks one by one, as it
+    names them), from one call; None when Slurm cannot be asked (no client or controller, a timeout)."""
+    if shutil.which("squeue") is None:
+        return None
+    args = ["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i %T"]
+    try:
+        proc = subprocess.run(
+            args, capture_output=True, text=True, timeout=SLURM_QUERY_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.warning("%s failed: %s", " ".join(args), err)
+        return None
+    if proc.returncode != 0:
+        if "invalid job id" in proc.stderr.lower():
+            return []  # one job id that Slurm purged after MinJobAge
+        log.warning("%s exited %d: %s", " ".join(args), proc.returncode, proc.stderr.strip()[:300])
+        return None
+    return [(p[0], p[1]) for p in (line.split() for line in proc.stdout.splitlines()) if len(p) >= 2]
+
+
+def queue_states(job_id: str) -> list[str] | None:
+    """The job's states as ``squeue`` shows them (one per array task), ``[]`` when Slurm no longer
+    shows the job, None when Slurm cannot be asked."""
+    jobs = queued_jobs([job_id])
+    return None if jobs is None else [state for _, state in jobs]
+
+
+def job_is_over(states: list[str]) -> bool:
+    """Whether a job with these ``queue_states`` will never run again."""
+    return all(state in ENDED_STATES for state in states)

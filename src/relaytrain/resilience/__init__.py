@@ -17,6 +17,7 @@ _EXPORTS = {
     "NanGuard": "relaytrain.resilience.nan_guard",
     "NanInjector": "relaytrain.resilience.nan_guard",
     "RUN_STATE_FILE": "relaytrain.resilience.run_state",
+    "RunLock": "relaytrain.resilience.run_lock",
     "RunStateFile": "relaytrain.resilience.run_state",
     "ShutdownController": "relaytrain.resilience.shutdown",
     "StopReason": "relaytrain.resilience.codes",
@@ -28,6 +29,7 @@ _EXPORTS = {
     "handle_stop": "relaytrain.resilience.requeue",
     "mark_finished": "relaytrain.resilience.requeue",
     "mark_running": "relaytrain.resilience.requeue",
+    "take_run_lock": "relaytrain.resilience.run_lock",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -5,6 +5,8 @@ killer, a segfault), an exception, the hang watchdog, or a process that died bef
 The generated batch script runs ``python -m relaytrain.resilience.crash`` after the step (it runs
 outside the step, so it survives the ranks) and this module decides from ``run_state.json``:
 
+* the step was refused because another run holds the run directory (``run.lock``; its output says
+  so): not this job's run, nothing is recorded;
 * ``stopped`` or ``finished`` by the current run: not a crash (the stop path already decided; torchrun
   exits 128 + the signal after a stop signal even when every worker saved);
 * ``failed`` with reason ``nan``, a UserError recorded as the message (a full disk during a save), or a
@@ -32,6 +34,7 @@ from typing import Any
 
 from relaytrain.job import JobFacts
 from relaytrain.resilience.requeue import scontrol_requeue
+from relaytrain.resilience.run_lock import is_busy_refusal
 from relaytrain.resilience.run_state import RunStateFile
 
 log = logging.getLogger(__name__)
@@ -134,15 +137,21 @@ def after_step(
 ) -> bool:
     """Record a crash and requeue the job while the cap allows. Returns whether it requeued."""
     job = JobFacts.from_env(env)
+    # The output file holds every run of the job (--open-mode=append): read only this run's part.
+    start = job_log_tail.rfind(f"restart count {job.restart_count},")
+    job_log_tail = job_log_tail[start:] if start >= 0 else job_log_tail
+    if is_busy_refusal(job_log_tail):
+        # The run directory belongs to another job or process: its files are not this job's to touch.
+        log.info(
+            "step exit code %d: the run directory was in use by another run; nothing to recover", exit_code
+        )
+        return False
     state_file = RunStateFile(run_dir)
     state = state_file.read()
     crash, why = classify(state, job, exit_code)
     if not crash:
         log.info("step exit code %d is not a crash to recover from: %s", exit_code, why)
         return False
-    # The output file holds every run of the job (--open-mode=append): read only this run's part.
-    start = job_log_tail.rfind(f"restart count {job.restart_count},")
-    job_log_tail = job_log_tail[start:] if start >= 0 else job_log_tail
     crashes = CrashLog(run_dir)
     earlier = crashes.count(job.job_id)
     errors = srun_task_errors(job_log_tail)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relaytrain.errors import UserError
+from relaytrain.job.slurmctld import queue_states
 from relaytrain.slurm.client import run_slurm, slurm_error
 from relaytrain.slurm.submit import read_jobs
 
@@ -278,9 +279,7 @@ def log_path(job: Job, runs_root: Path = Path("runs")) -> Path | None:
 
 
 def is_active(job_id: str) -> bool:
-    result = run_slurm(["squeue", "-h", "-j", job_id, "-o", "%T"])
-    states = result.stdout.splitlines() if result.returncode == 0 else []
-    return any(state.strip() in ACTIVE_STATES for state in states)
+    return any(state in ACTIVE_STATES for state in queue_states(job_id) or [])
 
 
 def cancel_command(job_id: str, signal: str | None = None) -> list[str]:

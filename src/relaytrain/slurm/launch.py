@@ -23,6 +23,7 @@ from relaytrain.slurm.container import check_container
 from relaytrain.slurm.grid import parse_grid, render_command
 from relaytrain.slurm.plan import Plan, plans_for
 from relaytrain.slurm.profile import explicit_config_keys, resolve_slurm
+from relaytrain.slurm.run_owner import refuse_busy_run_dir
 from relaytrain.slurm.script import JobSpec, SweepPoint, render_script
 from relaytrain.slurm.submit import check_after, record_job, submission_line, submit
 
@@ -211,6 +212,7 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
         check_after(req.after)
     notes: list[str] = []
     cfg, send_signal = load_for_job(req, notes=notes)
+    refuse_busy_run_dir(run_dir_of(cfg), req.after, req.jobid)  # before its files are rewritten
     notes += check_container(cfg, run_dir_of(cfg), Path.cwd())
     for line in notes:
         out(line)
@@ -286,6 +288,7 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
     for line in dict.fromkeys(notes):  # the same line once, not once per point
         out(line)
     for point, cfg, command in points:
+        refuse_busy_run_dir(run_dir_of(cfg), req.after)
         out(f"point {cfg.run.name}: {_values(point)}" + (f": {command}" if command else ""))
         if req.command is None:
             check_plan(cfg, req.force, out)
