@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord
+from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord, UnloadableCheckpoints
 from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.data import build_train_loader, build_val_loader
 from relaytrain.errors import UserError
@@ -39,6 +39,7 @@ from relaytrain.resilience import (
     handle_stop,
     mark_finished,
     mark_running,
+    recorded_resumed_step,
 )
 
 log = logging.getLogger("relaytrain")
@@ -148,7 +149,7 @@ class Trainer:
         # previous job's `stopped` marker.
         self.controller.install()
         try:
-            resumed = self.checkpoint.load()
+            resumed = self.checkpoint.load(recorded_resumed_step(self.run_dir))
             mark_running(cfg, self.run_dir, self.env.rank, state.step)
             self.metrics.log_event(
                 "resume" if resumed is not None else "start",
@@ -163,6 +164,12 @@ class Trainer:
             if resumed is None and cfg.checkpoint.save_initial and cfg.checkpoint.enabled:
                 self.checkpoint.save(0, reason="initial")
             return self._loop()
+        except UnloadableCheckpoints as exc:
+            # Failed, not a crash: the job is not requeued into the same refusal. The record keeps the step
+            # the run had reached (and its resumed_step), so the next attempt still knows what is at stake.
+            reached = int((RunStateFile(self.run_dir).read() or {}).get("step", 0))
+            self.controller.finish(StopReason.DAMAGED_CHECKPOINT, reached, saved=False, message=str(exc))
+            raise
         except BaseException as exc:
             self.controller.finish(StopReason.ERROR, state.step, message=repr(exc))
             raise

@@ -160,7 +160,7 @@ class CheckpointManager:
             log.info("step %d is already checkpointed; nothing to save (%s)", step, reason)
             return
         step_dir = self.ckpt_dir / L.step_dir_name(step)
-        if self._coll.on_rank0(lambda: self._prepare_step_dir(step_dir, step)) == "exists":
+        if self._coll.on_rank0(lambda: self._prepare_step_dir(step_dir, step)) in ("exists", "kept"):
             self._saved_steps.add(step)
             return
         started = time.perf_counter()
@@ -228,6 +228,14 @@ class CheckpointManager:
         ):
             log.info("step %d is the checkpoint this run resumed from; not saving it again", step)
             return "exists"
+        if step_dir.name in self._loader.kept_damaged:
+            log.warning(
+                "not saving step %d: %s holds a damaged checkpoint this run started over beside "
+                "(checkpoint.start_over_if_damaged), which is never replaced",
+                step,
+                step_dir,
+            )
+            return "kept"
         if step_dir.exists():
             # A killed save's leftovers, or a checkpoint of an abandoned line (resumed from an older step).
             log.warning("replacing existing %s", step_dir)
@@ -327,7 +335,11 @@ class CheckpointManager:
     def _apply_retention(self) -> None:
         entries = L.list_steps(self.ckpt_dir)
         victims = retention_victims(
-            entries, L.read_latest(self.ckpt_dir), self.ckpt.keep_last, self.ckpt.keep_every, protected=set()
+            entries,
+            L.read_latest(self.ckpt_dir),
+            self.ckpt.keep_last,
+            self.ckpt.keep_every,
+            protected={self.ckpt_dir / name for name in self._loader.kept_damaged},
         )
         for entry in victims:
             log.info(
@@ -345,11 +357,14 @@ class CheckpointManager:
 
     # -- loading ----------------------------------------------------------------------------------
 
-    def load(self) -> int | None:
-        """Resume (the step), or start at step 0 from checkpoint.init_from or fresh (None); see resume.py."""
+    def load(self, recorded_step: int = 0) -> int | None:
+        """Resume (the step), or start at step 0 from checkpoint.init_from or fresh (None); see resume.py.
+
+        ``recorded_step``: the step the run's record says it last resumed from; when no checkpoint loads,
+        it makes the load an `UnloadableCheckpoints` error instead of a fresh start."""
         self.wait()
         self._loads += 1
-        step = self._loader.load(saved_this_run=bool(self._saved_steps))
+        step = self._loader.load(saved_this_run=bool(self._saved_steps), recorded_step=recorded_step)
         if step is not None:
             self._saved_steps = {s for s in self._saved_steps if s <= step}
             self._schedule.mark_saved()

@@ -25,6 +25,11 @@ STATUSES = ("running", "stopped", "finished", "failed")
 # others (which exit right after) from writing, hence the timeout.
 _WRITE_LOCK = threading.Lock()
 _WRITE_LOCK_WAIT_S = 30.0
+# The step of the checkpoint the run last resumed from (mark_running sets it): evidence that the run has
+# checkpointed progress, which a later start must not silently throw away when no checkpoint loads. Every
+# other record (a stop, a crash, the end) keeps it.
+RESUMED_STEP = "resumed_step"
+_CARRIED_KEYS = (RESUMED_STEP,)
 
 
 class RunStateFile:
@@ -40,7 +45,8 @@ class RunStateFile:
         return data if isinstance(data, dict) else None
 
     def write(self, status: str, reason: str, step: int, **extra: Any) -> dict[str, Any]:
-        """Replace the state. ``extra`` adds keys (job_id, restart_count, requeue_requested, ...)."""
+        """Replace the state. ``extra`` adds keys (job_id, restart_count, requeue_requested, ...); the
+        carried keys (``resumed_step``) keep their previous value unless ``extra`` sets them."""
         if status not in STATUSES:
             raise ValueError(f"run state status must be one of {STATUSES}, got {status!r}")
         now = time.time()
@@ -55,14 +61,22 @@ class RunStateFile:
             "requeue_pending": False,
             "requeued": False,
         }
-        state.update(extra)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{RUN_STATE_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
         locked = _WRITE_LOCK.acquire(timeout=_WRITE_LOCK_WAIT_S)
         try:
+            previous = self.read() or {}
+            state.update({k: previous[k] for k in _CARRIED_KEYS if k in previous})
+            state.update(extra)
             tmp.write_text(json.dumps(state, indent=1, sort_keys=True) + "\n", encoding="utf-8")
             os.replace(tmp, self.path)
         finally:
             if locked:
                 _WRITE_LOCK.release()
         return state
+
+
+def recorded_resumed_step(run_dir: Path | str) -> int:
+    """The step of the checkpoint run_state.json says the run last resumed from (0: none recorded)."""
+    value = (RunStateFile(run_dir).read() or {}).get(RESUMED_STEP, 0)
+    return value if isinstance(value, int) and value > 0 else 0
