@@ -69,6 +69,7 @@ def test_a_user_error_recorded_by_the_run_is_not_a_crash(tmp_path):
         ("failed", "error", "41", 1, True),  # an exception on one rank
         ("failed", "hang", "41", 1, True),  # the watchdog
         ("failed", "nan", "41", 1, False),  # NaN policy: the same data would fail again
+        ("failed", "damaged_checkpoint", "41", 1, False),  # no checkpoint loads: the user must decide
         ("stopped", "preemption", "41", 1, False),  # torchrun exits 1 after SIGTERM; the stop decided
         ("finished", "max_steps", "41", 0, False),
         ("stopped", "preemption", "40", 1, True),  # marker of an earlier job: died before writing
