@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from relaytrain.checkpoint import UnloadableCheckpoints, files
+from relaytrain.checkpoint.schedule import retention_victims
 from relaytrain.errors import UserError
 from relaytrain.job import JobFacts
 from relaytrain.resilience import crash
@@ -45,7 +46,7 @@ def test_the_only_checkpoint_damaged_is_an_error_that_leaves_it_untouched(tmp_pa
         make(tmp_path, seed=1)[0].load()
     text = str(err.value)
     assert isinstance(err.value, UserError) and "\n" not in text
-    assert f"{ckpt / 'step_2'} (__0_0.distcp is missing)" in text
+    assert f"every checkpoint of this run in {ckpt} is damaged: step_2 (__0_0.distcp is missing)" in text
     assert "--checkpoint.start_over_if_damaged=true" in text
     assert snapshot(ckpt / "step_2") == before and files.read_latest(ckpt) == ckpt / "step_2"
 
@@ -120,7 +121,7 @@ def test_cli_refuses_with_exit_2_records_the_reason_and_opt_in_starts_over(tmp_p
     proc = run_cli([*args, "--train.max_steps=4"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("relaytrain: error: every checkpoint of this run is damaged: ")
+    assert last.startswith("relaytrain: error: every checkpoint of this run in ")
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "step 1/4" not in proc.stdout + proc.stderr and snapshot(step_dir) == before
     state = RunStateFile(run_dir).read()
@@ -134,3 +135,10 @@ def test_cli_refuses_with_exit_2_records_the_reason_and_opt_in_starts_over(tmp_p
     assert "starting over at step 0" in proc.stdout + proc.stderr and snapshot(step_dir) == before
     losses = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in losses if r.get("kind") == "train"][-4:] == [1, 2, 3, 4]
+
+
+def test_retention_neither_deletes_nor_counts_a_kept_damaged_checkpoint(tmp_path):
+    entries = [files.StepEntry(s, tmp_path / f"step_{s}", True) for s in (1, 2, 6)]
+    damaged = tmp_path / "step_6"
+    assert retention_victims(entries, tmp_path / "step_2", 2, 0, protected={damaged}) == []
+    assert [e.step for e in retention_victims(entries, tmp_path / "step_2", 1, 0, {damaged})] == [1]

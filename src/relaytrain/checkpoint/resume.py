@@ -193,9 +193,9 @@ class CheckpointLoader:
                 problem = f"incomplete (no {L.COMPLETE} marker)"
             else:
                 problem = self._damaged.get(entry.path.resolve()) or "; ".join(
-                    L.damaged_problems(entry.path, self.ckpt.verify, data=False)[:3]
+                    L.damaged_problems(entry.path, self.ckpt.verify, data=False)[:2]
                 )
-            found.append((entry.path.name, f"{entry.path} ({problem or 'does not load'})"))
+            found.append((entry.path.name, f"{entry.path.name} ({problem or 'does not load'})"))
         listed = "; ".join(text for _, text in found[:_LISTED])
         listed += f"; and {len(found) - _LISTED} more" if len(found) > _LISTED else ""
         if recorded_step > 0 and not any(e.complete for e in entries):
@@ -205,7 +205,7 @@ class CheckpointLoader:
                 + (f": {listed}" if listed else "")
             )
         else:
-            what = f"every checkpoint of this run is damaged: {listed}"
+            what = f"every checkpoint of this run in {self.ckpt_dir} is damaged: {listed}"
         if self.ckpt.start_over_if_damaged:
             kept = [name for name, _ in found]
             why = f"checkpoint.start_over_if_damaged=true and {what}; they are kept as they are"
