@@ -14,7 +14,7 @@ from relaytrain.checkpoint.schedule import retention_victims
 from relaytrain.errors import UserError
 from relaytrain.job import JobFacts
 from relaytrain.resilience import crash
-from relaytrain.resilience.run_state import RunStateFile, recorded_resumed_step
+from relaytrain.resilience.run_state import RunStateFile, recorded_checkpoint_step
 from test_checkpoint import make, train_step
 
 from conftest import run_cli
@@ -73,7 +73,7 @@ def test_a_recorded_resume_with_no_checkpoint_left_is_an_error(tmp_path):
     # No checkpoint and no record: a new run starts fresh, as always.
     assert make(tmp_path)[0].load() is None
     # The record says the run resumed from step 4, but its checkpoints are gone.
-    with pytest.raises(UnloadableCheckpoints, match=r"resumed from the checkpoint of step 4, but"):
+    with pytest.raises(UnloadableCheckpoints, match=r"says it has a checkpoint of step 4, but"):
         make(tmp_path)[0].load(recorded_step=4)
     # Only checkpoints after the recorded step would load: they are taken.
     saved(tmp_path, (6,))
@@ -102,19 +102,31 @@ def test_start_over_keeps_the_damaged_checkpoint_through_saves_retention_and_req
     assert snapshot(ckpt / "step_2") == before
 
 
-def test_run_state_keeps_the_resumed_step_across_later_records(tmp_path):
+def test_run_state_keeps_the_checkpoint_step_across_later_records(tmp_path):
     state = RunStateFile(tmp_path)
-    state.write("running", "", 4, resumed_step=4)
+    state.write("running", "", 4, checkpoint_step=4)
+    state.note_checkpoint(6)
+    assert (state.read()["status"], state.read()["step"], recorded_checkpoint_step(tmp_path)) == (
+        "running",
+        4,
+        6,
+    )
     state.write("failed", "crash", 9, job_id="41", restart_count=0)
-    assert state.read()["resumed_step"] == 4 and recorded_resumed_step(tmp_path) == 4
-    state.write("running", "", 0, resumed_step=0)  # started over: a new line of checkpoints
-    assert recorded_resumed_step(tmp_path) == 0
+    assert state.read()["checkpoint_step"] == 6 and recorded_checkpoint_step(tmp_path) == 6
+    state.write("running", "", 0, checkpoint_step=0)  # started over: a new line of checkpoints
+    assert recorded_checkpoint_step(tmp_path) == 0
 
 
 def test_cli_refuses_with_exit_2_records_the_reason_and_opt_in_starts_over(tmp_path, tiny_args):
     args = ["train", *tiny_args, "--run.name=dmg", "--checkpoint.interval=2"]
     assert run_cli([*args, "--train.max_steps=2"], tmp_path).returncode == 0
     run_dir = tmp_path / "runs" / "dmg"
+    assert RunStateFile(run_dir).read()["checkpoint_step"] == 2  # noted at the commit
+    # The checkpoint dir is gone altogether: the record says there was a checkpoint of step 2.
+    (run_dir / "checkpoints").rename(run_dir / "moved")
+    proc = run_cli([*args, "--train.max_steps=4"], tmp_path)
+    assert proc.returncode == 2 and "says it has a checkpoint of step 2" in proc.stderr, proc.stderr[-3000:]
+    (run_dir / "moved").rename(run_dir / "checkpoints")
     step_dir = run_dir / "checkpoints" / "step_2"
     (step_dir / "__0_0.distcp").unlink()
     before = snapshot(step_dir)

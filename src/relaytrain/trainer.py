@@ -39,7 +39,7 @@ from relaytrain.resilience import (
     handle_stop,
     mark_finished,
     mark_running,
-    recorded_resumed_step,
+    recorded_checkpoint_step,
 )
 
 log = logging.getLogger("relaytrain")
@@ -105,6 +105,8 @@ class Trainer:
             rank=env.rank,
             world_size=env.world_size,
             parallel_dims=vars(self.pm.dims) | {"nodes": env.num_nodes},
+            # run_state.json then knows the run has this checkpoint even if the directory is lost later
+            on_commit=RunStateFile(self.run_dir).note_checkpoint,
         )
         self.metrics = MetricsLogger(
             cfg.metrics,
@@ -149,7 +151,7 @@ class Trainer:
         # previous job's `stopped` marker.
         self.controller.install()
         try:
-            resumed = self.checkpoint.load(recorded_resumed_step(self.run_dir))
+            resumed = self.checkpoint.load(recorded_checkpoint_step(self.run_dir))
             mark_running(cfg, self.run_dir, self.env.rank, state.step)
             self.metrics.log_event(
                 "resume" if resumed is not None else "start",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -76,8 +77,10 @@ class CheckpointManager:
         rank: int,
         world_size: int,
         parallel_dims: dict,
+        on_commit: Callable[[int], None] | None = None,
     ):
         self.ckpt = cfg
+        self._on_commit = on_commit  # rank 0, after each commit: the run's record of its newest checkpoint
         self.record = record
         self.run_dir = Path(run_dir)
         self.ckpt_dir = Path(self.ckpt.dir) if self.ckpt.dir else self.run_dir / "checkpoints"
@@ -312,6 +315,8 @@ class CheckpointManager:
             )
             L.write_complete(pending.step_dir, checksums)
             L.point_latest(self.ckpt_dir, pending.step_dir)
+            if self._on_commit is not None:
+                self._on_commit(pending.step)
             # Deleting old checkpoints need not hold up training; wait() (every save, load, close) joins it.
             self._retention = self._janitor.submit(self._apply_retention)
         self._coll.barrier()
@@ -360,7 +365,7 @@ class CheckpointManager:
     def load(self, recorded_step: int = 0) -> int | None:
         """Resume (the step), or start at step 0 from checkpoint.init_from or fresh (None); see resume.py.
 
-        ``recorded_step``: the step the run's record says it last resumed from; when no checkpoint loads,
+        ``recorded_step``: the step of the newest checkpoint the run's record says it has; when none loads,
         it makes the load an `UnloadableCheckpoints` error instead of a fresh start."""
         self.wait()
         self._loads += 1

@@ -84,7 +84,7 @@ class CheckpointLoader:
     def load(self, saved_this_run: bool, recorded_step: int = 0) -> int | None:
         """The step resumed at, or None when the run starts at step 0 (fresh or init_from).
 
-        ``recorded_step``: the step of the checkpoint the run's record says it last resumed from (0: none);
+        ``recorded_step``: the step of the newest checkpoint the run's record says it has (0: none);
         with it, finding no checkpoint is an `UnloadableCheckpoints` error, not a fresh start."""
         while True:
             kind, path, why, lineage = self.coll.on_rank0(lambda: self._plan(saved_this_run, recorded_step))
@@ -200,9 +200,8 @@ class CheckpointLoader:
         listed += f"; and {len(found) - _LISTED} more" if len(found) > _LISTED else ""
         if recorded_step > 0 and not any(e.complete for e in entries):
             what = (
-                f"the run's record (run_state.json) says it resumed from the checkpoint of step "
-                f"{recorded_step}, but {self.ckpt_dir} holds no complete checkpoint"
-                + (f": {listed}" if listed else "")
+                f"the run's record (run_state.json) says it has a checkpoint of step {recorded_step}, "
+                f"but {self.ckpt_dir} holds no complete checkpoint" + (f": {listed}" if listed else "")
             )
         else:
             what = f"every checkpoint of this run in {self.ckpt_dir} is damaged: {listed}"

@@ -26,7 +26,7 @@ _EXPORTS = {
     "handle_stop": "relaytrain.resilience.requeue",
     "mark_finished": "relaytrain.resilience.requeue",
     "mark_running": "relaytrain.resilience.requeue",
-    "recorded_resumed_step": "relaytrain.resilience.run_state",
+    "recorded_checkpoint_step": "relaytrain.resilience.run_state",
 }
 
 __all__ = sorted(_EXPORTS)

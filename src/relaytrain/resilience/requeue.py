@@ -26,7 +26,7 @@ from relaytrain.resilience.codes import (
     TIME_LIMIT_REASONS,
     StopReason,
 )
-from relaytrain.resilience.run_state import RESUMED_STEP, RunStateFile
+from relaytrain.resilience.run_state import CHECKPOINT_STEP, RunStateFile
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def mark_running(
     cfg: Config, run_dir: Path | str, rank: int, step: int, env: Mapping[str, str] | None = None
 ) -> None:
     """At the start of training (rank 0): status running at the step the run resumed from (0: it started
-    at step 0, a new line of checkpoints), recorded as ``resumed_step`` too; logs SLURM_RESTART_COUNT."""
+    at step 0, a new line of checkpoints), also its ``checkpoint_step``; logs SLURM_RESTART_COUNT."""
     if rank != 0:
         return
     job = JobFacts.from_env(env)
@@ -172,7 +172,7 @@ def mark_running(
         step,
         **job.identity(),
         max_steps=cfg.train.max_steps,
-        **{RESUMED_STEP: step},
+        **{CHECKPOINT_STEP: step},
     )
 
 
