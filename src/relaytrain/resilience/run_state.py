@@ -10,6 +10,7 @@ keys, so a shell can test ``grep -q '"requeue_pending": true'`` without a JSON p
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 RUN_STATE_FILE = "run_state.json"
 STATUSES = ("running", "stopped", "finished", "failed")
@@ -69,8 +72,12 @@ class RunStateFile:
         return self._rewrite(replace)
 
     def note_checkpoint(self, step: int) -> None:
-        """The run committed the checkpoint of `step`: the record says so, the rest of it unchanged."""
-        self._rewrite(lambda previous: {**previous, CHECKPOINT_STEP: int(step)})
+        """The run committed the checkpoint of `step`: the record says so, the rest of it unchanged. A
+        failed write is logged, not raised: the checkpoint is committed all the same, training goes on."""
+        try:
+            self._rewrite(lambda previous: {**previous, CHECKPOINT_STEP: int(step)})
+        except OSError as exc:
+            log.warning("could not note the checkpoint of step %d in %s: %s", step, self.path, exc)
 
     def _rewrite(self, make: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
         """Write ``make(the previous record)``; reading and writing under one lock, so that a record another
