@@ -168,7 +168,7 @@ class Trainer:
             return self._loop()
         except UnloadableCheckpoints as exc:
             # Failed, not a crash: the job is not requeued into the same refusal. The record keeps the step
-            # the run had reached (and its resumed_step), so the next attempt still knows what is at stake.
+            # the run had reached (and its checkpoint_step), so the next attempt still knows what is at stake.
             reached = int((RunStateFile(self.run_dir).read() or {}).get("step", 0))
             self.controller.finish(StopReason.DAMAGED_CHECKPOINT, reached, saved=False, message=str(exc))
             raise

@@ -3,7 +3,7 @@
 Rank 0 plans the load (reads the checkpoint directory, checks the chosen step before anything is
 loaded) and broadcasts the plan; every rank then loads its shards and its train state. A checkpoint
 found damaged while loading is skipped and the plan is made again, unless it was asked for by name.
-A run that has checkpoints (or whose record says it resumed from one) of which none loads is never
+A run that has checkpoints (or whose record, run_state.json, says it has one) of which none loads is never
 started over from step 0 silently: `UnloadableCheckpoints` names each one and what is wrong with it,
 unless checkpoint.start_over_if_damaged says to start over; the damaged ones are kept either way.
 """
@@ -39,7 +39,7 @@ _LISTED = 3  # damaged checkpoints an error names one by one
 
 
 class UnloadableCheckpoints(UserError):
-    """The run has checkpoints, or its record says it resumed from one, but none of them loads."""
+    """The run has checkpoints, or its record says it has one, but none of them loads."""
 
 
 class CheckpointLoader:
@@ -182,8 +182,8 @@ class CheckpointLoader:
 
     def _unloadable(self, recorded_step: int) -> tuple[str, str | None, str, dict | None] | None:
         """When none of the run's checkpoints loads: the refusal, or with checkpoint.start_over_if_damaged
-        a fresh start that keeps them. None when the run has nothing to lose (no committed checkpoint, no
-        recorded resume): it starts fresh."""
+        a fresh start that keeps them. None when the run has nothing to lose (no committed checkpoint, none
+        recorded): it starts fresh."""
         entries = L.list_steps(self.ckpt_dir)
         if recorded_step <= 0 and not any(e.complete for e in entries):
             return None
