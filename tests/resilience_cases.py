@@ -54,7 +54,7 @@ def trainer_case(case: str, run_dir: Path) -> int:
     if case == "load_fails":
         RunStateFile(run_dir).write("stopped", "preemption", 4, saved=True)  # the previous job's record
 
-        def load():
+        def load(*_args):
             raise UserError("checkpoint step_4 is unreadable")
 
         trainer.checkpoint.load = load

@@ -26,6 +26,7 @@ from e2e_slurm_jobs import (
     records,
     setup_override,
     start_reference,
+    wait_step,
     write_config,
 )
 from relaytrain.job import JobFacts
@@ -69,6 +70,7 @@ def test_a_user_error_recorded_by_the_run_is_not_a_crash(tmp_path):
         ("failed", "error", "41", 1, True),  # an exception on one rank
         ("failed", "hang", "41", 1, True),  # the watchdog
         ("failed", "nan", "41", 1, False),  # NaN policy: the same data would fail again
+        ("failed", "damaged_checkpoint", "41", 1, False),  # no checkpoint loads: the user must decide
         ("stopped", "preemption", "41", 1, False),  # torchrun exits 1 after SIGTERM; the stop decided
         ("finished", "max_steps", "41", 0, False),
         ("stopped", "preemption", "40", 1, True),  # marker of an earlier job: died before writing
@@ -205,6 +207,39 @@ def test_a_crash_loop_stops_at_max_crash_requeues(slurm_cluster, tmp_path):
     assert len(crash.CrashLog(run_dir).entries()) == 2
     code, out = cli("status", job, "--runs", str(runs))
     assert code == 0 and "crash_loop" in out, out
+
+
+@pytest.mark.slurm
+def test_a_requeued_job_whose_only_checkpoint_is_damaged_fails_once_and_keeps_it(slurm_cluster, tmp_path):
+    """The crash requeue's run finds its only checkpoint damaged: it does not start over at step 0, the
+    job ends FAILED without another requeue, the checkpoint stays as it was and the status says why."""
+    runs = tmp_path / "runs"
+    cfg = write_config(tmp_path / "damaged.toml", runs, "damaged", CRASH_STEPS)
+    cfg.write_text(cfg.read_text() + "\n[checkpoint]\ninterval = 5\n")
+    slow = setup_override(FIRST_RUN_ONLY.format("export RELAYTRAIN_STEP_DELAY_S=1"))
+    job = launch(str(cfg), "--nodes", "1", "--tasks-per-node", "2", slow)
+    run_dir = runs / "damaged"
+    step_dir = run_dir / "checkpoints" / "step_5"
+    try:
+        wait_step(run_dir, job, 5)
+        wait_for(lambda: complete_checkpoints(run_dir) == [5], 60, "the checkpoint of step 5")
+        shard = sorted(step_dir.glob("*.distcp"))[-1]
+        shard.unlink()
+        kept = sorted(p.name for p in step_dir.rglob("*"))
+        kill_rank_at(run_dir, job, 0, 6)  # before step 10: step_5 is the only checkpoint
+        fields = wait_job_finished(int(job), timeout=300)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    assert (fields["JobState"], fields["Restarts"]) == ("FAILED", "1"), job_log(run_dir, job)
+    assert not [r for r in records(run_dir, "train") if r.get("restart") == 1], "the requeue trained"
+    state = marker(run_dir)
+    assert (state["status"], state["reason"]) == ("failed", "damaged_checkpoint"), state
+    assert f"{shard.name} is missing" in state["message"] and state["requeue_requested"] is False
+    assert "--checkpoint.start_over_if_damaged=true" in state["message"]
+    assert len(crash.CrashLog(run_dir).entries()) == 1  # the SIGKILL; the refusal is not a crash
+    assert sorted(p.name for p in step_dir.rglob("*")) == kept and complete_checkpoints(run_dir) == [5]
+    code, out = cli("status", job, "--runs", str(runs))
+    assert code == 0 and "damaged_checkpoint" in out, out  # the table wraps the message itself
 
 
 def test_the_requeues_own_sigterm_does_not_cut_the_record_short(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord
+from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord, UnloadableCheckpoints
 from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.data import build_train_loader, build_val_loader
 from relaytrain.errors import UserError
@@ -40,6 +40,7 @@ from relaytrain.resilience import (
     handle_stop,
     mark_finished,
     mark_running,
+    recorded_checkpoint_step,
 )
 from relaytrain.resilience.run_lock import take_run_lock
 
@@ -108,6 +109,8 @@ class Trainer:
             rank=env.rank,
             world_size=env.world_size,
             parallel_dims=vars(self.pm.dims) | {"nodes": env.num_nodes},
+            # run_state.json then knows the run has this checkpoint even if the directory is lost later
+            on_commit=RunStateFile(self.run_dir).note_checkpoint,
         )
         self.metrics = MetricsLogger(
             cfg.metrics,
@@ -152,7 +155,7 @@ class Trainer:
         # previous job's `stopped` marker.
         self.controller.install()
         try:
-            resumed = self.checkpoint.load()
+            resumed = self.checkpoint.load(recorded_checkpoint_step(self.run_dir))
             mark_running(cfg, self.run_dir, self.env.rank, state.step)
             self.metrics.log_event(
                 "resume" if resumed is not None else "start",
@@ -167,6 +170,12 @@ class Trainer:
             if resumed is None and cfg.checkpoint.save_initial and cfg.checkpoint.enabled:
                 self.checkpoint.save(0, reason="initial")
             return self._loop()
+        except UnloadableCheckpoints as exc:
+            # Failed, not a crash: the job is not requeued into the same refusal. The record keeps the step
+            # the run had reached (and its checkpoint_step), so the next attempt still knows what is at stake.
+            reached = int((RunStateFile(self.run_dir).read() or {}).get("step", 0))
+            self.controller.finish(StopReason.DAMAGED_CHECKPOINT, reached, saved=False, message=str(exc))
+            raise
         except BaseException as exc:
             self.controller.finish(StopReason.ERROR, state.step, message=repr(exc))
             raise

@@ -11,6 +11,7 @@ _EXPORTS = {
     "CheckpointManager": "relaytrain.checkpoint.manager",
     "RngState": "relaytrain.checkpoint.state",
     "RunRecord": "relaytrain.checkpoint.record",
+    "UnloadableCheckpoints": "relaytrain.checkpoint.resume",
     "load_model": "relaytrain.checkpoint.sources",
     "read_full_state": "relaytrain.checkpoint.sources",
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -76,8 +77,10 @@ class CheckpointManager:
         rank: int,
         world_size: int,
         parallel_dims: dict,
+        on_commit: Callable[[int], None] | None = None,
     ):
         self.ckpt = cfg
+        self._on_commit = on_commit  # rank 0, after each commit: the run's record of its newest checkpoint
         self.record = record
         self.run_dir = Path(run_dir)
         self.ckpt_dir = Path(self.ckpt.dir) if self.ckpt.dir else self.run_dir / "checkpoints"
@@ -160,7 +163,7 @@ class CheckpointManager:
             log.info("step %d is already checkpointed; nothing to save (%s)", step, reason)
             return
         step_dir = self.ckpt_dir / L.step_dir_name(step)
-        if self._coll.on_rank0(lambda: self._prepare_step_dir(step_dir, step)) == "exists":
+        if self._coll.on_rank0(lambda: self._prepare_step_dir(step_dir, step)) in ("exists", "kept"):
             self._saved_steps.add(step)
             return
         started = time.perf_counter()
@@ -228,6 +231,14 @@ class CheckpointManager:
         ):
             log.info("step %d is the checkpoint this run resumed from; not saving it again", step)
             return "exists"
+        if step_dir.name in self._loader.kept_damaged:
+            log.warning(
+                "not saving step %d: %s holds a damaged checkpoint this run started over beside "
+                "(checkpoint.start_over_if_damaged), which is never replaced",
+                step,
+                step_dir,
+            )
+            return "kept"
         if step_dir.exists():
             # A killed save's leftovers, or a checkpoint of an abandoned line (resumed from an older step).
             log.warning("replacing existing %s", step_dir)
@@ -304,6 +315,8 @@ class CheckpointManager:
             )
             L.write_complete(pending.step_dir, checksums)
             L.point_latest(self.ckpt_dir, pending.step_dir)
+            if self._on_commit is not None:
+                self._on_commit(pending.step)
             # Deleting old checkpoints need not hold up training; wait() (every save, load, close) joins it.
             self._retention = self._janitor.submit(self._apply_retention)
         self._coll.barrier()
@@ -327,7 +340,11 @@ class CheckpointManager:
     def _apply_retention(self) -> None:
         entries = L.list_steps(self.ckpt_dir)
         victims = retention_victims(
-            entries, L.read_latest(self.ckpt_dir), self.ckpt.keep_last, self.ckpt.keep_every, protected=set()
+            entries,
+            L.read_latest(self.ckpt_dir),
+            self.ckpt.keep_last,
+            self.ckpt.keep_every,
+            protected={self.ckpt_dir / name for name in self._loader.kept_damaged},
         )
         for entry in victims:
             log.info(
@@ -345,11 +362,14 @@ class CheckpointManager:
 
     # -- loading ----------------------------------------------------------------------------------
 
-    def load(self) -> int | None:
-        """Resume (the step), or start at step 0 from checkpoint.init_from or fresh (None); see resume.py."""
+    def load(self, recorded_step: int = 0) -> int | None:
+        """Resume (the step), or start at step 0 from checkpoint.init_from or fresh (None); see resume.py.
+
+        ``recorded_step``: the step of the newest checkpoint the run's record says it has; when none loads,
+        it makes the load an `UnloadableCheckpoints` error instead of a fresh start."""
         self.wait()
         self._loads += 1
-        step = self._loader.load(saved_this_run=bool(self._saved_steps))
+        step = self._loader.load(saved_this_run=bool(self._saved_steps), recorded_step=recorded_step)
         if step is not None:
             self._saved_steps = {s for s in self._saved_steps if s <= step}
             self._schedule.mark_saved()

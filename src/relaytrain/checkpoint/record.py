@@ -66,7 +66,7 @@ def write_run_record(
     world_size: int,
     parallel_dims: dict,
     save_mode: str,
-    lineage: dict[str, str],
+    lineage: dict[str, Any],
 ) -> None:
     """metadata.json, config.toml and a copy of the tokenizer file (rank 0, before the commit)."""
     meta = {

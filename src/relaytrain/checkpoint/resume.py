@@ -3,6 +3,9 @@
 Rank 0 plans the load (reads the checkpoint directory, checks the chosen step before anything is
 loaded) and broadcasts the plan; every rank then loads its shards and its train state. A checkpoint
 found damaged while loading is skipped and the plan is made again, unless it was asked for by name.
+A run that has checkpoints (or whose record, run_state.json, says it has one) of which none loads is never
+started over from step 0 silently: `UnloadableCheckpoints` names each one and what is wrong with it,
+unless checkpoint.start_over_if_damaged says to start over; the damaged ones are kept either way.
 """
 
 from __future__ import annotations
@@ -30,6 +33,13 @@ from relaytrain.config.schema import CheckpointConfig, ModelConfig
 from relaytrain.errors import UserError
 
 log = logging.getLogger("relaytrain.checkpoint")
+
+KEPT_DAMAGED = "kept_damaged"  # metadata.json of a line that started over: the damaged step dirs it keeps
+_LISTED = 3  # damaged checkpoints an error names one by one
+
+
+class UnloadableCheckpoints(UserError):
+    """The run has checkpoints, or its record says it has one, but none of them loads."""
 
 
 class CheckpointLoader:
@@ -62,12 +72,24 @@ class CheckpointLoader:
         # resolved to and the argument as given (absolute), so a requeue recognises its own progress.
         self.lineage = {"resumed_from": "", "resume_arg": ""}
         self._verified: Path | None = None  # the step dir whose checksums the last load plan checked
-        self._damaged: set[Path] = set()  # step dirs a load found damaged (skipped by the next plan)
+        # step dirs a load found damaged (skipped by the next plan), with what the load found
+        self._damaged: dict[Path, str] = {}
 
-    def load(self, saved_this_run: bool) -> int | None:
-        """The step resumed at, or None when the run starts at step 0 (fresh or init_from)."""
+    @property
+    def kept_damaged(self) -> frozenset[str]:
+        """Names of the damaged step dirs this line of checkpoints started over beside: never replaced or
+        deleted by it (its metadata.json carries them to every requeue)."""
+        return frozenset(self.lineage.get(KEPT_DAMAGED, ()))
+
+    def load(self, saved_this_run: bool, recorded_step: int = 0) -> int | None:
+        """The step resumed at, or None when the run starts at step 0 (fresh or init_from).
+
+        ``recorded_step``: the step of the newest checkpoint the run's record says it has (0: none);
+        with it, finding no checkpoint is an `UnloadableCheckpoints` error, not a fresh start."""
         while True:
-            kind, path, why, lineage = self.coll.on_rank0(lambda: self._plan(saved_this_run))
+            kind, path, why, lineage = self.coll.on_rank0(lambda: self._plan(saved_this_run, recorded_step))
+            if kind == "refuse":
+                raise UnloadableCheckpoints(why)
             if kind != "resume":
                 break
             try:
@@ -79,9 +101,13 @@ class CheckpointLoader:
                         "--checkpoint.resume=<older step dir>"
                     ) from None
                 log.warning("skipping damaged checkpoint %s: %s", path, exc)
-                self._damaged.add(Path(path).resolve())
+                self._damaged[Path(path).resolve()] = str(exc)
         if kind == "fresh":
-            log.info("starting fresh: %s", why)
+            if lineage is not None:  # started over beside damaged checkpoints, which this line keeps
+                self.lineage = {**self.lineage, **lineage}
+                log.warning("starting over at step 0: %s", why)
+            else:
+                log.info("starting fresh: %s", why)
             return None
         if kind == "init":
             log.info("initialising weights from %s (fresh optimizer, step 0): %s", path, why)
@@ -97,9 +123,10 @@ class CheckpointLoader:
             return None
         raise AssertionError(kind)
 
-    def _plan(self, saved_this_run: bool) -> tuple[str, str | None, str, dict | None]:
+    def _plan(self, saved_this_run: bool, recorded_step: int) -> tuple[str, str | None, str, dict | None]:
         """(kind, path, why, lineage) where lineage names the explicit resume path a run continues from
-        (None: take it from the checkpoint's metadata)."""
+        (None: take it from the checkpoint's metadata), or for a start over the damaged dirs it keeps.
+        Kind "refuse": no checkpoint of the run loads and `why` is the error."""
         ck = self.ckpt
         if saved_this_run:  # a reload during the run (NaN rollback): this run's own newest checkpoint
             chosen, why = self._choose_own()
@@ -111,6 +138,9 @@ class CheckpointLoader:
             chosen, why = self._choose_own()
             if chosen is not None:
                 return "resume", str(chosen), why, None
+            refusal = self._unloadable(recorded_step)
+            if refusal is not None:
+                return refusal
         elif ck.enabled and ck.resume == "none":
             complete = [e for e in L.list_steps(self.ckpt_dir) if e.complete]
             if complete:
@@ -149,6 +179,44 @@ class CheckpointLoader:
         chosen, why = L.choose_resume(self.ckpt_dir, self.ckpt.verify, data=False, skip=skip)
         self._verified = chosen.resolve() if chosen is not None and self.ckpt.verify else None
         return chosen, why
+
+    def _unloadable(self, recorded_step: int) -> tuple[str, str | None, str, dict | None] | None:
+        """When none of the run's checkpoints loads: the refusal, or with checkpoint.start_over_if_damaged
+        a fresh start that keeps them. None when the run has nothing to lose (no committed checkpoint, none
+        recorded): it starts fresh."""
+        entries = L.list_steps(self.ckpt_dir)
+        if recorded_step <= 0 and not any(e.complete for e in entries):
+            return None
+        found = []
+        for entry in reversed(entries):
+            if not entry.complete:
+                problem = f"incomplete (no {L.COMPLETE} marker)"
+            else:
+                problem = self._damaged.get(entry.path.resolve()) or "; ".join(
+                    L.damaged_problems(entry.path, self.ckpt.verify, data=False)[:2]
+                )
+            found.append((entry.path.name, f"{entry.path.name} ({problem or 'does not load'})"))
+        listed = "; ".join(text for _, text in found[:_LISTED])
+        listed += f"; and {len(found) - _LISTED} more" if len(found) > _LISTED else ""
+        if recorded_step > 0 and not any(e.complete for e in entries):
+            what = (
+                f"the run's record (run_state.json) says it has a checkpoint of step {recorded_step}, "
+                f"but {self.ckpt_dir} holds no complete checkpoint" + (f": {listed}" if listed else "")
+            )
+        else:
+            what = f"every checkpoint of this run in {self.ckpt_dir} is damaged: {listed}"
+        if self.ckpt.start_over_if_damaged:
+            kept = [name for name, _ in found]
+            why = f"checkpoint.start_over_if_damaged=true and {what}; they are kept as they are"
+            return "fresh", None, why, {KEPT_DAMAGED: kept}
+        return (
+            "refuse",
+            None,
+            f"{what}. The run does not start over at step 0 by itself and left them untouched: restore the "
+            "damaged files, or resume from a good copy with --checkpoint.resume=<step dir>, or start again "
+            "at step 0 with --checkpoint.start_over_if_damaged=true (the damaged checkpoints are kept)",
+            None,
+        )
 
     def _check_resumable(self, step_dir: Path) -> dict[str, Any]:
         if not (step_dir / L.COMPLETE).is_file():
@@ -248,6 +316,9 @@ class CheckpointLoader:
         self.resumed = (step_dir.resolve(), step)
         self.resumed_layout = {"world_size": meta["world_size"], **meta["parallel_dims"]}
         self.lineage = lineage or {k: str(meta.get(k, "")) for k in ("resumed_from", "resume_arg")}
+        kept = meta.get(KEPT_DAMAGED)
+        if isinstance(kept, list) and all(isinstance(name, str) for name in kept):
+            self.lineage = {**self.lineage, KEPT_DAMAGED: kept}
         return step
 
     def _check_data(self, step_dir: Path, checked: set[str]) -> None:

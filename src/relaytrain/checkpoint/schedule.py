@@ -42,15 +42,17 @@ def retention_victims(
     entries: list[StepEntry], latest: Path | None, keep_last: int, keep_every: int, protected: set[Path]
 ) -> list[StepEntry]:
     """Step directories to delete: complete ones outside the keep rules, incomplete leftovers older than
-    the newest complete one. Never what `latest` points to, the newest complete one, or `protected`."""
-    complete = [e for e in entries if e.complete]
+    the newest complete one. Never what `latest` points to, the newest complete one, or `protected`
+    (which the keep rules do not count: a damaged checkpoint kept beside a run takes no place of its own)."""
+    kept_aside = {p.resolve() for p in protected}
+    complete = [e for e in entries if e.complete and e.path.resolve() not in kept_aside]
     if not complete:
         return []
     keep = {e.step for e in complete[-keep_last:]} if keep_last > 0 else {e.step for e in complete}
     if keep_every > 0:
         keep |= {e.step for e in complete if e.step % keep_every == 0}
     keep.add(complete[-1].step)
-    safe = {p.resolve() for p in protected} | ({latest.resolve()} if latest is not None else set())
+    safe = kept_aside | ({latest.resolve()} if latest is not None else set())
     victims = []
     for entry in entries:
         if entry.path.resolve() in safe:

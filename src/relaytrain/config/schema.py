@@ -150,6 +150,9 @@ class CheckpointConfig(Section):
     init_from: str = ""  # start weights from a checkpoint or HF directory, fresh optimizer
     # check every file's checksum before resuming (reads the checkpoint once more; off for huge ones)
     verify: bool = True
+    # when the run has checkpoints but none loads (all damaged), start again at step 0 instead of stopping
+    # with an error; the damaged ones stay on disk, never deleted or overwritten
+    start_over_if_damaged: bool = False
 
 
 @dataclass(kw_only=True)

@@ -29,6 +29,7 @@ _EXPORTS = {
     "handle_stop": "relaytrain.resilience.requeue",
     "mark_finished": "relaytrain.resilience.requeue",
     "mark_running": "relaytrain.resilience.requeue",
+    "recorded_checkpoint_step": "relaytrain.resilience.run_state",
     "take_run_lock": "relaytrain.resilience.run_lock",
 }
 

@@ -40,6 +40,9 @@ class StopReason(enum.IntEnum):
     HANG = 9  # hang watchdog
     ERROR = 10  # an exception in the trainer
     PROGRAM_EXIT = 11  # a --command program exited 75 (or called exit_for_requeue) with no stop agreed
+    # the run has checkpoints (or run_state.json records a resume) but none loads: never started over
+    # without checkpoint.start_over_if_damaged, never requeued (the same files would fail again)
+    DAMAGED_CHECKPOINT = 12
 
     @property
     def label(self) -> str:
@@ -56,4 +59,6 @@ TIME_LIMIT_REASONS = frozenset(
     {StopReason.TIME_BUDGET, StopReason.TIME_LIMIT_SIGNAL, StopReason.PROGRAM_EXIT}
 )
 # Real errors: the run is marked failed and never requeued.
-FAILURE_REASONS = frozenset({StopReason.NAN, StopReason.HANG, StopReason.ERROR})
+FAILURE_REASONS = frozenset(
+    {StopReason.NAN, StopReason.HANG, StopReason.ERROR, StopReason.DAMAGED_CHECKPOINT}
+)

@@ -9,8 +9,9 @@ outside the step, so it survives the ranks) and this module decides from ``run_s
   so): not this job's run, nothing is recorded;
 * ``stopped`` or ``finished`` by the current run: not a crash (the stop path already decided; torchrun
   exits 128 + the signal after a stop signal even when every worker saved);
-* ``failed`` with reason ``nan``, a UserError recorded as the message (a full disk during a save), or a
-  step exit code 2 (a config or usage error): a deterministic failure, never requeued;
+* ``failed`` with reason ``nan`` or ``damaged_checkpoint`` (no checkpoint of the run loads), a
+  UserError recorded as the message (a full disk during a save), or a step exit code 2 (a config or
+  usage error): a deterministic failure, never requeued;
 * ``failed`` with reason ``error`` or ``hang``, ``running``, or a marker written by an earlier run (the
   process died before or while loading its checkpoint): a crash.
 
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 
 CRASH_LOG_FILE = "crashes.jsonl"
 USAGE_ERROR_EXIT = 2  # relaytrain's CLI exits 2 on a UserError/ConfigError: retrying cannot help
-NEVER_REQUEUED_REASONS = frozenset({"nan"})
+# nan: the same data would fail again; damaged_checkpoint: the same files would (the user must decide)
+NEVER_REQUEUED_REASONS = frozenset({"nan", "damaged_checkpoint"})
 CRASH_REASONS = frozenset({"error", "hang"})
 # srun reports each task that died: `srun: error: node2: task 1: Killed` (or `... Exited with exit code 3`)
 _SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
@@ -87,7 +89,8 @@ def classify(state: Mapping[str, Any] | None, job: JobFacts, exit_code: int) -> 
     if status in ("stopped", "finished"):
         return False, f"the run {status} ({reason}); the stop path decided about requeueing"
     if status == "failed" and reason in NEVER_REQUEUED_REASONS:
-        return False, f"the run failed ({reason}): not retried, the same data would fail again"
+        again = "the same data" if reason == "nan" else "the same checkpoint files"
+        return False, f"the run failed ({reason}): not retried, {again} would fail again"
     if status == "failed" and str(state.get("message", "")).startswith("UserError("):
         # A condition the user must fix (a full disk during a save, a bad resume): torchrun exits 1 for any,
         # so the step's exit code does not say so; the same job would fail the same way again.

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from relaytrain.config.schema import Config
+from relaytrain.errors import USAGE_EXIT_CODE
 from relaytrain.job import JobFacts
 from relaytrain.resilience.codes import (
     EXIT_HANG,
@@ -26,7 +27,7 @@ from relaytrain.resilience.codes import (
     TIME_LIMIT_REASONS,
     StopReason,
 )
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.resilience.run_state import CHECKPOINT_STEP, RunStateFile
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ def exit_code_for(reason: StopReason) -> int:
         return 1
     if reason == StopReason.USER_INTERRUPT:
         return EXIT_INTERRUPTED
+    if reason == StopReason.DAMAGED_CHECKPOINT:
+        return USAGE_EXIT_CODE  # the CLI's exit for a UserError: the user must decide
     return EXIT_RESUME
 
 
@@ -154,7 +157,8 @@ def handle_stop(
 def mark_running(
     cfg: Config, run_dir: Path | str, rank: int, step: int, env: Mapping[str, str] | None = None
 ) -> None:
-    """At the start of training (rank 0): status running; logs SLURM_RESTART_COUNT."""
+    """At the start of training (rank 0): status running at the step the run resumed from (0: it started
+    at step 0, a new line of checkpoints), also its ``checkpoint_step``; logs SLURM_RESTART_COUNT."""
     if rank != 0:
         return
     job = JobFacts.from_env(env)
@@ -171,6 +175,7 @@ def mark_running(
         step,
         **job.identity(),
         max_steps=cfg.train.max_steps,
+        **{CHECKPOINT_STEP: step},
     )
 
 
