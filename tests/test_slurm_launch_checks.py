@@ -179,8 +179,11 @@ PLANS = [
 
 
 @pytest.mark.parametrize("command", PLANS)
-def test_presets_pass_their_own_plan_on_the_documented_layouts(command, capsys, monkeypatch):
+def test_presets_pass_their_own_plan_on_the_documented_layouts(command, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)
+    # The layouts are for GPU clusters: plan them as on a login node whose Slurm cannot be asked, not
+    # against the CPU-only local cluster another test may have left up (SLURM_CONF).
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-slurm.conf"))
     assert len(_documented_plans()) >= 3
     assert main(shlex.split(command)[1:]) == 0
     out = capsys.readouterr().out
