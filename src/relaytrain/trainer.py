@@ -28,7 +28,8 @@ from relaytrain.monitor.logs import setup_logging
 from relaytrain.optim import build_optimizer, lr_at, schedule_fit_warning, set_lr
 from relaytrain.parallel import parallelize
 from relaytrain.parallel.distributed import DistEnv, init_distributed, shutdown_distributed
-from relaytrain.parallel.layout import resize_fields, validate_layout
+from relaytrain.parallel.layout import validate_layout
+from relaytrain.parallel.resize import resize_fields
 from relaytrain.resilience import (
     HangWatchdog,
     NanGuard,
