@@ -25,17 +25,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from relaytrain.checkpoint import files
 from relaytrain.checkpoint.checksums import write_complete
 from relaytrain.checkpoint.collectives import Collectives
-from relaytrain.checkpoint.files import (
-    COMPLETE,
-    TRAIN_STATE_DIR,
-    list_steps,
-    point_latest,
-    read_latest,
-    remove_step_dir,
-    step_dir_name,
-)
 from relaytrain.checkpoint.record import RunRecord, write_run_record, write_train_state
 from relaytrain.checkpoint.resume import CheckpointLoader
 from relaytrain.checkpoint.save_errors import disk_full_error, save_failure
@@ -170,7 +162,7 @@ class CheckpointManager:
         if step in self._saved_steps:
             log.info("step %d is already checkpointed; nothing to save (%s)", step, reason)
             return
-        step_dir = self.ckpt_dir / step_dir_name(step)
+        step_dir = self.ckpt_dir / files.step_dir_name(step)
         if self._coll.on_rank0(lambda: self._prepare_step_dir(step_dir, step)) in ("exists", "kept"):
             self._saved_steps.add(step)
             return
@@ -233,7 +225,7 @@ class CheckpointManager:
 
     def _prepare_step_dir(self, step_dir: Path, step: int) -> str:
         if (
-            (step_dir / COMPLETE).is_file()
+            (step_dir / files.COMPLETE).is_file()
             and self._loader.resumed
             and self._loader.resumed == (step_dir.resolve(), step)
         ):
@@ -250,9 +242,9 @@ class CheckpointManager:
         if step_dir.exists():
             # A killed save's leftovers, or a checkpoint of an abandoned line (resumed from an older step).
             log.warning("replacing existing %s", step_dir)
-            remove_step_dir(step_dir)
+            files.remove_step_dir(step_dir)
         try:
-            (step_dir / TRAIN_STATE_DIR).mkdir(parents=True)
+            (step_dir / files.TRAIN_STATE_DIR).mkdir(parents=True)
         except OSError as exc:
             raise UserError(
                 f"cannot create checkpoint directory {step_dir} ({exc.strerror}); set "
@@ -322,7 +314,7 @@ class CheckpointManager:
                 lineage=self._loader.lineage,
             )
             write_complete(pending.step_dir, checksums)
-            point_latest(self.ckpt_dir, pending.step_dir)
+            files.point_latest(self.ckpt_dir, pending.step_dir)
             if self._on_commit is not None:
                 self._on_commit(pending.step)
             # Deleting old checkpoints need not hold up training; wait() (every save, load, close) joins it.
@@ -346,10 +338,10 @@ class CheckpointManager:
         )
 
     def _apply_retention(self) -> None:
-        entries = list_steps(self.ckpt_dir)
+        entries = files.list_steps(self.ckpt_dir)
         victims = retention_victims(
             entries,
-            read_latest(self.ckpt_dir),
+            files.read_latest(self.ckpt_dir),
             self.ckpt.keep_last,
             self.ckpt.keep_every,
             protected={self.ckpt_dir / name for name in self._loader.kept_damaged},
@@ -358,7 +350,7 @@ class CheckpointManager:
             log.info(
                 "retention: removing %s%s", entry.path, "" if entry.complete else " (incomplete leftover)"
             )
-            remove_step_dir(entry.path)
+            files.remove_step_dir(entry.path)
 
     def save_seconds_estimate(self) -> float:
         if self._durations:
