@@ -185,3 +185,11 @@ def test_the_cycle_check_sees_a_cycle(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "_module_imports", lambda: graph)
     with pytest.raises(AssertionError, match="import cycle: relaytrain.a -> relaytrain.b -> relaytrain.a"):
         test_no_module_imports_itself_through_others()
+
+
+def test_the_architecture_page_names_every_checkpoint_module():
+    text = ARCHITECTURE.read_text()
+    section = text[text.index("## Inside checkpoint/") : text.index("## The launch path")]
+    modules = [p.name for p in sorted((SRC / "checkpoint").glob("*.py")) if p.stem != "__init__"]
+    missing = [name for name in modules if f"`{name}`" not in section]
+    assert not missing, f"docs/architecture.md's checkpoint/ table does not list {missing}"
