@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relaytrain.checkpoint import files as L
+from relaytrain.checkpoint.files import COMPLETE, read_latest, step_dir_name
 
 SPECIAL_KINDS = ("time_limit_cap", "time_limit_cap_budget", "hang", "disk_full")
 # The stop reasons (StopReason labels in run_state.json and metrics.jsonl) a time limit may end a job
@@ -147,11 +147,11 @@ class SpecialTrials:
         rank = trial.index % 2
         trial.job = self.bench.launch(name, *overrides)
         pids = self.wait(lambda: self.rank_pids(trial.job, rank=rank), 120, f"rank {rank} to start")
-        step_dir = run_dir / "checkpoints" / L.step_dir_name(target)
+        step_dir = run_dir / "checkpoints" / step_dir_name(target)
         self.wait(step_dir.exists, 240, f"{step_dir.name} to appear", interval=0.002)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        in_flight = not (step_dir / L.COMPLETE).exists()
+        in_flight = not (step_dir / COMPLETE).exists()
         self.bench.finish(trial, run_dir, overrides)
         self.bench.check(trial, run_dir)
         resumed = start_step(run_dir, self.records)
@@ -217,8 +217,8 @@ class SpecialTrials:
             )
             self.wait(lambda: not self.rank_pids(trial.job), 120, "the ranks to exit")
             time.sleep(5)  # the batch shell's crash check runs after the step
-            latest = L.read_latest(run_dir / "checkpoints")
-            intact = latest is not None and (latest / L.COMPLETE).is_file()
+            latest = read_latest(run_dir / "checkpoints")
+            intact = latest is not None and (latest / COMPLETE).is_file()
             errors = [line for line in job_log(run_dir).splitlines() if "checkpoint save of step" in line]
             subprocess.run(["mount", "-o", "remount,size=512m", str(mount)], check=True)  # space freed
             self.bench.finish(trial, run_dir, overrides, setup=NO_DELAY)

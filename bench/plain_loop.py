@@ -35,7 +35,7 @@ def batches(cfg, steps: int, data: str) -> list[tuple[torch.Tensor, torch.Tensor
     if data == "corpus":
         from relaytrain.data import build_train_loader
 
-        loader = build_train_loader(cfg, 0, 1)
+        loader = build_train_loader(cfg, 0, 1, cfg.train.global_batch_size)
         return [loader.next_batch() for _ in range(steps)]
     gen = torch.Generator().manual_seed(cfg.run.seed)
     shape = (steps, cfg.train.global_batch_size, cfg.train.seq_len + 1)

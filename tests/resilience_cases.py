@@ -59,13 +59,13 @@ def trainer_case(case: str, run_dir: Path) -> int:
 
         trainer.checkpoint.load = load
     else:
-        eval_loss = trainer.pm.eval_loss
+        eval_loss = trainer.model.eval_loss
 
         def eval_loss_then_signal(*args):
             os.kill(os.getpid(), signal.SIGUSR2)  # the time-limit signal, in the middle of an evaluation
             return eval_loss(*args)
 
-        trainer.pm.eval_loss = eval_loss_then_signal
+        trainer.model.eval_loss = eval_loss_then_signal
     try:
         code = trainer.run()
     except UserError as exc:

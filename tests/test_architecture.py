@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,64 @@ def test_from_relaytrain_import_a_module_names_the_module():
         "program",
         "checkpoint",
     }
+
+
+MAX_LINES = 400
+# A file that cannot be split yet, with the reason; empty: every file fits.
+OVERSIZED: dict[str, str] = {}
+
+
+def test_no_source_file_is_longer_than_the_limit():
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in SRC.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES and str(p.relative_to(SRC)) not in OVERSIZED
+    }
+    assert not long, f"split these by responsibility (at most {MAX_LINES} lines each): {long}"
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (anywhere in its body), e.g. relaytrain.checkpoint.files."""
+    modules = {}
+    for path in SRC.rglob("*.py"):
+        name = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_no_module_imports_itself_through_others():
+    graph, finished = _module_imports(), set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"import cycle: {' -> '.join(path[path.index(module) :] + (module,))}"
+        if module not in finished:
+            for target in sorted(graph[module]):
+                visit(target, path + (module,))
+            finished.add(module)
+
+    for module in sorted(graph):
+        visit(module, ())
+
+
+def test_the_cycle_check_sees_a_cycle(monkeypatch):
+    graph = {"relaytrain.a": {"relaytrain.b"}, "relaytrain.b": {"relaytrain.a"}}
+    monkeypatch.setattr(sys.modules[__name__], "_module_imports", lambda: graph)
+    with pytest.raises(AssertionError, match="import cycle: relaytrain.a -> relaytrain.b -> relaytrain.a"):
+        test_no_module_imports_itself_through_others()
+
+
+def test_the_architecture_page_names_every_checkpoint_module():
+    text = ARCHITECTURE.read_text()
+    section = text[text.index("## Inside checkpoint/") : text.index("## The launch path")]
+    modules = [p.name for p in sorted((SRC / "checkpoint").glob("*.py")) if p.stem != "__init__"]
+    missing = [name for name in modules if f"`{name}`" not in section]
+    assert not missing, f"docs/architecture.md's checkpoint/ table does not list {missing}"

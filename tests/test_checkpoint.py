@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord, files
+from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord, checksums, choose, files
 from relaytrain.checkpoint.schedule import SaveSchedule, retention_victims
 from relaytrain.checkpoint.state import merged_view
 from relaytrain.config import Config, config_hash, config_to_toml
@@ -214,7 +214,7 @@ def test_interrupted_save_leaves_previous_checkpoint_loaded(tmp_path, caplog):
     assert "skipping incomplete checkpoint" in caplog.text and "step_9" in caplog.text
     # latest pointing at an incomplete dir (a crash between swap and a later deletion) is not trusted
     files.point_latest(ckpt, partial)
-    assert files.choose_resume(ckpt)[0] == ckpt / "step_1"
+    assert choose.choose_resume(ckpt)[0] == ckpt / "step_1"
 
 
 KILLED_SAVE = textwrap.dedent(
@@ -380,7 +380,7 @@ def test_checkpoint_of_an_older_format_gets_one_line(tmp_path):
     step_dir = tmp_path / "run/checkpoints/step_1"
     meta = json.loads((step_dir / "metadata.json").read_text())
     (step_dir / "metadata.json").write_text(json.dumps(meta | {"format_version": 1}))
-    files.write_complete(step_dir)
+    checksums.write_complete(step_dir)
     with pytest.raises(UserError, match=r"step_1 has format 1 .* --checkpoint.init_from=.*step_1"):
         make(tmp_path, seed=1)[0].load()
     mgr2, parts2, *_ = make(tmp_path / "b", seed=1, init_from=str(step_dir))

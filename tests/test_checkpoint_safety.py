@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-from relaytrain.checkpoint import dcp_io, files, load_model
+from relaytrain.checkpoint import checksums, choose, dcp_io, files, load_model
 from relaytrain.checkpoint.export import export_checkpoint
 from relaytrain.checkpoint.hf import read_safetensors
 from relaytrain.errors import UserError
@@ -50,7 +50,7 @@ def poison_metadata(step_dir: Path, marker: Path) -> None:
     """What someone preparing a checkpoint to share would do: a .metadata that runs a command, and a
     COMPLETE manifest rewritten to match it."""
     (step_dir / ".metadata").write_bytes(pickle.dumps(_Exploit(marker)))
-    files.write_complete(step_dir)
+    checksums.write_complete(step_dir)
 
 
 def test_hostile_metadata_is_refused_by_every_load_path(tmp_path):
@@ -106,7 +106,7 @@ def test_metadata_naming_a_data_file_outside_is_refused(tmp_path):
     for info in meta.storage_data.values():
         info.relative_path = "../../../etc/passwd"
     (step_dir / ".metadata").write_bytes(pickle.dumps(meta))
-    files.write_complete(step_dir)
+    checksums.write_complete(step_dir)
     with pytest.raises(UserError, match=r"names the data file '\.\./\.\./\.\./etc/passwd'"):
         load_model(step_dir)
 
@@ -120,7 +120,7 @@ def test_export_copies_no_tokenizer_from_outside_the_checkpoint(tmp_path, caplog
     for spec in (str(secret), "../../../secret/tokenizer.json"):
         meta["tokenizer"] = spec
         (step_dir / "metadata.json").write_text(json.dumps(meta))
-        files.write_complete(step_dir)
+        checksums.write_complete(step_dir)
         out = tmp_path / f"out{len(spec)}.pt"
         with caplog.at_level(logging.WARNING, logger="relaytrain.checkpoint"):
             export_checkpoint(step_dir, out, fmt="torch")
@@ -129,7 +129,7 @@ def test_export_copies_no_tokenizer_from_outside_the_checkpoint(tmp_path, caplog
     (step_dir / "tokenizer.json").symlink_to(secret)
     export_checkpoint(step_dir, tmp_path / "sub" / "o.pt", fmt="torch")
     assert not (tmp_path / "sub" / "tokenizer.json").exists()
-    files.write_complete(step_dir)  # listed in the manifest, the link makes the checkpoint damaged
+    checksums.write_complete(step_dir)  # listed in the manifest, the link makes the checkpoint damaged
     with pytest.raises(UserError, match="names 'tokenizer.json', which is not a file inside it"):
         export_checkpoint(step_dir, tmp_path / "sub2" / "o.pt", fmt="torch")
 
@@ -155,12 +155,12 @@ def test_latest_and_manifest_cannot_point_outside(tmp_path, caplog):
         os.symlink(target, ckpt / "latest")
         with caplog.at_level(logging.WARNING, logger="relaytrain.checkpoint"):
             assert files.read_latest(ckpt) is None
-            assert files.choose_resume(ckpt)[0] == ckpt / "step_2"
+            assert choose.choose_resume(ckpt)[0] == ckpt / "step_2"
         assert "not to a step_<N> directory beside it" in caplog.text
     complete = json.loads((step_dir / "COMPLETE").read_text())
     for name in ("../step_1/config.toml", "/etc/hostname"):
         (step_dir / "COMPLETE").write_text(json.dumps({"files": complete["files"] | {name: {"size": 1}}}))
-        assert files.damaged_problems(step_dir) == [
+        assert checksums.damaged_problems(step_dir) == [
             f"its COMPLETE manifest names {name!r}, which is not a file inside it"
         ]
 
@@ -183,10 +183,10 @@ def test_flipped_byte_falls_back_to_the_previous_checkpoint(tmp_path, caplog):
 def test_async_save_records_checksums_and_old_manifests_still_load(tmp_path):
     step_dir = saved(tmp_path, steps=(1,), mode="async")
     listed = json.loads((step_dir / "COMPLETE").read_text())["files"]
-    assert listed["__0_0.distcp"]["checksum"] == files.file_checksum(step_dir / "__0_0.distcp")
+    assert listed["__0_0.distcp"]["checksum"] == checksums.file_checksum(step_dir / "__0_0.distcp")
     # a manifest from before checksums (path -> size) is still accepted
     (step_dir / "COMPLETE").write_text(json.dumps({"files": {k: v["size"] for k, v in listed.items()}}))
-    assert files.damaged_problems(step_dir) == []
+    assert checksums.damaged_problems(step_dir) == []
     assert make(tmp_path, seed=3)[0].load() == 1
 
 
@@ -196,10 +196,10 @@ def test_crc32_manifests_of_older_checkpoints_are_still_verified(tmp_path, caplo
     for step in (step_dir.parent / "step_1", step_dir):
         complete = json.loads((step / "COMPLETE").read_text())
         for rel, entry in complete["files"].items():
-            entry["checksum"] = files.file_checksum(step / rel, like="crc32:0")
+            entry["checksum"] = checksums.file_checksum(step / rel, like="crc32:0")
             assert entry["checksum"].startswith("crc32:")
         (step / "COMPLETE").write_text(json.dumps(complete))
-    assert files.damaged_problems(step_dir) == []
+    assert checksums.damaged_problems(step_dir) == []
     assert make(tmp_path, seed=3)[0].load() == 2
     shard = step_dir / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
@@ -215,6 +215,6 @@ def test_a_checksum_of_an_unknown_kind_counts_as_damage(tmp_path):
     complete = json.loads((step_dir / "COMPLETE").read_text())
     complete["files"]["config.toml"]["checksum"] = "md5:0123"
     (step_dir / "COMPLETE").write_text(json.dumps(complete))
-    assert files.damaged_problems(step_dir) == [
+    assert checksums.damaged_problems(step_dir) == [
         "config.toml does not match its checksum (its content changed after the save)"
     ]

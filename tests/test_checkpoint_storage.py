@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-from relaytrain.checkpoint import dcp_io, files
+from relaytrain.checkpoint import checksums, dcp_io
 from relaytrain.checkpoint.state import create_adam_state
 from relaytrain.checkpoint.storage import RAW, ChecksumMismatch, RawWriter
 from relaytrain.errors import UserError
@@ -42,7 +42,7 @@ def test_round_trip_is_exact_and_checksums_are_computed_while_writing(tmp_path):
     writer = save(tmp_path, state)
     shards = sorted(p.name for p in tmp_path.glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__0_1.distcp"]  # one file per writer thread
-    assert writer.checksums == {name: files.file_checksum(tmp_path / name) for name in shards}
+    assert writer.checksums == {name: checksums.file_checksum(tmp_path / name) for name in shards}
     meta = dcp_io.read_metadata(tmp_path)
     assert {tuple(info.transform_descriptors or ()) for info in meta.storage_data.values()} == {(RAW,), ()}
     # tensors stored as bare bytes; the pickled float is one torch.save record (~1 kB; one per tensor before)

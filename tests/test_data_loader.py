@@ -43,7 +43,8 @@ def make_cfg(tmp_path: Path, sources: list[Path] | None = None, **train) -> Conf
 
 def global_sequence(cfg: Config, dp_size: int, steps: int, state: dict | None = None):
     """Each step's global batch (ranks concatenated in order) and the final state, for ``dp_size`` ranks."""
-    loaders = [build_train_loader(cfg, r, dp_size) for r in range(dp_size)]
+    local = cfg.train.global_batch_size // dp_size
+    loaders = [build_train_loader(cfg, r, dp_size, local) for r in range(dp_size)]
     if state is not None:
         for loader in loaders:
             loader.load_state_dict(state)
@@ -60,7 +61,7 @@ def global_sequence(cfg: Config, dp_size: int, steps: int, state: dict | None = 
 def test_unshuffled_epoch_reproduces_the_token_stream(tmp_path, two_sources):
     cfg = make_cfg(tmp_path, two_sources[:1], seq_len=16, global_batch_size=4)
     cfg.data.shuffle = False
-    loader = build_train_loader(cfg, 0, 1)
+    loader = build_train_loader(cfg, 0, 1, cfg.train.global_batch_size)
     windows = loader.samples_per_epoch[0]
     inputs, targets = loader.global_samples(0, windows)
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
@@ -135,7 +136,7 @@ def test_mixture_honours_weights_and_is_random_access():
 def test_mixture_in_the_loader_draws_each_source_by_weight(tmp_path, two_sources):
     cfg = make_cfg(tmp_path, two_sources, seq_len=16, global_batch_size=64)
     cfg.data.weights = [1.0, 3.0]
-    loader = build_train_loader(cfg, 0, 1)
+    loader = build_train_loader(cfg, 0, 1, cfg.train.global_batch_size)
     inputs, _ = loader.next_batch()
     from_b = sum("BETA" in text or "dolor" in text for text in map(loader.tokenizer.decode, inputs.tolist()))
     assert 40 <= from_b <= 56  # 48 expected; a window of "lorem ipsum" text never mentions BETA/dolor
@@ -169,7 +170,7 @@ def test_bundled_corpus_resolves_and_yields_batches(tmp_path):
     assert path == bundled_cache_dir(cfg) and path.parent == tmp_path / "runs" / ".cache"
     ds = PreparedDataset(path)
     assert ds.tokenizer_name == "byte" and ds.num_tokens("train") > 800_000 and ds.num_tokens("val") > 10_000
-    loader = build_train_loader(cfg, 0, 2)
+    loader = build_train_loader(cfg, 0, 2, cfg.train.global_batch_size // 2)
     inputs, targets = loader.next_batch()
     assert inputs.shape == targets.shape == (4, 64) and inputs.dtype == torch.long
     text = loader.tokenizer.decode(inputs[0].tolist())
@@ -220,11 +221,11 @@ def test_source_errors_name_the_problem(tmp_path, two_sources):
     cfg.data.weights = [1.0]
     with pytest.raises(UserError, match="data.weights has 1 entries"):
         resolve_sources(cfg)
-    for build in (build_train_loader, build_val_loader):
-        with pytest.raises(UserError, match="fewer than train.seq_len"):
-            build(make_cfg(tmp_path, two_sources, seq_len=100_000), 0, 1)
-    with pytest.raises(UserError, match="not divisible by the 3 data-parallel ranks"):
-        build_train_loader(make_cfg(tmp_path, two_sources, global_batch_size=8), 0, 3)
+    too_short = make_cfg(tmp_path, two_sources, seq_len=100_000)
+    with pytest.raises(UserError, match="fewer than train.seq_len"):
+        build_train_loader(too_short, 0, 1, too_short.train.global_batch_size)
+    with pytest.raises(UserError, match="fewer than train.seq_len"):
+        build_val_loader(too_short, 0, 1)
 
 
 def test_hf_tokenized_source_with_matching_config(tmp_path):
@@ -237,6 +238,6 @@ def test_hf_tokenized_source_with_matching_config(tmp_path):
     with pytest.raises(UserError, match=f"set data.tokenizer to {out / 'tokenizer.json'}"):
         resolve_sources(cfg)
     cfg.data.tokenizer = str(out / "tokenizer.json")  # the copy kept in the prepared directory
-    loader = build_train_loader(cfg, 0, 1)
+    loader = build_train_loader(cfg, 0, 1, cfg.train.global_batch_size)
     inputs, _ = loader.next_batch()
     assert inputs.max() < 320 and loader.tokenizer.vocab_size == 320

@@ -6,7 +6,14 @@ import pytest
 
 from relaytrain.config.schema import Config
 from relaytrain.errors import UserError
-from relaytrain.parallel.layout import ParallelDims, batch_split_note, resolve_dims, validate_layout
+from relaytrain.parallel.layout import (
+    ParallelDims,
+    batch_split_note,
+    check_layout,
+    resolve_dims,
+    split_batch,
+    validate_layout,
+)
 
 
 def make_cfg(**parallel) -> Config:
@@ -167,6 +174,18 @@ def test_cp_refused_on_cpu_with_a_clear_message():
     msg = refused(make_cfg(cp=2), 2, 2, device="cpu")
     assert "needs CUDA" in msg and "parallel.cp=1" in msg
     assert validate_layout(make_cfg(cp=2), 2, 2, device_type="cuda").cp == 2
+
+
+def test_validate_layout_is_resolve_then_check_then_split():
+    cfg = make_cfg(pp=2, pp_microbatches=4)
+    dims = resolve_dims(cfg.parallel, 8)
+    assert check_layout(cfg, dims, 4, "cuda") is None and dims.micro_batch_size == dims.grad_accum == 0
+    split = split_batch(cfg, dims)
+    assert (split.micro_batch_size, split.grad_accum, split.local_batch_size) == (2, 4, 8)
+    assert split == validate_layout(cfg, 8, 4) and split.local_batch_size * split.dp == 32
+    cfg.train.global_batch_size = 12
+    with pytest.raises(UserError, match="data-parallel degree 4 x parallel.pp_microbatches=4"):
+        check_layout(cfg, dims, 4, "cuda")
 
 
 def test_resolve_dims_fills_dp_shard():

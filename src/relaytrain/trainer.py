@@ -28,7 +28,8 @@ from relaytrain.monitor.logs import setup_logging
 from relaytrain.optim import build_optimizer, lr_at, schedule_fit_warning, set_lr
 from relaytrain.parallel import parallelize
 from relaytrain.parallel.distributed import DistEnv, init_distributed, shutdown_distributed
-from relaytrain.parallel.layout import resize_fields, validate_layout
+from relaytrain.parallel.layout import validate_layout
+from relaytrain.parallel.resize import resize_fields
 from relaytrain.resilience import (
     HangWatchdog,
     NanGuard,
@@ -90,25 +91,26 @@ class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.run_dir = Path(cfg.run.dir) / cfg.run.name
-        self.pm = parallelize(cfg, env.device, env.world_size, env.rank, env.local_world_size)
+        self.model = parallelize(cfg, env.device, env.world_size, env.rank, env.local_world_size)
         if env.is_main:
-            log.info("parallel layout: %s", self.pm.dims.describe())
-        self.optimizers = [build_optimizer(cfg.optim, self.pm.model_parts, env.device)]
-        self.loader = build_train_loader(cfg, self.pm.dp_rank, self.pm.dp_size)
+            log.info("parallel layout: %s", self.model.dims.describe())
+        self.optimizers = [build_optimizer(cfg.optim, self.model.model_parts, env.device)]
+        dims = self.model.dims
+        self.loader = build_train_loader(cfg, self.model.dp_rank, dims.dp, dims.local_batch_size)
         self.val_loader = (
-            build_val_loader(cfg, self.pm.dp_rank, self.pm.dp_size) if cfg.train.eval_every else None
+            build_val_loader(cfg, self.model.dp_rank, self.model.dp_size) if cfg.train.eval_every else None
         )
         self.state = TrainState(run_id=uuid.uuid4().hex[:12])
         self.checkpoint = CheckpointManager(
             cfg.checkpoint,
             self.run_dir,
             RunRecord(cfg.run.name, config_to_toml(cfg), config_hash(cfg), cfg.model, cfg.data.tokenizer),
-            self.pm.model_parts,
+            self.model.model_parts,
             self.optimizers,
             {"train_state": self.state, "data": self.loader, "rng": RngState(cfg.run.seed)},
             rank=env.rank,
             world_size=env.world_size,
-            parallel_dims=vars(self.pm.dims) | {"nodes": env.num_nodes},
+            parallel_dims=vars(self.model.dims) | {"nodes": env.num_nodes},
             # run_state.json then knows the run has this checkpoint even if the directory is lost later
             on_commit=RunStateFile(self.run_dir).note_checkpoint,
         )
@@ -163,7 +165,7 @@ class Trainer:
                 world_size=self.env.world_size,
                 nodes=self.env.num_nodes,
             )
-            resize = resize_fields(self.checkpoint.resumed_layout, self.pm.dims, self.env.num_nodes)
+            resize = resize_fields(self.checkpoint.resumed_layout, self.model.dims, self.env.num_nodes)
             if resumed is not None and resize is not None:
                 self.metrics.log_event("resize", state.step, **resize)
             self.watchdog.start()
@@ -200,10 +202,10 @@ class Trainer:
                 inputs, targets = self.loader.next_batch()
                 inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
             with self.timer.section("forward_backward"):
-                loss = self.pm.train_step(inputs, targets)
+                loss = self.model.train_step(inputs, targets)
                 loss = self.inject_nan(loss, step)
             with self.timer.section("optimizer"):
-                grad_norm = self.pm.clip_grad_norm_(train.grad_clip)
+                grad_norm = self.model.clip_grad_norm_(train.grad_clip)
                 verdict = self.nan_guard.check(loss, grad_norm)
                 if verdict == "ok":
                     for opt in self.optimizers:
@@ -280,7 +282,7 @@ class Trainer:
 
     def _log_train(self, step, loss, grad_norm, lr, tokens, elapsed) -> None:
         record = {
-            "loss": self.pm.reduce_mean(loss),
+            "loss": self.model.reduce_mean(loss),
             "lr": lr,
             "grad_norm": float(grad_norm),
             "tokens_seen": self.state.tokens_seen,
@@ -293,9 +295,9 @@ class Trainer:
     def _evaluate(self, step: int) -> None:
         train = self.cfg.train
         total, batches = 0.0, 0
-        for inputs, targets in self.val_loader.batches(train.eval_steps, self.pm.dims.micro_batch_size):
-            total += self.pm.reduce_mean(
-                self.pm.eval_loss(inputs.to(self.env.device), targets.to(self.env.device))
+        for inputs, targets in self.val_loader.batches(train.eval_steps, self.model.dims.micro_batch_size):
+            total += self.model.reduce_mean(
+                self.model.eval_loss(inputs.to(self.env.device), targets.to(self.env.device))
             )
             batches += 1
             # No early exit on a stop request: the evaluation of the stop step finishes (it is bounded by

@@ -12,8 +12,17 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from relaytrain.checkpoint import files as L
 from relaytrain.checkpoint import hf
+from relaytrain.checkpoint.checksums import write_complete
+from relaytrain.checkpoint.files import (
+    CONFIG,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA,
+    TOKENIZER,
+    inside,
+    write_durable,
+)
 from relaytrain.checkpoint.sources import TORCH_EXPORT_NAME, TORCH_FORMAT, read_full_state
 from relaytrain.config import config_to_toml
 from relaytrain.config.loader import config_from_dict
@@ -47,13 +56,13 @@ def _tokenizer_source(info: dict) -> tuple[str, Path | None]:
     if spec == "byte":
         return "byte", None
     path = info["path"]
-    copied = L.inside(path if path.is_dir() else path.parent, L.TOKENIZER)
+    copied = inside(path if path.is_dir() else path.parent, TOKENIZER)
     if copied is not None and copied.is_file():
         return "file", copied
     log.warning(
         "checkpoint %s carries no %s copy of its tokenizer (%s); the export has no tokenizer files",
         path,
-        L.TOKENIZER,
+        TOKENIZER,
         spec,
     )
     return "file", None
@@ -113,7 +122,7 @@ def export_checkpoint(
         torch.save(blob, tmp)
         tmp.replace(target)
         if tokenizer is not None:
-            shutil.copyfile(tokenizer, target.parent / L.TOKENIZER)
+            shutil.copyfile(tokenizer, target.parent / TOKENIZER)
         return target  # the caller says where it went (relaytrain export prints one line)
     if fmt != "hf":
         raise UserError(f"export format {fmt!r} is unknown; use 'hf' or 'torch'")
@@ -167,12 +176,12 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
     )
     data = {}
     if (hf_dir / "tokenizer.json").is_file():
-        shutil.copyfile(hf_dir / "tokenizer.json", out / L.TOKENIZER)
-        data["tokenizer"] = str(out / L.TOKENIZER)
+        shutil.copyfile(hf_dir / "tokenizer.json", out / TOKENIZER)
+        data["tokenizer"] = str(out / TOKENIZER)
     cfg = config_from_dict({"model": dataclasses.asdict(model_cfg), "data": data})
     meta = {
-        "format": L.FORMAT_NAME,
-        "format_version": L.FORMAT_VERSION,
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
         "step": 0,
         "reason": "import-hf",
         "contents": ["model"],
@@ -190,7 +199,7 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
         "tokenizer": cfg.data.tokenizer,
         "source": str(hf_dir),
     }
-    L.write_durable(out / L.METADATA, json.dumps(meta, indent=1).encode())
-    L.write_durable(out / L.CONFIG, config_to_toml(cfg).encode())
-    L.write_complete(out)
+    write_durable(out / METADATA, json.dumps(meta, indent=1).encode())
+    write_durable(out / CONFIG, config_to_toml(cfg).encode())
+    write_complete(out)
     return out

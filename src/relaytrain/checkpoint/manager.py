@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from relaytrain.checkpoint import files as L
+from relaytrain.checkpoint import files
+from relaytrain.checkpoint.checksums import write_complete
 from relaytrain.checkpoint.collectives import Collectives
 from relaytrain.checkpoint.record import RunRecord, write_run_record, write_train_state
 from relaytrain.checkpoint.resume import CheckpointLoader
@@ -139,7 +140,6 @@ class CheckpointManager:
             self._coll,
             self.parallel_dims,
         )
-        self._loads = 0
 
     @property
     def resumed_layout(self) -> dict[str, Any] | None:
@@ -162,7 +162,7 @@ class CheckpointManager:
         if step in self._saved_steps:
             log.info("step %d is already checkpointed; nothing to save (%s)", step, reason)
             return
-        step_dir = self.ckpt_dir / L.step_dir_name(step)
+        step_dir = self.ckpt_dir / files.step_dir_name(step)
         if self._coll.on_rank0(lambda: self._prepare_step_dir(step_dir, step)) in ("exists", "kept"):
             self._saved_steps.add(step)
             return
@@ -225,7 +225,7 @@ class CheckpointManager:
 
     def _prepare_step_dir(self, step_dir: Path, step: int) -> str:
         if (
-            (step_dir / L.COMPLETE).is_file()
+            (step_dir / files.COMPLETE).is_file()
             and self._loader.resumed
             and self._loader.resumed == (step_dir.resolve(), step)
         ):
@@ -242,9 +242,9 @@ class CheckpointManager:
         if step_dir.exists():
             # A killed save's leftovers, or a checkpoint of an abandoned line (resumed from an older step).
             log.warning("replacing existing %s", step_dir)
-            L.remove_step_dir(step_dir)
+            files.remove_step_dir(step_dir)
         try:
-            (step_dir / L.TRAIN_STATE_DIR).mkdir(parents=True)
+            (step_dir / files.TRAIN_STATE_DIR).mkdir(parents=True)
         except OSError as exc:
             raise UserError(
                 f"cannot create checkpoint directory {step_dir} ({exc.strerror}); set "
@@ -313,8 +313,8 @@ class CheckpointManager:
                 save_mode=self.ckpt.mode,
                 lineage=self._loader.lineage,
             )
-            L.write_complete(pending.step_dir, checksums)
-            L.point_latest(self.ckpt_dir, pending.step_dir)
+            write_complete(pending.step_dir, checksums)
+            files.point_latest(self.ckpt_dir, pending.step_dir)
             if self._on_commit is not None:
                 self._on_commit(pending.step)
             # Deleting old checkpoints need not hold up training; wait() (every save, load, close) joins it.
@@ -338,10 +338,10 @@ class CheckpointManager:
         )
 
     def _apply_retention(self) -> None:
-        entries = L.list_steps(self.ckpt_dir)
+        entries = files.list_steps(self.ckpt_dir)
         victims = retention_victims(
             entries,
-            L.read_latest(self.ckpt_dir),
+            files.read_latest(self.ckpt_dir),
             self.ckpt.keep_last,
             self.ckpt.keep_every,
             protected={self.ckpt_dir / name for name in self._loader.kept_damaged},
@@ -350,7 +350,7 @@ class CheckpointManager:
             log.info(
                 "retention: removing %s%s", entry.path, "" if entry.complete else " (incomplete leftover)"
             )
-            L.remove_step_dir(entry.path)
+            files.remove_step_dir(entry.path)
 
     def save_seconds_estimate(self) -> float:
         if self._durations:
@@ -368,7 +368,6 @@ class CheckpointManager:
         ``recorded_step``: the step of the newest checkpoint the run's record says it has; when none loads,
         it makes the load an `UnloadableCheckpoints` error instead of a fresh start."""
         self.wait()
-        self._loads += 1
         step = self._loader.load(saved_this_run=bool(self._saved_steps), recorded_step=recorded_step)
         if step is not None:
             self._saved_steps = {s for s in self._saved_steps if s <= step}

@@ -15,7 +15,17 @@ from typing import Any
 
 import torch
 
-from relaytrain.checkpoint import files as L
+from relaytrain.checkpoint.checksums import bytes_checksum
+from relaytrain.checkpoint.files import (
+    CONFIG,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA,
+    TOKENIZER,
+    copy_durable,
+    train_state_file,
+    write_durable,
+)
 from relaytrain.config.schema import ModelConfig
 from relaytrain.version import __version__
 
@@ -38,13 +48,13 @@ def write_train_state(
 ) -> dict[str, str]:
     """Write this rank's train state file; its manifest checksum, computed from the bytes written."""
     payload = {
-        "format_version": L.FORMAT_VERSION,
+        "format_version": FORMAT_VERSION,
         "states": {name: obj.state_dict() for name, obj in states.items()},
         "step": step,
         "rank": rank,
         "world_size": world_size,
     }
-    path = L.train_state_file(step_dir, rank)
+    path = train_state_file(step_dir, rank)
     tmp = path.with_name(path.name + ".tmp")
     data = io.BytesIO()
     torch.save(payload, data)
@@ -53,7 +63,7 @@ def write_train_state(
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
-    return {str(path.relative_to(step_dir)): L.bytes_checksum(data.getbuffer())}
+    return {str(path.relative_to(step_dir)): bytes_checksum(data.getbuffer())}
 
 
 def write_run_record(
@@ -70,8 +80,8 @@ def write_run_record(
 ) -> None:
     """metadata.json, config.toml and a copy of the tokenizer file (rank 0, before the commit)."""
     meta = {
-        "format": L.FORMAT_NAME,
-        "format_version": L.FORMAT_VERSION,
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
         "step": step,
         "reason": reason,
         "contents": contents,
@@ -88,11 +98,11 @@ def write_run_record(
         "model": dataclasses.asdict(record.model),
         "tokenizer": record.tokenizer,
     }
-    L.write_durable(step_dir / L.METADATA, json.dumps(meta, indent=1).encode())
-    L.write_durable(step_dir / L.CONFIG, record.config_toml.encode())
+    write_durable(step_dir / METADATA, json.dumps(meta, indent=1).encode())
+    write_durable(step_dir / CONFIG, record.config_toml.encode())
     tokenizer = _tokenizer_file(record.tokenizer)
     if tokenizer is not None:
-        L.copy_durable(tokenizer, step_dir / L.TOKENIZER)
+        copy_durable(tokenizer, step_dir / TOKENIZER)
 
 
 def _tokenizer_file(spec: str) -> Path | None:

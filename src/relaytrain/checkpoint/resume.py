@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from relaytrain.checkpoint import dcp_io
-from relaytrain.checkpoint import files as L
+from relaytrain.checkpoint.checksums import damaged_problems, data_problems, listed_checksums
+from relaytrain.checkpoint.choose import choose_resume, resolve_checkpoint
 from relaytrain.checkpoint.collectives import Collectives
+from relaytrain.checkpoint.files import COMPLETE, FORMAT_VERSION, list_steps, read_metadata, train_state_file
 from relaytrain.checkpoint.sources import init_model_from, verify_model_fits
 from relaytrain.checkpoint.state import (
     create_adam_state,
@@ -142,7 +144,7 @@ class CheckpointLoader:
             if refusal is not None:
                 return refusal
         elif ck.enabled and ck.resume == "none":
-            complete = [e for e in L.list_steps(self.ckpt_dir) if e.complete]
+            complete = [e for e in list_steps(self.ckpt_dir) if e.complete]
             if complete:
                 raise UserError(
                     f"checkpoint.resume='none' but {self.ckpt_dir} already holds checkpoints (newest "
@@ -155,12 +157,12 @@ class CheckpointLoader:
             own, why = self._choose_own()
             argument = _absolute(ck.resume)
             if own is not None:
-                meta = L.read_metadata(own)
+                meta = read_metadata(own)
                 if argument in (meta.get("resume_arg"), meta.get("resumed_from")) and own.resolve() != Path(
                     argument
                 ):
                     return "resume", str(own), f"{why} (this run's progress since {ck.resume})", None
-            explicit = L.resolve_checkpoint(ck.resume).resolve()
+            explicit = resolve_checkpoint(ck.resume).resolve()
             lineage = {"resumed_from": str(explicit), "resume_arg": argument}
             return "resume", str(explicit), f"checkpoint.resume={ck.resume}", lineage
         if ck.init_from:
@@ -176,7 +178,7 @@ class CheckpointLoader:
     def _choose_own(self) -> tuple[Path | None, str]:
         # Shard files are checked while the load reads them (storage.RawReader), not in a read before it.
         skip = frozenset(self._damaged)
-        chosen, why = L.choose_resume(self.ckpt_dir, self.ckpt.verify, data=False, skip=skip)
+        chosen, why = choose_resume(self.ckpt_dir, self.ckpt.verify, data=False, skip=skip)
         self._verified = chosen.resolve() if chosen is not None and self.ckpt.verify else None
         return chosen, why
 
@@ -184,16 +186,16 @@ class CheckpointLoader:
         """When none of the run's checkpoints loads: the refusal, or with checkpoint.start_over_if_damaged
         a fresh start that keeps them. None when the run has nothing to lose (no committed checkpoint, none
         recorded): it starts fresh."""
-        entries = L.list_steps(self.ckpt_dir)
+        entries = list_steps(self.ckpt_dir)
         if recorded_step <= 0 and not any(e.complete for e in entries):
             return None
         found = []
         for entry in reversed(entries):
             if not entry.complete:
-                problem = f"incomplete (no {L.COMPLETE} marker)"
+                problem = f"incomplete (no {COMPLETE} marker)"
             else:
                 problem = self._damaged.get(entry.path.resolve()) or "; ".join(
-                    L.damaged_problems(entry.path, self.ckpt.verify, data=False)[:2]
+                    damaged_problems(entry.path, self.ckpt.verify, data=False)[:2]
                 )
             found.append((entry.path.name, f"{entry.path.name} ({problem or 'does not load'})"))
         listed = "; ".join(text for _, text in found[:_LISTED])
@@ -219,36 +221,36 @@ class CheckpointLoader:
         )
 
     def _check_resumable(self, step_dir: Path) -> dict[str, Any]:
-        if not (step_dir / L.COMPLETE).is_file():
+        if not (step_dir / COMPLETE).is_file():
             raise UserError(
-                f"checkpoint {step_dir} is incomplete (no {L.COMPLETE} marker: its save was "
+                f"checkpoint {step_dir} is incomplete (no {COMPLETE} marker: its save was "
                 "interrupted); resume from an older step_<N> directory instead"
             )
         # choose_resume has just read every byte of the one it chose; sizes are enough then.
         verify = self.ckpt.verify and step_dir.resolve() != self._verified
-        problems = L.damaged_problems(step_dir, verify, data=False)
+        problems = damaged_problems(step_dir, verify, data=False)
         if problems:
             older = [
                 e.path
-                for e in L.list_steps(step_dir.parent)
-                if e.complete and e.path != step_dir and not L.damaged_problems(e.path, verify=False)
+                for e in list_steps(step_dir.parent)
+                if e.complete and e.path != step_dir and not damaged_problems(e.path, verify=False)
             ]
             hint = f"checkpoint.resume={older[-1]}" if older else "checkpoint.resume=<an older step dir>"
             raise UserError(
                 f"checkpoint {step_dir} is damaged ({'; '.join(problems[:3])}); resume from an "
                 f"older one with --{hint}"
             )
-        meta = L.read_metadata(step_dir)
+        meta = read_metadata(step_dir)
         if "train_state" not in meta.get("contents", []):
             raise UserError(
                 f"{step_dir} holds model weights only (an import or export); start from it with "
                 f"checkpoint.init_from={step_dir} instead of checkpoint.resume"
             )
-        if meta.get("format_version", 1) < L.FORMAT_VERSION:
+        if meta.get("format_version", 1) < FORMAT_VERSION:
             raise UserError(
                 f"checkpoint {step_dir} has format {meta.get('format_version', 1)} (relaytrain "
                 f"{meta.get('relaytrain_version')}), whose train state this relaytrain (format "
-                f"{L.FORMAT_VERSION}) cannot restore; finish that run with the relaytrain that wrote it, or "
+                f"{FORMAT_VERSION}) cannot restore; finish that run with the relaytrain that wrote it, or "
                 f"start from its weights with --checkpoint.init_from={step_dir}"
             )
         verify_model_fits(step_dir, self.model)
@@ -284,14 +286,14 @@ class CheckpointLoader:
                 step_dir,
                 process_group=self.coll.save_group,
                 no_dist=not self.coll.dist,
-                expected=L.listed_checksums(step_dir) if self.ckpt.verify else None,
+                expected=listed_checksums(step_dir) if self.ckpt.verify else None,
             )
             self._check_data(step_dir, checked)
             set_model_state(self.model_parts, state["model"])
             if "optim" in state:
                 set_optimizer_state(self.model_parts, self.optimizers, state["optim"])
             same_world = meta["world_size"] == self.world_size
-            source = L.train_state_file(step_dir, self.rank if same_world else 0)
+            source = train_state_file(step_dir, self.rank if same_world else 0)
             payload = torch.load(source, weights_only=True, map_location="cpu")
         except UserError:
             raise
@@ -327,7 +329,7 @@ class CheckpointLoader:
         if not self.ckpt.verify:
             return
         seen = set(self.coll.gather_dicts(dict.fromkeys(checked, "")))
-        problems = self.coll.on_rank0(lambda: L.data_problems(step_dir, seen))
+        problems = self.coll.on_rank0(lambda: data_problems(step_dir, seen))
         if problems:
             raise ChecksumMismatch("; ".join(problems[:3]))
 

@@ -14,7 +14,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from relaytrain.checkpoint import files as L
+from relaytrain.checkpoint.files import read_latest, remove_step_dir
 from relaytrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,8 @@ def save_failure(
     """Remove the partial `step_dir` (rank 0); the error every rank raises (`disk_full`: agreed by all)."""
     ckpt_dir = step_dir.parent
     if is_rank0:
-        L.remove_step_dir(step_dir)
-    latest = L.read_latest(ckpt_dir)
+        remove_step_dir(step_dir)
+    latest = read_latest(ckpt_dir)
     kept = f"the last complete checkpoint ({latest.name}) is intact" if latest else "no earlier checkpoint"
     if not disk_full:
         return RuntimeError(

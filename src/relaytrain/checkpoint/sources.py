@@ -18,7 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from relaytrain.checkpoint import dcp_io, hf
-from relaytrain.checkpoint import files as L
+from relaytrain.checkpoint.checksums import damaged_problems
+from relaytrain.checkpoint.choose import resolve_checkpoint
+from relaytrain.checkpoint.files import COMPLETE, read_metadata
 from relaytrain.checkpoint.state import (
     expected_model_shapes,
     model_state,
@@ -58,13 +60,13 @@ def checkpoint_kind(path: Path) -> tuple[str, Path]:
         return "hf", path
     if (path / TORCH_EXPORT_NAME).is_file():
         return "torch", path / TORCH_EXPORT_NAME
-    return "dcp", L.resolve_checkpoint(path)
+    return "dcp", resolve_checkpoint(path)
 
 
 def _committed(step_dir: Path) -> None:
-    if not (step_dir / L.COMPLETE).is_file():
-        raise UserError(f"checkpoint {step_dir} is incomplete (no {L.COMPLETE} marker); use a complete one")
-    problems = L.damaged_problems(step_dir)
+    if not (step_dir / COMPLETE).is_file():
+        raise UserError(f"checkpoint {step_dir} is incomplete (no {COMPLETE} marker); use a complete one")
+    problems = damaged_problems(step_dir)
     if problems:
         raise UserError(f"checkpoint {step_dir} is damaged ({'; '.join(problems[:3])}); use an older one")
 
@@ -91,7 +93,7 @@ def read_full_state(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
         cfg = ModelConfig(**blob["model_config"])
         return cfg, blob["state_dict"], {"kind": kind, "path": path, "metadata": blob.get("metadata", {})}
     _committed(path)
-    meta = L.read_metadata(path)
+    meta = read_metadata(path)
     cfg = ModelConfig(**meta["model"])
     tensors = _dcp_tensor_metadata(path)
     raise_on_mismatch(

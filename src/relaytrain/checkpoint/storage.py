@@ -5,7 +5,7 @@ thread, and its reader ``torch.load``s every tensor into a fresh buffer before c
 `RawWriter` keeps DCP's planning, metadata and file naming (so resharding to any world size and layout
 works as before) and replaces only how the bytes go to disk: each rank's items are split into
 `thread_count` files written in parallel, every tensor as its contiguous bytes in one ``write`` (no
-pickle, no copy), and each file's checksum (files.Checksum) is computed over the bytes as they are
+pickle, no copy), and each file's checksum (checksums.Checksum) is computed over the bytes as they are
 written, so the COMPLETE
 manifest needs no second read. Tensor entries carry the transform descriptor `RAW` in ``.metadata``;
 torch's own reader refuses them (unknown extension) instead of misreading them.
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from relaytrain.checkpoint.files import Checksum
+from relaytrain.checkpoint.checksums import Checksum
 from relaytrain.errors import UserError
 
 RAW = "relaytrain-raw-v1"  # transform descriptor of a tensor stored as its bare bytes

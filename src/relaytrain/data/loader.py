@@ -46,14 +46,18 @@ def _read_samples(streams: list[TokenStream], source: np.ndarray, starts: np.nda
 
 
 class TrainLoader:
-    """This rank's share of each optimizer step's global batch, from a seeded, resumable sample order."""
+    """This rank's share of each optimizer step's global batch, from a seeded, resumable sample order.
+
+    The share is given, not derived: `local_batch_size` sequences for data-parallel rank `dp_rank` of
+    `dp_size`, as the layout's ParallelDims split the global batch (`local_batch_size * dp_size`).
+    """
 
     def __init__(
         self,
         datasets: list[PreparedDataset],
         weights: list[float],
         seq_len: int,
-        global_batch_size: int,
+        local_batch_size: int,
         dp_rank: int,
         dp_size: int,
         seed: int,
@@ -62,14 +66,9 @@ class TrainLoader:
     ) -> None:
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
-        if global_batch_size % dp_size:
-            raise UserError(
-                f"train.global_batch_size={global_batch_size} is not divisible by the {dp_size} "
-                "data-parallel ranks; choose a multiple"
-            )
         self.datasets, self.seq_len, self.shuffle = datasets, seq_len, shuffle
-        self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
-        self.local_batch_size = global_batch_size // dp_size
+        self.local_batch_size, self.dp_rank, self.dp_size = local_batch_size, dp_rank, dp_size
+        self.global_batch_size = local_batch_size * dp_size
         self.tokenizer = tokenizer
         self._streams = [d.split("train") for d in datasets]
         self._windows = []
@@ -197,14 +196,15 @@ def _open(cfg: Config) -> tuple[list[PreparedDataset], list[float]]:
     return [PreparedDataset(p) for p in paths], weights
 
 
-def build_train_loader(cfg: Config, dp_rank: int, dp_size: int) -> TrainLoader:
+def build_train_loader(cfg: Config, dp_rank: int, dp_size: int, local_batch_size: int) -> TrainLoader:
+    """`dp_size`, `local_batch_size`: ParallelDims.dp and .local_batch_size of the validated layout."""
     datasets, weights = _open(cfg)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     return TrainLoader(
         datasets,
         weights,
         cfg.train.seq_len,
-        cfg.train.global_batch_size,
+        local_batch_size,
         dp_rank,
         dp_size,
         seed=cfg.run.seed,

@@ -2,7 +2,9 @@
 
 `validate_layout` is called by `relaytrain plan` and by `parallelize` before any process group or mesh
 exists, so a layout that cannot work (a tensor-parallel group crossing a node boundary, heads that do not
-split, a batch that does not divide) is refused with a message that names the fix.
+split, a batch that does not divide) is refused with a message that names the fix. It runs three steps:
+`resolve_dims` (the degrees), `check_layout` (refuses, derives nothing) and `split_batch` (the batch
+split, once the checks passed).
 
 Rank order: `parallel.rank_order` lists the dimensions innermost first. The innermost dimension gets
 adjacent ranks; torchrun and Slurm number ranks node by node, so adjacent ranks share a node. Data
@@ -11,8 +13,9 @@ parallelism ("dp") expands to dp_replicate (outer, typically across nodes) and d
 Batch split: the global batch is fixed; each data-parallel rank takes global / dp sequences and runs them
 as `grad_accum` micro batches of `micro_batch_size`. When train.micro_batch_size does not divide the local
 batch, the largest micro batch below it that does is used (`batch_split_note` says so), so one config runs
-on any data-parallel degree that divides the global batch. The trainer, the data loader, the step and
-`relaytrain plan` read the split from the returned `ParallelDims`, never from the config.
+on any data-parallel degree that divides the global batch. The trainer, the step and `relaytrain plan`
+read the split from the returned `ParallelDims`, never from the config; the trainer hands the data loader
+its data-parallel rank, `dp` and `local_batch_size` (data/ sits below parallel/ and cannot import it).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class ParallelDims:
     pp: int
     world_size: int
     rank_order: tuple[str, ...] = ("tp", "cp", "pp", "dp")  # innermost first
-    # The batch split, filled by validate_layout (0 until then): sequences per forward on one rank, and
+    # The batch split, filled by split_batch (0 until then): sequences per forward on one rank, and
     # forwards per step (the pipeline's microbatch count under pipeline parallelism).
     micro_batch_size: int = 0
     grad_accum: int = 0
@@ -47,6 +50,11 @@ class ParallelDims:
     def dp(self) -> int:
         """Data-parallel degree: ranks that see different batches."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def local_batch_size(self) -> int:
+        """Sequences one data-parallel rank takes per optimizer step (global batch / dp)."""
+        return self.micro_batch_size * self.grad_accum
 
     @property
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
@@ -62,11 +70,11 @@ class ParallelDims:
 
     def describe(self) -> str:
         batch = ""
-        if self.micro_batch_size:  # set by validate_layout: the batch split, and the global batch it makes
+        if self.micro_batch_size:  # set by split_batch: the batch split, and the global batch it makes
             steps = "pipeline microbatches" if self.pp > 1 else "accumulation steps"
             batch = (
                 f", micro batch {self.micro_batch_size} x {self.grad_accum} {steps} per data-parallel rank "
-                f"= global batch {self.micro_batch_size * self.grad_accum * self.dp} sequences"
+                f"= global batch {self.local_batch_size * self.dp} sequences"
             )
         return (
             f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp} pp={self.pp} "
@@ -235,7 +243,7 @@ def validate_layout(
     """Check the parallel layout for `world_size` ranks, `gpus_per_node` per node, before any process group.
 
     Ranks are numbered node by node (ranks 0..gpus_per_node-1 on node 0, ...). Raises UserError with the
-    change to make; returns the resolved degrees.
+    change to make; returns the resolved degrees with the batch split.
     """
     if world_size < 1 or gpus_per_node < 1:
         raise UserError(f"world size ({world_size}) and GPUs per node ({gpus_per_node}) must be >= 1")
@@ -244,8 +252,15 @@ def validate_layout(
             f"world size {world_size} is not a whole number of nodes of {gpus_per_node} GPUs; "
             f"launch the same number of processes on every node"
         )
+    dims = resolve_dims(cfg.parallel, world_size)
+    check_layout(cfg, dims, gpus_per_node, device_type)
+    return split_batch(cfg, dims)
+
+
+def check_layout(cfg: Config, dims: ParallelDims, gpus_per_node: int, device_type: str) -> None:
+    """Refuse resolved degrees that cannot run this model and batch on nodes of `gpus_per_node`
+    (UserError naming the change to make); changes nothing."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    dims = resolve_dims(p, world_size)
     _check_mesh_nesting(dims)
     _check_inside_node(cfg, dims, "tp", gpus_per_node)
     _check_inside_node(cfg, dims, "cp", gpus_per_node)
@@ -342,67 +357,36 @@ def validate_layout(
             f"parallel.pp_microbatches={p.pp_microbatches} needs parallel.pp > 1; without a pipeline "
             f"the micro batch is train.micro_batch_size, so leave pp_microbatches=0",
         )
-    gbs, mbs, dp = t.global_batch_size, t.micro_batch_size, dims.dp
+    gbs, dp = t.global_batch_size, dims.dp
     require(
         gbs % dp == 0,
         f"train.global_batch_size={gbs} must be divisible by the data-parallel degree {dp} (each "
         f"data-parallel rank takes an equal share); use global_batch_size={max(1, gbs // dp) * dp} or "
         f"{(gbs // dp + 1) * dp}",
     )
-    local = gbs // dp
     if dims.pp > 1:
         n_mb = pp_microbatches(cfg)
         require(
-            local % n_mb == 0,
+            (gbs // dp) % n_mb == 0,
             f"train.global_batch_size={gbs} must be divisible by data-parallel degree {dp} x "
             f"parallel.pp_microbatches={n_mb} = {dp * n_mb}; use global_batch_size="
             f"{max(1, gbs // (dp * n_mb)) * dp * n_mb}",
         )
-        micro, accum = local // n_mb, n_mb
-    else:
-        micro = max(d for d in _divisors(local) if d <= max(1, mbs))
-        accum = local // micro
-    dims = dataclasses.replace(dims, micro_batch_size=micro, grad_accum=accum)
     if p.cpu_offload:
         require(
             dims.world_size > 1,
             "parallel.cpu_offload needs FSDP, which runs with more than one process; launch with "
             "torchrun (or drop cpu_offload for a single process)",
         )
-    return dims
 
 
-_RESIZE_KEYS = ("world_size", "dp_replicate", "dp_shard", "micro_batch_size", "grad_accum")
-
-
-def resize_fields(saved: dict | None, dims: ParallelDims, nodes: int) -> dict | None:
-    """The `resize` event's fields when a run resumes on another layout than it saved with; else None.
-
-    `saved`: the checkpoint's world size and parallel dims (with "nodes"). The global batch, the data
-    order and the LR schedule do not change with the layout (see docs/elastic.md); only keys the
-    checkpoint recorded are compared, so an older checkpoint never reports a resize it cannot see.
-    """
-    if not saved:
-        return None
-    now = {"nodes": nodes, **{key: getattr(dims, key) for key in _RESIZE_KEYS}}
-    changed = [key for key in now if key in saved and saved[key] != now[key]]
-    if not changed:
-        return None
-
-    def dp_of(layout: dict) -> int | None:
-        if "dp_replicate" in layout and "dp_shard" in layout:
-            return int(layout["dp_replicate"]) * int(layout["dp_shard"])
-        return None
-
-    return {
-        "from_nodes": saved.get("nodes"),
-        "nodes": nodes,
-        "from_world_size": saved.get("world_size"),
-        "world_size": dims.world_size,
-        "from_dp": dp_of(saved),
-        "dp": dims.dp,
-        "from_micro_batch": saved.get("micro_batch_size"),
-        "micro_batch": dims.micro_batch_size,
-        "from_grad_accum": saved.get("grad_accum"),
-        "grad_accum": dims.grad_accum,
-    }
+def split_batch(cfg: Config, dims: ParallelDims) -> ParallelDims:
+    """`dims` with the batch split filled in; the degrees must have passed `check_layout`."""
+    local = cfg.train.global_batch_size // dims.dp
+    if dims.pp > 1:
+        n_mb = pp_microbatches(cfg)
+        micro, accum = local // n_mb, n_mb
+    else:
+        micro = max(d for d in _divisors(local) if d <= max(1, cfg.train.micro_batch_size))
+        accum = local // micro
+    return dataclasses.replace(dims, micro_batch_size=micro, grad_accum=accum)

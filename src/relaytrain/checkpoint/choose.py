@@ -1,0 +1,81 @@
+"""Which committed step directory to resume from, and which one a checkpoint path argument names.
+
+``latest`` wins when it is committed; otherwise the newest committed step. A step directory that was
+not committed, or whose files do not match its COMPLETE manifest, is never chosen: the one before it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from relaytrain.checkpoint.checksums import damaged_problems
+from relaytrain.checkpoint.files import COMPLETE, DCP_METADATA, LATEST, list_steps, read_latest, step_number
+from relaytrain.errors import UserError
+
+log = logging.getLogger("relaytrain.checkpoint")
+
+
+def choose_resume(
+    ckpt_dir: Path, verify: bool = True, data: bool = True, skip: frozenset[Path] = frozenset()
+) -> tuple[Path | None, str]:
+    """The step dir to resume from and a sentence saying why; (None, why) when there is none.
+
+    ``latest`` wins when it is committed; otherwise the newest committed step. Incomplete step
+    directories (a save that was killed) are never chosen, and a committed one whose files do not match
+    its manifest (sizes; content checksums with `verify`, of shard files too with `data`) is skipped for
+    the one before it, with a warning naming the file; so are the step dirs in `skip` (resolved paths: a
+    load found them damaged).
+    """
+    entries = list_steps(ckpt_dir)
+    complete = [e for e in entries if e.complete]
+    skipped = [e for e in entries if not e.complete and (not complete or e.step > complete[-1].step)]
+    for entry in skipped:
+        log.warning(
+            "skipping incomplete checkpoint %s (no %s marker: its save was interrupted)", entry.path, COMPLETE
+        )
+    latest = read_latest(ckpt_dir)
+    candidates: list[tuple[Path, str]] = []
+    if latest is not None and (latest / COMPLETE).is_file():
+        newest = complete[-1].path if complete else latest
+        if newest.resolve() != latest.resolve():
+            log.warning(
+                "latest points to %s but %s is newer and complete; using latest", latest.name, newest.name
+            )
+        candidates.append((latest, f"'latest' points to {latest.name}"))
+        latest_step = step_number(latest.name)
+        older = [e for e in complete if e.step < latest_step]
+    else:
+        why = "no 'latest' link" if latest is None else f"'latest' points to {latest.name}, not complete"
+        older = complete
+    for entry in reversed(older):
+        reason = why if not candidates else "the checkpoints after it are damaged"
+        candidates.append((entry.path, f"{reason}; using the newest complete checkpoint {entry.path.name}"))
+    for path, reason in candidates:
+        if path.resolve() in skip:
+            continue
+        problems = damaged_problems(path, verify, data)
+        if not problems:
+            return path, reason
+        log.warning("skipping damaged checkpoint %s: %s", path, "; ".join(problems[:3]))
+    if not complete:
+        return None, f"no complete checkpoint in {ckpt_dir}"
+    return None, f"every complete checkpoint in {ckpt_dir} is damaged"
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step dir, a checkpoints dir (its ``latest``) or a run dir (``checkpoints/latest``) -> step dir."""
+    path = Path(path).expanduser()
+    if (path / COMPLETE).is_file() or (path / DCP_METADATA).is_file():
+        return path
+    for ckpt_dir in (path, path / "checkpoints"):
+        if (ckpt_dir / LATEST).is_symlink() or list_steps(ckpt_dir):
+            chosen, _ = choose_resume(ckpt_dir)
+            if chosen is None:
+                raise UserError(f"{ckpt_dir} holds no complete checkpoint")
+            return chosen
+    if not path.exists():
+        raise UserError(f"checkpoint path {path} does not exist")
+    raise UserError(
+        f"{path} is not a checkpoint: give a step_<N> directory, a checkpoints directory or a run directory"
+    )
