@@ -1,5 +1,5 @@
-"""bench.chaos: how trials are drawn, checked and merged onto the page (fast), and `--quick` on the real
-local Slurm cluster: 3 random interruptions, no work lost (`slurm`).
+"""bench.chaos (bench/cluster/): how trials are drawn, checked and merged onto the page (fast), and
+`--quick` on the real local Slurm cluster: 3 random interruptions, no work lost (`slurm`).
 
 Like every `slurm` test the quick run goes under `flock /tmp/relaytrain-slurm.lock`, hence `--no-lock`.
 """
@@ -7,16 +7,19 @@ Like every `slurm` test the quick run goes under `flock /tmp/relaytrain-slurm.lo
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 
-from bench import chaos
-from bench.chaos_special import (
+from bench.cluster import chaos
+from bench.cluster.chaos_kinds import (
     SpecialTrial,
     first_job_stops,
     method_of,
     time_limit_checks,
 )
+from bench.cluster.chaos_page import load_results, merge_special, render_special, summary
+from bench.cluster.chaos_run import EVENTS, PHASES, Trial, draw
 
 KILL_OK = {"save in flight when killed": True, "resumed from the previous complete checkpoint": True}
 CAP_LOG = "not requeuing: SLURM_RESTART_COUNT=1 reached resilience.max_requeues=1"
@@ -30,9 +33,9 @@ def special(kind: str, seed: str, detail: str = "", ok: bool = True, **checks: b
 
 
 def test_trials_are_drawn_from_the_seed():
-    assert [(t.phase, t.event) for t in chaos.draw(5, 11)] == [(t.phase, t.event) for t in chaos.draw(5, 11)]
-    assert all(t.phase in chaos.PHASES and t.event in chaos.EVENTS for t in chaos.draw(40, 3))
-    assert all(t.event == "sigkill_rank" for t in chaos.draw(40, 3) if t.phase == "resume_load")
+    assert [(t.phase, t.event) for t in draw(5, 11)] == [(t.phase, t.event) for t in draw(5, 11)]
+    assert all(t.phase in PHASES and t.event in EVENTS for t in draw(40, 3))
+    assert all(t.event == "sigkill_rank" for t in draw(40, 3) if t.phase == "resume_load")
 
 
 def test_each_kind_runs_its_own_method():
@@ -77,11 +80,11 @@ def test_a_preemption_or_no_requeue_is_not_a_time_limit_requeue():
 
 
 def test_results_carry_their_runs_seed(tmp_path):
-    for seed, rows in (("17", [chaos.Trial(0, "mid_step", "usr2")]), ("20", [SpecialTrial(0, "hang")])):
+    for seed, rows in (("17", [Trial(0, "mid_step", "usr2")]), ("20", [SpecialTrial(0, "hang")])):
         path = tmp_path / f"seed{seed}-123" / "results.json"
         path.parent.mkdir()
-        path.write_text(json.dumps([chaos.asdict(r) for r in rows]))
-    trials, targeted = chaos.load_results(sorted(str(p) for p in tmp_path.glob("*/results.json")))
+        path.write_text(json.dumps([asdict(r) for r in rows]))
+    trials, targeted = load_results(sorted(str(p) for p in tmp_path.glob("*/results.json")))
     assert [t.phase for t in trials] == ["mid_step"]
     assert [(t.kind, t.seed) for t in targeted] == [("hang", "20")]
 
@@ -98,7 +101,7 @@ def test_merge_adds_up_kills_under_their_real_mode_and_keeps_the_latest_run_of_o
         special("time_limit_cap", "21", **{"time limit requeued once": True}),
         special("time_limit_cap_budget", "21", **{"time limit requeued once": True}),
     ]
-    merged = chaos.merge_special(rows)
+    merged = merge_special(rows)
     shown = [(t.index, t.seed, t.kind) for t in merged.trials]
     assert shown == [
         (0, "18", "kill_save_sync"),
@@ -114,7 +117,7 @@ def test_merge_adds_up_kills_under_their_real_mode_and_keeps_the_latest_run_of_o
         ("18", "disk_full"),
         ("18", "time_limit_cap"),
     ]
-    page = chaos.render_special(merged.trials, merged)
+    page = render_special(merged.trials, merged)
     assert "**3 of 3** (1 async, 2 sync)" in page
     assert (
         "Not shown, because a later run of the same kind replaces them: seed 18: disk_full, time_limit_cap"
@@ -128,20 +131,20 @@ def test_merge_adds_up_kills_under_their_real_mode_and_keeps_the_latest_run_of_o
 
 def test_summary_against_the_targets():
     done = {"bit_exact": True, "latest_complete": True, "final_status": "finished"}
-    randoms = [chaos.Trial(i, "mid_step", "usr2", **done) for i in range(3)]
-    rows = chaos.merge_special([
+    randoms = [Trial(i, "mid_step", "usr2", **done) for i in range(3)]
+    rows = merge_special([
         special("kill_save_sync", "1", "in the sync save", **KILL_OK),
         special("kill_save_async", "1", "in the async save", ok=False, **KILL_OK),
         special("disk_full", "1", **{"previous checkpoint intact": True}),
         special("time_limit_cap", "1", **{"first stop by Slurm's --signal": False}),
     ]).trials  # fmt: skip
-    text = chaos.summary(randoms, rows)
+    text = summary(randoms, rows)
     assert "**3 of 3** bit-exact" in text
     assert "fall back: **1 of 2**" in text
     assert "**0 lost** in 1 trial(s)" in text
     assert "time_limit_cap (row 2): **fail** (first stop by Slurm's --signal)" in text
     assert "Hang: not run" in text
-    assert "Disk full, 0 checkpoints lost: not run" in chaos.summary(randoms, [])
+    assert "Disk full, 0 checkpoints lost: not run" in summary(randoms, [])
 
 
 @pytest.mark.slurm
