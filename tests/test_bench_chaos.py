@@ -11,6 +11,8 @@ from dataclasses import asdict
 
 import pytest
 
+from relaytrain.resilience.run_state import RunStateFile
+
 from bench.cluster import chaos
 from bench.cluster.chaos_kinds import (
     SpecialTrial,
@@ -19,7 +21,8 @@ from bench.cluster.chaos_kinds import (
     time_limit_checks,
 )
 from bench.cluster.chaos_page import load_results, merge_special, render_special, summary
-from bench.cluster.chaos_run import EVENTS, PHASES, Trial, draw
+from bench.cluster.chaos_run import ALLOWED, EVENTS, PHASES, Bench, Trial, draw
+from bench.cluster.harness import RunFiles
 
 KILL_OK = {"save in flight when killed": True, "resumed from the previous complete checkpoint": True}
 CAP_LOG = "not requeuing: SLURM_RESTART_COUNT=1 reached resilience.max_requeues=1"
@@ -145,6 +148,71 @@ def test_summary_against_the_targets():
     assert "time_limit_cap (row 2): **fail** (first stop by Slurm's --signal)" in text
     assert "Hang: not run" in text
     assert "Disk full, 0 checkpoints lost: not run" in summary(randoms, [])
+
+
+def write_metrics(run_dir, rows, torn: bool = False) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps({"time": 1.0, **row}) + "\n" for row in rows)
+    (run_dir / "metrics.jsonl").write_text(text + ('{"kind": "train", "st' if torn else ""))
+
+
+def test_run_files_read_nothing_yet_as_empty(tmp_path):
+    run = RunFiles(tmp_path / "not-started")
+    assert (run.records(), run.state(), run.crashes()) == ([], {}, [])
+    assert run.job_log() == run.hang_stacks(0) == ""
+    assert run.latest() is None and not run.latest_complete()
+
+
+def test_run_files_read_each_file_through_its_owner(tmp_path):
+    run = RunFiles(tmp_path / "run")
+    write_metrics(run.path, [
+        {"kind": "train", "step": 1, "loss": 3.0},
+        {"kind": "event", "event": "stop", "step": 1},
+        {"kind": "train", "step": 1, "loss": 2.5},  # replayed after a requeue: the later record counts
+    ], torn=True)  # fmt: skip
+    RunStateFile(run.path).write("finished", "max_steps", 1)
+    (run.path / "slurm").mkdir()
+    (run.path / "slurm" / "10.out").write_text("second job")
+    (run.path / "slurm" / "9.out").write_text("first job")
+    step_10, step_20 = run.step_dir(10), run.step_dir(20)
+    step_20.mkdir(parents=True)
+    step_10.mkdir()
+    (step_10 / "COMPLETE").write_text("{}")
+    (run.path / "core.1234").write_text("")
+
+    assert [r["loss"] for r in run.records("train")] == [3.0, 2.5]  # the torn last line is skipped
+    assert [r["loss"] for r in run.history().train] == [2.5]
+    assert [e["event"] for e in run.records("event")] == ["stop"]
+    assert run.state()["status"] == "finished"
+    assert run.job_log() == "first job\nsecond job"
+    assert run.committed(step_10) and not run.committed(step_20)
+    (run.checkpoints / "latest").symlink_to(step_20.name)
+    assert run.latest() == step_20 and not run.latest_complete()
+    (run.checkpoints / "latest").unlink()
+    (run.checkpoints / "latest").symlink_to(step_10.name)
+    assert run.latest_complete()
+    assert run.leftovers(ALLOWED) == ["core.1234"]
+
+
+def test_a_finished_trial_is_checked_against_the_reference_run(tmp_path):
+    bench = Bench(tmp_path, cluster=None)
+    bench.reference, bench.reference_val = {1: 3.0, 2: 2.0}, {2: 2.5}
+    run = bench.run_files("chaos-0")
+    rows = [
+        {"kind": "train", "step": 1, "loss": 3.0},
+        {"kind": "train", "step": 2, "loss": 2.0},
+        {"kind": "train", "step": 2, "loss": 2.0},
+        {"kind": "eval", "step": 2, "val_loss": 2.5},
+    ]
+    write_metrics(run.path, rows)
+    trial = Trial(0, "mid_step", "usr2")
+    bench.check(trial, run)
+    assert trial.bit_exact and trial.steps_replayed == 1
+
+    rows[2] = {"kind": "train", "step": 2, "loss": 2.0000001}  # the replayed step came out different
+    write_metrics(run.path, rows)
+    bench.check(trial, run)
+    assert not trial.bit_exact
 
 
 @pytest.mark.slurm

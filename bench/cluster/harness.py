@@ -226,7 +226,7 @@ class RunFiles:
 
     def job_log(self) -> str:
         """Every job's Slurm output (`slurm/<job>.out`), in job order."""
-        logs = sorted((self.path / "slurm").glob("*.out"))
+        logs = sorted((self.path / "slurm").glob("*.out"), key=lambda p: (len(p.name), p.name))
         return "\n".join(p.read_text(errors="replace") for p in logs)
 
     def hang_stacks(self, rank: int) -> str:
