@@ -31,8 +31,19 @@ class RunDir:
         """The run directory of `run.dir` and `run.name`, as a config names it."""
         return cls(Path(run_dir) / run_name)
 
+    @classmethod
+    def holding_job_log(cls, job_log: Path) -> RunDir | None:
+        """The run directory whose slurm/ folder holds this batch job output, if it is one."""
+        run = cls(job_log.parent.parent)
+        return run if job_log.parent == run.slurm else None
+
     def absolute(self) -> RunDir:
         return RunDir(self.root.absolute())
+
+    @property
+    def markers(self) -> tuple[Path, ...]:
+        """Files only a run directory holds: train writes the first three, launch writes slurm/."""
+        return (self.run_state, self.metrics, self.config, self.slurm)
 
     # -- the run's own files -----------------------------------------------------------------------
     @property
@@ -148,6 +159,16 @@ class RunDir:
     def pip_freeze(self, job_id: str) -> Path:
         """The Python packages the job ran with."""
         return self.slurm / f"pip-freeze-{job_id}.txt"
+
+    # -- a sweep's own run directory ------------------------------------------------------------------
+    @property
+    def sweep_table(self) -> Path:
+        """One row per point of a sweep: index, run name, values (and command)."""
+        return self.root / "sweep.tsv"
+
+    @property
+    def sweep_points(self) -> Path:
+        return self.root / "sweep.json"
 
     def relative(self, path: Path) -> str:
         """`path` inside this run directory, as a batch script joins it to a run dir chosen at run time."""
