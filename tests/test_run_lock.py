@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from relaytrain.errors import UserError
-from relaytrain.resilience import crash
 from relaytrain.job import RunDir
+from relaytrain.resilience import crash
 from relaytrain.resilience.run_lock import Holder, RunLock, process_start
 from relaytrain.resilience.run_state import RunStateFile
 from relaytrain.slurm.submit import read_jobs

@@ -72,18 +72,19 @@ class TrainState:
 
 
 def prepare_run_dir(cfg: Config, is_main: bool) -> Path:
-    run_dir = RunDir.of(cfg.run.dir, cfg.run.name)
+    run = RunDir.of(cfg.run.dir, cfg.run.name)
+    run_dir = run.root
     if is_main:
         try:
-            run_dir.root.mkdir(parents=True, exist_ok=True)
-            tmp = run_dir.config.with_name(f".{run_dir.config.name}.tmp")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = run.config.with_name(f".{run.config.name}.tmp")
             tmp.write_text(config_to_toml(cfg))
-            os.replace(tmp, run_dir.config)
+            os.replace(tmp, run.config)
         except OSError as exc:
             raise UserError(
-                f"cannot write the run directory '{run_dir.root}' ({exc.strerror}); set run.dir to a writable path"
+                f"cannot write the run directory '{run_dir}' ({exc.strerror}); set run.dir to a writable path"
             ) from None
-    return run_dir.root
+    return run_dir
 
 
 class Trainer:
