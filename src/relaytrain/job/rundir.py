@@ -103,11 +103,8 @@ class RunDir:
 
     @property
     def gpu(self) -> Path:
-        """GPU samples, one CSV per node."""
+        """GPU samples, one CSV per node (named by relaytrain.monitor.gpu_monitor)."""
         return self.root / "gpu"
-
-    def gpu_samples(self, host: str) -> Path:
-        return self.gpu / f"{host}.csv"
 
     @property
     def logs(self) -> Path:
