@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.monitor.history import read_records
 
 from bench.report import REPO
@@ -93,7 +94,7 @@ def shown(argv: list[str]) -> str:
 def read_metrics(run_dir: Path) -> list[dict]:
     """Every record of the run's metrics.jsonl in file order, read by relaytrain's own reader."""
     try:
-        return read_records(Path(run_dir) / "metrics.jsonl")[0]
+        return read_records(RunDir(Path(run_dir)).metrics)[0]
     except UserError as err:  # not written, or no record in it
         raise BenchError(str(err)) from None
 

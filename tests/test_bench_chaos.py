@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
@@ -171,9 +172,9 @@ def test_run_files_read_each_file_through_its_owner(tmp_path):
         {"kind": "train", "step": 1, "loss": 2.5},  # replayed after a requeue: the later record counts
     ], torn=True)  # fmt: skip
     RunStateFile(run.path).write("finished", "max_steps", 1)
-    (run.path / "slurm").mkdir()
-    (run.path / "slurm" / "10.out").write_text("second job")
-    (run.path / "slurm" / "9.out").write_text("first job")
+    run.dir.slurm.mkdir()
+    run.dir.job_log("10").write_text("second job")
+    run.dir.job_log("9").write_text("first job")
     step_10, step_20 = run.step_dir(10), run.step_dir(20)
     step_20.mkdir(parents=True)
     step_10.mkdir()
@@ -192,6 +193,14 @@ def test_run_files_read_each_file_through_its_owner(tmp_path):
     (run.checkpoints / "latest").symlink_to(step_10.name)
     assert run.latest_complete()
     assert run.leftovers(ALLOWED) == ["core.1234"]
+
+
+def test_only_the_harness_reads_run_files_and_it_asks_run_dir_for_their_paths():
+    from test_rundir import spellings
+
+    cluster = Path(chaos.__file__).parent
+    spelled = {p.name: spellings(p.read_text()) for p in sorted(cluster.glob("*.py"))}
+    assert not {name: found for name, found in spelled.items() if found}
 
 
 def test_a_finished_trial_is_checked_against_the_reference_run(tmp_path):

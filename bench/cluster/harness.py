@@ -2,9 +2,9 @@
 
 The local Slurm cluster and its lock, the tiny trial config, launching a run with `relaytrain launch`,
 waiting for jobs and rank processes, preempting a node, and `RunFiles`: the one place that reads a run
-directory's files, each through the relaytrain module that owns it (metrics through
-`relaytrain.monitor.history`, run_state.json through `RunStateFile`, crashes.jsonl through `CrashLog`,
-checkpoints through `relaytrain.checkpoint.files`).
+directory's files, at the paths relaytrain's `RunDir` names, each through the relaytrain module that
+owns it (metrics through `relaytrain.monitor.history`, run_state.json through `RunStateFile`,
+crashes.jsonl through `CrashLog`, checkpoints through `relaytrain.checkpoint.files`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 from relaytrain.checkpoint import files as checkpoint_files
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.monitor.history import History, build_history, read_records
 from relaytrain.resilience.crash import CrashLog
 from relaytrain.resilience.run_state import RunStateFile
@@ -197,18 +198,19 @@ def tree_bytes(path: Path) -> int:
 
 
 class RunFiles:
-    """Everything the trials read from one run directory, read through the module that owns each file.
-    Nothing else in bench/cluster/ opens a file inside a run directory."""
+    """Everything the trials read from one run directory: each path from relaytrain's `RunDir`, each
+    file read by the module that owns it. Nothing else in bench/cluster/ opens a file in a run directory."""
 
     def __init__(self, path: Path | str):
-        self.path = Path(path)
+        self.dir = RunDir(Path(path))
+        self.path = self.dir.root
         self.name = self.path.name
 
     def records(self, kind: str | None = None) -> list[dict[str, Any]]:
         """metrics.jsonl in file order (a requeued run's replayed steps included), of one kind or all;
         none yet is an empty list, a torn last line is skipped."""
         try:
-            rows, _ = read_records(self.path / "metrics.jsonl")
+            rows, _ = read_records(self.dir.metrics)
         except UserError:  # not written yet, or no record yet
             return []
         return [r for r in rows if kind is None or r["kind"] == kind]
@@ -225,18 +227,18 @@ class RunFiles:
         return CrashLog(self.path).entries()
 
     def job_log(self) -> str:
-        """Every job's Slurm output (`slurm/<job>.out`), in job order."""
-        logs = sorted((self.path / "slurm").glob("*.out"), key=lambda p: (len(p.name), p.name))
+        """Every batch job's output, in job id order."""
+        logs = sorted(self.dir.slurm.glob(self.dir.job_log("*").name), key=lambda p: (len(p.name), p.name))
         return "\n".join(p.read_text(errors="replace") for p in logs)
 
     def hang_stacks(self, rank: int) -> str:
         """The stacks the hang watchdog of `rank` dumped, "" when it dumped none."""
-        path = self.path / "logs" / f"hang_rank{rank}.txt"
+        path = self.dir.hang_dump(rank)
         return path.read_text(errors="replace") if path.is_file() else ""
 
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return self.dir.checkpoints
 
     def step_dir(self, step: int) -> Path:
         return self.checkpoints / checkpoint_files.step_dir_name(step)
@@ -257,5 +259,5 @@ class RunFiles:
 
     def leftovers(self, allowed: re.Pattern[str], limit: int = 5) -> list[str]:
         """Files, relative to the run directory, that `allowed` does not match (the first `limit`)."""
-        found = (str(p.relative_to(self.path)) for p in self.path.rglob("*") if p.is_file())
+        found = (self.dir.relative(p) for p in self.path.rglob("*") if p.is_file())
         return sorted(rel for rel in found if not allowed.match(rel))[:limit]
