@@ -21,9 +21,10 @@ from bench.cluster.chaos_kinds import (
     method_of,
     time_limit_checks,
 )
-from bench.cluster.chaos_page import load_results, merge_special, render_special, summary
+from bench.cluster.chaos_page import KINDS_SOURCE, load_results, merge_special, render_special, summary
 from bench.cluster.chaos_run import ALLOWED, EVENTS, PHASES, Bench, Trial, draw
 from bench.cluster.harness import RunFiles
+from bench.report import REPO
 
 KILL_OK = {"save in flight when killed": True, "resumed from the previous complete checkpoint": True}
 CAP_LOG = "not requeuing: SLURM_RESTART_COUNT=1 reached resilience.max_requeues=1"
@@ -131,6 +132,12 @@ def test_merge_adds_up_kills_under_their_real_mode_and_keeps_the_latest_run_of_o
     assert [line.split(" | ")[0] for line in page.splitlines() if line.startswith("| ")][2:] == [
         f"| {i}" for i in range(7)
     ]
+
+
+def test_the_page_names_the_module_that_defines_the_targeted_kinds():
+    assert KINDS_SOURCE == "bench/cluster/chaos_kinds.py"
+    assert f"The kinds: `{KINDS_SOURCE}`." in render_special([special("hang", "1")])
+    assert f"The kinds: `{KINDS_SOURCE}`." in (REPO / "docs" / "benchmarks.md").read_text()
 
 
 def test_summary_against_the_targets():

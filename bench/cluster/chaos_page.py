@@ -9,11 +9,13 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.cluster import chaos_kinds
 from bench.cluster.chaos_kinds import SPECIAL_KINDS, SpecialTrial
 from bench.cluster.chaos_run import EVAL_EVERY, INTERVAL, STEPS, Trial
-from bench.report import code, table
+from bench.report import REPO, code, table
 
-KINDS_SOURCE = "bench/cluster/chaos_kinds.py"  # named on the page: where the targeted kinds are defined
+# Named on the page: the module that defines the targeted kinds.
+KINDS_SOURCE = Path(chaos_kinds.__file__).resolve().relative_to(REPO.resolve()).as_posix()
 
 
 def render(trials: list[Trial], seed: int | str, command: str, info: dict, load: str = "") -> str:
