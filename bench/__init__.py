@@ -10,4 +10,7 @@ only the blocks it measured in this invocation and keeps every other byte, so se
 (the checkpoint work's ``checkpoint-io`` analysis, the "Slurm end to end" section) survive a rerun. Scripts
 owned by others are run, not copied: bench/checkpoint_io.py prints Markdown and a final JSON line, which
 bench/checkpoint_section.py turns into the ``checkpoint-io-run`` block with the target verdicts.
+
+The trials on the local Slurm cluster (``python -m bench.chaos``, ``python -m bench.goodput``) are the
+package bench/cluster/; they write their own sections and are not part of ``python -m bench``.
 """

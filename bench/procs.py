@@ -16,6 +16,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from relaytrain.errors import UserError
+from relaytrain.job import RunDir
+from relaytrain.monitor.history import read_records
+
 from bench.report import REPO
 
 WORK = REPO / "bench" / "out"  # git-ignored scratch space for runs
@@ -88,10 +92,11 @@ def shown(argv: list[str]) -> str:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        raise BenchError(f"{path} was not written")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every record of the run's metrics.jsonl in file order, read by relaytrain's own reader."""
+    try:
+        return read_records(RunDir(Path(run_dir)).metrics)[0]
+    except UserError as err:  # not written, or no record in it
+        raise BenchError(str(err)) from None
 
 
 def train_records(records: list[dict]) -> list[dict]:

@@ -1,5 +1,5 @@
-"""bench.chaos: how trials are drawn, checked and merged onto the page (fast), and `--quick` on the real
-local Slurm cluster: 3 random interruptions, no work lost (`slurm`).
+"""bench.chaos (bench/cluster/): how trials are drawn, checked and merged onto the page (fast), and
+`--quick` on the real local Slurm cluster: 3 random interruptions, no work lost (`slurm`).
 
 Like every `slurm` test the quick run goes under `flock /tmp/relaytrain-slurm.lock`, hence `--no-lock`.
 """
@@ -7,16 +7,24 @@ Like every `slurm` test the quick run goes under `flock /tmp/relaytrain-slurm.lo
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
-from bench import chaos
-from bench.chaos_special import (
+from relaytrain.resilience.run_state import RunStateFile
+
+from bench.cluster import chaos
+from bench.cluster.chaos_kinds import (
     SpecialTrial,
     first_job_stops,
     method_of,
     time_limit_checks,
 )
+from bench.cluster.chaos_page import KINDS_SOURCE, load_results, merge_special, render_special, summary
+from bench.cluster.chaos_run import ALLOWED, EVENTS, PHASES, Bench, Trial, draw
+from bench.cluster.harness import RunFiles
+from bench.report import REPO
 
 KILL_OK = {"save in flight when killed": True, "resumed from the previous complete checkpoint": True}
 CAP_LOG = "not requeuing: SLURM_RESTART_COUNT=1 reached resilience.max_requeues=1"
@@ -30,9 +38,9 @@ def special(kind: str, seed: str, detail: str = "", ok: bool = True, **checks: b
 
 
 def test_trials_are_drawn_from_the_seed():
-    assert [(t.phase, t.event) for t in chaos.draw(5, 11)] == [(t.phase, t.event) for t in chaos.draw(5, 11)]
-    assert all(t.phase in chaos.PHASES and t.event in chaos.EVENTS for t in chaos.draw(40, 3))
-    assert all(t.event == "sigkill_rank" for t in chaos.draw(40, 3) if t.phase == "resume_load")
+    assert [(t.phase, t.event) for t in draw(5, 11)] == [(t.phase, t.event) for t in draw(5, 11)]
+    assert all(t.phase in PHASES and t.event in EVENTS for t in draw(40, 3))
+    assert all(t.event == "sigkill_rank" for t in draw(40, 3) if t.phase == "resume_load")
 
 
 def test_each_kind_runs_its_own_method():
@@ -77,11 +85,11 @@ def test_a_preemption_or_no_requeue_is_not_a_time_limit_requeue():
 
 
 def test_results_carry_their_runs_seed(tmp_path):
-    for seed, rows in (("17", [chaos.Trial(0, "mid_step", "usr2")]), ("20", [SpecialTrial(0, "hang")])):
+    for seed, rows in (("17", [Trial(0, "mid_step", "usr2")]), ("20", [SpecialTrial(0, "hang")])):
         path = tmp_path / f"seed{seed}-123" / "results.json"
         path.parent.mkdir()
-        path.write_text(json.dumps([chaos.asdict(r) for r in rows]))
-    trials, targeted = chaos.load_results(sorted(str(p) for p in tmp_path.glob("*/results.json")))
+        path.write_text(json.dumps([asdict(r) for r in rows]))
+    trials, targeted = load_results(sorted(str(p) for p in tmp_path.glob("*/results.json")))
     assert [t.phase for t in trials] == ["mid_step"]
     assert [(t.kind, t.seed) for t in targeted] == [("hang", "20")]
 
@@ -98,7 +106,7 @@ def test_merge_adds_up_kills_under_their_real_mode_and_keeps_the_latest_run_of_o
         special("time_limit_cap", "21", **{"time limit requeued once": True}),
         special("time_limit_cap_budget", "21", **{"time limit requeued once": True}),
     ]
-    merged = chaos.merge_special(rows)
+    merged = merge_special(rows)
     shown = [(t.index, t.seed, t.kind) for t in merged.trials]
     assert shown == [
         (0, "18", "kill_save_sync"),
@@ -114,7 +122,7 @@ def test_merge_adds_up_kills_under_their_real_mode_and_keeps_the_latest_run_of_o
         ("18", "disk_full"),
         ("18", "time_limit_cap"),
     ]
-    page = chaos.render_special(merged.trials, merged)
+    page = render_special(merged.trials, merged)
     assert "**3 of 3** (1 async, 2 sync)" in page
     assert (
         "Not shown, because a later run of the same kind replaces them: seed 18: disk_full, time_limit_cap"
@@ -126,22 +134,101 @@ def test_merge_adds_up_kills_under_their_real_mode_and_keeps_the_latest_run_of_o
     ]
 
 
+def test_the_page_names_the_module_that_defines_the_targeted_kinds():
+    assert KINDS_SOURCE == "bench/cluster/chaos_kinds.py"
+    assert f"The kinds: `{KINDS_SOURCE}`." in render_special([special("hang", "1")])
+    assert f"The kinds: `{KINDS_SOURCE}`." in (REPO / "docs" / "benchmarks.md").read_text()
+
+
 def test_summary_against_the_targets():
     done = {"bit_exact": True, "latest_complete": True, "final_status": "finished"}
-    randoms = [chaos.Trial(i, "mid_step", "usr2", **done) for i in range(3)]
-    rows = chaos.merge_special([
+    randoms = [Trial(i, "mid_step", "usr2", **done) for i in range(3)]
+    rows = merge_special([
         special("kill_save_sync", "1", "in the sync save", **KILL_OK),
         special("kill_save_async", "1", "in the async save", ok=False, **KILL_OK),
         special("disk_full", "1", **{"previous checkpoint intact": True}),
         special("time_limit_cap", "1", **{"first stop by Slurm's --signal": False}),
     ]).trials  # fmt: skip
-    text = chaos.summary(randoms, rows)
+    text = summary(randoms, rows)
     assert "**3 of 3** bit-exact" in text
     assert "fall back: **1 of 2**" in text
     assert "**0 lost** in 1 trial(s)" in text
     assert "time_limit_cap (row 2): **fail** (first stop by Slurm's --signal)" in text
     assert "Hang: not run" in text
-    assert "Disk full, 0 checkpoints lost: not run" in chaos.summary(randoms, [])
+    assert "Disk full, 0 checkpoints lost: not run" in summary(randoms, [])
+
+
+def write_metrics(run_dir, rows, torn: bool = False) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps({"time": 1.0, **row}) + "\n" for row in rows)
+    (run_dir / "metrics.jsonl").write_text(text + ('{"kind": "train", "st' if torn else ""))
+
+
+def test_run_files_read_nothing_yet_as_empty(tmp_path):
+    run = RunFiles(tmp_path / "not-started")
+    assert (run.records(), run.state(), run.crashes()) == ([], {}, [])
+    assert run.job_log() == run.hang_stacks(0) == ""
+    assert run.latest() is None and not run.latest_complete()
+
+
+def test_run_files_read_each_file_through_its_owner(tmp_path):
+    run = RunFiles(tmp_path / "run")
+    write_metrics(run.path, [
+        {"kind": "train", "step": 1, "loss": 3.0},
+        {"kind": "event", "event": "stop", "step": 1},
+        {"kind": "train", "step": 1, "loss": 2.5},  # replayed after a requeue: the later record counts
+    ], torn=True)  # fmt: skip
+    RunStateFile(run.path).write("finished", "max_steps", 1)
+    run.dir.slurm.mkdir()
+    run.dir.job_log("10").write_text("second job")
+    run.dir.job_log("9").write_text("first job")
+    step_10, step_20 = run.step_dir(10), run.step_dir(20)
+    step_20.mkdir(parents=True)
+    step_10.mkdir()
+    (step_10 / "COMPLETE").write_text("{}")
+    (run.path / "core.1234").write_text("")
+
+    assert [r["loss"] for r in run.records("train")] == [3.0, 2.5]  # the torn last line is skipped
+    assert [r["loss"] for r in run.history().train] == [2.5]
+    assert [e["event"] for e in run.records("event")] == ["stop"]
+    assert run.state()["status"] == "finished"
+    assert run.job_log() == "first job\nsecond job"
+    assert run.committed(step_10) and not run.committed(step_20)
+    (run.checkpoints / "latest").symlink_to(step_20.name)
+    assert run.latest() == step_20 and not run.latest_complete()
+    (run.checkpoints / "latest").unlink()
+    (run.checkpoints / "latest").symlink_to(step_10.name)
+    assert run.latest_complete()
+    assert run.leftovers(ALLOWED) == ["core.1234"]
+
+
+def test_only_the_harness_reads_run_files_and_it_asks_run_dir_for_their_paths():
+    from test_rundir import spellings
+
+    cluster = Path(chaos.__file__).parent
+    spelled = {p.name: spellings(p.read_text()) for p in sorted(cluster.glob("*.py"))}
+    assert not {name: found for name, found in spelled.items() if found}
+
+
+def test_a_finished_trial_is_checked_against_the_reference_run(tmp_path):
+    bench = Bench(tmp_path, cluster=None)
+    bench.reference, bench.reference_val = {1: 3.0, 2: 2.0}, {2: 2.5}
+    run = bench.run_files("chaos-0")
+    rows = [
+        {"kind": "train", "step": 1, "loss": 3.0},
+        {"kind": "train", "step": 2, "loss": 2.0},
+        {"kind": "train", "step": 2, "loss": 2.0},
+        {"kind": "eval", "step": 2, "val_loss": 2.5},
+    ]
+    write_metrics(run.path, rows)
+    trial = Trial(0, "mid_step", "usr2")
+    bench.check(trial, run)
+    assert trial.bit_exact and trial.steps_replayed == 1
+
+    rows[2] = {"kind": "train", "step": 2, "loss": 2.0000001}  # the replayed step came out different
+    write_metrics(run.path, rows)
+    bench.check(trial, run)
+    assert not trial.bit_exact
 
 
 @pytest.mark.slurm

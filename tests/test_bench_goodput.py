@@ -8,7 +8,24 @@ from datetime import datetime
 
 import pytest
 
-from bench import goodput
+from bench.cluster import goodput
+from bench.cluster.goodput_extrapolation import (
+    Extrapolation,
+    cost_budget_s,
+    render_extrapolation,
+    sensitivity,
+)
+from bench.cluster.goodput_page import interruptions_cell, render
+from bench.cluster.goodput_results import (
+    ResultsFile,
+    RunResult,
+    analyse,
+    load_results,
+    merge_results,
+    save_results,
+    save_seconds,
+)
+from bench.cluster.harness import RunFiles
 
 
 def log_line(t: float, message: str) -> str:
@@ -30,8 +47,8 @@ def test_goodput_and_the_split_of_one_preemption(tmp_path):
         log_line(t0 + 6.5, "checkpoint step 6 (preemption) committed: /x/s6 (write 0.50s, blocking 0.50s)"),
         log_line(t0 + 29, "resuming from /x/step_6 (step 6): latest"),
     ])  # fmt: skip
-    result = goodput.RunResult("preempt-60s", "preempted")
-    goodput.analyse(result, tmp_path, [(t0 - 1, t0 + 9), (t0 + 20, t0 + 40)], log)
+    result = RunResult("preempt-60s", "preempted")
+    analyse(result, RunFiles(tmp_path), [(t0 - 1, t0 + 9), (t0 + 20, t0 + 40)], log)
 
     assert (result.steps, result.replayed, result.interruptions) == (10, 2, 1)
     assert result.productive_s == pytest.approx(5.0) and result.allocated_s == pytest.approx(30.0)
@@ -43,16 +60,16 @@ def test_goodput_and_the_split_of_one_preemption(tmp_path):
 
 
 def test_the_7b_extrapolation_formula():
-    x = goodput.Extrapolation(params=7e9, write_gbps=2.0, startup_s=60, exit_s=5, step_s=10, lost_steps=1)
+    x = Extrapolation(params=7e9, write_gbps=2.0, startup_s=60, exit_s=5, step_s=10, lost_steps=1)
     assert x.save_s == pytest.approx(42.0)  # 7e9 x 12 B / 2 GB/s
     assert x.cost_s() == pytest.approx(42 + 5 + 60 + 42 + 10)
     assert x.goodput(1800) == pytest.approx(1 - 159 / 1800 - x.async_block_s / x.ckpt_every_s)
     assert x.goodput(14400) > x.goodput(1800)
-    assert "goodput(T) = 1 −" in goodput.render_extrapolation(x)
+    assert "goodput(T) = 1 −" in render_extrapolation(x)
 
 
-def run(name: str, **fields) -> goodput.RunResult:
-    return goodput.RunResult(name, fields.pop("interruption", "none"), **fields)
+def run(name: str, **fields) -> RunResult:
+    return RunResult(name, fields.pop("interruption", "none"), **fields)
 
 
 def test_a_time_limit_stop_is_counted_with_its_reason_and_positive_signal_to_exit(tmp_path):
@@ -66,54 +83,54 @@ def test_a_time_limit_stop_is_counted_with_its_reason_and_positive_signal_to_exi
         log_line(t0 + 2, "checkpoint step 2 (interval) committed: /x/s2 (write 0.10s, blocking 0.01s)"),
         log_line(t0 + 4, "checkpoint step 4 (time_limit_signal) committed: /x (write 0.30s, blocking 0.30s)"),
     ])  # fmt: skip
-    result = goodput.RunResult("time-limit", "time limit")
+    result = RunResult("time-limit", "time limit")
     # the job requeues itself after the save: its End comes after the stop, not at the signal
-    goodput.analyse(result, tmp_path, [(t0 - 1, t0 + 5), (t0 + 17, t0 + 30)], log)
+    analyse(result, RunFiles(tmp_path), [(t0 - 1, t0 + 5), (t0 + 17, t0 + 30)], log)
 
     assert (result.interruptions, result.replayed, result.stop_reasons) == (1, 0, ["time_limit_signal"])
     (s2e,) = result.signal_to_exit
     assert s2e == pytest.approx({"total": 1.0, "save": 0.4, "exit": 0.6, "write": 0.3})
-    assert goodput.interruptions_cell(result) == "1 (time_limit_signal)"
+    assert interruptions_cell(result) == "1 (time_limit_signal)"
     result.interruptions, result.stop_reasons = 3, ["time_limit_signal", "time_budget", "time_limit_signal"]
-    assert goodput.interruptions_cell(result) == "3 (2 time_limit_signal, 1 time_budget)"
+    assert interruptions_cell(result) == "3 (2 time_limit_signal, 1 time_budget)"
 
 
 def test_results_files_carry_their_command_and_load_and_the_old_list_format_still_reads(tmp_path):
-    new = goodput.ResultsFile("python -m bench.goodput --only time-limit", "0.5/0.4/0.3", "2026-11-23",
+    new = ResultsFile("python -m bench.goodput --only time-limit", "0.5/0.4/0.3", "2026-11-23",
                               [run("time-limit", job="7", steps=240)])  # fmt: skip
-    goodput.save_results(tmp_path / "new.json", new)
-    assert goodput.load_results(tmp_path / "new.json") == new
+    save_results(tmp_path / "new.json", new)
+    assert load_results(tmp_path / "new.json") == new
 
     (tmp_path / "old.json").write_text(json.dumps([asdict(run("uninterrupted", job="1"))]))
-    old = goodput.load_results(tmp_path / "old.json")
+    old = load_results(tmp_path / "old.json")
     assert (old.command, old.load, [r.name for r in old.runs]) == ("", "", ["uninterrupted"])
 
 
 def test_merging_keeps_each_run_once_from_the_file_that_measured_it_last():
-    first = goodput.ResultsFile("cmd A", runs=[run("uninterrupted", job="1"), run("preempt-60s", job="2"),
+    first = ResultsFile("cmd A", runs=[run("uninterrupted", job="1"), run("preempt-60s", job="2"),
                                                run("time-limit")])  # fmt: skip
-    second = goodput.ResultsFile("cmd B", runs=[run("time-limit", job="3")])
-    third = goodput.ResultsFile("cmd C", runs=[run("preempt-60s", error="timed out")])
+    second = ResultsFile("cmd B", runs=[run("time-limit", job="3")])
+    third = ResultsFile("cmd C", runs=[run("preempt-60s", error="timed out")])
 
-    merged = goodput.merge_results([first, second, third])
+    merged = merge_results([first, second, third])
 
     assert [(f.command, [(r.name, r.job) for r in runs]) for f, runs in merged] == [
         ("cmd A", [("uninterrupted", "1")]),
         ("cmd B", [("time-limit", "3")]),
         ("cmd C", [("preempt-60s", "")]),
     ]
-    assert goodput.merge_results([goodput.ResultsFile("cmd D", runs=[run("time-limit")])]) == []
+    assert merge_results([ResultsFile("cmd D", runs=[run("time-limit")])]) == []
 
 
 def test_the_section_names_each_measuring_command_once_and_keeps_notes_separate():
-    preempt = goodput.ResultsFile(
+    preempt = ResultsFile(
         "python -m bench.goodput --intervals 60,120 --steps 240", "0.7/1.2/1.6", "2026-11-23",
         [run("uninterrupted", job="1", steps=240, allocated_s=10, productive_s=9, final="finished")],
     )  # fmt: skip
-    limit = goodput.ResultsFile(runs=[run("time-limit", job="2", steps=240, error="the run did not finish")])
+    limit = ResultsFile(runs=[run("time-limit", job="2", steps=240, error="the run did not finish")])
     notes = ["First note: **steps lost 0**.", "Second note."]
 
-    section = goodput.render(goodput.merge_results([preempt, limit]), {"cpu": "CPU", "cores": 2}, notes)
+    section = render(merge_results([preempt, limit]), {"cpu": "CPU", "cores": 2}, notes)
 
     assert "- uninterrupted: `python -m bench.goodput --intervals 60,120 --steps 240` (2026-11-23; " \
         "load average 1/5/15 min start → end: 0.7/1.2/1.6)" in section  # fmt: skip
@@ -127,8 +144,8 @@ def test_the_section_names_each_measuring_command_once_and_keeps_notes_separate(
 
 def test_page_from_merges_several_files_and_writes_only_the_goodput_section(tmp_path, monkeypatch):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    goodput.save_results(a, goodput.ResultsFile("cmd A", runs=[run("uninterrupted", job="1")]))
-    goodput.save_results(b, goodput.ResultsFile("cmd B", runs=[run("time-limit", job="2")]))
+    save_results(a, ResultsFile("cmd A", runs=[run("uninterrupted", job="1")]))
+    save_results(b, ResultsFile("cmd B", runs=[run("time-limit", job="2")]))
     written = {}
     monkeypatch.setattr(goodput, "write_page", written.update)
 
@@ -158,12 +175,12 @@ def test_the_time_limit_run_is_stopped_by_the_signal_and_its_requeue_cap_covers_
 
 
 def test_the_sensitivity_grid_says_what_reaches_the_target():
-    x = goodput.Extrapolation()
-    assert goodput.cost_budget_s(x) == pytest.approx(0.02 * 1800 - 1)
-    grid = goodput.sensitivity(x)
+    x = Extrapolation()
+    assert cost_budget_s(x) == pytest.approx(0.02 * 1800 - 1)
+    grid = sensitivity(x)
     assert grid[2.0, 60.0, 1.0].goodput(1800) == pytest.approx(x.goodput(1800))
     assert grid[50.0, 20.0, 0.0].goodput(1800) >= 0.98 > grid[50.0, 20.0, 1.0].goodput(1800)
-    text = goodput.render_extrapolation(x)
+    text = render_extrapolation(x)
     assert "not met with the default inputs" in text
     assert "only 50 GB/s, start-up 20 s, 0 lost steps reaches it" in text
 
@@ -174,7 +191,7 @@ def test_a_stop_at_an_interval_step_is_matched_with_that_checkpoint_and_not_the_
         log_line(1, "step 30 is already checkpointed; nothing to save (time_limit_signal)"),
         log_line(9, "checkpoint step 38 (time_limit_signal) committed: /x (write 0.13s, blocking 0.03s)"),
     ])  # fmt: skip
-    assert goodput.save_seconds(text) == {30: 0.07, 38: 0.13}
+    assert save_seconds(text) == {30: 0.07, 38: 0.13}
 
 
 @pytest.mark.slurm
@@ -182,7 +199,7 @@ def test_quick_goodput_run_on_the_local_cluster(slurm_cluster, tmp_path, capsys)
     """`--quick`: uninterrupted and preempted every 60 s, 160 steps (under `flock`, hence --no-lock)."""
     code = goodput.main(["--quick", "--no-lock", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    saved = goodput.load_results(next(tmp_path.glob("run-*/results.json")))
+    saved = load_results(next(tmp_path.glob("run-*/results.json")))
 
     assert code == 0, out[-4000:]
     assert saved.command == f"python -m bench.goodput --quick --no-lock --out {tmp_path}" and saved.load

@@ -33,7 +33,7 @@ from relaytrain.job import JobFacts
 from relaytrain.resilience import crash
 from relaytrain.resilience.run_state import RunStateFile
 
-from bench.chaos import rank_pids
+from bench.cluster.harness import rank_pids
 from slurm_fixtures import wait_for, wait_job_finished
 
 JOB = {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2"}

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from relaytrain.config.schema import Config
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience.codes import EXIT_DOUBLE_INTERRUPT, StopReason
 from relaytrain.resilience.early_signals import EARLY_SIGNALS, drain_early_signals
 from relaytrain.resilience.requeue import handle_stop
@@ -55,7 +55,7 @@ class ShutdownController:
         self.rank = rank
         self.device = torch.device(device)
         self.group = group
-        self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.run.dir) / cfg.run.name
+        self.run_dir = Path(run_dir) if run_dir is not None else RunDir.of(cfg.run.dir, cfg.run.name).root
         self.job = JobFacts.from_env()
         self.in_slurm = self.job.in_slurm
         self.stop_reason = StopReason.NONE
@@ -73,7 +73,7 @@ class ShutdownController:
         self.deadline = HardDeadline(
             self.resilience.hard_deadline_s,
             rank,
-            self.run_dir / "logs",
+            RunDir(self.run_dir).deadline_dump(rank),
             describe=self._describe,
             on_expire=self._on_deadline,
         )

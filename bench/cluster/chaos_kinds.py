@@ -1,4 +1,4 @@
-"""The chaos benchmark's targeted trials (bench/chaos.py runs them after the random ones).
+"""The chaos benchmark's targeted trials (bench/cluster/chaos.py runs them after the random ones).
 
 * ``kill_save_async`` / ``kill_save_sync``: SIGKILL one rank while a checkpoint is being written (the step
   directory exists, its COMPLETE marker does not). Crash recovery requeues the job; it must resume from
@@ -25,9 +25,9 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from relaytrain.checkpoint.files import COMPLETE, read_latest, step_dir_name
+from bench.cluster.chaos_run import INTERVAL, STEPS, Bench
+from bench.cluster.harness import RunFiles, rank_pids, tree_bytes, wait
 
 SPECIAL_KINDS = ("time_limit_cap", "time_limit_cap_budget", "hang", "disk_full")
 # The stop reasons (StopReason labels in run_state.json and metrics.jsonl) a time limit may end a job
@@ -71,13 +71,9 @@ class SpecialTrial:
         )
 
 
-def job_log(run_dir: Path) -> str:
-    return "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "slurm").glob("*.out")))
-
-
-def start_step(run_dir: Path, records) -> int:
+def start_step(run: RunFiles) -> int:
     """The step the first resumed run started from (0: started fresh)."""
-    events = [r for r in records(run_dir, "event") if r.get("event") in ("start", "resume")]
+    events = [r for r in run.records("event") if r.get("event") in ("start", "resume")]
     return int(events[1]["step"]) if len(events) > 1 else -1
 
 
@@ -117,15 +113,11 @@ def describe_stops(stops: list[tuple[int, str]], restarts: int) -> str:
     return f"first job, {restarts} requeue(s): stops " + (", then ".join(said) or "none recorded")
 
 
-def tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 class SpecialTrials:
-    """Runs one targeted trial on a chaos.Bench (its reference, launch, finish and check)."""
+    """Runs one targeted trial on a chaos_run.Bench (its reference, launch, finish and check)."""
 
-    def __init__(self, bench, records, rank_pids, wait):
-        self.bench, self.records, self.rank_pids, self.wait = bench, records, rank_pids, wait
+    def __init__(self, bench: Bench):
+        self.bench = bench
 
     def run(self, trial: SpecialTrial, rng) -> None:
         start = time.monotonic()
@@ -137,24 +129,21 @@ class SpecialTrials:
         trial.seconds = round(time.monotonic() - start, 1)
 
     def kill_save(self, trial: SpecialTrial, rng) -> None:
-        from bench.chaos import INTERVAL, STEPS
-
         mode = trial.kind.removeprefix("kill_save_")
         overrides = (f"--checkpoint.mode={mode}",)
-        name = f"special-{trial.index}-{trial.kind}"
-        run_dir = self.bench.runs / name
+        run = self.bench.run_files(f"special-{trial.index}-{trial.kind}")
         target = rng.choice([INTERVAL * k for k in range(1, STEPS // INTERVAL)])
         rank = trial.index % 2
-        trial.job = self.bench.launch(name, *overrides)
-        pids = self.wait(lambda: self.rank_pids(trial.job, rank=rank), 120, f"rank {rank} to start")
-        step_dir = run_dir / "checkpoints" / step_dir_name(target)
-        self.wait(step_dir.exists, 240, f"{step_dir.name} to appear", interval=0.002)
+        trial.job = self.bench.launch(run.name, *overrides)
+        pids = wait(lambda: rank_pids(trial.job, rank=rank), 120, f"rank {rank} to start")
+        step_dir = run.step_dir(target)
+        wait(step_dir.exists, 240, f"{step_dir.name} to appear", interval=0.002)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        in_flight = not (step_dir / COMPLETE).exists()
-        self.bench.finish(trial, run_dir, overrides)
-        self.bench.check(trial, run_dir)
-        resumed = start_step(run_dir, self.records)
+        in_flight = not run.committed(step_dir)
+        self.bench.finish(trial, run, overrides)
+        self.bench.check(trial, run)
+        resumed = start_step(run)
         trial.detail = f"killed rank {rank} in the {mode} save of step {target}; resumed from step {resumed}"
         trial.checks["save in flight when killed"] = in_flight
         expected = {target - INTERVAL} if in_flight else {target - INTERVAL, target}
@@ -162,83 +151,65 @@ class SpecialTrials:
 
     def time_limit_cap(self, trial: SpecialTrial, rng) -> None:
         expected, margin = TIME_LIMIT_VARIANTS[trial.kind]
-        name = f"special-{trial.index}-{trial.kind.replace('_', '-')}"
-        run_dir = self.bench.runs / name
+        run = self.bench.run_files(f"special-{trial.index}-{trial.kind.replace('_', '-')}")
         capped = ("--slurm.time=00:01:00", "--resilience.signal_lead_s=30", "--resilience.hard_deadline_s=20",
                   "--resilience.max_requeues=1", f"--resilience.time_budget_margin_s={margin}")  # fmt: skip
-        trial.job = self.bench.launch(name, *capped, setup="export RELAYTRAIN_STEP_DELAY_S=3")
-        self.bench.finish(trial, run_dir, (), setup=NO_DELAY)
-        self.bench.check(trial, run_dir)
-        stops = first_job_stops(self.records(run_dir, "event"), trial.job)
+        trial.job = self.bench.launch(run.name, *capped, setup="export RELAYTRAIN_STEP_DELAY_S=3")
+        self.bench.finish(trial, run, (), setup=NO_DELAY)
+        self.bench.check(trial, run)
+        stops = first_job_stops(run.records("event"), trial.job)
         first_state = trial.states[0] if trial.states else {}
         trial.detail = describe_stops(stops, trial.restarts) + f"; then {first_state.get('status')}"
-        trial.checks.update(time_limit_checks(stops, expected, trial.restarts, first_state, job_log(run_dir)))
+        trial.checks.update(time_limit_checks(stops, expected, trial.restarts, first_state, run.job_log()))
 
     def hang(self, trial: SpecialTrial, rng) -> None:
-        from bench.chaos import STEPS
-
-        name = f"special-{trial.index}-hang"
-        run_dir = self.bench.runs / name
+        run = self.bench.run_files(f"special-{trial.index}-hang")
         overrides = ("--resilience.hang_timeout_s=15",)
-        trial.job = self.bench.launch(name, *overrides)
+        trial.job = self.bench.launch(run.name, *overrides)
         target = rng.randint(5, STEPS - 15)
 
         def last() -> int:
-            return max((r["step"] for r in self.records(run_dir, "train")), default=0)
+            return max((r["step"] for r in run.records("train")), default=0)
 
-        self.wait(lambda: last() >= target, 240, f"step {target}")
-        for pid in self.rank_pids(trial.job, rank=1):
+        wait(lambda: last() >= target, 240, f"step {target}")
+        for pid in rank_pids(trial.job, rank=1):
             os.kill(pid, signal.SIGSTOP)
-        self.bench.finish(trial, run_dir, overrides)
-        self.bench.check(trial, run_dir)
-        stacks = run_dir / "logs" / "hang_rank0.txt"
-        crash_log = run_dir / "crashes.jsonl"
-        lines = crash_log.read_text().splitlines() if crash_log.exists() else []
-        crashes = [json.loads(line) for line in lines if line.strip()]
+        self.bench.finish(trial, run, overrides)
+        self.bench.check(trial, run)
+        crashes = run.crashes()
         trial.detail = f"SIGSTOP rank 1 after step {target}; crashes recorded: {len(crashes)}"
-        trial.checks["watchdog dumped stacks"] = stacks.exists() and "Thread" in stacks.read_text()
+        trial.checks["watchdog dumped stacks"] = "Thread" in run.hang_stacks(0)
         trial.checks["requeued by crash recovery"] = trial.restarts >= 1 and trial.resubmits == 0
         trial.checks["cause recorded as hang"] = any("hang" in json.dumps(c) for c in crashes)
 
     def disk_full(self, trial: SpecialTrial, rng) -> None:
         mount = self.bench.base / "small-fs"
         mount.mkdir(exist_ok=True)
-        ref = self.bench.runs / "reference" / "checkpoints"  # retention kept its last checkpoints only
-        ckpt = max(tree_bytes(p) for p in ref.glob("step_*"))
+        ckpt = self.bench.run_files("reference").largest_checkpoint_bytes()  # retention kept its last ones
         size = tree_bytes(self.bench.runs / ".cache") + int(ckpt * 1.6) + 768 * 1024
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True)
         try:
-            name = f"special-{trial.index}-disk-full"
-            run_dir = mount / name
+            run = RunFiles(mount / f"special-{trial.index}-disk-full")
             overrides = (f"--run.dir={mount}",)
-            trial.job = self.bench.launch(name, *overrides, setup=NO_DELAY)
-            self.wait(
-                lambda: (s := _state(run_dir)) and s.get("status") == "failed", 300, "the disk-full failure"
-            )
-            self.wait(lambda: not self.rank_pids(trial.job), 120, "the ranks to exit")
+            trial.job = self.bench.launch(run.name, *overrides, setup=NO_DELAY)
+            wait(lambda: run.state().get("status") == "failed", 300, "the disk-full failure")
+            wait(lambda: not rank_pids(trial.job), 120, "the ranks to exit")
             time.sleep(5)  # the batch shell's crash check runs after the step
-            latest = read_latest(run_dir / "checkpoints")
-            intact = latest is not None and (latest / COMPLETE).is_file()
-            errors = [line for line in job_log(run_dir).splitlines() if "checkpoint save of step" in line]
+            latest = run.latest()
+            intact = run.latest_complete()
+            errors = [line for line in run.job_log().splitlines() if "checkpoint save of step" in line]
             subprocess.run(["mount", "-o", "remount,size=512m", str(mount)], check=True)  # space freed
-            self.bench.finish(trial, run_dir, overrides, setup=NO_DELAY)
-            self.bench.check(trial, run_dir)
+            self.bench.finish(trial, run, overrides, setup=NO_DELAY)
+            self.bench.check(trial, run)
             trial.detail = (
                 f"tmpfs {size / 2**20:.1f} MiB; latest after the failure: {latest.name if latest else None}; "
                 f"error lines in the job log: {len(errors)}"
             )
             # torchrun prints its own ChildFailedError traceback for any failed worker; none may come from us
-            ours = re.search(r'File "[^"]*/relaytrain/', job_log(run_dir))
+            ours = re.search(r'File "[^"]*/relaytrain/', run.job_log())
             one_line = 0 < len(errors) <= 2 and ours is None
             trial.checks["one clear error (a line a rank, no relaytrain traceback)"] = one_line
             trial.checks["previous checkpoint intact"] = intact
             trial.checks["not retried while the disk is full"] = trial.restarts == 0
         finally:
             subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
-def _state(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "run_state.json").read_text())
-    except (OSError, ValueError):
-        return {}

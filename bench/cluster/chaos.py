@@ -1,0 +1,126 @@
+"""`python -m bench.chaos`: interrupt real Slurm jobs at random moments and check that no work is lost.
+
+    python -m bench.chaos --trials 20 --seed 7      # writes its section of docs/benchmarks.md
+    python -m bench.chaos --quick                   # 3 trials (the `slurm` test runs this), no page
+    python -m bench.chaos --page-from A/results.json B/results.json ...  # the page from several runs
+
+With several runs' results (in run order) the page shows every random trial and every SIGKILL-during-save
+trial (listed under the checkpoint.mode it reported), and of the other targeted kinds only the latest run
+that has each, saying which earlier rows it replaces.
+
+Each trial draws a (phase, event) pair from a seeded generator, launches a tiny 2-rank run on the local
+Slurm cluster (`relaytrain cluster up`), waits for the phase, fires the event, and continues the run to
+the end: the job requeues itself (preemption, a crash), or the benchmark resubmits it where the policy
+is not to requeue (a USR2 cancel). The finished run is compared with one uninterrupted reference run of
+the same config: every logged loss bit-identical, the set of steps the same (replayed steps counted),
+`checkpoints/latest` naming a complete checkpoint, no files beyond the documented set, and the last
+`run_state.json` saying `finished`.
+
+The benchmark holds /tmp/relaytrain-slurm.lock (the cluster is shared) for chunks of `--chunk` trials.
+The random trials are in chaos_run.py, the targeted ones in chaos_kinds.py, the page in chaos_page.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from bench.cluster.chaos_kinds import SPECIAL_KINDS, SpecialTrial, SpecialTrials
+from bench.cluster.chaos_page import load_results, merge_special, render, render_special, summary
+from bench.cluster.chaos_run import Bench, draw
+from bench.cluster.harness import LOCK, OUT_ROOT, cluster_lock, load_averages, start_cluster
+from bench.report import machine_info, write_page
+
+OUT = OUT_ROOT / "chaos"
+
+
+def draw_special(
+    kill_saves: int, specials: bool | list[str], start: int, modes: str = "async,sync"
+) -> list[SpecialTrial]:
+    cycle = [f"kill_save_{mode}" for mode in modes.split(",")]
+    kinds = [cycle[i % len(cycle)] for i in range(kill_saves)]
+    kinds += list(specials if isinstance(specials, list | tuple) else SPECIAL_KINDS if specials else [])
+    return [SpecialTrial(start + i, kind) for i, kind in enumerate(kinds)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=20, help="random (phase, event) trials")
+    parser.add_argument("--kill-saves", type=int, default=10, help="SIGKILL-during-save trials")
+    parser.add_argument("--kill-save-modes", default="async,sync", help="checkpoint.mode of those, in turn")
+    parser.add_argument("--special", default="", help=f"only these of {','.join(SPECIAL_KINDS)}")
+    parser.add_argument("--no-special", action="store_true", help="skip time limit/cap, hang, disk full")
+    parser.add_argument("--seed", type=int, default=None, help="default: from the clock (printed)")
+    parser.add_argument("--quick", action="store_true", help="3 random trials only, no page")
+    parser.add_argument("--chunk", type=int, default=5, help="trials per hold of the cluster lock")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--no-lock", action="store_true", help=f"the caller holds {LOCK} already")
+    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument(
+        "--page-from",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="write the page from earlier runs' results.json files (seed from --seed)",
+    )
+    parser.add_argument("--load", default="", help="load averages to print on the page (with --page-from)")
+    parser.add_argument("--note", action="append", default=[], help="a paragraph to add (--page-from)")
+    parser.add_argument("--command", action="append", default=[], help="a run's command (--page-from)")
+    args = parser.parse_args(argv)  # fmt: skip
+    command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.page_from:
+        trials, special = load_results(args.page_from)
+        merged = merge_special(special)
+        seeds = ", ".join(sorted({m.group(1) for p in args.page_from if (m := re.search(r"seed(\d+)", p))}))
+        shown = "`; `".join(args.command) if args.command else command.strip()
+        section = (
+            render(trials, seeds, shown, machine_info(), args.load)
+            + render_special(merged.trials, merged)
+            + summary(trials, merged.trials)
+        )
+        section += "".join(f"\n{note}\n" for note in args.note)
+        print(section)
+        write_page({"chaos": section})
+        return 0
+    seed = args.seed if args.seed is not None else int(time.time()) % 100000
+    trials = draw(3 if args.quick else args.trials, seed)
+    kinds = args.special.split(",") if args.special else not args.no_special
+    special = draw_special(args.kill_saves, kinds, len(trials), args.kill_save_modes)
+    special = [] if args.quick else [replace(t, seed=str(seed)) for t in special]
+    print(f"bench.chaos: seed {seed}, {len(trials)} random + {len(special)} targeted trials", flush=True)
+    base = Path(args.out) / f"seed{seed}-{int(time.time())}"
+    base.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed + 1)
+    load = [os.getloadavg()]
+    info = start_cluster(lock=not args.no_lock)
+    bench = Bench(base, info)
+    bench.run_reference()
+    targeted = SpecialTrials(bench)
+    everything = [*trials, *special]
+    for start in range(0, len(everything), args.chunk):
+        with cluster_lock(not args.no_lock):
+            for trial in everything[start : start + args.chunk]:
+                if isinstance(trial, SpecialTrial):
+                    targeted.run(trial, rng)
+                else:
+                    bench.run_trial(trial, rng)
+                print(f"bench.chaos: {json.dumps(asdict(trial))}", flush=True)
+                (base / "results.json").write_text(json.dumps([asdict(t) for t in everything], indent=1))
+    load.append(os.getloadavg())
+    loads = load_averages(load)
+    section = render(trials, seed, command.strip(), machine_info(), loads) + render_special(special)
+    section += summary(trials, special)
+    print(section)
+    if not (args.quick or args.no_write):
+        write_page({"chaos": section})
+    return 0 if all(t.ok for t in everything) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The chaos benchmark's random trials: the reference run, one interrupted run, and the checks that the
+interrupted run, finished, lost no work (bench/cluster/chaos.py draws and runs them)."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.cluster.harness import (
+    RunFiles,
+    launch,
+    preempt,
+    rank_pids,
+    scontrol_job,
+    wait,
+    wait_job_end,
+    write_config,
+)
+
+STEPS = 40
+INTERVAL = 10
+EVAL_EVERY = 10
+STEP_DELAY_S = 0.3  # first run only: a 40-step tiny run lasts ~15 s, long enough to hit a phase
+PHASES = ("mid_step", "mid_eval", "async_save", "startup", "resume_load", "emergency_save")
+EVENTS = ("usr2", "preempt", "sigkill_rank", "kill_node")
+# Files a finished run may hold: everything else is a leftover.
+ALLOWED = re.compile(
+    r"^(config\.toml|metrics\.jsonl|run_state\.json|crashes\.jsonl|slurm/.*|logs/.*|tensorboard/.*|"
+    r"checkpoints/latest|checkpoints/step_\d+/.*)$"
+)
+
+
+@dataclass
+class Trial:
+    index: int
+    phase: str
+    event: str
+    job: str = ""
+    fired_at_step: int = -1
+    resubmits: int = 0
+    restarts: int = 0
+    bit_exact: bool = False
+    steps_replayed: int = 0
+    latest_complete: bool = False
+    leftovers: list[str] = field(default_factory=list)
+    final_status: str = ""
+    seconds: float = 0.0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.bit_exact and self.latest_complete and not self.leftovers and self.final_status == "finished"
+        )
+
+
+def draw(trials: int, seed: int) -> list[Trial]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(trials):
+        phase = rng.choice(PHASES)
+        event = rng.choice(("sigkill_rank",) if phase == "resume_load" else EVENTS)
+        out.append(Trial(i, phase, event))
+    return out
+
+
+class Bench:
+    def __init__(self, base: Path, cluster):
+        self.base, self.cluster = base, cluster
+        self.runs = base / "runs"
+        self.config = write_config(base / "chaos.toml", "reference", self.runs, STEPS, EVAL_EVERY, INTERVAL)
+        self.reference: dict[int, float] = {}
+        self.reference_val: dict[int, float] = {}
+
+    def run_files(self, name: str) -> RunFiles:
+        return RunFiles(self.runs / name)
+
+    def run_reference(self) -> None:
+        """The uninterrupted run: torchrun on this machine, same config and world size (2)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+        env["OMP_NUM_THREADS"] = "1"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "relaytrain.cli", "train", str(self.config)]  # fmt: skip
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"the reference run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        run = self.run_files("reference")
+        self.reference = {r["step"]: r["loss"] for r in run.records("train")}
+        self.reference_val = {r["step"]: r["val_loss"] for r in run.records("eval") if "val_loss" in r}
+
+    # -- one trial ---------------------------------------------------------------------------------
+
+    def launch(self, name: str, *overrides: str, setup: str | None = None) -> str:
+        """Submit the run; `setup` replaces the default (slow steps in the first run only)."""
+        delay = f"export RELAYTRAIN_STEP_DELAY_S={STEP_DELAY_S}"
+        slow = setup or f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {delay}; fi'
+        return launch(self.config, name, slow, *overrides)
+
+    def wait_phase(self, trial: Trial, run: RunFiles, rng: random.Random) -> None:
+        def last() -> int:
+            return max((r["step"] for r in run.records("train") if r.get("restart", 0) == 0), default=0)
+
+        def running() -> bool:
+            return bool(rank_pids(trial.job))
+
+        if trial.phase == "startup":
+            wait(running, 120, "the ranks to start")
+            time.sleep(rng.uniform(0.0, 4.0))  # before or after `import torch` (about 3 s here)
+        elif trial.phase == "mid_eval":
+            target = rng.choice([EVAL_EVERY * k for k in range(1, STEPS // EVAL_EVERY)])
+            wait(lambda: last() >= target - 1, 180, f"step {target - 1}")
+        elif trial.phase == "async_save":
+            target = rng.choice([INTERVAL * k for k in range(1, STEPS // INTERVAL)])
+            wait(lambda: last() >= target, 180, f"step {target}")
+        else:  # mid_step, emergency_save, resume_load (the first event)
+            target = rng.randint(3, STEPS - 8)
+            wait(lambda: last() >= target, 180, f"step {target}")
+        trial.fired_at_step = last()
+
+    def fire(self, trial: Trial, event: str) -> None:
+        if event == "usr2":
+            subprocess.run(["scancel", "--signal=USR2", trial.job], check=False, timeout=30)
+        elif event == "sigkill_rank":
+            for pid in rank_pids(trial.job, rank=1):
+                os.kill(pid, signal.SIGKILL)
+        elif event == "preempt":
+            preempt(trial.job, self.cluster.cpus_per_node, hold_s=2, check=True)
+        elif event == "kill_node":
+            from relaytrain.localcluster import cluster as local_cluster
+
+            node = scontrol_job(trial.job).get("BatchHost", "")
+            local_cluster.kill_node(node, self.cluster.base_dir)
+            trial.error = f"killed {node}"
+            self._dead_node = node
+        else:
+            raise ValueError(event)
+
+    def run_trial(self, trial: Trial, rng: random.Random) -> None:
+        start = time.monotonic()
+        run = self.run_files(f"chaos-{trial.index}")
+        self._dead_node = ""
+        try:
+            trial.job = self.launch(run.name)
+            self.wait_phase(trial, run, rng)
+            self.fire(trial, trial.event)
+            if trial.phase == "emergency_save":
+                time.sleep(rng.uniform(0.1, 1.0))  # a second signal while the first one's save runs
+                self.fire(trial, "usr2" if trial.event != "kill_node" else "kill_node")
+            if trial.phase == "resume_load":
+                wait(lambda: int(scontrol_job(trial.job).get("Restarts", "0")) >= 1
+                     or scontrol_job(trial.job).get("JobState") not in ("RUNNING", "PENDING"),
+                     120, "a requeue")  # fmt: skip
+                if int(scontrol_job(trial.job).get("Restarts", "0")) >= 1:
+                    wait(lambda: rank_pids(trial.job), 120, "the resumed ranks to start")
+                    time.sleep(rng.uniform(1.0, 5.0))  # torch import, then the checkpoint load
+                    self.fire(trial, "sigkill_rank")
+            if self._dead_node:
+                from relaytrain.localcluster import cluster as local_cluster
+
+                wait(
+                    lambda: int(scontrol_job(trial.job).get("Restarts", "0")) >= 1,
+                    120,
+                    "node-failure requeue",
+                )
+                local_cluster.restart_node(self._dead_node, self.cluster.base_dir)
+                trial.error = ""
+            self.finish(trial, run)
+            self.check(trial, run)
+        except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as err:
+            trial.error = str(err)[:300]
+            subprocess.run(["scancel", trial.job], capture_output=True, timeout=30)
+        trial.seconds = round(time.monotonic() - start, 1)
+
+    def finish(self, trial, run: RunFiles, overrides: tuple[str, ...] = (), setup: str | None = None) -> None:
+        """Wait for the job; resubmit while the run is not finished (the policy did not requeue)."""
+        job = trial.job
+        for _ in range(4):
+            fields = wait_job_end(job, 420)
+            trial.restarts += int(fields.get("Restarts", "0"))
+            state = run.state()
+            trial.final_status = state.get("status", "")
+            if hasattr(trial, "states"):
+                trial.states.append({k: state.get(k) for k in ("status", "reason", "step", "message")})
+            if trial.final_status == "finished":
+                return
+            trial.resubmits += 1
+            job = self.launch(run.name, *overrides, setup=setup)
+        raise RuntimeError(f"run {run.name} did not finish after {trial.resubmits} resubmissions")
+
+    def check(self, trial, run: RunFiles) -> None:
+        rows = run.records("train")
+        steps = [r["step"] for r in rows]
+        trial.steps_replayed = len(steps) - len(set(steps))
+        vals = {r["step"]: r["val_loss"] for r in run.records("eval") if "val_loss" in r}
+        trial.bit_exact = (
+            set(steps) == set(self.reference)
+            and all(r["loss"] == self.reference[r["step"]] for r in rows)
+            and all(v == self.reference_val.get(s) for s, v in vals.items())
+            and set(vals) == set(self.reference_val)
+        )
+        trial.latest_complete = run.latest_complete()
+        trial.leftovers = run.leftovers(ALLOWED)

@@ -1,0 +1,263 @@
+"""What the cluster trials (bench/cluster/chaos.py, bench/cluster/goodput.py) share.
+
+The local Slurm cluster and its lock, the tiny trial config, launching a run with `relaytrain launch`,
+waiting for jobs and rank processes, preempting a node, and `RunFiles`: the one place that reads a run
+directory's files, at the paths relaytrain's `RunDir` names, each through the relaytrain module that
+owns it (metrics through `relaytrain.monitor.history`, run_state.json through `RunStateFile`,
+crashes.jsonl through `CrashLog`, checkpoints through `relaytrain.checkpoint.files`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from relaytrain.checkpoint import files as checkpoint_files
+from relaytrain.errors import UserError
+from relaytrain.job import RunDir
+from relaytrain.monitor.history import History, build_history, read_records
+from relaytrain.resilience.crash import CrashLog
+from relaytrain.resilience.run_state import RunStateFile
+
+from bench.report import REPO
+
+sys.path.insert(0, str(REPO / "tests"))  # the tiny config the tests use too
+from tiny_config import TINY_TOML  # noqa: E402
+
+LOCK = "/tmp/relaytrain-slurm.lock"  # the local cluster is shared: one user at a time
+OUT_ROOT = REPO / "bench" / "out"  # git-ignored; each benchmark writes under its own folder
+PROFILE = REPO / "configs" / "clusters" / "local.toml"
+CLUSTER_NODES, CLUSTER_CPUS_PER_NODE = 2, 4  # started when no local cluster is running
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")  # a job in these states is over
+CONFIG = (
+    """[run]
+name = "{name}"
+dir = "{runs}"
+
+"""
+    + TINY_TOML
+    + """max_steps = {steps}
+eval_every = {eval_every}
+eval_steps = 2
+
+[optim]
+warmup_steps = 2
+
+[metrics]
+log_every = 1
+tensorboard = false
+
+[checkpoint]
+interval = {interval}
+mode = "async"
+
+[resilience]
+hard_deadline_s = 60
+hang_timeout_s = 60
+
+[slurm]
+profile = "{profile}"
+"""
+)
+
+
+def write_config(path: Path, name: str, runs: Path, steps: int, eval_every: int, interval: int) -> Path:
+    """The trials' config: the tests' tiny model, 2 ranks' worth of steps, async checkpoints."""
+    path.write_text(
+        CONFIG.format(
+            name=name, runs=runs, steps=steps, eval_every=eval_every, interval=interval, profile=PROFILE
+        )
+    )
+    return path
+
+
+# -- the cluster ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def cluster_lock(enabled: bool = True) -> Iterator[None]:
+    """flock(LOCK), unless the caller already holds it (`flock LOCK pytest -m slurm` runs the quick test)."""
+    if not enabled:
+        yield
+        return
+    with open(LOCK, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def start_cluster(lock: bool = True):
+    """The running local cluster, else a new one; its environment (SLURM_CONF, PATH) becomes ours."""
+    from relaytrain.localcluster import cluster as local_cluster
+
+    with cluster_lock(lock):
+        info = local_cluster.running_cluster() or local_cluster.cluster_up(
+            nodes=CLUSTER_NODES, cpus_per_node=CLUSTER_CPUS_PER_NODE
+        )
+    os.environ.update(info.env)
+    return info
+
+
+def load_averages(samples: list[tuple[float, float, float]]) -> str:
+    """`0.7/1.2/1.6 → 0.8/0.8/0.9`: os.getloadavg() samples, in order."""
+    return " → ".join("/".join(f"{x:.1f}" for x in sample) for sample in samples)
+
+
+# -- jobs -------------------------------------------------------------------------------------------
+
+
+def relaytrain(*args: str, timeout: float = 120) -> str:
+    done = subprocess.run(["relaytrain", *args], capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"relaytrain {' '.join(args)} exited {done.returncode}: {done.stdout}{done.stderr}"
+        )
+    return done.stdout
+
+
+def launch(config: Path, name: str, setup: str, *overrides: str) -> str:
+    """`relaytrain launch` of the run `name` on one node with 2 tasks, `setup` run in the batch shell
+    before the step; its job id."""
+    out = relaytrain("launch", str(config), "--nodes", "1", "--tasks-per-node", "2",
+                     f"--run.name={name}", f"--slurm.setup=['{setup}']", *overrides)  # fmt: skip
+    match = re.search(r"submitted job (\d+)", out)
+    if not match:
+        raise RuntimeError(f"no job id in: {out}")
+    return match.group(1)
+
+
+def scontrol_job(job: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    return dict(re.findall(r"(?:^|\s)(\w+)=(\S*)", out))
+
+
+def wait(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.3) -> Any:
+    """The first true value of `predicate`, polled every `interval` s; TimeoutError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def wait_job_end(job: str, timeout: float, interval: float = 1.0) -> dict[str, str]:
+    """scontrol's fields of `job` once it is over (a requeued job is not: it goes back to PENDING)."""
+    return wait(
+        lambda: (fields := scontrol_job(job)) and fields.get("JobState") in ENDED and fields,
+        timeout,
+        f"job {job} to end",
+        interval=interval,
+    )
+
+
+def preempt(job: str, cpus: int, hold_s: float, check: bool = False) -> None:
+    """Take the node `job` runs on with a job on the `high` partition (PreemptMode=REQUEUE)."""
+    node = scontrol_job(job).get("BatchHost", "")
+    subprocess.run(["sbatch", "--partition=high", f"--nodelist={node}", "--nodes=1", "--ntasks=1",
+                    f"--cpus-per-task={cpus}", "--output=/dev/null", f"--wrap=sleep {hold_s:g}"],
+                   check=check, capture_output=True, timeout=30)  # fmt: skip
+
+
+def rank_pids(job: str, rank: int | None = None) -> list[int]:
+    """The job's training processes (not torchrun), found through their environment."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job}".encode() not in environ or b"relaytrain.cli\0train" not in cmdline:
+            continue
+        if b"torch.distributed.run" in cmdline or b"relaytrain.job.torchrun" in cmdline:
+            continue  # the torchrun agent, not a rank
+        if rank is None or f"RANK={rank}".encode() in environ:
+            pids.append(int(proc.name))
+    return pids
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+# -- a run's files ----------------------------------------------------------------------------------
+
+
+class RunFiles:
+    """Everything the trials read from one run directory: each path from relaytrain's `RunDir`, each
+    file read by the module that owns it. Nothing else in bench/cluster/ opens a file in a run directory."""
+
+    def __init__(self, path: Path | str):
+        self.dir = RunDir(Path(path))
+        self.path = self.dir.root
+        self.name = self.path.name
+
+    def records(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """metrics.jsonl in file order (a requeued run's replayed steps included), of one kind or all;
+        none yet is an empty list, a torn last line is skipped."""
+        try:
+            rows, _ = read_records(self.dir.metrics)
+        except UserError:  # not written yet, or no record yet
+            return []
+        return [r for r in rows if kind is None or r["kind"] == kind]
+
+    def history(self) -> History:
+        """The run stitched over its jobs: one train record per step (the last one logged), all events."""
+        return build_history(self.records())
+
+    def state(self) -> dict[str, Any]:
+        """The last run_state.json, {} when there is none yet."""
+        return RunStateFile(self.path).read() or {}
+
+    def crashes(self) -> list[dict[str, Any]]:
+        return CrashLog(self.path).entries()
+
+    def job_log(self) -> str:
+        """Every batch job's output, in job id order."""
+        logs = sorted(self.dir.slurm.glob(self.dir.job_log("*").name), key=lambda p: (len(p.name), p.name))
+        return "\n".join(p.read_text(errors="replace") for p in logs)
+
+    def hang_stacks(self, rank: int) -> str:
+        """The stacks the hang watchdog of `rank` dumped, "" when it dumped none."""
+        path = self.dir.hang_dump(rank)
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.dir.checkpoints
+
+    def step_dir(self, step: int) -> Path:
+        return self.checkpoints / checkpoint_files.step_dir_name(step)
+
+    def committed(self, step_dir: Path) -> bool:
+        return (step_dir / checkpoint_files.COMPLETE).is_file()
+
+    def latest(self) -> Path | None:
+        """Where `checkpoints/latest` points (the checkpoint layer owns what `latest` is)."""
+        return checkpoint_files.read_latest(self.checkpoints)
+
+    def latest_complete(self) -> bool:
+        latest = self.latest()
+        return latest is not None and self.committed(latest)
+
+    def largest_checkpoint_bytes(self) -> int:
+        return max((tree_bytes(e.path) for e in checkpoint_files.list_steps(self.checkpoints)), default=0)
+
+    def leftovers(self, allowed: re.Pattern[str], limit: int = 5) -> list[str]:
+        """Files, relative to the run directory, that `allowed` does not match (the first `limit`)."""
+        found = (self.dir.relative(p) for p in self.path.rglob("*") if p.is_file())
+        return sorted(rel for rel in found if not allowed.match(rel))[:limit]
