@@ -233,9 +233,10 @@ def test_a_finished_trial_is_checked_against_the_reference_run(tmp_path):
 
 @pytest.mark.slurm
 def test_quick_chaos_run_loses_no_work(slurm_cluster, tmp_path, capsys):
-    code = chaos.main(["--quick", "--seed", "1", "--no-lock", "--out", str(tmp_path)])
+    # Seed 2 draws a USR2 stop and a SIGKILLed rank, both mid-step: a graceful stop and a crash.
+    code = chaos.main(["--quick", "--seed", "2", "--no-lock", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    results = json.loads(next(tmp_path.glob("seed1-*/results.json")).read_text())
-    assert len(results) == 3
+    results = json.loads(next(tmp_path.glob("seed2-*/results.json")).read_text())
+    assert [r["event"] for r in results] == ["usr2", "sigkill_rank"]
     failed = [r for r in results if not (r["bit_exact"] and r["latest_complete"] and not r["leftovers"])]
     assert code == 0 and not failed, out[-4000:]

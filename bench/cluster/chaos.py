@@ -1,7 +1,7 @@
 """`python -m bench.chaos`: interrupt real Slurm jobs at random moments and check that no work is lost.
 
     python -m bench.chaos --trials 20 --seed 7      # writes its section of docs/benchmarks.md
-    python -m bench.chaos --quick                   # 3 trials (the `slurm` test runs this), no page
+    python -m bench.chaos --quick                   # 2 trials (the `slurm` test runs this), no page
     python -m bench.chaos --page-from A/results.json B/results.json ...  # the page from several runs
 
 With several runs' results (in run order) the page shows every random trial and every SIGKILL-during-save
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--special", default="", help=f"only these of {','.join(SPECIAL_KINDS)}")
     parser.add_argument("--no-special", action="store_true", help="skip time limit/cap, hang, disk full")
     parser.add_argument("--seed", type=int, default=None, help="default: from the clock (printed)")
-    parser.add_argument("--quick", action="store_true", help="3 random trials only, no page")
+    parser.add_argument("--quick", action="store_true", help="2 random trials only, no page")
     parser.add_argument("--chunk", type=int, default=5, help="trials per hold of the cluster lock")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-lock", action="store_true", help=f"the caller holds {LOCK} already")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         write_page({"chaos": section})
         return 0
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
-    trials = draw(3 if args.quick else args.trials, seed)
+    trials = draw(2 if args.quick else args.trials, seed)
     kinds = args.special.split(",") if args.special else not args.no_special
     special = draw_special(args.kill_saves, kinds, len(trials), args.kill_save_modes)
     special = [] if args.quick else [replace(t, seed=str(seed)) for t in special]

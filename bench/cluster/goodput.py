@@ -1,7 +1,7 @@
 """`python -m bench.goodput`: how much of the allocated time a preempted or time-limited run spends training.
 
     python -m bench.goodput --intervals 60,180     # writes its section of docs/benchmarks.md
-    python -m bench.goodput --quick --no-write      # one 60 s interval, a short run
+    python -m bench.goodput --quick --no-write      # one 40 s interval, a short run
     python -m bench.goodput --only time-limit       # chosen runs only; no page
     python -m bench.goodput --page-from A.json B.json --note "..."  # the page from saved results
 
@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intervals", default="60,180", help="preempt every T seconds, comma-separated")
     parser.add_argument("--steps", type=int, default=600, help="steps per run (0.5 s each)")
     parser.add_argument(
-        "--quick", action="store_true", help="one 60 s interval, 160 steps, no time limit run"
+        "--quick",
+        action="store_true",
+        help="one 40 s interval, 100 steps, no time limit run (a check of the harness, not a figure)",
     )
     parser.add_argument("--no-time-limit", action="store_true")
     parser.add_argument(
@@ -166,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         print(section)
         return 0
     command = "python -m bench.goodput " + " ".join(argv if argv is not None else sys.argv[1:])
-    intervals = [60.0] if args.quick else [float(t) for t in args.intervals.split(",") if t]
-    steps = 160 if args.quick else args.steps
+    intervals = [40.0] if args.quick else [float(t) for t in args.intervals.split(",") if t]
+    steps = 100 if args.quick else args.steps
     results = planned_runs(intervals, not (args.quick or args.no_time_limit), steps)
     if args.only:
         wanted = [n.strip() for n in args.only.split(",") if n.strip()]
