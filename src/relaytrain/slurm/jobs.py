@@ -228,8 +228,8 @@ def find_run_dir(job: Job, runs_root: Path = Path("runs")) -> Path | None:
     if entry and entry.get("run_dir"):
         return Path(entry["run_dir"])
     if job.stdout:
-        run_dir = RunDir.holding_job_log(Path(job.stdout))
-        return run_dir.root if run_dir is not None else None
+        holder = RunDir.holding_job_log(Path(job.stdout))
+        return holder.root if holder is not None else None
     return None
 
 

@@ -293,8 +293,8 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
         if req.command is None:
             check_plan(cfg, req.force, out)
     sweep_cfg, _ = load_for_job(dataclasses.replace(req, name=f"{base.run.name}-sweep"), base.slurm)
-    sweep = rundir_of(sweep_cfg)
-    sweep.slurm.mkdir(parents=True, exist_ok=True)
+    sweep_run = rundir_of(sweep_cfg)
+    sweep_run.slurm.mkdir(parents=True, exist_ok=True)
     array = []
     table = ["index\trun_name\t" + ("values\tcommand" if req.command is not None else "overrides")]
     rows = []
@@ -306,13 +306,13 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
         rows.append({"index": index, "run_name": cfg.run.name, "overrides": overrides, "values": point})
         if command:
             rows[-1]["command"] = command
-    sweep.sweep_table.write_text("\n".join(table) + "\n")
-    sweep.sweep_points.write_text(json.dumps(rows, indent=2) + "\n")
+    sweep_run.sweep_table.write_text("\n".join(table) + "\n")
+    sweep_run.sweep_points.write_text(json.dumps(rows, indent=2) + "\n")
     spec = JobSpec(
         cfg=sweep_cfg,
-        run_dir=sweep.root,
+        run_dir=sweep_run.root,
         config_file=Path(array[0].config_file),
-        script_path=sweep.job_script,
+        script_path=sweep_run.job_script,
         workdir=Path.cwd(),
         kind="command" if req.command is not None else "train",
         command=req.command or "",
@@ -325,19 +325,19 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
     text = write_script(spec)
     if req.dry_run:
         out(text)
-        out(f"dry run: wrote {spec.script_path} and {sweep.sweep_table}; nothing submitted")
+        out(f"dry run: wrote {spec.script_path} and {sweep_run.sweep_table}; nothing submitted")
         out("submit with: " + submission_line(spec.script_path, req.after))
         return 0
     job_id = submit(spec.script_path, req.after)
     record_job(
-        sweep.jobs,
+        sweep_run.jobs,
         {
             "job_id": job_id,
             "kind": "sweep",
             "points": len(points),
-            "log": str(sweep.job_log("%A_%a")),
+            "log": str(sweep_run.job_log("%A_%a")),
             "script": str(spec.script_path),
-            "run_dir": str(sweep.root),
+            "run_dir": str(sweep_run.root),
             "after": req.after,
         },
     )
@@ -347,13 +347,13 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
             {
                 "job_id": f"{job_id}_{index}",
                 "kind": "sweep-point",
-                "log": str(sweep.job_log("%A_%a")),
+                "log": str(sweep_run.job_log("%A_%a")),
                 "script": str(spec.script_path),
                 "config": point.config_file,
                 "run_dir": point.run_dir,
             },
         )
-    out(f"submitted job array {job_id} ({len(points)} points, table in {sweep.sweep_table})")
+    out(f"submitted job array {job_id} ({len(points)} points, table in {sweep_run.sweep_table})")
     out(f"run directories: {rundir_of(points[0][1]).root} ... {rundir_of(points[-1][1]).root}")
     return 0
 
