@@ -29,6 +29,7 @@ import torch
 
 from relaytrain.config.loader import load_config
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.resilience import HangWatchdog, RunStateFile, ShutdownController
 from relaytrain.resilience.early_signals import capture_early_signals
 
@@ -82,7 +83,7 @@ def main(case: str, run_dir: Path) -> int:
         capture_early_signals()
         os.kill(os.getpid(), signal.SIGTERM)  # during start-up: recorded, not acted on yet
     if case in ("hang", "gil_hang", "beating"):
-        watchdog = HangWatchdog(1.0, rank=0, log_dir=run_dir / "logs", backstop_s=1.0)
+        watchdog = HangWatchdog(1.0, rank=0, dump_file=RunDir(run_dir).hang_dump(0), backstop_s=1.0)
         watchdog.start()
         watchdog.beat(3)
         if case == "hang":

@@ -131,7 +131,7 @@ def test_exit_75_is_capped_by_max_requeues(job_env, monkeypatch):
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     decision = after_step(75, job_env, max_requeues=2)
     assert decision.action is step_end.Action.FAIL and "exit 75: requeue refused" in decision.say
-    assert "SLURM_RESTART_COUNT=2 reached resilience.max_requeues=2" in decision.reason
+    assert "not requeuing: SLURM_RESTART_COUNT=2 reached resilience.max_requeues=2" in decision.reason
     state = json.loads((job_env / "run_state.json").read_text())
     assert state["reason"] == "program_exit" and not state["requeue_requested"]
     assert scontrol_calls(job_env) == []

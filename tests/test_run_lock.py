@@ -18,8 +18,9 @@ import pytest
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.resilience import crash, step_end
-from relaytrain.resilience.run_lock import LOCK_FILE, Holder, RunLock, process_start
+from relaytrain.resilience.run_lock import Holder, RunLock, process_start
 from relaytrain.resilience.run_state import RunStateFile
 from relaytrain.slurm.submit import read_jobs
 from test_slurm_script import fake
@@ -48,7 +49,7 @@ def write_lock(run_dir: Path, **fields) -> Holder:
               "token": os.urandom(16).hex(), **fields}  # fmt: skip
     holder = Holder(**fields)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / LOCK_FILE).write_text(holder.text())
+    RunDir(run_dir).lock.write_text(holder.text())
     return holder
 
 
@@ -64,7 +65,7 @@ def test_take_and_release(tmp_path, no_job):
     assert holder.pid == os.getpid() and holder.host == socket.gethostname() and holder.pid_start
     assert (alive, why) == (False, "held by this process")  # the same process may take it again
     lock.release()
-    assert not (tmp_path / "run" / LOCK_FILE).exists()
+    assert not RunDir(tmp_path / "run").lock.exists()
     assert [p.name for p in (tmp_path / "run").iterdir()] == []  # no temporary file left
 
 
@@ -76,7 +77,7 @@ def test_a_live_holder_on_this_host_is_refused_by_name(tmp_path, no_job, sleeper
     message = str(refused.value)
     assert f"is in use by relaytrain train (pid {sleeper.pid} on {socket.gethostname()} since " in message
     assert "; its process is running): wait for it to end, or choose another --run.name" in message
-    assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == sleeper.pid  # untouched
+    assert json.loads(RunDir(run_dir).lock.read_text())["pid"] == sleeper.pid  # untouched
 
 
 @pytest.mark.parametrize("how", ["dead", "recycled"])
@@ -91,7 +92,7 @@ def test_a_dead_or_recycled_holder_is_taken_over_with_one_log_line(tmp_path, no_
     with caplog.at_level(logging.WARNING, logger="relaytrain.resilience.run_lock"):
         lock = RunLock(run_dir).acquire("relaytrain train")
     assert lock.holder.pid == os.getpid()
-    assert json.loads((run_dir / LOCK_FILE).read_text())["token"] == lock.holder.token
+    assert json.loads(RunDir(run_dir).lock.read_text())["token"] == lock.holder.token
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and f"(pid {pid} on " in lines[0] and "its process has ended" in lines[0], lines
     lock.release()
@@ -164,7 +165,7 @@ def test_release_leaves_a_lock_another_start_took_over(tmp_path, no_job):
     lock = RunLock(tmp_path / "run").acquire("relaytrain train")
     other = write_lock(tmp_path / "run", pid=1, pid_start="x:1")
     lock.release()
-    assert json.loads((tmp_path / "run" / LOCK_FILE).read_text())["token"] == other.token
+    assert json.loads(RunDir(tmp_path / "run").lock.read_text())["token"] == other.token
 
 
 def test_the_crash_check_leaves_a_run_directory_it_was_refused(tmp_path):
@@ -222,7 +223,7 @@ def test_two_trainings_started_at_once_one_trains_the_other_is_refused(tmp_path)
             proc.communicate()
     assert json.loads((run_dir / "run_state.json").read_text())["status"] == "stopped", out + err
     assert events(run_dir).count("start") == 1 and "stop" in events(run_dir)
-    assert not (run_dir / LOCK_FILE).exists()
+    assert not RunDir(run_dir).lock.exists()
 
 
 @pytest.mark.slow
@@ -235,7 +236,7 @@ def test_a_refusal_stops_every_rank_with_one_line(tmp_path, sleeper):
     output = done.stdout + done.stderr
     assert done.returncode != 0, output
     assert output.count(f"is in use by relaytrain train (pid {sleeper.pid} ") == 1, output
-    assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]  # nothing written beside it
+    assert sorted(p.name for p in run_dir.iterdir()) == ["run.lock"]  # nothing written beside it
 
 
 # -- relaytrain launch --------------------------------------------------------------------------
@@ -285,7 +286,7 @@ def test_sweep_refuses_a_point_whose_array_task_is_still_queued(tmp_path, no_job
 @pytest.mark.slurm
 def test_resubmitting_a_run_whose_job_is_pending_is_refused(slurm_cluster, tmp_path):
     cfg = launch_config(tmp_path)
-    slurm_dir = tmp_path / "runs" / "lock" / "slurm"
+    jobs_file = RunDir(tmp_path / "runs" / "lock").jobs
     hold = "--slurm.extra_sbatch=['--hold']"  # stays PENDING until released
     code, out = cli("launch", str(cfg), "--nodes", "1", "--tasks-per-node", "1", hold)
     assert code == 0, out
@@ -296,11 +297,11 @@ def test_resubmitting_a_run_whose_job_is_pending_is_refused(slurm_cluster, tmp_p
         assert code == 2, out
         assert f"is in use by job {job} (submitted for it, PENDING)" in out, out
         assert f"relaytrain cancel {job}" in out and "submitted job" not in out
-        assert len(read_jobs(slurm_dir)) == 1  # nothing else was submitted
+        assert len(read_jobs(jobs_file)) == 1  # nothing else was submitted
         queued = slurm("squeue", "-h", "-n", "lock", "-o", "%i").split()
         assert [j for j in queued if int(j) > int(job)] == [], queued
     finally:
-        slurm("scancel", *{str(entry["job_id"]) for entry in read_jobs(slurm_dir)})
+        slurm("scancel", *{str(entry["job_id"]) for entry in read_jobs(jobs_file)})
     wait_for(lambda: job_fields(int(job))["JobState"] == "CANCELLED", 60, f"job {job} to be cancelled")
     code, out = cli("launch", str(cfg), "--nodes", "1", "--tasks-per-node", "1", "--dry-run")
     assert code == 0, out

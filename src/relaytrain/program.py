@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from relaytrain.job import JobFacts
+from relaytrain.job.rundir import RunDir, metrics_record
 from relaytrain.resilience.codes import StopReason
 from relaytrain.resilience.early_signals import capture_early_signals
 from relaytrain.resilience.run_lock import RunLock
@@ -48,7 +49,6 @@ from relaytrain.resilience.run_state import RunStateFile
 log = logging.getLogger(__name__)
 
 RUN_DIR_ENV = "RELAYTRAIN_RUN_DIR"
-METRICS_FILE = "metrics.jsonl"  # the trainer's metrics log; a program's records are events only
 CONFIG_ENV = "RELAYTRAIN_CONFIG"
 
 _state: dict[str, Any] = {
@@ -90,15 +90,14 @@ def _log_event(event: str, step: int, **fields: Any) -> None:
         return
     from relaytrain.monitor.sinks import JsonlSink
 
-    job = JobFacts.from_env()
-    record = {"kind": "event", "step": int(step), "time": time.time()}
-    record.update(job_id=job.job_id or None, restart=job.restart_count, event=event, **fields)
+    record = metrics_record("event", step, {"event": event, **fields})
+    metrics = RunDir(_state["run_dir"]).metrics  # the trainer's metrics log; a program writes events only
     try:
-        sink = JsonlSink(_state["run_dir"] / METRICS_FILE)
+        sink = JsonlSink(metrics)
         sink.write(record)
         sink.close()
     except OSError as error:  # a full or read-only disk must not keep the program from its own work
-        log.warning("could not record %s in %s: %s", event, _state["run_dir"] / METRICS_FILE, error)
+        log.warning("could not record %s in %s: %s", event, metrics, error)
 
 
 def install(run_dir: str | Path | None = None, config=None) -> None:

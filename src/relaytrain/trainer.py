@@ -21,7 +21,7 @@ from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord, Unload
 from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.data import build_train_loader, build_val_loader
 from relaytrain.errors import UserError
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.model import flops_per_token
 from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer
 from relaytrain.monitor.logs import setup_logging
@@ -72,13 +72,14 @@ class TrainState:
 
 
 def prepare_run_dir(cfg: Config, is_main: bool) -> Path:
-    run_dir = Path(cfg.run.dir) / cfg.run.name
+    run = RunDir.of(cfg.run.dir, cfg.run.name)
+    run_dir = run.root
     if is_main:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            tmp = run_dir / ".config.toml.tmp"
+            tmp = run.config.with_name(f".{run.config.name}.tmp")
             tmp.write_text(config_to_toml(cfg))
-            os.replace(tmp, run_dir / "config.toml")
+            os.replace(tmp, run.config)
         except OSError as exc:
             raise UserError(
                 f"cannot write the run directory '{run_dir}' ({exc.strerror}); set run.dir to a writable path"
@@ -89,7 +90,7 @@ def prepare_run_dir(cfg: Config, is_main: bool) -> Path:
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
-        self.run_dir = Path(cfg.run.dir) / cfg.run.name
+        self.run_dir = RunDir.of(cfg.run.dir, cfg.run.name).root
         self.pm = parallelize(cfg, env.device, env.world_size, env.rank, env.local_world_size)
         if env.is_main:
             log.info("parallel layout: %s", self.pm.dims.describe())
@@ -128,7 +129,7 @@ class Trainer:
         self.watchdog = HangWatchdog(
             cfg.resilience.hang_timeout_s,
             env.rank,
-            self.run_dir / "logs",
+            RunDir(self.run_dir).hang_dump(env.rank),
             on_fire=lambda step: self.controller.finish(StopReason.HANG, step),
         )
         self.nan_guard = NanGuard(cfg.resilience, env.device)
@@ -337,7 +338,7 @@ def train(cfg: Config) -> int:
             shutdown_distributed()
             raise
     # One writer per run directory: rank 0 takes its lock before anything is written into it.
-    lock = take_run_lock(Path(cfg.run.dir) / cfg.run.name, env.rank, env.device, "relaytrain train")
+    lock = take_run_lock(RunDir.of(cfg.run.dir, cfg.run.name).root, env.rank, env.device, "relaytrain train")
     run_dir = prepare_run_dir(cfg, env.is_main)
     try:
         setup_logging(run_dir, env.rank, env.local_rank, env.node, cfg.metrics.rank_logs)

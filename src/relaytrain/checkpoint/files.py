@@ -29,6 +29,7 @@ from typing import Any
 import xxhash
 
 from relaytrain.errors import UserError
+from relaytrain.job.rundir import RunDir
 
 log = logging.getLogger("relaytrain.checkpoint")
 
@@ -292,7 +293,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if (path / COMPLETE).is_file() or (path / DCP_METADATA).is_file():
         return path
-    for ckpt_dir in (path, path / "checkpoints"):
+    for ckpt_dir in (path, RunDir(path).checkpoints):
         if (ckpt_dir / LATEST).is_symlink() or list_steps(ckpt_dir):
             chosen, _ = choose_resume(ckpt_dir)
             if chosen is None:

@@ -35,6 +35,7 @@ from relaytrain.checkpoint.state import model_state, optimizer_state, optimizers
 from relaytrain.checkpoint.storage import LiveStager, RawWriter
 from relaytrain.config.schema import CheckpointConfig
 from relaytrain.errors import UserError
+from relaytrain.job.rundir import RunDir
 
 log = logging.getLogger("relaytrain.checkpoint")
 
@@ -83,7 +84,7 @@ class CheckpointManager:
         self._on_commit = on_commit  # rank 0, after each commit: the run's record of its newest checkpoint
         self.record = record
         self.run_dir = Path(run_dir)
-        self.ckpt_dir = Path(self.ckpt.dir) if self.ckpt.dir else self.run_dir / "checkpoints"
+        self.ckpt_dir = Path(self.ckpt.dir) if self.ckpt.dir else RunDir(self.run_dir).checkpoints
         self.model_parts = list(model_parts)
         self.optimizers = list(optimizers)
         self.states = dict(states)

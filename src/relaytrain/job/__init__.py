@@ -4,12 +4,14 @@ The bottom layer of relaytrain: it imports nothing from relaytrain but ``relaytr
 it is the only place that reads ``SLURM_*`` variables inside a job (the launcher in ``relaytrain.slurm``
 writes them into sbatch scripts). ``JobFacts`` holds the job's ids, restart count, nodes and end time;
 ``env`` maps srun's variables to torch's, ``ports`` picks MASTER_PORT, ``netdetect`` the network
-interface, and ``task`` is the wrapper every srun task starts through.
+interface, and ``task`` is the wrapper every srun task starts through. ``RunDir`` names the files and
+folders of a run directory, where every job of a run and every command about it meet.
 """
 
 from __future__ import annotations
 
 from relaytrain.job.env import apply_slurm_env, expand_nodelist, in_srun_step
 from relaytrain.job.facts import FAKE_END_TIME_ENV, JobFacts
+from relaytrain.job.rundir import RunDir
 
-__all__ = ["FAKE_END_TIME_ENV", "JobFacts", "apply_slurm_env", "expand_nodelist", "in_srun_step"]
+__all__ = ["FAKE_END_TIME_ENV", "JobFacts", "RunDir", "apply_slurm_env", "expand_nodelist", "in_srun_step"]

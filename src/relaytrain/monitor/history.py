@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.errors import UserError
+from relaytrain.job.rundir import RunDir
 
 START_EVENTS = ("start", "resume")
 
@@ -183,7 +184,7 @@ def build_history(records: list[dict[str, Any]], skipped_lines: int = 0) -> Hist
 
 
 def load_history(run_dir: Path) -> History:
-    records, skipped = read_records(Path(run_dir) / "metrics.jsonl")
+    records, skipped = read_records(RunDir(Path(run_dir)).metrics)
     return build_history(records, skipped)
 
 

@@ -10,6 +10,8 @@ import logging
 import sys
 from pathlib import Path
 
+from relaytrain.job.rundir import RunDir
+
 _OWNED = "_relaytrain_handler"  # marks handlers installed here so a second call replaces them
 
 
@@ -76,7 +78,7 @@ def setup_logging(run_dir: Path | str, rank: int, local_rank: int, node: str, ra
 
     log_file = None
     if rank_logs:
-        log_file = Path(run_dir) / "logs" / f"rank_{rank}.log"
+        log_file = RunDir(Path(run_dir)).rank_log(rank)
         log_file.parent.mkdir(parents=True, exist_ok=True)
         file_handler = _RankLogFile(log_file, mode="a", encoding="utf-8")
         file_handler.setLevel(logging.INFO)

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from relaytrain.config.schema import MetricsConfig
-from relaytrain.job import JobFacts
+from relaytrain.job.rundir import RunDir, metrics_record
 from relaytrain.monitor.memory import memory_stats
 from relaytrain.monitor.mfu import cpu_capability, mfu, peak_flops_per_device, raise_cpu_peak, throughput
 from relaytrain.monitor.sinks import ConsoleSink, JsonlSink, TensorBoardSink, WandbSink
@@ -46,12 +45,6 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _json_value(v) for k, v in value.items()}
     return str(value)
-
-
-def job_identity() -> dict[str, Any]:
-    """The SLURM job this process belongs to; a requeue keeps the id and bumps the count."""
-    job = JobFacts.from_env()
-    return {"job_id": job.job_id or None, "restart": job.restart_count}
 
 
 def _si(value: float) -> str:
@@ -151,9 +144,9 @@ class MetricsLogger:
 
         m = mcfg
         if m.jsonl:
-            self._sinks.append(JsonlSink(self.run_dir / "metrics.jsonl"))
+            self._sinks.append(JsonlSink(RunDir(self.run_dir).metrics))
         if m.tensorboard:
-            self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
+            self._sinks.append(TensorBoardSink(RunDir(self.run_dir).tensorboard))
         if m.wandb:
             self._sinks.append(
                 WandbSink(self.run_dir, m.wandb_project, m.wandb_mode, run_name, run_config or {})
@@ -161,10 +154,7 @@ class MetricsLogger:
         self._console = ConsoleSink(self.total_steps, progress_bar=progress_bar)
 
     def _record(self, kind: str, step: int, values: dict[str, Any]) -> dict[str, Any]:
-        record: dict[str, Any] = {"kind": kind, "step": int(step), "time": time.time(), **job_identity()}
-        for key, value in values.items():
-            record[key] = _json_value(value)
-        return record
+        return metrics_record(kind, step, {key: _json_value(value) for key, value in values.items()})
 
     def _emit(self, record: dict[str, Any]) -> None:
         for sink in self._sinks:

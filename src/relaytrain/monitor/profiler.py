@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from relaytrain.config.schema import MetricsConfig
 from relaytrain.errors import UserError
+from relaytrain.job.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class StepProfiler:
         if window and (len(window) != 2 or not 0 <= window[0] < window[1]):
             raise UserError(f"metrics.profile_steps must be [start, end) with 0 <= start < end, got {window}")
         self.window = tuple(window)
-        self.out_dir = Path(run_dir) / "profile"
+        self.out_dir = RunDir(Path(run_dir)).profile
         self.rank = rank
         self.device = device
         self._prof: profile | None = None

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.errors import UserError
+from relaytrain.job.rundir import RunDir
 from relaytrain.monitor.history import History, load_history, read_gpu_csvs
 from relaytrain.monitor.plots import plot_all
 
@@ -148,10 +149,10 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list
     if not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} does not exist")
     history = load_history(run_dir)
-    out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
+    out_dir = Path(out_dir) if out_dir is not None else RunDir(run_dir).report
     name = run_dir.resolve().name
     out_dir.mkdir(parents=True, exist_ok=True)
-    gpus = read_gpu_csvs(run_dir / "gpu")
+    gpus = read_gpu_csvs(RunDir(run_dir).gpu)
     images = plot_all(history, gpus, name, out_dir) if history.train or gpus else []
     report = out_dir / "report.md"
     report.write_text(render_markdown(name, history, summarize(history), images), encoding="utf-8")

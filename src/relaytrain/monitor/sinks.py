@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.errors import UserError
+from relaytrain.job.rundir import RunDir
 
 log = logging.getLogger("relaytrain.metrics")
 
@@ -76,7 +77,7 @@ class WandbSink:
                 "metrics.wandb = true but the wandb package is not installed: "
                 "pip install wandb (or set metrics.wandb = false)"
             ) from None
-        id_file = run_dir / "wandb_id"
+        id_file = RunDir(run_dir).wandb_id
         if id_file.exists():
             run_id = id_file.read_text().strip()
         else:

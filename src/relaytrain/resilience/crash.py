@@ -33,9 +33,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 
-CRASH_LOG_FILE = "crashes.jsonl"
+CRASH_LOG_FILE = RunDir(Path()).crashes.name  # for messages; the path is RunDir.crashes
 USAGE_ERROR_EXIT = 2  # relaytrain's CLI exits 2 on a UserError/ConfigError: retrying cannot help
 # nan: the same data would fail again; damaged_checkpoint: the same files would (the user must decide)
 NEVER_REQUEUED_REASONS = frozenset({"nan", "damaged_checkpoint"})
@@ -101,7 +101,7 @@ class CrashLog:
     """``<run_dir>/crashes.jsonl``: every crash of the run, one JSON object a line."""
 
     def __init__(self, run_dir: Path | str):
-        self.path = Path(run_dir) / CRASH_LOG_FILE
+        self.path = RunDir(Path(run_dir)).crashes
 
     def entries(self) -> list[dict[str, Any]]:
         if not self.path.is_file():

@@ -36,12 +36,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from relaytrain.errors import USAGE_EXIT_CODE, UserError
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.slurmctld import job_is_over, queue_states
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "run.lock"
 BUSY_WORDS = " is in use by "  # in every refusal; the crash check finds a refused step by it
 UNREADABLE_GRACE_S = 60.0  # an unreadable lock younger than this may still be being written
 TAKEOVER_GRACE_S = 10.0  # a takeover guard older than this was left by a start that died taking over
@@ -164,7 +163,7 @@ def busy_message(run_dir: Path, holder: str, job_id: str = "", lock: bool = True
     todo = "wait for it to end"
     if job_id:
         todo += f", stop it with `relaytrain cancel {job_id}`"
-    gone = f" (if that holder is surely gone, delete {run_dir / LOCK_FILE})" if lock else ""
+    gone = f" (if that holder is surely gone, delete {RunDir(run_dir).lock})" if lock else ""
     return f"the run directory {run_dir}{BUSY_WORDS}{holder}: {todo}, or choose another --run.name{gone}"
 
 
@@ -182,7 +181,7 @@ class RunLock:
 
     def __init__(self, run_dir: Path | str):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_FILE
+        self.path = RunDir(self.run_dir).lock
         self.holder: Holder | None = None  # ours, while held
 
     def read(self) -> tuple[Holder | None, str | None]:
@@ -260,7 +259,7 @@ class RunLock:
         """Remove run.lock if it still holds ``stale_text``. Removers take turns through a guard file,
         so the check and the removal are one step for them; a creator cannot replace an existing
         lock, so a lock another start took meanwhile (another token) is never removed."""
-        guard = self.run_dir / f"{LOCK_FILE}.takeover"
+        guard = RunDir(self.run_dir).lock_takeover
         try:
             mine = _create_with(guard, f"{socket.gethostname()} {os.getpid()}\n", uuid.uuid4().hex[:8])
         except OSError as exc:

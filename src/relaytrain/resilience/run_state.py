@@ -20,9 +20,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from relaytrain.job import RunDir
+
 log = logging.getLogger(__name__)
 
-RUN_STATE_FILE = "run_state.json"
+RUN_STATE_FILE = RunDir(Path()).run_state.name  # for messages; the path is RunDir.run_state
 STATUSES = ("running", "stopped", "finished", "failed")
 # The main thread, the hard deadline and the hang watchdog may write at the same time: one writer at a
 # time, each through its own temporary file. A writer stuck on a dead filesystem must not keep the
@@ -38,7 +40,7 @@ _CARRIED_KEYS = (CHECKPOINT_STEP,)
 
 class RunStateFile:
     def __init__(self, run_dir: Path | str):
-        self.path = Path(run_dir) / RUN_STATE_FILE
+        self.path = RunDir(Path(run_dir)).run_state
 
     def read(self) -> dict[str, Any] | None:
         """The last written state, or None when there is none (or it is unreadable)."""
@@ -83,7 +85,7 @@ class RunStateFile:
         """Write ``make(the previous record)``; reading and writing under one lock, so that a record another
         thread writes meanwhile (the hard deadline's stop) is never overwritten by a stale copy."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{RUN_STATE_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         locked = _WRITE_LOCK.acquire(timeout=_WRITE_LOCK_WAIT_S)
         try:
             state = make(self.read() or {})

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience.codes import EXIT_DOUBLE_INTERRUPT, StopReason
 from relaytrain.resilience.early_signals import EARLY_SIGNALS, drain_early_signals
 from relaytrain.resilience.requeue import handle_stop
@@ -75,7 +75,7 @@ class ShutdownController:
         self.deadline = HardDeadline(
             self.r.hard_deadline_s,
             rank,
-            self.run_dir / "logs",
+            RunDir(self.run_dir).deadline_dump(rank),
             describe=self._describe,
             on_expire=self._on_deadline,
         )

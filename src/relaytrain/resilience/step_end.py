@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
+from relaytrain.job.rundir import metrics_record
 from relaytrain.resilience.codes import EXIT_RESUME, StopReason
 from relaytrain.resilience.crash import CRASH_LOG_FILE, CrashLog, cause_of, classify
 from relaytrain.resilience.requeue import StateRecord, decide_requeue, requeue
@@ -44,7 +45,6 @@ from relaytrain.resilience.run_state import RunStateFile
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
 # The keys RunStateFile.write sets itself: a record rewritten from run_state.json passes the others on.
 _RECORD_KEYS = ("status", "reason", "step", "requeue_requested", "requeue_pending", "requeued")
 
@@ -158,9 +158,9 @@ def _after_program(exit_code: int, run: RunFacts, resilience: ResilienceConfig, 
     say = [f"exit {EXIT_RESUME}: requeue {'requested' if wanted else 'refused'}"]
     why = message
     if not wanted and job.in_slurm and r.requeue:
-        capped = f"SLURM_RESTART_COUNT={job.restart_count} reached resilience.max_requeues={r.max_requeues}"
-        why += f"; not requeued: {capped}"
-        say.insert(0, f"not requeuing: {capped}")
+        capped = f"not requeuing: SLURM_RESTART_COUNT={job.restart_count} reached resilience.max_requeues="
+        why += f"; {capped}{r.max_requeues}"
+        say.insert(0, f"{capped}{r.max_requeues}")
     elif not wanted:
         why += "; not requeued (resilience.requeue is off or not in SLURM)"
     return Decision(
@@ -213,26 +213,17 @@ def perform(decision: Decision, job: JobFacts, run_dir: Path | str) -> bool:
         else:
             decision.record.write(run_state, requeue=False)
     if decision.program_stop and decision.record is not None:
-        _note_program_stop(run_dir, job, decision.record, decision.action is Action.REQUEUE)
+        _note_program_stop(run_dir, decision.record, decision.action is Action.REQUEUE)
     return requeued
 
 
-def _note_program_stop(run_dir: Path | str, job: JobFacts, record: StateRecord, requested: bool) -> None:
+def _note_program_stop(run_dir: Path | str, record: StateRecord, requested: bool) -> None:
     """The `stop` event relaytrain.program writes for a stop it records, so that `relaytrain status` and
-    `report` tell this stop like the others. Written here as one JSON line: monitor/ is of this layer."""
-    event = {
-        "kind": "event",
-        "step": record.step,
-        "time": time.time(),
-        "job_id": job.job_id or None,
-        "restart": job.restart_count,
-        "event": "stop",
-        "reason": record.reason,
-        "saved": record.facts.get("saved"),
-        "requeue_requested": requested,
-        "exit_code": record.facts.get("exit_code"),
-    }
-    path = Path(run_dir) / METRICS_FILE
+    `report` tell this stop like the others. One JSON line, as monitor/'s sink writes it (same layer)."""
+    fields = {"saved": record.facts.get("saved"), "requeue_requested": requested}
+    event = metrics_record("event", record.step, {"event": "stop", "reason": record.reason, **fields,
+                                                  "exit_code": record.facts.get("exit_code")})  # fmt: skip
+    path = RunDir(Path(run_dir)).metrics
     try:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(event, allow_nan=False) + "\n")

@@ -71,13 +71,13 @@ class HangWatchdog:
         self,
         timeout_s: float,
         rank: int,
-        log_dir: Path | str,
+        dump_file: Path | str,
         on_fire: Callable[[int], None] | None = None,
         backstop_s: float = 60.0,
     ):
         self.timeout_s = float(timeout_s)
         self.rank = rank
-        self.path = Path(log_dir) / f"hang_rank{rank}.txt"
+        self.path = Path(dump_file)  # the stacks when it fires (RunDir.hang_dump)
         self.on_fire = on_fire  # called with the last step before exiting (rank 0 marks the run failed)
         self.backstop_s = backstop_s
         self._last_beat = time.monotonic()
@@ -170,13 +170,13 @@ class HardDeadline:
         self,
         deadline_s: float,
         rank: int,
-        log_dir: Path | str,
+        dump_file: Path | str,
         describe: Callable[[], str],
         on_expire: Callable[[], None] | None = None,
     ):
         self.deadline_s = float(deadline_s)
         self.rank = rank
-        self.path = Path(log_dir) / f"deadline_rank{rank}.txt"
+        self.path = Path(dump_file)  # the stacks when it expires (RunDir.deadline_dump)
         self.describe = describe  # "step N, reason R" at expiry time
         self.on_expire = on_expire
         self.triggered_at: float | None = None

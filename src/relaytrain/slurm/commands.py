@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 
 _SLURM_FLAGS = {  # CLI flag -> (SlurmConfig key, type)
     "nodes": ("nodes", int),
@@ -232,7 +233,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         if not found:
             raise UserError(
                 f"no job or run {args.target!r} found (squeue, scontrol, sacct and "
-                f"{args.runs}/*/slurm/jobs.jsonl know nothing of it)"
+                f"{RunDir(Path(args.runs) / '*').jobs} know nothing of it)"
             )
         console.print(_job_table(found))
         return 0
@@ -242,7 +243,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, value in run_rows(run_dir):
         facts.add_row(name, value)
     console.print(facts)
-    if (run_dir / "slurm").is_dir():
+    if RunDir(run_dir).slurm.is_dir():
         try:
             console.print(_job_table(jobs.describe_run(run_dir)))
         except SlurmUnavailable as exc:  # the run's own files above still answer

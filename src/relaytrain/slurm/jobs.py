@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.job.slurmctld import queue_states
 from relaytrain.slurm.client import run_slurm, slurm_error
 from relaytrain.slurm.submit import read_jobs
@@ -153,7 +154,7 @@ def list_queue(user_only: bool = True) -> list[Job]:
 def last_step(run_dir: Path) -> int | None:
     """`step` of the last record of <run_dir>/metrics.jsonl that has one; for a --command program
     that writes no metrics, the step of its last stop in run_state.json (docs/programs.md)."""
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.is_file():
         from relaytrain.resilience.run_state import RunStateFile
 
@@ -178,7 +179,7 @@ def nodes_per_run(run_dir: Path, job_id: str) -> str:
     resume events in <run_dir>/metrics.jsonl: "2, 1, 2" for a job that lost a node and got it back."""
     counts: dict[int, object] = {}
     try:
-        lines = (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines()
+        lines = RunDir(run_dir).metrics.read_text(errors="replace").splitlines()
     except OSError:
         return ""
     for line in lines:
@@ -212,8 +213,8 @@ def find_entry(job_id: str, runs_root: Path = Path("runs")) -> dict | None:
     """The jobs.jsonl record `relaytrain launch/sweep` wrote for this job id (array task ids too)."""
     base = job_id.split("_")[0]
     fallback = None
-    for jobs_file in sorted(runs_root.glob("*/slurm/jobs.jsonl")):
-        for entry in read_jobs(jobs_file.parent):
+    for jobs_file in sorted(runs_root.glob(str(RunDir(Path("*")).jobs))):
+        for entry in read_jobs(jobs_file):
             if str(entry.get("job_id")) == job_id:
                 return entry
             if str(entry.get("job_id")) == base:
@@ -227,16 +228,15 @@ def find_run_dir(job: Job, runs_root: Path = Path("runs")) -> Path | None:
     if entry and entry.get("run_dir"):
         return Path(entry["run_dir"])
     if job.stdout:
-        out = Path(job.stdout)
-        if out.parent.name == "slurm":
-            return out.parent.parent
+        run_dir = RunDir.holding_job_log(Path(job.stdout))
+        return run_dir.root if run_dir is not None else None
     return None
 
 
 def describe_run(run_dir: Path) -> list[Job]:
     """The last jobs `relaytrain launch/sweep` recorded in the run's jobs.jsonl, as Slurm knows them."""
     jobs = []
-    for entry in read_jobs(run_dir / "slurm")[-5:]:
+    for entry in read_jobs(RunDir(run_dir).jobs)[-5:]:
         found = query_job(str(entry["job_id"])) or [Job(job_id=str(entry["job_id"]), state="UNKNOWN")]
         jobs.extend(found)
     for job in jobs:
@@ -251,7 +251,7 @@ def describe_run(run_dir: Path) -> list[Job]:
 def describe(job_or_run: str, runs_root: Path = Path("runs")) -> list[Job]:
     """Jobs for a job id, or for a run (name or directory) through its jobs.jsonl."""
     run_dir = Path(job_or_run) if "/" in job_or_run else runs_root / job_or_run
-    if not re.fullmatch(r"\d+(_\d+)?", job_or_run) and (run_dir / "slurm").is_dir():
+    if not re.fullmatch(r"\d+(_\d+)?", job_or_run) and RunDir(run_dir).slurm.is_dir():
         return describe_run(run_dir)
     jobs = query_job(job_or_run)
     for job in jobs:

@@ -19,6 +19,7 @@ from typing import Any
 
 from relaytrain.config import Config, ResilienceConfig, SlurmConfig, config_to_toml, load_config
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.slurm.container import check_container
 from relaytrain.slurm.grid import parse_grid, render_command
 from relaytrain.slurm.plan import Plan, plans_for
@@ -142,8 +143,8 @@ def signal_label(cfg: Config) -> str:
     return f"{cfg.resilience.slurm_signal}@{cfg.resilience.signal_lead_s}"
 
 
-def run_dir_of(cfg: Config) -> Path:
-    return (Path(cfg.run.dir) / cfg.run.name).absolute()
+def rundir_of(cfg: Config) -> RunDir:
+    return RunDir.of(cfg.run.dir, cfg.run.name).absolute()
 
 
 def check_plan(cfg: Config, force: bool, out: Printer) -> Plan | None:
@@ -165,12 +166,11 @@ def check_plan(cfg: Config, force: bool, out: Printer) -> Plan | None:
     return plans[-1]
 
 
-def write_run_files(cfg: Config) -> tuple[Path, Path]:
-    slurm_dir = run_dir_of(cfg) / "slurm"
-    slurm_dir.mkdir(parents=True, exist_ok=True)
-    config_file = slurm_dir / "config.toml"
-    config_file.write_text(config_to_toml(cfg))
-    return slurm_dir, config_file
+def write_run_files(cfg: Config) -> tuple[RunDir, Path]:
+    rundir = rundir_of(cfg)
+    rundir.slurm.mkdir(parents=True, exist_ok=True)
+    rundir.slurm_config.write_text(config_to_toml(cfg))
+    return rundir, rundir.slurm_config
 
 
 def write_script(spec: JobSpec) -> str:
@@ -182,11 +182,11 @@ def write_script(spec: JobSpec) -> str:
 
 
 def build_spec(cfg: Config, req: LaunchRequest, config_file: Path, origin: str = "launch") -> JobSpec:
-    run_dir = run_dir_of(cfg)
-    script = run_dir / "slurm" / ("attach.sh" if req.jobid else "job.sh")
+    rundir = rundir_of(cfg)
+    script = rundir.attach_script if req.jobid else rundir.job_script
     return JobSpec(
         cfg=cfg,
-        run_dir=run_dir,
+        run_dir=rundir.root,
         config_file=config_file,
         script_path=script,
         workdir=Path.cwd(),
@@ -212,13 +212,13 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
         check_after(req.after)
     notes: list[str] = []
     cfg, send_signal = load_for_job(req, notes=notes)
-    refuse_busy_run_dir(run_dir_of(cfg), req.after, req.jobid)  # before its files are rewritten
-    notes += check_container(cfg, run_dir_of(cfg), Path.cwd())
+    refuse_busy_run_dir(rundir_of(cfg).root, req.after, req.jobid)  # before its files are rewritten
+    notes += check_container(cfg, rundir_of(cfg).root, Path.cwd())
     for line in notes:
         out(line)
     if req.command is None:
         check_plan(cfg, req.force, out)
-    slurm_dir, config_file = write_run_files(cfg)
+    rundir, config_file = write_run_files(cfg)
     spec = build_spec(cfg, req, config_file)
     spec.send_signal = send_signal
     text = write_script(spec)
@@ -232,12 +232,12 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
         return subprocess.run(["bash", str(spec.script_path)]).returncode, None
     job_id = submit(spec.script_path, req.after)
     record_job(
-        slurm_dir,
+        rundir.jobs,
         {
             "job_id": job_id,
             "kind": spec.kind,
             "launcher": spec.launcher,
-            "log": str(slurm_dir / "%j.out"),
+            "log": str(rundir.job_log("%j")),
             "script": str(spec.script_path),
             "config": str(config_file),
             "run_dir": str(spec.run_dir),
@@ -284,35 +284,35 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
         command = render_command(req.command, point) if req.command is not None else ""
         points.append((point, cfg, command))
     for _, cfg, _ in points:
-        notes += check_container(cfg, run_dir_of(cfg), Path.cwd())
+        notes += check_container(cfg, rundir_of(cfg).root, Path.cwd())
     for line in dict.fromkeys(notes):  # the same line once, not once per point
         out(line)
     for point, cfg, command in points:
-        refuse_busy_run_dir(run_dir_of(cfg), req.after)
+        refuse_busy_run_dir(rundir_of(cfg).root, req.after)
         out(f"point {cfg.run.name}: {_values(point)}" + (f": {command}" if command else ""))
         if req.command is None:
             check_plan(cfg, req.force, out)
     sweep_cfg, _ = load_for_job(dataclasses.replace(req, name=f"{base.run.name}-sweep"), base.slurm)
-    sweep_dir = run_dir_of(sweep_cfg)
-    (sweep_dir / "slurm").mkdir(parents=True, exist_ok=True)
+    sweep = rundir_of(sweep_cfg)
+    sweep.slurm.mkdir(parents=True, exist_ok=True)
     array = []
     table = ["index\trun_name\t" + ("values\tcommand" if req.command is not None else "overrides")]
     rows = []
     for index, (point, cfg, command) in enumerate(points):
-        _, config_file = write_run_files(cfg)
-        array.append(SweepPoint(config_file=str(config_file), run_dir=str(run_dir_of(cfg)), command=command))
+        point_dir, config_file = write_run_files(cfg)
+        array.append(SweepPoint(config_file=str(config_file), run_dir=str(point_dir.root), command=command))
         table.append("\t".join([str(index), cfg.run.name, _values(point)] + ([command] if command else [])))
         overrides = [f"--{k}={v}" for k, v in point.items() if "." in k]
         rows.append({"index": index, "run_name": cfg.run.name, "overrides": overrides, "values": point})
         if command:
             rows[-1]["command"] = command
-    (sweep_dir / "sweep.tsv").write_text("\n".join(table) + "\n")
-    (sweep_dir / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
+    sweep.sweep_table.write_text("\n".join(table) + "\n")
+    sweep.sweep_points.write_text(json.dumps(rows, indent=2) + "\n")
     spec = JobSpec(
         cfg=sweep_cfg,
-        run_dir=sweep_dir,
+        run_dir=sweep.root,
         config_file=Path(array[0].config_file),
-        script_path=sweep_dir / "slurm" / "job.sh",
+        script_path=sweep.job_script,
         workdir=Path.cwd(),
         kind="command" if req.command is not None else "train",
         command=req.command or "",
@@ -325,36 +325,36 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
     text = write_script(spec)
     if req.dry_run:
         out(text)
-        out(f"dry run: wrote {spec.script_path} and {sweep_dir / 'sweep.tsv'}; nothing submitted")
+        out(f"dry run: wrote {spec.script_path} and {sweep.sweep_table}; nothing submitted")
         out("submit with: " + submission_line(spec.script_path, req.after))
         return 0
     job_id = submit(spec.script_path, req.after)
     record_job(
-        sweep_dir / "slurm",
+        sweep.jobs,
         {
             "job_id": job_id,
             "kind": "sweep",
             "points": len(points),
-            "log": str(sweep_dir / "slurm" / "%A_%a.out"),
+            "log": str(sweep.job_log("%A_%a")),
             "script": str(spec.script_path),
-            "run_dir": str(sweep_dir),
+            "run_dir": str(sweep.root),
             "after": req.after,
         },
     )
     for index, point in enumerate(array):
         record_job(
-            Path(point.run_dir) / "slurm",
+            RunDir(Path(point.run_dir)).jobs,
             {
                 "job_id": f"{job_id}_{index}",
                 "kind": "sweep-point",
-                "log": str(sweep_dir / "slurm" / "%A_%a.out"),
+                "log": str(sweep.job_log("%A_%a")),
                 "script": str(spec.script_path),
                 "config": point.config_file,
                 "run_dir": point.run_dir,
             },
         )
-    out(f"submitted job array {job_id} ({len(points)} points, table in {sweep_dir / 'sweep.tsv'})")
-    out(f"run directories: {run_dir_of(points[0][1])} ... {run_dir_of(points[-1][1])}")
+    out(f"submitted job array {job_id} ({len(points)} points, table in {sweep.sweep_table})")
+    out(f"run directories: {rundir_of(points[0][1]).root} ... {rundir_of(points[-1][1]).root}")
     return 0
 
 

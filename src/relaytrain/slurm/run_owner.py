@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.job.slurmctld import job_is_over, queued_jobs
 from relaytrain.resilience.run_lock import RunLock, busy_message
 from relaytrain.slurm.submit import read_jobs
@@ -28,7 +29,7 @@ def refuse_busy_run_dir(run_dir: Path, after: str | None = None, attach: str | N
     if alive and not (holder is not None and holder.job_id in waits_for | {attach}):
         text = holder.describe(why) if holder is not None else f"an unreadable lock ({why})"
         raise UserError(busy_message(run_dir, text, holder.job_id if holder else "") + "; nothing submitted")
-    recorded = {str(entry.get("job_id", "")) for entry in read_jobs(run_dir / "slurm")}
+    recorded = {str(entry.get("job_id", "")) for entry in read_jobs(RunDir(run_dir).jobs)}
     recorded = {
         job for job in recorded if job and job not in waits_for and job.split("_")[0] not in waits_for
     }

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.checkpoint.files import read_latest
+from relaytrain.job import RunDir
 from relaytrain.resilience.run_state import RUN_STATE_FILE, RunStateFile
 from relaytrain.slurm.jobs import last_step
 
-# Files only a run directory holds (train writes the first two at once; launch writes slurm/).
-RUN_MARKERS = (RUN_STATE_FILE, "metrics.jsonl", "config.toml", "slurm")
 # run_state.json keys shown in their own rows, or not worth a row.
 _SHOWN = {"status", "reason", "step", "time", "unix_time", "host", "job_id", "restart_count", "message"}
 JOB_ID = re.compile(r"\d+(_\d+)?")
@@ -23,7 +22,7 @@ _NOTE_KEY = re.compile(r"reason|error|message|problem|damage", re.IGNORECASE)
 
 
 def is_run_dir(path: Path) -> bool:
-    return path.is_dir() and any((path / name).exists() for name in RUN_MARKERS)
+    return path.is_dir() and any(marker.exists() for marker in RunDir(path).markers)
 
 
 def find_run(target: str, runs_root: Path) -> Path | None:
@@ -60,7 +59,7 @@ def run_rows(run_dir: Path) -> list[tuple[str, str]]:
                 rows.append((key, _text(state[key])))
     step = last_step(run_dir)
     rows.append(("last logged step", "none yet" if step is None else str(step)))
-    latest = read_latest(run_dir / "checkpoints")
+    latest = read_latest(RunDir(run_dir).checkpoints)
     if latest is not None:
         rows.append(("latest checkpoint", str(latest)))
     return rows

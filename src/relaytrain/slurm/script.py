@@ -19,6 +19,7 @@ import jinja2
 
 from relaytrain.config import Config, SlurmConfig
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.job.netdetect import IFNAME_AWK
 from relaytrain.slurm.container import step_workdir
 from relaytrain.slurm.profile import is_rocm
@@ -63,8 +64,8 @@ class JobSpec:
         return self.cfg.slurm
 
     @property
-    def slurm_dir(self) -> Path:
-        return self.run_dir / "slurm"
+    def rundir(self) -> RunDir:
+        return RunDir(self.run_dir)
 
     @property
     def tasks_per_node(self) -> int:
@@ -149,8 +150,7 @@ def sbatch_options(spec: JobSpec) -> list[str]:
         out.append(f"--mail-type={sbatch_value(s.mail_type or 'END,FAIL')}")
     if s.exclusive:
         out.append("--exclusive")
-    pattern = "%A_%a.out" if spec.array else "%j.out"
-    out.append(f"--output={sbatch_value(spec.slurm_dir / pattern)}")
+    out.append(f"--output={sbatch_value(spec.rundir.job_log('%A_%a' if spec.array else '%j'))}")
     out.append("--open-mode=append")
     out.append(f"--chdir={sbatch_value(spec.workdir)}")
     if spec.send_signal:
@@ -208,6 +208,17 @@ def _environment() -> jinja2.Environment:
     return env
 
 
+def _in_run_dir(rundir: RunDir) -> dict[str, str]:
+    """Paths of a run directory relative to it, and names in its slurm/ folder with `$job_id` in them."""
+    return {
+        "slurm": rundir.relative(rundir.slurm),
+        "gpu": rundir.relative(rundir.gpu),
+        "run_state": rundir.relative(rundir.run_state),
+        "attach_log": rundir.attach_log("$job_id").name,
+        "pip_freeze": rundir.pip_freeze("$job_id").name,
+    }
+
+
 def render_script(spec: JobSpec) -> str:
     check_layout(spec)
     s, r = spec.slurm, spec.cfg.resilience
@@ -227,7 +238,9 @@ def render_script(spec: JobSpec) -> str:
         "signal_name": signal_short(r.slurm_signal) if spec.send_signal else "",
         "ifname_awk": IFNAME_AWK,
         "run_dir": str(spec.run_dir),
-        "slurm_dir": str(spec.slurm_dir),
+        "slurm_dir": str(spec.rundir.slurm),
+        # Paths inside a run directory the script joins to $run_dir (a sweep point's is chosen at run time).
+        "in_run_dir": _in_run_dir(spec.rundir),
         "config_file": str(spec.config_file),
         "array": spec.array,
         "nodes": s.nodes,

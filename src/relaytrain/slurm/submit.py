@@ -13,7 +13,6 @@ from typing import Any
 from relaytrain.errors import UserError
 from relaytrain.slurm.client import run_slurm
 
-JOBS_FILE = "jobs.jsonl"
 _JOB_IDS = re.compile(r"[0-9]+(?:_[0-9]+)?(?::[0-9]+(?:_[0-9]+)?)*")  # 1234, 1234_5, 1234:1240
 # A chain's dry run: the job id of an earlier stage, which only its submission will tell.
 STAGE_VARIABLE = re.compile(r"\$stage[0-9]+")
@@ -63,15 +62,16 @@ def submit(script: Path, after: str | None = None) -> str:
     return job_id
 
 
-def record_job(slurm_dir: Path, entry: dict[str, Any]) -> None:
-    slurm_dir.mkdir(parents=True, exist_ok=True)
+def record_job(jobs_file: Path, entry: dict[str, Any]) -> None:
+    """Append ``entry`` to a run's jobs.jsonl (`RunDir.jobs`)."""
+    jobs_file.parent.mkdir(parents=True, exist_ok=True)
     entry = {"submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **entry}
-    with open(slurm_dir / JOBS_FILE, "a") as f:
+    with open(jobs_file, "a") as f:
         f.write(json.dumps(entry) + "\n")
 
 
-def read_jobs(slurm_dir: Path) -> list[dict[str, Any]]:
-    path = slurm_dir / JOBS_FILE
+def read_jobs(path: Path) -> list[dict[str, Any]]:
+    """The entries of a run's jobs.jsonl (`RunDir.jobs`); none when it does not exist."""
     if not path.is_file():
         return []
     out = []

@@ -1,0 +1,183 @@
+"""The run directory `<run.dir>/<run.name>/`: the one place that names its files and folders.
+
+Every job of a run, the login-node commands (`status`, `logs`, `report`, `launch`) and other programs
+(`relaytrain.program`) meet in this directory, so its layout is a contract: a `RunDir` holds its root
+and answers every path in it. Nothing else in relaytrain spells one of these names
+(tests/test_rundir.py). What is inside a checkpoint belongs to `relaytrain.checkpoint`; this module
+names only the folder that holds them.
+
+It also builds the metrics event record, the line the trainer's metrics logger and
+`relaytrain.program` append to `metrics.jsonl`, so both carry the same job identity.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relaytrain.job.facts import JobFacts
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One run directory; each property is one of its files or folders (nothing is created)."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, run_dir: str | Path, run_name: str) -> RunDir:
+        """The run directory of `run.dir` and `run.name`, as a config names it."""
+        return cls(Path(run_dir) / run_name)
+
+    @classmethod
+    def holding_job_log(cls, job_log: Path) -> RunDir | None:
+        """The run directory whose slurm/ folder holds this batch job output, if it is one."""
+        run = cls(job_log.parent.parent)
+        return run if job_log.parent == run.slurm else None
+
+    def absolute(self) -> RunDir:
+        return RunDir(self.root.absolute())
+
+    @property
+    def markers(self) -> tuple[Path, ...]:
+        """Files only a run directory holds: train writes the first three, launch writes slurm/."""
+        return (self.run_state, self.metrics, self.config, self.slurm)
+
+    # -- the run's own files -----------------------------------------------------------------------
+    @property
+    def config(self) -> Path:
+        """The resolved config the run trained from (written by the trainer's rank 0)."""
+        return self.root / "config.toml"
+
+    @property
+    def metrics(self) -> Path:
+        """One JSON record per logged step, evaluation and event (see `metrics_record`)."""
+        return self.root / "metrics.jsonl"
+
+    @property
+    def run_state(self) -> Path:
+        """How the last job of the run stopped and whether it asked for a requeue."""
+        return self.root / "run_state.json"
+
+    @property
+    def crashes(self) -> Path:
+        """One line per failed job step: its cause and whether it was requeued."""
+        return self.root / "crashes.jsonl"
+
+    @property
+    def lock(self) -> Path:
+        """The one writer's claim on this directory."""
+        return self.root / "run.lock"
+
+    @property
+    def lock_takeover(self) -> Path:
+        """Held while a writer replaces the claim of a holder that is gone."""
+        return self.root / "run.lock.takeover"
+
+    @property
+    def wandb_id(self) -> Path:
+        """The Weights & Biases run id, so a requeued job resumes the same W&B run."""
+        return self.root / "wandb_id"
+
+    # -- folders -------------------------------------------------------------------------------------
+    @property
+    def checkpoints(self) -> Path:
+        """The default checkpoint folder (`checkpoint.dir` replaces it)."""
+        return self.root / "checkpoints"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def profile(self) -> Path:
+        """torch.profiler traces and CUDA memory snapshots."""
+        return self.root / "profile"
+
+    @property
+    def report(self) -> Path:
+        """The default output of `relaytrain report`."""
+        return self.root / "report"
+
+    @property
+    def gpu(self) -> Path:
+        """GPU samples, one CSV per node (named by relaytrain.monitor.gpu_monitor)."""
+        return self.root / "gpu"
+
+    @property
+    def logs(self) -> Path:
+        """Per-rank log files and the stacks a hang or the hard deadline dumps."""
+        return self.root / "logs"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank_{rank}.log"
+
+    def hang_dump(self, rank: int) -> Path:
+        return self.logs / f"hang_rank{rank}.txt"
+
+    def deadline_dump(self, rank: int) -> Path:
+        return self.logs / f"deadline_rank{rank}.txt"
+
+    # -- the Slurm job files ---------------------------------------------------------------------------
+    @property
+    def slurm(self) -> Path:
+        """The generated scripts, their config, the job logs and the record of submitted jobs."""
+        return self.root / "slurm"
+
+    @property
+    def slurm_config(self) -> Path:
+        """The resolved config the batch job trains from."""
+        return self.slurm / "config.toml"
+
+    @property
+    def job_script(self) -> Path:
+        return self.slurm / "job.sh"
+
+    @property
+    def attach_script(self) -> Path:
+        """The script `relaytrain launch --jobid` runs inside an existing allocation."""
+        return self.slurm / "attach.sh"
+
+    @property
+    def jobs(self) -> Path:
+        """One line per submitted job (`relaytrain launch`, `sweep`, `chain`)."""
+        return self.slurm / "jobs.jsonl"
+
+    def job_log(self, job: str) -> Path:
+        """A batch job's output: `job` is its id, or sbatch's `%j` / `%A_%a` pattern."""
+        return self.slurm / f"{job}.out"
+
+    def attach_log(self, job_id: str) -> Path:
+        """The output of an attached run (`launch --jobid`), which sbatch does not capture."""
+        return self.slurm / f"attach-{job_id}.out"
+
+    def pip_freeze(self, job_id: str) -> Path:
+        """The Python packages the job ran with."""
+        return self.slurm / f"pip-freeze-{job_id}.txt"
+
+    # -- a sweep's own run directory ------------------------------------------------------------------
+    @property
+    def sweep_table(self) -> Path:
+        """One row per point of a sweep: index, run name, values (and command)."""
+        return self.root / "sweep.tsv"
+
+    @property
+    def sweep_points(self) -> Path:
+        return self.root / "sweep.json"
+
+    def relative(self, path: Path) -> str:
+        """`path` inside this run directory, as a batch script joins it to a run dir chosen at run time."""
+        return str(path.relative_to(self.root))
+
+
+def job_identity() -> dict[str, Any]:
+    """The SLURM job this process belongs to; a requeue keeps the id and bumps the count."""
+    job = JobFacts.from_env()
+    return {"job_id": job.job_id or None, "restart": job.restart_count}
+
+
+def metrics_record(kind: str, step: int, fields: dict[str, Any]) -> dict[str, Any]:
+    """One `metrics.jsonl` line: kind, step, time, the job's identity, then `fields` (JSON-ready)."""
+    return {"kind": kind, "step": int(step), "time": time.time(), **job_identity(), **fields}
