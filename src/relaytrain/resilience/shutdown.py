@@ -53,7 +53,7 @@ class ShutdownController:
     def __init__(
         self, resilience: ResilienceConfig, rank: int, device: torch.device, run_dir: Path | str, group=None
     ):
-        self.r = resilience
+        self.resilience = resilience
         self.rank = rank
         self.device = torch.device(device)
         self.group = group
@@ -73,7 +73,7 @@ class ShutdownController:
         self._recorded = False
         self.end_time, self.end_source = self._shared_end_time()
         self.deadline = HardDeadline(
-            self.r.hard_deadline_s,
+            self.resilience.hard_deadline_s,
             rank,
             RunDir(self.run_dir).deadline_dump(rank),
             describe=self._describe,
@@ -98,14 +98,14 @@ class ShutdownController:
                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(end)),
                     source,
                     end - time.time(),
-                    self.r.time_budget_margin_s,
+                    self.resilience.time_budget_margin_s,
                 )
-                if end - time.time() < self.r.time_budget_margin_s:
+                if end - time.time() < self.resilience.time_budget_margin_s:
                     log.warning(
                         "the job has less time left (%.0f s) than resilience.time_budget_margin_s="
                         "%.0f: it will stop after its first step",
                         end - time.time(),
-                        self.r.time_budget_margin_s,
+                        self.resilience.time_budget_margin_s,
                     )
         return end, source
 
@@ -119,7 +119,7 @@ class ShutdownController:
         The start-up recorder's signals that resilience.signals does not list get their default
         action back; one of them that arrived during start-up is delivered again, with that action.
         """
-        for name in self.r.signals:
+        for name in self.resilience.signals:
             signum = getattr(signal, name)
             if name == "SIGUSR1" and self.device.type == "cuda":
                 log.warning("resilience.signals has SIGUSR1, which NCCL uses internally; prefer SIGUSR2")
@@ -197,10 +197,10 @@ class ShutdownController:
         if name == "SIGINT":
             return StopReason.USER_INTERRUPT
         left = self.time_left()
-        if name == self.r.slurm_signal and name != "SIGTERM":
+        if name == self.resilience.slurm_signal and name != "SIGTERM":
             if not self.in_slurm:
                 return StopReason.SIGNAL  # sent by hand: no scheduler sends a time-limit signal here
-            too_early = left is not None and left > self.r.signal_lead_s + TIME_LIMIT_SLACK_S
+            too_early = left is not None and left > self.resilience.signal_lead_s + TIME_LIMIT_SLACK_S
             if too_early or not self.job.sends_pre_timeout_signal(name):
                 # Not Slurm's --signal (far too early, or the job asked for none): someone ran
                 # `scancel --signal` (`relaytrain cancel --signal`) to stop the run with a checkpoint;
@@ -209,7 +209,7 @@ class ShutdownController:
             return StopReason.TIME_LIMIT_SIGNAL
         if not self.in_slurm:
             return StopReason.SIGNAL
-        if left is not None and left <= self.r.signal_lead_s + TIME_LIMIT_SLACK_S:
+        if left is not None and left <= self.resilience.signal_lead_s + TIME_LIMIT_SLACK_S:
             return StopReason.TIME_LIMIT_SIGNAL
         return StopReason.PREEMPTION
 
@@ -217,7 +217,7 @@ class ShutdownController:
         """This rank's view, before agreeing: received signals, then the time budget."""
         reason = max((self.classify(s) for s in list(self._signals)), default=StopReason.NONE)
         left = self.time_left()
-        if left is not None and left < save_estimate_s + self.r.time_budget_margin_s:
+        if left is not None and left < save_estimate_s + self.resilience.time_budget_margin_s:
             reason = max(reason, StopReason.TIME_BUDGET)
         return StopReason(reason)
 
@@ -261,7 +261,9 @@ class ShutdownController:
         requeue a second time and mark the saved stop as not saved.
         """
         with self._record_lock:
-            code = handle_stop(self.r, self.run_dir, reason, step, self.rank, saved=saved, message=message)
+            code = handle_stop(
+                self.resilience, self.run_dir, reason, step, self.rank, saved=saved, message=message
+            )
             self._recorded = True
         self.deadline.cancel()
         return code
@@ -277,13 +279,15 @@ class ShutdownController:
             if self.rank == 0:
                 reason = self.stop_reason if self.stop_reason != StopReason.NONE else self.local_reason()
                 handle_stop(
-                    self.r,
+                    self.resilience,
                     self.run_dir,
                     reason,
                     self.last_step,
                     self.rank,
                     saved=False,
-                    message=f"hard deadline: the save did not finish within {self.r.hard_deadline_s:g} s",
+                    message=(
+                        f"hard deadline: the save did not finish within {self.resilience.hard_deadline_s:g} s"
+                    ),
                 )
             return True
         finally:
