@@ -106,7 +106,7 @@ def main(case: str, run_dir: Path) -> int:
             *(['--resilience.signals=["SIGUSR2", "SIGINT"]'] if case == "unlisted" else []),
         ],
     )
-    controller = ShutdownController(cfg, rank=0, device=torch.device("cpu"))
+    controller = ShutdownController(cfg.resilience, rank=0, device=torch.device("cpu"), run_dir=run_dir)
     controller.install()
     print("ready", flush=True)
     if case == "deadline":

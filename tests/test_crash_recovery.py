@@ -1,7 +1,8 @@
 """Crash recovery: a job step that crashed is requeued from the last complete checkpoint, capped per job.
 
-The unit tests drive ``relaytrain.resilience.crash`` with a fake requeue; the Slurm tests SIGKILL one
-rank of a real job on the local cluster and check the resumed run against an uninterrupted one.
+The unit tests drive the end-of-step decision (``relaytrain.resilience.step_end``) with a fake requeue;
+the Slurm tests SIGKILL one rank of a real job on the local cluster and check the resumed run against an
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from e2e_slurm_jobs import (
     wait_step,
     write_config,
 )
+from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts
-from relaytrain.resilience import crash
+from relaytrain.resilience import crash, requeue, step_end
 from relaytrain.resilience.run_state import RunStateFile
 
 from bench.cluster.harness import rank_pids
@@ -47,8 +49,15 @@ def requeues(monkeypatch):
         calls.append(requeue_id)
         return True, f"scontrol requeue {requeue_id}"
 
-    monkeypatch.setattr(crash, "scontrol_requeue", fake)
+    monkeypatch.setattr(requeue, "scontrol_requeue", fake)
     return calls
+
+
+def after_step(run_dir, exit_code, cap, requeue_on, log_tail="", env=None) -> bool:
+    """The batch script's end-of-step decision for relaytrain's trainer; whether it requeued."""
+    r = ResilienceConfig(max_crash_requeues=cap, requeue=requeue_on)
+    decision = step_end.end_step(run_dir, exit_code, r, job_log_tail=log_tail, env=env)
+    return decision.action is step_end.Action.REQUEUE
 
 
 def write_state(run_dir: Path, status: str, reason: str = "", job_id: str = "41", restart: int = 2, **extra):
@@ -90,7 +99,7 @@ def test_crash_requeues_until_the_cap_then_records_a_crash_loop(tmp_path, requeu
     )
     for attempt in range(3):
         write_state(tmp_path, "running")
-        requeued = crash.after_step(tmp_path, 137, 2, True, log_tail, env=JOB)
+        requeued = after_step(tmp_path, 137, 2, True, log_tail, env=JOB)
         state = RunStateFile(tmp_path).read()
         assert state is not None
         if attempt < 2:
@@ -106,17 +115,17 @@ def test_crash_requeues_until_the_cap_then_records_a_crash_loop(tmp_path, requeu
     assert [e["job_id"] for e in entries] == ["41"] * 3
     # A job resubmitted by hand starts with a fresh allowance.
     write_state(tmp_path, "running", job_id="42", restart=0)
-    assert crash.after_step(tmp_path, 1, 2, True, env={"SLURM_JOB_ID": "42"})
+    assert after_step(tmp_path, 1, 2, True, env={"SLURM_JOB_ID": "42"})
 
 
 def test_no_requeue_when_requeue_is_off_or_not_a_crash(tmp_path, requeues):
     write_state(tmp_path, "running")
-    assert not crash.after_step(tmp_path, 1, 3, False, env=JOB)
+    assert not after_step(tmp_path, 1, 3, False, env=JOB)
     state = RunStateFile(tmp_path).read()
     assert state and (state["status"], state["reason"]) == ("failed", "crash")
     assert state["requeue_pending"] is False
     write_state(tmp_path, "stopped", "time_limit_signal")
-    assert not crash.after_step(tmp_path, 1, 3, True, env=JOB)
+    assert not after_step(tmp_path, 1, 3, True, env=JOB)
     assert RunStateFile(tmp_path).read()["status"] == "stopped"  # untouched
     assert requeues == []
 
@@ -131,7 +140,8 @@ def test_crash_check_block_of_the_batch_script_and_the_default_cap():
     from relaytrain.config import load_config
 
     template = (Path(crash.__file__).parents[1] / "slurm" / "templates" / "job.sh.j2").read_text()
-    assert "-m relaytrain.resilience.crash --config" in template
+    assert template.count("-m relaytrain.resilience.step_end --exit-code") == 2  # with or without a container
+    assert "-m relaytrain.resilience.crash" not in template and "-m relaytrain.program" not in template
     assert load_config(None).resilience.max_crash_requeues == 3
 
 
@@ -245,21 +255,27 @@ def test_a_requeued_job_whose_only_checkpoint_is_damaged_fails_once_and_keeps_it
 def test_the_requeues_own_sigterm_does_not_cut_the_record_short(tmp_path):
     """`scontrol requeue` ends the batch job, so Slurm's SIGTERM reaches the crash check (a child of the
     batch shell) during the call or at any moment after it returned: it must still record the requeue
-    and exit 0 (the batch script logs 'the crash check failed' otherwise)."""
+    and exit 0 (the batch script logs 'the crash check failed' otherwise). `python -m
+    relaytrain.resilience.crash`, which batch scripts of earlier versions run, is the same command."""
     config = tmp_path / "config.toml"
     config.write_text("")
     run_dir = tmp_path / "run"
     write_state(run_dir, "running")
     snippet = f"""
 import os, signal, time
-from relaytrain.resilience import crash
+import runpy, sys
+from relaytrain.resilience import requeue
 
-def requeue(requeue_id):
+def fake(requeue_id):
     os.kill(os.getpid(), signal.SIGTERM)  # Slurm ends the job while scontrol runs
     return True, f"scontrol requeue {{requeue_id}}"
 
-crash.scontrol_requeue = requeue
-code = crash.main(["--config", {str(config)!r}, "--run-dir", {str(run_dir)!r}, "--exit-code", "137"])
+requeue.scontrol_requeue = fake
+sys.argv = ["crash", "--config", {str(config)!r}, "--run-dir", {str(run_dir)!r}, "--exit-code", "137"]
+try:
+    runpy.run_module("relaytrain.resilience.crash", run_name="__main__")
+except SystemExit as done:
+    code = done.code
 os.kill(os.getpid(), signal.SIGTERM)  # ... or just after it returned
 time.sleep(0.2)
 print("exit code", code)

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 import test_slurm_script
-from relaytrain import program
+from relaytrain.config.schema import ResilienceConfig
 from relaytrain.errors import UserError
+from relaytrain.resilience import step_end
 from relaytrain.slurm.launch import LaunchRequest, launch
 from test_slurm_script import SHELLCHECK, dry, fake, quiet, run_script
 
@@ -108,8 +109,14 @@ def scontrol_calls(tmp: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
+def after_step(exit_code: int, run_dir: Path, **resilience) -> step_end.Decision:
+    """The batch script's end-of-step decision for a --command program."""
+    return step_end.end_step(run_dir, exit_code, ResilienceConfig(**resilience), program=True)
+
+
 def test_an_unrecorded_exit_75_requeues_the_array_task_with_reason_program_exit(job_env):
-    assert "requeue requested" in program.after_step(75, job_env)
+    decision = after_step(75, job_env)
+    assert decision.action is step_end.Action.REQUEUE and "exit 75: requeue requested" in decision.say
     state = json.loads((job_env / "run_state.json").read_text())
     assert state["reason"] == "program_exit" and state["requeue_requested"] and state["requeued"]
     assert scontrol_calls(job_env) == ["requeue 40_1"]
@@ -121,9 +128,10 @@ def test_an_unrecorded_exit_75_requeues_the_array_task_with_reason_program_exit(
 
 
 def test_exit_75_is_capped_by_max_requeues(job_env, monkeypatch):
-    (job_env / "c.toml").write_text("[resilience]\nmax_requeues = 2\n")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
-    assert "refused" in program.after_step(75, job_env, str(job_env / "c.toml"))
+    decision = after_step(75, job_env, max_requeues=2)
+    assert decision.action is step_end.Action.FAIL and "exit 75: requeue refused" in decision.say
+    assert "not requeuing: SLURM_RESTART_COUNT=2 reached resilience.max_requeues=2" in decision.reason
     state = json.loads((job_env / "run_state.json").read_text())
     assert state["reason"] == "program_exit" and not state["requeue_requested"]
     assert scontrol_calls(job_env) == []
@@ -133,8 +141,12 @@ def test_a_stop_the_program_recorded_is_not_requeued_again_and_other_codes_do_no
     (job_env / "run_state.json").write_text(
         json.dumps({"status": "stopped", "reason": "cancelled", "job_id": "41", "restart_count": 0})
     )
-    assert "recorded its stop" in program.after_step(75, job_env)
-    assert program.after_step(0, job_env) == "" and program.after_step(140, job_env) == ""
+    decision = after_step(75, job_env)
+    assert decision.action is step_end.Action.FINISHED and "recorded its stop" in decision.reason
+    assert [(d.action, d.say) for d in (after_step(0, job_env), after_step(140, job_env))] == [
+        (step_end.Action.FINISHED, ()),
+        (step_end.Action.FAIL, ()),
+    ]
     assert json.loads((job_env / "run_state.json").read_text())["reason"] == "cancelled"
     assert scontrol_calls(job_env) == []
 
@@ -151,9 +163,9 @@ def test_command_default_sends_no_signal_and_trainer_default_is_unchanged(work):
     text = command_script()
     assert "#SBATCH --signal" not in text and "trap 'forward_signal" not in text
     assert "export RELAYTRAIN_RUN_DIR=$run_dir RELAYTRAIN_CONFIG=$config_file" in text
-    assert 'relaytrain.program after-step "$step_rc"' in text
+    assert '-m relaytrain.resilience.step_end --exit-code "$step_rc" --program' in text
     trainer = dry("7b", slurm={"nodes": 1})
-    assert "#SBATCH --signal=B:USR2@180" in trainer and "relaytrain.program" not in trainer
+    assert "#SBATCH --signal=B:USR2@180" in trainer and "--program" not in trainer
     # What the job's ranks learn of it: a SIGUSR2 in a job that asked for none is not the time limit.
     assert "export RELAYTRAIN_SLURM_SIGNAL=none" in text.splitlines()
     assert "export RELAYTRAIN_SLURM_SIGNAL=USR2" in trainer.splitlines()

@@ -120,7 +120,7 @@ def test_time_budget_stop_requeues_array_task(tmp_path, fake_slurm, monkeypatch)
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     cfg = cfg_for(tmp_path)
-    assert handle_stop(cfg, tmp_path, S.TIME_BUDGET, 40, rank=0) == EXIT_RESUME
+    assert handle_stop(cfg.resilience, tmp_path, S.TIME_BUDGET, 40, rank=0) == EXIT_RESUME
     assert fake_slurm() == ["requeue 100_7"]
     state = RunStateFile(tmp_path).read()
     assert state["status"] == "stopped" and state["reason"] == "time_budget" and state["step"] == 40
@@ -130,7 +130,7 @@ def test_time_budget_stop_requeues_array_task(tmp_path, fake_slurm, monkeypatch)
 
 def test_other_ranks_only_get_the_exit_code(tmp_path, fake_slurm, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "5")
-    assert handle_stop(cfg_for(tmp_path), tmp_path, S.TIME_LIMIT_SIGNAL, 9, rank=1) == EXIT_RESUME
+    assert handle_stop(cfg_for(tmp_path).resilience, tmp_path, S.TIME_LIMIT_SIGNAL, 9, rank=1) == EXIT_RESUME
     assert fake_slurm() == [] and RunStateFile(tmp_path).read() is None
 
 
@@ -138,10 +138,10 @@ def test_preemption_requeues_but_scancel_does_not(tmp_path, fake_slurm, monkeypa
     monkeypatch.setenv("SLURM_JOB_ID", "8")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "50")  # over max_requeues: preemption is not capped
     cfg = cfg_for(tmp_path)
-    assert handle_stop(cfg, tmp_path, S.PREEMPTION, 3, rank=0) == EXIT_RESUME
+    assert handle_stop(cfg.resilience, tmp_path, S.PREEMPTION, 3, rank=0) == EXIT_RESUME
     assert fake_slurm() == ["show job -o 8", "requeue 8"]
     monkeypatch.setenv("FAKE_JOB_STATE", "CANCELLED")
-    assert handle_stop(cfg, tmp_path, S.PREEMPTION, 4, rank=0) == EXIT_RESUME
+    assert handle_stop(cfg.resilience, tmp_path, S.PREEMPTION, 4, rank=0) == EXIT_RESUME
     assert fake_slurm()[2:] == ["show job -o 8"]
     state = RunStateFile(tmp_path).read()
     assert state["reason"] == "cancelled" and not state["requeue_requested"]
@@ -151,21 +151,19 @@ def test_time_limit_cap_and_errors_do_not_requeue(tmp_path, fake_slurm, monkeypa
     monkeypatch.setenv("SLURM_JOB_ID", "9")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "20")
     cfg = cfg_for(tmp_path)  # max_requeues defaults to 20
-    assert handle_stop(cfg, tmp_path, S.TIME_LIMIT_SIGNAL, 5, rank=0) == EXIT_RESUME
+    assert handle_stop(cfg.resilience, tmp_path, S.TIME_LIMIT_SIGNAL, 5, rank=0) == EXIT_RESUME
     assert fake_slurm() == ["show job -o 9"]  # only the scancel check, no requeue
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
-    assert handle_stop(cfg, tmp_path, S.NAN, 6, rank=0) == EXIT_NONFINITE
+    assert handle_stop(cfg.resilience, tmp_path, S.NAN, 6, rank=0) == EXIT_NONFINITE
     assert RunStateFile(tmp_path).read()["status"] == "failed"
-    assert handle_stop(cfg, tmp_path, S.STOP_AT_STEP, 7, rank=0) == 0
-    assert (
-        handle_stop(cfg_for(tmp_path, "--resilience.requeue=false"), tmp_path, S.TIME_BUDGET, 8, rank=0)
-        == EXIT_RESUME
-    )
+    assert handle_stop(cfg.resilience, tmp_path, S.STOP_AT_STEP, 7, rank=0) == 0
+    off = cfg_for(tmp_path, "--resilience.requeue=false").resilience
+    assert handle_stop(off, tmp_path, S.TIME_BUDGET, 8, rank=0) == EXIT_RESUME
     assert fake_slurm() == ["show job -o 9"]
 
 
 def test_no_requeue_outside_slurm(tmp_path, fake_slurm):
-    assert handle_stop(cfg_for(tmp_path), tmp_path, S.SIGNAL, 3, rank=0) == EXIT_RESUME
+    assert handle_stop(cfg_for(tmp_path).resilience, tmp_path, S.SIGNAL, 3, rank=0) == EXIT_RESUME
     assert fake_slurm() == [] and RunStateFile(tmp_path).read()["status"] == "stopped"
 
 
@@ -173,13 +171,13 @@ def test_missing_or_failing_scontrol_leaves_requeue_pending(tmp_path, fake_slurm
     monkeypatch.setenv("SLURM_JOB_ID", "11")
     monkeypatch.setenv("FAKE_REQUEUE_RC", "1")
     cfg = cfg_for(tmp_path)
-    handle_stop(cfg, tmp_path, S.TIME_BUDGET, 12, rank=0)
+    handle_stop(cfg.resilience, tmp_path, S.TIME_BUDGET, 12, rank=0)
     assert fake_slurm() == ["requeue 11"]
     state = RunStateFile(tmp_path).read()
     assert state["requeue_pending"] and not state["requeued"]
     monkeypatch.setenv("PATH", "/nonexistent")  # inside a container: no scontrol at all
     with caplog.at_level("WARNING"):
-        handle_stop(cfg, tmp_path, S.TIME_BUDGET, 13, rank=0)
+        handle_stop(cfg.resilience, tmp_path, S.TIME_BUDGET, 13, rank=0)
     assert "scontrol is not on PATH" in caplog.text
     assert RunStateFile(tmp_path).read()["requeue_pending"]
 
@@ -199,9 +197,9 @@ def test_batch_script_fallback_snippet_from_docs(tmp_path, fake_slurm, monkeypat
     monkeypatch.setenv(
         "FAKE_REQUEUE_RC", "1"
     )  # scontrol fails inside the "container": the marker says pending
-    handle_stop(cfg_for(tmp_path), tmp_path, S.TIME_BUDGET if pending else S.NAN, 5, rank=0)
+    handle_stop(cfg_for(tmp_path).resilience, tmp_path, S.TIME_BUDGET if pending else S.NAN, 5, rank=0)
     monkeypatch.setenv("FAKE_REQUEUE_RC", "0")
-    script = f"run_dir={tmp_path}\n" + _doc_snippet("requeue-fallback")
+    script = f"run_dir={tmp_path}\nstep_end_done=false\n" + _doc_snippet("requeue-fallback")
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=os.environ)
     assert proc.returncode == 0, proc.stderr
     expected = ["requeue 100_7", "requeue 100_7"] if pending else []
@@ -212,16 +210,16 @@ def test_run_state_markers(tmp_path, fake_slurm, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "3")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     cfg = cfg_for(tmp_path, "--train.max_steps=40")
-    mark_running(cfg, tmp_path, rank=1, step=0)
+    mark_running(cfg.train.max_steps, tmp_path, rank=1, step=0)
     assert RunStateFile(tmp_path).read() is None
-    mark_running(cfg, tmp_path, rank=0, step=10)
+    mark_running(cfg.train.max_steps, tmp_path, rank=0, step=10)
     assert RunStateFile(tmp_path).read()["status"] == "running"
-    assert finished_message(cfg, tmp_path) is None
+    assert finished_message(cfg.train.max_steps, tmp_path) is None
     mark_finished(tmp_path, rank=0, step=40)
     text = (tmp_path / "run_state.json").read_text()
     assert '"status": "finished"' in text and '"requeue_pending": false' in text  # one key per line
-    assert "already finished at step 40" in finished_message(cfg, tmp_path)
-    assert finished_message(cfg_for(tmp_path, "--train.max_steps=80"), tmp_path) is None
+    assert "already finished at step 40" in finished_message(cfg.train.max_steps, tmp_path)
+    assert finished_message(80, tmp_path) is None
     with pytest.raises(ValueError):
         RunStateFile(tmp_path).write("done", "", 1)
 
@@ -256,7 +254,8 @@ def controller(tmp_path, monkeypatch, end_in_s: float | None, *overrides: str, s
         monkeypatch.setenv("RELAYTRAIN_FAKE_JOB_END_TIME", str(time.time() + end_in_s))
     if slurm:
         monkeypatch.setenv("SLURM_JOB_ID", "1234")
-    return ShutdownController(cfg_for(tmp_path, *overrides), rank=0, device=torch.device("cpu"))
+    cfg = cfg_for(tmp_path, *overrides)
+    return ShutdownController(cfg.resilience, rank=0, device=torch.device("cpu"), run_dir=tmp_path / "run")
 
 
 def test_time_budget_stops_before_the_signal(tmp_path, fake_slurm, monkeypatch):
@@ -319,7 +318,7 @@ def test_a_slurm_signal_the_job_did_not_ask_for_is_not_the_time_limit(
 def test_ctrl_c_stop_exits_130_not_the_requeue_code(tmp_path):
     # 75 asks a batch script to requeue; a Ctrl-C on a laptop is the user's stop (saved, not requeued).
     assert exit_code_for(S.USER_INTERRUPT) == 130
-    assert handle_stop(cfg_for(tmp_path), tmp_path, S.USER_INTERRUPT, 3, rank=0) == 130
+    assert handle_stop(cfg_for(tmp_path).resilience, tmp_path, S.USER_INTERRUPT, 3, rank=0) == 130
     state = json.loads((tmp_path / "run_state.json").read_text())
     assert (state["reason"], state["exit_code"], state["requeue_requested"]) == ("user_interrupt", 130, False)
     assert exit_code_for(S.SIGNAL) == EXIT_RESUME
@@ -515,14 +514,14 @@ NAN, OK = torch.tensor(float("nan")), torch.tensor(1.0)
 
 
 def test_nan_policy_stop(tmp_path):
-    guard = NanGuard(cfg_for(tmp_path, "--resilience.nan_policy=stop"), torch.device("cpu"))
+    guard = NanGuard(cfg_for(tmp_path, "--resilience.nan_policy=stop").resilience, torch.device("cpu"))
     assert guard.check(OK, OK) == "ok"
     assert guard.check(OK, torch.tensor(float("inf"))) == "stop"  # a bad grad norm counts too
 
 
 def test_nan_policy_skip_escalates_to_stop(tmp_path):
     guard = NanGuard(
-        cfg_for(tmp_path, "--resilience.nan_policy=skip", "--resilience.nan_max_consecutive=2"),
+        cfg_for(tmp_path, "--resilience.nan_policy=skip", "--resilience.nan_max_consecutive=2").resilience,
         torch.device("cpu"),
     )
     assert [guard.check(x, 1.0) for x in (NAN, OK, NAN, NAN)] == ["skip", "ok", "skip", "stop"]
@@ -530,10 +529,8 @@ def test_nan_policy_skip_escalates_to_stop(tmp_path):
 
 
 def test_nan_policy_rollback(tmp_path):
-    guard = NanGuard(
-        cfg_for(tmp_path, "--resilience.nan_policy=rollback", "--resilience.nan_max_consecutive=2"),
-        torch.device("cpu"),
-    )
+    cfg = cfg_for(tmp_path, "--resilience.nan_policy=rollback", "--resilience.nan_max_consecutive=2")
+    guard = NanGuard(cfg.resilience, torch.device("cpu"))
     verdicts = [guard.check(NAN, None) for _ in range(8)]
     assert verdicts == ["skip", "rollback"] * 3 + ["skip", "stop"]  # at most MAX_ROLLBACKS = 3 rollbacks
 

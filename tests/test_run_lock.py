@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from relaytrain.config.schema import ResilienceConfig
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
-from relaytrain.resilience import crash
+from relaytrain.resilience import crash, step_end
 from relaytrain.resilience.run_lock import Holder, RunLock, process_start
 from relaytrain.resilience.run_state import RunStateFile
 from relaytrain.slurm.submit import read_jobs
@@ -176,7 +177,8 @@ def test_the_crash_check_leaves_a_run_directory_it_was_refused(tmp_path):
         f"relaytrain: error: the run directory {run_dir} is in use by job 100 (...): wait for it to end\n"
     )
     env = {"SLURM_JOB_ID": "200"}
-    assert crash.after_step(run_dir, 1, 3, True, log_tail, env=env) is False
+    decision = step_end.end_step(run_dir, 1, ResilienceConfig(), job_log_tail=log_tail, env=env)
+    assert decision.action is step_end.Action.FAIL and "in use by another run" in decision.reason
     assert (run_dir / "run_state.json").read_text() == before
     assert not (run_dir / crash.CRASH_LOG_FILE).exists()
 

@@ -29,9 +29,6 @@ PATTERNS = (
 ALLOWED = {
     # What is inside a checkpoint belongs to relaytrain.checkpoint: a step directory's config.toml.
     "checkpoint/files.py": {"config.toml"},
-    # routed by the end-of-step refactor
-    "resilience/crash.py": FILES,
-    "resilience/requeue.py": FILES,
 }
 
 
@@ -85,8 +82,7 @@ def test_nothing_outside_the_owner_spells_a_run_dir_name():
 
 def test_the_job_script_gets_its_run_dir_paths_from_the_owner():
     text = TEMPLATE.read_text()
-    # run_state.json: routed by the end-of-step refactor
-    spelled = [name for name in (FILES - {"run_state.json"}) | FOLDERS if f"/{name}" in text]
+    spelled = [name for name in FILES | FOLDERS if f"/{name}" in text]
     prefixes = [pattern.split("{}")[0] for pattern in PATTERNS]  # rank_, hang_rank, pip-freeze-, ...
     spelled += [prefix for prefix in prefixes if prefix and f"/{prefix}" in text]
     assert not spelled, f"job.sh.j2 spells {spelled}: pass the path in from RunDir (slurm/script.py)"

@@ -21,9 +21,10 @@ wrote (``RELAYTRAIN_CONFIG``), else from ``install(config=...)``, else the defau
 (run_state.json) from ``RELAYTRAIN_RUN_DIR``, else ``install(run_dir=...)``, else the working
 directory. torch is imported only when the controller is built.
 
-``python -m relaytrain.program after-step RC`` is what the batch script of ``relaytrain launch
---command`` runs when the step ended: an exit code 75 that the program did not record through this
-API becomes a requeue (capped by resilience.max_requeues) with reason ``program_exit``.
+When the step of ``relaytrain launch --command`` ended, the batch script's end-of-step decision
+(``python -m relaytrain.resilience.step_end --program``) turns an exit code 75 that the program did not
+record through this API into a requeue (capped by resilience.max_requeues) with reason ``program_exit``.
+``python -m relaytrain.program after-step RC`` is the same (batch scripts of earlier versions call it).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any, NoReturn
 
 from relaytrain.job import JobFacts
 from relaytrain.job.rundir import RunDir, metrics_record
-from relaytrain.resilience.codes import EXIT_RESUME, StopReason
+from relaytrain.resilience.codes import StopReason
 from relaytrain.resilience.early_signals import capture_early_signals
 from relaytrain.resilience.run_lock import RunLock
 from relaytrain.resilience.run_state import RunStateFile
@@ -151,7 +152,7 @@ def _controller():
     device = torch.device("cpu")
     if distributed and dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    controller = ShutdownController(cfg, rank, device, run_dir=_state["run_dir"])
+    controller = ShutdownController(cfg.resilience, rank, device, _state["run_dir"])
     controller.install()
     _state["controller"] = controller
     return controller
@@ -257,53 +258,19 @@ def finish(step: int) -> None:
         controller.uninstall()
 
 
-def after_step(exit_code: int, run_dir: str | Path, config=None) -> str:
-    """The batch script's view of a finished step: requeue an unrecorded exit 75. Returns what it did."""
-    from relaytrain.resilience.requeue import handle_stop
-
-    if exit_code != EXIT_RESUME:
-        return ""
-    job = JobFacts.from_env()
-    state = RunStateFile(run_dir).read() or {}
-    if (
-        state.get("status") in ("stopped", "failed", "finished")
-        and state.get("job_id") == job.job_id
-        and int(state.get("restart_count", -1)) == job.restart_count
-    ):
-        return (
-            f"the program recorded its stop ({state.get('reason')}, requeue {state.get('requeue_requested')})"
-        )
-    step = int(state.get("step", -1)) if state.get("status") == "running" else -1
-    cfg = _load_config(config)
-    handle_stop(
-        cfg,
-        run_dir,
-        StopReason.PROGRAM_EXIT,
-        step,
-        0,
-        message=f"the program exited {EXIT_RESUME} without recording a stop: continue it",
-    )
-    _state["run_dir"] = Path(run_dir).absolute()
-    _log_stop(step)
-    after = RunStateFile(run_dir).read() or {}
-    return f"exit {EXIT_RESUME}: requeue {'requested' if after.get('requeue_requested') else 'refused'}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m relaytrain.program")
     sub = parser.add_subparsers(dest="what", required=True)
-    p = sub.add_parser("after-step", help="in the batch script: requeue after a step that exited 75")
+    p = sub.add_parser("after-step", help="python -m relaytrain.resilience.step_end --program")
     p.add_argument("exit_code", type=int)
     p.add_argument("--run-dir", default=os.environ.get(RUN_DIR_ENV, ""))
     p.add_argument("--config", default=os.environ.get(CONFIG_ENV, ""))
     args = parser.parse_args(argv)
     if not args.run_dir:
         parser.error(f"--run-dir (or {RUN_DIR_ENV}) is required")
-    logging.basicConfig(level=logging.INFO, format="relaytrain: %(message)s")
-    outcome = after_step(args.exit_code, args.run_dir, args.config or None)
-    if outcome:
-        print(f"relaytrain: {outcome}")
-    return 0
+    from relaytrain.resilience.step_end import run
+
+    return run(args.run_dir, args.exit_code, args.config, program=True)
 
 
 if __name__ == "__main__":

@@ -127,14 +127,14 @@ class Trainer:
             run_name=cfg.run.name,
             run_config=asdict(cfg),
         )
-        self.controller = ShutdownController(cfg, env.rank, env.device)
+        self.controller = ShutdownController(cfg.resilience, env.rank, env.device, self.run_dir)
         self.watchdog = HangWatchdog(
             cfg.resilience.hang_timeout_s,
             env.rank,
             RunDir(self.run_dir).hang_dump(env.rank),
             on_fire=lambda step: self.controller.finish(StopReason.HANG, step),
         )
-        self.nan_guard = NanGuard(cfg, env.device)
+        self.nan_guard = NanGuard(cfg.resilience, env.device)
         self.inject_nan = NanInjector(env.rank, env.world_size)  # RELAYTRAIN_INJECT_NAN_AT_STEPS test hook
         # RELAYTRAIN_STEP_DELAY_S test hook: sleep after every step, so that a tiny model's run lasts long
         # enough for a real scheduler to signal, preempt or kill it mid-training, without using CPU.
@@ -146,7 +146,8 @@ class Trainer:
 
     def run(self) -> int:
         cfg, state = self.cfg, self.state
-        done = finished_message(cfg, self.run_dir) if cfg.checkpoint.resume == "auto" else None
+        resuming = cfg.checkpoint.resume == "auto"
+        done = finished_message(cfg.train.max_steps, self.run_dir) if resuming else None
         if done:
             log.info("%s", done)
             return 0
@@ -159,7 +160,7 @@ class Trainer:
         self.controller.install()
         try:
             resumed = self.checkpoint.load(recorded_checkpoint_step(self.run_dir))
-            mark_running(cfg, self.run_dir, self.env.rank, state.step)
+            mark_running(cfg.train.max_steps, self.run_dir, self.env.rank, state.step)
             self.metrics.log_event(
                 "resume" if resumed is not None else "start",
                 state.step,
@@ -321,7 +322,9 @@ def check_world(cfg: Config, env: DistEnv, run_dir: Path | None) -> None:
         if run_dir is not None:
             step = int((RunStateFile(run_dir).read() or {}).get("step", 0))
             recorded = repr(UserError(message))  # read by resilience/crash.py: not a crash to retry
-            handle_stop(cfg, run_dir, StopReason.ERROR, step, env.rank, saved=False, message=recorded)
+            handle_stop(
+                cfg.resilience, run_dir, StopReason.ERROR, step, env.rank, saved=False, message=recorded
+            )
         raise UserError(message) from None
 
 

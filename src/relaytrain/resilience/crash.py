@@ -1,9 +1,9 @@
-"""After a job step crashed: record the cause, and requeue the job until resilience.max_crash_requeues.
+"""Whether a failed job step was a crash, and its cause (resilience.max_crash_requeues caps its requeues).
 
 A crash is a job step that ended nonzero without a resumable stop: a rank killed (SIGKILL, the OOM
 killer, a segfault), an exception, the hang watchdog, or a process that died before it wrote anything.
-The generated batch script runs ``python -m relaytrain.resilience.crash`` after the step (it runs
-outside the step, so it survives the ranks) and this module decides from ``run_state.json``:
+The batch script's end-of-step decision (``step_end.py``, run outside the step, so it survives the
+ranks) asks ``classify`` here, which decides from ``run_state.json``:
 
 * the step was refused because another run holds the run directory (``run.lock``; its output says
   so): not this job's run, nothing is recorded;
@@ -18,29 +18,24 @@ outside the step, so it survives the ranks) and this module decides from ``run_s
 Crashes are counted per SLURM job in ``<run_dir>/crashes.jsonl`` (one line per crash, never rewritten),
 so a job resubmitted by hand starts with a fresh allowance; time-limit requeues have their own cap
 (``max_requeues``). The requeued job resumes from the last complete checkpoint as after any requeue.
+
+``python -m relaytrain.resilience.crash`` is ``python -m relaytrain.resilience.step_end`` (batch scripts
+written by earlier versions call it).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import re
 import signal
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from relaytrain.job import JobFacts
-from relaytrain.resilience.requeue import scontrol_requeue
-from relaytrain.resilience.run_lock import is_busy_refusal
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.job import JobFacts, RunDir
 
-log = logging.getLogger(__name__)
-
-CRASH_LOG_FILE = "crashes.jsonl"
+CRASH_LOG_FILE = RunDir(Path()).crashes.name  # for messages; the path is RunDir.crashes
 USAGE_ERROR_EXIT = 2  # relaytrain's CLI exits 2 on a UserError/ConfigError: retrying cannot help
 # nan: the same data would fail again; damaged_checkpoint: the same files would (the user must decide)
 NEVER_REQUEUED_REASONS = frozenset({"nan", "damaged_checkpoint"})
@@ -106,7 +101,7 @@ class CrashLog:
     """``<run_dir>/crashes.jsonl``: every crash of the run, one JSON object a line."""
 
     def __init__(self, run_dir: Path | str):
-        self.path = Path(run_dir) / CRASH_LOG_FILE
+        self.path = RunDir(Path(run_dir)).crashes
 
     def entries(self) -> list[dict[str, Any]]:
         if not self.path.is_file():
@@ -130,36 +125,11 @@ class CrashLog:
             f.write(json.dumps(dict(entry), sort_keys=True) + "\n")
 
 
-def after_step(
-    run_dir: Path | str,
-    exit_code: int,
-    max_crash_requeues: int,
-    requeue_enabled: bool,
-    job_log_tail: str = "",
-    env: Mapping[str, str] | None = None,
-) -> bool:
-    """Record a crash and requeue the job while the cap allows. Returns whether it requeued."""
-    job = JobFacts.from_env(env)
-    # The output file holds every run of the job (--open-mode=append): read only this run's part.
-    start = job_log_tail.rfind(f"restart count {job.restart_count},")
-    job_log_tail = job_log_tail[start:] if start >= 0 else job_log_tail
-    if is_busy_refusal(job_log_tail):
-        # The run directory belongs to another job or process: its files are not this job's to touch.
-        log.info(
-            "step exit code %d: the run directory was in use by another run; nothing to recover", exit_code
-        )
-        return False
-    state_file = RunStateFile(run_dir)
-    state = state_file.read()
-    crash, why = classify(state, job, exit_code)
-    if not crash:
-        log.info("step exit code %d is not a crash to recover from: %s", exit_code, why)
-        return False
-    crashes = CrashLog(run_dir)
-    earlier = crashes.count(job.job_id)
+def cause_of(exit_code: int, why: str, state: Mapping[str, Any] | None, job_log_tail: str) -> dict[str, Any]:
+    """The crash's cause as crashes.jsonl and run_state.json record it: exit code, signal, the tasks
+    `srun` reported dead (and their nodes), the marker the step left."""
     errors = srun_task_errors(job_log_tail)
-    step = int(state.get("step", 0)) if state else 0
-    cause = {
+    return {
         "exit_code": exit_code,
         "signal": signal_of(exit_code) or ",".join(torchrun_signals(job_log_tail)),
         "why": why,
@@ -167,70 +137,9 @@ def after_step(
         "nodes": sorted({e["node"] for e in errors}),
         "previous_state": {k: state.get(k) for k in ("status", "reason", "step", "host")} if state else None,
     }
-    allowed = requeue_enabled and job.in_slurm and earlier < max_crash_requeues
-    crashes.append({**job.identity(), "time": round(time.time(), 3), "step": step, **cause})
-    count = earlier + 1
-    if allowed:
-        status, reason = "failed", "crash"
-        message = f"crash {count} of this job ({why}); requeuing from the last complete checkpoint"
-    else:
-        status, reason = "failed", "crash_loop" if requeue_enabled and job.in_slurm else "crash"
-        message = (
-            f"crash {count} of job {job.job_id}: resilience.max_crash_requeues={max_crash_requeues} reached; "
-            f"fix the cause (see {CRASH_LOG_FILE} and the job log) and resubmit"
-            if reason == "crash_loop"
-            else f"crash ({why}); not requeued (resilience.requeue is off or not in SLURM)"
-        )
-    facts = {
-        **job.identity(),
-        "saved": False,
-        "exit_code": exit_code,
-        "message": message[:500],
-        "crash": cause,
-        "crash_count": count,
-        "max_crash_requeues": max_crash_requeues,
-    }
-    state_file.write(status, reason, step, requeue_requested=allowed, requeue_pending=allowed, **facts)
-    print(f"relaytrain: {message}", flush=True)
-    if not allowed:
-        return False
-    done, how = scontrol_requeue(job.requeue_id)
-    if done:
-        state_file.write(status, reason, step, requeue_requested=True, requeued=True, **facts)
-        print(f"relaytrain: requeued ({how})", flush=True)
-        return True
-    print(f"relaytrain: could not requeue after the crash: {how}", file=sys.stderr, flush=True)
-    return False
-
-
-def _tail(path: str, size: int = 65536) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - size))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relaytrain.resilience.crash", description=__doc__)
-    parser.add_argument("--config", required=True, help="the run's resolved config (TOML)")
-    parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--exit-code", type=int, required=True, help="the job step's exit code")
-    parser.add_argument("--job-log", default="", help="the job's output file (srun names the dead tasks)")
-    args = parser.parse_args(argv)
-    # Its own `scontrol requeue` ends this batch job, and Slurm's SIGTERM reaches this process too (a
-    # child of the batch shell), at any moment after that call: the record must still be written and
-    # the exit be 0, or the script logs the check as failed.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="relaytrain: %(message)s")
-    from relaytrain.config import load_config
-
-    r = load_config(args.config).resilience
-    after_step(args.run_dir, args.exit_code, r.max_crash_requeues, r.requeue, _tail(args.job_log))
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from relaytrain.resilience.step_end import main
+
+    sys.exit(main(prog="python -m relaytrain.resilience.crash"))

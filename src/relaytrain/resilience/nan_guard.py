@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from relaytrain.config.schema import Config
+from relaytrain.config.schema import ResilienceConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,9 @@ def _local(value) -> torch.Tensor:
 
 
 class NanGuard:
-    def __init__(self, cfg: Config, device: torch.device, group=None):
-        self.policy = cfg.resilience.nan_policy
-        self.max_consecutive = max(1, cfg.resilience.nan_max_consecutive)
+    def __init__(self, resilience: ResilienceConfig, device: torch.device, group=None):
+        self.policy = resilience.nan_policy
+        self.max_consecutive = max(1, resilience.nan_max_consecutive)
         self.device = torch.device(device)
         self.group = group
         self.consecutive = 0

@@ -1,6 +1,9 @@
 """After a stop: record it in run_state.json and, when the policy says so, requeue the SLURM job.
 
 Only rank 0 writes the marker and calls ``scontrol requeue``; every rank gets the same exit code.
+``requeue()`` is the one place that requeues a job: the stop path here (in the run) and the batch
+shell's end-of-step decision (``step_end.py``: a crash, an unrecorded exit 75, a requeue the run could
+not do) both call it.
 Why relaytrain requeues by itself instead of leaving it to Slurm (both verified on Slurm 22.05):
 a preempted job whose processes exit during GraceTime is recorded COMPLETED and not requeued, and a
 job that hits its time limit is never requeued, even with ``--requeue``.
@@ -12,9 +15,11 @@ import logging
 import shutil
 import subprocess
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from relaytrain.config.schema import Config
+from relaytrain.config.schema import ResilienceConfig
 from relaytrain.errors import USAGE_EXIT_CODE
 from relaytrain.job import JobFacts
 from relaytrain.resilience.codes import (
@@ -85,6 +90,40 @@ def scontrol_requeue(requeue_id: str) -> tuple[bool, str]:
     return True, " ".join(cmd)
 
 
+@dataclass(frozen=True)
+class StateRecord:
+    """What run_state.json is to say about how the run ended: status, reason, step and further facts."""
+
+    status: str
+    reason: str
+    step: int
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def write(self, run_state: RunStateFile, *, requeue: bool) -> None:
+        """Write it; ``requeue``: the policy asks for one, pending until ``scontrol`` did it."""
+        pending = {"requeue_requested": requeue, "requeue_pending": requeue}
+        run_state.write(self.status, self.reason, self.step, **pending, **self.facts)
+
+
+def requeue(job: JobFacts, run_state: RunStateFile, record: StateRecord, why: str) -> bool:
+    """Write the record with the requeue pending, ``scontrol requeue`` the job, record it requeued.
+
+    ``why`` completes the warning when it fails ("could not requeue {why}: ..."); the record then says
+    ``requeue_pending`` (the batch shell's fallback requeues it when the run cannot, docs/resilience.md).
+    Slurm ends the job at once after a successful call: the record is written before it.
+    """
+    record.write(run_state, requeue=True)
+    done, how = scontrol_requeue(job.requeue_id)
+    if not done:
+        log.warning("could not requeue %s: %s", why, how)
+        return False
+    run_state.write(
+        record.status, record.reason, record.step, requeue_requested=True, requeued=True, **record.facts
+    )
+    log.info("requeued (%s)", how)
+    return True
+
+
 def _refine(reason: StopReason, job: JobFacts) -> StopReason:
     """A SIGTERM from `scancel` looks like a preemption (or, near the end, the time limit) to the
     process; slurmctld marks a cancelled job CANCELLED before its steps get the signal."""
@@ -96,7 +135,7 @@ def _refine(reason: StopReason, job: JobFacts) -> StopReason:
 
 
 def handle_stop(
-    cfg: Config,
+    resilience: ResilienceConfig,
     run_dir: Path | str,
     reason: StopReason,
     step: int,
@@ -115,11 +154,11 @@ def handle_stop(
     code = exit_code_for(reason)
     if rank != 0:
         return code
-    r = cfg.resilience
+    r = resilience
     job = JobFacts.from_env(env)
     reason = _refine(reason, job)
     code = exit_code_for(reason)
-    requeue = decide_requeue(reason, r.requeue, r.max_requeues, job.restart_count, job.in_slurm)
+    wanted = decide_requeue(reason, r.requeue, r.max_requeues, job.restart_count, job.in_slurm)
     status = "failed" if reason in FAILURE_REASONS else "stopped"
     facts = {
         **job.identity(),
@@ -127,8 +166,7 @@ def handle_stop(
         "exit_code": code,
         "message": message[:500],
     }
-    state_file = RunStateFile(run_dir)
-    state_file.write(status, reason.label, step, requeue_requested=requeue, requeue_pending=requeue, **facts)
+    record = StateRecord(status, reason.label, step, facts)
     log.info(
         "run %s at step %d (%s%s), exit code %d, SLURM_RESTART_COUNT=%d",
         status,
@@ -138,14 +176,11 @@ def handle_stop(
         code,
         job.restart_count,
     )
-    if requeue:
-        done, how = scontrol_requeue(job.requeue_id)
-        if done:
-            log.info("requeued the job: %s", how)
-            state_file.write(status, reason.label, step, requeue_requested=True, requeued=True, **facts)
-        else:
-            log.warning("could not requeue the job: %s", how)
-    elif job.in_slurm and reason in TIME_LIMIT_REASONS and r.requeue:
+    if wanted:
+        requeue(job, RunStateFile(run_dir), record, "the job")
+        return code
+    record.write(RunStateFile(run_dir), requeue=False)
+    if job.in_slurm and reason in TIME_LIMIT_REASONS and r.requeue:
         log.warning(
             "not requeuing: SLURM_RESTART_COUNT=%d reached resilience.max_requeues=%d",
             job.restart_count,
@@ -155,7 +190,7 @@ def handle_stop(
 
 
 def mark_running(
-    cfg: Config, run_dir: Path | str, rank: int, step: int, env: Mapping[str, str] | None = None
+    max_steps: int, run_dir: Path | str, rank: int, step: int, env: Mapping[str, str] | None = None
 ) -> None:
     """At the start of training (rank 0): status running at the step the run resumed from (0: it started
     at step 0, a new line of checkpoints), also its ``checkpoint_step``; logs SLURM_RESTART_COUNT."""
@@ -174,7 +209,7 @@ def mark_running(
         "",
         step,
         **job.identity(),
-        max_steps=cfg.train.max_steps,
+        max_steps=max_steps,
         **{CHECKPOINT_STEP: step},
     )
 
@@ -193,15 +228,16 @@ def mark_finished(run_dir: Path | str, rank: int, step: int, env: Mapping[str, s
     )
 
 
-def finished_message(cfg: Config, run_dir: Path | str) -> str | None:
-    """A message when run_state.json says this run already finished at train.max_steps, else None."""
+def finished_message(max_steps: int, run_dir: Path | str) -> str | None:
+    """A message when run_state.json says this run already finished at ``max_steps`` (train.max_steps),
+    else None."""
     state = RunStateFile(run_dir).read()
     if not state or state.get("status") != "finished":
         return None
     step = int(state.get("step", -1))
-    if step < cfg.train.max_steps:
+    if step < max_steps:
         return None  # train.max_steps was raised since: train on
     return (
-        f"run {Path(run_dir)} already finished at step {step} (train.max_steps={cfg.train.max_steps}, "
+        f"run {Path(run_dir)} already finished at step {step} (train.max_steps={max_steps}, "
         f"{state.get('time', '?')}); nothing to do. Raise train.max_steps to train further."
     )

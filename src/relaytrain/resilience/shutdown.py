@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from relaytrain.config.schema import Config
+from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience.codes import EXIT_DOUBLE_INTERRUPT, StopReason
 from relaytrain.resilience.early_signals import EARLY_SIGNALS, drain_early_signals
@@ -45,17 +45,19 @@ def _world(group) -> int:
 class ShutdownController:
     """Per-rank stop logic. Build it on every rank after the process group exists (it runs one
     collective to share the job's end time), ``install()`` in the main thread, then call
-    ``agree(step, save_estimate_s)`` at every step boundary, the same number of times on all ranks."""
+    ``agree(step, save_estimate_s)`` at every step boundary, the same number of times on all ranks.
+
+    ``resilience``: the [resilience] section; ``run_dir``: where run_state.json and the hard deadline's
+    stack dumps go."""
 
     def __init__(
-        self, cfg: Config, rank: int, device: torch.device, group=None, run_dir: Path | str | None = None
+        self, resilience: ResilienceConfig, rank: int, device: torch.device, run_dir: Path | str, group=None
     ):
-        self.cfg = cfg
-        self.resilience = cfg.resilience
+        self.resilience = resilience
         self.rank = rank
         self.device = torch.device(device)
         self.group = group
-        self.run_dir = Path(run_dir) if run_dir is not None else RunDir.of(cfg.run.dir, cfg.run.name).root
+        self.run_dir = Path(run_dir)
         self.job = JobFacts.from_env()
         self.in_slurm = self.job.in_slurm
         self.stop_reason = StopReason.NONE
@@ -259,7 +261,9 @@ class ShutdownController:
         requeue a second time and mark the saved stop as not saved.
         """
         with self._record_lock:
-            code = handle_stop(self.cfg, self.run_dir, reason, step, self.rank, saved=saved, message=message)
+            code = handle_stop(
+                self.resilience, self.run_dir, reason, step, self.rank, saved=saved, message=message
+            )
             self._recorded = True
         self.deadline.cancel()
         return code
@@ -275,7 +279,7 @@ class ShutdownController:
             if self.rank == 0:
                 reason = self.stop_reason if self.stop_reason != StopReason.NONE else self.local_reason()
                 handle_stop(
-                    self.cfg,
+                    self.resilience,
                     self.run_dir,
                     reason,
                     self.last_step,

@@ -213,6 +213,7 @@ def _in_run_dir(rundir: RunDir) -> dict[str, str]:
     return {
         "slurm": rundir.relative(rundir.slurm),
         "gpu": rundir.relative(rundir.gpu),
+        "run_state": rundir.relative(rundir.run_state),
         "attach_log": rundir.attach_log("$job_id").name,
         "pip_freeze": rundir.pip_freeze("$job_id").name,
     }
