@@ -92,14 +92,42 @@ class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.run_dir = RunDir.of(cfg.run.dir, cfg.run.name).root
-        self.model = parallelize(cfg, env.device, env.world_size, env.rank, env.local_world_size)
+        self.model = parallelize(
+            cfg.parallel,
+            cfg.model,
+            cfg.train,
+            env.device,
+            env.world_size,
+            env.rank,
+            env.local_world_size,
+            seed=cfg.run.seed,
+        )
         if env.is_main:
             log.info("parallel layout: %s", self.model.dims.describe())
         self.optimizers = [build_optimizer(cfg.optim, self.model.model_parts, env.device)]
         dims = self.model.dims
-        self.loader = build_train_loader(cfg, self.model.dp_rank, dims.dp, dims.local_batch_size)
+        seq_len, vocab_size, runs_dir = cfg.train.seq_len, cfg.model.vocab_size, cfg.run.dir
+        self.loader = build_train_loader(
+            cfg.data,
+            self.model.dp_rank,
+            dims.dp,
+            dims.local_batch_size,
+            seq_len=seq_len,
+            seed=cfg.run.seed,
+            vocab_size=vocab_size,
+            runs_dir=runs_dir,
+        )
         self.val_loader = (
-            build_val_loader(cfg, self.model.dp_rank, self.model.dp_size) if cfg.train.eval_every else None
+            build_val_loader(
+                cfg.data,
+                self.model.dp_rank,
+                self.model.dp_size,
+                seq_len=seq_len,
+                vocab_size=vocab_size,
+                runs_dir=runs_dir,
+            )
+            if cfg.train.eval_every
+            else None
         )
         self.state = TrainState(run_id=uuid.uuid4().hex[:12])
         self.checkpoint = CheckpointManager(
@@ -316,7 +344,7 @@ def check_world(cfg: Config, env: DistEnv, run_dir: Path | None) -> None:
     the global batch divides by). In a Slurm job (`run_dir` given) run_state.json says failed with the
     reason, as an error the user must fix, so the job ends instead of requeueing into the same error."""
     try:
-        validate_layout(cfg, env.world_size, env.local_world_size, env.device.type)
+        validate_layout(cfg.parallel, cfg.model, cfg.train, env.world_size, env.local_world_size, env.device.type)
     except UserError as exc:
         message = f"no valid layout for {env.world_size} rank(s) on {env.num_nodes} node(s): {exc}"
         if run_dir is not None:

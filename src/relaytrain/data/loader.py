@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from relaytrain.config.schema import Config
+from relaytrain.config.schema import DataConfig
 from relaytrain.data.sampler import Mixture, WindowOrder
 from relaytrain.data.shards import PreparedDataset, TokenStream
 from relaytrain.data.sources import resolve_sources
@@ -190,29 +190,44 @@ class ValLoader:
             yield _read_samples(self._streams, source, windows * self.seq_len, self.seq_len)
 
 
-def _open(cfg: Config) -> tuple[list[PreparedDataset], list[float]]:
-    paths: list[Path] = resolve_sources(cfg)
-    weights = list(cfg.data.weights) if cfg.data.weights else [1.0] * len(paths)
+def _open(data: DataConfig, vocab_size: int, runs_dir: str | Path) -> tuple[list[PreparedDataset], list[float]]:
+    paths: list[Path] = resolve_sources(data, vocab_size=vocab_size, runs_dir=runs_dir)
+    weights = list(data.weights) if data.weights else [1.0] * len(paths)
     return [PreparedDataset(p) for p in paths], weights
 
 
-def build_train_loader(cfg: Config, dp_rank: int, dp_size: int, local_batch_size: int) -> TrainLoader:
-    """`dp_size`, `local_batch_size`: ParallelDims.dp and .local_batch_size of the validated layout."""
-    datasets, weights = _open(cfg)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
+def build_train_loader(
+    data: DataConfig,
+    dp_rank: int,
+    dp_size: int,
+    local_batch_size: int,
+    *,
+    seq_len: int,
+    seed: int,
+    vocab_size: int,
+    runs_dir: str | Path,
+) -> TrainLoader:
+    """`dp_size`, `local_batch_size`: ParallelDims.dp and .local_batch_size of the validated layout.
+
+    `seq_len`, `seed`, `vocab_size`, `runs_dir`: train.seq_len, run.seed, model.vocab_size and run.dir.
+    """
+    datasets, weights = _open(data, vocab_size, runs_dir)
+    tokenizer = build_tokenizer(data.tokenizer)
     return TrainLoader(
         datasets,
         weights,
-        cfg.train.seq_len,
+        seq_len,
         local_batch_size,
         dp_rank,
         dp_size,
-        seed=cfg.run.seed,
-        shuffle=cfg.data.shuffle,
+        seed=seed,
+        shuffle=data.shuffle,
         tokenizer=tokenizer,
     )
 
 
-def build_val_loader(cfg: Config, dp_rank: int, dp_size: int) -> ValLoader:
-    datasets, weights = _open(cfg)
-    return ValLoader(datasets, weights, cfg.train.seq_len, dp_rank, dp_size)
+def build_val_loader(
+    data: DataConfig, dp_rank: int, dp_size: int, *, seq_len: int, vocab_size: int, runs_dir: str | Path
+) -> ValLoader:
+    datasets, weights = _open(data, vocab_size, runs_dir)
+    return ValLoader(datasets, weights, seq_len, dp_rank, dp_size)

@@ -7,7 +7,7 @@ import fcntl
 import hashlib
 from pathlib import Path
 
-from relaytrain.config.schema import Config
+from relaytrain.config.schema import DataConfig
 from relaytrain.data.prepare import prepare_dataset
 from relaytrain.data.shards import FORMAT_VERSION, PreparedDataset
 from relaytrain.data.tokenizer import tokenizer_name
@@ -19,11 +19,12 @@ BUNDLED_CORPUS = CORPUS_DIR / "stdlib_docs.txt.gz"
 BUNDLED_VAL_FRACTION = 0.02
 
 
-def bundled_cache_dir(cfg: Config) -> Path:
+def bundled_cache_dir(data: DataConfig, runs_dir: str | Path) -> Path:
+    """Where the bundled corpus tokenized with `data.tokenizer` is cached: under `runs_dir` (run.dir)."""
     h = hashlib.sha256()
     h.update(BUNDLED_CORPUS.read_bytes())
-    h.update(f"|{tokenizer_name(cfg.data.tokenizer)}|v{FORMAT_VERSION}".encode())
-    return Path(cfg.run.dir).expanduser() / ".cache" / f"bundled-{h.hexdigest()[:16]}"
+    h.update(f"|{tokenizer_name(data.tokenizer)}|v{FORMAT_VERSION}".encode())
+    return Path(runs_dir).expanduser() / ".cache" / f"bundled-{h.hexdigest()[:16]}"
 
 
 @contextlib.contextmanager
@@ -35,13 +36,13 @@ def _exclusive(lock_path: Path):
         yield
 
 
-def prepare_bundled(cfg: Config) -> Path:
-    """The bundled corpus tokenized with ``cfg.data.tokenizer``, prepared once per cache directory.
+def prepare_bundled(data: DataConfig, runs_dir: str | Path) -> Path:
+    """The bundled corpus tokenized with ``data.tokenizer``, prepared once per cache directory.
 
     Safe when many ranks start at once: each either finds ``meta.json``, or prepares under a file lock
     into its own temporary directory that is renamed into place; losers of a rename race use the winner's.
     """
-    out = bundled_cache_dir(cfg)
+    out = bundled_cache_dir(data, runs_dir)
     if (out / "meta.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -49,24 +50,27 @@ def prepare_bundled(cfg: Config) -> Path:
         return prepare_dataset(
             [str(BUNDLED_CORPUS)],
             out,
-            tokenizer=cfg.data.tokenizer,
+            tokenizer=data.tokenizer,
             val_fraction=BUNDLED_VAL_FRACTION,
             exist_ok=True,
         )
 
 
-def resolve_sources(cfg: Config) -> list[Path]:
-    """Prepared dataset directories for this run, checked against ``cfg.data`` and ``cfg.model``."""
-    if cfg.data.sources:
-        paths = [Path(s).expanduser() for s in cfg.data.sources]
+def resolve_sources(data: DataConfig, *, vocab_size: int, runs_dir: str | Path) -> list[Path]:
+    """Prepared dataset directories for this run, checked against ``data`` and the model's ``vocab_size``.
+
+    `runs_dir` (run.dir) holds the bundled corpus's cache when ``data.sources`` is empty.
+    """
+    if data.sources:
+        paths = [Path(s).expanduser() for s in data.sources]
     else:
-        paths = [prepare_bundled(cfg)]
-    if cfg.data.weights and len(cfg.data.weights) != len(paths):
+        paths = [prepare_bundled(data, runs_dir)]
+    if data.weights and len(data.weights) != len(paths):
         raise UserError(
-            f"data.weights has {len(cfg.data.weights)} entries but data.sources has {len(paths)}; "
+            f"data.weights has {len(data.weights)} entries but data.sources has {len(paths)}; "
             "give one weight per source"
         )
-    expected = tokenizer_name(cfg.data.tokenizer)
+    expected = tokenizer_name(data.tokenizer)
     for path in paths:
         ds = PreparedDataset(path)  # raises a UserError naming the path and prepare-data when not prepared
         if ds.tokenizer_name != expected:
@@ -75,16 +79,16 @@ def resolve_sources(cfg: Config) -> list[Path]:
                 if ds.tokenizer_file is not None
                 else 'set data.tokenizer = "byte"'
             )
-            ours = repr(cfg.data.tokenizer)
-            if cfg.data.tokenizer != expected:  # a file: name the tokenizer it holds
+            ours = repr(data.tokenizer)
+            if data.tokenizer != expected:  # a file: name the tokenizer it holds
                 ours += f" (that is {expected!r})"
             raise UserError(
                 f"{path} was prepared with tokenizer {ds.tokenizer_name!r} but data.tokenizer is {ours}; "
                 f"{hint}, or prepare the data with the same tokenizer"
             )
-        if ds.vocab_size > cfg.model.vocab_size:
+        if ds.vocab_size > vocab_size:
             raise UserError(
-                f"{path} has vocab_size {ds.vocab_size} but model.vocab_size is {cfg.model.vocab_size}; "
+                f"{path} has vocab_size {ds.vocab_size} but model.vocab_size is {vocab_size}; "
                 f"set model.vocab_size >= {ds.vocab_size}"
             )
     return paths

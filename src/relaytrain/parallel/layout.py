@@ -24,7 +24,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from relaytrain.config.schema import Config, ParallelConfig
+from relaytrain.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from relaytrain.errors import UserError
 from relaytrain.model.flops import ffn_hidden_dim
 
@@ -147,18 +147,18 @@ def resolve_dims(pcfg: ParallelConfig, world_size: int) -> ParallelDims:
     )
 
 
-def pp_microbatches(cfg: Config) -> int:
-    return cfg.parallel.pp_microbatches or cfg.parallel.pp
+def pp_microbatches(parallel: ParallelConfig) -> int:
+    return parallel.pp_microbatches or parallel.pp
 
 
-def batch_split_note(cfg: Config, dims: ParallelDims) -> str | None:
+def batch_split_note(train: TrainConfig, dims: ParallelDims) -> str | None:
     """The one info line for a micro batch that differs from train.micro_batch_size; None if it does not."""
-    if dims.pp > 1 or dims.micro_batch_size == cfg.train.micro_batch_size:
+    if dims.pp > 1 or dims.micro_batch_size == train.micro_batch_size:
         return None
-    local = cfg.train.global_batch_size // dims.dp
+    local = train.global_batch_size // dims.dp
     return (
-        f"train.micro_batch_size={cfg.train.micro_batch_size} does not divide the {local} sequences per "
-        f"data-parallel rank (global batch {cfg.train.global_batch_size} / dp {dims.dp}); using micro batch "
+        f"train.micro_batch_size={train.micro_batch_size} does not divide the {local} sequences per "
+        f"data-parallel rank (global batch {train.global_batch_size} / dp {dims.dp}); using micro batch "
         f"{dims.micro_batch_size} with {dims.grad_accum} accumulation steps"
     )
 
@@ -167,9 +167,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _propose_tp(cfg: Config, dims: ParallelDims, gpus_per_node: int) -> str:
+def _propose_tp(model: ModelConfig, dims: ParallelDims, gpus_per_node: int) -> str:
     """A layout with the same world size whose tensor-parallel groups fit in one node."""
-    m = cfg.model
+    m = model
     rest = dims.cp * dims.pp * dims.dp_replicate
     fits = [
         d
@@ -183,7 +183,7 @@ def _propose_tp(cfg: Config, dims: ParallelDims, gpus_per_node: int) -> str:
     )
 
 
-def _check_inside_node(cfg: Config, dims: ParallelDims, dim: str, gpus_per_node: int) -> None:
+def _check_inside_node(model: ModelConfig, dims: ParallelDims, dim: str, gpus_per_node: int) -> None:
     size = getattr(dims, dim)
     if size == 1 or dims.world_size <= gpus_per_node:
         return
@@ -212,7 +212,7 @@ def _check_inside_node(cfg: Config, dims: ParallelDims, dim: str, gpus_per_node:
                 f"{group[1] - group[0]} apart"
             )
         fix = (
-            _propose_tp(cfg, dims, gpus_per_node)
+            _propose_tp(model, dims, gpus_per_node)
             if dim == "tp"
             else f"parallel.rank_order={DEFAULT_RANK_ORDER!r} with tp*cp dividing {gpus_per_node}"
         )
@@ -238,9 +238,16 @@ def _check_mesh_nesting(dims: ParallelDims) -> None:
 
 
 def validate_layout(
-    cfg: Config, world_size: int, gpus_per_node: int, device_type: str = "cuda"
+    parallel: ParallelConfig,
+    model: ModelConfig,
+    train: TrainConfig,
+    world_size: int,
+    gpus_per_node: int,
+    device_type: str = "cuda",
 ) -> ParallelDims:
     """Check the parallel layout for `world_size` ranks, `gpus_per_node` per node, before any process group.
+
+    The layout of `parallel` must fit the `model` (heads, layers, vocabulary) and the `train` batch.
 
     Ranks are numbered node by node (ranks 0..gpus_per_node-1 on node 0, ...). Raises UserError with the
     change to make; returns the resolved degrees with the batch split.
@@ -252,18 +259,25 @@ def validate_layout(
             f"world size {world_size} is not a whole number of nodes of {gpus_per_node} GPUs; "
             f"launch the same number of processes on every node"
         )
-    dims = resolve_dims(cfg.parallel, world_size)
-    check_layout(cfg, dims, gpus_per_node, device_type)
-    return split_batch(cfg, dims)
+    dims = resolve_dims(parallel, world_size)
+    check_layout(parallel, model, train, dims, gpus_per_node, device_type)
+    return split_batch(parallel, train, dims)
 
 
-def check_layout(cfg: Config, dims: ParallelDims, gpus_per_node: int, device_type: str) -> None:
+def check_layout(
+    parallel: ParallelConfig,
+    model: ModelConfig,
+    train: TrainConfig,
+    dims: ParallelDims,
+    gpus_per_node: int,
+    device_type: str,
+) -> None:
     """Refuse resolved degrees that cannot run this model and batch on nodes of `gpus_per_node`
     (UserError naming the change to make); changes nothing."""
-    p, m, t = cfg.parallel, cfg.model, cfg.train
+    p, m, t = parallel, model, train
     _check_mesh_nesting(dims)
-    _check_inside_node(cfg, dims, "tp", gpus_per_node)
-    _check_inside_node(cfg, dims, "cp", gpus_per_node)
+    _check_inside_node(model, dims, "tp", gpus_per_node)
+    _check_inside_node(model, dims, "cp", gpus_per_node)
 
     def require(ok: bool, message: str) -> None:
         if not ok:
@@ -334,7 +348,7 @@ def check_layout(cfg: Config, dims: ParallelDims, gpus_per_node: int, device_typ
                 f"parallel.pp_schedule={p.pp_schedule!r} runs one stage per rank; set "
                 f"parallel.pp_virtual_stages=1 or pp_schedule='interleaved_1f1b'",
             )
-        n_mb = pp_microbatches(cfg)
+        n_mb = pp_microbatches(parallel)
         require(
             n_mb >= dims.pp,
             f"parallel.pp_microbatches={n_mb} must be >= parallel.pp={dims.pp} "
@@ -365,7 +379,7 @@ def check_layout(cfg: Config, dims: ParallelDims, gpus_per_node: int, device_typ
         f"{(gbs // dp + 1) * dp}",
     )
     if dims.pp > 1:
-        n_mb = pp_microbatches(cfg)
+        n_mb = pp_microbatches(parallel)
         require(
             (gbs // dp) % n_mb == 0,
             f"train.global_batch_size={gbs} must be divisible by data-parallel degree {dp} x "
@@ -380,13 +394,13 @@ def check_layout(cfg: Config, dims: ParallelDims, gpus_per_node: int, device_typ
         )
 
 
-def split_batch(cfg: Config, dims: ParallelDims) -> ParallelDims:
+def split_batch(parallel: ParallelConfig, train: TrainConfig, dims: ParallelDims) -> ParallelDims:
     """`dims` with the batch split filled in; the degrees must have passed `check_layout`."""
-    local = cfg.train.global_batch_size // dims.dp
+    local = train.global_batch_size // dims.dp
     if dims.pp > 1:
-        n_mb = pp_microbatches(cfg)
+        n_mb = pp_microbatches(parallel)
         micro, accum = local // n_mb, n_mb
     else:
-        micro = max(d for d in _divisors(local) if d <= max(1, cfg.train.micro_batch_size))
+        micro = max(d for d in _divisors(local) if d <= max(1, train.micro_batch_size))
         accum = local // micro
     return dataclasses.replace(dims, micro_batch_size=micro, grad_accum=accum)

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from relaytrain.config.schema import Config
+from relaytrain.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from relaytrain.model.transformer import Transformer
 from relaytrain.parallel.activation import apply_ac, apply_compile
 from relaytrain.parallel.fsdp import apply_fsdp, param_dtype
@@ -53,34 +53,34 @@ class ParallelModel:
 
     def __init__(
         self,
-        cfg: Config,
+        parallel: ParallelConfig,
         dims: ParallelDims,
         mesh: DeviceMesh | None,
         device: torch.device,
         model_parts: list[nn.Module],
         stage_ids: list[int],
     ):
-        self.cfg, self.dims, self.mesh, self.device = cfg, dims, mesh, device
+        self.dims, self.mesh, self.device = dims, mesh, device
         self.model_parts = model_parts
         self.stage_ids = stage_ids
-        self.n_stages = dims.pp * cfg.parallel.pp_virtual_stages
+        self.n_stages = dims.pp * parallel.pp_virtual_stages
         self.dp_rank = submesh(mesh, "dp").get_local_rank() if mesh is not None else 0
         self.dp_size = dims.dp
-        self.use_loss_parallel = dims.tp > 1 and cfg.parallel.loss_parallel
+        self.use_loss_parallel = dims.tp > 1 and parallel.loss_parallel
         self._autocast_dtype = None
-        if mesh is None and param_dtype(cfg.parallel, device.type) != torch.float32:
+        if mesh is None and param_dtype(parallel, device.type) != torch.float32:
             # No FSDP to cast parameters: mixed precision through autocast instead.
-            self._autocast_dtype = param_dtype(cfg.parallel, device.type)
+            self._autocast_dtype = param_dtype(parallel, device.type)
         self.schedule = None
         if dims.pp > 1:
             self.schedule = build_schedule(
-                cfg.parallel.pp_schedule,
+                parallel.pp_schedule,
                 model_parts,
                 stage_ids,
                 self.n_stages,
                 device,
                 mesh["pp"].get_group(),
-                pp_microbatches(cfg),
+                pp_microbatches(parallel),
                 self._loss_fn,
             )
 
@@ -176,7 +176,7 @@ class ParallelModel:
         pp_ranks = dist.get_process_group_ranks(self._group("pp"))
         pp = self.dims.pp
         # Between stages the residual stream is a local tensor, sequence-sharded under TP.
-        hidden_shape = (inputs.shape[0], inputs.shape[1] // self.dims.tp, self.cfg.model.dim)
+        hidden_shape = (inputs.shape[0], inputs.shape[1] // self.dims.tp, self.model_parts[0].cfg.dim)
         h: torch.Tensor | None = None
         loss = torch.zeros((), device=self.device)
         for sid in range(self.n_stages):
@@ -233,39 +233,49 @@ class ParallelModel:
 
 
 def parallelize(
-    cfg: Config, device: torch.device, world_size: int, rank: int, gpus_per_node: int
+    parallel: ParallelConfig,
+    model: ModelConfig,
+    train: TrainConfig,
+    device: torch.device,
+    world_size: int,
+    rank: int,
+    gpus_per_node: int,
+    *,
+    seed: int,
 ) -> ParallelModel:
-    """Validate the layout, build the mesh and this rank's sharded, initialised model parts."""
-    dims = validate_layout(cfg, world_size, gpus_per_node, device.type)
-    note = batch_split_note(cfg, dims)
+    """Validate the layout, build the mesh and this rank's sharded, initialised model parts.
+
+    `train`: the batch the layout splits, and seq_len; `seed` (run.seed) draws the initial weights.
+    """
+    dims = validate_layout(parallel, model, train, world_size, gpus_per_node, device.type)
+    note = batch_split_note(train, dims)
     if note and rank == 0:
         log.info("%s", note)
-    pcfg = cfg.parallel
     mesh = build_mesh(dims, device.type) if world_size > 1 else None
     with torch.device("meta"):
-        model = Transformer(cfg.model)
+        whole = Transformer(model)
     if dims.pp > 1:
-        n_stages = dims.pp * pcfg.pp_virtual_stages
-        stage_ids = stage_ids_of(mesh["pp"].get_local_rank(), dims.pp, pcfg.pp_virtual_stages)
-        parts = [split_stage(model, sid, n_stages) for sid in stage_ids]
+        n_stages = dims.pp * parallel.pp_virtual_stages
+        stage_ids = stage_ids_of(mesh["pp"].get_local_rank(), dims.pp, parallel.pp_virtual_stages)
+        parts = [split_stage(whole, sid, n_stages) for sid in stage_ids]
     else:
-        stage_ids, parts = [0], [model]
-    init_device = torch.device("cpu") if pcfg.cpu_offload else device
+        stage_ids, parts = [0], [whole]
+    init_device = torch.device("cpu") if parallel.cpu_offload else device
     for part in parts:
         if dims.tp > 1:
             from relaytrain.parallel.tensor_parallel import apply_tp
 
-            apply_tp(part, mesh["tp"], loss_parallel=pcfg.loss_parallel)
-        apply_ac(part, pcfg.activation_checkpointing)
-        if pcfg.compile:
+            apply_tp(part, mesh["tp"], loss_parallel=parallel.loss_parallel)
+        apply_ac(part, parallel.activation_checkpointing)
+        if parallel.compile:
             apply_compile(part)
         if mesh is not None:
-            apply_fsdp(part, fsdp_mesh(mesh, dims), pcfg, device.type, pp_enabled=dims.pp > 1)
+            apply_fsdp(part, fsdp_mesh(mesh, dims), parallel, device.type, pp_enabled=dims.pp > 1)
         part.to_empty(device=init_device)
-        part.init_weights(cfg.run.seed, buffer_device=device)
+        part.init_weights(seed, buffer_device=device)
         if dims.cp > 1:
             # Context parallel shards the RoPE tables with the sequence: they must be exactly seq_len long.
-            part.rope_cos = part.rope_cos[: cfg.train.seq_len].clone()
-            part.rope_sin = part.rope_sin[: cfg.train.seq_len].clone()
+            part.rope_cos = part.rope_cos[: train.seq_len].clone()
+            part.rope_sin = part.rope_sin[: train.seq_len].clone()
         part.train()
-    return ParallelModel(cfg, dims, mesh, device, parts, stage_ids)
+    return ParallelModel(parallel, dims, mesh, device, parts, stage_ids)

@@ -188,7 +188,8 @@ def make_plan(
     )
     world = nodes * per_node
     try:
-        plan.dims = validate_layout(cfg, world, per_node, "cuda" if gpus_per_node else "cpu")
+        device_type = "cuda" if gpus_per_node else "cpu"
+        plan.dims = validate_layout(cfg.parallel, cfg.model, cfg.train, world, per_node, device_type)
         plan.checks.append(("layout", "ok", plan.dims.describe()))
     except UserError as exc:
         plan.checks.append(("layout", "fail", str(exc)))
