@@ -35,7 +35,16 @@ def batches(cfg, steps: int, data: str) -> list[tuple[torch.Tensor, torch.Tensor
     if data == "corpus":
         from relaytrain.data import build_train_loader
 
-        loader = build_train_loader(cfg, 0, 1, cfg.train.global_batch_size)
+        loader = build_train_loader(
+            cfg.data,
+            0,
+            1,
+            cfg.train.global_batch_size,
+            seq_len=cfg.train.seq_len,
+            seed=cfg.run.seed,
+            vocab_size=cfg.model.vocab_size,
+            runs_dir=cfg.run.dir,
+        )
         return [loader.next_batch() for _ in range(steps)]
     gen = torch.Generator().manual_seed(cfg.run.seed)
     shape = (steps, cfg.train.global_batch_size, cfg.train.seq_len + 1)

@@ -29,7 +29,7 @@ from bench.plain_loop import batches
 
 def run(steps: int, overrides: list[str], data: str = "corpus") -> dict:
     cfg = load_config(None, overrides)
-    pm = parallelize(cfg, torch.device("cpu"), 1, 0, 1)
+    pm = parallelize(cfg.parallel, cfg.model, cfg.train, torch.device("cpu"), 1, 0, 1, seed=cfg.run.seed)
     plain = Transformer(cfg.model)
     plain.init_weights(cfg.run.seed)
     plain.train()

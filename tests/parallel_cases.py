@@ -113,7 +113,16 @@ def batches(cfg: Config) -> torch.Tensor:
 def run_case(name: str, world_size: int, rank: int, gpus_per_node: int) -> dict:
     cfg = tiny_config(*CASES[name])
     started = time.perf_counter()
-    pm = parallelize(cfg, torch.device("cpu"), world_size, rank, gpus_per_node)
+    pm = parallelize(
+        cfg.parallel,
+        cfg.model,
+        cfg.train,
+        torch.device("cpu"),
+        world_size,
+        rank,
+        gpus_per_node,
+        seed=cfg.run.seed,
+    )
     params = [p for part in pm.model_parts for p in part.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
     data = batches(cfg)

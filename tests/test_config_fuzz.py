@@ -248,7 +248,7 @@ def test_checks_before_step_one_raise_only_user_errors(shape, world_size, gpus_p
     if cfg is None:
         return
     try:
-        validate_layout(cfg, world_size, gpus_per_node, device_type="cpu")
+        validate_layout(cfg.parallel, cfg.model, cfg.train, world_size, gpus_per_node, device_type="cpu")
     except UserError as exc:
         _one_line(exc)
     nodes = max(1, world_size // gpus_per_node)

@@ -75,7 +75,9 @@ def test_prepare_data_hint_is_enough_to_train_on_its_output(tmp_path, monkeypatc
     overrides = shlex.split(hint.removeprefix("use it with: "))
     assert "--model.vocab_size=400" in overrides
     cfg = load_config(None, overrides)
-    assert resolve_sources(cfg) == [tmp_path / "data/d"]
+    assert resolve_sources(cfg.data, vocab_size=cfg.model.vocab_size, runs_dir=cfg.run.dir) == [
+        tmp_path / "data/d"
+    ]
 
 
 def test_a_byte_config_on_data_of_another_tokenizer_names_each_once(tmp_path, monkeypatch):
@@ -86,7 +88,8 @@ def test_a_byte_config_on_data_of_another_tokenizer_names_each_once(tmp_path, mo
     (tmp_path / "d.txt").write_text("\n\n".join(DOCS * 5))
     assert main(["prepare-data", "d.txt", "--out", "d", "--tokenizer", str(tok), "--workers", "1"]) == 0
     with pytest.raises(UserError) as err:
-        resolve_sources(load_config(None, ["--data.sources=['d']"]))
+        cfg = load_config(None, ["--data.sources=['d']"])
+        resolve_sources(cfg.data, vocab_size=cfg.model.vocab_size, runs_dir=cfg.run.dir)
     message = str(err.value)
     assert "but data.tokenizer is 'byte'; set data.tokenizer to" in message
     assert "'byte' is 'byte'" not in message

@@ -41,10 +41,38 @@ def make_cfg(tmp_path: Path, sources: list[Path] | None = None, **train) -> Conf
     return cfg
 
 
+def train_loader(cfg: Config, dp_rank: int, dp_size: int, local_batch_size: int):
+    return build_train_loader(
+        cfg.data,
+        dp_rank,
+        dp_size,
+        local_batch_size,
+        seq_len=cfg.train.seq_len,
+        seed=cfg.run.seed,
+        vocab_size=cfg.model.vocab_size,
+        runs_dir=cfg.run.dir,
+    )
+
+
+def val_loader(cfg: Config, dp_rank: int, dp_size: int):
+    return build_val_loader(
+        cfg.data,
+        dp_rank,
+        dp_size,
+        seq_len=cfg.train.seq_len,
+        vocab_size=cfg.model.vocab_size,
+        runs_dir=cfg.run.dir,
+    )
+
+
+def sources_of(cfg: Config) -> list[Path]:
+    return resolve_sources(cfg.data, vocab_size=cfg.model.vocab_size, runs_dir=cfg.run.dir)
+
+
 def global_sequence(cfg: Config, dp_size: int, steps: int, state: dict | None = None):
     """Each step's global batch (ranks concatenated in order) and the final state, for ``dp_size`` ranks."""
     local = cfg.train.global_batch_size // dp_size
-    loaders = [build_train_loader(cfg, r, dp_size, local) for r in range(dp_size)]
+    loaders = [train_loader(cfg, r, dp_size, local) for r in range(dp_size)]
     if state is not None:
         for loader in loaders:
             loader.load_state_dict(state)
@@ -61,7 +89,7 @@ def global_sequence(cfg: Config, dp_size: int, steps: int, state: dict | None = 
 def test_unshuffled_epoch_reproduces_the_token_stream(tmp_path, two_sources):
     cfg = make_cfg(tmp_path, two_sources[:1], seq_len=16, global_batch_size=4)
     cfg.data.shuffle = False
-    loader = build_train_loader(cfg, 0, 1, cfg.train.global_batch_size)
+    loader = train_loader(cfg, 0, 1, cfg.train.global_batch_size)
     windows = loader.samples_per_epoch[0]
     inputs, targets = loader.global_samples(0, windows)
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
@@ -136,7 +164,7 @@ def test_mixture_honours_weights_and_is_random_access():
 def test_mixture_in_the_loader_draws_each_source_by_weight(tmp_path, two_sources):
     cfg = make_cfg(tmp_path, two_sources, seq_len=16, global_batch_size=64)
     cfg.data.weights = [1.0, 3.0]
-    loader = build_train_loader(cfg, 0, 1, cfg.train.global_batch_size)
+    loader = train_loader(cfg, 0, 1, cfg.train.global_batch_size)
     inputs, _ = loader.next_batch()
     from_b = sum("BETA" in text or "dolor" in text for text in map(loader.tokenizer.decode, inputs.tolist()))
     assert 40 <= from_b <= 56  # 48 expected; a window of "lorem ipsum" text never mentions BETA/dolor
@@ -144,11 +172,11 @@ def test_mixture_in_the_loader_draws_each_source_by_weight(tmp_path, two_sources
 
 def test_val_batches_are_fixed_and_rank_sharded(tmp_path, two_sources, caplog):
     cfg = make_cfg(tmp_path, two_sources, seq_len=16)
-    one = list(build_val_loader(cfg, 0, 1).batches(3, 4))
+    one = list(val_loader(cfg, 0, 1).batches(3, 4))
     assert [b[0].shape for b in one] == [(4, 16)] * 3
-    again = list(build_val_loader(cfg, 0, 1).batches(3, 4))
+    again = list(val_loader(cfg, 0, 1).batches(3, 4))
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(one, again, strict=True))
-    ranks = [list(build_val_loader(cfg, r, 2).batches(3, 2)) for r in range(2)]
+    ranks = [list(val_loader(cfg, r, 2).batches(3, 2)) for r in range(2)]
     for b in range(3):
         assert torch.equal(torch.cat([ranks[0][b][0], ranks[1][b][0]]), one[b][0])
     # Validation text is the val split, not training text.
@@ -160,28 +188,28 @@ def test_val_batches_are_fixed_and_rank_sharded(tmp_path, two_sources, caplog):
     (tmp_path / "t.txt").write_text("\n\n".join(DOCS_A))
     no_val = prepare_dataset([str(tmp_path / "t.txt")], tmp_path / "noval", val_fraction=0.0)
     with caplog.at_level(logging.WARNING, logger="relaytrain.data"):
-        batches = list(build_val_loader(make_cfg(tmp_path, [no_val]), 0, 1).batches(2, 2))
+        batches = list(val_loader(make_cfg(tmp_path, [no_val]), 0, 1).batches(2, 2))
     assert "no validation split" in caplog.text and batches[0][0].shape == (2, 16)
 
 
 def test_bundled_corpus_resolves_and_yields_batches(tmp_path):
     cfg = make_cfg(tmp_path, None, seq_len=64, global_batch_size=8)
-    (path,) = resolve_sources(cfg)
-    assert path == bundled_cache_dir(cfg) and path.parent == tmp_path / "runs" / ".cache"
+    (path,) = sources_of(cfg)
+    assert path == bundled_cache_dir(cfg.data, cfg.run.dir) and path.parent == tmp_path / "runs" / ".cache"
     ds = PreparedDataset(path)
     assert ds.tokenizer_name == "byte" and ds.num_tokens("train") > 800_000 and ds.num_tokens("val") > 10_000
-    loader = build_train_loader(cfg, 0, 2, cfg.train.global_batch_size // 2)
+    loader = train_loader(cfg, 0, 2, cfg.train.global_batch_size // 2)
     inputs, targets = loader.next_batch()
     assert inputs.shape == targets.shape == (4, 64) and inputs.dtype == torch.long
     text = loader.tokenizer.decode(inputs[0].tolist())
     assert sum(c.isalpha() or c == " " for c in text) > 0.8 * len(text), "English text"
-    assert resolve_sources(cfg) == [path], "prepared once, then reused"
+    assert sources_of(cfg) == [path], "prepared once, then reused"
 
 
 def _prepare_bundled_in_child(run_dir: str, queue) -> None:
     cfg = Config()
     cfg.run.dir = run_dir
-    queue.put(str(prepare_bundled(cfg)))
+    queue.put(str(prepare_bundled(cfg.data, cfg.run.dir)))
 
 
 def test_bundled_corpus_is_safe_when_ranks_start_together(tmp_path):
@@ -205,27 +233,27 @@ def test_source_errors_name_the_problem(tmp_path, two_sources):
 
     cfg = make_cfg(tmp_path, [tmp_path / "not-prepared"])
     with pytest.raises(UserError, match=r"not-prepared is not a prepared dataset.*relaytrain prepare-data"):
-        resolve_sources(cfg)
+        sources_of(cfg)
     cfg = make_cfg(tmp_path, two_sources)
     cfg.model.vocab_size = 200
     with pytest.raises(UserError, match=r"vocab_size 258 but model.vocab_size is 200"):
-        resolve_sources(cfg)
+        sources_of(cfg)
     cfg = make_cfg(tmp_path, two_sources)
     cfg.data.tokenizer = str(train_bpe(tmp_path / "tok.json"))
     with pytest.raises(UserError, match=r"prepared with tokenizer 'byte'.*set data.tokenizer = \"byte\""):
-        resolve_sources(cfg)
+        sources_of(cfg)
     cfg.data.tokenizer = str(tmp_path / "missing.json")
     with pytest.raises(UserError, match="does not exist"):
-        resolve_sources(cfg)
+        sources_of(cfg)
     cfg = make_cfg(tmp_path, two_sources)
     cfg.data.weights = [1.0]
     with pytest.raises(UserError, match="data.weights has 1 entries"):
-        resolve_sources(cfg)
+        sources_of(cfg)
     too_short = make_cfg(tmp_path, two_sources, seq_len=100_000)
     with pytest.raises(UserError, match="fewer than train.seq_len"):
-        build_train_loader(too_short, 0, 1, too_short.train.global_batch_size)
+        train_loader(too_short, 0, 1, too_short.train.global_batch_size)
     with pytest.raises(UserError, match="fewer than train.seq_len"):
-        build_val_loader(too_short, 0, 1)
+        val_loader(too_short, 0, 1)
 
 
 def test_hf_tokenized_source_with_matching_config(tmp_path):
@@ -236,8 +264,8 @@ def test_hf_tokenized_source_with_matching_config(tmp_path):
     out = prepare_dataset([str(tmp_path / "d.txt")], tmp_path / "out", tokenizer=str(tok))
     cfg = make_cfg(tmp_path, [out], seq_len=8, global_batch_size=2)
     with pytest.raises(UserError, match=f"set data.tokenizer to {out / 'tokenizer.json'}"):
-        resolve_sources(cfg)
+        sources_of(cfg)
     cfg.data.tokenizer = str(out / "tokenizer.json")  # the copy kept in the prepared directory
-    loader = build_train_loader(cfg, 0, 1, cfg.train.global_batch_size)
+    loader = train_loader(cfg, 0, 1, cfg.train.global_batch_size)
     inputs, _ = loader.next_batch()
     assert inputs.max() < 320 and loader.tokenizer.vocab_size == 320

@@ -26,9 +26,13 @@ def make_cfg(**parallel) -> Config:
     return cfg
 
 
+def validate(cfg: Config, world: int, gpn: int, device_type: str = "cuda") -> ParallelDims:
+    return validate_layout(cfg.parallel, cfg.model, cfg.train, world, gpn, device_type)
+
+
 def refused(cfg: Config, world: int, gpn: int, device: str = "cuda") -> str:
     with pytest.raises(UserError) as err:
-        validate_layout(cfg, world, gpn, device)
+        validate(cfg, world, gpn, device)
     return str(err.value)
 
 
@@ -51,15 +55,15 @@ def test_tp_must_be_inside_dp_and_cp_in_the_mesh():
     assert "list tp before dp and cp" in msg
     msg = refused(make_cfg(cp=2, dp_replicate=2, rank_order="tp,dp,cp,pp"), world=4, gpn=4)
     assert "list cp before dp" in msg
-    assert validate_layout(make_cfg(tp=2, rank_order="tp,dp,cp,pp"), 4, 4).dp == 2
+    assert validate(make_cfg(tp=2, rank_order="tp,dp,cp,pp"), 4, 4).dp == 2
 
 
 def test_seed_000_fixed_layouts_are_accepted():
-    dims = validate_layout(make_cfg(tp=8), 16, 8)
+    dims = validate(make_cfg(tp=8), 16, 8)
     assert (dims.tp, dims.dp_shard, dims.dp) == (8, 2, 2)
     assert dims.group_of(8, "tp") == list(range(8, 16))
     assert dims.group_of(3, "dp_shard") == [3, 11]
-    dims = validate_layout(make_cfg(tp=4), 16, 4)
+    dims = validate(make_cfg(tp=4), 16, 4)
     assert dims.dp == 4
 
 
@@ -73,7 +77,7 @@ def test_cp_group_must_stay_in_a_node():
 
 
 def test_hsdp_dims_and_mesh_order():
-    dims = validate_layout(make_cfg(dp_replicate=2, tp=2), 8, 4)
+    dims = validate(make_cfg(dp_replicate=2, tp=2), 8, 4)
     assert dims == ParallelDims(2, 2, 1, 2, 1, 8, micro_batch_size=1, grad_accum=8)
     assert [name for name, _ in dims.mesh_dims] == ["dp_replicate", "dp_shard", "pp", "cp", "tp"]
     # HSDP: the replicate groups go across nodes, shard groups stay inside one.
@@ -139,7 +143,7 @@ def test_batch_must_divide_by_dp_and_pipeline_microbatches():
     cfg.train.global_batch_size = 12
     assert "pp_microbatches=4" in refused(cfg, 4, 4)
     cfg.train.global_batch_size = 16
-    dims = validate_layout(cfg, 4, 4)
+    dims = validate(cfg, 4, 4)
     assert (dims.dp, dims.micro_batch_size, dims.grad_accum) == (2, 2, 4)
 
 
@@ -159,10 +163,10 @@ def test_batch_must_divide_by_dp_and_pipeline_microbatches():
 def test_micro_batch_adapts_to_the_local_batch(global_batch, micro, world, split):
     cfg = make_cfg()
     cfg.train.global_batch_size, cfg.train.micro_batch_size = global_batch, micro
-    dims = validate_layout(cfg, world, world)
+    dims = validate(cfg, world, world)
     assert (dims.micro_batch_size, dims.grad_accum) == split
     assert dims.micro_batch_size * dims.grad_accum * dims.dp == global_batch
-    note = batch_split_note(cfg, dims)
+    note = batch_split_note(cfg.train, dims)
     if split[0] == micro:
         assert note is None
     else:
@@ -173,19 +177,22 @@ def test_micro_batch_adapts_to_the_local_batch(global_batch, micro, world, split
 def test_cp_refused_on_cpu_with_a_clear_message():
     msg = refused(make_cfg(cp=2), 2, 2, device="cpu")
     assert "needs CUDA" in msg and "parallel.cp=1" in msg
-    assert validate_layout(make_cfg(cp=2), 2, 2, device_type="cuda").cp == 2
+    assert validate(make_cfg(cp=2), 2, 2, device_type="cuda").cp == 2
 
 
 def test_validate_layout_is_resolve_then_check_then_split():
     cfg = make_cfg(pp=2, pp_microbatches=4)
     dims = resolve_dims(cfg.parallel, 8)
-    assert check_layout(cfg, dims, 4, "cuda") is None and dims.micro_batch_size == dims.grad_accum == 0
-    split = split_batch(cfg, dims)
+    assert (
+        check_layout(cfg.parallel, cfg.model, cfg.train, dims, 4, "cuda") is None
+        and dims.micro_batch_size == dims.grad_accum == 0
+    )
+    split = split_batch(cfg.parallel, cfg.train, dims)
     assert (split.micro_batch_size, split.grad_accum, split.local_batch_size) == (2, 4, 8)
-    assert split == validate_layout(cfg, 8, 4) and split.local_batch_size * split.dp == 32
+    assert split == validate(cfg, 8, 4) and split.local_batch_size * split.dp == 32
     cfg.train.global_batch_size = 12
     with pytest.raises(UserError, match="data-parallel degree 4 x parallel.pp_microbatches=4"):
-        check_layout(cfg, dims, 4, "cuda")
+        check_layout(cfg.parallel, cfg.model, cfg.train, dims, 4, "cuda")
 
 
 def test_resolve_dims_fills_dp_shard():

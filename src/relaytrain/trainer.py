@@ -344,7 +344,9 @@ def check_world(cfg: Config, env: DistEnv, run_dir: Path | None) -> None:
     the global batch divides by). In a Slurm job (`run_dir` given) run_state.json says failed with the
     reason, as an error the user must fix, so the job ends instead of requeueing into the same error."""
     try:
-        validate_layout(cfg.parallel, cfg.model, cfg.train, env.world_size, env.local_world_size, env.device.type)
+        validate_layout(
+            cfg.parallel, cfg.model, cfg.train, env.world_size, env.local_world_size, env.device.type
+        )
     except UserError as exc:
         message = f"no valid layout for {env.world_size} rank(s) on {env.num_nodes} node(s): {exc}"
         if run_dir is not None:

@@ -190,7 +190,9 @@ class ValLoader:
             yield _read_samples(self._streams, source, windows * self.seq_len, self.seq_len)
 
 
-def _open(data: DataConfig, vocab_size: int, runs_dir: str | Path) -> tuple[list[PreparedDataset], list[float]]:
+def _open(
+    data: DataConfig, vocab_size: int, runs_dir: str | Path
+) -> tuple[list[PreparedDataset], list[float]]:
     paths: list[Path] = resolve_sources(data, vocab_size=vocab_size, runs_dir=runs_dir)
     weights = list(data.weights) if data.weights else [1.0] * len(paths)
     return [PreparedDataset(p) for p in paths], weights
