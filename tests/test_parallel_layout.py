@@ -6,8 +6,8 @@ import pytest
 
 from relaytrain.config.schema import Config
 from relaytrain.errors import UserError
+from relaytrain.parallel.dims import ParallelDims
 from relaytrain.parallel.layout import (
-    ParallelDims,
     batch_split_note,
     check_layout,
     resolve_dims,

@@ -6,7 +6,8 @@ import weakref
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from relaytrain.parallel.layout import ParallelDims, parse_rank_order
+from relaytrain.parallel.dims import ParallelDims
+from relaytrain.parallel.layout import parse_rank_order
 
 # Flattened dims of each mesh built here. PyTorch deprecates slicing flattened dims from the root mesh;
 # the flattened meshes are kept instead.

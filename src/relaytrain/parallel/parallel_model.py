@@ -28,8 +28,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from relaytrain.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from relaytrain.model.transformer import Transformer
 from relaytrain.parallel.activation import apply_ac, apply_compile
+from relaytrain.parallel.dims import ParallelDims
 from relaytrain.parallel.fsdp import apply_fsdp, param_dtype
-from relaytrain.parallel.layout import ParallelDims, batch_split_note, pp_microbatches, validate_layout
+from relaytrain.parallel.layout import batch_split_note, pp_microbatches, validate_layout
 from relaytrain.parallel.mesh import build_mesh, fsdp_mesh, submesh
 from relaytrain.parallel.pipeline import build_schedule, split_stage, stage_ids_of
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relaytrain.parallel.layout import ParallelDims
+from relaytrain.parallel.dims import ParallelDims
 
 _RESIZE_KEYS = ("world_size", "dp_replicate", "dp_shard", "micro_batch_size", "grad_accum")
 

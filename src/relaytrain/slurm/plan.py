@@ -104,7 +104,7 @@ class Plan:
     parameters: int
     tasks_per_node: int = 0  # processes per node on CPU-only nodes (gpus_per_node 0)
     mode: str = "none"  # parallel.activation_checkpointing, the mode `total` is checked for
-    dims: object | None = None  # relaytrain.parallel.layout.ParallelDims
+    dims: object | None = None  # relaytrain.parallel.dims.ParallelDims
     memory: MemoryEstimate | None = None
     gpu_bytes: float = 0.0
     checkpoint_bytes: float = 0.0
