@@ -150,17 +150,27 @@ def test_crash_check_block_of_the_batch_script_and_the_default_cap():
 # --------------------------------------------------------------------------------------------------
 
 
-def kill_rank_at(run_dir: Path, job_id: str, restart: int, step: int, rank: int = 1) -> int:
-    """SIGKILL one rank once run `restart` of the job logged `step`; returns the last logged step."""
+def kill_rank_at(
+    run_dir: Path, job_id: str, restart: int, step: int, rank: int = 1, in_place: int = 0
+) -> int:
+    """SIGKILL one rank once run `restart` of the job (its step restarted in place `in_place` times)
+    logged `step`; returns the last logged step."""
+
+    def rows():
+        return [
+            r
+            for r in records(run_dir, "train")
+            if r.get("restart") == restart and r.get("step_restart", 0) == in_place
+        ]
 
     def reached():
-        rows = [r for r in records(run_dir, "train") if r.get("restart") == restart]
-        return max((r["step"] for r in rows), default=0) >= step and rank_pids(job_id, rank)
+        return max((r["step"] for r in rows()), default=0) >= step and rank_pids(job_id, rank)
 
-    wait_for(reached, 240, f"run {restart} of job {job_id} to reach step {step}", interval=0.5)
+    what = f"run {restart} (step restart {in_place}) of job {job_id} to reach step {step}"
+    wait_for(reached, 240, what, interval=0.5)
     for pid in rank_pids(job_id, rank):
         os.kill(pid, signal.SIGKILL)
-    return max(r["step"] for r in records(run_dir, "train") if r.get("restart") == restart)
+    return max(r["step"] for r in rows())
 
 
 CRASH_STEPS = 40
@@ -168,8 +178,8 @@ CRASH_RESILIENCE = "\n[checkpoint]\ninterval = 10\n"
 
 
 @pytest.mark.slurm
-def test_sigkill_of_one_rank_requeues_and_resumes_bit_exact(slurm_cluster, tmp_path):
-
+def test_sigkill_of_one_rank_restarts_the_step_in_place_and_resumes_bit_exact(slurm_cluster, tmp_path):
+    """The crashed step starts again inside the same allocation: no requeue, same job, same losses."""
     runs = tmp_path / "runs"
     cfg = write_config(tmp_path / "crash.toml", runs, "crash", CRASH_STEPS)
     cfg.write_text(cfg.read_text() + CRASH_RESILIENCE)
@@ -187,26 +197,36 @@ def test_sigkill_of_one_rank_requeues_and_resumes_bit_exact(slurm_cluster, tmp_p
         if reference.poll() is None:
             reference.kill()
     assert reference.returncode == 0, out[-3000:]
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", job_log(run_dir, job)
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", job_log(run_dir, job)
     resumes = [r for r in records(run_dir, "event") if r["event"] == "resume"]
     assert resumes and resumes[0]["step"] == max(checkpoints) <= killed_at
+    assert (resumes[0]["restart"], resumes[0]["step_restart"]) == (0, 1)
     entries = crash.CrashLog(run_dir).entries()
     assert len(entries) == 1 and entries[0]["job_id"] == job and entries[0]["signal"] == "SIGKILL", entries
+    assert entries[0]["action"] == "restart" and entries[0]["step_restart"] == 1
+    restarts = [r for r in records(run_dir, "event") if r["event"] == "step_restart"]
+    assert [(r["step_restart"], r["signal"], r["restart"]) for r in restarts] == [(1, "SIGKILL", 0)]
     assert marker(run_dir)["status"] == "finished"
+    code, out = cli("status", str(run_dir))
+    assert code == 0 and "1 in place" in out, out
     reference_losses = {r["step"]: r["loss"] for r in records(runs / "reference", "train")}
     assert_losses_match(run_dir, reference_losses)
 
 
 @pytest.mark.slurm
-def test_a_crash_loop_stops_at_max_crash_requeues(slurm_cluster, tmp_path):
+def test_restarts_in_place_then_requeues_then_a_crash_loop_stops_the_job(slurm_cluster, tmp_path):
+    """max_step_restarts=1, max_crash_requeues=1: the first crash restarts the step in place, the second
+    requeues the job, the third ends it FAILED with crash_loop."""
     runs = tmp_path / "runs"
     cfg = write_config(tmp_path / "loop.toml", runs, "loop", CRASH_STEPS)
-    cfg.write_text(cfg.read_text() + CRASH_RESILIENCE + "\n[resilience]\nmax_crash_requeues = 1\n")
+    caps = "\n[resilience]\nmax_crash_requeues = 1\nmax_step_restarts = 1\n"
+    cfg.write_text(cfg.read_text() + CRASH_RESILIENCE + caps)
     slow = setup_override("export RELAYTRAIN_STEP_DELAY_S=0.4")
     job = launch(str(cfg), "--nodes", "1", "--tasks-per-node", "2", slow)
     run_dir = runs / "loop"
     try:
         kill_rank_at(run_dir, job, 0, 3)
+        kill_rank_at(run_dir, job, 0, 3, in_place=1)
         kill_rank_at(run_dir, job, 1, 3)
         fields = wait_job_finished(int(job), timeout=300)
     finally:
@@ -214,7 +234,9 @@ def test_a_crash_loop_stops_at_max_crash_requeues(slurm_cluster, tmp_path):
     assert fields["JobState"] == "FAILED" and fields["Restarts"] == "1", job_log(run_dir, job)
     state = marker(run_dir)
     assert (state["status"], state["reason"], state["crash_count"]) == ("failed", "crash_loop", 2), state
-    assert len(crash.CrashLog(run_dir).entries()) == 2
+    entries = crash.CrashLog(run_dir).entries()
+    assert [e["action"] for e in entries] == ["restart", "requeue", "fail"], entries
+    assert "max_step_restarts=1 reached" in entries[1]["not_restarted_in_place"]
     code, out = cli("status", job, "--runs", str(runs))
     assert code == 0 and "crash_loop" in out, out
 

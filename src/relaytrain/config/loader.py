@@ -47,7 +47,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     ok = True
     if origin is typing.Literal:
-        ok = value in typing.get_args(tp)
+        # `True == 1`: a literal matches only a value of its own type
+        ok = any(value == a and type(value) is type(a) for a in typing.get_args(tp))
     elif origin is list:
         if not isinstance(value, list):
             ok = False

@@ -170,6 +170,9 @@ class ResilienceConfig(Section):
     max_requeues: int = setting(20, at_least(0))  # cap on requeues for time limits
     # cap on requeues after crashes (a rank killed, an exception, a hang) within one SLURM job
     max_crash_requeues: int = setting(3, at_least(0))
+    # after a crash, start the job step again inside the same allocation (no trip through the queue) up
+    # to this many times per SLURM job before crashes requeue; 0: every crash requeues
+    max_step_restarts: int = setting(3, at_least(0))
     # process-group init and the first health all-reduce
     init_timeout_s: float = setting(120.0, seconds(zero_ok=False))
     collective_timeout_s: float = setting(1800.0, seconds(zero_ok=False))  # timeout of training collectives
@@ -191,6 +194,9 @@ class SlurmConfig(Section):
     nodes: int = setting(1, at_least(1))  # the most nodes (with min_nodes: the top of the range)
     # 0: exactly `nodes`; else Slurm may start each job of the chain on min_nodes..nodes (--nodes MIN-MAX)
     min_nodes: int = setting(0, at_least(0))
+    # sbatch --no-kill: a failed node does not end the job, the step restarts on the nodes left (when
+    # min_nodes allows) or the job is requeued; auto: on for node ranges (min_nodes), off for fixed counts
+    no_kill: Literal["auto", True, False] = "auto"
     # -1: from the profile, else 8; 0: CPU-only nodes (set tasks_per_node)
     gpus_per_node: int = setting(-1, at_least(-1))
     gpu_type: str = ""  # h100, h200, a100, mi250x, ... (relaytrain plan); mi*: AMD ROCm/RCCL

@@ -29,6 +29,9 @@ FAKE_END_TIME_ENV = "RELAYTRAIN_FAKE_JOB_END_TIME"
 # Set by relaytrain's batch script: the signal it asked Slurm for with `--signal=B:SIG@SECONDS`
 # (`USR2`), or `none` (`--signal none`, attach mode). Absent: the job was submitted another way.
 PRE_TIMEOUT_SIGNAL_ENV = "RELAYTRAIN_SLURM_SIGNAL"
+# Set by relaytrain's batch script: how many times it has started the job step again inside this
+# allocation after a crash (restart in place). 0 or absent: the first step of this run of the job.
+STEP_RESTARTS_ENV = "RELAYTRAIN_STEP_RESTARTS"
 _END_TIME_VARIABLES = (FAKE_END_TIME_ENV, "SLURM_JOB_END_TIME")
 
 
@@ -62,6 +65,7 @@ class JobFacts:
     env_end_source: str = ""  # which of the two gave env_end_time
     unreadable_end_time: str = ""  # `NAME='value'` of an end-time variable that is not unix seconds
     pre_timeout_signal: str = ""  # RELAYTRAIN_SLURM_SIGNAL: `SIGUSR2`, `none`, or "" (not known)
+    step_restarts: int = 0  # RELAYTRAIN_STEP_RESTARTS: job steps started again in this allocation
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> JobFacts:
@@ -88,6 +92,7 @@ class JobFacts:
             env_end_source=end_source,
             unreadable_end_time=unreadable,
             pre_timeout_signal=_signal_name(environ.get(PRE_TIMEOUT_SIGNAL_ENV, "")),
+            step_restarts=_int(environ.get(STEP_RESTARTS_ENV)),
         )
 
     @property
@@ -121,7 +126,27 @@ class JobFacts:
 
     def identity(self) -> dict[str, object]:
         """The job fields every run_state.json record carries."""
-        return {"job_id": self.job_id, "requeue_id": self.requeue_id, "restart_count": self.restart_count}
+        return {
+            "job_id": self.job_id,
+            "requeue_id": self.requeue_id,
+            "restart_count": self.restart_count,
+            "step_restarts": self.step_restarts,
+        }
+
+    def wrote(self, record: Mapping[str, object] | None) -> bool:
+        """Whether this job step (job id, requeue count, restart in place) wrote ``record``, a
+        run_state.json as :meth:`identity` fills it; False for an earlier step, run or job."""
+        if not record:
+            return False
+        try:
+            written = (
+                str(record.get("job_id", "")),
+                int(record.get("restart_count", -1)),  # type: ignore[call-overload]
+                int(record.get("step_restarts", 0)),  # type: ignore[call-overload]
+            )
+        except (TypeError, ValueError):
+            return False
+        return written == (self.job_id, self.restart_count, self.step_restarts)
 
     def end_time(self) -> tuple[float | None, str]:
         """(the job's end time in unix seconds or None, where it came from). May ask slurmctld."""

@@ -153,6 +153,10 @@ class RunDir:
         """The output of an attached run (`launch --jobid`), which sbatch does not capture."""
         return self.slurm / f"attach-{job_id}.out"
 
+    def step_restart_file(self, job_id: str) -> Path:
+        """Where the end-of-step decision tells the batch script to start the step again, and where."""
+        return self.slurm / f"restart-step-{job_id}.txt"
+
     def pip_freeze(self, job_id: str) -> Path:
         """The Python packages the job ran with."""
         return self.slurm / f"pip-freeze-{job_id}.txt"
@@ -175,7 +179,10 @@ class RunDir:
 def job_identity() -> dict[str, Any]:
     """The SLURM job this process belongs to; a requeue keeps the id and bumps the count."""
     job = JobFacts.from_env()
-    return {"job_id": job.job_id or None, "restart": job.restart_count}
+    identity: dict[str, Any] = {"job_id": job.job_id or None, "restart": job.restart_count}
+    if job.step_restarts:  # a step started again inside the allocation after a crash
+        identity["step_restart"] = job.step_restarts
+    return identity
 
 
 def metrics_record(kind: str, step: int, fields: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,8 @@ import shutil
 import subprocess
 from datetime import datetime
 
+from relaytrain.job.env import expand_nodelist
+
 log = logging.getLogger(__name__)
 
 SLURM_QUERY_TIMEOUT_S = 15.0
@@ -112,3 +114,28 @@ def queue_states(job_id: str) -> list[str] | None:
 def job_is_over(states: list[str]) -> bool:
     """Whether a job with these ``queue_states`` will never run again."""
     return all(state in ENDED_STATES for state in states)
+
+
+# sinfo's node states in which a node cannot run a job step (its `*` suffix, not responding, too)
+_UNUSABLE_NODE_STATES = ("down", "drain", "fail", "maint", "reboot", "power", "unknown", "future")
+
+
+def usable_job_nodes(job_id: str) -> list[str] | None:
+    """The nodes the job holds now that can run a step: its ``NodeList`` (with ``--no-kill`` Slurm
+    drops a failed node from it) less those ``sinfo`` shows down, draining or not responding. None
+    when Slurm cannot be asked."""
+    nodelist = scontrol_job_field(job_id, "NodeList")
+    if nodelist is None:
+        return None
+    nodes = expand_nodelist(nodelist) if nodelist not in ("", "(null)") else []
+    if not nodes:
+        return []
+    out = run_slurm_client(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"])
+    if out is None:
+        return None
+    bad = set()
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and (parts[1].endswith("*") or parts[1].startswith(_UNUSABLE_NODE_STATES)):
+            bad.add(parts[0])
+    return [node for node in nodes if node not in bad]

@@ -1,9 +1,10 @@
 """Read a run's metrics.jsonl (and gpu/*.csv) back and stitch requeued jobs into one history.
 
 A run spread over several SLURM jobs appends to one metrics.jsonl. Records are grouped into
-*segments*: a new segment starts when ``(job_id, restart)`` changes or a ``start``/``resume``
-event appears (so local resumes count too). A job that resumed from an older checkpoint logs some
-steps again; the later record for a step wins.
+*segments*: a new segment starts when ``(job_id, restart, step_restart)`` changes or a
+``start``/``resume`` event appears (so local resumes count too); ``step_restart`` counts the job steps
+started again inside the allocation after a crash (restarts in place). A job that resumed from an
+older checkpoint logs some steps again; the later record for a step wins.
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ class Segment:
     job_id: str | None
     restart: int
     records: list[dict[str, Any]] = field(default_factory=list)
+    step_restart: int = 0  # > 0: the job step was started again in place after a crash
     # The previous segment ended with `finished` and this one trains on (train.max_steps raised): a
     # continuation the user asked for, not a restart, so no time or steps are lost to it.
     extends_finished: bool = False
+
+    @property
+    def key(self) -> tuple[str | None, int, int]:
+        return self.job_id, self.restart, self.step_restart
 
     @property
     def start_time(self) -> float:
@@ -82,7 +88,9 @@ class Segment:
     @property
     def label(self) -> str:
         if self.job_id is not None:
-            return f"job {self.job_id}" + (f" (requeue {self.restart})" if self.restart else "")
+            notes = [f"requeue {self.restart}"] if self.restart else []
+            notes += [f"restart in place {self.step_restart}"] if self.step_restart else []
+            return f"job {self.job_id}" + (f" ({', '.join(notes)})" if notes else "")
         if self.index == 0:
             return "local run"
         return f"local {'extension' if self.extends_finished else 'resume'} {self.index}"
@@ -104,8 +112,14 @@ class History:
 
     @property
     def restarts(self) -> int:
-        """Segments after the first that resumed an unfinished run (an extension is not a restart)."""
-        return sum(1 for seg in self.segments[1:] if not seg.extends_finished)
+        """Segments after the first that resumed an unfinished run in a new job, a requeue or a local
+        resume (an extension is not a restart; a restart in place is counted apart)."""
+        return sum(1 for seg in self.segments[1:] if not seg.extends_finished and not seg.step_restart)
+
+    @property
+    def restarts_in_place(self) -> int:
+        """Job steps started again inside their allocation after a crash."""
+        return sum(1 for seg in self.segments[1:] if seg.step_restart)
 
     def lost_time(self) -> tuple[float, int]:
         """(seconds, steps) lost to restarts.
@@ -162,12 +176,12 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
 def build_history(records: list[dict[str, Any]], skipped_lines: int = 0) -> History:
     segments: list[Segment] = []
     for rec in records:
-        key = (rec.get("job_id"), int(rec.get("restart") or 0))
+        key = (rec.get("job_id"), int(rec.get("restart") or 0), int(rec.get("step_restart") or 0))
         starts = rec["kind"] == "event" and rec.get("event") in START_EVENTS
         current = segments[-1] if segments else None
-        if current is None or (current.job_id, current.restart) != key or (starts and current.records):
+        if current is None or current.key != key or (starts and current.records):
             extends = current is not None and current.finished
-            current = Segment(len(segments), key[0], key[1], extends_finished=extends)
+            current = Segment(len(segments), key[0], key[1], step_restart=key[2], extends_finished=extends)
             segments.append(current)
         current.records.append(rec)
     latest: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "eval": {}}

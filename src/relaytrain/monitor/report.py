@@ -49,7 +49,8 @@ def summarize(history: History) -> dict[str, Any]:
         "mean_mfu": mfu,
         "mfu_estimate": any(r.get("mfu_estimate") for r in history.train),
         "restarts": history.restarts,
-        "extensions": len(history.segments) - 1 - history.restarts,
+        "restarts_in_place": history.restarts_in_place,
+        "extensions": len(history.segments) - 1 - history.restarts - history.restarts_in_place,
         "job_ids": job_ids,
         "lost_s": lost_s,
         "lost_steps": lost_steps,
@@ -75,6 +76,7 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
             _fmt(None if s["mean_mfu"] is None else 100 * s["mean_mfu"], ".1f", " %"),
         ),
         ("restarts", str(s["restarts"])),
+        *([("restarts in place", str(s["restarts_in_place"]))] if s["restarts_in_place"] else []),
         *([("extended after finishing", str(s["extensions"]))] if s["extensions"] else []),
         ("SLURM job ids", ", ".join(s["job_ids"]) or "none (not run under SLURM)"),
         ("time lost to restarts", f"{_duration(s['lost_s'])} ({s['lost_steps']} steps recomputed)"),
@@ -104,7 +106,9 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
         lines += ["", "## Stops", "", "| job | step | event | reason | saved | requeue asked | exit code |"]
         lines.append("| --- | --- | --- | --- | --- | --- | --- |")
     for r in stops:
-        job = f"{r.get('job_id') or 'local'}" + (f" (requeue {r['restart']})" if r.get("restart") else "")
+        notes = [f"requeue {r['restart']}"] if r.get("restart") else []
+        notes += [f"restart in place {r['step_restart']}"] if r.get("step_restart") else []
+        job = f"{r.get('job_id') or 'local'}" + (f" ({', '.join(notes)})" if notes else "")
         cells = [r.get(key) for key in ("reason", "saved", "requeue_requested", "exit_code")]
         row = [job, str(r["step"]), r["event"], *("" if c is None else str(c) for c in cells)]
         lines.append("| " + " | ".join(row) + " |")

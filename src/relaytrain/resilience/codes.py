@@ -14,6 +14,9 @@ EXIT_RESUME = 75  # EX_TEMPFAIL: stopped with a checkpoint, to be resumed (signa
 # Ctrl-C: stopped with a checkpoint because the user asked; 128 + SIGINT as a shell reports an
 # interrupted command, not 75, which asks a batch script for a requeue.
 EXIT_INTERRUPTED = 130
+# a --command program asks for its job step to be started again inside the allocation (restart in
+# place, capped by resilience.max_step_restarts, then a crash requeue): a transient failure it caught
+EXIT_RESTART_STEP = 76
 EXIT_HANG = 86  # the hang watchdog fired: no step finished within resilience.hang_timeout_s
 EXIT_DEADLINE = 87  # the hard deadline passed after a stop request (the emergency save hung)
 EXIT_NONFINITE = 88  # NaN/Inf loss or grad norm and the NaN policy said stop

@@ -40,6 +40,7 @@ USAGE_ERROR_EXIT = 2  # relaytrain's CLI exits 2 on a UserError/ConfigError: ret
 # nan: the same data would fail again; damaged_checkpoint: the same files would (the user must decide)
 NEVER_REQUEUED_REASONS = frozenset({"nan", "damaged_checkpoint"})
 CRASH_REASONS = frozenset({"error", "hang"})
+RESTARTED = "restart"  # a crashes.jsonl line's action when the step was started again in place
 # srun reports each task that died: `srun: error: node2: task 1: Killed` (or `... Exited with exit code 3`)
 _SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
 # torchrun (one node) exits 1 whatever killed its worker; its failure summary names the signal
@@ -73,9 +74,7 @@ def classify(state: Mapping[str, Any] | None, job: JobFacts, exit_code: int) -> 
     """(is it a crash to recover from, why). ``state`` is run_state.json as the step left it."""
     if exit_code == 0:
         return False, "the job step exited 0"
-    written_by = (str(state.get("job_id", "")), int(state.get("restart_count", -1))) if state else None
-    current = written_by == (job.job_id, job.restart_count)
-    if not current:
+    if not job.wrote(state):
         if exit_code == USAGE_ERROR_EXIT:
             return False, "exit code 2: a config or usage error (see the log)"
         return True, "the step died before its run wrote run_state.json (start-up or checkpoint load)"
@@ -116,8 +115,14 @@ class CrashLog:
                 out.append(entry)
         return out
 
-    def count(self, job_id: str) -> int:
-        return sum(1 for e in self.entries() if str(e.get("job_id")) == job_id)
+    def count(self, job_id: str, *, restarts: bool = False) -> int:
+        """This job's crashes that were restarted in place (``restarts``), or the others: requeued or
+        the job's end (lines written before restarts in place existed have no ``action``)."""
+        return sum(
+            1
+            for e in self.entries()
+            if str(e.get("job_id")) == job_id and (e.get("action") == RESTARTED) == restarts
+        )
 
     def append(self, entry: Mapping[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,7 @@ class Holder:
 
     job_id: str = ""  # the Slurm job's array-aware id (squeue's), "" outside Slurm
     restart_count: int = 0
+    step_restarts: int = 0  # the job step started again inside the allocation (restart in place)
     host: str = ""  # the machine's hostname: where the pid means something
     node: str = ""  # the Slurm node name (several slurmds may share one host)
     pid: int = 0
@@ -68,6 +69,7 @@ class Holder:
         return cls(
             job_id=job.requeue_id,
             restart_count=job.restart_count,
+            step_restarts=job.step_restarts,
             host=socket.gethostname(),
             node=job.host(),
             pid=pid,
@@ -88,7 +90,8 @@ class Holder:
         known = {f.name for f in fields(cls)}
         try:
             holder = cls(**{k: v for k, v in data.items() if k in known})
-            return holder if isinstance(holder.pid, int) and isinstance(holder.restart_count, int) else None
+            counts = (holder.pid, holder.restart_count, holder.step_restarts)
+            return holder if all(isinstance(n, int) for n in counts) else None
         except TypeError:
             return None
 
@@ -138,6 +141,9 @@ def holder_alive(holder: Holder, me: Holder) -> tuple[bool, str]:
     if holder.job_id and holder.job_id == me.job_id:
         if holder.restart_count != me.restart_count:
             return False, f"an earlier run of this job (restart {holder.restart_count})"
+        if holder.step_restarts < me.step_restarts:
+            # the batch script starts a step again only after the previous one ended
+            return False, f"an earlier job step of this run of the job (step restart {holder.step_restarts})"
         if same_host:
             if process_alive(holder.pid, holder.pid_start):
                 return True, "another process of this job"

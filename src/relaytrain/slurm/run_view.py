@@ -12,6 +12,7 @@ from typing import Any
 
 from relaytrain.checkpoint.files import read_latest
 from relaytrain.job import RunDir
+from relaytrain.resilience.crash import RESTARTED, CrashLog
 from relaytrain.resilience.run_state import RUN_STATE_FILE, RunStateFile
 from relaytrain.slurm.jobs import last_step
 
@@ -57,6 +58,11 @@ def run_rows(run_dir: Path) -> list[tuple[str, str]]:
         for key in sorted(state):
             if key not in _SHOWN and _NOTE_KEY.search(key) and state[key] not in ("", None, [], {}):
                 rows.append((key, _text(state[key])))
+    crashes = CrashLog(run_dir).entries()
+    if crashes:
+        in_place = sum(1 for e in crashes if e.get("action") == RESTARTED)
+        requeued = sum(1 for e in crashes if e.get("action", "requeue") == "requeue")
+        rows.append(("crashes", f"{len(crashes)}: {in_place} in place, {requeued} requeued (crashes.jsonl)"))
     step = last_step(run_dir)
     rows.append(("last logged step", "none yet" if step is None else str(step)))
     latest = read_latest(RunDir(run_dir).checkpoints)

@@ -85,6 +85,14 @@ def node_range(s: SlurmConfig) -> str:
     return f"{s.min_nodes}-{s.nodes}" if s.min_nodes and s.min_nodes != s.nodes else str(s.nodes)
 
 
+def keeps_job_on_node_failure(s: SlurmConfig) -> bool:
+    """`sbatch --no-kill`: slurm.no_kill, where `auto` is on for node ranges (the run can go on with
+    fewer nodes) and off for fixed counts (Slurm's own requeue of a NODE_FAIL job does as well)."""
+    if s.nodes < 2:
+        return False
+    return "-" in node_range(s) if s.no_kill == "auto" else bool(s.no_kill)
+
+
 def sbatch_value(value: object) -> str:
     """A value for an `#SBATCH` line: plain, or double-quoted the way sbatch's own parser reads it."""
     text = str(value)
@@ -131,6 +139,8 @@ def sbatch_options(spec: JobSpec) -> list[str]:
         out.append(f"--mincpus={tasks * max(cpus, 1)}")
     else:
         out.append(f"--ntasks-per-node={tasks}")
+    if keeps_job_on_node_failure(s):
+        out.append("--no-kill")  # the step restarts on the nodes left, or the job is requeued
     if s.gpus_per_node > 0:
         out.append(f"--gpus-per-node={s.gpus_per_node}")
     if cpus > 0:
@@ -216,6 +226,7 @@ def _in_run_dir(rundir: RunDir) -> dict[str, str]:
         "run_state": rundir.relative(rundir.run_state),
         "attach_log": rundir.attach_log("$job_id").name,
         "pip_freeze": rundir.pip_freeze("$job_id").name,
+        "restart_file": rundir.step_restart_file("$job_id").name,
     }
 
 
@@ -258,6 +269,7 @@ def render_script(spec: JobSpec) -> str:
         "map_env": spec.launcher != "torchrun",
         "launcher": spec.launcher,
         "nproc": spec.tasks_per_node,
+        "srun_tasks_per_node": 1 if spec.launcher == "torchrun" else spec.tasks_per_node,
         "torchrun_signals": ",".join(signals),
         "shutdown_timeout_s": math.ceil(r.hard_deadline_s + SHUTDOWN_MARGIN_S),
         "command": spec.command,
