@@ -1,5 +1,6 @@
-"""On the real local Slurm cluster: a `--nodes 1-2` job loses a node, continues on the one left, and
-runs on 2 nodes again once the node is back; the global batch and the data position never change."""
+"""On the real local Slurm cluster: a `--nodes 1-2` job loses a node, continues on the one left inside the
+same allocation (the job step restarted in place: same job, no requeue), and runs on 2 nodes again after
+a requeue once the node is back; the global batch and the data position never change."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from e2e_slurm_jobs import (
     wait_step,
     write_config,
 )
+from relaytrain.job.env import expand_nodelist
 from relaytrain.localcluster import cluster as local_cluster
 from relaytrain.slurm.jobs import nodes_per_run
 
@@ -40,7 +42,12 @@ def running_on(job: str, nodes: int, restarts: int) -> bool:
     )
 
 
-def test_a_node_range_job_continues_on_fewer_nodes_then_grows_back(slurm_cluster, tmp_path):
+def last_step_in_place(run_dir) -> int:
+    """The last step trained by the job step restarted in place."""
+    return max((r["step"] for r in records(run_dir, "train") if r.get("step_restart") == 1), default=0)
+
+
+def test_a_node_range_job_continues_in_place_on_fewer_nodes_then_grows_back(slurm_cluster, tmp_path):
     if len(slurm_cluster.nodes) < 2:
         pytest.fail(f"this test needs 2 nodes; the running cluster has {len(slurm_cluster.nodes)}")
     runs = tmp_path / "runs"
@@ -48,16 +55,19 @@ def test_a_node_range_job_continues_on_fewer_nodes_then_grows_back(slurm_cluster
     run_dir = runs / "elastic"
     job = launch(str(config), "--nodes", "1-2", "--tasks-per-node", "2", "--checkpoint.interval=5",
                  setup_override("export RELAYTRAIN_STEP_DELAY_S=0.5"))  # fmt: skip
-    doomed = None
+    doomed = lost = batch_host = None
     try:
         wait_for(lambda: running_on(job, 2, 0), 120, f"job {job} to run on 2 nodes")
         wait_step(run_dir, job, 8)
-        doomed = job_fields(int(job))["BatchHost"]
+        # Not the node of the batch shell: losing that one ends the job (NODE_FAIL, Slurm's requeue).
+        fields = job_fields(int(job))
+        doomed = next(n for n in expand_nodelist(fields["NodeList"]) if n != fields["BatchHost"])
+        lost, batch_host = doomed, fields["BatchHost"]
         local_cluster.kill_node(doomed, slurm_cluster.base_dir)
-        wait_for(lambda: running_on(job, 1, 1), 240, f"job {job} to be requeued onto the node left")
+        wait_for(lambda: running_on(job, 1, 0), 240, f"job {job} to go on with the node left")
         wait_for(lambda: len([e for e in events(run_dir) if e["event"] == "resize"]) == 1, 120, "the resize")
         resumed_at = [e for e in events(run_dir) if e["event"] == "resume"][-1]["step"]
-        wait_step(run_dir, job, resumed_at + 3)
+        wait_for(lambda: last_step_in_place(run_dir) >= resumed_at + 3, 120, "steps on the node left")
         local_cluster.restart_node(doomed, slurm_cluster.base_dir)
         doomed = None
         # A stop that requeues (SIGTERM to the steps, as a preemption): the next run gets both nodes.
@@ -69,15 +79,22 @@ def test_a_node_range_job_continues_on_fewer_nodes_then_grows_back(slurm_cluster
             local_cluster.restart_node(doomed, slurm_cluster.base_dir)
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
     assert fields["JobState"] == "COMPLETED", job_log(run_dir, job)
-    assert int(fields["Restarts"]) == 2
+    # The stop's requeue; the lost node cost none. The step that lost the node stays `completing` until
+    # the node is back, and the stop's signal may reach the next run's step of the same id too (Slurm
+    # delivers it late): then one more stop and requeue, with nothing lost.
+    assert int(fields["Restarts"]) >= 1
     starts = [e for e in events(run_dir) if e["event"] in ("start", "resume")]
-    assert [(e["event"], e["restart"], e["nodes"], e["world_size"]) for e in starts] == [
-        ("start", 0, 2, 4),
-        ("resume", 1, 1, 2),
-        ("resume", 2, 2, 4),
+    keys = ("event", "restart", "step_restart", "nodes", "world_size")
+    assert [tuple(e.get(k, 0) for k in keys) for e in starts][:3] == [
+        ("start", 0, 0, 2, 4),
+        ("resume", 0, 1, 1, 2),
+        ("resume", 1, 0, 2, 4),
     ]
+    assert {(e["nodes"], e.get("step_restart", 0)) for e in starts[3:]} <= {(2, 0)}
+    (restart,) = [e for e in events(run_dir) if e["event"] == "step_restart"]
+    assert restart["nodes_lost"] == [lost] and restart["nodes"] == [batch_host], restart
     resizes = [e for e in events(run_dir) if e["event"] == "resize"]
-    assert [(e["from_nodes"], e["nodes"], e["from_grad_accum"], e["grad_accum"]) for e in resizes] == [
+    assert [(e["from_nodes"], e["nodes"], e["from_grad_accum"], e["grad_accum"]) for e in resizes][:2] == [
         (2, 1, 1, 2),  # 8 sequences over dp 4 -> 2 per rank, 1 micro batch of 2; over dp 2 -> 2 x 2
         (1, 2, 2, 1),
     ]
@@ -89,7 +106,8 @@ def test_a_node_range_job_continues_on_fewer_nodes_then_grows_back(slurm_cluster
     for r in train:
         assert r["tokens_seen"] == r["step"] * GLOBAL_BATCH * SEQ_LEN
     assert marker(run_dir)["status"] == "finished"
-    assert nodes_per_run(run_dir, job) == "2, 1, 2"
+    assert nodes_per_run(run_dir, job).startswith("2, 1, 2")
     code, out = cli("status", str(run_dir))
     # the table wraps its nodes cell at 150 columns: "nsnode[1-2] (nodes per run:" / "2, 1, 2)"
-    assert code == 0 and "nodes per run:" in out and "2, 1, 2)" in out, out
+    assert code == 0 and "nodes per run:" in out and "2, 1, 2" in out, out
+    assert "1 in place" in out, out

@@ -175,9 +175,10 @@ def last_step(run_dir: Path) -> int | None:
 
 
 def nodes_per_run(run_dir: Path, job_id: str) -> str:
-    """The node count each run of a job (its first start, then every requeue) trained on, from the start and
-    resume events in <run_dir>/metrics.jsonl: "2, 1, 2" for a job that lost a node and got it back."""
-    counts: dict[int, object] = {}
+    """The node count each run of a job (its first start, then every restart in place and every requeue)
+    trained on, from the start and resume events in <run_dir>/metrics.jsonl: "2, 1, 2" for a job that
+    lost a node and got it back."""
+    counts: dict[tuple[int, int], object] = {}
     try:
         lines = RunDir(run_dir).metrics.read_text(errors="replace").splitlines()
     except OSError:
@@ -195,7 +196,7 @@ def nodes_per_run(run_dir: Path, job_id: str) -> str:
             and str(rec.get("job_id")) == job_id
             and rec.get("nodes") is not None
         ):
-            counts[int(rec.get("restart") or 0)] = rec["nodes"]
+            counts[int(rec.get("restart") or 0), int(rec.get("step_restart") or 0)] = rec["nodes"]
     return ", ".join(str(counts[k]) for k in sorted(counts))
 
 
