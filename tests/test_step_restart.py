@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import test_slurm_script
+from relaytrain import program
 from relaytrain.config.schema import ResilienceConfig, SlurmConfig
 from relaytrain.job import JobFacts
 from relaytrain.resilience import step_end
@@ -152,3 +153,16 @@ def test_the_batch_script_starts_a_crashed_step_again_with_a_fresh_port(work):
     assert "job step of restart count 0, step restart 1: on node1" in result.stdout
     (line,) = CrashLog(work / "runs/debug").entries()
     assert line["action"] == "restart"
+
+
+def test_a_program_exiting_76_gets_its_step_started_again(work):
+    dry("debug", slurm={"gpus_per_node": 0, "tasks_per_node": 1}, command="python train.py")
+    script = Path(work) / "runs/debug/slurm/job.sh"
+    fake(work / "bin", "srun",
+         'echo "step $RELAYTRAIN_STEP_RESTARTS" >> "$FAKE_LOG.steps"\n'
+         '[[ $RELAYTRAIN_STEP_RESTARTS == 0 ]] && exit 76; exit 0\n')  # fmt: skip
+    result = run_script(script, {"SLURM_JOB_NODELIST": "node1"}, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (work / "fake.steps").read_text().split() == ["step", "0", "step", "1"]
+    assert "the program exited 76" in result.stdout
+    assert program.EXIT_RESTART_STEP == 76
