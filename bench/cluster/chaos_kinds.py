@@ -10,7 +10,11 @@
 * ``time_limit_cap_budget``: the same with ``time_budget_margin_s=40``: the trainer stops itself on its
   time budget (time left < save estimate + margin) before the signal, the other way a time limit ends a job.
 * ``hang``: SIGSTOP one rank mid-step with ``resilience.hang_timeout_s=15``: the other rank's watchdog
-  dumps its stacks (``logs/hang_rank0.txt``) and ends the job; crash recovery requeues it and it resumes.
+  dumps its stacks (``logs/hang_rank0.txt``) and ends the step; crash recovery restarts it in place and it
+  resumes.
+* ``kill_in_place_then_requeue``: ``resilience.max_step_restarts=1``, one rank SIGKILLed at a random
+  step, then again at a random step of the restarted step: the first crash restarts the step in place
+  (same job, no requeue), the second requeues the job; the run finishes bit-exact.
 * ``disk_full``: the run dir on a tmpfs with room for one checkpoint, not two: one clear error, the
   previous checkpoint intact, no automatic retry; the benchmark frees space (remount larger) and
   resubmits, and the run finishes bit-exact.
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 from bench.cluster.chaos_run import INTERVAL, STEPS, Bench
 from bench.cluster.harness import RunFiles, rank_pids, tree_bytes, wait
 
-SPECIAL_KINDS = ("time_limit_cap", "time_limit_cap_budget", "hang", "disk_full")
+SPECIAL_KINDS = ("time_limit_cap", "time_limit_cap_budget", "hang", "disk_full", "kill_in_place_then_requeue")
 # The stop reasons (StopReason labels in run_state.json and metrics.jsonl) a time limit may end a job
 # with, and what each means.
 TIME_LIMIT_STOPS = {"time_limit_signal": "Slurm's --signal", "time_budget": "the trainer's time budget"}
@@ -179,8 +183,32 @@ class SpecialTrials:
         crashes = run.crashes()
         trial.detail = f"SIGSTOP rank 1 after step {target}; crashes recorded: {len(crashes)}"
         trial.checks["watchdog dumped stacks"] = "Thread" in run.hang_stacks(0)
-        trial.checks["requeued by crash recovery"] = trial.restarts >= 1 and trial.resubmits == 0
+        in_place = [c for c in crashes if c.get("action") == "restart"]
+        trial.checks["restarted in place by crash recovery"] = bool(in_place) and trial.resubmits == 0
         trial.checks["cause recorded as hang"] = any("hang" in json.dumps(c) for c in crashes)
+
+    def kill_in_place_then_requeue(self, trial: SpecialTrial, rng) -> None:
+        run = self.bench.run_files(f"special-{trial.index}-kill-in-place")
+        overrides = ("--resilience.max_step_restarts=1",)
+        trial.job = self.bench.launch(run.name, *overrides)
+        targets = []
+        for in_place in (0, 1):
+
+            def last(in_place=in_place) -> int:
+                rows = run.records("train")
+                return max((r["step"] for r in rows if r.get("step_restart", 0) == in_place
+                            and r.get("restart", 0) == 0), default=0)  # fmt: skip
+
+            targets.append(rng.randint(3, 12) + (max(targets) if targets else 0))
+            wait(lambda: last() >= targets[-1], 240, f"step {targets[-1]} of step restart {in_place}")
+            for pid in rank_pids(trial.job, rank=1):
+                os.kill(pid, signal.SIGKILL)
+        self.bench.finish(trial, run, overrides)
+        self.bench.check(trial, run)
+        actions = [c.get("action") for c in run.crashes()]
+        trial.detail = f"SIGKILL rank 1 at steps {targets[0]} and {targets[1]}; crash actions: {actions}"
+        trial.checks["first crash restarted in place, second requeued"] = actions == ["restart", "requeue"]
+        trial.checks["one requeue, no resubmission"] = trial.restarts == 1 and trial.resubmits == 0
 
     def disk_full(self, trial: SpecialTrial, rng) -> None:
         mount = self.bench.base / "small-fs"

@@ -154,10 +154,11 @@ class Bench:
                 time.sleep(rng.uniform(0.1, 1.0))  # a second signal while the first one's save runs
                 self.fire(trial, "usr2" if trial.event != "kill_node" else "kill_node")
             if trial.phase == "resume_load":
-                wait(lambda: int(scontrol_job(trial.job).get("Restarts", "0")) >= 1
+                # the crash restarts the step in place (a crashes.jsonl line) or requeues the job
+                wait(lambda: run.crashes() or int(scontrol_job(trial.job).get("Restarts", "0")) >= 1
                      or scontrol_job(trial.job).get("JobState") not in ("RUNNING", "PENDING"),
-                     120, "a requeue")  # fmt: skip
-                if int(scontrol_job(trial.job).get("Restarts", "0")) >= 1:
+                     120, "a restart in place or a requeue")  # fmt: skip
+                if run.crashes() or int(scontrol_job(trial.job).get("Restarts", "0")) >= 1:
                     wait(lambda: rank_pids(trial.job), 120, "the resumed ranks to start")
                     time.sleep(rng.uniform(1.0, 5.0))  # torch import, then the checkpoint load
                     self.fire(trial, "sigkill_rank")

@@ -4,6 +4,7 @@
     python -m bench.goodput --quick --no-write      # one 40 s interval, a short run
     python -m bench.goodput --only time-limit       # chosen runs only; no page
     python -m bench.goodput --page-from A.json B.json --note "..."  # the page from saved results
+    python -m bench.goodput --crashes --crash-interval 30 --steps 300  # restart in place vs requeue
 
 Each invocation saves results.json (its command, date, load averages and runs) in its own directory
 under bench/out/goodput; --page-from renders the union of several such files, each with its command.
@@ -39,6 +40,7 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.cluster.goodput_crash import losses_match, render_crashes, run_crashes
 from bench.cluster.goodput_extrapolation import Extrapolation, render_extrapolation
 from bench.cluster.goodput_page import CKPT_INTERVAL, STEP_DELAY_S, render
 from bench.cluster.goodput_results import (
@@ -157,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         "a later file replaces the earlier), each file's command and load",
     )  # fmt: skip
     parser.add_argument("--note", action="append", default=[], help="a paragraph to add (--page-from)")
+    parser.add_argument(
+        "--crashes", action="store_true",
+        help="instead: an uninterrupted run, then rank 1 SIGKILLed every --crash-interval s with every crash "
+        "requeued and with restarts in place (bench/cluster/goodput_crash.py); its own section of the page",
+    )  # fmt: skip
+    parser.add_argument("--crash-interval", type=float, default=30.0, help="seconds between kills")
     args = parser.parse_args(argv)
     if args.page_from:
         try:
@@ -168,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         print(section)
         return 0
     command = "python -m bench.goodput " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.crashes:
+        return crash_comparison(args, command.strip())
     intervals = [40.0] if args.quick else [float(t) for t in args.intervals.split(",") if t]
     steps = 100 if args.quick else args.steps
     results = planned_runs(intervals, not (args.quick or args.no_time_limit), steps)
@@ -203,6 +213,35 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.quick or args.no_write or args.only):
         write_page({"goodput": section})
     return 0 if not any(r.error for r in results) else 1
+
+
+def crash_comparison(args: argparse.Namespace, command: str) -> int:
+    """The uninterrupted reference, then the two crash runs, in one hold of the cluster each."""
+    base = Path(args.out) / f"crashes-{int(time.time())}"
+    base.mkdir(parents=True, exist_ok=True)
+    steps = 100 if args.quick else args.steps
+    runner = Runner(base, start_cluster(lock=not args.no_lock), steps)
+    reference = RunResult("uninterrupted", "none")
+    with cluster_lock(not args.no_lock):
+        runner.run(reference)
+    setup = f"export RELAYTRAIN_STEP_DELAY_S={STEP_DELAY_S}"
+    runs = []
+    for kind in ("crash-requeue", "crash-in-place"):
+        name = f"{kind}-{args.crash_interval:g}s"
+        print(f"bench.goodput: {name} ...", flush=True)
+        with cluster_lock(not args.no_lock):
+            crash = run_crashes(runner.config, name, setup, args.crash_interval, runner.runs)
+        reference_files = RunFiles(runner.runs / "uninterrupted")
+        crash.losses_identical = losses_match(RunFiles(runner.runs / name), reference_files)
+        runs.append(crash)
+        print(f"bench.goodput: {json.dumps(crash.as_dict())}", flush=True)
+    saved = [asdict(reference), *(c.as_dict() for c in runs)]
+    (base / "results.json").write_text(json.dumps(saved, indent=1))
+    section = render_crashes(runs, command, str(datetime.now(UTC).date()), machine_info().get("cpu", "?"))
+    print(section)
+    if not (args.quick or args.no_write):
+        write_page({"goodput-crash": section})
+    return 0 if reference.error == "" and all(c.result.error == "" for c in runs) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,167 @@
+"""`python -m bench.goodput --crashes`: a crash every T seconds, restart in place against requeue, in one run.
+
+The same tiny 2-rank job as the goodput runs, one rank SIGKILLed every T seconds (the way the OOM killer
+ends a process), twice: once with `resilience.max_step_restarts=0` (every crash requeues the job, the
+behaviour before restarts in place) and once with restarts in place. Both runs raise their caps
+(`max_crash_requeues`, `max_step_restarts`) so that every crash takes the path being measured.
+
+Per crash:
+
+* steps replayed: the last step logged before the kill less the step the run resumed from;
+* kill -> first step again, split into detection (the kill to the end-of-step decision's line in
+  crashes.jsonl), queue (the decision to the next job run's Start, requeue only), start-up (to the
+  `resume` event, less the load) and load (the `resuming from` log line to the `resume` event);
+
+and per run: goodput (productive step time / allocated time) and whether every logged loss equals the
+uninterrupted reference run's, step by step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.cluster.goodput_results import RunResult, analyse, log_times, sacct_runs
+from bench.cluster.harness import RunFiles, launch, rank_pids, scontrol_job, wait_job_end
+from bench.report import fmt, pct, table
+
+# Every crash takes the path measured: the caps are far above the kills of one run.
+NO_CAP = 1000
+CRASH_RUNS = {
+    "crash-requeue": ("requeued (max_step_restarts=0)", (f"--resilience.max_crash_requeues={NO_CAP}",
+                                                         "--resilience.max_step_restarts=0")),
+    "crash-in-place": ("restarted in place", (f"--resilience.max_crash_requeues={NO_CAP}",
+                                              f"--resilience.max_step_restarts={NO_CAP}")),
+}  # fmt: skip
+
+
+@dataclass
+class CrashRun:
+    result: RunResult
+    interval: float
+    kills: list[float] = field(default_factory=list)  # when each SIGKILL was sent
+    crashes: list[dict] = field(default_factory=list)  # the per-crash split
+    losses_identical: bool | None = None  # every logged loss equals the reference's
+
+    def as_dict(self) -> dict:
+        return {**asdict(self.result), "interval": self.interval, "kills": self.kills,
+                "crashes": self.crashes, "losses_identical": self.losses_identical}  # fmt: skip
+
+
+def kill_every(job: str, interval: float, stop: threading.Event, kills: list[float]) -> None:
+    """SIGKILL rank 1 every `interval` seconds while the job runs a step with that rank."""
+    while not stop.wait(interval):
+        if scontrol_job(job).get("JobState") != "RUNNING":
+            continue
+        pids = rank_pids(job, 1)
+        if pids:
+            kills.append(time.time())
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def run_crashes(config: Path, name: str, setup: str, interval: float, runs_root: Path) -> CrashRun:
+    """One crash run (`crash-requeue-<T>s` or `crash-in-place-<T>s`) from launch to analysis."""
+    label, overrides = CRASH_RUNS[name.rsplit("-", 1)[0]]
+    crash = CrashRun(RunResult(name, f"rank 1 SIGKILLed every {interval:g} s, {label}"), interval)
+    run = RunFiles(runs_root / name)
+    crash.result.job = launch(config, name, setup, *overrides)
+    stop = threading.Event()
+    killer = threading.Thread(target=kill_every, args=(crash.result.job, interval, stop, crash.kills))
+    killer.start()
+    try:
+        wait_job_end(crash.result.job, 3600, interval=2.0)
+    finally:
+        stop.set()
+        killer.join()
+    time.sleep(3)  # jobcomp is written when the job ends
+    runs = sacct_runs(crash.result.job)
+    log_text = run.job_log()
+    analyse(crash.result, run, runs, log_text)
+    crash.crashes = crash_splits(run, runs, log_text, crash.kills)
+    crash.result.interruptions = len(crash.crashes)
+    crash.result.replayed = sum(c["replayed"] for c in crash.crashes)
+    state = run.state()
+    crash.result.final = f"{state.get('status')} ({state.get('reason')}) at step {state.get('step')}"
+    return crash
+
+
+def crash_splits(
+    run: RunFiles, runs: list[tuple[float, float]], log_text: str, kills: list[float]
+) -> list[dict]:
+    """kill -> first step again for each kill that the run recorded as a crash."""
+    train = run.records("train")
+    resumes = [e for e in run.records("event") if e.get("event") == "resume"]
+    lines = sorted(run.crashes(), key=lambda c: c.get("time", 0))
+    loads = log_times(log_text, "resuming from")
+    out = []
+    for kill in kills:
+        line = next((c for c in lines if c.get("time", 0) >= kill), None)
+        if line is None:
+            continue
+        decided = float(line["time"])
+        resume = next((r for r in resumes if r["time"] > decided), None)
+        if resume is None:
+            continue
+        first = min((r["time"] - r["time_step_s"] for r in train if r["time"] > resume["time"]), default=None)
+        start = next((s for s, _ in runs if s >= decided - 1), None)
+        queue = max(0.0, start - decided) if line.get("action") != "restart" and start else 0.0
+        load_log = next((t for t in loads if t >= decided - 1), None)
+        load = max(0.0, resume["time"] - load_log) if load_log is not None else float("nan")
+        reached = max((r["step"] for r in train if r["time"] <= kill), default=0)
+        out.append({
+            "action": line.get("action", "requeue"),
+            "detection": decided - kill,
+            "queue": queue,
+            "startup": resume["time"] - decided - queue - (load if load == load else 0.0),
+            "load": load,
+            "total": (first or resume["time"]) - kill,
+            "replayed": max(0, reached - int(resume["step"])),
+        })  # fmt: skip
+    return out
+
+
+def losses_match(run: RunFiles, reference: RunFiles) -> bool:
+    """Every train record of the run (replayed steps included) has the reference's loss for its step."""
+    expected = {r["step"]: r["loss"] for r in reference.records("train")}
+    logged = run.records("train")
+    return bool(logged) and all(expected.get(r["step"]) == r["loss"] for r in logged)
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if r.get(key) == r.get(key)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def render_crashes(runs: list[CrashRun], command: str, date: str, cpu: str) -> str:
+    """The section of docs/benchmarks.md: one row per crash run."""
+    rows = []
+    for c in runs:
+        r, s = c.result, c.crashes
+        split = (f"{fmt(_mean(s, 'total'))} ({fmt(_mean(s, 'detection'))} + {fmt(_mean(s, 'queue'))} + "
+                 f"{fmt(_mean(s, 'startup'))} + {fmt(_mean(s, 'load'))})")  # fmt: skip
+        same = {True: "yes", False: "no", None: "–"}[c.losses_identical]
+        rows.append((r.name, r.interruption, len(s), fmt(_mean(s, "replayed")), split if s else "–",
+                     pct(r.goodput), same, r.error or r.final))  # fmt: skip
+    return (
+        "## Crashes: restart in place against requeue\n\n"
+        f"Measured {date} on {cpu}, local Slurm cluster, by `{command}`: the goodput runs' job (2 ranks, "
+        "steps slowed to 0.5 s, async checkpoint every 10 steps), rank 1 SIGKILLed every T seconds, once "
+        "with every crash requeued (`resilience.max_step_restarts=0`, the behaviour before restarts in "
+        "place) and once with the job step restarted in place, in the same invocation. Times in seconds, "
+        "means over the crashes of a run.\n\n"
+        + table(["run", "crash", "crashes", "steps replayed / crash",
+                 "kill→first step (detection + queue + start-up + load)", "goodput",
+                 "losses bit-identical to uninterrupted", "end of run"], rows)
+        + "\nDetection is the kill to the end-of-step decision: the surviving rank's collective fails, "
+        "torchrun ends the step, the batch script runs the decision. The requeue's queue part is local "
+        "Slurm settings (`cred_expire` 10 s + 1 s, `sched_interval` 2 s here; 121 s and 60 s by "
+        "default, and a real queue's wait on top); a restart in place has none. Start-up is `import "
+        "torch` and the process group on 2 shared cores; the load is a 2 MB checkpoint.\n"
+    )  # fmt: skip
