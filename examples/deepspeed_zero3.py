@@ -75,6 +75,12 @@ def main() -> int:
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), optimizer=optimizer, config=ds_config
     )
+    if rank == 0:
+        basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        offload = [what for what, on in (("optimizer", engine.zero_offload_optimizer()),
+                                         ("parameters", engine.zero_offload_param())) if on]  # fmt: skip
+        print(f"ZeRO stage {engine.zero_optimization_stage()}, {type(basic).__name__}, "
+              f"offloaded to CPU: {', '.join(offload) or 'nothing'}", flush=True)  # fmt: skip
     checkpoints = out / "checkpoints"
     step = 0
     if (checkpoints / "latest").exists():

@@ -68,7 +68,8 @@ def save(model, optimizer, checkpoints: Path, step: int) -> None:
         target.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     dist_checkpointing.save(model.sharded_state_dict(), str(target))
-    torch.save({"optimizer": optimizer.state_dict(), "step": step}, target / f"optim_rank{dist.get_rank()}.pt")
+    optimizer_file = target / f"optim_rank{dist.get_rank()}.pt"
+    torch.save({"optimizer": optimizer.state_dict(), "step": step}, optimizer_file)
     dist.barrier()
     if dist.get_rank() == 0:
         (checkpoints / "latest.tmp").write_text(f"step{step}\n")
