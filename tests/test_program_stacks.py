@@ -22,9 +22,8 @@ import pytest
 
 from conftest import REPO, child_env
 
-pytestmark = pytest.mark.slow
-
 DEEPSPEED = REPO / "examples" / "deepspeed_zero3.py"
+DS_CONFIGS = REPO / "examples" / "deepspeed"
 MEGATRON = REPO / "examples" / "megatron_gpt.py"
 TORCHRUN = ["-m", "relaytrain.job.torchrun", "--standalone", "--nproc_per_node=2",
             "--signals-to-handle=SIGTERM,SIGINT,SIGUSR2"]  # fmt: skip
@@ -79,12 +78,27 @@ def stop_and_resume(example: Path, tmp_path: Path, stop: signal.Signals, *args: 
     return reference
 
 
+def test_the_torch_adamw_config_is_the_cpu_adam_config_without_its_optimizer():
+    """The Slurm test's cheaper config offloads the same way; only the optimizer (and dtype) differ."""
+    full = json.loads((DS_CONFIGS / "zero3_offload.json").read_text())
+    cheap = json.loads((DS_CONFIGS / "zero3_offload_torch_adamw.json").read_text())
+    for config in (full, cheap):
+        zero = config["zero_optimization"]
+        assert zero["stage"] == 3
+        assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
+        assert "train_batch_size" not in config  # follows the world size
+    assert full["optimizer"]["type"] == "AdamW" and "zero_force_ds_cpu_optimizer" not in full
+    assert "optimizer" not in cheap and cheap["zero_force_ds_cpu_optimizer"] is False
+
+
+@pytest.mark.slow
 def test_deepspeed_zero3_cpu_offload_stops_on_sigterm_and_resumes_to_the_uninterrupted_losses(tmp_path):
     pytest.importorskip("deepspeed")
     reference = stop_and_resume(DEEPSPEED, tmp_path, signal.SIGTERM)  # as a preemption sends it
     assert "ZeRO stage 3, DeepSpeedCPUAdam, offloaded to CPU: optimizer, parameters" in reference
 
 
+@pytest.mark.slow
 def test_megatron_tensor_parallel_stops_on_the_signal_and_resumes_to_the_uninterrupted_losses(tmp_path):
     pytest.importorskip("megatron.core")
     stop_and_resume(MEGATRON, tmp_path, signal.SIGUSR2)
