@@ -23,7 +23,6 @@ program.install()  # before torch/deepspeed are imported: a stop signal during s
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -117,5 +116,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     raise SystemExit(main())
