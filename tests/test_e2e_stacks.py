@@ -93,5 +93,6 @@ def test_documented_launch_is_stopped_by_the_signal_requeued_and_ends_with_the_u
     assert fields["JobState"] == "COMPLETED" and int(fields["Restarts"]) >= 1, log
     output = job_output(run, job)  # whole: DeepSpeed's warnings push these lines out of the log's tail
     assert "time_limit_signal" in output and "resuming at step" in output, log
+    assert ("relaytrain.job.torchrun:" in output) == (name == "gpt"), log  # its stop, in one line
     assert losses(run) == losses(stacks["refs"] / name), log  # every step once, the reference's loss
     assert state(run)["status"] == "finished"
