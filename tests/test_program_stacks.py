@@ -43,15 +43,15 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def run(example: Path, run_dir: Path, *args: str, stop: signal.Signals | None = None) -> tuple[int, str]:
     """The example under relaytrain.job.torchrun; ``stop`` sent to torchrun (which forwards it to the
-    workers) once 3 steps are logged."""
-    cmd = [sys.executable, *TORCHRUN, str(example), "--out", str(run_dir / "out"), "--steps", "8", *args]
+    workers) once 2 steps are logged."""
+    cmd = [sys.executable, *TORCHRUN, str(example), "--out", str(run_dir / "out"), "--steps", "6", *args]
     proc = subprocess.Popen(
         cmd, env=clean_env(run_dir), cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip
     if stop is not None:
         log, deadline = run_dir / "out" / "losses.jsonl", time.monotonic() + 400
-        while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        while not (log.exists() and len(log.read_text().splitlines()) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
             time.sleep(0.1)
         proc.send_signal(stop)
@@ -66,11 +66,11 @@ def stop_and_resume(example: Path, tmp_path: Path, stop: signal.Signals, *args: 
     interrupted.mkdir()
     code, reference = run(example, ref, *args)
     assert code == 0, reference[-4000:]
-    code, output = run(example, interrupted, *args, "--step-delay", "1", stop=stop)
+    code, output = run(example, interrupted, *args, "--step-delay", "0.5", stop=stop)
     assert code == 128 + stop, output[-4000:]  # torchrun forwarded the signal (docs/programs.md)
     state = json.loads((interrupted / "run_state.json").read_text())
     assert state["status"] == "stopped" and state["saved"] and state["reason"] == "signal", state
-    assert 3 <= state["step"] < 8 and max(losses(interrupted)) == state["step"]
+    assert 2 <= state["step"] < 6 and max(losses(interrupted)) == state["step"]
     code, output = run(example, interrupted, *args)
     assert code == 0 and f"resuming at step {state['step']}" in output, output[-4000:]
     assert losses(interrupted) == losses(ref)  # every step once, each with the uninterrupted run's loss
