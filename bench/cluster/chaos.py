@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 random trials only, no page")
     parser.add_argument("--chunk", type=int, default=5, help="trials per hold of the cluster lock")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--section", default="chaos", help="page section to write")
     parser.add_argument("--no-lock", action="store_true", help=f"the caller holds {LOCK} already")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument(
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         section += "".join(f"\n{note}\n" for note in args.note)
         print(section)
-        write_page({"chaos": section})
+        write_page({args.section: section})
         return 0
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     trials = draw(2 if args.quick else args.trials, seed)
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     section += summary(trials, special)
     print(section)
     if not (args.quick or args.no_write):
-        write_page({"chaos": section})
+        write_page({args.section: section})
     return 0 if all(t.ok for t in everything) else 1
 
 
