@@ -66,6 +66,9 @@ CASES = {
     "refused run dir": (False, 2, st("running", job_id="7"), 0, BUSY, {}, JOB, FAIL, "in use", None),
     "program exit 0": (True, 0, None, 0, "", {}, JOB, FIN, "exited 0", None),
     "program fails": (True, 1, None, 0, "", {}, JOB, FAIL, "exited 1", None),
+    "program killed after its end": (
+        True, 140, st("finished", "max_steps"), 0, "", {}, JOB, FIN, "recorded its end", None
+    ),
     "program exit 75": (True, 75, None, 0, "", {}, JOB, REQ, "continue it", ("stopped", "program_exit")),
     "program 75, cap": (
         True, 75, None, 0, "", {"max_requeues": 2}, JOB, FAIL, "max_requeues=2", ("stopped", "program_exit")

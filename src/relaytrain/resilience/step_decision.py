@@ -218,7 +218,12 @@ def _after_program(exit_code: int, run: RunFacts, resilience: ResilienceConfig, 
     state = run.state or {}
     if exit_code != EXIT_RESUME:
         why = f"the program exited {exit_code}"
-        return _pending(run, job) or Decision(Action.FINISHED if exit_code == 0 else Action.FAIL, why)
+        finished = exit_code == 0 or (_written_by(state, job) and state.get("status") == "finished")
+        if exit_code and finished:
+            # relaytrain.program.finish() recorded the end; a signal after it (the pre-timeout one) killed
+            # a program that had nothing left to do
+            why += " after it recorded its end (finished)"
+        return _pending(run, job) or Decision(Action.FINISHED if finished else Action.FAIL, why)
     if _written_by(state, job) and state.get("status") in ("stopped", "failed", "finished"):
         recorded = f"{state.get('reason')}, requeue {state.get('requeue_requested')}"
         why = f"the program recorded its stop ({recorded})"
