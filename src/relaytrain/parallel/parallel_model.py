@@ -13,6 +13,7 @@ of micro batches (the pipeline schedule by its microbatch count), and FSDP avera
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -248,6 +249,34 @@ def parallelize(
 
     `train`: the batch the layout splits, and seq_len; `seed` (run.seed) draws the initial weights.
     """
+    sharded = shard_on_meta(parallel, model, train, device, world_size, rank, gpus_per_node)
+    return materialize(sharded, parallel, train, device, seed=seed)
+
+
+@dataclasses.dataclass
+class ShardedOnMeta:
+    """This rank's model parts, split, TP/AC/compile/FSDP applied, still on the meta device."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    stage_ids: list[int]
+    parts: list[nn.Module]
+
+
+def shard_on_meta(
+    parallel: ParallelConfig,
+    model: ModelConfig,
+    train: TrainConfig,
+    device: torch.device,
+    world_size: int,
+    rank: int,
+    gpus_per_node: int,
+) -> ShardedOnMeta:
+    """The first half of `parallelize`: layout, mesh, pipeline split, TP -> AC -> compile -> FSDP.
+
+    Nothing is allocated yet, so the simulation (relaytrain.parallel.simulate) runs this outside
+    FakeTensorMode (the mesh's coordinate code needs real tensors) and `materialize` inside it.
+    """
     dims = validate_layout(parallel, model, train, world_size, gpus_per_node, device.type)
     note = batch_split_note(train, dims)
     if note and rank == 0:
@@ -261,7 +290,6 @@ def parallelize(
         parts = [split_stage(whole, sid, n_stages) for sid in stage_ids]
     else:
         stage_ids, parts = [0], [whole]
-    init_device = torch.device("cpu") if parallel.cpu_offload else device
     for part in parts:
         if dims.tp > 1:
             from relaytrain.parallel.tensor_parallel import apply_tp
@@ -272,11 +300,20 @@ def parallelize(
             apply_compile(part)
         if mesh is not None:
             apply_fsdp(part, fsdp_mesh(mesh, dims), parallel, device.type, pp_enabled=dims.pp > 1)
+    return ShardedOnMeta(dims, mesh, stage_ids, parts)
+
+
+def materialize(
+    sharded: ShardedOnMeta, parallel: ParallelConfig, train: TrainConfig, device: torch.device, *, seed: int
+) -> ParallelModel:
+    """The second half of `parallelize`: allocate this rank's shards, initialise them, build the step."""
+    init_device = torch.device("cpu") if parallel.cpu_offload else device
+    for part in sharded.parts:
         part.to_empty(device=init_device)
         part.init_weights(seed, buffer_device=device)
-        if dims.cp > 1:
+        if sharded.dims.cp > 1:
             # Context parallel shards the RoPE tables with the sequence: they must be exactly seq_len long.
             part.rope_cos = part.rope_cos[: train.seq_len].clone()
             part.rope_sin = part.rope_sin[: train.seq_len].clone()
         part.train()
-    return ParallelModel(parallel, dims, mesh, device, parts, stage_ids)
+    return ParallelModel(parallel, sharded.dims, sharded.mesh, device, sharded.parts, sharded.stage_ids)
