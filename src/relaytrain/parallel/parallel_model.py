@@ -128,9 +128,15 @@ class ParallelModel:
         return loss
 
     def _set_gradient_sync(self, enabled: bool) -> None:
+        """Between micro batches only the HSDP all-reduce across replica groups waits for the last one.
+
+        The reduce-scatter runs after every micro batch: skipping it (set_requires_gradient_sync) would
+        keep every layer's unsharded gradient until the last micro batch, the whole model's gradients
+        per rank instead of a shard (the step simulation showed 32 GiB more for 8B on 4 x 8).
+        """
         for part in self.model_parts:
             if isinstance(part, FSDPModule):
-                part.set_requires_gradient_sync(enabled)
+                part.set_requires_all_reduce(enabled)
 
     # -- the trainer's API --------------------------------------------------------------------------
 

@@ -16,13 +16,13 @@ attention kernel is the CPU one that SDPA picks (reported per rank).
 from __future__ import annotations
 
 import dataclasses
-import resource
-import time
-from collections.abc import Callable
 import pickle
+import resource
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from relaytrain.config import Config
@@ -66,17 +66,36 @@ def representative_ranks(dims: ParallelDims) -> list[tuple[int, str]]:
     return out
 
 
-def simulation_config(cfg: Config) -> Config:
+SIMULATED_ACCUMULATION = 2
+
+
+def simulation_config(cfg: Config, dims: ParallelDims) -> Config:
     """The config a GPU would run: bf16 compute under param_dtype 'auto', no torch.compile (whose
-    kernels do not change what the step holds, and which would compile fake graphs for minutes)."""
+    kernels do not change what the step holds, and which would compile fake graphs for minutes).
+
+    Without a pipeline, at most two accumulation steps: the first micro batch starts with no gradients,
+    the second with the sharded gradients every later one also finds, so the peak is reached by the
+    second; each one more costs a full fake forward and backward (half a minute for 8B on 2 cores).
+    A pipeline runs every microbatch of its schedule."""
     parallel = cfg.parallel
     changes = {"compile": False}
     if parallel.param_dtype == "auto":
         changes["param_dtype"] = "bfloat16"
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(parallel, **changes))
+    train = cfg.train
+    if dims.pp == 1 and dims.grad_accum > SIMULATED_ACCUMULATION:
+        batch = dims.dp * dims.micro_batch_size * SIMULATED_ACCUMULATION
+        train = dataclasses.replace(train, global_batch_size=batch)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(parallel, **changes), train=train)
 
 
-def simulate_rank(cfg: Config, world_size: int, rank: int, gpus_per_node: int, role: str = "") -> RankSimulation:
+def simulated_micro_batches(dims: ParallelDims) -> int:
+    """Micro batches the simulated step runs of the `dims.grad_accum` the real one does."""
+    return dims.grad_accum if dims.pp > 1 else min(dims.grad_accum, SIMULATED_ACCUMULATION)
+
+
+def simulate_rank(
+    cfg: Config, world_size: int, rank: int, gpus_per_node: int, role: str = ""
+) -> RankSimulation:
     """Simulate `rank` of `world_size` in this process (which it leaves with the fake group joined)."""
     import torch
     import torch.distributed as dist
@@ -94,7 +113,6 @@ def simulate_rank(cfg: Config, world_size: int, rank: int, gpus_per_node: int, r
     )
 
     start = time.monotonic()
-    cfg = simulation_config(cfg)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     device = torch.device("cpu")
     # The mesh's coordinate code needs real tensors: layout, mesh and sharding on meta, outside fake mode.
@@ -163,7 +181,7 @@ def simulate(
     for rank, role in representative_ranks(dims):
         coords = ", ".join(f"{k} {v}" for k, v in dims.coordinates(rank).items())
         progress(f"simulating rank {rank} of {dims.world_size} ({role}; {coords})")
-        out = _run_child((cfg, dims.world_size, rank, gpus_per_node, role))
+        out = _run_child((simulation_config(cfg, dims), dims.world_size, rank, gpus_per_node, role))
         if isinstance(out, str):
             raise SimulationError(f"rank {rank}: {out}")
         progress(f"rank {rank}: peak {out.peak_bytes / 1024**3:.2f} GiB ({out.peak_at}), {out.seconds:.0f} s")
