@@ -124,6 +124,7 @@ def simulate_rank(
         shape = (dims.local_batch_size, cfg.train.seq_len)
         inputs = torch.randint(0, cfg.model.vocab_size, shape)
         targets = torch.randint(0, cfg.model.vocab_size, shape)
+        _allocate_optimizer_state(optimizer)
         tracked = model.mesh is not None
         tracker_cls = FSDPStepTracker if tracked else PlainStepTracker
         tracker = tracker_cls(model.model_parts, optimizer)
@@ -147,6 +148,23 @@ def simulate_rank(
         seconds=time.monotonic() - start,
         host_peak_bytes=host,
     )
+
+
+def _allocate_optimizer_state(optimizer) -> None:
+    """AdamW creates its moments at its first step; every later step starts with them: a step with
+    zero gradients and no learning rate creates them (on fake tensors) before the tracked step."""
+    import torch
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
 
 
 def _simulate_in_child(cfg: Config, world_size: int, rank: int, gpus_per_node: int, role: str) -> dict | str:

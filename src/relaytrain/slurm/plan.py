@@ -6,9 +6,9 @@ sharding degree z = dp_shard * cp):
 
 * weights, gradients and AdamW: FSDP keeps fp32 master weights (4P), fp32 gradients (4P) and the two
   AdamW moments (8P), each split over m and z: 16 P / (m z).
-* working copies: the bf16 weights of the layer being computed and of the prefetched next layer, and
-  their fp32 gradients before reduce-scatter: 2 units x 6 bytes x unit / tp, the unit being the larger of
-  one transformer block and the output projection.
+* gathered layers: at the step's peak (the start of backward, when every activation and the loss's
+  gradients are held) FSDP holds one transformer block gathered in bf16, the last one, which it keeps
+  gathered from forward into backward: 2 x block / tp bytes. (`plan --simulate` measures it.)
 * activations (bf16, per layer and micro-batch, split over tp x cp by sequence parallelism):
   none:       2 s b (h (6 + 2 k / a) + 4 f) / (tp cp): residual input, norm output, q, k, v and
               attention output; residual input, norm output, w1 and w3 outputs, SiLU input and product
@@ -137,9 +137,8 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
     shard = dims.dp_shard * dims.cp
     states = 16 * params / (model_parallel * shard)
     block = count_parameters(m, include_embedding=False) // max(m.n_layers, 1)
-    unit = max(block, m.vocab_size * m.dim)
     offloaded = p.cpu_offload
-    working = 2 * 6 * unit / dims.tp if shard > 1 or offloaded else 0.0
+    working = 2 * block / dims.tp if shard > 1 or offloaded else 0.0
     micro = getattr(dims, "micro_batch_size", 0) or cfg.train.micro_batch_size
     per_layer = activation_bytes_per_layer(cfg, dims.tp, dims.cp, micro)
     layers_per_stage = -(-m.n_layers // dims.pp)

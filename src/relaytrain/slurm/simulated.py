@@ -146,7 +146,7 @@ def run_simulation(cfg, plan: Plan, progress) -> tuple[list, str]:
     try:
         return simulate(cfg, plan.dims, plan.gpus_per_node or plan.tasks_per_node, progress), ""
     except SimulationError as exc:
-        return [], f"the simulation could not run this layout ({exc}); the analytical plan above stands"
+        return [], f"the simulation could not run this layout ({exc}); the analytical plan stands"
 
 
 def print_simulation(console, plan: Plan, sims: list, micro_batches: int) -> None:
@@ -216,7 +216,7 @@ def report(cfg, plans: list[Plan], console, simulate: bool, json_out: bool, prin
     else:
         print_simulation(console, plan, sims, micro)
         if warning:
-            console.print(f"[yellow]warning[/]: {warning}")
+            print(f"warning: {warning}", flush=True)  # one line, unwrapped
         verdict = "impossible" if impossible else plan.verdict
         console.print(f"verdict: [{'red' if verdict == 'impossible' else 'green'}]{verdict}[/]")
     return 1 if impossible else 0
