@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from tests.conftest import run_cli
 
 from relaytrain.config import load_config
 from relaytrain.parallel.layout import validate_layout
 from relaytrain.parallel.simulate import rank_with, representative_ranks, simulate
-from tests.conftest import run_cli
 
 # Small enough for seconds per simulated rank, wide enough for TP 8 (8 heads) and PP 2.
 SMALL_TOML = """[model]
@@ -116,7 +116,12 @@ def test_plan_simulate_json_compares_with_the_plan(tmp_path):
     (rank,) = record["ranks"]
     assert record["tp_crosses_nodes"] is False
     categories = {c["category"] for c in rank["comparison"]}
-    assert categories == {"weights+grads+AdamW", "gathered layers", "activations+logits", "tensors at the peak"}
+    assert categories == {
+        "weights+grads+AdamW",
+        "gathered layers",
+        "activations+logits",
+        "tensors at the peak",
+    }
     states = next(c for c in rank["comparison"] if c["category"] == "weights+grads+AdamW")
     assert states["relative"] == pytest.approx(0, abs=0.10)
 
@@ -129,3 +134,18 @@ def test_plan_simulate_refuses_an_impossible_layout_as_plan_does(tmp_path):
     assert "tensor-parallel" in proc.stdout or "tp" in proc.stdout
     assert "simulating" not in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_8b_on_4x8_fsdp_agrees_with_plan_within_10_percent(tmp_path):
+    """The 8B preset at 32 ranks (about a minute per simulated rank on 2 cores)."""
+    from relaytrain.slurm.plan import make_plan
+    from relaytrain.slurm.simulated import agrees, compare
+
+    cfg = load_config("configs/8b.toml")
+    plan = make_plan(cfg, 4, 8, "h100")
+    sims = simulate(cfg, plan.dims, 8)
+    (sim,) = sims
+    states = compare(plan, sim)[0]
+    assert states.relative == pytest.approx(0, abs=0.01)
+    assert agrees(plan, sims), [(c.category, c.plan_bytes, c.simulated_bytes) for c in compare(plan, sim)]

@@ -180,9 +180,9 @@ def print_simulation(console, plan: Plan, sims: list, micro_batches: int) -> Non
         console.print(f"attention kernel of the fake CPU step: {kernels}")
     if sims:
         total = worst_total(plan, sims)
-        word = "agrees with" if agrees(plan, sims) else "DISAGREES with"
+        word = "is within" if agrees(plan, sims) else "is NOT within"
         console.print(
-            f"plan's tensor memory {word} the simulation within {AGREEMENT:.0%}: "
+            f"plan's tensor memory {word} {AGREEMENT:.0%} of the simulation's peak: "
             f"{_size(total.plan_bytes)} vs {_size(total.simulated_bytes)} "
             f"({_pct(total.relative)}); "
             f"{micro_batches} of {plan.dims.grad_accum} micro batches simulated. "
