@@ -70,7 +70,8 @@ SIMULATED_ACCUMULATION = 2
 
 
 def simulation_config(cfg: Config, dims: ParallelDims) -> Config:
-    """The config a GPU would run: bf16 compute under param_dtype 'auto', no torch.compile (whose
+    """The config a GPU would run: bf16 compute under param_dtype 'auto', fused AdamW under
+    optim.implementation 'auto', no torch.compile (whose
     kernels do not change what the step holds, and which would compile fake graphs for minutes).
 
     Without a pipeline, at most two accumulation steps: the first micro batch starts with no gradients,
@@ -81,11 +82,15 @@ def simulation_config(cfg: Config, dims: ParallelDims) -> Config:
     changes = {"compile": False}
     if parallel.param_dtype == "auto":
         changes["param_dtype"] = "bfloat16"
+    optim = cfg.optim
+    if optim.implementation == "auto":  # what "auto" picks on CUDA: no foreach temporaries in the step
+        optim = dataclasses.replace(optim, implementation="fused")
     train = cfg.train
     if dims.pp == 1 and dims.grad_accum > SIMULATED_ACCUMULATION:
         batch = dims.dp * dims.micro_batch_size * SIMULATED_ACCUMULATION
         train = dataclasses.replace(train, global_batch_size=batch)
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(parallel, **changes), train=train)
+    parallel = dataclasses.replace(parallel, **changes)
+    return dataclasses.replace(cfg, parallel=parallel, optim=optim, train=train)
 
 
 def simulated_micro_batches(dims: ParallelDims) -> int:
