@@ -316,6 +316,10 @@ def materialize(
     init_device = torch.device("cpu") if parallel.cpu_offload else device
     for part in sharded.parts:
         part.to_empty(device=init_device)
+        if part.cfg.tie_embeddings and part.tok_embeddings is not None and part.output is not None:
+            # to_empty swaps in a new tensor per module: without FSDP (which keeps one sharded
+            # parameter for both) the tie would be lost (found by the step simulation of 1B on 1 GPU).
+            part.output.weight = part.tok_embeddings.weight
         part.init_weights(seed, buffer_device=device)
         if sharded.dims.cp > 1:
             # Context parallel shards the RoPE tables with the sequence: they must be exactly seq_len long.
