@@ -8,7 +8,8 @@ sharding degree z = dp_shard * cp):
   AdamW moments (8P), each split over m and z: 16 P / (m z).
 * gathered layers: at the step's peak (the start of backward, when every activation and the loss's
   gradients are held) FSDP holds one transformer block gathered in bf16, the last one, which it keeps
-  gathered from forward into backward: 2 x block / tp bytes. (`plan --simulate` measures it.)
+  gathered from forward into backward: 2 x block / tp bytes. (`plan --simulate` measures it.) A single
+  process has no FSDP: autocast's bf16 copies of all weights, 2P, which the matmuls keep for backward.
 * activations and the loss: what the model keeps for backward per layer and micro batch, by activation
   checkpointing mode, and cross entropy's fp32 log-softmax and gradients (relaytrain.slurm.activations,
   measured by `--simulate`), times the layers on a pipeline stage (L / pp) and the micro-batches in
@@ -125,6 +126,9 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
     block = count_parameters(m, include_embedding=False) // max(m.n_layers, 1)
     offloaded = p.cpu_offload
     working = 2 * block / dims.tp if shard > 1 or offloaded else 0.0
+    if dims.world_size == 1 and p.param_dtype != "float32":
+        # One process, no FSDP: autocast's bf16 copy of every weight, kept by the matmuls for backward.
+        working = 2 * params
     micro = getattr(dims, "micro_batch_size", 0) or cfg.train.micro_batch_size
     per_layer = activation_bytes_per_layer(cfg, dims.tp, dims.cp, micro)
     layers_per_stage = -(-m.n_layers // dims.pp)
