@@ -138,6 +138,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from relaytrain.slurm.estimate import DEFAULT_MFU
     from relaytrain.slurm.launch import load_resolved
     from relaytrain.slurm.plan import plans_for
+    from relaytrain.slurm.simulated import report
 
     if args.mfu is not None and not 0 < args.mfu <= 100:
         raise UserError(f"--mfu {args.mfu:g}: the assumed MFU is a percentage in (0, 100], e.g. --mfu 40")
@@ -145,17 +146,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     notes: list[str] = []
     cfg = load_resolved(req, notes=notes)
     plans = plans_for(cfg, DEFAULT_MFU if args.mfu is None else args.mfu / 100)
-    plan = plans[-1]
     console = _console()
-    if args.simulate or args.json:  # relaytrain.slurm.simulated prints the plan, then the simulation
-        from relaytrain.slurm.simulated import report
-
-        show = lambda: _print_plan(cfg, plans, console, notes)  # noqa: E731
-        return report(cfg, plans, console, args.simulate, args.json, show)
-    _print_plan(cfg, plans, console, notes)
-    verdict = "impossible" if any(p.verdict == "impossible" for p in plans) else plan.verdict
-    console.print(f"verdict: [{'red' if verdict == 'impossible' else 'green'}]{verdict}[/]")
-    return 1 if verdict == "impossible" else 0
+    # The plan's tables, then with --simulate the fake-tensor step beside them, then the verdict.
+    show = lambda: _print_plan(cfg, plans, console, notes)  # noqa: E731
+    return report(cfg, plans, console, args.simulate, args.json, show)
 
 
 def _print_plan(cfg, plans, console: Console, notes: list[str]) -> None:
