@@ -179,3 +179,29 @@ def test_accumulation_keeps_gradients_sharded(tmp_path):
         peaks[dims.grad_accum] = sim.peak_bytes
     unsharded_bf16_grads = 2 * count_parameters(cfg.model)
     assert peaks[2] - peaks[1] < unsharded_bf16_grads / 4, peaks
+
+
+def test_reshard_fsdp4_tp2_to_fsdp4_and_fsdp16_covers_every_chunk_exactly_once(tmp_path):
+    from relaytrain.parallel.sim_reshard import check_reshard, chunks_of_layout
+
+    saved = chunks_of_layout(small_cfg(tmp_path, "--parallel.tp=2"), 8, 8)
+    for world in (4, 16):
+        check = check_reshard(saved, chunks_of_layout(small_cfg(tmp_path), world, 8))
+        assert check.problems == [] and check.tensors == 39
+        assert check.load_reads >= check.saved_chunks
+    # A lost shard is caught: drop one rank's chunk of the output projection from the save.
+    broken = {name: [list(c) for c in per_rank] for name, per_rank in saved.items()}
+    dropped = broken["output.weight"][3].pop()
+    for chunks in broken["output.weight"]:
+        if dropped in chunks:
+            chunks.remove(dropped)
+    problems = check_reshard(broken, chunks_of_layout(small_cfg(tmp_path), 4, 8)).problems
+    assert any(p.startswith("output.weight: the saved chunks do not tile") for p in problems), problems
+
+
+def test_plan_simulate_over_a_node_range_checks_the_reshard(tmp_path):
+    (tmp_path / "small.toml").write_text(SMALL_TOML)
+    args = ["plan", "small.toml", "--nodes", "1-2", "--gpus-per-node", "4", "--gpu", "h100", "--simulate"]
+    proc = run_cli([*args, "--parallel.tp=2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "reshard 8 -> 4 ranks" in proc.stdout and "every tensor covered exactly once" in proc.stdout

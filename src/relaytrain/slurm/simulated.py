@@ -149,6 +149,33 @@ def run_simulation(cfg, plan: Plan, progress) -> tuple[list, str]:
         return [], f"the simulation could not run this layout ({exc}); the analytical plan stands"
 
 
+def reshard_lines(cfg, plans: list[Plan], progress) -> list[str]:
+    """For a node range: a checkpoint saved at the largest count, loaded at every other, on metadata."""
+    from relaytrain.parallel.sim_reshard import check_reshard, chunks_of_layout
+
+    usable = [p for p in plans if p.dims is not None and p.dims.pp == 1]
+    if len(usable) < 2:
+        return []
+    per_node = [p.gpus_per_node or p.tasks_per_node for p in usable]
+    top = usable[-1]
+    progress(f"reshard check: chunks of every parameter at {top.dims.world_size} ranks")
+    try:
+        saved = chunks_of_layout(cfg, top.dims.world_size, per_node[-1])
+        lines = []
+        for plan, gpn in zip(usable[:-1], per_node[:-1], strict=True):
+            progress(f"reshard check: loading into {plan.dims.world_size} ranks")
+            check = check_reshard(saved, chunks_of_layout(cfg, plan.dims.world_size, gpn))
+            verdict = "every tensor covered exactly once" if not check.problems else check.problems[0]
+            lines.append(
+                f"reshard {top.dims.world_size} -> {plan.dims.world_size} ranks (DCP plan on metadata): "
+                f"{check.tensors} tensors, {check.saved_chunks} saved chunks, {check.load_reads} reads; "
+                f"{verdict}"
+            )
+        return lines
+    except RuntimeError as exc:
+        return [f"reshard check could not run: {exc}"]
+
+
 def print_simulation(console, plan: Plan, sims: list, micro_batches: int) -> None:
     from rich.table import Table
 
@@ -204,17 +231,20 @@ def report(cfg, plans: list[Plan], console, simulate: bool, json_out: bool, prin
     if not json_out:
         print_plan()
     sims, warning = [], ""
+    progress = (lambda line: print(line, file=sys.stderr)) if json_out else console.print
     if simulate:
-        progress = (lambda line: print(line, file=sys.stderr)) if json_out else console.print
         sims, warning = run_simulation(cfg, plan, progress)
+    reshard = reshard_lines(cfg, plans, progress) if simulate and len(plans) > 1 else []
     micro = simulated_micro_batches(plan.dims) if plan.dims is not None else 0
     impossible = any(p.verdict == "impossible" for p in plans)
     if json_out:
-        print(json.dumps(as_json(plan, sims, micro, warning), indent=2))
+        print(json.dumps({**as_json(plan, sims, micro, warning), "reshard": reshard}, indent=2))
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     else:
         print_simulation(console, plan, sims, micro)
+        for line in reshard:
+            print(line, flush=True)
         if warning:
             print(f"warning: {warning}", flush=True)  # one line, unwrapped
         verdict = "impossible" if impossible else plan.verdict
