@@ -106,9 +106,9 @@ def test_hsdp_simulates_a_member_of_another_replica_group(tmp_path):
     assert dims.coordinates(ranks[-1][0])["dp_replicate"] == 1
 
 
-def test_plan_simulate_json_compares_with_the_plan(tmp_path):
+def test_plan_simulate_json_compares_with_the_plan_and_checks_the_reshard_of_the_range(tmp_path):
     (tmp_path / "small.toml").write_text(SMALL_TOML)
-    args = ["plan", "small.toml", "--nodes", "2", "--gpus-per-node", "4", "--gpu", "h100", "--simulate"]
+    args = ["plan", "small.toml", "--nodes", "1-2", "--gpus-per-node", "4", "--gpu", "h100", "--simulate"]
     proc = run_cli([*args, "--json", "--parallel.tp=4"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     record = json.loads(proc.stdout)
@@ -116,14 +116,13 @@ def test_plan_simulate_json_compares_with_the_plan(tmp_path):
     (rank,) = record["ranks"]
     assert record["tp_crosses_nodes"] is False
     categories = {c["category"] for c in rank["comparison"]}
-    assert categories == {
-        "weights+grads+AdamW",
-        "gathered layers",
-        "activations+logits",
-        "tensors at the peak",
-    }
+    groups = {"weights+grads+AdamW", "gathered layers", "activations+logits"}
+    assert categories == groups | {"tensors at the peak"}
     states = next(c for c in rank["comparison"] if c["category"] == "weights+grads+AdamW")
     assert states["relative"] == pytest.approx(0, abs=0.10)
+    (reshard,) = record["reshard"]
+    assert reshard.startswith("reshard 8 -> 4 ranks")
+    assert reshard.endswith("every tensor covered exactly once")
 
 
 def test_plan_simulate_refuses_an_impossible_layout_as_plan_does(tmp_path):
@@ -185,8 +184,9 @@ def test_reshard_fsdp4_tp2_to_fsdp4_and_fsdp16_covers_every_chunk_exactly_once(t
     from relaytrain.parallel.sim_reshard import check_reshard, chunks_of_layout
 
     saved = chunks_of_layout(small_cfg(tmp_path, "--parallel.tp=2"), 8, 8)
-    for world in (4, 16):
-        check = check_reshard(saved, chunks_of_layout(small_cfg(tmp_path), world, 8))
+    loaded = {world: chunks_of_layout(small_cfg(tmp_path), world, 8) for world in (4, 16)}
+    for chunks in loaded.values():
+        check = check_reshard(saved, chunks)
         assert check.problems == [] and check.tensors == 39
         assert check.load_reads >= check.saved_chunks
     # A lost shard is caught: drop one rank's chunk of the output projection from the save.
@@ -195,13 +195,5 @@ def test_reshard_fsdp4_tp2_to_fsdp4_and_fsdp16_covers_every_chunk_exactly_once(t
     for chunks in broken["output.weight"]:
         if dropped in chunks:
             chunks.remove(dropped)
-    problems = check_reshard(broken, chunks_of_layout(small_cfg(tmp_path), 4, 8)).problems
+    problems = check_reshard(broken, loaded[4]).problems
     assert any(p.startswith("output.weight: the saved chunks do not tile") for p in problems), problems
-
-
-def test_plan_simulate_over_a_node_range_checks_the_reshard(tmp_path):
-    (tmp_path / "small.toml").write_text(SMALL_TOML)
-    args = ["plan", "small.toml", "--nodes", "1-2", "--gpus-per-node", "4", "--gpu", "h100", "--simulate"]
-    proc = run_cli([*args, "--parallel.tp=2"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "reshard 8 -> 4 ranks" in proc.stdout and "every tensor covered exactly once" in proc.stdout
