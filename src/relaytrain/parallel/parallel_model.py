@@ -13,6 +13,7 @@ of micro batches (the pipeline schedule by its microbatch count), and FSDP avera
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -127,9 +128,15 @@ class ParallelModel:
         return loss
 
     def _set_gradient_sync(self, enabled: bool) -> None:
+        """Between micro batches only the HSDP all-reduce across replica groups waits for the last one.
+
+        The reduce-scatter runs after every micro batch: skipping it (set_requires_gradient_sync) would
+        keep every layer's unsharded gradient until the last micro batch, the whole model's gradients
+        per rank instead of a shard (the step simulation showed 32 GiB more for 8B on 4 x 8).
+        """
         for part in self.model_parts:
             if isinstance(part, FSDPModule):
-                part.set_requires_gradient_sync(enabled)
+                part.set_requires_all_reduce(enabled)
 
     # -- the trainer's API --------------------------------------------------------------------------
 
@@ -248,6 +255,34 @@ def parallelize(
 
     `train`: the batch the layout splits, and seq_len; `seed` (run.seed) draws the initial weights.
     """
+    sharded = shard_on_meta(parallel, model, train, device, world_size, rank, gpus_per_node)
+    return materialize(sharded, parallel, train, device, seed=seed)
+
+
+@dataclasses.dataclass
+class ShardedOnMeta:
+    """This rank's model parts, split, TP/AC/compile/FSDP applied, still on the meta device."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    stage_ids: list[int]
+    parts: list[nn.Module]
+
+
+def shard_on_meta(
+    parallel: ParallelConfig,
+    model: ModelConfig,
+    train: TrainConfig,
+    device: torch.device,
+    world_size: int,
+    rank: int,
+    gpus_per_node: int,
+) -> ShardedOnMeta:
+    """The first half of `parallelize`: layout, mesh, pipeline split, TP -> AC -> compile -> FSDP.
+
+    Nothing is allocated yet, so the simulation (relaytrain.parallel.simulate) runs this outside
+    FakeTensorMode (the mesh's coordinate code needs real tensors) and `materialize` inside it.
+    """
     dims = validate_layout(parallel, model, train, world_size, gpus_per_node, device.type)
     note = batch_split_note(train, dims)
     if note and rank == 0:
@@ -261,7 +296,6 @@ def parallelize(
         parts = [split_stage(whole, sid, n_stages) for sid in stage_ids]
     else:
         stage_ids, parts = [0], [whole]
-    init_device = torch.device("cpu") if parallel.cpu_offload else device
     for part in parts:
         if dims.tp > 1:
             from relaytrain.parallel.tensor_parallel import apply_tp
@@ -272,11 +306,24 @@ def parallelize(
             apply_compile(part)
         if mesh is not None:
             apply_fsdp(part, fsdp_mesh(mesh, dims), parallel, device.type, pp_enabled=dims.pp > 1)
+    return ShardedOnMeta(dims, mesh, stage_ids, parts)
+
+
+def materialize(
+    sharded: ShardedOnMeta, parallel: ParallelConfig, train: TrainConfig, device: torch.device, *, seed: int
+) -> ParallelModel:
+    """The second half of `parallelize`: allocate this rank's shards, initialise them, build the step."""
+    init_device = torch.device("cpu") if parallel.cpu_offload else device
+    for part in sharded.parts:
         part.to_empty(device=init_device)
+        if part.cfg.tie_embeddings and part.tok_embeddings is not None and part.output is not None:
+            # to_empty swaps in a new tensor per module: without FSDP (which keeps one sharded
+            # parameter for both) the tie would be lost (found by the step simulation of 1B on 1 GPU).
+            part.output.weight = part.tok_embeddings.weight
         part.init_weights(seed, buffer_device=device)
-        if dims.cp > 1:
+        if sharded.dims.cp > 1:
             # Context parallel shards the RoPE tables with the sequence: they must be exactly seq_len long.
             part.rope_cos = part.rope_cos[: train.seq_len].clone()
             part.rope_sin = part.rope_sin[: train.seq_len].clone()
         part.train()
-    return ParallelModel(parallel, dims, mesh, device, parts, stage_ids)
+    return ParallelModel(parallel, sharded.dims, sharded.mesh, device, sharded.parts, sharded.stage_ids)

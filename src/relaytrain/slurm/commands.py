@@ -137,7 +137,8 @@ def cmd_chain(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from relaytrain.slurm.estimate import DEFAULT_MFU
     from relaytrain.slurm.launch import load_resolved
-    from relaytrain.slurm.plan import plan_rows, plans_for, range_rows
+    from relaytrain.slurm.plan import plans_for
+    from relaytrain.slurm.simulated import report
 
     if args.mfu is not None and not 0 < args.mfu <= 100:
         raise UserError(f"--mfu {args.mfu:g}: the assumed MFU is a percentage in (0, 100], e.g. --mfu 40")
@@ -145,8 +146,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     notes: list[str] = []
     cfg = load_resolved(req, notes=notes)
     plans = plans_for(cfg, DEFAULT_MFU if args.mfu is None else args.mfu / 100)
-    plan = plans[-1]
     console = _console()
+    # The plan's tables, then with --simulate the fake-tensor step beside them, then the verdict.
+    show = lambda: _print_plan(cfg, plans, console, notes)  # noqa: E731
+    return report(cfg, plans, console, args.simulate, args.json, show)
+
+
+def _print_plan(cfg, plans, console: Console, notes: list[str]) -> None:
+    from relaytrain.slurm.plan import plan_rows, range_rows
+
+    plan = plans[-1]
     if len(plans) > 1:  # --nodes MIN-MAX: each count Slurm may start a job of the chain on
         counts = Table(title="node range: the layout at each count (global batch fixed)", show_header=True)
         for column in ("nodes", "ranks", "layout", "micro batch x accum", "memory per GPU", "verdict"):
@@ -172,9 +181,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console.print(checks)
     for line in notes:
         console.print(line)
-    verdict = "impossible" if any(p.verdict == "impossible" for p in plans) else plan.verdict
-    console.print(f"verdict: [{'red' if verdict == 'impossible' else 'green'}]{verdict}[/]")
-    return 1 if verdict == "impossible" else 0
 
 
 def _job_table(jobs) -> Table:
@@ -362,6 +368,12 @@ def register(subparsers) -> None:
         metavar="PERCENT",
         help="MFU assumed for the step-time and time-to-train estimates (default 40)",
     )
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="also run one step of the real build at the real world size on fake tensors, beside the plan",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan (and simulation) as one JSON record")
     p.set_defaults(func=cmd_plan, accepts_overrides=True, after=None, dry_run=False, force=False)
 
     p = subparsers.add_parser("status", help="your queued jobs, a job, or a run's state and its jobs")

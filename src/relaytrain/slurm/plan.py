@@ -6,17 +6,16 @@ sharding degree z = dp_shard * cp):
 
 * weights, gradients and AdamW: FSDP keeps fp32 master weights (4P), fp32 gradients (4P) and the two
   AdamW moments (8P), each split over m and z: 16 P / (m z).
-* working copies: the bf16 weights of the layer being computed and of the prefetched next layer, and
-  their fp32 gradients before reduce-scatter: 2 units x 6 bytes x unit / tp, the unit being the larger of
-  one transformer block and the output projection.
-* activations (bf16, per layer and micro-batch, split over tp x cp by sequence parallelism):
-  none:       2 s b (h (6 + 2 k / a) + 4 f) / (tp cp): residual input, norm output, q, k, v and
-              attention output; residual input, norm output, w1 and w3 outputs, SiLU input and product
-  selective:  half of that (per-op checkpointing keeps the matmul outputs)
-  full:       the layer input only, 2 s b h bytes, plus one layer's full activations during its backward
-  times the layers on a pipeline stage (L / pp) and the micro-batches in flight on the first stage
-  (pp for 1F1B, pp_microbatches for GPipe).
-* logits: s b V / tp x 6 bytes (bf16 logits and fp32 loss inputs).
+* gathered layers: at the step's peak (the start of backward, when every activation and the loss's
+  gradients are held) FSDP holds one transformer block gathered in bf16, the last one, which it keeps
+  gathered from forward into backward: 2 x block / tp bytes. (`plan --simulate` measures it.) A single
+  process has no FSDP: autocast's bf16 copies of all weights, 2P, which the matmuls keep for backward.
+* activations and the loss: what the model keeps for backward per layer and micro batch, by activation
+  checkpointing mode, and cross entropy's fp32 log-softmax and gradients (relaytrain.slurm.activations,
+  measured by `--simulate`), times the layers on a pipeline stage (L / pp) and the micro-batches in
+  flight on the first stage (pp for 1F1B, pp_microbatches for GPipe). Under full checkpointing the layer
+  being recomputed in backward holds its activations once the loss's gradients are gone: the larger of
+  the two counts.
 * overhead: 3 GiB (CUDA context, NCCL buffers) plus 10% for allocator fragmentation.
 
 With `parallel.cpu_offload` (FSDP2 CPUOffloadPolicy, ZeRO-3 offload) the sharded weights, gradients and
@@ -43,7 +42,7 @@ from relaytrain.config import Config, SlurmConfig
 from relaytrain.config.domains import slurm_time_seconds
 from relaytrain.errors import UserError
 from relaytrain.model import count_parameters
-from relaytrain.model.flops import ffn_hidden_dim
+from relaytrain.slurm.activations import activation_bytes_per_layer, loss_bytes
 from relaytrain.slurm.estimate import DEFAULT_MFU, StepEstimate, estimate_rows, estimate_step
 from relaytrain.slurm.partition import host_memory
 
@@ -118,18 +117,6 @@ class Plan:
         return "impossible" if "fail" in levels else "warn" if "warn" in levels else "ok"
 
 
-def activation_bytes_per_layer(cfg: Config, tp: int, cp: int, micro_batch: int = 0) -> dict[str, float]:
-    """`micro_batch`: the one the layout chose (ParallelDims.micro_batch_size); 0: train.micro_batch_size."""
-    m, t = cfg.model, cfg.train
-    s, b, h, f = t.seq_len, micro_batch or t.micro_batch_size, m.dim, ffn_hidden_dim(m)
-    kv_share = m.n_kv_heads / m.n_heads
-    # bf16 tensors kept for backward: attention: residual input, norm output, q, k, v, attention output;
-    # MLP: residual input, norm output, w1 and w3 outputs, the SiLU product and its input.
-    full = 2 * s * b * (h * (6 + 2 * kv_share) + 4 * f) / (tp * cp)
-    layer_input = 2 * s * b * h / (tp * cp)
-    return {"none": full, "selective": full / 2, "full": layer_input}
-
-
 def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
     m, p = cfg.model, cfg.parallel
     params = count_parameters(m)
@@ -137,20 +124,22 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
     shard = dims.dp_shard * dims.cp
     states = 16 * params / (model_parallel * shard)
     block = count_parameters(m, include_embedding=False) // max(m.n_layers, 1)
-    unit = max(block, m.vocab_size * m.dim)
     offloaded = p.cpu_offload
-    working = 2 * 6 * unit / dims.tp if shard > 1 or offloaded else 0.0
+    working = 2 * block / dims.tp if shard > 1 or offloaded else 0.0
+    if dims.world_size == 1 and p.param_dtype != "float32":
+        # One process, no FSDP: autocast's bf16 copy of every weight, kept by the matmuls for backward.
+        working = 2 * params
     micro = getattr(dims, "micro_batch_size", 0) or cfg.train.micro_batch_size
     per_layer = activation_bytes_per_layer(cfg, dims.tp, dims.cp, micro)
     layers_per_stage = -(-m.n_layers // dims.pp)
     in_flight = dims.pp if p.pp_schedule != "gpipe" else (p.pp_microbatches or dims.pp)
+    logits = loss_bytes(cfg, dims.tp, micro)
     activations = {}
     for mode, value in per_layer.items():
         held = value * layers_per_stage * in_flight
-        if mode == "full":
-            held += per_layer["none"]  # the layer being recomputed in backward
+        if mode == "full":  # the layer recomputed in backward, after the loss's gradients are freed
+            held += max(0.0, per_layer["none"] - logits)
         activations[mode] = held
-    logits = 6 * cfg.train.seq_len * micro * m.vocab_size / dims.tp
     return MemoryEstimate(
         states=states, working=working, activations=activations, logits=logits, offloaded=offloaded
     )

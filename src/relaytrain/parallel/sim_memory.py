@@ -1,0 +1,166 @@
+"""Per-rank memory of a simulated step: PyTorch's memory trackers, fitted to relaytrain's step.
+
+Two things the stock trackers do not do, and why this module exists:
+
+* DTensor computes the global shape of an op's output by running the op on fake tensors, in the fake
+  mode that is active. Under the simulation's own FakeTensorMode those full-size propagation tensors
+  would be counted as if allocated: `ignore_sharding_propagation` marks them so the tracker skips them.
+* A step runs the model once per micro batch; the stock trackers refuse a second forward of the root
+  ("multiple iterative calls"). Per-module statistics are reset before each micro batch; the peak over
+  the whole step is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+
+_local = threading.local()
+
+# Tracker categories -> the categories relaytrain reports.
+CATEGORY_OF = {
+    "Sharded Param": "parameters",
+    "Parameter": "parameters",
+    "Buffer": "parameters",
+    "Sharded Grad": "gradients",
+    "Gradient": "gradients",
+    "OptState": "optimizer state",
+    "Optstate": "optimizer state",
+    "Unsharded Param": "gathered layers",
+    "Unsharded Grad": "gathered layers",
+    "All Gather": "communication buffers",
+    "Reduce Scatter": "communication buffers",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Temp": "temporaries",
+    "Other": "temporaries",
+}
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer state",
+    "gathered layers",
+    "communication buffers",
+    "activations",
+    "temporaries",
+)
+
+
+class _PropagationMark:
+    """Stands in for ShardingPropagator's lock (a no-op context by default) to flag propagation."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __enter__(self):
+        _local.propagating = getattr(_local, "propagating", 0) + 1
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        _local.propagating -= 1
+        return self.inner.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def ignore_sharding_propagation() -> Iterator[None]:
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    saved = ShardingPropagator._fake_mode_lock
+    ShardingPropagator._fake_mode_lock = _PropagationMark(saved)
+    try:
+        yield
+    finally:
+        ShardingPropagator._fake_mode_lock = saved
+
+
+def _propagating() -> bool:
+    return getattr(_local, "propagating", 0) > 0
+
+
+class _StepMixin:
+    """Peak moment (phase, micro batch, module) and the propagation filter, for both trackers."""
+
+    def _setup_step(self, roots: list[nn.Module]) -> None:
+        self._roots = {id(r) for r in roots}
+        self.micro_batch = -1
+        self.in_optimizer = False
+        self.peak_at = ""
+        self._best = 0
+
+    def _note_root_forward(self, module: nn.Module) -> None:
+        if id(module) in self._roots and not self._mod_tracker.is_bw:
+            self.micro_batch += 1
+            self.reset_mod_stats()
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        total = sum(snap.get("Total", 0) for snap in self._curr_mem_snap.values())
+        if total > self._best:
+            self._best = total
+            if self._in_opt:
+                phase = "optimizer step"
+            else:
+                phase = "backward" if self._mod_tracker.is_bw else "forward"
+            inner = max(self._mod_tracker.parents, key=len, default="")
+            where = f" in {inner}" if inner and inner != "Global" else ""
+            self.peak_at = f"{phase} of micro batch {max(self.micro_batch, 0) + 1}{where}"
+            if self._in_opt:
+                self.peak_at = phase
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _propagating() and not any(t == DTensor for t in types):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class FSDPStepTracker(_StepMixin, FSDPMemTracker):
+    """FSDPMemTracker over every model part of this rank (interleaved pipelines hold several)."""
+
+    def __init__(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer):
+        super().__init__(parts[0], optimizer)
+        self._root_mod = nn.ModuleList(parts)
+        self._setup_step(parts)
+
+    def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+
+        def pre_forward(*args, **kwargs):
+            self._note_root_forward(fsdp_mod)
+            return inner(*args, **kwargs)
+
+        return pre_forward
+
+
+class PlainStepTracker(_StepMixin, MemTracker):
+    """MemTracker for a model without FSDP (one process)."""
+
+    def __init__(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self.track_external(*parts, optimizer)
+        self._setup_step(parts)
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        self._note_root_forward(module)
+        super()._pre_fw_hook(module, inputs)
+
+
+def peak_by_category(tracker: _StepMixin) -> tuple[int, dict[str, int]]:
+    """(peak bytes, bytes per category at that moment), summed over devices."""
+    snapshot = tracker.get_tracker_snapshot("peak")
+    out = dict.fromkeys(CATEGORIES, 0)
+    total = 0
+    for dev_snap in snapshot.values():
+        for key, value in dev_snap.items():
+            name = str(getattr(key, "value", key))
+            if name == "Total":
+                total += value
+            else:
+                out[CATEGORY_OF.get(name, "temporaries")] += value
+    return total, out
