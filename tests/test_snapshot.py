@@ -190,3 +190,18 @@ def test_killed_run_resumes_from_its_snapshot_bit_exact(tmp_path, tiny_args):
     records = [json.loads(x) for x in (tmp_path / "runs/cut/metrics.jsonl").read_text().splitlines()]
     assert any(r.get("snapshot_bytes", 0) > 0 and "snapshot_blocking_s" in r for r in records)
     assert not any(shm.iterdir())
+
+
+def test_cleanup_entry_point_removes_only_this_jobs_snapshots(tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text(f'[checkpoint]\nsnapshot_dir = "{tmp_path / "shm"}"\n')
+    mine, other = tmp_path / "shm/relaytrain-job55-abc/n1", tmp_path / "shm/relaytrain-job556-abc/n1"
+    mine.mkdir(parents=True)
+    other.mkdir(parents=True)
+    command = [sys.executable, "-m", "relaytrain.checkpoint.snapshot", "cleanup", "--config", str(config)]
+    done = subprocess.run(command, env=child_env(SLURM_JOB_ID="55"), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "removed the snapshots of job 55" in done.stdout
+    assert not mine.parent.exists() and other.exists()
+    outside = subprocess.run(command, env=child_env(), capture_output=True, text=True)
+    assert outside.returncode == 2 and "give --job-id" in outside.stderr
