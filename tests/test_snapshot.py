@@ -205,3 +205,23 @@ def test_cleanup_entry_point_removes_only_this_jobs_snapshots(tmp_path):
     assert not mine.parent.exists() and other.exists()
     outside = subprocess.run(command, env=child_env(), capture_output=True, text=True)
     assert outside.returncode == 2 and "give --job-id" in outside.stderr
+
+
+def test_plan_counts_snapshots_and_replicas_in_host_memory():
+    from relaytrain.config import load_config
+    from relaytrain.slurm.plan import make_plan
+
+    from conftest import REPO
+
+    cfg = load_config(REPO / "configs/8b.toml", ["--checkpoint.snapshot_every=10"])
+    checks = {
+        n: (lvl, d)
+        for n, lvl, d in make_plan(cfg, 2, 8, "h100", host_memory=(1024 * 2**30, "--mem 1T")).checks
+    }
+    level, detail = checks["snapshots"]
+    assert level == "ok" and "1 replica(s)" in detail and "of 1024.0 GiB (--mem 1T)" in detail
+    small = make_plan(cfg, 2, 8, "h100", host_memory=(128 * 2**30, "--mem 128G"))
+    assert small.verdict == "impossible"
+    assert any(n == "snapshots" and lvl == "fail" for n, lvl, _ in small.checks)
+    alone = make_plan(cfg, 1, 8, "h100", host_memory=(1024 * 2**30, "--mem 1T"))
+    assert "0 replica(s)" in {n: d for n, _, d in alone.checks}["snapshots"]  # one node: no peer
