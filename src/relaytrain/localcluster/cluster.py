@@ -28,6 +28,11 @@ SLURMD_PORT = 6818
 MAX_NODES = 200
 READY_STATES = {"idle", "mixed", "allocated", "completing"}
 START_TIMEOUT_S = 60.0
+# How the nodes run, recorded in cluster.json: a cluster started by an older relaytrain is restarted.
+# "node-memory": each slurmd (and every job process under it) has its own mount namespace with a private
+# tmpfs on /dev/shm, so node-local memory (snapshots) is visible only on its node, as on a real cluster.
+LAYOUT = "node-memory"
+NODE_MEMORY = Path("/dev/shm")
 
 Report = Callable[[str], None]
 
@@ -180,10 +185,13 @@ def _start_slurmctld(base: Path) -> None:
 
 def _start_slurmd(base: Path, name: str) -> None:
     # nsenter, not `ip netns exec`: the latter remounts /sys and slurmd then finds no cgroup fs.
+    # A private mount namespace with its own tmpfs on /dev/shm: the node's memory, gone with the node.
     ns = net.netns_path(net.node_netns(net.node_index(name)))
-    script = f"hostname {name} && exec slurmd"
+    memory = f"mount -t tmpfs -o mode=1777 relaytrain-{name} {NODE_MEMORY}"
+    script = f"{memory} && hostname {name} && exec slurmd"
     env = daemons.daemon_env(_conf_path(base))
-    daemons.start_detached(["nsenter", f"--net={ns}", "unshare", "--uts", "sh", "-c", script], env)
+    private = ["unshare", "--uts", "--mount", "--propagation", "private"]
+    daemons.start_detached(["nsenter", f"--net={ns}", *private, "sh", "-c", script], env)
     pid_file = _slurmd_pid_file(base, name)
     if not daemons.wait_until(lambda: daemons.daemon_alive(pid_file, "slurmd"), 15.0):
         log = base / "log" / f"slurmd-{name}.log"
@@ -228,8 +236,16 @@ def cluster_up(
                 f"a cluster with {state['nodes']} nodes x {state['cpus_per_node']} CPUs is already up in "
                 f"{base}; run `relaytrain cluster down` first to change its size"
             )
-        say("cluster already up")
-        return _info(base, state, started=False)
+        if state.get("layout") == LAYOUT:
+            say("cluster already up")
+            return _info(base, state, started=False)
+        if not daemons.is_root():
+            raise UserError(
+                "the running cluster's nodes share /dev/shm; restart it as root: sudo relaytrain cluster up"
+            )
+        say("restarting the cluster: its nodes share /dev/shm (no private node memory)")
+        cluster_down(base)
+        state = None
     if not daemons.is_root():
         daemons.ensure_installed()  # raises with the apt command when Slurm is missing
         raise UserError("starting the local Slurm cluster needs root: sudo relaytrain cluster up")
@@ -244,7 +260,7 @@ def cluster_up(
         _fresh_dirs(base)
     started_munged = daemons.ensure_munged() or bool(state and state.get("started_munged"))
     # Saved before anything else starts, so that `down` cleans up after an interrupted `up` too.
-    state = {**wanted, "started_munged": started_munged}
+    state = {**wanted, "started_munged": started_munged, "layout": LAYOUT}
     (base / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
     say("creating network namespaces")
     net.ensure_network(nodes)
@@ -338,11 +354,26 @@ def cluster_status(base_dir: str | Path | None = None) -> dict:
     }
 
 
+def has_node_memory(base_dir: str | Path | None = None) -> bool:
+    """Whether the cluster's nodes were started with private node memory (LAYOUT)."""
+    return (_load_state(resolve_base_dir(base_dir)) or {}).get("layout") == LAYOUT
+
+
 def running_cluster(base_dir: str | Path | None = None) -> ClusterInfo | None:
     """The ClusterInfo of a healthy running cluster, or None."""
     base = resolve_base_dir(base_dir)
     state = _load_state(base)
     return _info(base, state, started=False) if state and _healthy(base, state) else None
+
+
+def on_node(name: str, command: list[str], base_dir: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Run `command` as the node's processes see the machine (its network and mount namespaces: its own
+    /dev/shm), e.g. to look at or wipe its node-local memory."""
+    pid = daemons.read_pid(_slurmd_pid_file(resolve_base_dir(base_dir), name))
+    if not daemons.pid_alive(pid, "slurmd"):
+        raise UserError(f"node {name} is not running")
+    enter = ["nsenter", f"--target={pid}", "--net", "--mount", "--uts"]
+    return subprocess.run([*enter, *command], capture_output=True, text=True, timeout=60)
 
 
 def kill_node(name: str, base_dir: str | Path | None = None) -> list[int]:
