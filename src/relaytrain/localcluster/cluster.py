@@ -18,7 +18,7 @@ from pathlib import Path
 import jinja2
 
 from relaytrain.errors import UserError
-from relaytrain.localcluster import daemons, net
+from relaytrain.localcluster import daemons, net, node_memory
 
 DEFAULT_BASE_DIR = Path("/tmp/relaytrain-cluster")
 BASE_DIR_ENV = "RELAYTRAIN_CLUSTER_DIR"
@@ -28,11 +28,6 @@ SLURMD_PORT = 6818
 MAX_NODES = 200
 READY_STATES = {"idle", "mixed", "allocated", "completing"}
 START_TIMEOUT_S = 60.0
-# How the nodes run, recorded in cluster.json: a cluster started by an older relaytrain is restarted.
-# "node-memory": each slurmd (and every job process under it) has its own mount namespace with a private
-# tmpfs on /dev/shm, so node-local memory (snapshots) is visible only on its node, as on a real cluster.
-LAYOUT = "node-memory"
-NODE_MEMORY = Path("/dev/shm")
 
 Report = Callable[[str], None]
 
@@ -185,13 +180,11 @@ def _start_slurmctld(base: Path) -> None:
 
 def _start_slurmd(base: Path, name: str) -> None:
     # nsenter, not `ip netns exec`: the latter remounts /sys and slurmd then finds no cgroup fs.
-    # A private mount namespace with its own tmpfs on /dev/shm: the node's memory, gone with the node.
+    # Its own tmpfs on /dev/shm in a private mount namespace: the node's memory, gone with the node.
     ns = net.netns_path(net.node_netns(net.node_index(name)))
-    memory = f"mount -t tmpfs -o mode=1777 relaytrain-{name} {NODE_MEMORY}"
-    script = f"{memory} && hostname {name} && exec slurmd"
+    script = f"{node_memory.mount_command(name)} && hostname {name} && exec slurmd"
     env = daemons.daemon_env(_conf_path(base))
-    private = ["unshare", "--uts", "--mount", "--propagation", "private"]
-    daemons.start_detached(["nsenter", f"--net={ns}", *private, "sh", "-c", script], env)
+    daemons.start_detached(["nsenter", f"--net={ns}", *node_memory.NAMESPACES, "sh", "-c", script], env)
     pid_file = _slurmd_pid_file(base, name)
     if not daemons.wait_until(lambda: daemons.daemon_alive(pid_file, "slurmd"), 15.0):
         log = base / "log" / f"slurmd-{name}.log"
@@ -236,7 +229,7 @@ def cluster_up(
                 f"a cluster with {state['nodes']} nodes x {state['cpus_per_node']} CPUs is already up in "
                 f"{base}; run `relaytrain cluster down` first to change its size"
             )
-        if state.get("layout") == LAYOUT:
+        if has_node_memory(base):
             say("cluster already up")
             return _info(base, state, started=False)
         if not daemons.is_root():
@@ -260,7 +253,7 @@ def cluster_up(
         _fresh_dirs(base)
     started_munged = daemons.ensure_munged() or bool(state and state.get("started_munged"))
     # Saved before anything else starts, so that `down` cleans up after an interrupted `up` too.
-    state = {**wanted, "started_munged": started_munged, "layout": LAYOUT}
+    state = {**wanted, "started_munged": started_munged, "layout": node_memory.LAYOUT}
     (base / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
     say("creating network namespaces")
     net.ensure_network(nodes)
@@ -355,8 +348,16 @@ def cluster_status(base_dir: str | Path | None = None) -> dict:
 
 
 def has_node_memory(base_dir: str | Path | None = None) -> bool:
-    """Whether the cluster's nodes were started with private node memory (LAYOUT)."""
-    return (_load_state(resolve_base_dir(base_dir)) or {}).get("layout") == LAYOUT
+    """Whether every node runs with its own memory (node_memory.py); a node restarted by an older
+    relaytrain does not."""
+    base = resolve_base_dir(base_dir)
+    state = _load_state(base) or {}
+    pids = (
+        [daemons.read_pid(_slurmd_pid_file(base, n)) for n in _info(base, state, False).nodes]
+        if state
+        else []
+    )
+    return state.get("layout") == node_memory.LAYOUT and node_memory.private(pids)
 
 
 def running_cluster(base_dir: str | Path | None = None) -> ClusterInfo | None:
@@ -367,13 +368,11 @@ def running_cluster(base_dir: str | Path | None = None) -> ClusterInfo | None:
 
 
 def on_node(name: str, command: list[str], base_dir: str | Path | None = None) -> subprocess.CompletedProcess:
-    """Run `command` as the node's processes see the machine (its network and mount namespaces: its own
-    /dev/shm), e.g. to look at or wipe its node-local memory."""
+    """Run `command` as the node's processes see the machine (its own /dev/shm), e.g. to wipe it."""
     pid = daemons.read_pid(_slurmd_pid_file(resolve_base_dir(base_dir), name))
     if not daemons.pid_alive(pid, "slurmd"):
         raise UserError(f"node {name} is not running")
-    enter = ["nsenter", f"--target={pid}", "--net", "--mount", "--uts"]
-    return subprocess.run([*enter, *command], capture_output=True, text=True, timeout=60)
+    return node_memory.enter(pid, command)
 
 
 def kill_node(name: str, base_dir: str | Path | None = None) -> list[int]:
