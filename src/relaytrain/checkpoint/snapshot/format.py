@@ -155,16 +155,18 @@ def _header(blob) -> tuple[dict[str, Any], int]:
 
 
 def decode(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], Any]:
-    """(meta, state tree) of a snapshot's bytes; tensors are fresh host tensors (copies of the bytes)."""
+    """(meta, state tree) of a snapshot's bytes. Tensors are views of one writable copy of `blob` (none
+    when it is a bytearray already: they then share its memory)."""
     header, start = _header(blob)
-    data = memoryview(blob)[start:]
+    buffer = blob if isinstance(blob, bytearray) else bytearray(blob)
+    size = len(buffer) - start
     tensors = []
     for entry in header["tensors"]:
         dtype = _DTYPES.get(entry.get("dtype"))
         if dtype is None:
             raise SnapshotFormatError(f"unknown tensor dtype {entry.get('dtype')!r}")
         offset, nbytes, shape = int(entry["offset"]), int(entry["nbytes"]), list(entry["shape"])
-        if offset < 0 or offset + nbytes > len(data):
+        if offset < 0 or offset + nbytes > size:
             raise SnapshotFormatError("a tensor lies past the end of the file (truncated)")
         numel = 1
         for dim in shape:
@@ -174,6 +176,6 @@ def decode(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], Any]:
         if nbytes == 0:
             tensors.append(torch.empty(shape, dtype=dtype))
             continue
-        raw = torch.frombuffer(bytearray(data[offset : offset + nbytes]), dtype=torch.uint8)
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=start + offset)
         tensors.append(raw.view(dtype).view(shape))
     return header["meta"], _decode(header["tree"], tensors)

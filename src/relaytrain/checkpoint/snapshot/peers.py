@@ -71,7 +71,7 @@ def send_blob(chunks: list[torch.Tensor], checksum: str, dst: int, group) -> lis
     return works
 
 
-def recv_blob(src: int, parts: int, group) -> tuple[list[bytes], str]:
+def recv_blob(src: int, parts: int, group) -> tuple[list[bytearray], str]:
     """Receive what `send_blob` with `parts` chunks sent: (chunks, the sender's checksum)."""
     lengths = torch.empty(parts + 1, dtype=torch.int64)
     dist.recv(lengths, src, group=group)
@@ -80,5 +80,5 @@ def recv_blob(src: int, parts: int, group) -> tuple[list[bytes], str]:
         t = torch.empty(int(n), dtype=torch.uint8)
         if n:
             dist.recv(t, src, group=group)
-        received.append(t.numpy().tobytes())
-    return received[:-1], received[-1].decode()
+        received.append(bytearray(t.numpy().data))
+    return received[:-1], bytes(received[-1]).decode()

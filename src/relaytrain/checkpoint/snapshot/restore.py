@@ -135,7 +135,7 @@ def _plan(reports: list[dict], ckpt_dir: Path, world_size: int, config_hash: str
     return None
 
 
-def _fetch(m, step: int, sources: dict[int, int]) -> bytes | None:
+def _fetch(m, step: int, sources: dict[int, int]) -> bytearray | None:
     """This rank's snapshot bytes: from its node's folder, or sent by the rank that holds them. Every
     rank walks the same list of transfers in the same order, so each send meets its receive."""
     step_path = store.step_dir(m.node_dir, step)
@@ -146,7 +146,7 @@ def _fetch(m, step: int, sources: dict[int, int]) -> bytes | None:
             continue
         if m.rank == src:
             try:
-                data = store.snapshot_file(step_path, dst).read_bytes()
+                data = store.read_file(step_path, dst)
             except OSError:
                 data = b""  # the receiver's checksum check reports it
             for work in send_blob([as_bytes_tensor(data)], "", dst, m._coll.ctrl):
@@ -155,7 +155,7 @@ def _fetch(m, step: int, sources: dict[int, int]) -> bytes | None:
             parts, _ = recv_blob(src, 1, m._coll.ctrl)
             mine = parts[0]
     if sources[m.rank] == m.rank:
-        mine = store.snapshot_file(step_path, m.rank).read_bytes()
+        mine = store.read_file(step_path, m.rank)
     return mine
 
 

@@ -104,15 +104,27 @@ def holdings(node_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
     return found
 
 
-def read_verified(step_path: Path, rank: int, checksum: str) -> bytes | None:
+def read_file(step_path: Path, rank: int) -> bytearray:
+    """A snapshot file's bytes, read straight into one writable buffer (decode's tensors view it)."""
+    path = snapshot_file(step_path, rank)
+    data = bytearray(path.stat().st_size)
+    with open(path, "rb") as f:
+        view, done = memoryview(data), 0
+        while done < len(data):
+            got = f.readinto(view[done:])
+            if not got:
+                raise OSError(f"{path} ended at byte {done} while it was read")
+            done += got
+    return data
+
+
+def read_verified(step_path: Path, rank: int, checksum: str) -> bytearray | None:
     """The file's bytes when they match `checksum`, else None."""
     try:
-        data = snapshot_file(step_path, rank).read_bytes()
+        data = read_file(step_path, rank)
     except OSError:
         return None
-    sum_ = Checksum.like(checksum)
-    sum_.update(data)
-    return data if sum_.text() == checksum else None
+    return data if checksum_of(data, checksum) == checksum else None
 
 
 def checksum_of(data: bytes | memoryview, like: str) -> str:
