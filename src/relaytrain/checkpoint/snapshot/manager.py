@@ -114,7 +114,7 @@ class SnapshotManager:
         if not self.every or step % self.every:
             return
         started = time.perf_counter()
-        self._settle()
+        prune = self._settle()
         if step <= self._taken and self.ring.is_node_leader(self.rank):
             forget_after(self.node_dir, step - 1)  # a rollback went back: those steps are another line
         self._taken = step
@@ -127,7 +127,7 @@ class SnapshotManager:
         meta = {"format": FORMAT, "step": step, "world_size": self.world_size}
         meta["config_hash"] = self.config_hash
         staged = self._staging.stage(tree, meta)
-        self._pending = (step, self._writer.submit(self._write, step, staged, meta))
+        self._pending = (step, self._writer.submit(self._write, step, staged, meta, prune))
         self.last = {"blocking_s": time.perf_counter() - started, "bytes": float(staged.size)}
         if self.rank == 0:
             log.info(
@@ -137,10 +137,11 @@ class SnapshotManager:
                 staged.size / 1e6,
             )
 
-    def _settle(self) -> None:
-        """Wait for the previous snapshot's write; when every rank finished it, delete the ones before."""
+    def _settle(self) -> int:
+        """Wait for the previous snapshot's write; when every rank finished it, the step before which this
+        node's snapshots may go (0: none may)."""
         if self._pending is None:
-            return
+            return 0
         step, future = self._pending
         self._pending = None
         failed = None
@@ -149,12 +150,13 @@ class SnapshotManager:
         except Exception as exc:  # a full tmpfs costs this snapshot, never the training run
             failed = exc
             log.error("snapshot step %d failed on rank %d: %s", step, self.rank, exc)
-        if not self._coll.any(failed is not None) and self.ring.is_node_leader(self.rank):
-            store.keep_from(self.node_dir, step)
+        return step if not self._coll.any(failed is not None) and self.ring.is_node_leader(self.rank) else 0
 
-    def _write(self, step: int, staged: Staged, meta: dict[str, Any]) -> None:
-        """On the writer thread: send to the peers first (a failed local write never leaves a peer
-        waiting), then write this rank's file and the replicas it received."""
+    def _write(self, step: int, staged: Staged, meta: dict[str, Any], prune: int) -> None:
+        """On the writer thread: delete what `_settle` allows, send to the peers (before writing: a failed
+        local write never leaves a peer waiting), then write this rank's file and the replicas it got."""
+        if prune:
+            store.keep_from(self.node_dir, prune)
         chunks = staged.chunks()
         checksum = _checksum(chunks)
         works = []
