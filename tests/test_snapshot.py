@@ -225,3 +225,23 @@ def test_plan_counts_snapshots_and_replicas_in_host_memory():
     assert any(n == "snapshots" and lvl == "fail" for n, lvl, _ in small.checks)
     alone = make_plan(cfg, 1, 8, "h100", host_memory=(1024 * 2**30, "--mem 1T"))
     assert "0 replica(s)" in {n: d for n, _, d in alone.checks}["snapshots"]  # one node: no peer
+
+
+def test_a_snapshot_restore_continues_the_lineage_of_the_newest_checkpoint(tmp_path):
+    """Checkpoints saved after a restore from a snapshot still keep the damaged dirs the line keeps."""
+    from relaytrain.checkpoint.files import FORMAT_NAME
+    from relaytrain.checkpoint.resume import KEPT_DAMAGED, CheckpointLoader
+
+    step_dir = tmp_path / "step_10"
+    step_dir.mkdir()
+    meta = {
+        "format": FORMAT_NAME,
+        "step": 10,
+        "resumed_from": "/a/step_4",
+        "resume_arg": "/a/step_4",
+        KEPT_DAMAGED: ["step_8"],
+    }
+    (step_dir / "metadata.json").write_text(json.dumps(meta))
+    loader = CheckpointLoader.__new__(CheckpointLoader)
+    loader.continue_line_of(step_dir)
+    assert loader.kept_damaged == {"step_8"} and loader.lineage["resumed_from"] == "/a/step_4"

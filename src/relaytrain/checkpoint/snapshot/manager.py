@@ -23,6 +23,7 @@ from torch import nn
 
 from relaytrain.checkpoint.checksums import Checksum
 from relaytrain.checkpoint.collectives import Collectives
+from relaytrain.checkpoint.files import list_steps
 from relaytrain.checkpoint.snapshot import store
 from relaytrain.checkpoint.snapshot.format import Staged, Staging
 from relaytrain.checkpoint.snapshot.peers import Ring, all_gather, as_bytes_tensor, recv_blob, send_blob
@@ -58,6 +59,7 @@ class SnapshotManager:
         self.model_parts, self.optimizers, self.states = list(model_parts), list(optimizers), dict(states)
         self.rank, self.world_size = rank, world_size
         self.ckpt_dir = RunDir(Path(run_dir)).checkpoints  # `beside` sets the manager's
+        self._checkpoints = None  # the CheckpointManager beside
         self.last: dict[str, float] = {}  # the newest snapshot: blocking_s, bytes (rank 0 logs them)
         if not self.every:
             return
@@ -101,7 +103,7 @@ class SnapshotManager:
             rank=c.rank,
             world_size=c.world_size,
         )
-        made.ckpt_dir = c.ckpt_dir
+        made.ckpt_dir, made._checkpoints = c.ckpt_dir, c
         return made
 
     @property
@@ -184,7 +186,12 @@ class SnapshotManager:
         size; its step, or None (then: DCP as before)."""
         if not self.every or self.cfg.resume != "auto":
             return None
-        return restore_snapshot(self, ckpt_dir or self.ckpt_dir)
+        ckpt_dir = ckpt_dir or self.ckpt_dir
+        step = restore_snapshot(self, ckpt_dir)
+        complete = [e.path for e in list_steps(ckpt_dir) if e.complete]
+        if step is not None and complete and self._checkpoints is not None:
+            self._checkpoints._loader.continue_line_of(complete[-1])  # e.g. the damaged dirs it keeps
+        return step
 
     # -- the end ----------------------------------------------------------------------------------------
 
