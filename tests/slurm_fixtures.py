@@ -49,6 +49,10 @@ def slurm_cluster():
     """A running local cluster (ClusterInfo), with SLURM_CONF exported for the whole session."""
     info = local_cluster.running_cluster()
     started_here = False
+    if info is not None and not local_cluster.has_node_memory(info.base_dir):
+        # Nodes without private /dev/shm (an older relaytrain started them): restarted in place, under
+        # the Slurm test lock like every use of the cluster, and left up like the one it replaces.
+        info = local_cluster.cluster_up(nodes=len(info.nodes), cpus_per_node=info.cpus_per_node)
     if info is None:
         reason = _why_slurm_cannot_start()
         if reason:

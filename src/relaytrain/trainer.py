@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord, UnloadableCheckpoints
+from relaytrain.checkpoint.snapshot.manager import SnapshotManager
 from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.data import build_train_loader, build_val_loader
 from relaytrain.errors import UserError
@@ -143,6 +144,7 @@ class Trainer:
             # run_state.json then knows the run has this checkpoint even if the directory is lost later
             on_commit=RunStateFile(self.run_dir).note_checkpoint,
         )
+        self.snapshots = SnapshotManager.beside(self.checkpoint)
         self.metrics = MetricsLogger(
             cfg.metrics,
             self.run_dir,
@@ -186,8 +188,12 @@ class Trainer:
         # inside the error handling, so a failed load marks the run failed instead of leaving the
         # previous job's `stopped` marker.
         self.controller.install()
+        finished = False
         try:
-            resumed = self.checkpoint.load(recorded_checkpoint_step(self.run_dir))
+            # A snapshot in node memory newer than the newest checkpoint wins (a crash lost no more than it)
+            resumed = self.snapshots.restore()
+            if resumed is None:
+                resumed = self.checkpoint.load(recorded_checkpoint_step(self.run_dir))
             mark_running(cfg.train.max_steps, self.run_dir, self.env.rank, state.step)
             self.metrics.log_event(
                 "resume" if resumed is not None else "start",
@@ -201,7 +207,9 @@ class Trainer:
             self.watchdog.start()
             if resumed is None and cfg.checkpoint.save_initial and cfg.checkpoint.enabled:
                 self.checkpoint.save(0, reason="initial")
-            return self._loop()
+            code = self._loop()
+            finished = state.step >= cfg.train.max_steps
+            return code
         except UnloadableCheckpoints as exc:
             # Failed, not a crash: the job is not requeued into the same refusal. The record keeps the step
             # the run had reached (and its checkpoint_step), so the next attempt still knows what is at stake.
@@ -214,6 +222,7 @@ class Trainer:
         finally:
             # Before the watchdog stops: a pending async save that never commits is still a hang.
             self.checkpoint.close()
+            self.snapshots.close(finished)  # deleted once the run is done, else kept for the next start
             self.watchdog.stop()
             self.controller.uninstall(exiting=True)
             self.profiler.close()
@@ -270,6 +279,8 @@ class Trainer:
                 if cfg.checkpoint.enabled and self.checkpoint.should_save(step, is_last):
                     self.checkpoint.save(step, reason="final" if is_last else "interval")
                     self.watchdog.beat(step)  # a save is progress: the hang timeout is per unit of work
+                if not is_last:
+                    self.snapshots.take(step)
             reason = self.controller.agree(step, self.checkpoint.save_seconds_estimate())
             if (
                 reason == StopReason.NONE
@@ -318,6 +329,7 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
         }
         record |= {f"time_{k}_s": v for k, v in self.timer.window().items()}
+        record |= {f"snapshot_{k}": v for k, v in self.snapshots.last.items()}  # the newest snapshot's
         # Raw counts: the metrics logger alone derives tokens/s, MFU and memory from them.
         self.metrics.log_train(step, record, tokens=tokens, seconds=elapsed)
 

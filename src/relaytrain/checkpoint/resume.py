@@ -323,6 +323,19 @@ class CheckpointLoader:
             self.lineage = {**self.lineage, KEPT_DAMAGED: kept}
         return step
 
+    def continue_line_of(self, step_dir: Path) -> None:
+        """The run resumed from a newer state than `step_dir` (a snapshot), its newest checkpoint: later
+        checkpoints carry that one's lineage (an explicit resume's origin, the damaged dirs it keeps)."""
+        try:
+            meta = read_metadata(step_dir)
+        except UserError as exc:  # its own load would fail the same way; the run goes on from the snapshot
+            log.warning("%s", exc)
+            return
+        self.lineage = {k: str(meta.get(k, "")) for k in ("resumed_from", "resume_arg")}
+        kept = meta.get(KEPT_DAMAGED)
+        if isinstance(kept, list) and all(isinstance(name, str) for name in kept):
+            self.lineage[KEPT_DAMAGED] = kept
+
     def _check_data(self, step_dir: Path, checked: set[str]) -> None:
         """Raise ChecksumMismatch on every rank when a shard file no rank checked while reading it (read in
         part when resharding, or written by torch's own writer) differs from the manifest."""

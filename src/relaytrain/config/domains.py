@@ -147,6 +147,10 @@ def path_without_percent() -> Domain:
     )
 
 
+def absolute_path() -> Domain:
+    return Domain("an absolute path (it names the same folder on every node)", lambda v: v.startswith("/"))
+
+
 def env_table() -> Domain:
     return Domain(
         "a table whose keys are environment variable names ([A-Za-z_][A-Za-z0-9_]*)",

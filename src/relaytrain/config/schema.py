@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from relaytrain.config.domains import (
     MAX_SECONDS,
+    absolute_path,
     at_least,
     catchable_signal,
     env_table,
@@ -153,6 +154,13 @@ class CheckpointConfig(Section):
     # when the run has checkpoints but none loads (all damaged), start again at step 0 instead of stopping
     # with an error; the damaged ones stay on disk, never deleted or overwritten
     start_over_if_damaged: bool = False
+    # copy the training state into node-local memory (and a peer node's) every N steps (0: off); a crash
+    # then resumes from it instead of the last checkpoint (see docs/checkpointing.md, "Snapshots")
+    snapshot_every: int = setting(0, at_least(0))
+    # node-local directory for snapshots, on a tmpfs (memory); each job uses its own folder in it
+    snapshot_dir: str = setting("/dev/shm", absolute_path())
+    # copies of each rank's snapshot on other nodes (a ring over nodes; clipped to nodes - 1)
+    snapshot_replicas: int = setting(1, at_least(0))
 
 
 @dataclass(kw_only=True)

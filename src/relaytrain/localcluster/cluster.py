@@ -18,7 +18,7 @@ from pathlib import Path
 import jinja2
 
 from relaytrain.errors import UserError
-from relaytrain.localcluster import daemons, net
+from relaytrain.localcluster import daemons, net, node_memory
 
 DEFAULT_BASE_DIR = Path("/tmp/relaytrain-cluster")
 BASE_DIR_ENV = "RELAYTRAIN_CLUSTER_DIR"
@@ -180,10 +180,11 @@ def _start_slurmctld(base: Path) -> None:
 
 def _start_slurmd(base: Path, name: str) -> None:
     # nsenter, not `ip netns exec`: the latter remounts /sys and slurmd then finds no cgroup fs.
+    # Its own tmpfs on /dev/shm in a private mount namespace: the node's memory, gone with the node.
     ns = net.netns_path(net.node_netns(net.node_index(name)))
-    script = f"hostname {name} && exec slurmd"
+    script = f"{node_memory.mount_command(name)} && hostname {name} && exec slurmd"
     env = daemons.daemon_env(_conf_path(base))
-    daemons.start_detached(["nsenter", f"--net={ns}", "unshare", "--uts", "sh", "-c", script], env)
+    daemons.start_detached(["nsenter", f"--net={ns}", *node_memory.NAMESPACES, "sh", "-c", script], env)
     pid_file = _slurmd_pid_file(base, name)
     if not daemons.wait_until(lambda: daemons.daemon_alive(pid_file, "slurmd"), 15.0):
         log = base / "log" / f"slurmd-{name}.log"
@@ -228,8 +229,16 @@ def cluster_up(
                 f"a cluster with {state['nodes']} nodes x {state['cpus_per_node']} CPUs is already up in "
                 f"{base}; run `relaytrain cluster down` first to change its size"
             )
-        say("cluster already up")
-        return _info(base, state, started=False)
+        if has_node_memory(base):
+            say("cluster already up")
+            return _info(base, state, started=False)
+        if not daemons.is_root():
+            raise UserError(
+                "the running cluster's nodes share /dev/shm; restart it as root: sudo relaytrain cluster up"
+            )
+        say("restarting the cluster: its nodes share /dev/shm (no private node memory)")
+        cluster_down(base)
+        state = None
     if not daemons.is_root():
         daemons.ensure_installed()  # raises with the apt command when Slurm is missing
         raise UserError("starting the local Slurm cluster needs root: sudo relaytrain cluster up")
@@ -244,7 +253,7 @@ def cluster_up(
         _fresh_dirs(base)
     started_munged = daemons.ensure_munged() or bool(state and state.get("started_munged"))
     # Saved before anything else starts, so that `down` cleans up after an interrupted `up` too.
-    state = {**wanted, "started_munged": started_munged}
+    state = {**wanted, "started_munged": started_munged, "layout": node_memory.LAYOUT}
     (base / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
     say("creating network namespaces")
     net.ensure_network(nodes)
@@ -338,11 +347,32 @@ def cluster_status(base_dir: str | Path | None = None) -> dict:
     }
 
 
+def has_node_memory(base_dir: str | Path | None = None) -> bool:
+    """Whether every node runs with its own memory (node_memory.py); a node restarted by an older
+    relaytrain does not."""
+    base = resolve_base_dir(base_dir)
+    state = _load_state(base) or {}
+    pids = (
+        [daemons.read_pid(_slurmd_pid_file(base, n)) for n in _info(base, state, False).nodes]
+        if state
+        else []
+    )
+    return state.get("layout") == node_memory.LAYOUT and node_memory.private(pids)
+
+
 def running_cluster(base_dir: str | Path | None = None) -> ClusterInfo | None:
     """The ClusterInfo of a healthy running cluster, or None."""
     base = resolve_base_dir(base_dir)
     state = _load_state(base)
     return _info(base, state, started=False) if state and _healthy(base, state) else None
+
+
+def on_node(name: str, command: list[str], base_dir: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Run `command` as the node's processes see the machine (its own /dev/shm), e.g. to wipe it."""
+    pid = daemons.read_pid(_slurmd_pid_file(resolve_base_dir(base_dir), name))
+    if not daemons.pid_alive(pid, "slurmd"):
+        raise UserError(f"node {name} is not running")
+    return node_memory.enter(pid, command)
 
 
 def kill_node(name: str, base_dir: str | Path | None = None) -> list[int]:

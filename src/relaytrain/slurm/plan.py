@@ -45,6 +45,7 @@ from relaytrain.model import count_parameters
 from relaytrain.slurm.activations import activation_bytes_per_layer, loss_bytes
 from relaytrain.slurm.estimate import DEFAULT_MFU, StepEstimate, estimate_rows, estimate_step
 from relaytrain.slurm.partition import host_memory
+from relaytrain.slurm.snapshot_memory import snapshot_memory_check
 
 GIB = 1024**3
 GB = 1e9
@@ -215,6 +216,9 @@ def make_plan(
             plan.checks.append(("memory", "ok", detail))
     if plan.memory.offloaded:
         plan.checks.append(_host_memory_check(plan.memory, per_node, host_memory))
+    if cfg.checkpoint.enabled and cfg.checkpoint.snapshot_every:
+        args = (cfg, plan.dims, nodes, per_node, plan.parameters, host_memory)
+        plan.checks.append(snapshot_memory_check(*args))
     if gpus_per_node:
         plan.step = estimate_step(cfg, world, gpu, mfu)
     plan.checkpoint_bytes = 12.0 * plan.parameters
@@ -300,7 +304,8 @@ def _time_limit_check(cfg: Config, save_seconds: float) -> tuple[str, str, str]:
 def plan_for(cfg: Config, nodes: int = 0, mfu: float = DEFAULT_MFU) -> Plan:
     """The plan for the resolved `[slurm]` section of `cfg` at `nodes` nodes (0: slurm.nodes)."""
     s = cfg.slurm
-    host = host_memory(s.partition, s.mem) if cfg.parallel.cpu_offload else None
+    needs_host = cfg.parallel.cpu_offload or cfg.checkpoint.snapshot_every
+    host = host_memory(s.partition, s.mem) if needs_host else None
     return make_plan(cfg, nodes or s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node, host, mfu)
 
 

@@ -1,0 +1,221 @@
+"""SnapshotManager: the loop's entry point for in-memory snapshots (take, restore, clean up).
+
+Every `checkpoint.snapshot_every` steps each rank copies its training state (the checkpoint registry:
+model and optimizer shards, train state, data position, RNG) into a reused host buffer; that copy is
+all the step waits for. A background thread then sends it to the rank's peers on other nodes (`peers.py`)
+and writes it, and the peers' copies, into the node's snapshot folder (`store.py`). The next snapshot
+first waits for that thread; the ranks then agree that the previous step was written everywhere, and
+only then is the one before it deleted, so the newest step every rank finished always survives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from relaytrain.checkpoint.checksums import Checksum
+from relaytrain.checkpoint.collectives import Collectives
+from relaytrain.checkpoint.files import list_steps
+from relaytrain.checkpoint.snapshot import store
+from relaytrain.checkpoint.snapshot.format import Staged, Staging
+from relaytrain.checkpoint.snapshot.peers import Ring, all_gather, as_bytes_tensor, recv_blob, send_blob
+from relaytrain.checkpoint.snapshot.restore import forget_after, restore_snapshot
+from relaytrain.checkpoint.state import model_state, optimizer_state, optimizers_have_state
+from relaytrain.config.schema import CheckpointConfig
+from relaytrain.job.facts import JobFacts
+from relaytrain.job.rundir import RunDir
+
+log = logging.getLogger("relaytrain.checkpoint")
+
+FORMAT = 1
+
+
+class SnapshotManager:
+    """Called by every rank at the same points: `restore` at start, `take` after each step, `close`."""
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_dir: Path,
+        config_hash: str,
+        model_parts: list[nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        states: dict[str, Any],
+        *,
+        rank: int,
+        world_size: int,
+    ):
+        self.cfg = cfg
+        self.every = cfg.snapshot_every if cfg.enabled else 0
+        self.config_hash = config_hash
+        self.model_parts, self.optimizers, self.states = list(model_parts), list(optimizers), dict(states)
+        self.rank, self.world_size = rank, world_size
+        self.ckpt_dir = RunDir(Path(run_dir)).checkpoints  # `beside` sets the manager's
+        self._checkpoints = None  # the CheckpointManager beside
+        self.last: dict[str, float] = {}  # the newest snapshot: blocking_s, bytes (rank 0 logs them)
+        if not self.every:
+            return
+        job = JobFacts.from_env()
+        self.root = store.job_root(cfg.snapshot_dir, run_dir, job)
+        self._coll = Collectives(rank, world_size)
+        self.ring = Ring.of(all_gather(job.host(), self._coll.ctrl, world_size), cfg.snapshot_replicas)
+        self.node_dir = self.root / self.ring.hosts[rank]
+        self.targets, self.sources = self.ring.targets(rank), self.ring.sources(rank)
+        if rank == 0:
+            nodes = len(self.ring.nodes)
+            clipped = (
+                f" (clipped from {cfg.snapshot_replicas}: {nodes} node(s), ranks on one node are no "
+                "replica of each other)"
+                if self.ring.degree < cfg.snapshot_replicas
+                else ""
+            )
+            log.info(
+                "snapshots every %d step(s) in %s on each node, %d replica(s) on other nodes%s",
+                self.every,
+                self.root,
+                self.ring.degree,
+                clipped,
+            )
+        self._staging = Staging()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-snapshot")
+        self._pending: tuple[int, Future] | None = None
+        self._taken = 0  # the newest step snapshotted
+
+    @classmethod
+    def beside(cls, checkpoints) -> SnapshotManager:
+        """Snapshots of what `checkpoints` (the run's CheckpointManager) saves, beside its checkpoints."""
+        c = checkpoints
+        made = cls(
+            c.ckpt,
+            c.run_dir,
+            c.record.config_hash,
+            c.model_parts,
+            c.optimizers,
+            c.states,
+            rank=c.rank,
+            world_size=c.world_size,
+        )
+        made.ckpt_dir, made._checkpoints = c.ckpt_dir, c
+        return made
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.every)
+
+    # -- taking snapshots ---------------------------------------------------------------------------
+
+    def take(self, step: int) -> None:
+        if not self.every or step % self.every:
+            return
+        started = time.perf_counter()
+        prune = self._settle()
+        if step <= self._taken and self.ring.is_node_leader(self.rank):
+            forget_after(self.node_dir, step - 1)  # a rollback went back: those steps are another line
+        self._taken = step
+        tree: dict[str, Any] = {
+            "model": model_state(self.model_parts),
+            "states": {name: obj.state_dict() for name, obj in self.states.items()},
+        }
+        if self._coll.any(optimizers_have_state(self.optimizers)):
+            tree["optim"] = optimizer_state(self.model_parts, self.optimizers)
+        meta = {"format": FORMAT, "step": step, "world_size": self.world_size}
+        meta["config_hash"] = self.config_hash
+        staged = self._staging.stage(tree, meta)
+        self._pending = (step, self._writer.submit(self._write, step, staged, meta, prune))
+        self.last = {"blocking_s": time.perf_counter() - started, "bytes": float(staged.size)}
+        if self.rank == 0:
+            log.info(
+                "snapshot step %d: training blocked %.3fs, %.1f MB per rank",
+                step,
+                self.last["blocking_s"],
+                staged.size / 1e6,
+            )
+
+    def _settle(self) -> int:
+        """Wait for the previous snapshot's write; when every rank finished it, the step before which this
+        node's snapshots may go (0: none may)."""
+        if self._pending is None:
+            return 0
+        step, future = self._pending
+        self._pending = None
+        failed = None
+        try:
+            future.result()
+        except Exception as exc:  # a full tmpfs costs this snapshot, never the training run
+            failed = exc
+            log.error("snapshot step %d failed on rank %d: %s", step, self.rank, exc)
+        return step if not self._coll.any(failed is not None) and self.ring.is_node_leader(self.rank) else 0
+
+    def _write(self, step: int, staged: Staged, meta: dict[str, Any], prune: int) -> None:
+        """On the writer thread: delete what `_settle` allows, send to the peers (before writing: a failed
+        local write never leaves a peer waiting), then write this rank's file and the replicas it got."""
+        if prune:
+            store.keep_from(self.node_dir, prune)
+        chunks = staged.chunks()
+        checksum = _checksum(chunks)
+        works = []
+        for dst in self.targets:
+            parts = [as_bytes_tensor(staged.header), staged.data]
+            works += send_blob(parts, checksum, dst, self._coll.save_group)
+        received = [(src, *recv_blob(src, 2, self._coll.save_group)) for src in self.sources]
+        for work in works:
+            work.wait()
+        step_path = store.step_dir(self.node_dir, step)
+        entry = store.write_snapshot(step_path, self.rank, chunks, meta, self.rank)
+        if entry["checksum"] != checksum:
+            raise OSError(f"snapshot of step {step} changed while it was written")
+        for src, parts, sent_checksum in received:
+            replica = store.write_snapshot(step_path, src, parts, {**meta, "rank": src}, self.rank)
+            if replica["checksum"] != sent_checksum:
+                store.entry_file(step_path, src).unlink(missing_ok=True)
+                raise OSError(f"the replica of rank {src}'s snapshot of step {step} arrived damaged")
+
+    # -- restoring ------------------------------------------------------------------------------------
+
+    def restore(self, ckpt_dir: Path | None = None) -> int | None:
+        """Load the newest snapshot every shard of which is on some node, when it is newer than the newest
+        complete checkpoint in `ckpt_dir` (default: the checkpoints it was made beside) and from this world
+        size; its step, or None (then: DCP as before)."""
+        if not self.every or self.cfg.resume != "auto":
+            return None
+        ckpt_dir = ckpt_dir or self.ckpt_dir
+        step = restore_snapshot(self, ckpt_dir)
+        complete = [e.path for e in list_steps(ckpt_dir) if e.complete]
+        if step is not None and complete and self._checkpoints is not None:
+            self._checkpoints._loader.continue_line_of(complete[-1])  # e.g. the damaged dirs it keeps
+        return step
+
+    # -- the end ----------------------------------------------------------------------------------------
+
+    def close(self, finished: bool) -> None:
+        """Wait for the pending write; when the run finished, delete this node's snapshots."""
+        if not self.every:
+            return
+        if self._pending is not None:
+            try:
+                self._pending[1].result()
+            except Exception as exc:
+                log.error("snapshot step %d failed on rank %d: %s", self._pending[0], self.rank, exc)
+            self._pending = None
+        self._writer.shutdown()
+        if finished:
+            shutil.rmtree(self.node_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the last node folder of a shared file system takes it
+                self.root.rmdir()
+        self._coll.close()
+        self.every = 0
+
+
+def _checksum(chunks) -> str:
+    checksum = Checksum()
+    for chunk in chunks:
+        checksum.update(chunk)
+    return checksum.text()

@@ -1,0 +1,199 @@
+"""Restoring the newest usable snapshot at the start of a run, before the DCP checkpoint is looked at.
+
+Rank 0 gathers which snapshot files every rank's node holds and picks the newest step for which every
+rank's file is on some node; a step is used only when it is newer than the newest complete checkpoint,
+was taken with this world size and this config (a different world size falls back to DCP, which
+reshards). Each rank reads its own file from its node, or receives it from a rank that holds it (its
+replica on another node), checks it against the checksum its writer recorded and decodes it; a damaged
+or partial step is reported in one line and skipped for the one before it. Afterwards the node folders
+keep nothing newer than what the run continues from.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relaytrain.checkpoint.files import list_steps
+from relaytrain.checkpoint.snapshot import store
+from relaytrain.checkpoint.snapshot.format import SnapshotFormatError, _local, decode
+from relaytrain.checkpoint.snapshot.peers import all_gather, as_bytes_tensor, recv_blob, send_blob
+from relaytrain.checkpoint.state import (
+    create_adam_state,
+    model_state,
+    optimizer_state,
+    set_model_state,
+    set_optimizer_state,
+)
+
+log = logging.getLogger("relaytrain.checkpoint")
+
+
+def restore_snapshot(m, ckpt_dir: Path) -> int | None:
+    """`m`: the SnapshotManager. The step restored, or None when the run resumes from DCP (or fresh)."""
+    coll = m._coll
+    reports = all_gather(store.holdings(m.node_dir), coll.ctrl, m.world_size)
+    damaged: set[int] = set()
+    restored = None
+    while restored is None:
+        plan = coll.on_rank0(lambda: _plan(reports, ckpt_dir, m.world_size, m.config_hash, damaged))
+        if plan is None:
+            break
+        step, sources, checksums = plan["step"], plan["sources"], plan["checksums"]
+        tree, problem = None, None
+        try:
+            blob = _fetch(m, step, sources)
+            if blob is None or store.checksum_of(blob, checksums[m.rank]) != checksums[m.rank]:
+                where = "its own node" if sources[m.rank] == m.rank else f"rank {sources[m.rank]}'s node"
+                problem = f"rank {m.rank}'s file (from {where}) does not match its checksum"
+            else:
+                _, tree = decode(blob)
+        except (OSError, SnapshotFormatError, RuntimeError) as exc:
+            problem = f"rank {m.rank}'s file: {exc}"
+        problems = [p for p in all_gather(problem, coll.ctrl, m.world_size) if p]
+        if not problems:
+            try:
+                _load(m, tree)
+            except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+                problem = f"rank {m.rank}: {exc}"
+            problems = [p for p in all_gather(problem, coll.ctrl, m.world_size) if p]
+            if problems:  # same config hash, so a bug: the state may be half loaded, never train on it
+                found = "; ".join(problems[:2])
+                raise RuntimeError(f"the snapshot of step {step} does not fit this run: {found}")
+            restored = step
+            break
+        if m.rank == 0:
+            log.warning("skipping the damaged snapshot of step %d: %s", step, "; ".join(problems[:3]))
+        damaged.add(step)
+    coll.barrier()  # every rank read what it needed before the node folders are trimmed
+    if m.ring.is_node_leader(m.rank):
+        forget_after(m.node_dir, restored or 0)
+    if restored is not None and m.rank == 0:
+        fetched = sum(1 for dst, src in plan["sources"].items() if src != dst)
+        log.info(
+            "resuming from the snapshot of step %d in node memory (%d of %d rank file(s) from a peer "
+            "node): newer than the newest checkpoint",
+            restored,
+            fetched,
+            m.world_size,
+        )
+    return restored
+
+
+def _plan(reports: list[dict], ckpt_dir: Path, world_size: int, config_hash: str, damaged: set[int]):
+    """Rank 0: the newest usable step, where each rank's file comes from, its checksum; None: use DCP."""
+    newest = max((e.step for e in list_steps(ckpt_dir) if e.complete), default=0)
+    steps = sorted({s for report in reports for s in report}, reverse=True)
+    for step in steps:
+        if step <= newest:
+            log.info(
+                "the newest usable snapshot (step %d) is not newer than the checkpoint of step %d: "
+                "resuming from the checkpoint",
+                step,
+                newest,
+            )
+            return None
+        if step in damaged:
+            continue
+        entries: dict[int, tuple[int, dict[str, Any]]] = {}
+        for holder, report in enumerate(reports):
+            for rank, entry in report.get(step, {}).items():
+                if rank not in entries or rank == holder:
+                    entries[rank] = (holder, entry)
+        sample = next(iter(entries.values()))[1]
+        if sample.get("world_size") != world_size:
+            log.info(
+                "the snapshot of step %d was taken with world size %s, this run has %d: resuming from the "
+                "checkpoint instead, which reshards",
+                step,
+                sample.get("world_size"),
+                world_size,
+            )
+            return None
+        if sample.get("config_hash") != config_hash:
+            log.info("the config changed since the snapshot of step %d: resuming from the checkpoint", step)
+            return None
+        missing = [r for r in range(world_size) if r not in entries]
+        if missing:
+            log.warning(
+                "skipping the partial snapshot of step %d: no node holds the file of rank(s) %s",
+                step,
+                ", ".join(map(str, missing)),
+            )
+            continue
+        return {
+            "step": step,
+            "sources": {r: entries[r][0] for r in range(world_size)},
+            "checksums": {r: entries[r][1]["checksum"] for r in range(world_size)},
+        }
+    if steps:
+        log.info("no snapshot newer than the checkpoints is complete: resuming from the checkpoint")
+    return None
+
+
+def _fetch(m, step: int, sources: dict[int, int]) -> bytearray | None:
+    """This rank's snapshot bytes: from its node's folder, or sent by the rank that holds them. Every
+    rank walks the same list of transfers in the same order, so each send meets its receive."""
+    step_path = store.step_dir(m.node_dir, step)
+    mine = None
+    for dst in sorted(sources):
+        src = sources[dst]
+        if src == dst or m.rank not in (src, dst):
+            continue
+        if m.rank == src:
+            try:
+                data = store.read_file(step_path, dst)
+            except OSError:
+                data = b""  # the receiver's checksum check reports it
+            for work in send_blob([as_bytes_tensor(data)], "", dst, m._coll.ctrl):
+                work.wait()
+        else:
+            parts, _ = recv_blob(src, 1, m._coll.ctrl)
+            mine = parts[0]
+    if sources[m.rank] == m.rank:
+        mine = store.read_file(step_path, m.rank)
+    return mine
+
+
+def _fill(target: dict[str, Any], saved: dict[str, Any], what: str) -> None:
+    if set(target) != set(saved):
+        differ = sorted(set(target) ^ set(saved))[:3]
+        raise ValueError(f"its {what} entries differ from this run's ({', '.join(differ)})")
+    for key, value in target.items():
+        if isinstance(value, torch.Tensor):
+            local = _local(value)
+            if tuple(local.shape) != tuple(saved[key].shape) or local.dtype != saved[key].dtype:
+                raise ValueError(f"{key}: snapshot {list(saved[key].shape)} vs this run {list(local.shape)}")
+            with torch.no_grad():
+                local.copy_(saved[key])
+        else:
+            target[key] = saved[key]
+
+
+def _load(m, tree: dict[str, Any]) -> None:
+    state: dict[str, Any] = {"model": model_state(m.model_parts)}
+    if "optim" in tree:
+        create_adam_state(m.optimizers)
+        state["optim"] = optimizer_state(m.model_parts, m.optimizers)
+    for key in state:
+        _fill(state[key], tree[key], key)
+    missing = sorted(set(m.states) - set(tree["states"]))
+    if missing:
+        raise KeyError(f"no saved state for {', '.join(missing)}")
+    set_model_state(m.model_parts, state["model"])
+    if "optim" in state:
+        set_optimizer_state(m.model_parts, m.optimizers, state["optim"])
+    for name, obj in m.states.items():
+        obj.load_state_dict(tree["states"][name])
+
+
+def forget_after(node_dir: Path, step: int) -> None:
+    """Snapshots newer than where the run continues belong to a line it abandoned: remove them."""
+    for path in node_dir.glob("step-*") if node_dir.is_dir() else []:
+        number = path.name.removeprefix("step-")
+        if number.isdigit() and int(number) > step:
+            shutil.rmtree(path, ignore_errors=True)
