@@ -14,6 +14,14 @@ from slurm_fixtures import slurm_cluster  # noqa: F401  (the real-Slurm fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def pytest_collection_modifyitems(config, items):
+    """Every Slurm test in one xdist group: one worker runs them one after another on the one local
+    cluster, while the other worker runs the rest."""
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
 # A model small enough that a step takes milliseconds on one CPU core.
 TINY = [
     "--model.dim=64",

@@ -242,9 +242,9 @@ def test_restarts_in_place_then_requeues_then_a_crash_loop_stops_the_job(slurm_c
 
 
 @pytest.mark.slurm
-def test_a_requeued_job_whose_only_checkpoint_is_damaged_fails_once_and_keeps_it(slurm_cluster, tmp_path):
-    """The crash requeue's run finds its only checkpoint damaged: it does not start over at step 0, the
-    job ends FAILED without another requeue, the checkpoint stays as it was and the status says why."""
+def test_a_restarted_step_whose_only_checkpoint_is_damaged_fails_once_and_keeps_it(slurm_cluster, tmp_path):
+    """The crashed step, restarted in place, finds its only checkpoint damaged: it does not start over at
+    step 0, the job ends FAILED without a requeue, the checkpoint stays as it was and the status says why."""
     runs = tmp_path / "runs"
     cfg = write_config(tmp_path / "damaged.toml", runs, "damaged", CRASH_STEPS)
     cfg.write_text(cfg.read_text() + "\n[checkpoint]\ninterval = 5\n")
@@ -262,8 +262,9 @@ def test_a_requeued_job_whose_only_checkpoint_is_damaged_fails_once_and_keeps_it
         fields = wait_job_finished(int(job), timeout=300)
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
-    assert (fields["JobState"], fields["Restarts"]) == ("FAILED", "1"), job_log(run_dir, job)
-    assert not [r for r in records(run_dir, "train") if r.get("restart") == 1], "the requeue trained"
+    # the step restarted in place finds the damaged checkpoint: no training, no requeue
+    assert (fields["JobState"], fields["Restarts"]) == ("FAILED", "0"), job_log(run_dir, job)
+    assert not [r for r in records(run_dir, "train") if r.get("step_restart") == 1], "the restart trained"
     state = marker(run_dir)
     assert (state["status"], state["reason"]) == ("failed", "damaged_checkpoint"), state
     assert f"{shard.name} is missing" in state["message"] and state["requeue_requested"] is False

@@ -1,6 +1,6 @@
 """On the local Slurm cluster (each node with its own /dev/shm): a rank SIGKILLed on one node while that
-node's memory is wiped too; the crash-requeued job resumes from the snapshots, the lost rank's file
-fetched from its replica on the other node, replaying at most one step, bit for bit."""
+node's memory is wiped too; the job step, restarted in place, resumes from the snapshots, the lost rank's
+file fetched from its replica on the other node, replaying at most one step, bit for bit."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_killed_rank_on_a_wiped_node_resumes_from_the_peer_replica(slurm_cluster
     try:
 
         def reached():
-            logged = [r["step"] for r in records(run_dir, "train") if r.get("restart") == 0]
+            logged = [r["step"] for r in records(run_dir, "train") if not r.get("step_restart")]
             return max(logged, default=0) >= 8 and rank_pids(job, 1)
 
         wait_for(reached, 240, f"job {job} to reach step 8", interval=0.5)
@@ -63,7 +63,7 @@ def test_killed_rank_on_a_wiped_node_resumes_from_the_peer_replica(slurm_cluster
         assert _snapshot_dirs(node, job) and _snapshot_dirs(other, job)
         assert not list(Path("/dev/shm").glob(f"relaytrain-job{job}-*"))  # node memory, not this machine's
         os.kill(pid, signal.SIGKILL)
-        killed_at = max(r["step"] for r in records(run_dir, "train") if r.get("restart") == 0)
+        killed_at = max(r["step"] for r in records(run_dir, "train") if not r.get("step_restart"))
         # the node lost its memory with its process: the rank's own snapshots are gone
         local_cluster.on_node(node, ["sh", "-c", f"rm -rf /dev/shm/relaytrain-job{job}-*"])
         fields = wait_job_finished(int(job), timeout=300)
@@ -73,8 +73,9 @@ def test_killed_rank_on_a_wiped_node_resumes_from_the_peer_replica(slurm_cluster
         if reference.poll() is None:
             reference.kill()
     assert reference.returncode == 0, out[-3000:]
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", job_log(run_dir, job)
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", job_log(run_dir, job)
     resumes = [r for r in records(run_dir, "event") if r["event"] == "resume"]
+    assert resumes and resumes[0]["step_restart"] == 1  # restarted in place, no requeue
     assert resumes and killed_at - 1 <= resumes[0]["step"] <= killed_at, (resumes, killed_at)
     rank0_log = (run_dir / "logs/rank_0.log").read_text()
     assert "(1 of 2 rank file(s) from a peer node)" in rank0_log
