@@ -22,6 +22,7 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))
 
+
 # A model small enough that a step takes milliseconds on one CPU core.
 TINY = [
     "--model.dim=64",
