@@ -15,6 +15,7 @@ from slurm_fixtures import slurm_cluster  # noqa: F401  (the real-Slurm fixture)
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Every Slurm test in one xdist group: one worker runs them one after another on the one local
     cluster, while the other worker runs the rest."""

@@ -81,7 +81,7 @@ def test_job_facts_first_run_array_task_and_end_time():
     info = JobFacts.from_env(dict(env, SLURM_JOB_NUM_NODES="3"))
     assert info.in_slurm and info.restart_count == 0 and info.requeue_id == "77"
     assert info.nodes() == ["n1", "n2", "n3"] and info.num_nodes == 3 and info.host() == "n2"
-    assert info.identity() == {"job_id": "77", "requeue_id": "77", "restart_count": 0}
+    assert info.identity() == {"job_id": "77", "requeue_id": "77", "restart_count": 0, "step_restarts": 0}
     arr = JobFacts.from_env(
         {
             "SLURM_JOB_ID": "81",
