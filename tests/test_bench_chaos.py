@@ -16,7 +16,9 @@ from relaytrain.resilience.run_state import RunStateFile
 
 from bench.cluster import chaos
 from bench.cluster.chaos_kinds import (
+    SPECIAL_KINDS,
     SpecialTrial,
+    SpecialTrials,
     first_job_stops,
     method_of,
     time_limit_checks,
@@ -47,6 +49,7 @@ def test_each_kind_runs_its_own_method():
     assert method_of("kill_save_async") == method_of("kill_save_sync") == "kill_save"
     assert method_of("time_limit_cap") == method_of("time_limit_cap_budget") == "time_limit_cap"
     assert method_of("disk_full") == "disk_full"
+    assert all(callable(getattr(SpecialTrials, method_of(kind), None)) for kind in SPECIAL_KINDS)
 
 
 def test_stops_of_the_first_job_only():

@@ -15,6 +15,9 @@
 * ``kill_in_place_then_requeue``: ``resilience.max_step_restarts=1``, one rank SIGKILLed at a random
   step, then again at a random step of the restarted step: the first crash restarts the step in place
   (same job, no requeue), the second requeues the job; the run finishes bit-exact.
+* ``kill_with_snapshots``: ``checkpoint.snapshot_every=1``, one rank SIGKILLed at a random step between
+  two interval checkpoints: the step restarts in place from the in-memory snapshot (not the older
+  checkpoint) and replays at most one step, bit-exact.
 * ``disk_full``: the run dir on a tmpfs with room for one checkpoint, not two: one clear error, the
   previous checkpoint intact, no automatic retry; the benchmark frees space (remount larger) and
   resubmits, and the run finishes bit-exact.
@@ -33,7 +36,14 @@ from dataclasses import dataclass, field
 from bench.cluster.chaos_run import INTERVAL, STEPS, Bench
 from bench.cluster.harness import RunFiles, rank_pids, tree_bytes, wait
 
-SPECIAL_KINDS = ("time_limit_cap", "time_limit_cap_budget", "hang", "disk_full", "kill_in_place_then_requeue")
+SPECIAL_KINDS = (
+    "time_limit_cap",
+    "time_limit_cap_budget",
+    "hang",
+    "disk_full",
+    "kill_in_place_then_requeue",
+    "kill_with_snapshots",
+)
 # The stop reasons (StopReason labels in run_state.json and metrics.jsonl) a time limit may end a job
 # with, and what each means.
 TIME_LIMIT_STOPS = {"time_limit_signal": "Slurm's --signal", "time_budget": "the trainer's time budget"}
@@ -209,6 +219,28 @@ class SpecialTrials:
         trial.detail = f"SIGKILL rank 1 at steps {targets[0]} and {targets[1]}; crash actions: {actions}"
         trial.checks["first crash restarted in place, second requeued"] = actions == ["restart", "requeue"]
         trial.checks["one requeue, no resubmission"] = trial.restarts == 1 and trial.resubmits == 0
+
+    def kill_with_snapshots(self, trial: SpecialTrial, rng) -> None:
+        run = self.bench.run_files(f"special-{trial.index}-kill-with-snapshots")
+        overrides = ("--checkpoint.snapshot_every=1",)
+        trial.job = self.bench.launch(run.name, *overrides)
+        target = rng.choice([s for s in range(4, STEPS - 8) if s % INTERVAL not in (0, 1)])
+
+        def last() -> int:
+            return max((r["step"] for r in run.records("train") if not r.get("step_restart")), default=0)
+
+        wait(lambda: last() >= target, 240, f"step {target}")
+        killed_at = last()
+        for pid in rank_pids(trial.job, rank=1):
+            os.kill(pid, signal.SIGKILL)
+        self.bench.finish(trial, run, overrides)
+        self.bench.check(trial, run)
+        resumes = [r for r in run.records("event") if r.get("event") == "resume"]
+        resumed = int(resumes[0]["step"]) if resumes else -1
+        trial.detail = f"SIGKILL rank 1 after step {killed_at}; resumed from step {resumed}"
+        trial.checks["restarted in place"] = bool(resumes) and resumes[0].get("step_restart") == 1
+        # the last interval checkpoint is at least 2 steps behind the kill: only a snapshot resumes here
+        trial.checks["at most one step replayed (the snapshot)"] = killed_at - 1 <= resumed <= killed_at + 1
 
     def disk_full(self, trial: SpecialTrial, rng) -> None:
         mount = self.bench.base / "small-fs"
