@@ -40,7 +40,7 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.cluster.goodput_crash import losses_match, render_crashes, run_crashes
+from bench.cluster.goodput_crash import CRASH_RUNS, losses_match, render_crashes, run_crashes
 from bench.cluster.goodput_extrapolation import Extrapolation, render_extrapolation
 from bench.cluster.goodput_page import CKPT_INTERVAL, STEP_DELAY_S, render
 from bench.cluster.goodput_results import (
@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--crashes", action="store_true",
         help="instead: an uninterrupted run, then rank 1 SIGKILLed every --crash-interval s with every crash "
-        "requeued and with restarts in place (bench/cluster/goodput_crash.py); its own section of the page",
+        "requeued, restarted in place, and in place with snapshots (bench/cluster/goodput_crash.py); its own "
+        "section of the page",
     )  # fmt: skip
     parser.add_argument("--crash-interval", type=float, default=30.0, help="seconds between kills")
     args = parser.parse_args(argv)
@@ -226,7 +227,7 @@ def crash_comparison(args: argparse.Namespace, command: str) -> int:
         runner.run(reference)
     setup = f"export RELAYTRAIN_STEP_DELAY_S={STEP_DELAY_S}"
     runs = []
-    for kind in ("crash-requeue", "crash-in-place"):
+    for kind in CRASH_RUNS:
         name = f"{kind}-{args.crash_interval:g}s"
         print(f"bench.goodput: {name} ...", flush=True)
         with cluster_lock(not args.no_lock):

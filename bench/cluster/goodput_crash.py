@@ -1,8 +1,9 @@
 """`python -m bench.goodput --crashes`: a crash every T seconds, restart in place against requeue, in one run.
 
 The same tiny 2-rank job as the goodput runs, one rank SIGKILLed every T seconds (the way the OOM killer
-ends a process), twice: once with `resilience.max_step_restarts=0` (every crash requeues the job, the
-behaviour before restarts in place) and once with restarts in place. Both runs raise their caps
+ends a process), three times: with `resilience.max_step_restarts=0` (every crash requeues the job, the
+behaviour before restarts in place), with restarts in place, and with restarts in place and an in-memory
+snapshot every step (`checkpoint.snapshot_every=1`). Both runs raise their caps
 (`max_crash_requeues`, `max_step_restarts`) so that every crash takes the path being measured.
 
 Per crash:
@@ -37,6 +38,10 @@ CRASH_RUNS = {
                                                          "--resilience.max_step_restarts=0")),
     "crash-in-place": ("restarted in place", (f"--resilience.max_crash_requeues={NO_CAP}",
                                               f"--resilience.max_step_restarts={NO_CAP}")),
+    "crash-in-place-snapshots": ("restarted in place, snapshot every step",
+                                 (f"--resilience.max_crash_requeues={NO_CAP}",
+                                  f"--resilience.max_step_restarts={NO_CAP}",
+                                  "--checkpoint.snapshot_every=1")),
 }  # fmt: skip
 
 
@@ -68,7 +73,7 @@ def kill_every(job: str, interval: float, stop: threading.Event, kills: list[flo
 
 def run_crashes(config: Path, name: str, setup: str, interval: float, runs_root: Path) -> CrashRun:
     """One crash run (`crash-requeue-<T>s` or `crash-in-place-<T>s`) from launch to analysis."""
-    label, overrides = CRASH_RUNS[name.rsplit("-", 1)[0]]
+    label, overrides = CRASH_RUNS[name.rsplit("-", 1)[0]]  # `crash-in-place-30s` -> `crash-in-place`
     crash = CrashRun(RunResult(name, f"rank 1 SIGKILLed every {interval:g} s, {label}"), interval)
     run = RunFiles(runs_root / name)
     crash.result.job = launch(config, name, setup, *overrides)
@@ -152,9 +157,10 @@ def render_crashes(runs: list[CrashRun], command: str, date: str, cpu: str) -> s
     return (
         "## Crashes: restart in place against requeue\n\n"
         f"Measured {date} on {cpu}, local Slurm cluster, by `{command}`: the goodput runs' job (2 ranks, "
-        "steps slowed to 0.5 s, async checkpoint every 10 steps), rank 1 SIGKILLed every T seconds, once "
-        "with every crash requeued (`resilience.max_step_restarts=0`, the behaviour before restarts in "
-        "place) and once with the job step restarted in place, in the same invocation. Times in seconds, "
+        "steps slowed to 0.5 s, async checkpoint every 10 steps), rank 1 SIGKILLed every T seconds: with "
+        "every crash requeued (`resilience.max_step_restarts=0`, the behaviour before restarts in place), "
+        "with the job step restarted in place, and restarted in place with an in-memory snapshot every "
+        "step (`checkpoint.snapshot_every=1`), in the same invocation. Times in seconds, "
         "means over the crashes of a run.\n\n"
         + table(["run", "crash", "crashes", "steps replayed / crash",
                  "kill→first step (detection + queue + start-up + load)", "goodput",
