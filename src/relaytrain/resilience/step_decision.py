@@ -218,13 +218,13 @@ def _after_program(exit_code: int, run: RunFacts, resilience: ResilienceConfig, 
     state = run.state or {}
     if exit_code != EXIT_RESUME:
         why = f"the program exited {exit_code}"
-        finished = exit_code == 0 or (_written_by(state, job) and state.get("status") == "finished")
+        finished = exit_code == 0 or (job.wrote(state) and state.get("status") == "finished")
         if exit_code and finished:
             # relaytrain.program.finish() recorded the end; a signal after it (the pre-timeout one) killed
             # a program that had nothing left to do
             why += " after it recorded its end (finished)"
         return _pending(run, job) or Decision(Action.FINISHED if finished else Action.FAIL, why)
-    if _written_by(state, job) and state.get("status") in ("stopped", "failed", "finished"):
+    if job.wrote(state) and state.get("status") in ("stopped", "failed", "finished"):
         recorded = f"{state.get('reason')}, requeue {state.get('requeue_requested')}"
         why = f"the program recorded its stop ({recorded})"
         return _pending(run, job, (why,)) or Decision(_settled(exit_code, state, job), why, (why,))
@@ -263,15 +263,10 @@ def _pending(run: RunFacts, job: JobFacts, say: tuple[str, ...] = ()) -> Decisio
     return Decision(Action.REQUEUE, why, (*say, line), record, requeue_why="what the run asked for")
 
 
-def _written_by(state: Mapping[str, Any], job: JobFacts) -> bool:
-    """Whether this run of the job (its id and restart count) wrote ``state``."""
-    return job.wrote(state)
-
-
 def _settled(exit_code: int, state: Mapping[str, Any] | None, job: JobFacts) -> Action:
     """No crash, nothing to requeue: finished when the step exited 0 or this run recorded a stop or its
     end, else failed."""
     if exit_code == 0:
         return Action.FINISHED
-    ended = bool(state) and _written_by(state, job) and state.get("status") in ("stopped", "finished")
+    ended = job.wrote(state) and state.get("status") in ("stopped", "finished")
     return Action.FINISHED if ended else Action.FAIL

@@ -127,13 +127,13 @@ def end_step(
 ) -> Decision:
     """Decide and perform what follows the step that ended with ``exit_code``; returns the decision."""
     job = JobFacts.from_env(env)
-    step = step or StepFacts()
-    restartable = Restartable(step, min_nodes)
+    run = RunFacts.read(run_dir, job, job_log_tail)
+    step = replace(step or StepFacts(), started=job.wrote(run.state))
+    usable = None
     if exit_code != 0 and step.can_restart and job.in_slurm and len(step.nodes) > 1:
         # a node that failed under `--no-kill`: Slurm drops it from the job and shows it down
-        restartable = Restartable(step, min_nodes, usable_job_nodes(job.job_id))
-    run = RunFacts.read(run_dir, job, job_log_tail)
-    restartable = replace(restartable, step=replace(step, started=job.wrote(run.state)))
+        usable = usable_job_nodes(job.job_id)
+    restartable = Restartable(step, min_nodes, usable)
     decision = decide(exit_code, run, resilience, job, program=program, restartable=restartable)
     perform(decision, job, run_dir, restart_file)
     return decision
