@@ -289,8 +289,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
     cmd = cancel_command(args.jobid, args.signal)
     result = run_slurm(cmd)
-    if result.returncode != 0:
-        raise UserError(f"{' '.join(cmd)} failed: {slurm_error(result)}")
+    refusal = next((line for line in result.stderr.splitlines() if "error:" in line), None)
+    if result.returncode != 0 or refusal:
+        why = refusal.split("error:", 1)[1].strip() if refusal else slurm_error(result)
+        raise UserError(
+            f"could not cancel job {args.jobid}: {why}; `relaytrain status` lists this user's jobs"
+        )
     what = f"sent SIG{args.signal.removeprefix('SIG')} to the steps of" if args.signal else "cancelled"
     print(f"{what} job {args.jobid}")
     return 0

@@ -285,7 +285,9 @@ def is_active(job_id: str) -> bool:
 
 def cancel_command(job_id: str, signal: str | None = None) -> list[str]:
     """scancel: without --signal it ends the job; with one it reaches the job steps (training
-    processes and torchrun) directly, the way Slurm's own pre-timeout signal reaches them."""
+    processes and torchrun) directly, the way Slurm's own pre-timeout signal reaches them.
+
+    --verbose: without it scancel says nothing and exits 0 for a job id it does not know."""
     if signal:
-        return ["scancel", f"--signal={signal.removeprefix('SIG')}", job_id]
-    return ["scancel", job_id]
+        return ["scancel", "--verbose", f"--signal={signal.removeprefix('SIG')}", job_id]
+    return ["scancel", "--verbose", job_id]
