@@ -104,5 +104,6 @@ def test_with_slurm_present_the_same_commands_answer(slurm_cluster, tmp_path, mo
     assert "finished (max_steps)" in out and "999999" in out and "UNKNOWN" in out
     # scancel itself exits 0 for a job it does not know; it must not read as cancelled.
     assert main(["cancel", "999999"]) == 2
-    assert "could not cancel job 999999: Kill job error on job id 999999: Invalid job id" in _one_error_line(capsys)
+    line = _one_error_line(capsys)
+    assert "could not cancel job 999999: Kill job error on job id 999999: Invalid job id" in line
     assert main(["doctor"]) == 0, capsys.readouterr().out
