@@ -121,7 +121,7 @@ def main() -> int:
         dist.barrier()
         results = {
             "nodes": gathered(env.node),
-            "params": sum(p.numel() for part in trainer.model.model_parts for p in part.parameters()),
+            "params": sum(_local(p).numel() for part in trainer.model.model_parts for p in part.parameters()),
             "snapshot_bytes": gathered(blocking["bytes"]),
             "blocking_s": gathered(blocking["blocking_s"]),
             "written": written,

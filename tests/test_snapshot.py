@@ -94,7 +94,7 @@ def test_node_folder_lists_only_finished_files(tmp_path):
     store.write_snapshot(store.step_dir(node, 4), 0, [b"abcd"], {**meta, "step": 4}, writer=0)
     store.snapshot_file(store.step_dir(node, 4), 0).write_bytes(b"ab")  # truncated afterwards
     assert {s: sorted(r) for s, r in store.holdings(node).items()} == {3: [0]}
-    assert store.read_verified(store.step_dir(node, 3), 0, entry["checksum"]) == b"abcdef"
+    assert bytes(store.read_verified(store.step_dir(node, 3), 0, entry["checksum"])) == b"abcdef"
     store.snapshot_file(store.step_dir(node, 3), 0).write_bytes(b"abcdeX")  # same size, a flipped byte
     assert store.read_verified(store.step_dir(node, 3), 0, entry["checksum"]) is None
     store.keep_from(node, 4)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -104,21 +105,19 @@ def holdings(node_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
     return found
 
 
-def read_file(step_path: Path, rank: int) -> bytearray:
-    """A snapshot file's bytes, read straight into one writable buffer (decode's tensors view it)."""
-    path = snapshot_file(step_path, rank)
-    data = bytearray(path.stat().st_size)
-    with open(path, "rb") as f:
-        view, done = memoryview(data), 0
-        while done < len(data):
-            got = f.readinto(view[done:])
-            if not got:
-                raise OSError(f"{path} ended at byte {done} while it was read")
-            done += got
-    return data
+def read_file(step_path: Path, rank: int) -> mmap.mmap | bytearray:
+    """A snapshot file's bytes, mapped copy-on-write: on a tmpfs the node's memory itself, read with no
+    copy and no allocation; writable (decode's tensors view it) without ever changing the file. Files
+    are replaced by a rename, never truncated, so a mapping stays whole even if the file is deleted."""
+    with open(snapshot_file(step_path, rank), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if not size:
+            return bytearray()
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def read_verified(step_path: Path, rank: int, checksum: str) -> bytearray | None:
+def read_verified(step_path: Path, rank: int, checksum: str) -> mmap.mmap | bytearray | None:
     """The file's bytes when they match `checksum`, else None."""
     try:
         data = read_file(step_path, rank)
