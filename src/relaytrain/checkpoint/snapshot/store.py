@@ -113,8 +113,9 @@ def read_file(step_path: Path, rank: int) -> mmap.mmap | bytearray:
         size = os.fstat(f.fileno()).st_size
         if not size:
             return bytearray()
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # No MAP_POPULATE: on a private writable mapping it copies every page (a write fault each); a
+        # read fault maps the file's own page.
+        return mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def read_verified(step_path: Path, rank: int, checksum: str) -> mmap.mmap | bytearray | None:
