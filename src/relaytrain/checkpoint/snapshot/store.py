@@ -143,14 +143,34 @@ def keep_from(node_dir: Path, oldest_kept: int) -> None:
             shutil.rmtree(step_path, ignore_errors=True)
 
 
-def remove_job(snapshot_dir: str | Path, job_id: str) -> list[Path]:
-    """Remove every snapshot folder of Slurm job `job_id` under `snapshot_dir` (all its runs)."""
-    removed = []
+def job_dirs(snapshot_dir: str | Path, job_id: str) -> list[Path]:
+    """The snapshot folders of Slurm job `job_id` under `snapshot_dir` (one per run of the job)."""
     base = Path(snapshot_dir)
     if not job_id or not base.is_dir():
-        return removed
-    for path in base.glob(f"{PREFIX}job{job_id}-*"):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+        return []
+    return [p for p in base.glob(f"{PREFIX}job{job_id}-*") if p.is_dir() and not p.is_symlink()]
+
+
+def node_dirs(root: Path) -> list[Path]:
+    """The node folders of a job folder (`job_root`)."""
+    return [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+
+
+def remove_rank(node_dir: Path, rank: int) -> list[Path]:
+    """Remove every snapshot file of `rank` (its own or a replica) from a node folder, entry first."""
+    removed = []
+    for step in holdings(node_dir):
+        step_path = step_dir(node_dir, step)
+        for path in (entry_file(step_path, rank), snapshot_file(step_path, rank)):
+            if path.exists():
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def remove_job(snapshot_dir: str | Path, job_id: str) -> list[Path]:
+    """Remove every snapshot folder of Slurm job `job_id` under `snapshot_dir` (all its runs)."""
+    removed = job_dirs(snapshot_dir, job_id)
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
     return removed
