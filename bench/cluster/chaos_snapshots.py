@@ -29,8 +29,8 @@ FELL_BACK = "no snapshot newer than the checkpoints is complete: resuming from t
 
 
 def kill_step(rng) -> int:
-    """A step 2 to 7 past an interval checkpoint: only a snapshot resumes there without replaying."""
-    return rng.choice([s for s in range(4, STEPS - 8) if 2 <= s % INTERVAL <= 7])
+    """A step 2 to 7 past an interval checkpoint (not the first: there is one to fall back to)."""
+    return rng.choice([s for s in range(INTERVAL + 2, STEPS - 8) if 2 <= s % INTERVAL <= 7])
 
 
 class SnapshotTrials:
