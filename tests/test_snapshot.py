@@ -114,6 +114,18 @@ def test_job_folders_are_scoped_and_cleanup_takes_only_its_job(tmp_path):
     assert other.exists() and not root.exists()
 
 
+def test_a_start_removes_what_earlier_jobs_of_its_run_left_on_its_node(tmp_path):
+    run = tmp_path / "runs/a"
+    earlier = store.job_root(tmp_path, run, JobFacts(job_id="7"))  # requeued elsewhere, never cleaned here
+    mine = store.job_root(tmp_path, run, JobFacts(job_id="8"))
+    another_run = store.job_root(tmp_path, tmp_path / "runs/b", JobFacts(job_id="7"))
+    others = [another_run, store.job_root(tmp_path, run, JobFacts())]  # and outside Slurm
+    for folder in (earlier, mine, *others):
+        (folder / "n1").mkdir(parents=True)
+    assert store.remove_earlier_jobs(tmp_path, run, JobFacts(job_id="8")) == [earlier]
+    assert mine.exists() and all(o.exists() for o in others) and not earlier.exists()
+
+
 def test_ring_over_nodes_and_clipping():
     ring = Ring.of(["a", "a", "b", "b", "c", "c"], replicas=1)
     assert [ring.targets(r) for r in range(6)] == [[2], [3], [4], [5], [0], [1]]

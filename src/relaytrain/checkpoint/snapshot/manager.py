@@ -70,6 +70,9 @@ class SnapshotManager:
         self.ring = Ring.of(all_gather(job.host(), self._coll.ctrl, world_size), cfg.snapshot_replicas)
         self.node_dir = self.root / self.ring.hosts[rank]
         self.targets, self.sources = self.ring.targets(rank), self.ring.sources(rank)
+        if self.ring.is_node_leader(rank):
+            for stale in store.remove_earlier_jobs(cfg.snapshot_dir, run_dir, job):
+                log.info("removed the snapshots an earlier job of this run left on this node: %s", stale)
         if rank == 0:
             nodes = len(self.ring.nodes)
             clipped = (

@@ -31,10 +31,14 @@ _STEP = re.compile(r"^step-(\d+)$")
 _ENTRY = re.compile(r"^rank-(\d+)\.json$")
 
 
+def _run_hash(run_dir: Path) -> str:
+    return hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:10]
+
+
 def job_key(run_dir: Path, job: JobFacts | None = None) -> str:
     """``job<id>-<run hash>`` in a Slurm job, ``local-<run hash>`` outside."""
     job = job or JobFacts.from_env()
-    run_hash = hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:10]
+    run_hash = _run_hash(run_dir)
     return f"job{job.job_id}-{run_hash}" if job.in_slurm else f"local-{run_hash}"
 
 
@@ -165,6 +169,19 @@ def remove_rank(node_dir: Path, rank: int) -> list[Path]:
             if path.exists():
                 path.unlink()
                 removed.append(path)
+    return removed
+
+
+def remove_earlier_jobs(snapshot_dir: str | Path, run_dir: Path, job: JobFacts | None = None) -> list[Path]:
+    """Remove this run's snapshot folders of other Slurm jobs from this node: what an earlier job of the
+    run left here (a job requeued onto other nodes cleans up only on the nodes of its last step). The
+    run lock lets one job at a time run it, so they are never read again."""
+    base, mine = Path(snapshot_dir), job_root(snapshot_dir, run_dir, job)
+    if not base.is_dir():
+        return []
+    removed = [p for p in base.glob(f"{PREFIX}job*-{_run_hash(run_dir)}") if p != mine and not p.is_symlink()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
     return removed
 
 
