@@ -128,11 +128,13 @@ def two_nodes(state_gb: float, lock: bool) -> dict:
 def nodes_rows(r: dict) -> list[str]:
     """The two-node part's table rows (Markdown) from bench/snapshot_nodes.py's results."""
     gb = max(r["snapshot_bytes"]) / 1e9
-    state = f"2 nodes, {gb:.2f} GB state per rank ({r['params'] / 1e6:.0f} M parameters per rank)"
+    state = f"2 nodes, {gb:.2f} GB state per rank"
     replicate = max(w["replicate_s"] for w in r["written"])
     sent = max(w["replicated_bytes"] for w in r["written"])
     rows = [
-        f"| {state}: blocking copy into the host buffer | {max(r['blocking_s']):.3f} s |",
+        f"| 2 nodes: model and AdamW state per rank | {gb:.2f} GB ({r['params'] / 1e6:.0f} M parameters) |",
+        f"| {state}: blocking copy into the host buffer (the run's first snapshot) | "
+        f"{max(r['blocking_s']):.3f} s |",
         f"| {state}: replication to the peer node over gloo (each rank sends its file and receives the "
         f"other's at once) | {replicate:.3f} s, {sent / 1e6 / replicate:.0f} MB/s per direction |",
         f"| {state}: write of its own file and the peer's replica to /dev/shm (background) | "
