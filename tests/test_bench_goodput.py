@@ -239,7 +239,9 @@ def test_extrapolation_rewrites_only_the_extrapolation_of_the_goodput_section(tm
     monkeypatch.setattr(goodput, "PAGE", page)
     monkeypatch.setattr(goodput, "write_page", lambda new: page.write_text(merge_page(page.read_text(), new)))
 
-    assert goodput.main(["--extrapolation"]) == 0
+    command = "python -m bench.goodput --extrapolation"
+    assert f"`{command}`" in render_extrapolation(Extrapolation())  # the page names it: run it as written
+    assert goodput.main(command.split()[3:]) == 0
 
     text = page.read_text()
     assert measured in text and "\nold\n" not in text and text.endswith("\nafter\n")

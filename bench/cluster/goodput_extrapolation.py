@@ -39,6 +39,7 @@ class Extrapolation:
 
 TARGET, TARGET_INTERVAL_S = 0.98, 1800.0
 EXTRAPOLATION_HEADING = "### 7B-class extrapolation"  # the goodput section's measured part ends here
+EXTRAPOLATION_COMMAND = "python -m bench.goodput --extrapolation"
 SENSITIVITY_WRITE_GBPS = (2.0, 10.0, 50.0)
 SENSITIVITY_COLUMNS = ((60.0, 1.0), (20.0, 1.0), (20.0, 0.0))  # (start-up s, lost steps)
 
@@ -229,5 +230,6 @@ def render_crash_extrapolation(c: CrashExtrapolation) -> str:
         f"{assumed}\n\n{table(header, rows)}\nThe restore figures are host-memory and TCP rates of a "
         "2-core CPU machine; a GPU node's memory bandwidth and network (tens of GB/s) make them faster, so "
         "the snapshot columns are a lower bound on goodput. With snapshots the crash cost is dominated by "
-        "the assumed start-up, not by the restore.\n"
+        "the assumed start-up, not by the restore. The extrapolation is rewritten by "
+        f"`{EXTRAPOLATION_COMMAND}` when its inputs change (the runs above stay as measured).\n"
     )
