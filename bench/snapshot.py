@@ -1,7 +1,7 @@
-"""In-memory snapshots: what a snapshot blocks of a training step, and how fast a large state is copied,
-written to /dev/shm and read back.
+"""In-memory snapshots: what a snapshot blocks of a training step, how fast a large state is copied,
+written to /dev/shm and read back, replicated to a peer node and restored from each tier.
 
-    python bench/snapshot.py [--steps 12] [--state-gb 1.2]
+    python bench/snapshot.py [--steps 12] [--state-gb 1.2] [--parts debug,state,nodes] [--no-lock]
 
 1. The debug config (configs/debug.toml), one process, `checkpoint.snapshot_every=1`, against the same
    run without snapshots: the median step time of each and the median blocking time per snapshot
@@ -9,6 +9,12 @@ written to /dev/shm and read back.
 2. A state of `--state-gb` GB (fp32 tensors of 4 M elements, about a 100 M-parameter model with AdamW): the
    blocking copy into the reused host buffer (second and later snapshots), the background write to
    /dev/shm with its checksum, and reading and decoding it back (a restore from local memory).
+3. Two nodes of the local Slurm cluster (`relaytrain cluster up`; each node has its own /dev/shm), one
+   rank each, the debug config with the model widened to about `--state-gb` GB of state per rank
+   (bench/snapshot_nodes.py, launched with `relaytrain launch --command` under the cluster's lock):
+   the exchange of the two ranks' snapshots over the gloo group (replication throughput), and the
+   restore of that state from local memory, from the peer node and from the DCP checkpoint on disk,
+   each through relaytrain's own restore path, checked bit-exact.
 Prints a Markdown table for docs/benchmarks.md.
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -26,6 +33,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PARTS = ("debug", "state", "nodes")
+# The two-node model: the debug config at this width; layers from the state size asked for (12 bytes
+# per parameter in the state: fp32 weights and AdamW's two moments, half the model on each rank).
+NODES_DIM, PARAMS_PER_LAYER = 1024, 11.6e6
 
 
 def _train(work: Path, name: str, steps: int, every: int) -> list[dict]:
@@ -80,25 +91,101 @@ def large_state(gb: float) -> dict[str, float]:
     return {"gb": staged.size / 1e9, "blocking_s": blocking, "write_s": written, "restore_s": restored}
 
 
+def nodes_layers(state_gb: float) -> int:
+    return max(1, round(state_gb * 1e9 * 2 / 12 / PARAMS_PER_LAYER))
+
+
+def two_nodes(state_gb: float, lock: bool) -> dict:
+    """bench/snapshot_nodes.py on 2 nodes x 1 task of the local cluster; its results."""
+    sys.path.insert(0, str(REPO))
+    from bench.cluster.harness import OUT_ROOT, PROFILE, cluster_lock, relaytrain, start_cluster, wait_job_end
+
+    base = OUT_ROOT / "snapshot" / f"nodes-{int(time.time())}"
+    base.mkdir(parents=True)
+    out = base / "results.json"
+    command = f"cd {REPO} && python -m bench.snapshot_nodes --out {out}"
+    overrides = [f"--run.dir={base / 'runs'}", "--run.name=snapshot-nodes", f"--slurm.profile={PROFILE}",
+                 f"--model.dim={NODES_DIM}", f"--model.n_layers={nodes_layers(state_gb)}",
+                 "--checkpoint.snapshot_every=1", "--checkpoint.mode=sync", "--checkpoint.interval=100",
+                 "--train.eval_every=0", "--metrics.tensorboard=false"]  # fmt: skip
+    start_cluster(lock=lock)
+    try:
+        with cluster_lock(lock):
+            submitted = relaytrain("launch", str(REPO / "configs/debug.toml"), "--nodes", "2",
+                                   "--tasks-per-node", "1", "--command", command, *overrides)  # fmt: skip
+            job = re.search(r"submitted job (\d+)", submitted)
+            if not job:
+                raise RuntimeError(f"no job id in: {submitted}")
+            fields = wait_job_end(job.group(1), 900)
+        if fields.get("JobState") != "COMPLETED" or not out.is_file():
+            logs = "\n".join(p.read_text()[-3000:] for p in (base / "runs").rglob("*.out"))
+            raise RuntimeError(f"job {job.group(1)} ended {fields.get('JobState')}:\n{logs}")
+        return json.loads(out.read_text())
+    finally:
+        shutil.rmtree(base / "runs" / "snapshot-nodes" / "checkpoints", ignore_errors=True)
+
+
+def nodes_rows(r: dict) -> list[str]:
+    """The two-node part's table rows (Markdown) from bench/snapshot_nodes.py's results."""
+    gb = max(r["snapshot_bytes"]) / 1e9
+    state = f"2 nodes, {gb:.2f} GB state per rank"
+    replicate = max(w["replicate_s"] for w in r["written"])
+    sent = max(w["replicated_bytes"] for w in r["written"])
+    rows = [
+        f"| 2 nodes: model and AdamW state per rank | {gb:.2f} GB ({r['params'] / 1e6:.0f} M parameters) |",
+        f"| {state}: blocking copy into the host buffer (the run's first snapshot) | "
+        f"{max(r['blocking_s']):.3f} s |",
+        f"| {state}: replication to the peer node over gloo (each rank sends its file and receives the "
+        f"other's at once) | {replicate:.3f} s, {sent / 1e6 / replicate:.0f} MB/s per direction |",
+        f"| {state}: write of its own file and the peer's replica to /dev/shm (background) | "
+        f"{max(w['write_s'] for w in r['written']):.3f} s |",
+    ]
+    where = {
+        "local": "restore from local memory (both nodes' snapshots intact)",
+        "peer": "restore from the peer node (rank 1's node memory wiped: its file comes from node 0)",
+        "dcp": "restore from the DCP checkpoint on disk (both nodes' memory wiped)",
+    }
+    for restore in r["restores"]:
+        notes = [f"step {restore['step']} from the {restore['source']}"]
+        notes.append("bit-exact" if restore["bit_exact"] else "NOT bit-exact")
+        if restore["tier"] == "dcp":
+            notes.append(f"page cache {'dropped' if restore['page_cache_dropped'] else 'not dropped'}")
+            notes.append(f"{restore['snapshot_lookup_s']:.3f} s of it finding no snapshot")
+        seconds = f"{restore['restore_s']:.3f} s ({', '.join(notes)})"
+        rows.append(f"| {state}: {where[restore['tier']]} | {seconds} |")
+    rows.append(f"| {state}: DCP save (sync, for comparison) | {r['dcp_save_s']:.3f} s |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--state-gb", type=float, default=1.2)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"which of {','.join(PARTS)} to run")
+    parser.add_argument("--no-lock", action="store_true", help="the caller holds the cluster's lock already")
     args = parser.parse_args()
-    debug = debug_model(args.steps)
-    large = large_state(args.state_gb)
-    share = debug["blocking_s"] / debug["step_snap_s"]
-    print("| measure | value |\n| --- | --- |")
-    print(f"| debug config: step without snapshots (median) | {debug['step_plain_s']:.3f} s |")
-    print(f"| debug config: step with `snapshot_every=1` (median) | {debug['step_snap_s']:.3f} s |")
-    print(
-        f"| debug config: blocking per snapshot, median (max) | {debug['blocking_s']:.4f} s "
-        f"({debug['blocking_max_s']:.4f} s), {share:.1%} of the step, {debug['mb']:.1f} MB per rank |"
-    )
-    print(f"| {large['gb']:.2f} GB state: blocking copy into the host buffer | {large['blocking_s']:.3f} s |")
-    written = f"{large['write_s']:.3f} s"
-    print(f"| {large['gb']:.2f} GB state: write to /dev/shm with checksum (background) | {written} |")
-    print(f"| {large['gb']:.2f} GB state: read, verify and decode (restore) | {large['restore_s']:.3f} s |")
+    parts = args.parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {','.join(PARTS)}")
+    print("| measure | value |\n| --- | --- |", flush=True)
+    if "debug" in parts:
+        debug = debug_model(args.steps)
+        share = debug["blocking_s"] / debug["step_snap_s"]
+        print(f"| debug config: step without snapshots (median) | {debug['step_plain_s']:.3f} s |")
+        print(f"| debug config: step with `snapshot_every=1` (median) | {debug['step_snap_s']:.3f} s |")
+        print(
+            f"| debug config: blocking per snapshot, median (max) | {debug['blocking_s']:.4f} s "
+            f"({debug['blocking_max_s']:.4f} s), {share:.1%} of the step, {debug['mb']:.1f} MB per rank |",
+            flush=True,
+        )
+    if "state" in parts:
+        large = large_state(args.state_gb)
+        gb = f"{large['gb']:.2f} GB state"
+        print(f"| {gb}: blocking copy into the host buffer | {large['blocking_s']:.3f} s |")
+        print(f"| {gb}: write to /dev/shm with checksum (background) | {large['write_s']:.3f} s |")
+        print(f"| {gb}: read, verify and decode (restore) | {large['restore_s']:.3f} s |", flush=True)
+    if "nodes" in parts:
+        print("\n".join(nodes_rows(two_nodes(args.state_gb, lock=not args.no_lock))))
 
 
 if __name__ == "__main__":

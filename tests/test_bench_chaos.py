@@ -243,3 +243,29 @@ def test_quick_chaos_run_loses_no_work(slurm_cluster, tmp_path, capsys):
     assert [r["event"] for r in results] == ["usr2", "sigkill_rank"]
     failed = [r for r in results if not (r["bit_exact"] and r["latest_complete"] and not r["leftovers"])]
     assert code == 0 and not failed, out[-4000:]
+
+
+def test_the_peer_trials_kill_past_the_first_checkpoint_and_wipe_through_the_store(tmp_path, capsys):
+    import random
+
+    from relaytrain.checkpoint.snapshot import store
+    from relaytrain.job import JobFacts
+
+    from bench.cluster import snapshot_wipe
+    from bench.cluster.chaos_run import INTERVAL
+    from bench.cluster.chaos_snapshots import kill_step
+
+    steps = {kill_step(random.Random(seed)) for seed in range(200)}
+    assert all(s > INTERVAL and 2 <= s % INTERVAL <= 7 for s in steps)  # a checkpoint to fall back to
+    root = store.job_root(tmp_path, tmp_path / "runs/a", JobFacts(job_id="9"))
+    other = store.job_root(tmp_path, tmp_path / "runs/a", JobFacts(job_id="10"))
+    for node in ("n1", "n2"):
+        for rank in (0, 1):
+            store.write_snapshot(store.step_dir(root / node, 4), rank, [b"x"], {"step": 4}, writer=0)
+    store.write_snapshot(store.step_dir(other / "n1", 4), 1, [b"x"], {"step": 4}, writer=0)
+
+    assert snapshot_wipe.main([str(tmp_path), "9", "--rank", "1"]) == 0
+    assert len(capsys.readouterr().out.split()) == 4  # rank 1's file and entry on both node folders
+    assert [sorted(store.holdings(root / n)[4]) for n in ("n1", "n2")] == [[0], [0]]
+    assert snapshot_wipe.main([str(tmp_path), "9"]) == 0
+    assert not root.exists() and store.holdings(other / "n1")  # another job's are not touched

@@ -10,6 +10,7 @@ import pytest
 
 from bench.cluster import goodput
 from bench.cluster.goodput_extrapolation import (
+    CrashExtrapolation,
     Extrapolation,
     cost_budget_s,
     render_extrapolation,
@@ -26,6 +27,7 @@ from bench.cluster.goodput_results import (
     save_seconds,
 )
 from bench.cluster.harness import RunFiles
+from bench.report import merge_page
 
 
 def log_line(t: float, message: str) -> str:
@@ -210,3 +212,40 @@ def test_quick_goodput_run_on_the_local_cluster(slurm_cluster, tmp_path, capsys)
     assert preempted.replayed <= preempted.interruptions  # at most 1 step lost per interruption
     assert len(preempted.signal_to_exit) == preempted.interruptions
     assert 0 < preempted.goodput <= 1 and 0 < uninterrupted.goodput <= 1
+
+
+def test_a_crash_costs_a_restore_and_a_step_with_snapshots_against_a_load_and_half_an_interval():
+    base = Extrapolation(params=6.4e9, write_gbps=2.0, startup_s=60, step_s=10, ckpt_every_s=1800)
+    c = CrashExtrapolation(base, ranks=64, detection_s=1.5, restore_local_gbps=1.2, restore_peer_gbps=0.8,
+                           blocking_gbps=8.0, replicate_gbps=0.4, shm_write_gbps=0.8)  # fmt: skip
+    assert c.state_gb == pytest.approx(1.2)  # 6.4e9 x 12 B / 64 ranks
+    assert c.dcp_cost_s() == pytest.approx(1.5 + 60 + base.load_s + 900)
+    assert c.snapshot_cost_s(peer=False) == pytest.approx(1.5 + 60 + 1.0 + 10)
+    assert c.snapshot_cost_s(peer=True) == pytest.approx(1.5 + 60 + 1.5 + 10)
+    assert c.background_s() == pytest.approx(3.0 + 3.0) and c.snapshot_overhead() == pytest.approx(0.015)
+    periodic = base.async_block_s / base.ckpt_every_s
+    assert c.goodput(3600, True) == pytest.approx(1 - 72.5 / 3600 - periodic - 0.015)
+    slow = CrashExtrapolation(base, ranks=64, replicate_gbps=0.1, shm_write_gbps=0.8, blocking_gbps=8.0)
+    assert slow.snapshot_overhead() == pytest.approx((0.15 + 12 + 3 - 10) / 10)  # waits for the replica
+    text = render_extrapolation(base)
+    assert "### Crashes at 7B scale" in text and "**measured**" in text and "**Assumed**" in text
+
+
+def test_extrapolation_rewrites_only_the_extrapolation_of_the_goodput_section(tmp_path, monkeypatch):
+    page = tmp_path / "benchmarks.md"
+    measured = "## Goodput\n\n| run | goodput |\n| --- | --- |\n| a | 50% |\n"
+    page.write_text(f"# B\n\n<!-- bench:goodput -->\n{measured}\n### 7B-class extrapolation\n\nold\n"
+                    "<!-- /bench:goodput -->\n\nafter\n")  # fmt: skip
+    monkeypatch.setattr(goodput, "PAGE", page)
+    monkeypatch.setattr(goodput, "write_page", lambda new: page.write_text(merge_page(page.read_text(), new)))
+
+    command = "python -m bench.goodput --extrapolation"
+    assert f"`{command}`" in render_extrapolation(Extrapolation())  # the page names it: run it as written
+    assert goodput.main(command.split()[3:]) == 0
+
+    text = page.read_text()
+    assert measured in text and "\nold\n" not in text and text.endswith("\nafter\n")
+    assert text.count("### 7B-class extrapolation") == 1 and "### Crashes at 7B scale" in text
+    page.write_text("# B\n")
+    with pytest.raises(SystemExit):
+        goodput.main(["--extrapolation"])

@@ -94,7 +94,7 @@ def test_node_folder_lists_only_finished_files(tmp_path):
     store.write_snapshot(store.step_dir(node, 4), 0, [b"abcd"], {**meta, "step": 4}, writer=0)
     store.snapshot_file(store.step_dir(node, 4), 0).write_bytes(b"ab")  # truncated afterwards
     assert {s: sorted(r) for s, r in store.holdings(node).items()} == {3: [0]}
-    assert store.read_verified(store.step_dir(node, 3), 0, entry["checksum"]) == b"abcdef"
+    assert bytes(store.read_verified(store.step_dir(node, 3), 0, entry["checksum"])) == b"abcdef"
     store.snapshot_file(store.step_dir(node, 3), 0).write_bytes(b"abcdeX")  # same size, a flipped byte
     assert store.read_verified(store.step_dir(node, 3), 0, entry["checksum"]) is None
     store.keep_from(node, 4)
@@ -112,6 +112,18 @@ def test_job_folders_are_scoped_and_cleanup_takes_only_its_job(tmp_path):
         folder.mkdir(parents=True)
     assert store.remove_job(tmp_path, "7") == [root]
     assert other.exists() and not root.exists()
+
+
+def test_a_start_removes_what_earlier_jobs_of_its_run_left_on_its_node(tmp_path):
+    run = tmp_path / "runs/a"
+    earlier = store.job_root(tmp_path, run, JobFacts(job_id="7"))  # requeued elsewhere, never cleaned here
+    mine = store.job_root(tmp_path, run, JobFacts(job_id="8"))
+    another_run = store.job_root(tmp_path, tmp_path / "runs/b", JobFacts(job_id="7"))
+    others = [another_run, store.job_root(tmp_path, run, JobFacts())]  # and outside Slurm
+    for folder in (earlier, mine, *others):
+        (folder / "n1").mkdir(parents=True)
+    assert store.remove_earlier_jobs(tmp_path, run, JobFacts(job_id="8")) == [earlier]
+    assert mine.exists() and all(o.exists() for o in others) and not earlier.exists()
 
 
 def test_ring_over_nodes_and_clipping():

@@ -18,6 +18,9 @@
 * ``kill_with_snapshots``: ``checkpoint.snapshot_every=1``, one rank SIGKILLed at a random step between
   two interval checkpoints: the step restarts in place from the in-memory snapshot (not the older
   checkpoint) and replays at most one step, bit-exact.
+* ``wipe_node_with_snapshots``, ``wipe_both_copies_with_snapshots``: the same on 2 nodes, with rank 1's node
+  memory wiped too (restored from the peer's replica), or rank 1's files gone from both nodes (falls
+  back to the checkpoint and says so): bench/cluster/chaos_snapshots.py.
 * ``disk_full``: the run dir on a tmpfs with room for one checkpoint, not two: one clear error, the
   previous checkpoint intact, no automatic retry; the benchmark frees space (remount larger) and
   resubmits, and the run finishes bit-exact.
@@ -34,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 from bench.cluster.chaos_run import INTERVAL, STEPS, Bench
+from bench.cluster.chaos_snapshots import SnapshotTrials
 from bench.cluster.harness import RunFiles, rank_pids, tree_bytes, wait
 
 SPECIAL_KINDS = (
@@ -43,6 +47,8 @@ SPECIAL_KINDS = (
     "disk_full",
     "kill_in_place_then_requeue",
     "kill_with_snapshots",
+    "wipe_node_with_snapshots",
+    "wipe_both_copies_with_snapshots",
 )
 # The stop reasons (StopReason labels in run_state.json and metrics.jsonl) a time limit may end a job
 # with, and what each means.
@@ -127,7 +133,7 @@ def describe_stops(stops: list[tuple[int, str]], restarts: int) -> str:
     return f"first job, {restarts} requeue(s): stops " + (", then ".join(said) or "none recorded")
 
 
-class SpecialTrials:
+class SpecialTrials(SnapshotTrials):
     """Runs one targeted trial on a chaos_run.Bench (its reference, launch, finish and check)."""
 
     def __init__(self, bench: Bench):

@@ -97,11 +97,12 @@ class Bench:
 
     # -- one trial ---------------------------------------------------------------------------------
 
-    def launch(self, name: str, *overrides: str, setup: str | None = None) -> str:
-        """Submit the run; `setup` replaces the default (slow steps in the first run only)."""
+    def launch(self, name: str, *overrides: str, setup: str | None = None, nodes: int = 1) -> str:
+        """Submit the run (2 ranks on 1 node, or 1 on each of 2 `nodes`); `setup` replaces the default
+        (slow steps in the first run only)."""
         delay = f"export RELAYTRAIN_STEP_DELAY_S={STEP_DELAY_S}"
         slow = setup or f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {delay}; fi'
-        return launch(self.config, name, slow, *overrides)
+        return launch(self.config, name, slow, *overrides, nodes=nodes)
 
     def wait_phase(self, trial: Trial, run: RunFiles, rng: random.Random) -> None:
         def last() -> int:
@@ -179,7 +180,9 @@ class Bench:
             subprocess.run(["scancel", trial.job], capture_output=True, timeout=30)
         trial.seconds = round(time.monotonic() - start, 1)
 
-    def finish(self, trial, run: RunFiles, overrides: tuple[str, ...] = (), setup: str | None = None) -> None:
+    def finish(
+        self, trial, run: RunFiles, overrides: tuple[str, ...] = (), setup: str | None = None, nodes: int = 1
+    ) -> None:
         """Wait for the job; resubmit while the run is not finished (the policy did not requeue)."""
         job = trial.job
         for _ in range(4):
@@ -192,7 +195,7 @@ class Bench:
             if trial.final_status == "finished":
                 return
             trial.resubmits += 1
-            job = self.launch(run.name, *overrides, setup=setup)
+            job = self.launch(run.name, *overrides, setup=setup, nodes=nodes)
         raise RuntimeError(f"run {run.name} did not finish after {trial.resubmits} resubmissions")
 
     def check(self, trial, run: RunFiles) -> None:

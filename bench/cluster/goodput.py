@@ -5,6 +5,7 @@
     python -m bench.goodput --only time-limit       # chosen runs only; no page
     python -m bench.goodput --page-from A.json B.json --note "..."  # the page from saved results
     python -m bench.goodput --crashes --crash-interval 30 --steps 300  # restart in place vs requeue
+    python -m bench.goodput --extrapolation         # only the extrapolation of the page's goodput section
 
 Each invocation saves results.json (its command, date, load averages and runs) in its own directory
 under bench/out/goodput; --page-from renders the union of several such files, each with its command.
@@ -41,7 +42,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.cluster.goodput_crash import CRASH_RUNS, losses_match, render_crashes, run_crashes
-from bench.cluster.goodput_extrapolation import Extrapolation, render_extrapolation
+from bench.cluster.goodput_extrapolation import EXTRAPOLATION_HEADING, Extrapolation, render_extrapolation
 from bench.cluster.goodput_page import CKPT_INTERVAL, STEP_DELAY_S, render
 from bench.cluster.goodput_results import (
     ResultsFile,
@@ -65,7 +66,7 @@ from bench.cluster.harness import (
     wait_job_end,
     write_config,
 )
-from bench.report import machine_info, write_page
+from bench.report import PAGE, machine_info, section_body, write_page
 
 OUT = OUT_ROOT / "goodput"
 RUN_NAMES_HELP = "uninterrupted, preempt-<T>s for each of --intervals, time-limit"
@@ -166,7 +167,19 @@ def main(argv: list[str] | None = None) -> int:
         "section of the page",
     )  # fmt: skip
     parser.add_argument("--crash-interval", type=float, default=30.0, help="seconds between kills")
+    parser.add_argument(
+        "--extrapolation", action="store_true",
+        help="rewrite only the 7B extrapolation of the goodput section on the page (its inputs changed); "
+        "the measured runs above it stay as they are",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.extrapolation:
+        measured = section_body(PAGE.read_text() if PAGE.exists() else "", "goodput")
+        if measured is None:
+            parser.error(f"--extrapolation: {PAGE.name} has no goodput section yet: run the goodput runs")
+        measured = measured.split(EXTRAPOLATION_HEADING)[0].rstrip("\n") + "\n"
+        write_page({"goodput": measured + render_extrapolation(Extrapolation())})
+        return 0
     if args.page_from:
         try:
             files = [load_results(Path(path)) for path in args.page_from]

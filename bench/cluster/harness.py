@@ -125,10 +125,10 @@ def relaytrain(*args: str, timeout: float = 120) -> str:
     return done.stdout
 
 
-def launch(config: Path, name: str, setup: str, *overrides: str) -> str:
-    """`relaytrain launch` of the run `name` on one node with 2 tasks, `setup` run in the batch shell
-    before the step; its job id."""
-    out = relaytrain("launch", str(config), "--nodes", "1", "--tasks-per-node", "2",
+def launch(config: Path, name: str, setup: str, *overrides: str, nodes: int = 1) -> str:
+    """`relaytrain launch` of the run `name`: 2 ranks on one node (or 1 on each of 2 `nodes`), `setup` run
+    in the batch shell before the step; its job id."""
+    out = relaytrain("launch", str(config), "--nodes", str(nodes), "--tasks-per-node", str(2 // nodes),
                      f"--run.name={name}", f"--slurm.setup=['{setup}']", *overrides)  # fmt: skip
     match = re.search(r"submitted job (\d+)", out)
     if not match:
@@ -190,6 +190,25 @@ def rank_pids(job: str, rank: int | None = None) -> list[int]:
     return pids
 
 
+def node_of(pid: int) -> str:
+    """The local-cluster node a job process runs on (its slurmd's name)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"SLURMD_NODENAME="))
+
+
+def wipe_snapshots(node: str, job: str, snapshot_dir: str, rank: int | None = None) -> list[str]:
+    """Remove job `job`'s in-memory snapshots (or only rank `rank`'s files) from `node`'s memory, inside
+    the node (bench/cluster/snapshot_wipe.py); the paths removed."""
+    from relaytrain.localcluster import cluster as local_cluster
+
+    command = f"cd {REPO} && {sys.executable} -m bench.cluster.snapshot_wipe {snapshot_dir} {job}"
+    command += f" --rank {rank}" if rank is not None else ""
+    done = local_cluster.on_node(node, ["sh", "-c", command])
+    if done.returncode != 0:
+        raise RuntimeError(f"wiping the snapshots of job {job} on {node} failed: {done.stderr[-500:]}")
+    return done.stdout.split()
+
+
 def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -230,6 +249,11 @@ class RunFiles:
         """Every batch job's output, in job id order."""
         logs = sorted(self.dir.slurm.glob(self.dir.job_log("*").name), key=lambda p: (len(p.name), p.name))
         return "\n".join(p.read_text(errors="replace") for p in logs)
+
+    def rank_log(self, rank: int) -> str:
+        """What rank `rank` logged (every job of the run), "" when nothing yet."""
+        path = self.dir.rank_log(rank)
+        return path.read_text(errors="replace") if path.is_file() else ""
 
     def hang_stacks(self, rank: int) -> str:
         """The stacks the hang watchdog of `rank` dumped, "" when it dumped none."""

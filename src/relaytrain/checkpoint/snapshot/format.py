@@ -154,11 +154,12 @@ def _header(blob) -> tuple[dict[str, Any], int]:
     return header, 16 + length
 
 
-def decode(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], Any]:
-    """(meta, state tree) of a snapshot's bytes. Tensors are views of one writable copy of `blob` (none
-    when it is a bytearray already: they then share its memory)."""
+def decode(blob) -> tuple[dict[str, Any], Any]:
+    """(meta, state tree) of a snapshot's bytes (any bytes-like object: bytes, a bytearray, a memoryview,
+    a mapped file). Tensors are views of `blob` when it is writable (a bytearray, a writable memoryview or
+    mapping: they share its memory), else of one writable copy of it."""
     header, start = _header(blob)
-    buffer = blob if isinstance(blob, bytearray) else bytearray(blob)
+    buffer = blob if not memoryview(blob).readonly else bytearray(blob)
     size = len(buffer) - start
     tensors = []
     for entry in header["tensors"]:

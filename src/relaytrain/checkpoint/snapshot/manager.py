@@ -61,6 +61,7 @@ class SnapshotManager:
         self.ckpt_dir = RunDir(Path(run_dir)).checkpoints  # `beside` sets the manager's
         self._checkpoints = None  # the CheckpointManager beside
         self.last: dict[str, float] = {}  # the newest snapshot: blocking_s, bytes (rank 0 logs them)
+        self.written: dict[str, float] = {}  # its write, once done: replicate_s, replicated_bytes, write_s
         if not self.every:
             return
         job = JobFacts.from_env()
@@ -69,6 +70,9 @@ class SnapshotManager:
         self.ring = Ring.of(all_gather(job.host(), self._coll.ctrl, world_size), cfg.snapshot_replicas)
         self.node_dir = self.root / self.ring.hosts[rank]
         self.targets, self.sources = self.ring.targets(rank), self.ring.sources(rank)
+        if self.ring.is_node_leader(rank):
+            for stale in store.remove_earlier_jobs(cfg.snapshot_dir, run_dir, job):
+                log.info("removed the snapshots an earlier job of this run left on this node: %s", stale)
         if rank == 0:
             nodes = len(self.ring.nodes)
             clipped = (
@@ -161,13 +165,14 @@ class SnapshotManager:
             store.keep_from(self.node_dir, prune)
         chunks = staged.chunks()
         checksum = _checksum(chunks)
-        works = []
+        started, works = time.perf_counter(), []
         for dst in self.targets:
             parts = [as_bytes_tensor(staged.header), staged.data]
             works += send_blob(parts, checksum, dst, self._coll.save_group)
         received = [(src, *recv_blob(src, 2, self._coll.save_group)) for src in self.sources]
         for work in works:
             work.wait()
+        replicated = time.perf_counter()
         step_path = store.step_dir(self.node_dir, step)
         entry = store.write_snapshot(step_path, self.rank, chunks, meta, self.rank)
         if entry["checksum"] != checksum:
@@ -177,6 +182,20 @@ class SnapshotManager:
             if replica["checksum"] != sent_checksum:
                 store.entry_file(step_path, src).unlink(missing_ok=True)
                 raise OSError(f"the replica of rank {src}'s snapshot of step {step} arrived damaged")
+        self.written = {
+            "replicate_s": replicated - started,  # sending to the peers and receiving theirs, both ways
+            "replicated_bytes": float(staged.size * len(self.targets)),
+            "write_s": time.perf_counter() - replicated,  # this rank's file and the replicas it received
+        }
+
+    def wait(self) -> dict[str, float]:
+        """Every rank: wait until the newest snapshot is written here and on the peers (as the next `take`
+        would, a collective); its write's timings (`written`)."""
+        if self.every:
+            prune = self._settle()
+            if prune:
+                store.keep_from(self.node_dir, prune)
+        return dict(self.written)
 
     # -- restoring ------------------------------------------------------------------------------------
 

@@ -58,8 +58,11 @@ def all_gather(obj, group, world_size: int) -> list:
     return box
 
 
-def as_bytes_tensor(data: bytes | bytearray) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+def as_bytes_tensor(data) -> torch.Tensor:
+    """A uint8 tensor of a bytes-like object: a view of it when it is writable, else of a copy."""
+    if not len(data):
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(data if not memoryview(data).readonly else bytearray(data), dtype=torch.uint8)
 
 
 def send_blob(chunks: list[torch.Tensor], checksum: str, dst: int, group) -> list:
@@ -71,8 +74,9 @@ def send_blob(chunks: list[torch.Tensor], checksum: str, dst: int, group) -> lis
     return works
 
 
-def recv_blob(src: int, parts: int, group) -> tuple[list[bytearray], str]:
-    """Receive what `send_blob` with `parts` chunks sent: (chunks, the sender's checksum)."""
+def recv_blob(src: int, parts: int, group) -> tuple[list[memoryview], str]:
+    """Receive what `send_blob` with `parts` chunks sent: (chunks, as writable views of the buffers they
+    were received into, and the sender's checksum)."""
     lengths = torch.empty(parts + 1, dtype=torch.int64)
     dist.recv(lengths, src, group=group)
     received = []
@@ -80,5 +84,5 @@ def recv_blob(src: int, parts: int, group) -> tuple[list[bytearray], str]:
         t = torch.empty(int(n), dtype=torch.uint8)
         if n:
             dist.recv(t, src, group=group)
-        received.append(bytearray(t.numpy().data))
+        received.append(t.numpy().data)
     return received[:-1], bytes(received[-1]).decode()

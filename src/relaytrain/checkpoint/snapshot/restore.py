@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from relaytrain.checkpoint.files import list_steps
@@ -135,7 +136,7 @@ def _plan(reports: list[dict], ckpt_dir: Path, world_size: int, config_hash: str
     return None
 
 
-def _fetch(m, step: int, sources: dict[int, int]) -> bytearray | None:
+def _fetch(m, step: int, sources: dict[int, int]):
     """This rank's snapshot bytes: from its node's folder, or sent by the rank that holds them. Every
     rank walks the same list of transfers in the same order, so each send meets its receive."""
     step_path = store.step_dir(m.node_dir, step)
@@ -168,10 +169,18 @@ def _fill(target: dict[str, Any], saved: dict[str, Any], what: str) -> None:
             local = _local(value)
             if tuple(local.shape) != tuple(saved[key].shape) or local.dtype != saved[key].dtype:
                 raise ValueError(f"{key}: snapshot {list(saved[key].shape)} vs this run {list(local.shape)}")
-            with torch.no_grad():
-                local.copy_(saved[key])
+            if local.device.type == "cpu" and local.is_contiguous():
+                # numpy's copy: torch's copy_ wakes its thread pool for every tensor (see format.Staging)
+                np.copyto(_bytes(local), _bytes(saved[key].contiguous()))
+            else:
+                with torch.no_grad():
+                    local.copy_(saved[key])
         else:
             target[key] = saved[key]
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def _load(m, tree: dict[str, Any]) -> None:

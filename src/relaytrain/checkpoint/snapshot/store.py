@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -30,10 +31,14 @@ _STEP = re.compile(r"^step-(\d+)$")
 _ENTRY = re.compile(r"^rank-(\d+)\.json$")
 
 
+def _run_hash(run_dir: Path) -> str:
+    return hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:10]
+
+
 def job_key(run_dir: Path, job: JobFacts | None = None) -> str:
     """``job<id>-<run hash>`` in a Slurm job, ``local-<run hash>`` outside."""
     job = job or JobFacts.from_env()
-    run_hash = hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:10]
+    run_hash = _run_hash(run_dir)
     return f"job{job.job_id}-{run_hash}" if job.in_slurm else f"local-{run_hash}"
 
 
@@ -104,21 +109,20 @@ def holdings(node_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
     return found
 
 
-def read_file(step_path: Path, rank: int) -> bytearray:
-    """A snapshot file's bytes, read straight into one writable buffer (decode's tensors view it)."""
-    path = snapshot_file(step_path, rank)
-    data = bytearray(path.stat().st_size)
-    with open(path, "rb") as f:
-        view, done = memoryview(data), 0
-        while done < len(data):
-            got = f.readinto(view[done:])
-            if not got:
-                raise OSError(f"{path} ended at byte {done} while it was read")
-            done += got
-    return data
+def read_file(step_path: Path, rank: int) -> mmap.mmap | bytearray:
+    """A snapshot file's bytes, mapped copy-on-write: on a tmpfs the node's memory itself, read with no
+    copy and no allocation; writable (decode's tensors view it) without ever changing the file. Files
+    are replaced by a rename, never truncated, so a mapping stays whole even if the file is deleted."""
+    with open(snapshot_file(step_path, rank), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if not size:
+            return bytearray()
+        # No MAP_POPULATE: on a private writable mapping it copies every page (a write fault each); a
+        # read fault maps the file's own page.
+        return mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def read_verified(step_path: Path, rank: int, checksum: str) -> bytearray | None:
+def read_verified(step_path: Path, rank: int, checksum: str) -> mmap.mmap | bytearray | None:
     """The file's bytes when they match `checksum`, else None."""
     try:
         data = read_file(step_path, rank)
@@ -143,14 +147,47 @@ def keep_from(node_dir: Path, oldest_kept: int) -> None:
             shutil.rmtree(step_path, ignore_errors=True)
 
 
-def remove_job(snapshot_dir: str | Path, job_id: str) -> list[Path]:
-    """Remove every snapshot folder of Slurm job `job_id` under `snapshot_dir` (all its runs)."""
-    removed = []
+def job_dirs(snapshot_dir: str | Path, job_id: str) -> list[Path]:
+    """The snapshot folders of Slurm job `job_id` under `snapshot_dir` (one per run of the job)."""
     base = Path(snapshot_dir)
     if not job_id or not base.is_dir():
-        return removed
-    for path in base.glob(f"{PREFIX}job{job_id}-*"):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+        return []
+    return [p for p in base.glob(f"{PREFIX}job{job_id}-*") if p.is_dir() and not p.is_symlink()]
+
+
+def node_dirs(root: Path) -> list[Path]:
+    """The node folders of a job folder (`job_root`)."""
+    return [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+
+
+def remove_rank(node_dir: Path, rank: int) -> list[Path]:
+    """Remove every snapshot file of `rank` (its own or a replica) from a node folder, entry first."""
+    removed = []
+    for step in holdings(node_dir):
+        step_path = step_dir(node_dir, step)
+        for path in (entry_file(step_path, rank), snapshot_file(step_path, rank)):
+            if path.exists():
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def remove_earlier_jobs(snapshot_dir: str | Path, run_dir: Path, job: JobFacts | None = None) -> list[Path]:
+    """Remove this run's snapshot folders of other Slurm jobs from this node: what an earlier job of the
+    run left here (a job requeued onto other nodes cleans up only on the nodes of its last step). The
+    run lock lets one job at a time run it, so they are never read again."""
+    base, mine = Path(snapshot_dir), job_root(snapshot_dir, run_dir, job)
+    if not base.is_dir():
+        return []
+    removed = [p for p in base.glob(f"{PREFIX}job*-{_run_hash(run_dir)}") if p != mine and not p.is_symlink()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def remove_job(snapshot_dir: str | Path, job_id: str) -> list[Path]:
+    """Remove every snapshot folder of Slurm job `job_id` under `snapshot_dir` (all its runs)."""
+    removed = job_dirs(snapshot_dir, job_id)
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
     return removed

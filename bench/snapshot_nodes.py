@@ -1,0 +1,146 @@
+"""One task of `python bench/snapshot.py`'s two-node part: run by `relaytrain launch --command` on 2 nodes
+of the local cluster (1 task each, each node with its own /dev/shm), with the resolved config of the
+launch (RELAYTRAIN_CONFIG: the debug config with a model large enough for ~1 GB of state per rank).
+
+It builds the trainer (model shards, AdamW state, data position, RNG: what a snapshot and a checkpoint
+hold) and, through relaytrain's own code paths only:
+
+1. saves a DCP checkpoint of step 1 (`CheckpointManager.save`, sync) to the run directory;
+2. changes every parameter, takes the snapshot of step 2 (`SnapshotManager.take`) and waits for its
+   write (`SnapshotManager.wait`): the blocking copy, the exchange with the peer node over the gloo
+   group (each rank sends its file to the other node and receives the other's), and the writes;
+3. restores three times (`SnapshotManager.restore`, then `CheckpointManager.load` when it finds no
+   usable snapshot, as the trainer does): with both nodes' folders intact (local memory), after rank 1's
+   node folder is deleted (rank 1's file comes from its replica on node 0), and after both are deleted
+   (the DCP checkpoint of step 1; the page cache is dropped first when this process may). Before each
+   one the parameters are zeroed; after it a checksum of every rank's model state is compared with the
+   state that was saved.
+
+Rank 0 writes the timings as JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from relaytrain.checkpoint.checksums import Checksum
+from relaytrain.checkpoint.snapshot.format import _local
+from relaytrain.checkpoint.state import create_adam_state, model_state
+from relaytrain.config import load_config
+from relaytrain.monitor.logs import setup_logging
+from relaytrain.parallel.distributed import init_distributed, shutdown_distributed
+from relaytrain.trainer import Trainer, prepare_run_dir
+
+
+def fingerprint(parts) -> str:
+    checksum = Checksum()
+    for tensor in model_state(parts).values():
+        checksum.update(_local(tensor).contiguous().reshape(-1).view(torch.uint8).numpy())
+    return checksum.text()
+
+
+def drop_page_cache() -> bool:
+    """So that the DCP load reads the disk, not the pages its save left in memory (needs root)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def gathered(value) -> list:
+    box = [None] * dist.get_world_size()
+    dist.all_gather_object(box, value)
+    return box
+
+
+def restore(trainer: Trainer, tier: str, expected: str, rank: int) -> dict:
+    snapshots, checkpoint = trainer.snapshots, trainer.checkpoint
+    if (tier == "peer" and rank == 1) or tier == "dcp":
+        shutil.rmtree(snapshots.node_dir, ignore_errors=True)  # the node lost its memory
+    with torch.no_grad():
+        for part in trainer.model.model_parts:
+            for param in part.parameters():
+                _local(param).zero_()
+    dropped = drop_page_cache() if tier == "dcp" and rank == 0 else False
+    dist.barrier()
+    started = time.perf_counter()
+    step = snapshots.restore()
+    snapshot_s = time.perf_counter() - started
+    source = "snapshot"
+    if step is None:
+        step, source = checkpoint.load(), "checkpoint"
+    seconds = time.perf_counter() - started
+    dist.barrier()
+    total = time.perf_counter() - started  # the slowest rank's
+    exact = all(gathered(fingerprint(trainer.model.model_parts) == expected))
+    return {"tier": tier, "step": step, "source": source, "restore_s": total, "rank_s": gathered(seconds),
+            "snapshot_lookup_s": snapshot_s, "bit_exact": exact, "page_cache_dropped": dropped}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="the JSON file rank 0 writes")
+    args = parser.parse_args()
+    cfg = load_config(os.environ["RELAYTRAIN_CONFIG"])
+    env = init_distributed(cfg)
+    run_dir = prepare_run_dir(cfg, env.is_main)
+    setup_logging(run_dir, env.rank, env.local_rank, env.node, cfg.metrics.rank_logs)
+    log = logging.getLogger("relaytrain")
+    torch.manual_seed(cfg.run.seed)
+    trainer = Trainer(cfg, env)
+    try:
+        create_adam_state(trainer.optimizers)  # the moments a first step would create: a full state
+        checkpoint, snapshots = trainer.checkpoint, trainer.snapshots
+        trainer.state.step = 1
+        started = time.perf_counter()
+        checkpoint.save(1)
+        checkpoint.wait()
+        dist.barrier()
+        dcp_save_s = time.perf_counter() - started
+        at_checkpoint = fingerprint(trainer.model.model_parts)
+        with torch.no_grad():
+            for part in trainer.model.model_parts:
+                for param in part.parameters():
+                    _local(param).add_(1.0)
+        trainer.state.step = 2
+        at_snapshot = fingerprint(trainer.model.model_parts)
+        snapshots.take(2)
+        blocking = snapshots.last
+        written = gathered(snapshots.wait())
+        dist.barrier()
+        results = {
+            "nodes": gathered(env.node),
+            "params": sum(_local(p).numel() for part in trainer.model.model_parts for p in part.parameters()),
+            "snapshot_bytes": gathered(blocking["bytes"]),
+            "blocking_s": gathered(blocking["blocking_s"]),
+            "written": written,
+            "dcp_save_s": dcp_save_s,
+            "restores": [],
+        }
+        for tier in ("local", "peer", "dcp"):
+            expected = at_checkpoint if tier == "dcp" else at_snapshot
+            results["restores"].append(restore(trainer, tier, expected, env.rank))
+            if env.is_main:
+                log.info("bench: restore from %s: %s", tier, results["restores"][-1])
+        if env.is_main:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        snapshots.close(finished=True)
+        checkpoint.close()
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

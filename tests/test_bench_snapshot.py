@@ -1,0 +1,56 @@
+"""bench/snapshot.py's two-node part: its table from a results file (the measurement itself needs the
+local Slurm cluster and minutes; docs/benchmarks.md, "In-memory snapshots", has its figures)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from bench.report import REPO
+
+spec = importlib.util.spec_from_file_location("bench_snapshot", REPO / "bench" / "snapshot.py")
+snapshot = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(snapshot)
+
+RESULTS = {
+    "nodes": ["n1", "n2"], "params": 99_000_000, "snapshot_bytes": [1.19e9, 1.19e9],
+    "blocking_s": [0.8, 0.7], "dcp_save_s": 4.2,
+    "written": [{"replicate_s": 4.0, "replicated_bytes": 1.19e9, "write_s": 4.3},
+                {"replicate_s": 4.5, "replicated_bytes": 1.19e9, "write_s": 4.1}],
+    "restores": [
+        {"tier": "local", "step": 2, "source": "snapshot", "restore_s": 1.0, "bit_exact": True},
+        {"tier": "peer", "step": 2, "source": "snapshot", "restore_s": 1.5, "bit_exact": False},
+        {"tier": "dcp", "step": 1, "source": "checkpoint", "restore_s": 1.8, "bit_exact": True,
+         "page_cache_dropped": False, "snapshot_lookup_s": 0.01},
+    ],
+}  # fmt: skip
+
+
+def test_the_two_node_rows_take_the_slowest_rank_and_say_where_each_restore_came_from():
+    size, *rows = snapshot.nodes_rows(RESULTS)
+    assert size == "| 2 nodes: model and AdamW state per rank | 1.19 GB (99 M parameters) |"
+    assert all(row.startswith("| 2 nodes, 1.19 GB state per rank: ") for row in rows)
+    assert rows[0].endswith("| 0.800 s |")
+    assert "| 4.500 s, 264 MB/s per direction |" in rows[1] and rows[2].endswith("| 4.300 s |")
+    local, peer, dcp = rows[3:6]
+    assert "from local memory" in local and "(step 2 from the snapshot, bit-exact)" in local
+    assert "from the peer node" in peer and "NOT bit-exact" in peer
+    assert "step 1 from the checkpoint" in dcp and "page cache not dropped" in dcp
+    assert rows[6].endswith("| 4.200 s |")
+
+
+def test_the_model_is_sized_to_the_state_asked_for_and_unknown_parts_are_refused(monkeypatch, capsys):
+    assert snapshot.nodes_layers(1.2) == 17 and snapshot.nodes_layers(0.01) == 1
+    monkeypatch.setattr(sys, "argv", ["bench/snapshot.py", "--parts", "debug,gpu"])
+    with pytest.raises(SystemExit) as exited:
+        snapshot.main()
+    assert exited.value.code == 2
+    assert "--parts: unknown gpu; choose from debug,state,nodes" in capsys.readouterr().err
+
+
+def test_the_page_names_the_command_that_measured_the_section():
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    section = page[page.index("## In-memory snapshots") :]
+    assert "with `python bench/snapshot.py`, one invocation" in section[:400]
