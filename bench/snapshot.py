@@ -1,11 +1,14 @@
 """In-memory snapshots: what a snapshot blocks of a training step, how fast a large state is copied,
 written to /dev/shm and read back, replicated to a peer node and restored from each tier.
 
-    python bench/snapshot.py [--steps 12] [--state-gb 1.2] [--parts debug,state,nodes] [--no-lock]
+    python bench/snapshot.py [--steps 12] [--state-gb 1.2] [--wide-steps 6]
+                              [--parts debug,wide,state,nodes] [--no-lock]
 
 1. The debug config (configs/debug.toml), one process, `checkpoint.snapshot_every=1`, against the same
    run without snapshots: the median step time of each and the median blocking time per snapshot
-   (`snapshot_blocking_s` in metrics.jsonl), steps 3.. (the first ones warm up).
+   (`snapshot_blocking_s` in metrics.jsonl), steps 3.. (the first ones warm up); then the same for the
+   debug config widened to about `--state-gb` GB of state in one process (the share of a real step that a
+   large state's snapshot blocks).
 2. A state of `--state-gb` GB (fp32 tensors of 4 M elements, about a 100 M-parameter model with AdamW): the
    blocking copy into the reused host buffer (second and later snapshots), the background write to
    /dev/shm with its checksum, and reading and decoding it back (a restore from local memory).
@@ -33,14 +36,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("debug", "state", "nodes")
+PARTS = ("debug", "wide", "state", "nodes")
 # The two-node model: the debug config at this width; layers from the state size asked for (12 bytes
 # per parameter in the state: fp32 weights and AdamW's two moments, half the model on each rank).
 NODES_DIM, PARAMS_PER_LAYER = 1024, 11.6e6
 
 
-def _train(work: Path, name: str, steps: int, every: int) -> list[dict]:
-    args = [sys.executable, "-m", "relaytrain.cli", "train", str(REPO / "configs/debug.toml")]
+def _train(work: Path, name: str, steps: int, every: int, model: list[str]) -> list[dict]:
+    args = [sys.executable, "-m", "relaytrain.cli", "train", str(REPO / "configs/debug.toml"), *model]
     args += [f"--run.dir={work}", f"--run.name={name}", f"--train.max_steps={steps}", "--train.eval_every=0"]
     args += ["--checkpoint.interval=0", "--metrics.log_every=1", "--metrics.tensorboard=false"]
     args += [f"--checkpoint.snapshot_every={every}", f"--checkpoint.snapshot_dir={work / 'shm'}"]
@@ -49,11 +52,18 @@ def _train(work: Path, name: str, steps: int, every: int) -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("kind") == "train" and r["step"] >= 3]
 
 
-def debug_model(steps: int) -> dict[str, float]:
+def wide_model(state_gb: float) -> list[str]:
+    """The debug config widened to about `state_gb` GB of model and AdamW state in one process."""
+    layers = max(1, round(state_gb * 1e9 / 12 / PARAMS_PER_LAYER))
+    return [f"--model.dim={NODES_DIM}", f"--model.n_layers={layers}"]
+
+
+def step_share(steps: int, model: list[str]) -> dict[str, float]:
+    """The run without snapshots and with one every step, side by side."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        plain = _train(work, "plain", steps, 0)
-        snap = _train(work, "snap", steps, 1)
+        plain = _train(work, "plain", steps, 0, model)
+        snap = _train(work, "snap", steps, 1, model)
     blocking = [r["snapshot_blocking_s"] for r in snap[:-1]]  # the last step takes none
     return {
         "step_plain_s": statistics.median(r["time_step_s"] for r in plain),
@@ -157,10 +167,21 @@ def nodes_rows(r: dict) -> list[str]:
     return rows
 
 
+def step_rows(what: str, r: dict[str, float]) -> list[str]:
+    share = r["blocking_s"] / r["step_snap_s"]
+    return [
+        f"| {what}: step without snapshots (median) | {r['step_plain_s']:.3f} s |",
+        f"| {what}: step with `snapshot_every=1` (median) | {r['step_snap_s']:.3f} s |",
+        f"| {what}: blocking per snapshot, median (max) | {r['blocking_s']:.4f} s "
+        f"({r['blocking_max_s']:.4f} s), {share:.1%} of the step, {r['mb']:.1f} MB per rank |",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--state-gb", type=float, default=1.2)
+    parser.add_argument("--wide-steps", type=int, default=6, help="steps of each widened run")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"which of {','.join(PARTS)} to run")
     parser.add_argument("--no-lock", action="store_true", help="the caller holds the cluster's lock already")
     args = parser.parse_args()
@@ -169,15 +190,11 @@ def main() -> None:
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {','.join(PARTS)}")
     print("| measure | value |\n| --- | --- |", flush=True)
     if "debug" in parts:
-        debug = debug_model(args.steps)
-        share = debug["blocking_s"] / debug["step_snap_s"]
-        print(f"| debug config: step without snapshots (median) | {debug['step_plain_s']:.3f} s |")
-        print(f"| debug config: step with `snapshot_every=1` (median) | {debug['step_snap_s']:.3f} s |")
-        print(
-            f"| debug config: blocking per snapshot, median (max) | {debug['blocking_s']:.4f} s "
-            f"({debug['blocking_max_s']:.4f} s), {share:.1%} of the step, {debug['mb']:.1f} MB per rank |",
-            flush=True,
-        )
+        print("\n".join(step_rows("debug config", step_share(args.steps, []))), flush=True)
+    if "wide" in parts:
+        wide = step_share(args.wide_steps, wide_model(args.state_gb))
+        what = f"debug config widened to {wide['mb'] / 1e3:.2f} GB, one process"
+        print("\n".join(step_rows(what, wide)), flush=True)
     if "state" in parts:
         large = large_state(args.state_gb)
         gb = f"{large['gb']:.2f} GB state"

@@ -43,14 +43,22 @@ def test_the_two_node_rows_take_the_slowest_rank_and_say_where_each_restore_came
 
 def test_the_model_is_sized_to_the_state_asked_for_and_unknown_parts_are_refused(monkeypatch, capsys):
     assert snapshot.nodes_layers(1.2) == 17 and snapshot.nodes_layers(0.01) == 1
+    assert snapshot.wide_model(1.2) == ["--model.dim=1024", "--model.n_layers=9"]  # one process: all of it
     monkeypatch.setattr(sys, "argv", ["bench/snapshot.py", "--parts", "debug,gpu"])
     with pytest.raises(SystemExit) as exited:
         snapshot.main()
     assert exited.value.code == 2
-    assert "--parts: unknown gpu; choose from debug,state,nodes" in capsys.readouterr().err
+    assert "--parts: unknown gpu; choose from debug,wide,state,nodes" in capsys.readouterr().err
 
 
 def test_the_page_names_the_command_that_measured_the_section():
     page = (REPO / "docs" / "benchmarks.md").read_text()
     section = page[page.index("## In-memory snapshots") :]
     assert "with `python bench/snapshot.py`, one invocation" in section[:400]
+
+
+def test_a_step_row_gives_the_blocking_share_of_the_step_with_snapshots():
+    rows = snapshot.step_rows("x", {"step_plain_s": 1.0, "step_snap_s": 2.0, "blocking_s": 0.1,
+                                    "blocking_max_s": 0.2, "mb": 12.5})  # fmt: skip
+    assert rows[2].endswith("| 0.1000 s (0.2000 s), 5.0% of the step, 12.5 MB per rank |")
+    assert rows[2].startswith("| x: blocking per snapshot, median (max) |")
