@@ -124,7 +124,9 @@ def simulate_rank(
     sharded = shard_on_meta(cfg.parallel, cfg.model, cfg.train, device, world_size, rank, gpus_per_node)
     dims = sharded.dims
     with FakeTensorMode(allow_non_fake_inputs=True), ignore_sharding_propagation():
-        model = materialize(sharded, cfg.parallel, cfg.train, device, seed=cfg.run.seed)
+        model = materialize(
+            sharded, cfg.parallel, cfg.train, device, seed=cfg.run.seed, declare_stage_shapes=True
+        )
         optimizer = build_optimizer(cfg.optim, model.model_parts, device)
         shape = (dims.local_batch_size, cfg.train.seq_len)
         inputs = torch.randint(0, cfg.model.vocab_size, shape)
