@@ -144,6 +144,26 @@ class FSDPStepTracker(_StepMixin, FSDPMemTracker):
 
         return pre_forward
 
+    def _fsdp_param_group_post_backward(self, fsdp_mod, orig_fsdp_param_group_post_backward):
+        """A pipeline stage holds FSDP's gradient reduction until its last microbatch: the gradients then
+        accumulate unsharded, upcast to the reduce dtype, a new tensor the stock tracker counts as a
+        temporary. They are the stage's unsharded gradients: counted as such."""
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+        inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig_fsdp_param_group_post_backward)
+
+        def post_backward(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group else ():
+                if param.unsharded_accumulated_grad is not None:
+                    self._update_and_maybe_create_winfos(
+                        param.unsharded_accumulated_grad, _FSDPRefType.UNSHARDED_GRAD
+                    )
+            return out
+
+        return post_backward
+
 
 class PlainStepTracker(_StepMixin, MemTracker):
     """MemTracker for a model without FSDP (one process)."""
