@@ -12,7 +12,9 @@ v = pp_virtual_stages, a microbatch of mb sequences of s tokens:
   (one on the last); the interleaved schedule (v stages of L / (pp v) layers per rank) runs
   (v - 1) pp + 2 (pp - 1 - rank) warm-up forwards, then a forward before each backward; GPipe all n.
   The first stage's figure and the last one's (which adds the loss) are both counted; the larger
-  stands, since a GPU must fit either.
+  stands, since a GPU must fit either. The last stage keeps its output, the bf16 logits, for the stage's
+  backward, and that backward adds their bf16 gradients beside the loss's fp32 ones: 6 V / t bytes per
+  token more than the loss (measured by the simulation inside the output projection at its peak).
 * receive buffers: the schedule allocates, once per microbatch and for the whole step, a buffer for
   every activation a stage receives and every gradient it receives back: n x mb s h / (t c) x 2 bytes
   per direction, up to 2v directions per rank (2v - 1 with pp = 2, where each rank holds an end stage).
@@ -31,7 +33,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 class StageMemory:
     gathered: float  # bf16 weights and unsharded gradients of the stage
     first: float  # the first stage's activations in flight (the loss excluded)
-    last: float  # the last stage's activations in flight (the loss excluded)
+    last: float  # the last stage's activations in flight and its kept logits (the loss excluded)
     buffers: float  # receive buffers
 
 
@@ -59,4 +61,6 @@ def stage_memory(cfg: Config, dims, per_layer: float, stage_params: float) -> St
     last = microbatches_in_flight(p.pp_schedule, dims.pp, p.pp_virtual_stages, n, dims.pp - 1)
     hidden = dims.micro_batch_size * t.seq_len * m.dim * 2 / (dims.tp * dims.cp)
     directions = 2 * p.pp_virtual_stages - (1 if dims.pp == 2 else 0)
-    return StageMemory(gathered, first, last * layers * per_layer, n * hidden * directions)
+    vocab_split = dims.tp if dims.tp > 1 and p.loss_parallel else 1
+    kept_logits = 6.0 * dims.micro_batch_size * t.seq_len * m.vocab_size / vocab_split
+    return StageMemory(gathered, first, last * layers * per_layer + kept_logits, n * hidden * directions)

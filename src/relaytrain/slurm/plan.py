@@ -5,7 +5,8 @@ f = FFN width, L layers, a heads, k KV heads, V vocabulary, model-parallel degre
 sharding degree z = dp_shard * cp):
 
 * weights, gradients and AdamW: FSDP keeps fp32 master weights (4P), fp32 gradients (4P) and the two
-  AdamW moments (8P), each split over m and z: 16 P / (m z).
+  AdamW moments (8P), each split over m and z: 16 P / (m z); a pipeline's gradients are unsharded
+  until the step's last backward (see below), 12 P / (m z) at its peak.
 * gathered layers: at the step's peak (the start of backward, when every activation and the loss's
   gradients are held) FSDP holds one transformer block gathered in bf16, the last one, which it keeps
   gathered from forward into backward: 2 x block / tp bytes. (`plan --simulate` measures it.) A single
@@ -124,7 +125,9 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
     params = count_parameters(m)
     model_parallel = dims.tp * dims.pp
     shard = dims.dp_shard * dims.cp
-    states = 16 * params / (model_parallel * shard)
+    # A pipeline's gradients stay unsharded until the step's last backward (stage_memory): at the peak
+    # the states are the weights and AdamW's moments, 12 P / (m z).
+    states = (12 if dims.pp > 1 and not p.cpu_offload else 16) * params / (model_parallel * shard)
     block = count_parameters(m, include_embedding=False) // max(m.n_layers, 1)
     offloaded = p.cpu_offload
     working = 2 * block / dims.tp if shard > 1 or offloaded else 0.0
