@@ -145,9 +145,12 @@ class FSDPStepTracker(_StepMixin, FSDPMemTracker):
         return pre_forward
 
     def _fsdp_param_group_post_backward(self, fsdp_mod, orig_fsdp_param_group_post_backward):
-        """A pipeline stage holds FSDP's gradient reduction until its last microbatch: the gradients then
-        accumulate unsharded, upcast to the reduce dtype, a new tensor the stock tracker counts as a
-        temporary. They are the stage's unsharded gradients: counted as such."""
+        """Gradients FSDP holds back, which the stock tracker counts as temporaries, counted as gradients:
+
+        * a pipeline stage holds the reduction until its last microbatch: the gradients accumulate
+          unsharded, upcast to the reduce dtype (the stage's unsharded gradients);
+        * HSDP holds the all-reduce across replica groups until the last micro batch: the
+          reduce-scattered gradients accumulate in FSDP's partial reduce output (the sharded ones)."""
         from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 
         inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig_fsdp_param_group_post_backward)
@@ -155,11 +158,15 @@ class FSDPStepTracker(_StepMixin, FSDPMemTracker):
         def post_backward(*args, **kwargs):
             out = inner(*args, **kwargs)
             group = fsdp_mod._get_fsdp_state()._fsdp_param_group
-            for param in group.fsdp_params if group else ():
+            if group is None:
+                return out
+            for param in group.fsdp_params:
                 if param.unsharded_accumulated_grad is not None:
                     self._update_and_maybe_create_winfos(
                         param.unsharded_accumulated_grad, _FSDPRefType.UNSHARDED_GRAD
                     )
+            if group._partial_reduce_output is not None:
+                self._update_and_maybe_create_winfos(group._partial_reduce_output, _FSDPRefType.SHARDED_GRAD)
             return out
 
         return post_backward
