@@ -4,10 +4,12 @@ For a representative rank of each role (first and last pipeline stage, a member 
 replica group), a fresh process joins PyTorch's fake process group as that rank of the full world,
 builds the model through the trainer's own path (`parallel_model.shard_on_meta`: mesh in
 `parallel.rank_order`, pipeline split, TP + SP, AC, FSDP2 / HSDP, CPU offload), then, under
-FakeTensorMode, allocates it (`materialize`) and runs one step as the trainer does: every micro batch
-of the local batch (through the pipeline schedule when there is one), backward, gradient clipping, the
-AdamW step. Fake tensors have shapes and no data: nothing is computed and nothing allocated, and the
-trackers record what a GPU would hold (sim_memory) and what it would send (sim_comm).
+FakeTensorMode, allocates it (`materialize`) and runs one step as the trainer does: the micro batches
+of the local batch that reach the step's peak (`simulation_config`; through the pipeline schedule when
+there is one, its stages' boundary shapes declared: relaytrain.parallel.pipeline_shapes), backward,
+gradient clipping, the AdamW step. Fake tensors have shapes and no data: nothing is computed and
+nothing allocated, and the trackers record what a GPU would hold (sim_memory) and what it would send
+(sim_comm).
 
 The device is the CPU: parameters are cast to bf16 as `param_dtype = "auto"` does on CUDA, but the
 attention kernel is the CPU one that SDPA picks (reported per rank).
