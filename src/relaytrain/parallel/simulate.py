@@ -77,16 +77,16 @@ def steady_state_microbatches(parallel, dims: ParallelDims) -> int:
 
     1F1B: the first stage runs pp forwards before its first backward; a backward with pp - 1 others
     in flight *and* the gradients of an earlier one already there comes first at pp + 1 microbatches.
-    Interleaved: the warm-up fills (virtual stages - 1) rounds of pp microbatches, and the first steady
-    backward with the gradients there comes at 2 pp (counts must be multiples of pp). GPipe keeps every
-    microbatch in flight: all of them. Each further microbatch repeats the steady state (checked on
-    a small model: tests/test_simulate.py), except for the per-microbatch receive buffers, which the
-    simulation adds (`_unrun_receive_buffers`)."""
+    Interleaved (v virtual stages): the warm-up fills v - 1 rounds of pp microbatches, and every local
+    stage has run a backward before its next one by v pp (2 pp with 2 virtual stages; counts must be
+    multiples of pp). GPipe keeps every microbatch in flight: all of them. Each further microbatch
+    repeats the steady state (checked with pp 2 on a small model: tests/test_simulate.py), except for
+    the per-microbatch receive buffers, which the simulation adds (`_unrun_receive_buffers`)."""
     n = pp_microbatches(parallel)
     if parallel.pp_schedule == "1f1b":
         return min(n, dims.pp + 1)
     if parallel.pp_schedule == "interleaved_1f1b":
-        return min(n, 2 * dims.pp)
+        return min(n, max(2, parallel.pp_virtual_stages) * dims.pp)
     return n
 
 
