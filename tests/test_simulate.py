@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,7 +10,14 @@ from tests.conftest import run_cli
 
 from relaytrain.config import load_config
 from relaytrain.parallel.layout import validate_layout
-from relaytrain.parallel.simulate import rank_with, representative_ranks, simulate
+from relaytrain.parallel.simulate import (
+    _run_child,
+    rank_with,
+    representative_ranks,
+    simulate,
+    simulated_micro_batches,
+    simulation_config,
+)
 
 # Small enough for seconds per simulated rank, wide enough for TP 8 (8 heads) and PP 2.
 SMALL_TOML = """[model]
@@ -36,8 +44,9 @@ def small_cfg(tmp_path, *overrides: str):
     return load_config(path, list(overrides))
 
 
-def exact_shard_bytes(cfg, dims, stage_layers: range) -> tuple[int, int]:
-    """(fp32 parameter bytes, parameter tensors) one rank holds: TP splits every matrix, FSDP every tensor."""
+def exact_shard_bytes(cfg, dims, stage_layers, parts: int = 1) -> tuple[int, int]:
+    """(fp32 parameter bytes, parameter tensors) one rank holds: TP splits every matrix, FSDP every tensor;
+    each of the rank's `parts` (pipeline stages) has its own RoPE tables."""
     m = cfg.model
     fsdp = dims.dp_shard * dims.cp
     head = m.dim // m.n_heads
@@ -54,14 +63,14 @@ def exact_shard_bytes(cfg, dims, stage_layers: range) -> tuple[int, int]:
     if last:
         numel += m.vocab_size * m.dim // (dims.tp * fsdp) + m.dim // fsdp
         tensors += 2
-    rope = 2 * m.max_seq_len * head // 2  # cos and sin tables, fp32 buffers
+    rope = parts * 2 * m.max_seq_len * head // 2  # cos and sin tables, fp32 buffers
     return 4 * (numel + rope), tensors
 
 
-def check_exact_states(cfg, dims, sim, stage_layers: range) -> None:
-    param_bytes, tensors = exact_shard_bytes(cfg, dims, stage_layers)
+def check_exact_states(cfg, dims, sim, stage_layers, parts: int = 1) -> None:
+    param_bytes, tensors = exact_shard_bytes(cfg, dims, stage_layers, parts)
     assert sim.categories["parameters"] == param_bytes
-    rope = 4 * cfg.model.max_seq_len * (cfg.model.dim // cfg.model.n_heads)
+    rope = parts * 4 * cfg.model.max_seq_len * (cfg.model.dim // cfg.model.n_heads)
     # AdamW: two fp32 moments per parameter and a 4-byte step count per tensor.
     assert sim.categories["optimizer state"] == 2 * (param_bytes - rope) + 4 * tensors
 
@@ -80,21 +89,57 @@ def test_fsdp8_tp8_at_64_ranks_holds_exact_shards_and_tp_stays_in_the_node(tmp_p
     assert "flash_attention" in " ".join(sim.attention_kernels)
 
 
-def test_tp2_pp2_fsdp4_at_16_ranks_names_both_pipeline_ends_and_falls_back_to_the_plan(tmp_path):
-    """The pipeline schedule's first step votes and infers shapes from tensor values, which fake tensors
-    do not have: the simulation says which op stopped it and the analytical plan stands."""
-    cfg = small_cfg(tmp_path, "--parallel.tp=2", "--parallel.pp=2", "--parallel.pp_microbatches=4")
-    dims = validate_layout(cfg.parallel, cfg.model, cfg.train, 16, 8, "cuda")
-    assert (dims.dp_shard, dims.tp, dims.pp) == (4, 2, 2)
-    ranks = representative_ranks(dims)
-    assert [role for _, role in ranks] == ["first pipeline stage", "last pipeline stage"]
-    assert dims.coordinates(ranks[1][0])["pp"] == 1
+INTERLEAVED = ("--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2")
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["1f1b", "interleaved"])
+def test_tp2_pp2_fsdp4_at_16_ranks_simulates_both_pipeline_ends(tmp_path, interleaved):
+    """The schedule runs on fake tensors (its stages declare their boundaries: the first step's vote
+    and shape inference read tensor values). Each end holds exactly its stages' shards; the sends
+    between stages cross the node boundary when the pipeline peer is on another node (2 GPUs per node
+    here). The simulation runs the schedule to its steady state and adds the receive buffers of the
+    microbatches it leaves out: the peak of all 8, up to their token ids (1 KiB each) and, on the
+    last stage, their fp32 losses."""
+    n = 8
+    cfg = small_cfg(
+        tmp_path, "--parallel.tp=2", "--parallel.pp=2", f"--parallel.pp_microbatches={n}",
+        *(INTERLEAVED if interleaved else ()),
+    )  # fmt: skip
+    dims = validate_layout(cfg.parallel, cfg.model, cfg.train, 16, 2, "cuda")
+    assert (dims.dp_shard, dims.tp, dims.pp, dims.grad_accum) == (4, 2, 2, n)
+    first, last = sims = simulate(cfg, dims, 2)
+    assert (first.role, last.role) == ("first pipeline stage", "last pipeline stage")
+    assert last.coordinates["pp"] == 1
+    if interleaved:  # stages 0 and 2 of 4, and 1 and 3, one layer each
+        check_exact_states(cfg, dims, first, [0, 2], parts=2)
+        check_exact_states(cfg, dims, last, [1, 3], parts=2)
+    else:
+        check_exact_states(cfg, dims, first, range(0, 2))
+        check_exact_states(cfg, dims, last, range(2, 4))
+    fewer = simulated_micro_batches(cfg.parallel, dims)
+    assert fewer == (2 * dims.pp if interleaved else dims.pp + 1)
+    hidden = dims.micro_batch_size * cfg.train.seq_len // dims.tp * cfg.model.dim * 2  # bf16, SP-sharded
+    sends = fewer * (3 if interleaved else 1)  # interleaved: 2 activations and 1 gradient per microbatch
+    (p2p,) = [c for c in first.collectives if c["op"] == "send" and c["mesh_dim"] == "pp"]
+    assert (p2p["calls"], p2p["bytes"], p2p["crosses_nodes"]) == (sends, sends * hidden, True)
+    assert not any(c["crosses_nodes"] for s in sims for c in s.collectives if c["mesh_dim"] == "tp")
+    whole = dataclasses.replace(dims, grad_accum=fewer)  # simulation_config then keeps all n
+    # 1F1B's last stage holds one micro batch in flight from the first: its first stage is the test.
+    ends = ((first, 1024), (last, 1024 + 4)) if interleaved else ((first, 1024),)
+    for sim, per_micro_batch in ends:
+        full = _run_child((simulation_config(cfg, whole), 16, sim.rank, 2, "", 0))
+        assert 0 <= full.peak_bytes - sim.peak_bytes <= (n - fewer) * per_micro_batch
+
+
+def test_a_layout_the_fake_step_cannot_run_falls_back_to_the_plan_with_one_line(tmp_path):
+    """Context parallel has no CPU attention strategy: the fake CPU step cannot shard attention."""
+    (tmp_path / "small.toml").write_text(SMALL_TOML)
     args = ["plan", "small.toml", "--nodes", "2", "--gpus-per-node", "8", "--gpu", "h100", "--simulate"]
-    args += ["--parallel.tp=2", "--parallel.pp=2", "--parallel.pp_microbatches=4"]
-    proc = run_cli(args, tmp_path)
+    proc = run_cli([*args, "--parallel.tp=2", "--parallel.cp=2"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     warning = [line for line in proc.stdout.splitlines() if line.startswith("warning:")]
-    assert len(warning) == 1 and "_local_scalar_dense" in warning[0], proc.stdout
+    assert len(warning) == 1 and "parallel.cp=2 needs CUDA" in warning[0], proc.stdout
+    assert warning[0].endswith("the analytical plan stands")
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
@@ -104,6 +149,20 @@ def test_hsdp_simulates_a_member_of_another_replica_group(tmp_path):
     ranks = representative_ranks(dims)
     assert ranks[-1] == (rank_with(dims, dp_replicate=1), "second replica group")
     assert dims.coordinates(ranks[-1][0])["dp_replicate"] == 1
+
+
+def test_hsdp_held_back_gradients_count_as_gradients(tmp_path):
+    """Between micro batches HSDP's reduce-scattered gradients wait for the replica all-reduce in FSDP's
+    partial reduce output: sharded fp32 gradients, the size of the sharded parameters (the tracker
+    counted them as temporaries: +33 % / -13 % by category for 8B on 4 x 8)."""
+    hsdp = ("--parallel.dp_replicate=2", "--parallel.dp_shard=4", "--train.micro_batch_size=2")
+    cfg = small_cfg(tmp_path, *hsdp)
+    dims = validate_layout(cfg.parallel, cfg.model, cfg.train, 8, 8, "cuda")
+    assert dims.grad_accum == 2
+    sim = _run_child((simulation_config(cfg, dims), 8, 0, 8, "", 0))
+    check_exact_states(cfg, dims, sim, range(4))
+    rope = 4 * cfg.model.max_seq_len * (cfg.model.dim // cfg.model.n_heads)
+    assert sim.categories["gradients"] == sim.categories["parameters"] - rope
 
 
 def test_plan_simulate_json_compares_with_the_plan_and_checks_the_reshard_of_the_range(tmp_path):
@@ -148,6 +207,24 @@ def test_8b_on_4x8_fsdp_agrees_with_plan_within_10_percent(tmp_path):
     states = compare(plan, sim)[0]
     assert states.relative == pytest.approx(0, abs=0.01)
     assert agrees(plan, sims), [(c.category, c.plan_bytes, c.simulated_bytes) for c in compare(plan, sim)]
+
+
+@pytest.mark.slow
+def test_70b_on_16x8_tp8_pp2_agrees_with_plan_within_10_percent():
+    """The 70B preset with a 1F1B pipeline at 128 ranks (about 2.5 minutes on 2 cores): the rank that
+    holds the most, the last stage, within 10 % in total and per category."""
+    from relaytrain.slurm.plan import make_plan
+    from relaytrain.slurm.simulated import agrees, compare
+
+    cfg = load_config("configs/70b.toml", ["--parallel.pp=2", "--parallel.pp_microbatches=8"])
+    plan = make_plan(cfg, 16, 8, "h100")
+    assert (plan.dims.tp, plan.dims.pp, plan.dims.dp_shard) == (8, 2, 8)
+    sims = simulate(cfg, plan.dims, 8)
+    top = max(sims, key=lambda s: s.peak_bytes)
+    rows = compare(plan, top)
+    assert agrees(plan, sims), [(c.category, c.plan_bytes, c.simulated_bytes) for c in rows]
+    assert all(abs(c.relative) <= 0.10 for c in rows), [(c.category, c.relative) for c in rows]
+    assert any(c["op"] == "send" and c["mesh_dim"] == "pp" and c["crosses_nodes"] for c in top.collectives)
 
 
 def test_one_process_build_keeps_tied_embeddings_tied(tmp_path):

@@ -34,6 +34,7 @@ from relaytrain.parallel.fsdp import apply_fsdp, param_dtype
 from relaytrain.parallel.layout import batch_split_note, pp_microbatches, validate_layout
 from relaytrain.parallel.mesh import build_mesh, fsdp_mesh, submesh
 from relaytrain.parallel.pipeline import build_schedule, split_stage, stage_ids_of
+from relaytrain.parallel.pipeline_shapes import BoundaryShapes, StageBoundary, stage_boundary
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class ParallelModel:
         device: torch.device,
         model_parts: list[nn.Module],
         stage_ids: list[int],
+        boundaries: BoundaryShapes | None = None,
     ):
         self.dims, self.mesh, self.device = dims, mesh, device
         self.model_parts = model_parts
@@ -84,9 +86,16 @@ class ParallelModel:
                 mesh["pp"].get_group(),
                 pp_microbatches(parallel),
                 self._loss_fn,
+                self._declared_boundaries(boundaries),
             )
 
     # -- helpers ------------------------------------------------------------------------------------
+
+    def _declared_boundaries(self, shapes: BoundaryShapes | None) -> list[StageBoundary] | None:
+        if shapes is None:
+            return None
+        tp_mesh = self.mesh["tp"] if self.dims.tp > 1 else None
+        return [stage_boundary(shapes, sid, self.n_stages, self.device, tp_mesh) for sid in self.stage_ids]
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy(logits, targets)
@@ -310,9 +319,19 @@ def shard_on_meta(
 
 
 def materialize(
-    sharded: ShardedOnMeta, parallel: ParallelConfig, train: TrainConfig, device: torch.device, *, seed: int
+    sharded: ShardedOnMeta,
+    parallel: ParallelConfig,
+    train: TrainConfig,
+    device: torch.device,
+    *,
+    seed: int,
+    declare_stage_shapes: bool = False,
 ) -> ParallelModel:
-    """The second half of `parallelize`: allocate this rank's shards, initialise them, build the step."""
+    """The second half of `parallelize`: allocate this rank's shards, initialise them, build the step.
+
+    `declare_stage_shapes`: give the pipeline stages their boundary shapes instead of inferring them on
+    the first step (the step simulation, whose fake process group cannot carry the inference).
+    """
     init_device = torch.device("cpu") if parallel.cpu_offload else device
     for part in sharded.parts:
         part.to_empty(device=init_device)
@@ -326,4 +345,18 @@ def materialize(
             part.rope_cos = part.rope_cos[: train.seq_len].clone()
             part.rope_sin = part.rope_sin[: train.seq_len].clone()
         part.train()
-    return ParallelModel(parallel, sharded.dims, sharded.mesh, device, sharded.parts, sharded.stage_ids)
+    dims = sharded.dims
+    shapes = None
+    if declare_stage_shapes and dims.pp > 1:
+        cfg = sharded.parts[0].cfg
+        shapes = BoundaryShapes(
+            microbatch=dims.local_batch_size // pp_microbatches(parallel),
+            seq_len=train.seq_len,
+            dim=cfg.dim,
+            vocab_size=cfg.vocab_size,
+            dtype=param_dtype(parallel, device.type),
+            tp=dims.tp,
+            cp=dims.cp,
+            loss_parallel=parallel.loss_parallel,
+        )
+    return ParallelModel(parallel, dims, sharded.mesh, device, sharded.parts, sharded.stage_ids, shapes)

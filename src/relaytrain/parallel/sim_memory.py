@@ -6,8 +6,8 @@ Two things the stock trackers do not do, and why this module exists:
   mode that is active. Under the simulation's own FakeTensorMode those full-size propagation tensors
   would be counted as if allocated: `ignore_sharding_propagation` marks them so the tracker skips them.
 * A step runs the model once per micro batch; the stock trackers refuse a second forward of the root
-  ("multiple iterative calls"). Per-module statistics are reset before each micro batch; the peak over
-  the whole step is kept.
+  ("multiple iterative calls"). A root's per-module statistics are reset before each of its micro
+  batches; the peak over the whole step is kept.
 """
 
 from __future__ import annotations
@@ -88,16 +88,23 @@ class _StepMixin:
     """Peak moment (phase, micro batch, module) and the propagation filter, for both trackers."""
 
     def _setup_step(self, roots: list[nn.Module]) -> None:
-        self._roots = {id(r) for r in roots}
+        self._forwards = {id(r): 0 for r in roots}
         self.micro_batch = -1
         self.in_optimizer = False
         self.peak_at = ""
         self._best = 0
 
     def _note_root_forward(self, module: nn.Module) -> None:
-        if id(module) in self._roots and not self._mod_tracker.is_bw:
-            self.micro_batch += 1
-            self.reset_mod_stats()
+        """A root's next micro batch: forget its own modules' statistics of the previous one.
+
+        Only its own: a pipeline runs the forward of one micro batch before the backward of an earlier
+        one, and an interleaved rank's other stages are still to run backward with theirs."""
+        if id(module) in self._forwards and not self._mod_tracker.is_bw:
+            self.micro_batch = self._forwards[id(module)]
+            self._forwards[id(module)] += 1
+            for sub in module.modules():
+                if sub in self.memory_tracking:
+                    del self.memory_tracking[sub]
 
     def _update_peak_stats(self, peak_state) -> None:
         super()._update_peak_stats(peak_state)
@@ -136,6 +143,33 @@ class FSDPStepTracker(_StepMixin, FSDPMemTracker):
             return inner(*args, **kwargs)
 
         return pre_forward
+
+    def _fsdp_param_group_post_backward(self, fsdp_mod, orig_fsdp_param_group_post_backward):
+        """Gradients FSDP holds back, which the stock tracker counts as temporaries, counted as gradients:
+
+        * a pipeline stage holds the reduction until its last microbatch: the gradients accumulate
+          unsharded, upcast to the reduce dtype (the stage's unsharded gradients);
+        * HSDP holds the all-reduce across replica groups until the last micro batch: the
+          reduce-scattered gradients accumulate in FSDP's partial reduce output (the sharded ones)."""
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+        inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig_fsdp_param_group_post_backward)
+
+        def post_backward(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            if group is None:
+                return out
+            for param in group.fsdp_params:
+                if param.unsharded_accumulated_grad is not None:
+                    self._update_and_maybe_create_winfos(
+                        param.unsharded_accumulated_grad, _FSDPRefType.UNSHARDED_GRAD
+                    )
+            if group._partial_reduce_output is not None:
+                self._update_and_maybe_create_winfos(group._partial_reduce_output, _FSDPRefType.SHARDED_GRAD)
+            return out
+
+        return post_backward
 
 
 class PlainStepTracker(_StepMixin, MemTracker):

@@ -4,10 +4,12 @@ For a representative rank of each role (first and last pipeline stage, a member 
 replica group), a fresh process joins PyTorch's fake process group as that rank of the full world,
 builds the model through the trainer's own path (`parallel_model.shard_on_meta`: mesh in
 `parallel.rank_order`, pipeline split, TP + SP, AC, FSDP2 / HSDP, CPU offload), then, under
-FakeTensorMode, allocates it (`materialize`) and runs one step as the trainer does: every micro batch
-of the local batch (through the pipeline schedule when there is one), backward, gradient clipping, the
-AdamW step. Fake tensors have shapes and no data: nothing is computed and nothing allocated, and the
-trackers record what a GPU would hold (sim_memory) and what it would send (sim_comm).
+FakeTensorMode, allocates it (`materialize`) and runs one step as the trainer does: the micro batches
+of the local batch that reach the step's peak (`simulation_config`; through the pipeline schedule when
+there is one, its stages' boundary shapes declared: relaytrain.parallel.pipeline_shapes), backward,
+gradient clipping, the AdamW step. Fake tensors have shapes and no data: nothing is computed and
+nothing allocated, and the trackers record what a GPU would hold (sim_memory) and what it would send
+(sim_comm).
 
 The device is the CPU: parameters are cast to bf16 as `param_dtype = "auto"` does on CUDA, but the
 attention kernel is the CPU one that SDPA picks (reported per rank).
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from relaytrain.config import Config
 from relaytrain.parallel.dims import ParallelDims
+from relaytrain.parallel.layout import pp_microbatches
 
 
 class SimulationError(Exception):
@@ -69,6 +72,24 @@ def representative_ranks(dims: ParallelDims) -> list[tuple[int, str]]:
 SIMULATED_ACCUMULATION = 2
 
 
+def steady_state_microbatches(parallel, dims: ParallelDims) -> int:
+    """The fewest pipeline microbatches at which the schedule reaches the peak of its steady state.
+
+    1F1B: the first stage runs pp forwards before its first backward; a backward with pp - 1 others
+    in flight *and* the gradients of an earlier one already there comes first at pp + 1 microbatches.
+    Interleaved (v virtual stages): the warm-up fills v - 1 rounds of pp microbatches, and every local
+    stage has run a backward before its next one by v pp (2 pp with 2 virtual stages; counts must be
+    multiples of pp). GPipe keeps every microbatch in flight: all of them. Each further microbatch
+    repeats the steady state (checked with pp 2 on a small model: tests/test_simulate.py), except for
+    the per-microbatch receive buffers, which the simulation adds (`_unrun_receive_buffers`)."""
+    n = pp_microbatches(parallel)
+    if parallel.pp_schedule == "1f1b":
+        return min(n, dims.pp + 1)
+    if parallel.pp_schedule == "interleaved_1f1b":
+        return min(n, max(2, parallel.pp_virtual_stages) * dims.pp)
+    return n
+
+
 def simulation_config(cfg: Config, dims: ParallelDims) -> Config:
     """The config a GPU would run: bf16 compute under param_dtype 'auto', fused AdamW under
     optim.implementation 'auto', no torch.compile (whose
@@ -77,7 +98,8 @@ def simulation_config(cfg: Config, dims: ParallelDims) -> Config:
     Without a pipeline, at most two accumulation steps: the first micro batch starts with no gradients,
     the second with the sharded gradients every later one also finds, so the peak is reached by the
     second; each one more costs a full fake forward and backward (half a minute for 8B on 2 cores).
-    A pipeline runs every microbatch of its schedule."""
+    A pipeline runs the microbatches its schedule needs to reach its steady state
+    (`steady_state_microbatches`), of the same size."""
     parallel = cfg.parallel
     changes = {"compile": False}
     if parallel.param_dtype == "auto":
@@ -89,19 +111,28 @@ def simulation_config(cfg: Config, dims: ParallelDims) -> Config:
     if dims.pp == 1 and dims.grad_accum > SIMULATED_ACCUMULATION:
         batch = dims.dp * dims.micro_batch_size * SIMULATED_ACCUMULATION
         train = dataclasses.replace(train, global_batch_size=batch)
+    if dims.pp > 1 and steady_state_microbatches(parallel, dims) < dims.grad_accum:
+        changes["pp_microbatches"] = steady_state_microbatches(parallel, dims)
+        batch = dims.dp * dims.micro_batch_size * changes["pp_microbatches"]
+        train = dataclasses.replace(train, global_batch_size=batch)
     parallel = dataclasses.replace(parallel, **changes)
     return dataclasses.replace(cfg, parallel=parallel, optim=optim, train=train)
 
 
-def simulated_micro_batches(dims: ParallelDims) -> int:
+def simulated_micro_batches(parallel, dims: ParallelDims) -> int:
     """Micro batches the simulated step runs of the `dims.grad_accum` the real one does."""
-    return dims.grad_accum if dims.pp > 1 else min(dims.grad_accum, SIMULATED_ACCUMULATION)
+    if dims.pp > 1:
+        return steady_state_microbatches(parallel, dims)
+    return min(dims.grad_accum, SIMULATED_ACCUMULATION)
 
 
 def simulate_rank(
-    cfg: Config, world_size: int, rank: int, gpus_per_node: int, role: str = ""
+    cfg: Config, world_size: int, rank: int, gpus_per_node: int, role: str = "", unrun_microbatches: int = 0
 ) -> RankSimulation:
-    """Simulate `rank` of `world_size` in this process (which it leaves with the fake group joined)."""
+    """Simulate `rank` of `world_size` in this process (which it leaves with the fake group joined).
+
+    `unrun_microbatches`: pipeline microbatches of the real step that `cfg` leaves out; their receive
+    buffers, which the schedule allocates once per microbatch and keeps, are allocated all the same."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -124,7 +155,9 @@ def simulate_rank(
     sharded = shard_on_meta(cfg.parallel, cfg.model, cfg.train, device, world_size, rank, gpus_per_node)
     dims = sharded.dims
     with FakeTensorMode(allow_non_fake_inputs=True), ignore_sharding_propagation():
-        model = materialize(sharded, cfg.parallel, cfg.train, device, seed=cfg.run.seed)
+        model = materialize(
+            sharded, cfg.parallel, cfg.train, device, seed=cfg.run.seed, declare_stage_shapes=True
+        )
         optimizer = build_optimizer(cfg.optim, model.model_parts, device)
         shape = (dims.local_batch_size, cfg.train.seq_len)
         inputs = torch.randint(0, cfg.model.vocab_size, shape)
@@ -135,6 +168,7 @@ def simulate_rank(
         tracker = tracker_cls(model.model_parts, optimizer)
         counter = CollectiveCounter()
         with tracker, counter:
+            unrun = _unrun_receive_buffers(model, unrun_microbatches)  # noqa: F841 - held through the step
             model.train_step(inputs, targets)
             model.clip_grad_norm_(cfg.train.grad_clip)
             optimizer.step()
@@ -155,6 +189,22 @@ def simulate_rank(
     )
 
 
+def _unrun_receive_buffers(model, microbatches: int) -> list:
+    """What the schedule's stages allocate per microbatch and keep for the step: a buffer for each
+    received activation (every stage but the first) and gradient (every stage but the last)."""
+    import torch
+
+    if model.schedule is None:
+        return []
+    buffers = []
+    for stage in getattr(model.schedule, "_stages", None) or [model.schedule._stage]:
+        metas = [] if stage.is_first else list(stage._user_meta.inputs)
+        metas += [] if stage.is_last else list(stage._user_meta.outputs)
+        for meta in metas:
+            buffers += [torch.empty(meta.shape, dtype=meta.dtype) for _ in range(microbatches)]
+    return buffers
+
+
 def _allocate_optimizer_state(optimizer) -> None:
     """AdamW creates its moments at its first step; every later step starts with them: a step with
     zero gradients and no learning rate creates them (on fake tensors) before the tracked step."""
@@ -172,7 +222,9 @@ def _allocate_optimizer_state(optimizer) -> None:
         group["lr"] = lr
 
 
-def _simulate_in_child(cfg: Config, world_size: int, rank: int, gpus_per_node: int, role: str) -> dict | str:
+def _simulate_in_child(
+    cfg: Config, world_size: int, rank: int, gpus_per_node: int, role: str, unrun: int = 0
+) -> dict | str:
     """Runs in a fresh process (the fake process group is one per process); errors come back as text."""
     import logging
     import warnings
@@ -180,7 +232,7 @@ def _simulate_in_child(cfg: Config, world_size: int, rank: int, gpus_per_node: i
     warnings.filterwarnings("ignore")
     logging.getLogger("torch").setLevel(logging.ERROR)
     try:
-        return dataclasses.asdict(simulate_rank(cfg, world_size, rank, gpus_per_node, role))
+        return dataclasses.asdict(simulate_rank(cfg, world_size, rank, gpus_per_node, role, unrun))
     except Exception as exc:  # noqa: BLE001 - any failure of the fake step is reported, not raised
         return f"{type(exc).__name__}: {_first_line(exc)}"
 
@@ -201,10 +253,11 @@ def simulate(
     Raises SimulationError with the op or reason when the fake step cannot run.
     """
     results = []
+    unrun = dims.grad_accum - simulated_micro_batches(cfg.parallel, dims) if dims.pp > 1 else 0
     for rank, role in representative_ranks(dims):
         coords = ", ".join(f"{k} {v}" for k, v in dims.coordinates(rank).items())
         progress(f"simulating rank {rank} of {dims.world_size} ({role}; {coords})")
-        out = _run_child((simulation_config(cfg, dims), dims.world_size, rank, gpus_per_node, role))
+        out = _run_child((simulation_config(cfg, dims), dims.world_size, rank, gpus_per_node, role, unrun))
         if isinstance(out, str):
             raise SimulationError(f"rank {rank}: {out}")
         progress(f"rank {rank}: peak {out.peak_bytes / 1024**3:.2f} GiB ({out.peak_at}), {out.seconds:.0f} s")

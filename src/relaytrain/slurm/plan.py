@@ -5,17 +5,18 @@ f = FFN width, L layers, a heads, k KV heads, V vocabulary, model-parallel degre
 sharding degree z = dp_shard * cp):
 
 * weights, gradients and AdamW: FSDP keeps fp32 master weights (4P), fp32 gradients (4P) and the two
-  AdamW moments (8P), each split over m and z: 16 P / (m z).
+  AdamW moments (8P), each split over m and z: 16 P / (m z); a pipeline's gradients are unsharded
+  until the step's last backward (see below), 12 P / (m z) at its peak.
 * gathered layers: at the step's peak (the start of backward, when every activation and the loss's
   gradients are held) FSDP holds one transformer block gathered in bf16, the last one, which it keeps
   gathered from forward into backward: 2 x block / tp bytes. (`plan --simulate` measures it.) A single
   process has no FSDP: autocast's bf16 copies of all weights, 2P, which the matmuls keep for backward.
 * activations and the loss: what the model keeps for backward per layer and micro batch, by activation
   checkpointing mode, and cross entropy's fp32 log-softmax and gradients (relaytrain.slurm.activations,
-  measured by `--simulate`), times the layers on a pipeline stage (L / pp) and the micro-batches in
-  flight on the first stage (pp for 1F1B, pp_microbatches for GPipe). Under full checkpointing the layer
-  being recomputed in backward holds its activations once the loss's gradients are gone: the larger of
-  the two counts.
+  measured by `--simulate`). Under full checkpointing the layer being recomputed in backward holds its
+  activations once the loss's gradients are gone: the larger of the two counts. A pipeline holds more
+  (relaytrain.slurm.pipeline_memory): a stage's weights stay gathered and its gradients unsharded for the
+  step, several micro-batches are in flight, and the schedule keeps a receive buffer per micro-batch.
 * overhead: 3 GiB (CUDA context, NCCL buffers) plus 10% for allocator fragmentation.
 
 With `parallel.cpu_offload` (FSDP2 CPUOffloadPolicy, ZeRO-3 offload) the sharded weights, gradients and
@@ -45,6 +46,7 @@ from relaytrain.model import count_parameters
 from relaytrain.slurm.activations import activation_bytes_per_layer, loss_bytes
 from relaytrain.slurm.estimate import DEFAULT_MFU, StepEstimate, estimate_rows, estimate_step
 from relaytrain.slurm.partition import host_memory
+from relaytrain.slurm.pipeline_memory import stage_memory
 from relaytrain.slurm.snapshot_memory import snapshot_memory_check
 
 GIB = 1024**3
@@ -123,7 +125,9 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
     params = count_parameters(m)
     model_parallel = dims.tp * dims.pp
     shard = dims.dp_shard * dims.cp
-    states = 16 * params / (model_parallel * shard)
+    # A pipeline's gradients stay unsharded until the step's last backward (stage_memory): at the peak
+    # the states are the weights and AdamW's moments, 12 P / (m z).
+    states = (12 if dims.pp > 1 and not p.cpu_offload else 16) * params / (model_parallel * shard)
     block = count_parameters(m, include_embedding=False) // max(m.n_layers, 1)
     offloaded = p.cpu_offload
     working = 2 * block / dims.tp if shard > 1 or offloaded else 0.0
@@ -137,9 +141,12 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
     logits = loss_bytes(cfg, dims.tp, micro)
     activations = {}
     for mode, value in per_layer.items():
-        held = value * layers_per_stage * in_flight
-        if mode == "full":  # the layer recomputed in backward, after the loss's gradients are freed
-            held += max(0.0, per_layer["none"] - logits)
+        recompute = per_layer["none"] if mode == "full" else 0.0  # the layer recomputed in backward
+        held = value * layers_per_stage * in_flight + max(0.0, recompute - logits)
+        if dims.pp > 1:  # the first stage and the last (which adds the loss): the larger
+            stage = stage_memory(cfg, dims, value, block * layers_per_stage + m.vocab_size * m.dim)
+            held = max(stage.first + recompute - logits, stage.last + max(0.0, recompute - logits))
+            held, working = held + stage.buffers, stage.gathered
         activations[mode] = held
     return MemoryEstimate(
         states=states, working=working, activations=activations, logits=logits, offloaded=offloaded

@@ -235,7 +235,7 @@ def report(cfg, plans: list[Plan], console, simulate: bool, json_out: bool, prin
     if simulate:
         sims, warning = run_simulation(cfg, plan, progress)
     reshard = reshard_lines(cfg, plans, progress) if simulate and len(plans) > 1 else []
-    micro = simulated_micro_batches(plan.dims) if plan.dims is not None else 0
+    micro = simulated_micro_batches(cfg.parallel, plan.dims) if plan.dims is not None else 0
     impossible = any(p.verdict == "impossible" for p in plans)
     if json_out:
         print(json.dumps({**as_json(plan, sims, micro, warning), "reshard": reshard}, indent=2))
