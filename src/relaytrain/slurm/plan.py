@@ -214,7 +214,7 @@ def make_plan(
             hint = (
                 f"; set parallel.activation_checkpointing={better[0]!r}"
                 if better and better[0] != mode
-                else "; shard more (parallel.dp_shard, tp, pp) or use more GPUs"
+                else _pipeline_hint(plan.dims) + "; shard more (parallel.dp_shard, tp, pp) or use more GPUs"
             )
             plan.checks.append(("memory", "fail", detail + hint))
         elif need > capacity * TIGHT_FRACTION:
@@ -340,6 +340,17 @@ def range_rows(plans: list[Plan]) -> list[tuple[str, ...]]:
         world = plan.nodes * (plan.gpus_per_node or plan.tasks_per_node)
         rows.append((str(plan.nodes), str(world), layout, split, memory, plan.verdict))
     return rows
+
+
+def _pipeline_hint(dims) -> str:
+    """A pipeline's activations and logits grow with its micro batch, which more pipeline micro batches
+    make smaller (the gathered stage and its gradients do not)."""
+    if dims is None or dims.pp == 1 or dims.micro_batch_size <= 1:
+        return ""
+    return (
+        f"; raise parallel.pp_microbatches (now {dims.grad_accum}: micro batches of "
+        f"{dims.micro_batch_size} sequences)"
+    )
 
 
 def _host_memory_check(mem: MemoryEstimate, per_node: int, host_memory: tuple[float, str] | None):
