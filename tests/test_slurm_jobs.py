@@ -118,9 +118,9 @@ def test_logs_print_and_follow_until_the_job_has_ended(cluster, capsys):
 
 def test_cancel_plain_and_with_a_signal(cluster, capsys):
     assert main(["cancel", "123"]) == 0
-    assert (cluster / "scancel.args").read_text().split() == ["123"]
+    assert (cluster / "scancel.args").read_text().split() == ["--verbose", "123"]
     assert main(["cancel", "123", "--signal", "SIGUSR2"]) == 0
-    assert (cluster / "scancel.args").read_text().split() == ["--signal=USR2", "123"]
+    assert (cluster / "scancel.args").read_text().split() == ["--verbose", "--signal=USR2", "123"]
     assert "sent SIGUSR2" in capsys.readouterr().out
 
 
@@ -286,3 +286,14 @@ def test_a_malformed_slurm_time_is_one_line_before_anything_is_queued(bad, capsy
     assert main(["plan", str(REPO / "configs/debug.toml"), f"--slurm.time={bad}"]) == 2
     err = capsys.readouterr().err
     assert "slurm.time" in err and "a Slurm time limit: M, M:S, H:M:S" in err and "Traceback" not in err
+
+
+def test_plan_counts_every_layer_gathered_when_fsdp_never_reshards_after_forward():
+    from relaytrain.model import count_parameters
+
+    def gathered(value):
+        cfg = load_config(REPO / "configs" / "1b.toml", [f"--parallel.reshard_after_forward={value}"])
+        return make_plan(cfg, 1, 8, "h100").memory.working, count_parameters(cfg.model)
+
+    block, params = gathered("default")
+    assert gathered("never") == (2 * params, params) and block < params / 10  # 2 bytes a weight, tp 1

@@ -80,3 +80,12 @@ def run_slurm(cmd: list[str], timeout: float | None = TIMEOUT_S) -> subprocess.C
 def slurm_error(result: subprocess.CompletedProcess[str]) -> str:
     """The line a failed Slurm command's answer ends with, or its exit code."""
     return _last_line(result.stderr or result.stdout) or f"exit code {result.returncode}"
+
+
+def slurm_refusal(result: subprocess.CompletedProcess[str]) -> str | None:
+    """Why a Slurm command refused, or None: its failure, or an `error:` line of a command that exits 0
+    with one (`scancel --verbose` of a job id it does not know)."""
+    said = next((line for line in result.stderr.splitlines() if "error:" in line), None)
+    if said:
+        return said.split("error:", 1)[1].strip()
+    return slurm_error(result) if result.returncode != 0 else None

@@ -284,17 +284,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from relaytrain.slurm.client import run_slurm, slurm_error
+    from relaytrain.slurm.client import run_slurm, slurm_refusal
     from relaytrain.slurm.jobs import cancel_command
 
-    cmd = cancel_command(args.jobid, args.signal)
-    result = run_slurm(cmd)
-    refusal = next((line for line in result.stderr.splitlines() if "error:" in line), None)
-    if result.returncode != 0 or refusal:
-        why = refusal.split("error:", 1)[1].strip() if refusal else slurm_error(result)
-        raise UserError(
-            f"could not cancel job {args.jobid}: {why}; `relaytrain status` lists this user's jobs"
-        )
+    if why := slurm_refusal(run_slurm(cancel_command(args.jobid, args.signal))):
+        raise UserError(f"could not cancel job {args.jobid}: {why}; `relaytrain status` lists your jobs")
     what = f"sent SIG{args.signal.removeprefix('SIG')} to the steps of" if args.signal else "cancelled"
     print(f"{what} job {args.jobid}")
     return 0
