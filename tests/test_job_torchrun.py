@@ -85,11 +85,29 @@ def test_every_worker_exiting_75_is_exit_75_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_worker_still_exiting_when_torchrun_ends_it_keeps_the_stop_a_75(tmp_path):
+    """Ranks leave a stop a moment apart: torchrun ends the others as soon as the first exits (SIGTERM)."""
+    done = _wrapper(tmp_path, "import os, time\nif os.environ['RANK'] == '1': time.sleep(60)\n"
+                              "raise SystemExit(75)\n")  # fmt: skip
+    assert done.returncode == EXIT_RESUME, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "relaytrain.job.torchrun" in line]
+    assert lines == [
+        "relaytrain.job.torchrun: workers (rank 0) exited 75 (rank 1 ended by torchrun while exiting): "
+        "stopped with a checkpoint, to be continued; exit code 75"
+    ], done.stderr
+
+
+@pytest.mark.slow
 def test_a_worker_that_fails_beside_a_75_keeps_torchruns_failure(tmp_path):
     done = _wrapper(tmp_path, "import os, time\nif os.environ['RANK'] == '0': time.sleep(1)\n"
                               "raise SystemExit(75 if os.environ['RANK'] == '0' else 3)\n")  # fmt: skip
     assert done.returncode == 1, done.stderr[-2000:]
     assert "ChildFailedError" in done.stderr and "exitcode  : 3" in done.stderr
+    # A crash first, the rest ended by torchrun: a failure, even if one of them would have exited 75.
+    done = _wrapper(tmp_path, "import os, time\nif os.environ['RANK'] == '1': time.sleep(60)\n"
+                              "raise SystemExit(3)\n")  # fmt: skip
+    assert done.returncode == 1 and "exitcode  : 3" in done.stderr, done.stderr[-2000:]
 
 
 def test_the_wrappers_resume_code_is_relaytrains():

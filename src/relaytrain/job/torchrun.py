@@ -10,9 +10,10 @@ a stop being the expected path rather than a failure:
   recorded the stop. Here it is one line, and the exit code says which signal ended the step (128 + its
   number, as a shell reports it).
 * When every worker that did not finish exited 75 (EX_TEMPFAIL: stopped with a checkpoint, asking to be
-  continued, docs/programs.md), torchrun calls that a failure: it logs ``failed (exitcode: 75)``, prints
-  a ``ChildFailedError`` traceback with a FAILED summary, and exits 1, so a batch script can no longer
-  tell the agreed stop from a crash. Here it is one line and exit code 75.
+  continued, docs/programs.md), or the first did and the agent ended the others while they were still
+  exiting (it stops the rest at once when one worker ends), torchrun calls that a failure: it logs
+  ``failed (exitcode: 75)``, prints a ``ChildFailedError`` traceback with a FAILED summary, and exits 1,
+  so a batch script can no longer tell the agreed stop from a crash. Here it is one line and exit code 75.
 
 Any other worker failure keeps torchrun's own error summary and exit code.
 """
@@ -20,6 +21,7 @@ Any other worker failure keeps torchrun's own error summary and exit code.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -39,8 +41,19 @@ class _HideResumeExits(logging.Filter):
         return not (about_exit and isinstance(record.args, tuple) and record.args[:1] == (EXIT_RESUME,))
 
 
+# How the agent ends the workers still running once one has exited: SIGTERM, then SIGKILL.
+_ENDED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
+
+
 def _all_resume(exc: ChildFailedError) -> bool:
-    return bool(exc.failures) and all(f.exitcode == EXIT_RESUME for f in exc.failures.values())
+    """The first worker to end exited 75 and every other one either did too or was still exiting when
+    the agent ended it: a worker exits 75 only after the stop every rank agreed on and the checkpoint
+    they all wrote, so those were on their way out, not failing."""
+    if not exc.failures:
+        return False
+    _rank, first = exc.get_first_failure()
+    codes = [f.exitcode for f in exc.failures.values()]
+    return first.exitcode == EXIT_RESUME and all(c == EXIT_RESUME or c in _ENDED_BY_AGENT for c in codes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,9 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as exc:
         if not _all_resume(exc):
             raise
-        ranks = ",".join(str(rank) for rank in sorted(exc.failures))
+        ranks = ",".join(str(r) for r, f in sorted(exc.failures.items()) if f.exitcode == EXIT_RESUME)
+        ended = ",".join(str(r) for r, f in sorted(exc.failures.items()) if f.exitcode != EXIT_RESUME)
+        also = f" (rank {ended} ended by torchrun while exiting)" if ended else ""
         print(
-            f"relaytrain.job.torchrun: workers (rank {ranks}) exited {EXIT_RESUME}: stopped with a "
+            f"relaytrain.job.torchrun: workers (rank {ranks}) exited {EXIT_RESUME}{also}: stopped with a "
             f"checkpoint, to be continued; exit code {EXIT_RESUME}",
             file=sys.stderr,
             flush=True,
