@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 from relaytrain.config import Config
 from relaytrain.model import count_parameters
-from relaytrain.parallel.fsdp import reshard_after_forward
 from relaytrain.slurm.activations import activation_bytes_per_layer, loss_bytes
 from relaytrain.slurm.pipeline_memory import stage_memory
 
@@ -84,6 +83,8 @@ class MemoryEstimate:
 
 
 def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
+    from relaytrain.parallel.fsdp import reshard_after_forward  # torch: only once a config is valid
+
     m, p = cfg.model, cfg.parallel
     params = count_parameters(m)
     model_parallel = dims.tp * dims.pp
