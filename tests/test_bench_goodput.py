@@ -249,3 +249,23 @@ def test_extrapolation_rewrites_only_the_extrapolation_of_the_goodput_section(tm
     page.write_text("# B\n")
     with pytest.raises(SystemExit):
         goodput.main(["--extrapolation"])
+
+
+def test_the_crash_table_says_how_many_restores_took_the_peer_nodes_replica():
+    from bench.cluster.goodput_crash import CRASH_RUNS, NODE_MEMORY_LOST, CrashRun, render_crashes
+    from bench.cluster.goodput_results import RunResult
+
+    assert set(CRASH_RUNS) >= NODE_MEMORY_LOST
+    split = {"action": "restart", "detection": 1.5, "queue": 0.0, "startup": 4.0, "load": 0.2, "total": 6.0,
+             "replayed": 0}  # fmt: skip
+    runs = [
+        CrashRun(RunResult("crash-in-place-snapshots-30s", "kill", allocated_s=10, productive_s=7), 30,
+                 crashes=[split], losses_identical=True),
+        CrashRun(RunResult("crash-in-place-peer-30s", "kill, memory wiped", allocated_s=10, productive_s=7),
+                 30,
+                 crashes=[split, split], losses_identical=True, peer_restores=2),
+    ]  # fmt: skip
+    page = render_crashes(runs, "python -m bench.goodput --crashes", "2026-11-24", "cpu")
+    peer_row = next(line for line in page.splitlines() if line.startswith("| crash-in-place-peer-30s"))
+    assert "kill, memory wiped (2 of 2 restored from the peer)" in peer_row
+    assert "restored from the peer" not in next(line for line in page.splitlines() if "snapshots-30s" in line)

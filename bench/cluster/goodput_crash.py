@@ -3,7 +3,9 @@
 The same tiny 2-rank job as the goodput runs, one rank SIGKILLed every T seconds (the way the OOM killer
 ends a process), three times: with `resilience.max_step_restarts=0` (every crash requeues the job, the
 behaviour before restarts in place), with restarts in place, and with restarts in place and an in-memory
-snapshot every step (`checkpoint.snapshot_every=1`). Both runs raise their caps
+snapshot every step (`checkpoint.snapshot_every=1`), and the last again on 2 nodes x 1 task with the killed
+rank's node memory wiped at each kill (the restore takes its snapshot from the peer node). Every run
+raises its caps
 (`max_crash_requeues`, `max_step_restarts`) so that every crash takes the path being measured.
 
 Per crash:
@@ -27,8 +29,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from relaytrain.config.schema import CheckpointConfig
+
 from bench.cluster.goodput_results import RunResult, analyse, log_times, sacct_runs
-from bench.cluster.harness import RunFiles, launch, rank_pids, scontrol_job, wait_job_end
+from bench.cluster.harness import (
+    RunFiles,
+    launch,
+    node_of,
+    rank_pids,
+    scontrol_job,
+    wait_job_end,
+    wipe_snapshots,
+)
 from bench.report import fmt, pct, table
 
 # Every crash takes the path measured: the caps are far above the kills of one run.
@@ -42,7 +54,15 @@ CRASH_RUNS = {
                                  (f"--resilience.max_crash_requeues={NO_CAP}",
                                   f"--resilience.max_step_restarts={NO_CAP}",
                                   "--checkpoint.snapshot_every=1")),
+    "crash-in-place-peer": ("restarted in place, snapshot every step, 2 nodes, the killed rank's node "
+                            "memory wiped (its snapshot comes from the peer node)",
+                            (f"--resilience.max_crash_requeues={NO_CAP}",
+                             f"--resilience.max_step_restarts={NO_CAP}",
+                             "--checkpoint.snapshot_every=1")),
 }  # fmt: skip
+# Runs on 2 nodes x 1 task whose killed rank's node also loses its memory (every snapshot there).
+NODE_MEMORY_LOST = {"crash-in-place-peer"}
+PEER_RESTORE_LINE = "from a peer node"  # the restore's log line names the files a peer sent
 
 
 @dataclass
@@ -52,23 +72,29 @@ class CrashRun:
     kills: list[float] = field(default_factory=list)  # when each SIGKILL was sent
     crashes: list[dict] = field(default_factory=list)  # the per-crash split
     losses_identical: bool | None = None  # every logged loss equals the reference's
+    peer_restores: int = 0  # restores that took a rank's snapshot from the peer node
 
     def as_dict(self) -> dict:
         return {**asdict(self.result), "interval": self.interval, "kills": self.kills,
-                "crashes": self.crashes, "losses_identical": self.losses_identical}  # fmt: skip
+                "crashes": self.crashes, "losses_identical": self.losses_identical,
+                "peer_restores": self.peer_restores}  # fmt: skip
 
 
-def kill_every(job: str, interval: float, stop: threading.Event, kills: list[float]) -> None:
-    """SIGKILL rank 1 every `interval` seconds while the job runs a step with that rank."""
+def kill_every(job: str, interval: float, stop: threading.Event, kills: list[float], wipe: bool) -> None:
+    """SIGKILL rank 1 every `interval` seconds while the job runs a step with that rank; with `wipe`,
+    then remove every snapshot of the job from that rank's node memory (the node lost it)."""
     while not stop.wait(interval):
         if scontrol_job(job).get("JobState") != "RUNNING":
             continue
         pids = rank_pids(job, 1)
         if pids:
+            node = node_of(pids[0]) if wipe else ""
             kills.append(time.time())
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            if wipe:
+                wipe_snapshots(node, job, CheckpointConfig().snapshot_dir)
 
 
 def run_crashes(config: Path, name: str, setup: str, interval: float, runs_root: Path) -> CrashRun:
@@ -76,9 +102,10 @@ def run_crashes(config: Path, name: str, setup: str, interval: float, runs_root:
     label, overrides = CRASH_RUNS[name.rsplit("-", 1)[0]]  # `crash-in-place-30s` -> `crash-in-place`
     crash = CrashRun(RunResult(name, f"rank 1 SIGKILLed every {interval:g} s, {label}"), interval)
     run = RunFiles(runs_root / name)
-    crash.result.job = launch(config, name, setup, *overrides)
+    wipe = name.rsplit("-", 1)[0] in NODE_MEMORY_LOST
+    crash.result.job = launch(config, name, setup, *overrides, nodes=2 if wipe else 1)
     stop = threading.Event()
-    killer = threading.Thread(target=kill_every, args=(crash.result.job, interval, stop, crash.kills))
+    killer = threading.Thread(target=kill_every, args=(crash.result.job, interval, stop, crash.kills, wipe))
     killer.start()
     try:
         wait_job_end(crash.result.job, 3600, interval=2.0)
@@ -92,6 +119,7 @@ def run_crashes(config: Path, name: str, setup: str, interval: float, runs_root:
     crash.crashes = crash_splits(run, runs, log_text, crash.kills)
     crash.result.interruptions = len(crash.crashes)
     crash.result.replayed = sum(c["replayed"] for c in crash.crashes)
+    crash.peer_restores = log_text.count(PEER_RESTORE_LINE)
     state = run.state()
     crash.result.final = f"{state.get('status')} ({state.get('reason')}) at step {state.get('step')}"
     return crash
@@ -152,15 +180,18 @@ def render_crashes(runs: list[CrashRun], command: str, date: str, cpu: str) -> s
         split = (f"{fmt(_mean(s, 'total'))} ({fmt(_mean(s, 'detection'))} + {fmt(_mean(s, 'queue'))} + "
                  f"{fmt(_mean(s, 'startup'))} + {fmt(_mean(s, 'load'))})")  # fmt: skip
         same = {True: "yes", False: "no", None: "–"}[c.losses_identical]
-        rows.append((r.name, r.interruption, len(s), fmt(_mean(s, "replayed")), split if s else "–",
+        peer = f" ({c.peer_restores} of {len(s)} restored from the peer)" if c.peer_restores else ""
+        rows.append((r.name, r.interruption + peer, len(s), fmt(_mean(s, "replayed")), split if s else "–",
                      pct(r.goodput), same, r.error or r.final))  # fmt: skip
     return (
         "## Crashes: restart in place against requeue\n\n"
         f"Measured {date} on {cpu}, local Slurm cluster, by `{command}`: the goodput runs' job (2 ranks, "
         "steps slowed to 0.5 s, async checkpoint every 10 steps), rank 1 SIGKILLed every T seconds: with "
         "every crash requeued (`resilience.max_step_restarts=0`, the behaviour before restarts in place), "
-        "with the job step restarted in place, and restarted in place with an in-memory snapshot every "
-        "step (`checkpoint.snapshot_every=1`), in the same invocation. Times in seconds, "
+        "with the job step restarted in place, restarted in place with an in-memory snapshot every "
+        "step (`checkpoint.snapshot_every=1`), and the same on 2 nodes x 1 task with the killed rank's node "
+        "memory wiped right after each kill, so that its snapshot comes from the peer node's replica, in "
+        "the same invocation. Times in seconds, "
         "means over the crashes of a run.\n\n"
         + table(["run", "crash", "crashes", "steps replayed / crash",
                  "kill→first step (detection + queue + start-up + load)", "goodput",
