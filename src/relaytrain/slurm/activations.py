@@ -18,7 +18,9 @@ Per token of a layer, with h = model.dim, f = FFN width, r = n_kv_heads / n_head
 
 The loss: cross entropy takes the logits in fp32; it keeps the fp32 log-softmax (4V per token) and its
 backward holds two more fp32 [tokens, V] gradients at once: 12 V / t bytes per token (vocabulary-parallel
-under TP with loss parallel, else 12 V).
+under TP with loss parallel, else 12 V). Vocabulary-parallel, the step also holds the bf16 logits shard and
+its bf16 gradient beside them, and the output projection its sequence-gathered bf16 input: 4 V / t + 2h
+more (`loss_parallel_extra_bytes`; a one-off, the same whatever the layer count, in the simulation).
 
 CUDA flash attention and the CPU kernel the simulation runs (_scaled_dot_product_flash_attention_for_cpu)
 keep the same for backward: the output and a log-sum-exp per head and position, never the s x s scores.
@@ -54,3 +56,11 @@ def loss_bytes(cfg: Config, tp: int, micro_batch: int = 0) -> float:
     tokens = t.seq_len * (micro_batch or t.micro_batch_size)
     vocab_split = tp if tp > 1 and cfg.parallel.loss_parallel else 1
     return 12.0 * tokens * cfg.model.vocab_size / vocab_split
+
+
+def loss_parallel_extra_bytes(cfg: Config, tp: int, micro_batch: int = 0) -> float:
+    """What a vocabulary-parallel loss holds beside its fp32 buffers (see the module doc); 0 without it."""
+    if tp <= 1 or not cfg.parallel.loss_parallel:
+        return 0.0
+    tokens = cfg.train.seq_len * (micro_batch or cfg.train.micro_batch_size)
+    return (4.0 * cfg.model.vocab_size / tp + 2.0 * cfg.model.dim) * tokens

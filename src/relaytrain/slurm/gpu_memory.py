@@ -33,7 +33,11 @@ from dataclasses import dataclass
 
 from relaytrain.config import Config
 from relaytrain.model import count_parameters
-from relaytrain.slurm.activations import activation_bytes_per_layer, loss_bytes
+from relaytrain.slurm.activations import (
+    activation_bytes_per_layer,
+    loss_bytes,
+    loss_parallel_extra_bytes,
+)
 from relaytrain.slurm.pipeline_memory import stage_memory
 
 GIB = 1024**3
@@ -106,6 +110,8 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
     layers_per_stage = -(-m.n_layers // dims.pp)
     in_flight = dims.pp if p.pp_schedule != "gpipe" else (p.pp_microbatches or dims.pp)
     logits = loss_bytes(cfg, dims.tp, micro)
+    if dims.pp == 1:  # a pipeline's last stage counts its kept logits itself (stage_memory)
+        logits += loss_parallel_extra_bytes(cfg, dims.tp, micro)
     activations = {}
     for mode, value in per_layer.items():
         recompute = per_layer["none"] if mode == "full" else 0.0  # the layer recomputed in backward
