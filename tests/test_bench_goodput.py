@@ -269,3 +269,12 @@ def test_the_crash_table_says_how_many_restores_took_the_peer_nodes_replica():
     peer_row = next(line for line in page.splitlines() if line.startswith("| crash-in-place-peer-30s"))
     assert "kill, memory wiped (2 of 2 restored from the peer)" in peer_row
     assert "restored from the peer" not in next(line for line in page.splitlines() if "snapshots-30s" in line)
+
+
+def test_only_a_restore_that_took_a_peers_file_counts_as_from_the_peer():
+    from bench.cluster.goodput_crash import peer_restores
+
+    line = "INFO relaytrain.checkpoint: resuming from the snapshot of step {} in node memory ({} of 2 "
+    log = "\n".join(line.format(step, n) + "rank file(s) from a peer node): newer than the newest checkpoint"
+                    for step, n in ((37, 0), (70, 1), (100, 2)))  # fmt: skip
+    assert peer_restores(log) == 2

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import threading
 import time
@@ -62,7 +63,8 @@ CRASH_RUNS = {
 }  # fmt: skip
 # Runs on 2 nodes x 1 task whose killed rank's node also loses its memory (every snapshot there).
 NODE_MEMORY_LOST = {"crash-in-place-peer"}
-PEER_RESTORE_LINE = "from a peer node"  # the restore's log line names the files a peer sent
+# The restore's log line: `... in node memory (1 of 2 rank file(s) from a peer node): ...`.
+PEER_RESTORE_LINE = re.compile(r"\((\d+) of \d+ rank file\(s\) from a peer node\)")
 
 
 @dataclass
@@ -119,10 +121,15 @@ def run_crashes(config: Path, name: str, setup: str, interval: float, runs_root:
     crash.crashes = crash_splits(run, runs, log_text, crash.kills)
     crash.result.interruptions = len(crash.crashes)
     crash.result.replayed = sum(c["replayed"] for c in crash.crashes)
-    crash.peer_restores = log_text.count(PEER_RESTORE_LINE)
+    crash.peer_restores = peer_restores(log_text)
     state = run.state()
     crash.result.final = f"{state.get('status')} ({state.get('reason')}) at step {state.get('step')}"
     return crash
+
+
+def peer_restores(log_text: str) -> int:
+    """Restores that took at least one rank's snapshot from a peer node."""
+    return sum(1 for m in PEER_RESTORE_LINE.finditer(log_text) if int(m.group(1)) > 0)
 
 
 def crash_splits(

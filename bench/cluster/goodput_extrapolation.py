@@ -129,7 +129,7 @@ MEASURED_RESTORE_PEER_S = 1.462  # the same with rank 1's file fetched from the 
 MEASURED_BLOCKING_GBPS = 1.20 / 0.129  # the blocking copy into the reused host buffer
 MEASURED_REPLICATE_GBPS = 0.264  # per direction, both ranks sending at once (gloo, TCP between nodes)
 MEASURED_SHM_WRITE_GBPS = 2 * 1.19 / 4.338  # a rank writing its own file and the replica it received
-MEASURED_DETECTION_S = 1.5  # a kill to the end-of-step decision ("Crashes: restart in place", 1.46-1.65 s)
+MEASURED_DETECTION_S = 2.2  # a kill to the end-of-step decision ("Crashes: restart in place", 2.06-2.54 s)
 CRASH_INTERVALS = (
     ("every 1 h", 3600.0),
     ("every 3 h (Llama 3's rate on 16k GPUs: 419 in 54 days)", 3 * 3600.0),
