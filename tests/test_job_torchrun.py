@@ -87,13 +87,13 @@ def test_every_worker_exiting_75_is_exit_75_in_one_line(tmp_path):
 @pytest.mark.slow
 def test_a_worker_still_exiting_when_torchrun_ends_it_keeps_the_stop_a_75(tmp_path):
     """Ranks leave a stop a moment apart: torchrun ends the others as soon as the first exits (SIGTERM)."""
-    done = _wrapper(tmp_path, "import os, time\nif os.environ['RANK'] == '1': time.sleep(60)\n"
+    done = _wrapper(tmp_path, "import os, time\nif os.environ['RANK'] == '0': time.sleep(60)\n"
                               "raise SystemExit(75)\n")  # fmt: skip
     assert done.returncode == EXIT_RESUME, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr
     lines = [line for line in done.stderr.splitlines() if "relaytrain.job.torchrun" in line]
     assert lines == [
-        "relaytrain.job.torchrun: workers (rank 0) exited 75 (rank 1 ended by torchrun while exiting): "
+        "relaytrain.job.torchrun: workers (rank 1) exited 75 (rank 0 ended by torchrun while exiting): "
         "stopped with a checkpoint, to be continued; exit code 75"
     ], done.stderr
 

@@ -10,7 +10,7 @@ a stop being the expected path rather than a failure:
   recorded the stop. Here it is one line, and the exit code says which signal ended the step (128 + its
   number, as a shell reports it).
 * When every worker that did not finish exited 75 (EX_TEMPFAIL: stopped with a checkpoint, asking to be
-  continued, docs/programs.md), or the first did and the agent ended the others while they were still
+  continued, docs/programs.md), or one did and the agent ended the others while they were still
   exiting (it stops the rest at once when one worker ends), torchrun calls that a failure: it logs
   ``failed (exitcode: 75)``, prints a ``ChildFailedError`` traceback with a FAILED summary, and exits 1,
   so a batch script can no longer tell the agreed stop from a crash. Here it is one line and exit code 75.
@@ -46,14 +46,12 @@ _ENDED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
 
 
 def _all_resume(exc: ChildFailedError) -> bool:
-    """The first worker to end exited 75 and every other one either did too or was still exiting when
-    the agent ended it: a worker exits 75 only after the stop every rank agreed on and the checkpoint
-    they all wrote, so those were on their way out, not failing."""
-    if not exc.failures:
-        return False
-    _rank, first = exc.get_first_failure()
+    """A worker exited 75 and every other one either did too or was ended by the agent's SIGTERM or
+    SIGKILL. A worker exits 75 only after the stop every rank agreed on and the checkpoint they all
+    wrote, so the others were on their way out, not failing. (Not "the first to end": torchrun stamps
+    its failures to the second, and a tie names the lowest rank.)"""
     codes = [f.exitcode for f in exc.failures.values()]
-    return first.exitcode == EXIT_RESUME and all(c == EXIT_RESUME or c in _ENDED_BY_AGENT for c in codes)
+    return EXIT_RESUME in codes and all(c == EXIT_RESUME or c in _ENDED_BY_AGENT for c in codes)
 
 
 def main(argv: list[str] | None = None) -> int:
