@@ -111,10 +111,10 @@ def simulation_config(cfg: Config, dims: ParallelDims) -> Config:
     if dims.pp == 1 and dims.grad_accum > SIMULATED_ACCUMULATION:
         batch = dims.dp * dims.micro_batch_size * SIMULATED_ACCUMULATION
         train = dataclasses.replace(train, global_batch_size=batch)
-    if dims.pp > 1 and steady_state_microbatches(parallel, dims) < dims.grad_accum:
-        changes["pp_microbatches"] = steady_state_microbatches(parallel, dims)
-        batch = dims.dp * dims.micro_batch_size * changes["pp_microbatches"]
-        train = dataclasses.replace(train, global_batch_size=batch)
+    steady = steady_state_microbatches(parallel, dims) if dims.pp > 1 else dims.grad_accum
+    if steady < dims.grad_accum:
+        changes["pp_microbatches"] = steady
+        train = dataclasses.replace(train, global_batch_size=dims.dp * dims.micro_batch_size * steady)
     parallel = dataclasses.replace(parallel, **changes)
     return dataclasses.replace(cfg, parallel=parallel, optim=optim, train=train)
 
@@ -253,6 +253,7 @@ def simulate(
     Raises SimulationError with the op or reason when the fake step cannot run.
     """
     results = []
+    # A pipeline's left-out micro batches still get their receive buffers (the rest need nothing).
     unrun = dims.grad_accum - simulated_micro_batches(cfg.parallel, dims) if dims.pp > 1 else 0
     for rank, role in representative_ranks(dims):
         coords = ", ".join(f"{k} {v}" for k, v in dims.coordinates(rank).items())

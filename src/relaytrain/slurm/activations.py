@@ -50,17 +50,23 @@ def activation_bytes_per_layer(cfg: Config, tp: int, cp: int, micro_batch: int =
     return {"none": none * tokens, "selective": selective * tokens, "full": full * tokens}
 
 
+def vocab_split(cfg: Config, tp: int) -> int:
+    """How many ranks share the logits' vocabulary: tp under loss parallel, else none."""
+    return tp if tp > 1 and cfg.parallel.loss_parallel else 1
+
+
+def _tokens(cfg: Config, micro_batch: int) -> int:
+    return cfg.train.seq_len * (micro_batch or cfg.train.micro_batch_size)
+
+
 def loss_bytes(cfg: Config, tp: int, micro_batch: int = 0) -> float:
     """The fp32 log-softmax and the two fp32 gradients of the loss's backward (see the module doc)."""
-    t = cfg.train
-    tokens = t.seq_len * (micro_batch or t.micro_batch_size)
-    vocab_split = tp if tp > 1 and cfg.parallel.loss_parallel else 1
-    return 12.0 * tokens * cfg.model.vocab_size / vocab_split
+    return 12.0 * _tokens(cfg, micro_batch) * cfg.model.vocab_size / vocab_split(cfg, tp)
 
 
 def loss_parallel_extra_bytes(cfg: Config, tp: int, micro_batch: int = 0) -> float:
     """What a vocabulary-parallel loss holds beside its fp32 buffers (see the module doc); 0 without it."""
-    if tp <= 1 or not cfg.parallel.loss_parallel:
+    split = vocab_split(cfg, tp)
+    if split == 1:
         return 0.0
-    tokens = cfg.train.seq_len * (micro_batch or cfg.train.micro_batch_size)
-    return (4.0 * cfg.model.vocab_size / tp + 2.0 * cfg.model.dim) * tokens
+    return (4.0 * cfg.model.vocab_size / split + 2.0 * cfg.model.dim) * _tokens(cfg, micro_batch)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relaytrain.config import Config
+from relaytrain.slurm.activations import vocab_split
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -61,6 +62,5 @@ def stage_memory(cfg: Config, dims, per_layer: float, stage_params: float) -> St
     last = microbatches_in_flight(p.pp_schedule, dims.pp, p.pp_virtual_stages, n, dims.pp - 1)
     hidden = dims.micro_batch_size * t.seq_len * m.dim * 2 / (dims.tp * dims.cp)
     directions = 2 * p.pp_virtual_stages - (1 if dims.pp == 2 else 0)
-    vocab_split = dims.tp if dims.tp > 1 and p.loss_parallel else 1
-    kept_logits = 6.0 * dims.micro_batch_size * t.seq_len * m.vocab_size / vocab_split
+    kept_logits = 6.0 * dims.micro_batch_size * t.seq_len * m.vocab_size / vocab_split(cfg, dims.tp)
     return StageMemory(gathered, first, last * layers * per_layer + kept_logits, n * hidden * directions)
