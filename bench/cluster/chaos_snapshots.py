@@ -15,13 +15,10 @@ Either way the finished run's losses are bit-identical to the uninterrupted refe
 
 from __future__ import annotations
 
-import os
-import signal
-
 from relaytrain.config import load_config
 
 from bench.cluster.chaos_run import INTERVAL, STEPS
-from bench.cluster.harness import RunFiles, node_of, rank_pids, wait, wipe_snapshots
+from bench.cluster.harness import RunFiles, kill_with_node_memory, rank_pids, wait, wipe_snapshots
 
 FROM_PEER = "(1 of 2 rank file(s) from a peer node)"
 PARTIAL = "no node holds the file of rank(s) 1"
@@ -50,13 +47,10 @@ class SnapshotTrials:
             return max((r["step"] for r in run.records("train") if not r.get("step_restart")), default=0)
 
         pids = wait(lambda: last() >= target and rank_pids(trial.job, rank=1), 240, f"step {target}")
-        node = node_of(pids[0])
-        survivor = next(n for n in bench.cluster.nodes if n != node)
         snapshot_dir = load_config(bench.config).checkpoint.snapshot_dir
         killed_at = last()
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        wiped = wipe_snapshots(node, trial.job, snapshot_dir)  # the node lost its memory with its process
+        node, wiped = kill_with_node_memory(trial.job, pids, snapshot_dir)
+        survivor = next(n for n in bench.cluster.nodes if n != node)
         if both_copies:
             # rank 0's writer thread may still store a replica it received before the kill: wipe rank 1's
             # files on its node once the step's processes are gone, before the restarted step reads them

@@ -30,17 +30,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from relaytrain.config.schema import CheckpointConfig
+from relaytrain.config import load_config
 
 from bench.cluster.goodput_results import RunResult, analyse, log_times, sacct_runs
 from bench.cluster.harness import (
     RunFiles,
+    kill_with_node_memory,
     launch,
-    node_of,
     rank_pids,
     scontrol_job,
     wait_job_end,
-    wipe_snapshots,
 )
 from bench.report import fmt, pct, table
 
@@ -82,21 +81,22 @@ class CrashRun:
                 "peer_restores": self.peer_restores}  # fmt: skip
 
 
-def kill_every(job: str, interval: float, stop: threading.Event, kills: list[float], wipe: bool) -> None:
-    """SIGKILL rank 1 every `interval` seconds while the job runs a step with that rank; with `wipe`,
-    then remove every snapshot of the job from that rank's node memory (the node lost it)."""
+def kill_every(job: str, interval: float, stop: threading.Event, kills: list[float], wipe_in: str) -> None:
+    """SIGKILL rank 1 every `interval` seconds while the job runs a step with that rank; with `wipe_in`
+    (the run's snapshot_dir), its node loses its memory too."""
     while not stop.wait(interval):
         if scontrol_job(job).get("JobState") != "RUNNING":
             continue
         pids = rank_pids(job, 1)
-        if pids:
-            node = node_of(pids[0]) if wipe else ""
-            kills.append(time.time())
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            if wipe:
-                wipe_snapshots(node, job, CheckpointConfig().snapshot_dir)
+        if not pids:
+            continue
+        kills.append(time.time())
+        if wipe_in:
+            kill_with_node_memory(job, pids, wipe_in)
+            continue
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def run_crashes(config: Path, name: str, setup: str, interval: float, runs_root: Path) -> CrashRun:
@@ -106,8 +106,11 @@ def run_crashes(config: Path, name: str, setup: str, interval: float, runs_root:
     run = RunFiles(runs_root / name)
     wipe = name.rsplit("-", 1)[0] in NODE_MEMORY_LOST
     crash.result.job = launch(config, name, setup, *overrides, nodes=2 if wipe else 1)
+    wipe_in = load_config(config).checkpoint.snapshot_dir if wipe else ""
     stop = threading.Event()
-    killer = threading.Thread(target=kill_every, args=(crash.result.job, interval, stop, crash.kills, wipe))
+    killer = threading.Thread(
+        target=kill_every, args=(crash.result.job, interval, stop, crash.kills, wipe_in)
+    )
     killer.start()
     try:
         wait_job_end(crash.result.job, 3600, interval=2.0)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +208,16 @@ def wipe_snapshots(node: str, job: str, snapshot_dir: str, rank: int | None = No
     if done.returncode != 0:
         raise RuntimeError(f"wiping the snapshots of job {job} on {node} failed: {done.stderr[-500:]}")
     return done.stdout.split()
+
+
+def kill_with_node_memory(job: str, pids: list[int], snapshot_dir: str) -> tuple[str, list[str]]:
+    """SIGKILL a rank's processes, then remove every snapshot of the job from their node's memory, as a
+    node that lost its memory would: (the node, the paths removed)."""
+    node = node_of(pids[0])
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return node, wipe_snapshots(node, job, snapshot_dir)
 
 
 def tree_bytes(path: Path) -> int:
