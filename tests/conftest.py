@@ -11,17 +11,15 @@ from pathlib import Path
 import pytest
 
 from slurm_fixtures import slurm_cluster  # noqa: F401  (the real-Slurm fixture)
+from slurm_grouping import (  # noqa: F401  (every Slurm test on one xdist worker, and a guard)
+    pytest_collection_finish,
+    pytest_configure_node,
+    pytest_runtest_setup,
+    pytest_sessionfinish,
+    pytest_xdist_make_scheduler,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Every Slurm test in one xdist group: one worker runs them one after another on the one local
-    cluster, while the other worker runs the rest."""
-    for item in items:
-        if item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 # A model small enough that a step takes milliseconds on one CPU core.

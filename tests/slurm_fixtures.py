@@ -58,10 +58,11 @@ def slurm_cluster():
         if reason:
             _give_up(reason)
         try:
+            # cluster_up waits for a start already in progress (another process) and reuses it.
             info = local_cluster.cluster_up(nodes=2, cpus_per_node=4)
         except (UserError, RuntimeError, OSError, subprocess.SubprocessError) as error:
             pytest.fail(f"could not start the local Slurm cluster: {error}", pytrace=False)
-        started_here = True
+        started_here = info.started
     saved = {key: os.environ.get(key) for key in info.env}
     os.environ.update(info.env)
     try:

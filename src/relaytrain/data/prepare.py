@@ -16,7 +16,6 @@ import multiprocessing
 import os
 import shutil
 import socket
-import threading
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,48 +121,59 @@ def _progress(enabled: bool):
     )
 
 
+def _tokenized(
+    spec: str, chunks: Iterator[tuple[list[str], float]], workers: int, val_fraction: float, dtype
+):
+    """Yield ``(tokenized chunk, its bytes on disk)`` in input order.
+
+    With ``workers > 1`` the chunks go to a process pool through a window of at most ``2 * workers``
+    chunks in flight, submitted and collected by this thread alone: no feeder thread iterates the
+    input, so when the consumer fails the generator is closed here, queued chunks are cancelled and
+    only the few running ones are waited for (``multiprocessing.Pool.terminate`` could deadlock on its
+    task queue's lock when a worker sat idle holding it)."""
+    if workers <= 1:
+        _init_worker(spec, False)
+        index = 0
+        for texts, disk in chunks:
+            yield _tokenize_chunk((index, texts, val_fraction, dtype.str)), disk
+            index += len(texts)
+        return
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")  # fork would copy Rust tokenizer threads and locks
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(spec, True))
+    window: deque = deque()
+    try:
+        index = 0
+        for texts, disk in chunks:
+            window.append((pool.submit(_tokenize_chunk, (index, texts, val_fraction, dtype.str)), disk))
+            index += len(texts)
+            if len(window) >= 2 * workers:
+                future, size = window.popleft()
+                yield future.result(), size
+        while window:
+            future, size = window.popleft()
+            yield future.result(), size
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _write_shards(tmp: Path, spec: str, entries, dtype: np.dtype, args: dict, progress: bool) -> dict:
     writers = {s: ShardWriter(tmp, s, dtype, args["shard_tokens"]) for s in ("train", "val")}
-    workers, val_fraction = args["workers"], args["val_fraction"]
     total = sum(input_size(p, k) for p, k in entries)
-    in_flight = threading.Semaphore(max(2, 2 * workers))  # bounds read-ahead: Pool.imap reads eagerly
-    stopping = threading.Event()
-    advances: deque[float] = deque()
-    next_index = 0
-
-    def jobs():
-        nonlocal next_index
-        for texts, disk in _chunks(entries, args["text_key"]):
-            while not in_flight.acquire(timeout=0.1):
-                if stopping.is_set():  # the consumer failed: let the pool's feeder thread finish
-                    return
-            advances.append(disk)
-            yield next_index, texts, val_fraction, dtype.str
-            next_index += len(texts)
-
-    pool = None
-    if workers > 1:
-        ctx = multiprocessing.get_context("spawn")  # fork would copy Rust tokenizer threads and locks
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(spec, True))
-        results = pool.imap(_tokenize_chunk, jobs())
-    else:
-        _init_worker(spec, False)
-        results = map(_tokenize_chunk, jobs())
+    chunks = _chunks(entries, args["text_key"])
+    jobs = _tokenized(spec, chunks, args["workers"], args["val_fraction"], dtype)
     try:
         with _progress(progress) as bar:
             task = bar.add_task("tokenize", total=total, docs=0, tokens=0)
             docs = tokens = 0
-            for train, n_train, val, n_val in results:
+            for (train, n_train, val, n_val), disk in jobs:
                 writers["train"].write(train, n_train)
                 writers["val"].write(val, n_val)
-                in_flight.release()
                 docs, tokens = docs + n_train + n_val, tokens + len(train) + len(val)
-                bar.update(task, advance=advances.popleft(), docs=docs, tokens=tokens)
+                bar.update(task, advance=disk, docs=docs, tokens=tokens)
     finally:
-        stopping.set()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+        jobs.close()  # a failed write: cancel what is queued, wait for what runs
     return {s: w.finish() for s, w in writers.items()}
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import jinja2
 
 from relaytrain.errors import UserError
-from relaytrain.localcluster import daemons, net, node_memory
+from relaytrain.localcluster import daemons, lock, net, node_memory
 
 DEFAULT_BASE_DIR = Path("/tmp/relaytrain-cluster")
 BASE_DIR_ENV = "RELAYTRAIN_CLUSTER_DIR"
@@ -211,6 +211,7 @@ def _wait_nodes_ready(base: Path, names: tuple[str, ...], timeout: float = START
         )
 
 
+@lock.serialized(resolve_base_dir)  # racing callers take turns: the second finds the first's cluster up
 def cluster_up(
     nodes: int = 2, cpus_per_node: int = 4, base_dir: str | Path | None = None, report: Report | None = None
 ) -> ClusterInfo:
@@ -286,6 +287,7 @@ def _cancel_all_jobs(base: Path) -> None:
     daemons.wait_until(no_jobs, 20.0, interval=0.5)
 
 
+@lock.serialized(resolve_base_dir)
 def cluster_down(base_dir: str | Path | None = None, report: Report | None = None) -> bool:
     """Stop what ``cluster_up`` started; returns False if nothing of the cluster was left to stop."""
     say = report or (lambda _msg: None)
