@@ -17,6 +17,7 @@ from relaytrain.resilience import crash
 from relaytrain.resilience.run_state import RunStateFile
 from tiny_config import TINY_TOML
 
+import needs
 from conftest import run_cli
 
 CONFIG = (
@@ -53,7 +54,7 @@ def small_fs(tmp_path):
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+        needs.skip_or_fail(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
     try:
         yield mount
     finally:

@@ -15,10 +15,12 @@ from relaytrain.checkpoint.hf import parse_size, permute_from_hf, permute_to_hf,
 from relaytrain.cli import main as cli_main
 from relaytrain.errors import UserError
 
+import needs
+
 sys.path.insert(0, str(Path(__file__).parent))
 from test_checkpoint import make, train_step  # noqa: E402
 
-transformers = pytest.importorskip("transformers")
+transformers = needs.module("transformers")
 
 ATOL = 1e-4  # fp32 logits; observed differences are ~1e-6 (summation order in RMSNorm/attention)
 GQA_TIED = dict(

@@ -7,12 +7,13 @@ configuration it cannot use. Nothing here imitates Slurm's answers.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from relaytrain.cli import main
 from relaytrain.resilience.run_state import RunStateFile
+
+import needs
 
 
 @pytest.fixture
@@ -42,8 +43,8 @@ def test_a_command_that_cannot_ask_slurm_says_so_in_one_line(no_slurm, capsys, a
     assert f"{tool} not found" in err and "SLURM_CONF" in err
 
 
-@pytest.mark.skipif(shutil.which("squeue") is None, reason="needs Slurm's client commands")
 def test_an_unconfigured_slurm_client_is_one_line_not_an_empty_queue(tmp_path, monkeypatch, capsys):
+    needs.program("squeue", "apt-get install slurm-client")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing.conf"))  # answered at once, not after retries
     assert main(["status"]) == 2

@@ -16,6 +16,8 @@ from relaytrain.data.shards import PreparedDataset
 from relaytrain.data.tokenizer import build_tokenizer, tokenizer_name
 from relaytrain.errors import UserError
 
+import needs
+
 DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog, naïve café №{i * 7}." for i in range(40)]
 DOCS[3] = "A document\nwith two lines."
 
@@ -135,9 +137,9 @@ def test_prepare_jsonl_gz_with_hf_tokenizer_and_small_shards(tmp_path):
 
 
 def test_prepare_parquet_and_saved_dataset(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    datasets = pytest.importorskip("datasets")
+    pa = needs.module("pyarrow")
+    pq = needs.module("pyarrow.parquet")
+    datasets = needs.module("datasets")
     pq.write_table(pa.table({"content": DOCS[:25], "n": list(range(25))}), tmp_path / "a.parquet")
     datasets.Dataset.from_dict({"content": DOCS[25:]}).save_to_disk(str(tmp_path / "saved"))
     out = prepare_dataset(

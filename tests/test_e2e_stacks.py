@@ -25,6 +25,7 @@ from e2e_slurm_jobs import FIRST_RUN_ONLY, job_log, job_output, launch
 from test_e2e_programs import CONFIG, PROFILE, losses, run_local, state
 from test_readme import bash_blocks
 
+import needs
 from conftest import REPO
 from slurm_fixtures import wait_job_finished
 
@@ -54,8 +55,8 @@ def documented_launches() -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def stacks(slurm_cluster, tmp_path_factory):
-    pytest.importorskip("deepspeed")
-    pytest.importorskip("megatron.core")
+    needs.module("deepspeed")
+    needs.module("megatron.core")
     base = tmp_path_factory.mktemp("e2e_stacks")
     (base / "examples").symlink_to(REPO / "examples")  # the documented lines' relative paths
     runs, refs = base / "runs", base / "refs"

