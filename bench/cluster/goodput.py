@@ -6,6 +6,7 @@
     python -m bench.goodput --page-from A.json B.json --note "..."  # the page from saved results
     python -m bench.goodput --crashes --crash-interval 30 --steps 300  # restart in place vs requeue
     python -m bench.goodput --extrapolation         # only the extrapolation of the page's goodput section
+    python -m bench.goodput --crash-page-from bench/results/goodput-crash-2026-11-24.json  # from kept results
 
 Each invocation saves results.json (its command, date, load averages and runs) in its own directory
 under bench/out/goodput; --page-from renders the union of several such files, each with its command.
@@ -41,7 +42,8 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.cluster.goodput_crash import CRASH_RUNS, losses_match, render_crashes, run_crashes
+from bench import kept
+from bench.cluster.goodput_crash import CRASH_RUNS, losses_match, render_crashes, run_crashes, summary
 from bench.cluster.goodput_extrapolation import EXTRAPOLATION_HEADING, Extrapolation, render_extrapolation
 from bench.cluster.goodput_page import CKPT_INTERVAL, STEP_DELAY_S, render
 from bench.cluster.goodput_results import (
@@ -168,11 +170,22 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--crash-interval", type=float, default=30.0, help="seconds between kills")
     parser.add_argument(
+        "--crash-page-from", metavar="KEPT_JSON",
+        help="write the crash section from a kept results file (bench/results/goodput-crash-*.json)",
+    )  # fmt: skip
+    parser.add_argument(
         "--extrapolation", action="store_true",
         help="rewrite only the 7B extrapolation of the goodput section on the page (its inputs changed); "
         "the measured runs above it stay as they are",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.crash_page_from:
+        try:
+            results = kept.load(args.crash_page_from)
+        except ValueError as err:
+            parser.error(f"--crash-page-from: {err}")
+        write_page({"goodput-crash": render_crashes(results, kept.relative(args.crash_page_from))})
+        return 0
     if args.extrapolation:
         measured = section_body(PAGE.read_text() if PAGE.exists() else "", "goodput")
         if measured is None:
@@ -244,17 +257,22 @@ def crash_comparison(args: argparse.Namespace, command: str) -> int:
         name = f"{kind}-{args.crash_interval:g}s"
         print(f"bench.goodput: {name} ...", flush=True)
         with cluster_lock(not args.no_lock):
-            crash = run_crashes(runner.config, name, setup, args.crash_interval, runner.runs)
+            crash = run_crashes(runner.config, name, setup, args.crash_interval, runner.runs, steps)
         reference_files = RunFiles(runner.runs / "uninterrupted")
         crash.losses_identical = losses_match(RunFiles(runner.runs / name), reference_files)
         runs.append(crash)
         print(f"bench.goodput: {json.dumps(crash.as_dict())}", flush=True)
     saved = [asdict(reference), *(c.as_dict() for c in runs)]
     (base / "results.json").write_text(json.dumps(saved, indent=1))
-    section = render_crashes(runs, command, str(datetime.now(UTC).date()), machine_info().get("cpu", "?"))
-    print(section)
-    if not (args.quick or args.no_write):
-        write_page({"goodput-crash": section})
+    now = datetime.now(UTC)
+    results = {"command": command, "date": str(now.date()), "cpu": machine_info().get("cpu", "?"),
+               "runs": [summary(c) for c in runs], "raw": saved}  # fmt: skip
+    if not args.quick:  # a quick run is a check of the harness, not a figure
+        name = kept.relative(kept.save(f"goodput-crash-{now:%Y-%m-%d-%H%M}.json", results))
+        section = render_crashes(results, name)
+        print(section)
+        if not args.no_write:
+            write_page({"goodput-crash": section})
     return 0 if reference.error == "" and all(c.result.error == "" for c in runs) else 1
 
 
