@@ -68,7 +68,7 @@ from bench.cluster.harness import (
     wait_job_end,
     write_config,
 )
-from bench.report import PAGE, machine_info, section_body, write_page
+from bench.report import machine_info, page_path, section_body, write_page
 
 OUT = OUT_ROOT / "goodput"
 RUN_NAMES_HELP = "uninterrupted, preempt-<T>s for each of --intervals, time-limit"
@@ -187,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         write_page({"goodput-crash": render_crashes(results, kept.relative(args.crash_page_from))})
         return 0
     if args.extrapolation:
-        measured = section_body(PAGE.read_text() if PAGE.exists() else "", "goodput")
+        page = page_path()
+        measured = section_body(page.read_text() if page.exists() else "", "goodput")
         if measured is None:
-            parser.error(f"--extrapolation: {PAGE.name} has no goodput section yet: run the goodput runs")
+            parser.error(f"--extrapolation: {page.name} has no goodput section yet: run the goodput runs")
         measured = measured.split(EXTRAPOLATION_HEADING)[0].rstrip("\n") + "\n"
         write_page({"goodput": measured + render_extrapolation(Extrapolation())})
         return 0
