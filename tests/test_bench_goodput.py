@@ -8,8 +8,8 @@ from datetime import datetime
 
 import pytest
 
-from bench.cluster import goodput
 from bench import kept
+from bench.cluster import goodput
 from bench.cluster.goodput_crash_extrapolation import SNAPSHOT_RUNS, CrashExtrapolation
 from bench.cluster.goodput_extrapolation import (
     Extrapolation,
@@ -28,7 +28,6 @@ from bench.cluster.goodput_results import (
     save_seconds,
 )
 from bench.cluster.harness import RunFiles
-from bench.report import merge_page
 
 
 def log_line(t: float, message: str) -> str:
@@ -237,8 +236,7 @@ def test_extrapolation_rewrites_only_the_extrapolation_of_the_goodput_section(tm
     measured = "## Goodput\n\n| run | goodput |\n| --- | --- |\n| a | 50% |\n"
     page.write_text(f"# B\n\n<!-- bench:goodput -->\n{measured}\n### 7B-class extrapolation\n\nold\n"
                     "<!-- /bench:goodput -->\n\nafter\n")  # fmt: skip
-    monkeypatch.setattr(goodput, "PAGE", page)
-    monkeypatch.setattr(goodput, "write_page", lambda new: page.write_text(merge_page(page.read_text(), new)))
+    monkeypatch.setenv("BENCH_PAGE", str(page))  # the page every generator writes (bench.report.page_path)
 
     command = "python -m bench.goodput --extrapolation"
     assert f"`{command}`" in render_extrapolation(Extrapolation())  # the page names it: run it as written
@@ -326,7 +324,13 @@ def test_every_measured_input_of_the_crash_extrapolation_is_read_from_its_kept_f
         shutil.copy(kept.path_of(name), tmp_path / name)
     monkeypatch.setattr(kept, "RESULTS_DIR", tmp_path)
     text = render_extrapolation(Extrapolation())
-    for shown in ("replication 264 MB/s", "replication 178 MB/s", "(0.987 s)", "(2.13 s)", "detection 2.23 s"):
+    for shown in (
+        "replication 264 MB/s",
+        "replication 178 MB/s",
+        "(0.987 s)",
+        "(2.13 s)",
+        "detection 2.23 s",
+    ):
         assert shown in text
     assert "exit 5 s (assumed: Slurm's GraceTime" in text and "async blocking 1 s (assumed)" in text
 
@@ -352,7 +356,9 @@ def test_both_snapshot_runs_are_shown_and_the_grid_marks_where_snapshots_lose_to
     grid = text[text.index("Sensitivity: goodput with a snapshot every N steps") :]
     row = next(line for line in grid.splitlines() if line.startswith("| 178 (run"))
     cells = row.split(" | ")
-    assert cells[3].startswith("**") and not cells[4].startswith("**")  # 10 s step: every 1 loses, every 4 not
+    assert cells[3].startswith("**") and not cells[4].startswith(
+        "**"
+    )  # 10 s step: every 1 loses, every 4 not
 
 
 def test_only_a_restore_that_took_a_peers_file_counts_as_from_the_peer():

@@ -24,7 +24,9 @@ PAGE = REPO / "docs" / "benchmarks.md"
 TEXT = PAGE.read_text()
 NAMES = section_names(TEXT)
 # A bench command as a section names it: in backticks, or at the start of a line of a code block.
-COMMAND = re.compile(r"(?:^|`)python (?:-m (?P<module>bench[\w.]*)|(?P<script>bench/[\w/]+\.py))(?=[\s`])", re.M)
+COMMAND = re.compile(
+    r"(?:^|`)python (?:-m (?P<module>bench[\w.]*)|(?P<script>bench/[\w/]+\.py))(?=[\s`])", re.M
+)
 BENCH_SOURCES = "\n".join(p.read_text() for p in sorted((REPO / "bench").rglob("*.py")))
 KEPT = [(name, m.group("command")) for name in NAMES for m in REWRITTEN.finditer(section_body(TEXT, name))]
 
