@@ -33,8 +33,8 @@ def relative(path: str | Path) -> str:
     resolved = path_of(path).resolve()
     try:
         return resolved.relative_to(REPO.resolve()).as_posix()
-    except ValueError:
-        return str(path)
+    except ValueError:  # outside the repository (a test's copy)
+        return str(resolved)
 
 
 def save(name: str, data: dict[str, Any]) -> Path:

@@ -181,10 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.crash_page_from:
         try:
-            results = kept.load(args.crash_page_from)
-        except ValueError as err:
-            parser.error(f"--crash-page-from: {err}")
-        write_page({"goodput-crash": render_crashes(results, kept.relative(args.crash_page_from))})
+            section = render_crashes(kept.load(args.crash_page_from), kept.relative(args.crash_page_from))
+        except (ValueError, KeyError, TypeError) as err:
+            parser.error(f"--crash-page-from: {args.crash_page_from}: {err}")
+        write_page({"goodput-crash": section})
         return 0
     if args.extrapolation:
         page = page_path()
@@ -192,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         if measured is None:
             parser.error(f"--extrapolation: {page.name} has no goodput section yet: run the goodput runs")
         measured = measured.split(EXTRAPOLATION_HEADING)[0].rstrip("\n") + "\n"
-        write_page({"goodput": measured + render_extrapolation(Extrapolation())})
+        try:
+            extrapolation = render_extrapolation(Extrapolation())
+        except (ValueError, KeyError) as err:  # a kept results file it reads is missing or incomplete
+            parser.error(f"--extrapolation: {err}")
+        write_page({"goodput": measured + extrapolation})
         return 0
     if args.page_from:
         try:
