@@ -173,6 +173,7 @@ def nodes_figures(r: dict) -> dict[str, float]:
     replicate = max(w["replicate_s"] for w in r["written"])
     figures = {
         "nodes_state_gb": max(r["snapshot_bytes"]) / 1e9,
+        "nodes_params": r["params"],
         "nodes_blocking_first_s": max(r["blocking_s"]),
         "replicate_s": replicate,
         "replicate_mb_s": max(w["replicated_bytes"] for w in r["written"]) / 1e6 / replicate,
@@ -192,7 +193,8 @@ def keep(name: str, command: str, parts: dict[str, dict]) -> Path:
     from bench.report import machine_info
 
     info = machine_info()
-    figures = {f"state_{k}": v for k, v in parts.get("state", {}).items()}
+    one_process = [(part, parts.get(part, {})) for part in ("debug", "wide", "state")]
+    figures = {f"{part}_{k}": v for part, found in one_process for k, v in found.items()}
     figures |= nodes_figures(parts["nodes"]) if "nodes" in parts else {}
     data = {"command": command, "date": info["date"], "commit": info["commit"], "cpu": info["cpu"],
             "load": f"{info['load_start']} -> {[round(x, 2) for x in os.getloadavg()]}",

@@ -9,7 +9,9 @@
     python -m bench.goodput --crash-page-from bench/results/goodput-crash-2026-11-24.json  # from kept results
 
 Each invocation saves results.json (its command, date, load averages and runs) in its own directory
-under bench/out/goodput; --page-from renders the union of several such files, each with its command.
+under bench/out/goodput, and but for --quick keeps it in bench/results/goodput-<date>.json (the crash
+runs: goodput-crash-<date>.json); --page-from renders the union of several such files, each with its
+command.
 
 On the local Slurm cluster (`relaytrain cluster up`) a tiny 2-rank run (steps slowed to STEP_DELAY_S so a
 run lasts minutes) runs uninterrupted, preempted every T seconds (a job on the `high` partition takes its
@@ -240,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         saved.load = load_averages(load_now)
         save_results(base / "results.json", saved)
     print(f"bench.goodput: results in {base / 'results.json'}")
+    if not args.quick:  # kept with the page (bench/kept.py); --page-from reads it back
+        name = kept.save(f"goodput-{datetime.now(UTC):%Y-%m-%d-%H%M}.json", asdict(saved))
+        print(f"bench.goodput: results kept in {kept.relative(name)}")
     section = render(merge_results([saved]), machine_info()) + render_extrapolation(Extrapolation())
     print(section)
     if not (args.quick or args.no_write or args.only):
