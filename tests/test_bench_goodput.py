@@ -369,3 +369,24 @@ def test_only_a_restore_that_took_a_peers_file_counts_as_from_the_peer():
              for step, n in ((37, 0), (70, 1), (100, 2))]  # fmt: skip
     assert [from_peer(x) for x in lines] == [False, True, True]
     assert not from_peer("resuming from /x/step_10 (step 10): latest")
+
+
+def test_a_crash_run_is_kept_as_the_row_the_page_shows_and_detection_is_the_mean_over_every_crash():
+    from bench.cluster.goodput_crash import CrashRun, mean_detection, render_crashes, summary
+
+    split = {"action": "restart", "detection": 2.0, "queue": 0.0, "startup": 4.0, "load": 0.5, "total": 7.0,
+             "replayed": 1, "from_peer": True}  # fmt: skip
+    run = CrashRun(RunResult("crash-in-place-peer-30s", "kill", allocated_s=10, productive_s=7,
+                             final="finished (max_steps) at step 120"), 30.0,
+                   crashes=[split, {**split, "detection": 3.0, "from_peer": False}], losses_identical=True,
+                   peer_restores=1)  # fmt: skip
+    row = summary(run)
+    assert (row["crashes"], row["detection"], row["goodput"], row["end"]) == (2, 2.5, 0.7, run.result.final)
+    weighted = mean_detection([row, {**row, "crashes": 6, "detection": 1.5}])
+    assert weighted == pytest.approx((2 * 2.5 + 6 * 1.5) / 8)
+    page = render_crashes({"command": "c", "date": "d", "cpu": "cpu", "runs": [row]}, "k.json")
+    line = next(x for x in page.splitlines() if x.startswith("| crash-in-place"))
+    assert line == (
+        "| crash-in-place-peer-30s | kill (1 of 2 restored from the peer) | 2 | 1.00 | 7.00 (2.50 + 0 + 4.00 "
+        "+ 0.500) | 70.0% | yes | finished (max_steps) at step 120 |"
+    )
