@@ -160,8 +160,13 @@ class SpecialTrials(SnapshotTrials):
         pids = wait(lambda: rank_pids(trial.job, rank=rank), 120, f"rank {rank} to start")
         step_dir = run.step_dir(target)
         wait(step_dir.exists, 240, f"{step_dir.name} to appear", interval=0.002)
-        trial.hit += kill_pids(trial.job, pids, rank)
-        in_flight = not run.committed(step_dir)
+        seen: dict[str, bool] = {}  # whether the save was still in flight the moment the signal went
+
+        def look() -> None:
+            seen["in flight"] = not run.committed(step_dir)
+
+        trial.hit += kill_pids(trial.job, pids, rank, then=look)
+        in_flight = seen["in flight"]
         self.bench.finish(trial, run, overrides)
         self.bench.check(trial, run)
         resumed = start_step(run)

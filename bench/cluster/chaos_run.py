@@ -10,8 +10,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.cluster.harness import (
     RunFiles,
@@ -98,22 +100,33 @@ def kill_ranks(job: str, rank: int | None, sig: int = signal.SIGKILL) -> list[st
     return kill_pids(job, rank_pids(job, rank=rank), rank, sig)
 
 
-def kill_pids(job: str, pids: list[int], rank: int | None, sig: int = signal.SIGKILL) -> list[str]:
-    """Signal the processes `pids` of `job`; what was hit, one line each (`SIGKILL pid 123 (rank 1): gone`
-    once a killed process no longer runs). RuntimeError when none was there to signal."""
-    hit = []
+def kill_pids(
+    job: str,
+    pids: list[int],
+    rank: int | None,
+    sig: int = signal.SIGKILL,
+    then: Callable[[], Any] | None = None,
+) -> list[str]:
+    """Signal the processes `pids` of `job`, run `then` (what must be seen right after the signals), and
+    say what was hit, one line each (`SIGKILL pid 123 (rank 1): gone` once a killed process no longer
+    runs). RuntimeError when none was there to signal."""
+    signalled = []
     for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             continue
+        signalled.append(pid)
+    if then is not None:
+        then()
+    if not signalled:
+        raise RuntimeError(f"no rank {rank} process of job {job} to signal: the fault did not land")
+    hit = []
+    for pid in signalled:
         name = f"{signal.Signals(sig).name} pid {pid} (rank {'any' if rank is None else rank})"
         if sig == signal.SIGKILL:
-            gone = wait_gone(pid)
-            name += f": {GONE}" if gone else ": still running 10 s later"
+            name += f": {GONE}" if wait_gone(pid) else ": still running 10 s later"
         hit.append(name)
-    if not hit:
-        raise RuntimeError(f"no rank {rank} process of job {job} to signal: the fault did not land")
     return hit
 
 
