@@ -13,4 +13,8 @@ bench/checkpoint_section.py turns into the ``checkpoint-io-run`` block with the 
 
 The trials on the local Slurm cluster (``python -m bench.chaos``, ``python -m bench.goodput``) are the
 package bench/cluster/; they write their own sections and are not part of ``python -m bench``.
+
+Results that a section or an extrapolation is rebuilt from are kept in bench/results/ (bench/kept.py),
+committed with the page; such a section names the command that rewrites it from them (bench/report.py's
+REWRITTEN), and tests/test_bench_pages.py checks that it comes out byte for byte.
 """

@@ -2,8 +2,12 @@
 
 Sections live between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``. ``merge_page`` replaces the
 blocks it is given, appends blocks the page does not have yet (after the last known block, in the order
-given), and keeps every other byte of the page, so sections that colleagues write by hand or with their
-own scripts survive a rerun.
+given), and keeps every other byte of the page, so sections that other commands write survive a rerun.
+
+Every section names the command that writes it, and a section rebuilt from kept results (bench/kept.py)
+says so in one sentence, "Rewritten from the kept results by `COMMAND`." (REWRITTEN below):
+tests/test_bench_pages.py runs that command against a copy of the page ($BENCH_PAGE) and requires the
+copy to come out byte for byte the same.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ PAGE_INTRO = (
     "are noisy. Tests never assert timings; this page is where performance is claimed.\n"
 )
 
+# The sentence that names the command rebuilding a section from kept results, as the page writes it.
+REWRITTEN = re.compile(r"[Rr]ewritten from the kept results by `(?P<command>[^`]+)`")
 _BLOCK = re.compile(r"<!-- bench:(?P<name>[\w.-]+) -->\n?(?P<body>.*?)<!-- /bench:(?P=name) -->\n?", re.S)
 
 
@@ -211,8 +217,15 @@ def merge_page(page: str, sections: dict[str, str], order: Sequence[str] = ()) -
     return page
 
 
-def write_page(sections: dict[str, str], order: Sequence[str] = (), path: Path = PAGE) -> Path:
+def page_path() -> Path:
+    """The page the generators write: docs/benchmarks.md, or the file `$BENCH_PAGE` names (a copy that
+    tests/test_bench_pages.py regenerates sections into, to compare them with the page byte for byte)."""
+    return Path(os.environ.get("BENCH_PAGE") or PAGE)
+
+
+def write_page(sections: dict[str, str], order: Sequence[str] = (), path: Path | None = None) -> Path:
     """Merge ``sections`` into the page on disk (re-read now, so concurrent edits by others survive)."""
+    path = path or page_path()
     old = path.read_text() if path.exists() else ""
     new = merge_page(old, sections, order)
     tmp = path.with_suffix(".md.tmp")

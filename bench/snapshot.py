@@ -18,7 +18,8 @@ written to /dev/shm and read back, replicated to a peer node and restored from e
    the exchange of the two ranks' snapshots over the gloo group (replication throughput), and the
    restore of that state from local memory, from the peer node and from the DCP checkpoint on disk,
    each through relaytrain's own restore path, checked bit-exact.
-Prints a Markdown table for docs/benchmarks.md.
+Prints a Markdown table for docs/benchmarks.md and keeps the figures in bench/results/snapshot-<UTC date
+and time>.json (bench/kept.py; the goodput extrapolation reads its inputs from these files).
 """
 
 from __future__ import annotations
@@ -167,6 +168,40 @@ def nodes_rows(r: dict) -> list[str]:
     return rows
 
 
+def nodes_figures(r: dict) -> dict[str, float]:
+    """The two-node part's figures as kept (the slowest rank of each), from snapshot_nodes.py's results."""
+    replicate = max(w["replicate_s"] for w in r["written"])
+    figures = {
+        "nodes_state_gb": max(r["snapshot_bytes"]) / 1e9,
+        "nodes_params": r["params"],
+        "nodes_blocking_first_s": max(r["blocking_s"]),
+        "replicate_s": replicate,
+        "replicate_mb_s": max(w["replicated_bytes"] for w in r["written"]) / 1e6 / replicate,
+        "shm_write_s": max(w["write_s"] for w in r["written"]),
+        "dcp_save_s": r["dcp_save_s"],
+    }
+    for restore in r["restores"]:
+        if restore["bit_exact"]:  # a restore that did not give the state back is no figure
+            figures[f"restore_{restore['tier']}_s"] = restore["restore_s"]
+    return figures
+
+
+def keep(name: str, command: str, parts: dict[str, dict]) -> Path:
+    """bench/results/NAME: the command, date, commit and load, every part's results and the figures."""
+    sys.path.insert(0, str(REPO))
+    from bench import kept
+    from bench.report import machine_info
+
+    info = machine_info()
+    one_process = [(part, parts.get(part, {})) for part in ("debug", "wide", "state")]
+    figures = {f"{part}_{k}": v for part, found in one_process for k, v in found.items()}
+    figures |= nodes_figures(parts["nodes"]) if "nodes" in parts else {}
+    data = {"command": command, "date": info["date"], "commit": info["commit"], "cpu": info["cpu"],
+            "load": f"{info['load_start']} -> {[round(x, 2) for x in os.getloadavg()]}",
+            "parts": parts, "figures": figures}  # fmt: skip
+    return kept.save(name, data)
+
+
 def step_rows(what: str, r: dict[str, float]) -> list[str]:
     share = r["blocking_s"] / r["step_snap_s"]
     return [
@@ -184,25 +219,34 @@ def main() -> None:
     parser.add_argument("--wide-steps", type=int, default=6, help="steps of each widened run")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"which of {','.join(PARTS)} to run")
     parser.add_argument("--no-lock", action="store_true", help="the caller holds the cluster's lock already")
+    stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime())
+    parser.add_argument("--keep", default=f"snapshot-{stamp}.json", help="results file in bench/results/")
+    parser.add_argument("--no-keep", action="store_true", help="keep no results file (a trial run)")
     args = parser.parse_args()
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {','.join(PARTS)}")
     print("| measure | value |\n| --- | --- |", flush=True)
+    results: dict[str, dict] = {}
     if "debug" in parts:
-        print("\n".join(step_rows("debug config", step_share(args.steps, []))), flush=True)
+        results["debug"] = step_share(args.steps, [])
+        print("\n".join(step_rows("debug config", results["debug"])), flush=True)
     if "wide" in parts:
-        wide = step_share(args.wide_steps, wide_model(args.state_gb))
+        wide = results["wide"] = step_share(args.wide_steps, wide_model(args.state_gb))
         what = f"debug config widened to {wide['mb'] / 1e3:.2f} GB, one process"
         print("\n".join(step_rows(what, wide)), flush=True)
     if "state" in parts:
-        large = large_state(args.state_gb)
+        large = results["state"] = large_state(args.state_gb)
         gb = f"{large['gb']:.2f} GB state"
         print(f"| {gb}: blocking copy into the host buffer | {large['blocking_s']:.3f} s |")
         print(f"| {gb}: write to /dev/shm with checksum (background) | {large['write_s']:.3f} s |")
         print(f"| {gb}: read, verify and decode (restore) | {large['restore_s']:.3f} s |", flush=True)
     if "nodes" in parts:
-        print("\n".join(nodes_rows(two_nodes(args.state_gb, lock=not args.no_lock))))
+        results["nodes"] = two_nodes(args.state_gb, lock=not args.no_lock)
+        print("\n".join(nodes_rows(results["nodes"])))
+    if not args.no_keep:
+        command = " ".join(["python bench/snapshot.py", *sys.argv[1:]])
+        print(f"results kept in {keep(args.keep, command, results)}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ Like every `slurm` test the quick run goes under `flock /tmp/relaytrain-slurm.lo
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,16 @@ from bench.cluster.chaos_kinds import (
     method_of,
     time_limit_checks,
 )
-from bench.cluster.chaos_page import KINDS_SOURCE, load_results, merge_special, render_special, summary
-from bench.cluster.chaos_run import ALLOWED, EVENTS, PHASES, Bench, Trial, draw
+from bench.cluster.chaos_page import (
+    KINDS_SOURCE,
+    load_results,
+    merge_special,
+    render,
+    render_special,
+    results_data,
+    summary,
+)
+from bench.cluster.chaos_run import ALLOWED, EVENTS, PHASES, Bench, Trial, draw, fault_evidence, kill_pids
 from bench.cluster.harness import RunFiles
 from bench.report import REPO
 
@@ -32,10 +39,13 @@ KILL_OK = {"save in flight when killed": True, "resumed from the previous comple
 CAP_LOG = "not requeuing: SLURM_RESTART_COUNT=1 reached resilience.max_requeues=1"
 
 
+LANDED = ["crashes.jsonl: 1 (restart)"]
+
+
 def special(kind: str, seed: str, detail: str = "", ok: bool = True, **checks: bool) -> SpecialTrial:
     return SpecialTrial(
         index=0, kind=kind, seed=seed, detail=detail, checks=checks, bit_exact=ok, latest_complete=ok,
-        final_status="finished",
+        final_status="finished", evidence=LANDED,
     )  # fmt: skip
 
 
@@ -89,10 +99,9 @@ def test_a_preemption_or_no_requeue_is_not_a_time_limit_requeue():
 
 def test_results_carry_their_runs_seed(tmp_path):
     for seed, rows in (("17", [Trial(0, "mid_step", "usr2")]), ("20", [SpecialTrial(0, "hang")])):
-        path = tmp_path / f"seed{seed}-123" / "results.json"
-        path.parent.mkdir()
-        path.write_text(json.dumps([asdict(r) for r in rows]))
-    trials, targeted = load_results(sorted(str(p) for p in tmp_path.glob("*/results.json")))
+        data = results_data("python -m bench.chaos", "2026-11-25", seed, {"cpu": "CPU", "cores": 2}, "", rows)
+        (tmp_path / f"chaos-seed{seed}.json").write_text(json.dumps(data))
+    trials, targeted = load_results(sorted(str(p) for p in tmp_path.glob("*.json")))
     assert [t.phase for t in trials] == ["mid_step"]
     assert [(t.kind, t.seed) for t in targeted] == [("hang", "20")]
 
@@ -143,9 +152,11 @@ def test_the_page_names_the_module_that_defines_the_targeted_kinds():
     assert f"The kinds: `{KINDS_SOURCE}`." in (REPO / "docs" / "benchmarks.md").read_text()
 
 
-def test_summary_against_the_targets():
-    done = {"bit_exact": True, "latest_complete": True, "final_status": "finished"}
-    randoms = [Trial(i, "mid_step", "usr2", **done) for i in range(3)]
+DONE = {"bit_exact": True, "latest_complete": True, "final_status": "finished"}
+
+
+def test_summary_scores_each_target_on_the_trials_run_against_it():
+    randoms = [Trial(i, "mid_step", "usr2", evidence=LANDED, **DONE) for i in range(3)]
     rows = merge_special([
         special("kill_save_sync", "1", "in the sync save", **KILL_OK),
         special("kill_save_async", "1", "in the async save", ok=False, **KILL_OK),
@@ -153,12 +164,69 @@ def test_summary_against_the_targets():
         special("time_limit_cap", "1", **{"first stop by Slurm's --signal": False}),
     ]).trials  # fmt: skip
     text = summary(randoms, rows)
-    assert "**3 of 3** bit-exact" in text
-    assert "fall back: **1 of 2**" in text
+    assert "evidence that its fault landed: **not met**: 3 of 3 passed (3 bit-exact, 3 with evidence); " \
+        "3 trials ran, not 20." in text  # fmt: skip
+    assert "fall back: **not met**: 1 of 2." in text
     assert "**0 lost** in 1 trial(s)" in text
     assert "time_limit_cap (row 2): **fail** (first stop by Slurm's --signal)" in text
-    assert "Hang: not run" in text
-    assert "Disk full, 0 checkpoints lost: not run" in summary(randoms, [])
+    assert "Hang" not in text  # not run: no line
+    assert "Disk full" not in summary(randoms, []) and summary([], []) == ""
+    twenty = [Trial(i, "mid_step", "usr2", evidence=LANDED, **DONE) for i in range(20)]
+    assert "landed: **met**: 20 of 20 passed" in summary(twenty, [])
+    twenty[5].evidence = []  # bit-exact, but nothing shows that its fault landed
+    assert "landed: **not met**: 19 of 20 passed (20 bit-exact, 19 with evidence)." in summary(twenty, [])
+
+
+def test_a_trial_without_evidence_that_its_fault_landed_does_not_count():
+    trial = Trial(0, "mid_step", "sigkill_rank", **DONE)
+    assert not trial.ok
+    trial.evidence = LANDED
+    assert trial.ok
+    assert not SpecialTrial(0, "hang", **DONE).ok and SpecialTrial(0, "hang", evidence=LANDED, **DONE).ok
+    page = render(
+        [Trial(0, "startup", "sigkill_rank", **DONE), Trial(1, "mid_step", "usr2", evidence=LANDED, **DONE)]
+    )
+    assert "**1 of 2 trials passed**" in page and "1 without evidence of their fault do not count" in page
+    assert "| 0 | startup | sigkill_rank | -1 | **none recorded** |" in page
+
+
+def test_evidence_comes_from_the_run_files_and_what_the_fault_hit(tmp_path):
+    run = RunFiles(tmp_path / "run")
+    write_metrics(run.path, [{"kind": "event", "event": "start", "step": 0},
+                             {"kind": "train", "step": 1, "loss": 3.0}])  # fmt: skip
+    trial = Trial(0, "mid_step", "sigkill_rank")
+    assert fault_evidence(trial, run) == []  # an uninterrupted run shows nothing
+    trial.hit = ["SIGKILL pid 12 (rank 1): gone", "SIGKILL pid 13 (rank 1): still running 10 s later"]
+    (run.path / "crashes.jsonl").write_text(json.dumps({"action": "restart", "step": 1}) + "\n")
+    write_metrics(run.path, [{"kind": "event", "event": "start", "step": 0},
+                             {"kind": "event", "event": "stop", "step": 3, "reason": "time_limit_signal"},
+                             {"kind": "event", "event": "resume", "step": 3}])  # fmt: skip
+    trial.restarts, trial.resubmits = 1, 2
+    assert fault_evidence(trial, run) == [
+        "SIGKILL pid 12 (rank 1): gone",
+        "crashes.jsonl: 1 (restart)",
+        "stop events: time_limit_signal",
+        "resume events: 1",
+        "requeued 1x (Slurm's Restarts)",
+        "resubmitted 2x (not finished when its job ended)",
+    ]
+
+
+def test_a_kill_records_the_pids_it_hit_and_a_kill_that_hits_nothing_fails(tmp_path):
+    import subprocess
+
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        assert kill_pids("7", [victim.pid], 1) == [f"SIGKILL pid {victim.pid} (rank 1): gone"]
+    finally:
+        victim.wait()
+    with pytest.raises(RuntimeError, match="the fault did not land"):
+        kill_pids("7", [victim.pid], 1)  # gone already: nothing was signalled
+    bench = Bench(tmp_path, cluster=None)
+    trial = Trial(0, "mid_step", "sigkill_rank", job="999999999")
+    with pytest.raises(RuntimeError, match="no rank 1 process of job 999999999"):
+        bench.fire(trial, "sigkill_rank")
+    assert trial.hit == []
 
 
 def write_metrics(run_dir, rows, torn: bool = False) -> None:
@@ -239,10 +307,16 @@ def test_quick_chaos_run_loses_no_work(slurm_cluster, tmp_path, capsys):
     # Seed 2 draws a USR2 stop and a SIGKILLed rank, both mid-step: a graceful stop and a crash.
     code = chaos.main(["--quick", "--seed", "2", "--no-lock", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    results = json.loads(next(tmp_path.glob("seed2-*/results.json")).read_text())
+    results = json.loads(next(tmp_path.glob("seed2-*/results.json")).read_text())["trials"]
     assert [r["event"] for r in results] == ["usr2", "sigkill_rank"]
     failed = [r for r in results if not (r["bit_exact"] and r["latest_complete"] and not r["leftovers"])]
     assert code == 0 and not failed, out[-4000:]
+    usr2, kill = results
+    # each fault landed, and the trial says how it knows
+    assert usr2["hit"] == [f"scancel --signal=USR2 {usr2['job']}: exit 0"], usr2
+    assert any(e.startswith("stop events: ") for e in usr2["evidence"]), usr2
+    assert kill["hit"] and all(h.endswith(": gone") for h in kill["hit"]), kill
+    assert any(e.startswith("crashes.jsonl: ") for e in kill["evidence"]), kill
 
 
 def test_the_peer_trials_kill_past_the_first_checkpoint_and_wipe_through_the_store(tmp_path, capsys):

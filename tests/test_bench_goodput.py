@@ -8,9 +8,10 @@ from datetime import datetime
 
 import pytest
 
+from bench import kept
 from bench.cluster import goodput
+from bench.cluster.goodput_crash_extrapolation import SNAPSHOT_RUNS, CrashExtrapolation
 from bench.cluster.goodput_extrapolation import (
-    CrashExtrapolation,
     Extrapolation,
     cost_budget_s,
     render_extrapolation,
@@ -27,7 +28,6 @@ from bench.cluster.goodput_results import (
     save_seconds,
 )
 from bench.cluster.harness import RunFiles
-from bench.report import merge_page
 
 
 def log_line(t: float, message: str) -> str:
@@ -236,8 +236,7 @@ def test_extrapolation_rewrites_only_the_extrapolation_of_the_goodput_section(tm
     measured = "## Goodput\n\n| run | goodput |\n| --- | --- |\n| a | 50% |\n"
     page.write_text(f"# B\n\n<!-- bench:goodput -->\n{measured}\n### 7B-class extrapolation\n\nold\n"
                     "<!-- /bench:goodput -->\n\nafter\n")  # fmt: skip
-    monkeypatch.setattr(goodput, "PAGE", page)
-    monkeypatch.setattr(goodput, "write_page", lambda new: page.write_text(merge_page(page.read_text(), new)))
+    monkeypatch.setenv("BENCH_PAGE", str(page))  # the page every generator writes (bench.report.page_path)
 
     command = "python -m bench.goodput --extrapolation"
     assert f"`{command}`" in render_extrapolation(Extrapolation())  # the page names it: run it as written
@@ -251,30 +250,143 @@ def test_extrapolation_rewrites_only_the_extrapolation_of_the_goodput_section(tm
         goodput.main(["--extrapolation"])
 
 
+def crash_row(name: str, crashes: int, peer: int = 0, **fields) -> dict:
+    return {"name": name, "interruption": "kill", "crashes": crashes, "replayed": 0, "total": 6.0,
+            "detection": 1.5, "queue": 0.0, "startup": 4.0, "load": 0.2, "goodput": 0.7,
+            "losses_identical": True, "peer_restores": peer, "end": "finished", **fields}  # fmt: skip
+
+
 def test_the_crash_table_says_how_many_restores_took_the_peer_nodes_replica():
-    from bench.cluster.goodput_crash import CRASH_RUNS, NODE_MEMORY_LOST, CrashRun, render_crashes
-    from bench.cluster.goodput_results import RunResult
+    from bench.cluster.goodput_crash import CRASH_RUNS, NODE_MEMORY_LOST, render_crashes
 
     assert set(CRASH_RUNS) >= NODE_MEMORY_LOST
-    split = {"action": "restart", "detection": 1.5, "queue": 0.0, "startup": 4.0, "load": 0.2, "total": 6.0,
-             "replayed": 0}  # fmt: skip
-    runs = [
-        CrashRun(RunResult("crash-in-place-snapshots-30s", "kill", allocated_s=10, productive_s=7), 30,
-                 crashes=[split], losses_identical=True),
-        CrashRun(RunResult("crash-in-place-peer-30s", "kill, memory wiped", allocated_s=10, productive_s=7),
-                 30,
-                 crashes=[split, split], losses_identical=True, peer_restores=2),
-    ]  # fmt: skip
-    page = render_crashes(runs, "python -m bench.goodput --crashes", "2026-11-24", "cpu")
+    results = {"command": "python -m bench.goodput --crashes", "date": "2026-11-24", "cpu": "cpu",
+               "runs": [crash_row("crash-in-place-snapshots-30s", 1),
+                        crash_row("crash-in-place-peer-30s", 2, peer=2)]}  # fmt: skip
+    page = render_crashes(results, "bench/results/x.json")
     peer_row = next(line for line in page.splitlines() if line.startswith("| crash-in-place-peer-30s"))
-    assert "kill, memory wiped (2 of 2 restored from the peer)" in peer_row
+    assert "kill (2 of 2 restored from the peer)" in peer_row
     assert "restored from the peer" not in next(line for line in page.splitlines() if "snapshots-30s" in line)
+    assert "`python -m bench.goodput --crash-page-from bench/results/x.json`" in page
+
+
+def write_crash_run(path, kills: list[float], peer_files: list[int], extra_lines: int) -> None:
+    """A restarted-in-place run: each kill a crash line, a restore log line (`peer_files` of 2 files
+    from a peer), a resume event; `extra_lines` more peer-restore lines that belong to no kill."""
+    rows, crashes, log = [], [], []
+    for i, (kill, peer) in enumerate(zip(kills, peer_files, strict=True)):
+        crashes.append({"time": kill + 2, "action": "restart", "step": 10 * i + 5})
+        rows.append({"kind": "event", "event": "resume", "step": 10 * i + 5, "time": kill + 8})
+        rows.append({"kind": "train", "step": 10 * i + 6, "time": kill + 9, "time_step_s": 0.5})
+        log.append(log_line(kill + 6, f"resuming from the snapshot of step {10 * i + 5} in node memory "
+                                      f"({peer} of 2 rank file(s) from a peer node): newer"))  # fmt: skip
+    log += [log_line(kills[-1] + 100 + k, "resuming from the snapshot of step 99 in node memory (1 of 2 "
+                     "rank file(s) from a peer node): newer") for k in range(extra_lines)]  # fmt: skip
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "crashes.jsonl").write_text("".join(json.dumps(c) + "\n" for c in crashes))
+    (path / "job.log").write_text("\n".join(log))
+
+
+def test_a_restore_from_the_peer_is_counted_once_per_crash_from_the_restore_that_crash_led_to(tmp_path):
+    from bench.cluster.goodput_crash import crash_splits
+
+    t0 = 3_000_000.0
+    kills = [t0, t0 + 60, t0 + 120]
+    write_crash_run(tmp_path, kills, peer_files=[1, 0, 1], extra_lines=4)
+    log = (tmp_path / "job.log").read_text()
+    splits = crash_splits(RunFiles(tmp_path), [(t0 - 50, t0 + 400)], log, kills)
+    assert [c["from_peer"] for c in splits] == [True, False, True]  # not 6 lines over the whole job
+    assert [c["detection"] for c in splits] == [2.0, 2.0, 2.0]
+
+
+def test_a_crash_run_counts_only_when_every_step_was_logged_and_it_finished(tmp_path):
+    from bench.cluster.goodput_crash import completeness, losses_match
+
+    run, reference = RunFiles(tmp_path / "run"), RunFiles(tmp_path / "ref")
+    for files, steps in ((run, [1, 2, 2, 4]), (reference, [1, 2, 3, 4])):
+        files.path.mkdir()
+        rows = [{"kind": "train", "step": s, "loss": float(s), "time": 1.0} for s in steps]
+        (files.path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    finished = {"status": "finished", "step": 4}
+    assert completeness(run, finished, 4) == "steps never logged: [3]"
+    assert not losses_match(run, reference)  # every logged loss matches, but step 3 is missing
+    assert completeness(reference, finished, 4) == "" and losses_match(reference, reference)
+    assert completeness(reference, {"status": "running", "step": 3}, 4) == "the run did not finish at step 4"
+
+
+def test_every_measured_input_of_the_crash_extrapolation_is_read_from_its_kept_file(tmp_path, monkeypatch):
+    import shutil
+
+    from bench.cluster.goodput_crash_extrapolation import CRASH_RUN
+
+    for name in (*SNAPSHOT_RUNS, CRASH_RUN):
+        shutil.copy(kept.path_of(name), tmp_path / name)
+    monkeypatch.setattr(kept, "RESULTS_DIR", tmp_path)
+    text = render_extrapolation(Extrapolation())
+    for shown in (
+        "replication 264 MB/s",
+        "replication 178 MB/s",
+        "(0.987 s)",
+        "(2.13 s)",
+        "detection 2.23 s",
+    ):
+        assert shown in text
+    assert "exit 5 s (assumed: Slurm's GraceTime" in text and "async blocking 1 s (assumed)" in text
+
+    fast = kept.load(tmp_path / SNAPSHOT_RUNS[1])
+    fast["figures"]["replicate_mb_s"] = 900
+    kept.save(str(tmp_path / SNAPSHOT_RUNS[1]), fast)
+    crash = kept.load(tmp_path / CRASH_RUN)
+    for row in crash["runs"]:
+        row["detection"] = 4.0
+    kept.save(str(tmp_path / CRASH_RUN), crash)
+    changed = render_extrapolation(Extrapolation())
+    assert "replication 900 MB/s" in changed and "replication 178 MB/s" not in changed
+    assert "detection 4.00 s" in changed
+    (tmp_path / CRASH_RUN).unlink()
+    with pytest.raises(ValueError, match="kept results .*goodput-crash"):
+        render_extrapolation(Extrapolation())
+
+
+def test_both_snapshot_runs_are_shown_and_the_grid_marks_where_snapshots_lose_to_dcp():
+    text = render_extrapolation(Extrapolation())
+    assert "07:25 UTC's figures a snapshot every step beats DCP only" in text
+    assert "07:39 UTC's figures a snapshot every step **loses to** DCP only" in text
+    grid = text[text.index("Sensitivity: goodput with a snapshot every N steps") :]
+    row = next(line for line in grid.splitlines() if line.startswith("| 178 (run"))
+    cells = row.split(" | ")
+    assert cells[3].startswith("**") and not cells[4].startswith(
+        "**"
+    )  # 10 s step: every 1 loses, every 4 not
 
 
 def test_only_a_restore_that_took_a_peers_file_counts_as_from_the_peer():
-    from bench.cluster.goodput_crash import peer_restores
+    from bench.cluster.goodput_crash import from_peer
 
     line = "INFO relaytrain.checkpoint: resuming from the snapshot of step {} in node memory ({} of 2 "
-    log = "\n".join(line.format(step, n) + "rank file(s) from a peer node): newer than the newest checkpoint"
-                    for step, n in ((37, 0), (70, 1), (100, 2)))  # fmt: skip
-    assert peer_restores(log) == 2
+    lines = [line.format(step, n) + "rank file(s) from a peer node): newer than the newest checkpoint"
+             for step, n in ((37, 0), (70, 1), (100, 2))]  # fmt: skip
+    assert [from_peer(x) for x in lines] == [False, True, True]
+    assert not from_peer("resuming from /x/step_10 (step 10): latest")
+
+
+def test_a_crash_run_is_kept_as_the_row_the_page_shows_and_detection_is_the_mean_over_every_crash():
+    from bench.cluster.goodput_crash import CrashRun, mean_detection, render_crashes, summary
+
+    split = {"action": "restart", "detection": 2.0, "queue": 0.0, "startup": 4.0, "load": 0.5, "total": 7.0,
+             "replayed": 1, "from_peer": True}  # fmt: skip
+    run = CrashRun(RunResult("crash-in-place-peer-30s", "kill", allocated_s=10, productive_s=7,
+                             final="finished (max_steps) at step 120"), 30.0,
+                   crashes=[split, {**split, "detection": 3.0, "from_peer": False}], losses_identical=True,
+                   peer_restores=1)  # fmt: skip
+    row = summary(run)
+    assert (row["crashes"], row["detection"], row["goodput"], row["end"]) == (2, 2.5, 0.7, run.result.final)
+    weighted = mean_detection([row, {**row, "crashes": 6, "detection": 1.5}])
+    assert weighted == pytest.approx((2 * 2.5 + 6 * 1.5) / 8)
+    page = render_crashes({"command": "c", "date": "d", "cpu": "cpu", "runs": [row]}, "k.json")
+    line = next(x for x in page.splitlines() if x.startswith("| crash-in-place"))
+    assert line == (
+        "| crash-in-place-peer-30s | kill (1 of 2 restored from the peer) | 2 | 1.00 | 7.00 (2.50 + 0 + 4.00 "
+        "+ 0.500) | 70.0% | yes | finished (max_steps) at step 120 |"
+    )

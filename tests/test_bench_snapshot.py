@@ -62,3 +62,26 @@ def test_a_step_row_gives_the_blocking_share_of_the_step_with_snapshots():
                                     "blocking_max_s": 0.2, "mb": 12.5})  # fmt: skip
     assert rows[2].endswith("| 0.1000 s (0.2000 s), 5.0% of the step, 12.5 MB per rank |")
     assert rows[2].startswith("| x: blocking per snapshot, median (max) |")
+
+
+def test_a_run_keeps_its_figures_and_the_extrapolation_reads_them_back(tmp_path, monkeypatch):
+    from bench import kept
+    from bench.cluster.goodput_crash_extrapolation import snapshot_run
+
+    monkeypatch.setattr(kept, "RESULTS_DIR", tmp_path)
+    state = {"gb": 1.2, "blocking_s": 0.12, "write_s": 0.5, "restore_s": 0.1}
+    exact = {**RESULTS, "restores": [{**r, "bit_exact": True} for r in RESULTS["restores"]]}
+    snapshot.keep("snapshot-a.json", "python bench/snapshot.py", {"state": state, "nodes": exact})
+    saved = kept.load("snapshot-a.json")
+    assert saved["command"] == "python bench/snapshot.py" and saved["parts"]["nodes"] == exact
+    run = snapshot_run("snapshot-a.json")
+    assert run.name == kept.relative(tmp_path / "snapshot-a.json")
+    assert run.replicate_gbps == pytest.approx(1.19e9 / 4.5 / 1e9)  # the slowest rank's replication
+    assert (run.restore_local_s, run.restore_peer_s) == (1.0, 1.5)
+    assert run.blocking_gbps == pytest.approx(1.2 / 0.12) and run.shm_write_gbps == pytest.approx(
+        2 * 1.19 / 4.3
+    )
+    # a restore that did not give the state back is no figure: the extrapolation refuses the file
+    snapshot.keep("snapshot-b.json", "python bench/snapshot.py", {"state": state, "nodes": RESULTS})
+    with pytest.raises(ValueError, match="record no figure 'restore_peer_s'"):
+        snapshot_run("snapshot-b.json")

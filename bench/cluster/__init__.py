@@ -7,9 +7,13 @@ docs/benchmarks.md (`python -m bench.chaos`, `python -m bench.goodput`), not `py
     chaos.py                  `python -m bench.chaos`: draws the trials, runs them, writes the section
     chaos_run.py              the random trials: reference run, interruption, checks
     chaos_kinds.py            the targeted trials (SIGKILL in a save, time limit cap, hang, disk full)
-    chaos_page.py             the chaos section, several runs' results merged
+    chaos_page.py             the chaos sections from kept results (bench/results/), several runs merged
+    chaos_snapshots.py        the targeted trials of the peer replica (2 nodes, a node's memory wiped)
     goodput.py                `python -m bench.goodput`: the runs, preempted and time-limited
     goodput_results.py        one run's figures, results files
     goodput_page.py           the goodput section
-    goodput_extrapolation.py  goodput at 7B scale from the measured costs
+    goodput_crash.py          `--crashes`: a crash every T seconds, restart in place against requeue
+    goodput_extrapolation.py  goodput at 7B scale under preemption, its assumed inputs labelled
+    goodput_crash_extrapolation.py  crashes at 7B scale: snapshots against DCP only, every measured input
+                              read from the kept results of the run it cites
 """

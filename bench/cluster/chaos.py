@@ -2,19 +2,23 @@
 
     python -m bench.chaos --trials 20 --seed 7      # writes its section of docs/benchmarks.md
     python -m bench.chaos --quick                   # 2 trials (the `slurm` test runs this), no page
-    python -m bench.chaos --page-from A/results.json B/results.json ...  # the page from several runs
+    python -m bench.chaos --page-from A.json B.json --section chaos  # a section from kept results
 
-With several runs' results (in run order) the page shows every random trial and every SIGKILL-during-save
-trial (listed under the checkpoint.mode it reported), and of the other targeted kinds only the latest run
-that has each, saying which earlier rows it replaces.
+Every run but a quick one keeps its results in bench/results/chaos-seed<seed>-<date>.json (bench/kept.py)
+and writes its section from that file, as `--page-from` does, so the page equals what the kept results
+give (tests/test_bench_pages.py checks it). With several runs' results (in run order) the section shows
+every random trial and every SIGKILL-during-save trial (listed under the checkpoint.mode it reported), and
+of the other targeted kinds only the latest run that has each, saying which earlier rows it replaces.
 
 Each trial draws a (phase, event) pair from a seeded generator, launches a tiny 2-rank run on the local
 Slurm cluster (`relaytrain cluster up`), waits for the phase, fires the event, and continues the run to
 the end: the job requeues itself (preemption, a crash), or the benchmark resubmits it where the policy
 is not to requeue (a USR2 cancel). The finished run is compared with one uninterrupted reference run of
 the same config: every logged loss bit-identical, the set of steps the same (replayed steps counted),
-`checkpoints/latest` naming a complete checkpoint, no files beyond the documented set, and the last
-`run_state.json` saying `finished`.
+`checkpoints/latest` naming a complete checkpoint, no files beyond the documented set, the last
+`run_state.json` saying `finished`, and evidence that the fault landed (chaos_run.fault_evidence: a
+crashes.jsonl line, a stop or resume event, a requeue or resubmission, the killed process gone): a trial
+whose fault reached nothing proves nothing and does not count.
 
 The benchmark holds /tmp/relaytrain-slurm.lock (the cluster is shared) for chunks of `--chunk` trials.
 The random trials are in chaos_run.py, the targeted ones in chaos_kinds.py, the page in chaos_page.py.
@@ -26,14 +30,15 @@ import argparse
 import json
 import os
 import random
-import re
 import sys
 import time
 from dataclasses import asdict, replace
+from datetime import UTC, datetime
 from pathlib import Path
 
+from bench import kept
 from bench.cluster.chaos_kinds import SPECIAL_KINDS, SpecialTrial, SpecialTrials
-from bench.cluster.chaos_page import load_results, merge_special, render, render_special, summary
+from bench.cluster.chaos_page import SECTIONS, render_section, results_data
 from bench.cluster.chaos_run import Bench, draw
 from bench.cluster.harness import LOCK, OUT_ROOT, cluster_lock, load_averages, start_cluster
 from bench.report import machine_info, write_page
@@ -67,25 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--page-from",
         nargs="+",
-        metavar="RESULTS_JSON",
-        help="write the page from earlier runs' results.json files (seed from --seed)",
+        metavar="KEPT_JSON",
+        help="write --section from kept results files (bench/results/chaos-seed*.json), in run order",
     )
-    parser.add_argument("--load", default="", help="load averages to print on the page (with --page-from)")
-    parser.add_argument("--note", action="append", default=[], help="a paragraph to add (--page-from)")
-    parser.add_argument("--command", action="append", default=[], help="a run's command (--page-from)")
     args = parser.parse_args(argv)  # fmt: skip
+    if args.section not in SECTIONS:
+        parser.error(f"--section: no chaos section {args.section!r}; choose from {', '.join(SECTIONS)}")
     command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.page_from:
-        trials, special = load_results(args.page_from)
-        merged = merge_special(special)
-        seeds = ", ".join(sorted({m.group(1) for p in args.page_from if (m := re.search(r"seed(\d+)", p))}))
-        shown = "`; `".join(args.command) if args.command else command.strip()
-        section = (
-            render(trials, seeds, shown, machine_info(), args.load)
-            + render_special(merged.trials, merged)
-            + summary(trials, merged.trials)
-        )
-        section += "".join(f"\n{note}\n" for note in args.note)
+        try:
+            section = render_section(args.page_from, args.section)
+        except (ValueError, TypeError) as err:
+            parser.error(f"--page-from: {err}")
         print(section)
         write_page({args.section: section})
         return 0
@@ -104,6 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.run_reference()
     targeted = SpecialTrials(bench)
     everything = [*trials, *special]
+    now = datetime.now(UTC)
+    keep = f"chaos-seed{seed}-{now:%Y-%m-%d-%H%M}.json"  # in bench/results/, unless --quick
+
+    def save() -> None:
+        data = results_data(command.strip(), str(now.date()), seed, machine_info(),
+                            load_averages([*load, os.getloadavg()]), everything)  # fmt: skip
+        (base / "results.json").write_text(json.dumps(data, indent=1))
+        if not args.quick:
+            kept.save(keep, data)
+
     for start in range(0, len(everything), args.chunk):
         with cluster_lock(not args.no_lock):
             for trial in everything[start : start + args.chunk]:
@@ -112,14 +120,12 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     bench.run_trial(trial, rng)
                 print(f"bench.chaos: {json.dumps(asdict(trial))}", flush=True)
-                (base / "results.json").write_text(json.dumps([asdict(t) for t in everything], indent=1))
-    load.append(os.getloadavg())
-    loads = load_averages(load)
-    section = render(trials, seed, command.strip(), machine_info(), loads) + render_special(special)
-    section += summary(trials, special)
+                save()
+    save()
+    section = render_section([str(base / "results.json")], args.section)
     print(section)
     if not (args.quick or args.no_write):
-        write_page({args.section: section})
+        write_page({args.section: render_section([keep], args.section)})
     return 0 if all(t.ok for t in everything) else 1
 
 

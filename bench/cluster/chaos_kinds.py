@@ -29,14 +29,13 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
 
-from bench.cluster.chaos_run import INTERVAL, STEPS, Bench
+from bench.cluster.chaos_run import INTERVAL, STEPS, Bench, kill_pids, kill_ranks
 from bench.cluster.chaos_snapshots import SnapshotTrials
 from bench.cluster.harness import RunFiles, rank_pids, tree_bytes, wait
 
@@ -79,11 +78,14 @@ class SpecialTrial:
     seconds: float = 0.0
     error: str = ""
     seed: str = ""  # the run it came from, set when several runs' results are merged for the page
+    hit: list[str] = field(default_factory=list)  # what the trial's fault reached (chaos_run.kill_pids)
+    evidence: list[str] = field(default_factory=list)  # what shows that it landed (chaos_run.fault_evidence)
 
     @property
     def ok(self) -> bool:
         return (
-            self.bit_exact
+            bool(self.evidence)
+            and self.bit_exact
             and self.latest_complete
             and not self.leftovers
             and self.final_status == "finished"
@@ -158,9 +160,13 @@ class SpecialTrials(SnapshotTrials):
         pids = wait(lambda: rank_pids(trial.job, rank=rank), 120, f"rank {rank} to start")
         step_dir = run.step_dir(target)
         wait(step_dir.exists, 240, f"{step_dir.name} to appear", interval=0.002)
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        in_flight = not run.committed(step_dir)
+        seen: dict[str, bool] = {}  # whether the save was still in flight the moment the signal went
+
+        def look() -> None:
+            seen["in flight"] = not run.committed(step_dir)
+
+        trial.hit += kill_pids(trial.job, pids, rank, then=look)
+        in_flight = seen["in flight"]
         self.bench.finish(trial, run, overrides)
         self.bench.check(trial, run)
         resumed = start_step(run)
@@ -192,8 +198,7 @@ class SpecialTrials(SnapshotTrials):
             return max((r["step"] for r in run.records("train")), default=0)
 
         wait(lambda: last() >= target, 240, f"step {target}")
-        for pid in rank_pids(trial.job, rank=1):
-            os.kill(pid, signal.SIGSTOP)
+        trial.hit += kill_ranks(trial.job, rank=1, sig=signal.SIGSTOP)
         self.bench.finish(trial, run, overrides)
         self.bench.check(trial, run)
         crashes = run.crashes()
@@ -217,8 +222,7 @@ class SpecialTrials(SnapshotTrials):
 
             targets.append(rng.randint(3, 12) + (max(targets) if targets else 0))
             wait(lambda: last() >= targets[-1], 240, f"step {targets[-1]} of step restart {in_place}")
-            for pid in rank_pids(trial.job, rank=1):
-                os.kill(pid, signal.SIGKILL)
+            trial.hit += kill_ranks(trial.job, rank=1)
         self.bench.finish(trial, run, overrides)
         self.bench.check(trial, run)
         actions = [c.get("action") for c in run.crashes()]
@@ -237,8 +241,7 @@ class SpecialTrials(SnapshotTrials):
 
         wait(lambda: last() >= target, 240, f"step {target}")
         killed_at = last()
-        for pid in rank_pids(trial.job, rank=1):
-            os.kill(pid, signal.SIGKILL)
+        trial.hit += kill_ranks(trial.job, rank=1)
         self.bench.finish(trial, run, overrides)
         self.bench.check(trial, run)
         resumes = [r for r in run.records("event") if r.get("event") == "resume"]

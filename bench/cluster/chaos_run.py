@@ -10,8 +10,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.cluster.harness import (
     RunFiles,
@@ -53,12 +55,93 @@ class Trial:
     final_status: str = ""
     seconds: float = 0.0
     error: str = ""
+    hit: list[str] = field(default_factory=list)  # what each fire() reached: the pids it signalled, ...
+    evidence: list[str] = field(default_factory=list)  # what shows that the fault landed (fault_evidence)
 
     @property
     def ok(self) -> bool:
+        """No work lost, and proof that the fault landed: without it the trial proves nothing."""
         return (
-            self.bit_exact and self.latest_complete and not self.leftovers and self.final_status == "finished"
+            bool(self.evidence)
+            and self.bit_exact
+            and self.latest_complete
+            and not self.leftovers
+            and self.final_status == "finished"
         )
+
+
+def fault_evidence(trial, run: RunFiles) -> list[str]:
+    """What shows that a trial's fault reached the run: its crashes.jsonl lines, the stop and resume
+    events it logged, Slurm's requeues, the benchmark's resubmissions, the killed processes gone. An
+    uninterrupted run has none of them."""
+    found = [h for h in trial.hit if h.endswith(GONE)]
+    crashes = [str(c.get("action", "?")) for c in run.crashes()]
+    if crashes:
+        found.append(f"crashes.jsonl: {len(crashes)} ({', '.join(crashes)})")
+    events = run.records("event")
+    stops = [str(e.get("reason", "?")) for e in events if e.get("event") == "stop"]
+    if stops:
+        found.append(f"stop events: {', '.join(stops)}")
+    resumes = sum(e.get("event") == "resume" for e in events)
+    if resumes:
+        found.append(f"resume events: {resumes}")
+    if trial.restarts:
+        found.append(f"requeued {trial.restarts}x (Slurm's Restarts)")
+    if trial.resubmits:
+        found.append(f"resubmitted {trial.resubmits}x (not finished when its job ended)")
+    return found
+
+
+GONE = "gone"
+
+
+def kill_ranks(job: str, rank: int | None, sig: int = signal.SIGKILL) -> list[str]:
+    """Signal the job's rank processes (`rank`: one rank's, None: all); see kill_pids."""
+    return kill_pids(job, rank_pids(job, rank=rank), rank, sig)
+
+
+def kill_pids(
+    job: str,
+    pids: list[int],
+    rank: int | None,
+    sig: int = signal.SIGKILL,
+    then: Callable[[], Any] | None = None,
+) -> list[str]:
+    """Signal the processes `pids` of `job`, run `then` (what must be seen right after the signals), and
+    say what was hit, one line each (`SIGKILL pid 123 (rank 1): gone` once a killed process no longer
+    runs). RuntimeError when none was there to signal."""
+    signalled = []
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            continue
+        signalled.append(pid)
+    if then is not None:
+        then()
+    if not signalled:
+        raise RuntimeError(f"no rank {rank} process of job {job} to signal: the fault did not land")
+    hit = []
+    for pid in signalled:
+        name = f"{signal.Signals(sig).name} pid {pid} (rank {'any' if rank is None else rank})"
+        if sig == signal.SIGKILL:
+            name += f": {GONE}" if wait_gone(pid) else ": still running 10 s later"
+        hit.append(name)
+    return hit
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    """True once `pid` has exited (a zombie waiting for its parent counts as exited)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def draw(trials: int, seed: int) -> list[Trial]:
@@ -126,18 +209,28 @@ class Bench:
         trial.fired_at_step = last()
 
     def fire(self, trial: Trial, event: str) -> None:
+        """Fire `event` at the trial's job and record in `trial.hit` what it reached; RuntimeError when
+        it reached nothing (no rank to kill, scancel or sbatch refused, no node to kill)."""
         if event == "usr2":
-            subprocess.run(["scancel", "--signal=USR2", trial.job], check=False, timeout=30)
+            done = subprocess.run(["scancel", "--signal=USR2", trial.job], capture_output=True, text=True,
+                                  timeout=30)  # fmt: skip
+            if done.returncode != 0:
+                failed = f"scancel --signal=USR2 {trial.job} exited {done.returncode}"
+                raise RuntimeError(f"{failed}: {done.stderr.strip()}")
+            trial.hit.append(f"scancel --signal=USR2 {trial.job}: exit 0")
         elif event == "sigkill_rank":
-            for pid in rank_pids(trial.job, rank=1):
-                os.kill(pid, signal.SIGKILL)
+            trial.hit += kill_ranks(trial.job, rank=1)
         elif event == "preempt":
-            preempt(trial.job, self.cluster.cpus_per_node, hold_s=2, check=True)
+            node = preempt(trial.job, self.cluster.cpus_per_node, hold_s=2, check=True)
+            trial.hit.append(f"high-priority job on {node}")
         elif event == "kill_node":
             from relaytrain.localcluster import cluster as local_cluster
 
             node = scontrol_job(trial.job).get("BatchHost", "")
+            if not node:
+                raise RuntimeError(f"job {trial.job} has no node to kill")
             local_cluster.kill_node(node, self.cluster.base_dir)
+            trial.hit.append(f"killed node {node}")
             trial.error = f"killed {node}"
             self._dead_node = node
         else:
@@ -211,3 +304,4 @@ class Bench:
         )
         trial.latest_complete = run.latest_complete()
         trial.leftovers = run.leftovers(ALLOWED)
+        trial.evidence = fault_evidence(trial, run)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from relaytrain.config import load_config
 
-from bench.cluster.chaos_run import INTERVAL, STEPS
+from bench.cluster.chaos_run import GONE, INTERVAL, STEPS, wait_gone
 from bench.cluster.harness import RunFiles, kill_with_node_memory, rank_pids, wait, wipe_snapshots
 
 FROM_PEER = "(1 of 2 rank file(s) from a peer node)"
@@ -49,7 +49,8 @@ class SnapshotTrials:
         pids = wait(lambda: last() >= target and rank_pids(trial.job, rank=1), 240, f"step {target}")
         snapshot_dir = load_config(bench.config).checkpoint.snapshot_dir
         killed_at = last()
-        node, wiped = kill_with_node_memory(trial.job, pids, snapshot_dir)
+        node, wiped, signalled = kill_with_node_memory(trial.job, pids, snapshot_dir)
+        trial.hit += [f"SIGKILL pid {p} (rank 1){': ' + GONE if wait_gone(p) else ''}" for p in signalled]
         survivor = next(n for n in bench.cluster.nodes if n != node)
         if both_copies:
             # rank 0's writer thread may still store a replica it received before the kill: wipe rank 1's

@@ -6,9 +6,12 @@
     python -m bench.goodput --page-from A.json B.json --note "..."  # the page from saved results
     python -m bench.goodput --crashes --crash-interval 30 --steps 300  # restart in place vs requeue
     python -m bench.goodput --extrapolation         # only the extrapolation of the page's goodput section
+    python -m bench.goodput --crash-page-from bench/results/goodput-crash-2026-11-24.json  # from kept results
 
 Each invocation saves results.json (its command, date, load averages and runs) in its own directory
-under bench/out/goodput; --page-from renders the union of several such files, each with its command.
+under bench/out/goodput, and but for --quick keeps it in bench/results/goodput-<date>.json (the crash
+runs: goodput-crash-<date>.json); --page-from renders the union of several such files, each with its
+command.
 
 On the local Slurm cluster (`relaytrain cluster up`) a tiny 2-rank run (steps slowed to STEP_DELAY_S so a
 run lasts minutes) runs uninterrupted, preempted every T seconds (a job on the `high` partition takes its
@@ -41,7 +44,8 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.cluster.goodput_crash import CRASH_RUNS, losses_match, render_crashes, run_crashes
+from bench import kept
+from bench.cluster.goodput_crash import CRASH_RUNS, losses_match, render_crashes, run_crashes, summary
 from bench.cluster.goodput_extrapolation import EXTRAPOLATION_HEADING, Extrapolation, render_extrapolation
 from bench.cluster.goodput_page import CKPT_INTERVAL, STEP_DELAY_S, render
 from bench.cluster.goodput_results import (
@@ -66,7 +70,7 @@ from bench.cluster.harness import (
     wait_job_end,
     write_config,
 )
-from bench.report import PAGE, machine_info, section_body, write_page
+from bench.report import machine_info, page_path, section_body, write_page
 
 OUT = OUT_ROOT / "goodput"
 RUN_NAMES_HELP = "uninterrupted, preempt-<T>s for each of --intervals, time-limit"
@@ -168,17 +172,33 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--crash-interval", type=float, default=30.0, help="seconds between kills")
     parser.add_argument(
+        "--crash-page-from", metavar="KEPT_JSON",
+        help="write the crash section from a kept results file (bench/results/goodput-crash-*.json)",
+    )  # fmt: skip
+    parser.add_argument(
         "--extrapolation", action="store_true",
         help="rewrite only the 7B extrapolation of the goodput section on the page (its inputs changed); "
         "the measured runs above it stay as they are",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.crash_page_from:
+        try:
+            section = render_crashes(kept.load(args.crash_page_from), kept.relative(args.crash_page_from))
+        except (ValueError, KeyError, TypeError) as err:
+            parser.error(f"--crash-page-from: {args.crash_page_from}: {err}")
+        write_page({"goodput-crash": section})
+        return 0
     if args.extrapolation:
-        measured = section_body(PAGE.read_text() if PAGE.exists() else "", "goodput")
+        page = page_path()
+        measured = section_body(page.read_text() if page.exists() else "", "goodput")
         if measured is None:
-            parser.error(f"--extrapolation: {PAGE.name} has no goodput section yet: run the goodput runs")
+            parser.error(f"--extrapolation: {page.name} has no goodput section yet: run the goodput runs")
         measured = measured.split(EXTRAPOLATION_HEADING)[0].rstrip("\n") + "\n"
-        write_page({"goodput": measured + render_extrapolation(Extrapolation())})
+        try:
+            extrapolation = render_extrapolation(Extrapolation())
+        except (ValueError, KeyError) as err:  # a kept results file it reads is missing or incomplete
+            parser.error(f"--extrapolation: {err}")
+        write_page({"goodput": measured + extrapolation})
         return 0
     if args.page_from:
         try:
@@ -222,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         saved.load = load_averages(load_now)
         save_results(base / "results.json", saved)
     print(f"bench.goodput: results in {base / 'results.json'}")
+    if not args.quick:  # kept with the page (bench/kept.py); --page-from reads it back
+        name = kept.save(f"goodput-{datetime.now(UTC):%Y-%m-%d-%H%M}.json", asdict(saved))
+        print(f"bench.goodput: results kept in {kept.relative(name)}")
     section = render(merge_results([saved]), machine_info()) + render_extrapolation(Extrapolation())
     print(section)
     if not (args.quick or args.no_write or args.only):
@@ -244,17 +267,22 @@ def crash_comparison(args: argparse.Namespace, command: str) -> int:
         name = f"{kind}-{args.crash_interval:g}s"
         print(f"bench.goodput: {name} ...", flush=True)
         with cluster_lock(not args.no_lock):
-            crash = run_crashes(runner.config, name, setup, args.crash_interval, runner.runs)
+            crash = run_crashes(runner.config, name, setup, args.crash_interval, runner.runs, steps)
         reference_files = RunFiles(runner.runs / "uninterrupted")
         crash.losses_identical = losses_match(RunFiles(runner.runs / name), reference_files)
         runs.append(crash)
         print(f"bench.goodput: {json.dumps(crash.as_dict())}", flush=True)
     saved = [asdict(reference), *(c.as_dict() for c in runs)]
     (base / "results.json").write_text(json.dumps(saved, indent=1))
-    section = render_crashes(runs, command, str(datetime.now(UTC).date()), machine_info().get("cpu", "?"))
-    print(section)
-    if not (args.quick or args.no_write):
-        write_page({"goodput-crash": section})
+    now = datetime.now(UTC)
+    results = {"command": command, "date": str(now.date()), "cpu": machine_info().get("cpu", "?"),
+               "runs": [summary(c) for c in runs], "raw": saved}  # fmt: skip
+    if not args.quick:  # a quick run is a check of the harness, not a figure
+        name = kept.relative(kept.save(f"goodput-crash-{now:%Y-%m-%d-%H%M}.json", results))
+        section = render_crashes(results, name)
+        print(section)
+        if not args.no_write:
+            write_page({"goodput-crash": section})
     return 0 if reference.error == "" and all(c.result.error == "" for c in runs) else 1
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from relaytrain.config import load_config
 
-from bench.cluster.goodput_results import RunResult, analyse, log_times, sacct_runs
+from bench.cluster.goodput_results import RunResult, analyse, log_lines, sacct_runs
 from bench.cluster.harness import (
     RunFiles,
     kill_with_node_memory,
@@ -90,17 +90,24 @@ def kill_every(job: str, interval: float, stop: threading.Event, kills: list[flo
         pids = rank_pids(job, 1)
         if not pids:
             continue
-        kills.append(time.time())
+        sent = time.time()
         if wipe_in:
-            kill_with_node_memory(job, pids, wipe_in)
-            continue
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            _, _, signalled = kill_with_node_memory(job, pids, wipe_in)
+        else:
+            signalled = []
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    signalled.append(pid)
+        if signalled:  # a kill counts only when it reached a process
+            kills.append(sent)
 
 
-def run_crashes(config: Path, name: str, setup: str, interval: float, runs_root: Path) -> CrashRun:
-    """One crash run (`crash-requeue-<T>s` or `crash-in-place-<T>s`) from launch to analysis."""
+def run_crashes(
+    config: Path, name: str, setup: str, interval: float, runs_root: Path, steps: int
+) -> CrashRun:
+    """One crash run (`crash-requeue-<T>s` or `crash-in-place-<T>s`) from launch to analysis; its error
+    says so when a step of 1..`steps` was never logged or the run did not finish at `steps`."""
     label, overrides = CRASH_RUNS[name.rsplit("-", 1)[0]]  # `crash-in-place-30s` -> `crash-in-place`
     crash = CrashRun(RunResult(name, f"rank 1 SIGKILLed every {interval:g} s, {label}"), interval)
     run = RunFiles(runs_root / name)
@@ -124,15 +131,27 @@ def run_crashes(config: Path, name: str, setup: str, interval: float, runs_root:
     crash.crashes = crash_splits(run, runs, log_text, crash.kills)
     crash.result.interruptions = len(crash.crashes)
     crash.result.replayed = sum(c["replayed"] for c in crash.crashes)
-    crash.peer_restores = peer_restores(log_text)
+    crash.peer_restores = sum(bool(c.get("from_peer")) for c in crash.crashes)
     state = run.state()
     crash.result.final = f"{state.get('status')} ({state.get('reason')}) at step {state.get('step')}"
+    crash.result.error = crash.result.error or completeness(run, state, steps)
     return crash
 
 
-def peer_restores(log_text: str) -> int:
-    """Restores that took at least one rank's snapshot from a peer node."""
-    return sum(1 for m in PEER_RESTORE_LINE.finditer(log_text) if int(m.group(1)) > 0)
+def completeness(run: RunFiles, state: dict, steps: int) -> str:
+    """'' when every step 1..`steps` has a train record and the run finished at `steps`, else what not."""
+    logged = {r["step"] for r in run.records("train")}
+    missing = sorted(set(range(1, steps + 1)) - logged)
+    problems = [f"steps never logged: {missing[:5]}{' ...' if len(missing) > 5 else ''}"] if missing else []
+    if state.get("status") != "finished" or state.get("step") != steps:
+        problems.append(f"the run did not finish at step {steps}")
+    return "; ".join(problems)
+
+
+def from_peer(line: str) -> bool:
+    """Whether a restore's log line says it took at least one rank's snapshot from a peer node."""
+    match = PEER_RESTORE_LINE.search(line)
+    return bool(match) and int(match.group(1)) > 0
 
 
 def crash_splits(
@@ -142,7 +161,7 @@ def crash_splits(
     train = run.records("train")
     resumes = [e for e in run.records("event") if e.get("event") == "resume"]
     lines = sorted(run.crashes(), key=lambda c: c.get("time", 0))
-    loads = log_times(log_text, "resuming from")
+    loads = log_lines(log_text, "resuming from")
     out = []
     for kill in kills:
         line = next((c for c in lines if c.get("time", 0) >= kill), None)
@@ -155,7 +174,8 @@ def crash_splits(
         first = min((r["time"] - r["time_step_s"] for r in train if r["time"] > resume["time"]), default=None)
         start = next((s for s, _ in runs if s >= decided - 1), None)
         queue = max(0.0, start - decided) if line.get("action") != "restart" and start else 0.0
-        load_log = next((t for t in loads if t >= decided - 1), None)
+        # the restore this crash led to: its log line (1 s resolution), one per kill
+        load_log, load_line = next(((t, m) for t, m in loads if t >= decided - 1), (None, ""))
         load = max(0.0, resume["time"] - load_log) if load_log is not None else float("nan")
         reached = max((r["step"] for r in train if r["time"] <= kill), default=0)
         out.append({
@@ -166,15 +186,18 @@ def crash_splits(
             "load": load,
             "total": (first or resume["time"]) - kill,
             "replayed": max(0, reached - int(resume["step"])),
+            "from_peer": from_peer(load_line),
         })  # fmt: skip
     return out
 
 
 def losses_match(run: RunFiles, reference: RunFiles) -> bool:
-    """Every train record of the run (replayed steps included) has the reference's loss for its step."""
+    """Every train record of the run (replayed steps included) has the reference's loss for its step,
+    and the run logged the reference's steps, no fewer."""
     expected = {r["step"]: r["loss"] for r in reference.records("train")}
     logged = run.records("train")
-    return bool(logged) and all(expected.get(r["step"]) == r["loss"] for r in logged)
+    same_steps = {r["step"] for r in logged} == set(expected)
+    return bool(logged) and same_steps and all(expected.get(r["step"]) == r["loss"] for r in logged)
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -182,27 +205,50 @@ def _mean(rows: list[dict], key: str) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def render_crashes(runs: list[CrashRun], command: str, date: str, cpu: str) -> str:
-    """The section of docs/benchmarks.md: one row per crash run."""
+def summary(c: CrashRun) -> dict:
+    """A crash run as the page shows it and the extrapolation reads it (kept in bench/results/)."""
+    r, s = c.result, c.crashes
+    return {"name": r.name, "interruption": r.interruption, "crashes": len(s),
+            **{key: _mean(s, key) for key in ("replayed", "total", "detection", "queue", "startup", "load")},
+            "goodput": r.goodput, "losses_identical": c.losses_identical, "peer_restores": c.peer_restores,
+            "end": r.error or r.final}  # fmt: skip
+
+
+def mean_detection(rows: list[dict]) -> float:
+    """The kill -> end-of-step decision, over every crash of the runs (each run's mean by its crashes)."""
+    counted = [
+        (r["detection"], r["crashes"]) for r in rows if r["crashes"] and r["detection"] == r["detection"]
+    ]
+    return sum(d * n for d, n in counted) / sum(n for _, n in counted) if counted else float("nan")
+
+
+def render_crashes(kept: dict, results: str) -> str:
+    """The section of docs/benchmarks.md from a kept results file (`kept`, named `results`): one row per
+    crash run, then the file's notes."""
     rows = []
-    for c in runs:
-        r, s = c.result, c.crashes
-        split = (f"{fmt(_mean(s, 'total'))} ({fmt(_mean(s, 'detection'))} + {fmt(_mean(s, 'queue'))} + "
-                 f"{fmt(_mean(s, 'startup'))} + {fmt(_mean(s, 'load'))})")  # fmt: skip
-        same = {True: "yes", False: "no", None: "–"}[c.losses_identical]
-        peer = f" ({c.peer_restores} of {len(s)} restored from the peer)" if c.peer_restores else ""
-        rows.append((r.name, r.interruption + peer, len(s), fmt(_mean(s, "replayed")), split if s else "–",
-                     pct(r.goodput), same, r.error or r.final))  # fmt: skip
+    for r in kept["runs"]:
+        split = (f"{fmt(r['total'])} ({fmt(r['detection'])} + {fmt(r['queue'])} + {fmt(r['startup'])} + "
+                 f"{fmt(r['load'])})")  # fmt: skip
+        same = {True: "yes", False: "no", None: "–"}[r["losses_identical"]]
+        peer = (
+            f" ({r['peer_restores']} of {r['crashes']} restored from the peer)" if r["peer_restores"] else ""
+        )
+        peer = peer if r["peer_restores"] else ""
+        rows.append((r["name"], r["interruption"] + peer, r["crashes"], fmt(r["replayed"]),
+                     split if r["crashes"] else "–", pct(r["goodput"]), same, r["end"]))  # fmt: skip
+    notes = "".join(f"\n{note}\n" for note in kept.get("notes", []))
     return (
         "## Crashes: restart in place against requeue\n\n"
-        f"Measured {date} on {cpu}, local Slurm cluster, by `{command}`: the goodput runs' job (2 ranks, "
+        f"Measured {kept['date']} on {kept['cpu']}, local Slurm cluster, by `{kept['command']}`: the goodput "
+        "runs' job (2 ranks, "
         "steps slowed to 0.5 s, async checkpoint every 10 steps), rank 1 SIGKILLed every T seconds: with "
         "every crash requeued (`resilience.max_step_restarts=0`, the behaviour before restarts in place), "
         "with the job step restarted in place, restarted in place with an in-memory snapshot every "
         "step (`checkpoint.snapshot_every=1`), and the same on 2 nodes x 1 task with the killed rank's node "
         "memory wiped right after each kill, so that its snapshot comes from the peer node's replica, in "
         "the same invocation. Times in seconds, "
-        "means over the crashes of a run.\n\n"
+        "means over the crashes of a run; a restore counts as from the peer when the log line of the "
+        "restore that crash led to says a peer sent a file.\n\n"
         + table(["run", "crash", "crashes", "steps replayed / crash",
                  "kill→first step (detection + queue + start-up + load)", "goodput",
                  "losses bit-identical to uninterrupted", "end of run"], rows)
@@ -210,5 +256,10 @@ def render_crashes(runs: list[CrashRun], command: str, date: str, cpu: str) -> s
         "torchrun ends the step, the batch script runs the decision. The requeue's queue part is local "
         "Slurm settings (`cred_expire` 10 s + 1 s, `sched_interval` 2 s here; 121 s and 60 s by "
         "default, and a real queue's wait on top); a restart in place has none. Start-up is `import "
-        "torch` and the process group on 2 shared cores; the load is a 2 MB checkpoint.\n"
+        "torch` and the process group on 2 shared cores; the load is a 2 MB checkpoint. A run counts only "
+        "when every step was logged and it finished at its last step (else its end of run says what "
+        "is missing).\n"
+        + notes
+        + f"\nResults: `{results}`. Rewritten from the kept results by "
+        f"`python -m bench.goodput --crash-page-from {results}`.\n"
     )  # fmt: skip

@@ -1,5 +1,6 @@
 """The goodput section's 7B-class extrapolation: goodput(T) from the cost of one interruption, with the
-formula printed on the page and a sensitivity grid over its assumed inputs."""
+formula printed on the page and a sensitivity grid over its assumed inputs; its crash part (measured inputs
+from kept results) is goodput_crash_extrapolation.py."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ class Extrapolation:
     params: float = 7e9
     write_gbps: float = 2.0  # slurm.fs_write_gbps's default (aggregate GB/s); read assumed the same
     startup_s: float = 60.0  # import torch + NCCL init on a few hundred ranks (assumed; local: tiny)
-    exit_s: float = 5.0  # measured locally (signal -> exit, less the save): process teardown
+    exit_s: float = 5.0  # assumed: Slurm's GraceTime (a setting, 5 s here), the longest an exit may take
     step_s: float = 10.0  # a 7B step on a few nodes (assumed)
-    lost_steps: float = 1.0  # measured: at most the step in flight when the signal came
-    async_block_s: float = 1.0  # async periodic saves: blocking part per save (bench checkpoint-io)
-    ckpt_every_s: float = 1800.0
+    lost_steps: float = 1.0  # assumed upper bound: the step in flight when the signal came (0 measured)
+    async_block_s: float = 1.0  # assumed: blocking part of an async periodic save
+    ckpt_every_s: float = 1800.0  # assumed: a DCP checkpoint every 30 minutes
 
     @property
     def save_s(self) -> float:
@@ -108,128 +109,22 @@ def render_extrapolation(x: Extrapolation) -> str:
         "with save = load = params × 12 B / write bandwidth (relaytrain plan's checkpoint estimate: fp32 "
         "weights and Adam's two moments; read assumed as fast as write). Queue time is not allocated time, "
         "so it is not in the formula (it costs wall-clock time, not allocation). Inputs: "
-        f"params {x.params:.0e}, write {x.write_gbps:g} GB/s (`slurm.fs_write_gbps` default) → save "
-        f"{x.save_s:.0f} s, load {x.save_s:.0f} s; exit {x.exit_s:g} s (local: the processes are gone "
-        f"within the 5 s GraceTime); start-up {x.startup_s:g} s (assumed: imports and NCCL init at scale, "
-        f"not measurable here); step {x.step_s:g} s (assumed); lost steps {x.lost_steps:g} (an upper "
-        "bound: the step in flight; 0 were lost here); "
-        f"async blocking {x.async_block_s:g} s per periodic save every {x.ckpt_every_s:g} s. Cost per "
+        f"params {x.params:.0e} (assumed), write {x.write_gbps:g} GB/s (assumed: `slurm.fs_write_gbps` "
+        f"default) → save {x.save_s:.0f} s, load {x.save_s:.0f} s; exit {x.exit_s:g} s (assumed: Slurm's "
+        "GraceTime, a setting and not a measurement, the longest the processes may take to exit after the "
+        "signal); "
+        f"start-up {x.startup_s:g} s (assumed: imports and NCCL init at scale, "
+        f"not measurable here); step {x.step_s:g} s (assumed); lost steps {x.lost_steps:g} (assumed, an "
+        "upper bound: the step in flight; 0 were lost in the runs above); "
+        f"async blocking {x.async_block_s:g} s (assumed) per periodic save every {x.ckpt_every_s:g} s "
+        "(assumed). Cost per "
         f"interruption: {x.cost_s():.0f} s.\n\n" + table(["preemption", "goodput"], rows)
-        + render_sensitivity(x) + render_crash_extrapolation(CrashExtrapolation(x))
+        + render_sensitivity(x) + crash_part(x)
     )  # fmt: skip
 
 
-# -- crashes: the in-memory snapshot tier against DCP only ---------------------------------------------
+def crash_part(x: Extrapolation) -> str:
+    """The crash extrapolation, from the kept results (bench/cluster/goodput_crash_extrapolation.py)."""
+    from bench.cluster.goodput_crash_extrapolation import render_crash_extrapolation
 
-# Measured on this project's machine (2 cores, CPU; docs/benchmarks.md, "In-memory snapshots",
-# `python bench/snapshot.py`, 2026-11-24): a 1.19 GB state per rank on 2 nodes of the local cluster.
-MEASURED_STATE_GB = 1.19
-MEASURED_RESTORE_LOCAL_S = 0.987  # restore from the node's memory (read, verify, copy into the model)
-MEASURED_RESTORE_PEER_S = 1.462  # the same with rank 1's file fetched from the peer node over gloo
-MEASURED_BLOCKING_GBPS = 1.20 / 0.129  # the blocking copy into the reused host buffer
-MEASURED_REPLICATE_GBPS = 0.264  # per direction, both ranks sending at once (gloo, TCP between nodes)
-MEASURED_SHM_WRITE_GBPS = 2 * 1.19 / 4.338  # a rank writing its own file and the replica it received
-MEASURED_DETECTION_S = 2.2  # a kill to the end-of-step decision ("Crashes: restart in place", 2.06-2.54 s)
-CRASH_INTERVALS = (
-    ("every 1 h", 3600.0),
-    ("every 3 h (Llama 3's rate on 16k GPUs: 419 in 54 days)", 3 * 3600.0),
-    ("every 12 h", 43200.0),
-)
-
-
-@dataclass
-class CrashExtrapolation:
-    """One crash, restarted in place: with DCP only, or with an in-memory snapshot every few steps."""
-
-    base: Extrapolation  # params, write bandwidth (DCP load), start-up, step, periodic checkpoints
-    ranks: int = 64  # assumed: 8 nodes x 8 GPUs, each holding 1/64 of the state
-    snapshot_every: int = 1
-    detection_s: float = MEASURED_DETECTION_S
-    restore_local_gbps: float = MEASURED_STATE_GB / MEASURED_RESTORE_LOCAL_S
-    restore_peer_gbps: float = MEASURED_STATE_GB / MEASURED_RESTORE_PEER_S
-    blocking_gbps: float = MEASURED_BLOCKING_GBPS
-    replicate_gbps: float = MEASURED_REPLICATE_GBPS
-    shm_write_gbps: float = MEASURED_SHM_WRITE_GBPS
-
-    @property
-    def state_gb(self) -> float:
-        return self.base.params * BYTES_PER_PARAM / self.ranks / 1e9
-
-    def dcp_cost_s(self) -> float:
-        """detection + start-up + DCP load + half an interval of replay."""
-        b = self.base
-        return self.detection_s + b.startup_s + b.load_s + b.ckpt_every_s / 2
-
-    def restore_s(self, peer: bool) -> float:
-        return self.state_gb / (self.restore_peer_gbps if peer else self.restore_local_gbps)
-
-    def snapshot_cost_s(self, peer: bool) -> float:
-        """detection + start-up + restore from memory + up to snapshot_every steps replayed."""
-        replay = self.snapshot_every * self.base.step_s
-        return self.detection_s + self.base.startup_s + self.restore_s(peer) + replay
-
-    def background_s(self) -> float:
-        """Replication to the peer and the two writes to /dev/shm, after the blocking copy."""
-        return self.state_gb / self.replicate_gbps + 2 * self.state_gb / self.shm_write_gbps
-
-    def snapshot_overhead(self) -> float:
-        """Share of training time the snapshots take: the blocking copy, and any wait for the previous
-        snapshot's background work that outlasts snapshot_every steps."""
-        interval = self.snapshot_every * self.base.step_s
-        wait = max(0.0, self.background_s() - interval)
-        return (self.state_gb / self.blocking_gbps + wait) / interval
-
-    def goodput(self, mtbf_s: float, snapshots: bool, peer: bool = False) -> float:
-        b = self.base
-        periodic = b.async_block_s / b.ckpt_every_s
-        if not snapshots:
-            return max(0.0, 1.0 - self.dcp_cost_s() / mtbf_s - periodic)
-        cost = self.snapshot_cost_s(peer)
-        return max(0.0, 1.0 - cost / mtbf_s - periodic - self.snapshot_overhead())
-
-
-def render_crash_extrapolation(c: CrashExtrapolation) -> str:
-    b = c.base
-    rows = [
-        (label, f"{pct(c.goodput(t, False))} ({c.dcp_cost_s():.0f} s)",
-         f"{pct(c.goodput(t, True))} ({c.snapshot_cost_s(False):.0f} s)",
-         f"{pct(c.goodput(t, True, peer=True))} ({c.snapshot_cost_s(True):.0f} s)")
-        for label, t in CRASH_INTERVALS
-    ]  # fmt: skip
-    formula = (
-        "A crash (a rank or a node lost) restarts the job step in place. With DCP only it costs detection + "
-        "start-up + DCP load + replay of half a checkpoint interval (on average); with a snapshot every "
-        "`snapshot_every` steps, detection + start-up + restore from memory (the node's own, or the peer's "
-        "replica when the node lost its memory) + at most `snapshot_every` steps replayed (an upper bound). "
-        "goodput(MTBF) = 1 − cost / MTBF − async_block / ckpt_every, less, with snapshots, their share of "
-        "the step: (blocking copy + any wait for the previous snapshot's replication and writes beyond "
-        "`snapshot_every` steps) / (`snapshot_every` × step)."
-    )
-    measured = (
-        "Inputs **measured** here (`python bench/snapshot.py`, the in-memory snapshots section: 2 nodes of "
-        f"the local cluster, CPU, {MEASURED_STATE_GB} GB of state per rank): restore from local memory "
-        f"{c.restore_local_gbps:.2f} GB/s per rank ({MEASURED_RESTORE_LOCAL_S} s), from the peer node "
-        f"{c.restore_peer_gbps:.2f} GB/s ({MEASURED_RESTORE_PEER_S} s), blocking copy "
-        f"{c.blocking_gbps:.1f} GB/s, replication {c.replicate_gbps * 1000:.0f} MB/s per direction, writes "
-        f"to /dev/shm {c.shm_write_gbps:.2f} GB/s; detection {c.detection_s:g} s (the crash runs, "
-        'section "Crashes: restart in place against requeue").'
-    )
-    assumed = (
-        f"**Assumed**: {b.params:.0e} parameters on {c.ranks} ranks → {c.state_gb:.2f} GB of state per rank "
-        f"(12 B per parameter); start-up {b.startup_s:g} s; step {b.step_s:g} s; DCP load {b.load_s:.0f} s "
-        f"({b.write_gbps:g} GB/s); a DCP checkpoint every {b.ckpt_every_s:g} s; `snapshot_every` = "
-        f"{c.snapshot_every}. Then a snapshot restores in {c.restore_s(False):.1f} s (local) or "
-        f"{c.restore_s(True):.1f} s (peer), blocks {c.state_gb / c.blocking_gbps:.2f} s a step, and its "
-        f"background work takes {c.background_s():.1f} s of each {c.snapshot_every * b.step_s:g} s "
-        f"interval: overhead {pct(c.snapshot_overhead())}."
-    )
-    header = ["crash (MTBF of the job)", "DCP only (cost per crash)", "snapshots, local memory",
-              "snapshots, from the peer"]  # fmt: skip
-    return (
-        f"\n### Crashes at 7B scale: in-memory snapshots against DCP only\n\n{formula}\n\n{measured} "
-        f"{assumed}\n\n{table(header, rows)}\nThe restore figures are host-memory and TCP rates of a "
-        "2-core CPU machine; a GPU node's memory bandwidth and network (tens of GB/s) make them faster, so "
-        "the snapshot columns are a lower bound on goodput. With snapshots the crash cost is dominated by "
-        "the assumed start-up, not by the restore. The extrapolation is rewritten by "
-        f"`{EXTRAPOLATION_COMMAND}` when its inputs change (the runs above stay as measured).\n"
-    )
+    return render_crash_extrapolation(x)

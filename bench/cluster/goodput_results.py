@@ -65,10 +65,14 @@ def save_seconds(log_text: str) -> dict[int, float]:
     return {int(step): float(write) for step, write in _COMMIT.findall(log_text)}
 
 
+def log_lines(text: str, what: str) -> list[tuple[float, str]]:
+    """(unix time, message) of rank 0's checkpoint log lines that start with `what`, in order."""
+    found = _LOG_TIME.findall(text)
+    return [(datetime.fromisoformat(t).timestamp(), msg) for t, msg in found if msg.startswith(what)]
+
+
 def log_times(text: str, what: str) -> list[float]:
-    return [
-        datetime.fromisoformat(t).timestamp() for t, msg in _LOG_TIME.findall(text) if msg.startswith(what)
-    ]
+    return [t for t, _ in log_lines(text, what)]
 
 
 def analyse(result: RunResult, run: RunFiles, runs: list[tuple[float, float]], log_text: str) -> None:

@@ -163,12 +163,16 @@ def wait_job_end(job: str, timeout: float, interval: float = 1.0) -> dict[str, s
     )
 
 
-def preempt(job: str, cpus: int, hold_s: float, check: bool = False) -> None:
-    """Take the node `job` runs on with a job on the `high` partition (PreemptMode=REQUEUE)."""
+def preempt(job: str, cpus: int, hold_s: float, check: bool = False) -> str:
+    """Take the node `job` runs on with a job on the `high` partition (PreemptMode=REQUEUE); the node.
+    With `check`, sbatch's refusal (or no node to take) raises."""
     node = scontrol_job(job).get("BatchHost", "")
+    if check and not node:
+        raise RuntimeError(f"job {job} runs on no node to preempt")
     subprocess.run(["sbatch", "--partition=high", f"--nodelist={node}", "--nodes=1", "--ntasks=1",
                     f"--cpus-per-task={cpus}", "--output=/dev/null", f"--wrap=sleep {hold_s:g}"],
                    check=check, capture_output=True, timeout=30)  # fmt: skip
+    return node
 
 
 def rank_pids(job: str, rank: int | None = None) -> list[int]:
@@ -210,14 +214,16 @@ def wipe_snapshots(node: str, job: str, snapshot_dir: str, rank: int | None = No
     return done.stdout.split()
 
 
-def kill_with_node_memory(job: str, pids: list[int], snapshot_dir: str) -> tuple[str, list[str]]:
+def kill_with_node_memory(job: str, pids: list[int], snapshot_dir: str) -> tuple[str, list[str], list[int]]:
     """SIGKILL a rank's processes, then remove every snapshot of the job from their node's memory, as a
-    node that lost its memory would: (the node, the paths removed)."""
+    node that lost its memory would: (the node, the paths removed, the pids signalled)."""
     node = node_of(pids[0])
+    signalled = []
     for pid in pids:
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    return node, wipe_snapshots(node, job, snapshot_dir)
+            signalled.append(pid)
+    return node, wipe_snapshots(node, job, snapshot_dir), signalled
 
 
 def tree_bytes(path: Path) -> int:

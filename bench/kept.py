@@ -1,0 +1,65 @@
+"""Kept results: the files under bench/results/, committed with the page.
+
+Each benchmark that measures a figure the page or an extrapolation uses writes its invocation's results
+here (`save`): the command that measured them, the date, and the figures. A section rebuilt from kept
+results (`python -m bench.chaos --page-from ...`, `python -m bench.goodput --crash-page-from ...`) and
+every measured input of the extrapolations (bench/cluster/goodput_extrapolation.py) is read from these
+files (`load`), never typed in. A file transcribed from an earlier page, because its run's own results
+file was not kept, says so in its `transcribed` field: which command measured it and where the figures
+were copied from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.report import REPO
+
+RESULTS_DIR = REPO / "bench" / "results"
+
+
+def path_of(name: str | Path) -> Path:
+    """A kept file by its name (`chaos-seed41.json`) or its path (relative to the repository root)."""
+    path = Path(name)
+    if path.is_absolute():
+        return path
+    return RESULTS_DIR / path if len(path.parts) == 1 else REPO / path
+
+
+def relative(path: str | Path) -> str:
+    """How the page names a kept file: its path from the repository root."""
+    resolved = path_of(path).resolve()
+    try:
+        return resolved.relative_to(REPO.resolve()).as_posix()
+    except ValueError:  # outside the repository (a test's copy)
+        return str(resolved)
+
+
+def save(name: str, data: dict[str, Any]) -> Path:
+    path = path_of(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def load(name: str | Path) -> dict[str, Any]:
+    path = path_of(name)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise ValueError(f"kept results {relative(path)}: {err.strerror}") from None
+    except ValueError as err:
+        raise ValueError(f"kept results {relative(path)} is not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"kept results {relative(path)}: expected a JSON object")
+    return data
+
+
+def figure(data: dict[str, Any], key: str, name: str = "") -> float:
+    """One measured figure of a kept file; a clear error when the file does not record it."""
+    figures = data.get("figures", {})
+    if key not in figures:
+        raise ValueError(f"kept results {name or data.get('command', '?')} record no figure {key!r}")
+    return float(figures[key])
