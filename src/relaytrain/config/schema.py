@@ -183,7 +183,7 @@ class ResilienceConfig(Section):
     max_step_restarts: int = setting(3, at_least(0))
     # process-group init and the first health all-reduce
     init_timeout_s: float = setting(300.0, seconds(zero_ok=False))
-    collective_timeout_s: float = setting(1800.0, seconds(zero_ok=False))  # timeout of training collectives
+    collective_timeout_s: float = setting(1800.0, seconds(zero_ok=False))  # every process group's timeout
     # watchdog: no finished step for this long dumps stacks and exits
     hang_timeout_s: float = setting(1800.0, seconds())
     nan_policy: Literal["skip", "stop", "rollback"] = "stop"
