@@ -223,7 +223,6 @@ def mixed_precision_reference(scheme: str) -> dict:
         "losses": losses,
         "grad_norms": norms,
         "eval_loss": eval_loss,
-        "eval_p2p_groups": sorted(p2p),
         "master_dtypes": sorted({str(p.dtype) for p in master.parameters()}),
     }
 

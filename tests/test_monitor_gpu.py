@@ -235,7 +235,10 @@ def test_a_gpu_nvml_refuses_is_skipped_and_an_old_file_keeps_its_columns(tmp_pat
     nvml, gpus, reason = open_nvml()
     assert [(g.index, g.uuid) for g in gpus] == [(1, "GPU-1a2b")] and "GPU 0 skipped" in reason
     fake.HIDDEN.add(1)
-    assert open_nvml()[1:] == ([], "GPU 0 skipped (Insufficient Permissions); GPU 1 skipped (Insufficient Permissions)")
+    assert open_nvml()[1:] == (
+        [],
+        "GPU 0 skipped (Insufficient Permissions); GPU 1 skipped (Insufficient Permissions)",
+    )
     old = ("time", "datetime", "host", "job_id", "gpu", "power_w")  # a file from before the id columns
     path = tmp_path / "node.csv"
     path.write_text(",".join(old) + "\n1.0,x,node,1,0,5.0\n")

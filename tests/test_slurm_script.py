@@ -116,7 +116,10 @@ def test_several_nodes_use_srun_with_one_task_per_gpu_and_the_env_mapping(work):
     assert "NCCL_IB_DISABLE" not in text and "NCCL_NET_GDR_LEVEL" not in text
     assert "export NCCL_NET_GDR_LEVEL=2\n" in dry("7b", slurm={"nodes": 2, "nccl_net_gdr_level": 2})
     # the Flight Recorder: the first collective timeout leaves each rank's last collectives in logs/
-    assert "export TORCH_NCCL_TRACE_BUFFER_SIZE=20000\n" in text and "export TORCH_NCCL_DUMP_ON_TIMEOUT=1\n" in text
+    assert (
+        "export TORCH_NCCL_TRACE_BUFFER_SIZE=20000\n" in text
+        and "export TORCH_NCCL_DUMP_ON_TIMEOUT=1\n" in text
+    )
     line = next(x for x in text.splitlines() if x.startswith("export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="))
     assert 'mkdir -p "$run_dir/logs"' in text.split(line)[0]
     shown = subprocess.run(
@@ -487,6 +490,8 @@ def test_shipped_cluster_profiles_load_and_render(work, profile):
 
 
 def test_nccl_timeout_in_the_job_environment_is_refused_with_the_key_that_works(work):
-    with pytest.raises(UserError, match="NCCL_TIMEOUT, which neither NCCL nor PyTorch reads.*collective_timeout_s"):
+    with pytest.raises(
+        UserError, match="NCCL_TIMEOUT, which neither NCCL nor PyTorch reads.*collective_timeout_s"
+    ):
         dry("7b", slurm={"env": {"NCCL_TIMEOUT": "1800"}})
     assert load_config(None).resilience.init_timeout_s == 300  # eager NCCL init on many nodes

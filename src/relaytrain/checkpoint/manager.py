@@ -28,12 +28,12 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from relaytrain.checkpoint import files
 from relaytrain.checkpoint.checksums import write_complete
 from relaytrain.checkpoint.collectives import Collectives
+from relaytrain.checkpoint.host import HostStage
 from relaytrain.checkpoint.record import RunRecord, write_run_record, write_train_state
 from relaytrain.checkpoint.resume import CheckpointLoader
 from relaytrain.checkpoint.save_errors import disk_full_error, save_failure
 from relaytrain.checkpoint.schedule import SaveSchedule, retention_victims
 from relaytrain.checkpoint.state import model_state, optimizer_state, optimizers_have_state
-from relaytrain.checkpoint.host import HostStage
 from relaytrain.checkpoint.storage import WRITER_THREADS, LiveStager, RawWriter
 from relaytrain.config.schema import CheckpointConfig
 from relaytrain.errors import UserError

@@ -15,6 +15,7 @@ under a second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import importlib
@@ -143,10 +144,8 @@ def open_nvml() -> tuple[Any, list[Gpu], str]:
         bus = _nvml_value(lambda h=handle: _text(nvml.nvmlDeviceGetPciInfo(h).busId))
         gpus.append(Gpu(i, handle, uuid, bus))
     if not gpus:
-        try:
+        with contextlib.suppress(Exception):
             nvml.nvmlShutdown()
-        except Exception:
-            pass
         return None, [], "; ".join(skipped or ["NVML reports 0 GPUs"])
     return nvml, gpus, "; ".join(skipped)
 
