@@ -126,7 +126,8 @@ def test_four_process_layouts_match_single_process(reference, bf16_references, t
 
 def test_pipeline_evaluation_sends_on_the_pipeline_group(tmp_path):
     """Evaluation's stage-to-stage sends use the pp group (the default group would cost NCCL another
-    communicator, with the default group's timeout); the interleaved case loops back to rank 0."""
-    results = launch(2, ["pp_1f1b", "pp_interleaved"], tmp_path)
+    communicator, with the default group's timeout). Four ranks: with two, the mesh's pp group spans
+    the world and is the default group itself."""
+    results = launch(4, ["pp_fsdp"], tmp_path)
     for case, result in results.items():
         assert result["eval_p2p_groups"] == ["pp"], case

@@ -53,8 +53,9 @@ class DeviceCopy:
     def __init__(self, pin: bool | None = None):
         self.pin = torch.cuda.is_available() if pin is None else pin
 
-    def empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+    def empty(self, nbytes: int, pin: bool = True) -> torch.Tensor:
+        """A host buffer; pinned when `pin` and this copier pins (`pin=False`: only host tensors use it)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin and pin)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Start copying device tensor `src` into host tensor `dst` (same dtype and shape)."""

@@ -119,7 +119,8 @@ class Staging:
             table.append({"dtype": dtype, "shape": list(shape), "offset": offset, "nbytes": nbytes})
             offset += -(-nbytes // _ALIGN) * _ALIGN
         if self._buffer is None or layout != self._layout:
-            self._buffer = self.copy.empty(offset)
+            # pinned only for tensors off the host (page-locking gigabytes for a CPU run costs memory)
+            self._buffer = self.copy.empty(offset, pin=any(t.device.type != "cpu" for t in tensors))
             self._layout = layout
         flat = self._buffer.numpy()
         devices = set()
