@@ -16,11 +16,14 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from relaytrain.config.schema import Config
 from relaytrain.model.transformer import Transformer
 from relaytrain.parallel import parallelize
+from relaytrain.parallel.mesh import submesh
 from relaytrain.parallel.parallel_model import cross_entropy
+from relaytrain.parallel.sim_comm import CollectiveCounter
 
 STEPS = int(os.environ.get("PARALLEL_CASES_STEPS", "3"))  # bench/parallel_layouts.py runs more
 
@@ -139,7 +142,13 @@ def run_case(name: str, world_size: int, rank: int, gpus_per_node: int) -> dict:
         losses.append(pm.reduce_mean(loss))
         step_times.append(time.perf_counter() - t0)
     eval_tokens = data[STEPS, rows]
-    eval_loss = pm.reduce_mean(pm.eval_loss(eval_tokens[:, :-1], eval_tokens[:, 1:]))
+    with CollectiveCounter() as counter:  # which groups evaluation's point-to-point sends use
+        local_eval = pm.eval_loss(eval_tokens[:, :-1], eval_tokens[:, 1:])
+    eval_loss = pm.reduce_mean(local_eval)
+    names = {dist.group.WORLD.group_name: "default"} if dist.is_initialized() else {}
+    if pm.dims.pp > 1:
+        names[submesh(pm.mesh, "pp").get_group().group_name] = "pp"
+    p2p = {names.get(group, group) for (op, group) in counter.calls if op in ("send", "recv")}
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     steady = statistics.median(step_times[1:]) if len(step_times) > 1 else step_times[0]
     return {
@@ -147,6 +156,7 @@ def run_case(name: str, world_size: int, rank: int, gpus_per_node: int) -> dict:
         "losses": losses,
         "grad_norms": norms,
         "eval_loss": eval_loss,
+        "eval_p2p_groups": sorted(p2p),
         "master_dtypes": sorted({str(p.dtype) for p in params}),
         "total_s": time.perf_counter() - started,
         "steady_step_s": steady,

@@ -40,8 +40,21 @@ FAKE_PYNVML = textwrap.dedent(
         return 2
 
 
+    HIDDEN = set()  # indexes whose handle NVML refuses (a GPU of another job's cgroup)
+
+
     def nvmlDeviceGetHandleByIndex(i):
+        if i in HIDDEN:
+            raise NVMLError("Insufficient Permissions")
         return i
+
+
+    def nvmlDeviceGetUUID(h):
+        return f"GPU-{h}a2b" if h else b"GPU-0a2b"  # older pynvml returns bytes
+
+
+    def nvmlDeviceGetPciInfo(h):
+        return SimpleNamespace(busId=f"00000000:{0x18 + h:02X}:00.0")
 
 
     def nvmlDeviceGetPowerUsage(h):  # milliwatts
@@ -109,15 +122,15 @@ def test_nvml_sample_rows(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setenv("SLURMD_NODENAME", "gpu-node3")
     monkeypatch.setenv("SLURM_JOB_ID", "777")
-    nvml, handles, reason = open_nvml()
-    assert nvml is fake and handles == [0, 1] and reason == ""
+    nvml, gpus, reason = open_nvml()
+    assert nvml is fake and [g.handle for g in gpus] == [0, 1] and reason == ""
     out = GpuCsv(tmp_path / "gpu" / f"{gpu_monitor.host_name()}.csv")
-    out.write(sample_nvml(nvml, handles))
+    out.write(sample_nvml(nvml, gpus))
     out.close()
     rows = _read_csv(tmp_path / "gpu" / "gpu-node3.csv")
-    assert [(r["host"], r["job_id"], r["gpu"]) for r in rows] == [
-        ("gpu-node3", "777", "0"),
-        ("gpu-node3", "777", "1"),
+    assert [(r["host"], r["job_id"], r["gpu"], r["gpu_uuid"], r["pci_bus_id"]) for r in rows] == [
+        ("gpu-node3", "777", "0", "GPU-0a2b", "00000000:18:00.0"),
+        ("gpu-node3", "777", "1", "GPU-1a2b", "00000000:19:00.0"),
     ]
     first, second = rows
     assert first["power_w"] == "612.5" and second["power_w"] == ""  # unsupported reading: empty cell
@@ -194,6 +207,8 @@ def test_dmon_fallback_process(tmp_path):
         "import sys, time\n"
         f"header = {DMON_OUTPUT.splitlines()[:2]!r}\n"
         f"rows = {DMON_OUTPUT.splitlines()[2:]!r}\n"
+        "if sys.argv[1].startswith('--query-gpu'):\n"
+        "    print('0, GPU-aa, 00000000:18:00.0\\n1, GPU-bb, 00000000:19:00.0'); sys.exit()\n"
         "assert sys.argv[1:] == ['dmon', '-d', '1', '-s', 'pumt'], sys.argv\n"
         "print(*header, sep='\\n', flush=True)\n"
         "while True:\n"
@@ -209,3 +224,27 @@ def test_dmon_fallback_process(tmp_path):
     rows = _read_csv(out_dir / "node9.csv")
     assert len(rows) >= 4 and len(rows) % 2 == 0
     assert rows[0]["power_w"] == "350" and rows[1]["util_gpu_pct"] == "90" and rows[1]["mem_total_mib"] == ""
+    assert (rows[1]["gpu"], rows[1]["gpu_uuid"], rows[1]["pci_bus_id"]) == ("1", "GPU-bb", "00000000:19:00.0")
+
+
+def test_a_gpu_nvml_refuses_is_skipped_and_an_old_file_keeps_its_columns(tmp_path, monkeypatch):
+    fake = types.ModuleType("pynvml")
+    exec(FAKE_PYNVML, fake.__dict__)
+    fake.HIDDEN.add(0)  # the job's cgroup hides GPU 0 from NVML
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    nvml, gpus, reason = open_nvml()
+    assert [(g.index, g.uuid) for g in gpus] == [(1, "GPU-1a2b")] and "GPU 0 skipped" in reason
+    fake.HIDDEN.add(1)
+    assert open_nvml()[1:] == (
+        [],
+        "GPU 0 skipped (Insufficient Permissions); GPU 1 skipped (Insufficient Permissions)",
+    )
+    old = ("time", "datetime", "host", "job_id", "gpu", "power_w")  # a file from before the id columns
+    path = tmp_path / "node.csv"
+    path.write_text(",".join(old) + "\n1.0,x,node,1,0,5.0\n")
+    out = GpuCsv(path)
+    out.write(sample_nvml(nvml, gpus))
+    out.close()
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[1]) == list(old) and rows[1]["gpu"] == "1" and rows[1]["power_w"] == ""

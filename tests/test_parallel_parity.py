@@ -122,3 +122,12 @@ def test_four_process_layouts_match_single_process(reference, bf16_references, t
     results = launch(4, N4_CASES, tmp_path)
     for case in N4_CASES:
         assert_matches(results[case], reference, bf16_references)
+
+
+def test_pipeline_evaluation_sends_on_the_pipeline_group(tmp_path):
+    """Evaluation's stage-to-stage sends use the pp group (the default group would cost NCCL another
+    communicator, with the default group's timeout). Four ranks: with two, the mesh's pp group spans
+    the world and is the default group itself."""
+    results = launch(4, ["pp_fsdp"], tmp_path)
+    for case, result in results.items():
+        assert result["eval_p2p_groups"] == ["pp"], case

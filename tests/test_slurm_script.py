@@ -114,7 +114,22 @@ def test_several_nodes_use_srun_with_one_task_per_gpu_and_the_env_mapping(work):
         '-m relaytrain.job.task --map-env --gpu-monitor-dir "$run_dir/gpu" --gpu-monitor-interval 5.0' in text
     )
     assert 'python -m relaytrain.cli train "$config_file"' in text
-    assert "export NCCL_IB_DISABLE=0" in text and "export NCCL_NET_GDR_LEVEL=2" in text
+    # NCCL's topology detection is left alone unless the config or its profile sets a value
+    assert "NCCL_IB_DISABLE" not in text and "NCCL_NET_GDR_LEVEL" not in text
+    assert "export NCCL_NET_GDR_LEVEL=2\n" in dry("7b", slurm={"nodes": 2, "nccl_net_gdr_level": 2})
+    # the Flight Recorder: the first collective timeout leaves each rank's last collectives in logs/
+    assert (
+        "export TORCH_NCCL_TRACE_BUFFER_SIZE=20000\n" in text
+        and "export TORCH_NCCL_DUMP_ON_TIMEOUT=1\n" in text
+    )
+    line = next(x for x in text.splitlines() if x.startswith("export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="))
+    assert 'mkdir -p "$run_dir/logs"' in text.split(line)[0]
+    shown = subprocess.run(
+        ["bash", "-c", f"run_dir=/r; job_id=77; {line}; echo $TORCH_NCCL_DEBUG_INFO_TEMP_FILE"],
+        capture_output=True,
+        text=True,
+    )
+    assert shown.stdout == "/r/logs/flight_recorder_job77_rank\n"
     with pytest.raises(UserError, match="must equal slurm.gpus_per_node"):
         dry("7b", slurm={"nodes": 2, "gpus_per_node": 4, "tasks_per_node": 2})
 
@@ -141,7 +156,7 @@ def test_gpus_per_node_comes_from_the_partition_when_not_given(work):
 
 def test_cpu_only_amd_container_debug_and_environment_activation(work):
     cpu = dry("debug", slurm={"nodes": 2, "gpus_per_node": 0, "tasks_per_node": 1})
-    assert "--gpus-per-node" not in cpu and "NCCL_IB_DISABLE" not in cpu and "gpu-monitor" not in cpu
+    assert "--gpus-per-node" not in cpu and "TORCH_NCCL" not in cpu and "gpu-monitor" not in cpu
     assert "#SBATCH --ntasks-per-node=1" in cpu
     amd = dry(
         "7b",
@@ -170,9 +185,7 @@ def test_cpu_only_amd_container_debug_and_environment_activation(work):
         "export NCCL_IB_GID_INDEX=3",
         "export NCCL_DEBUG=INFO",
         "export TORCH_DISTRIBUTED_DEBUG=DETAIL",
-        "export CUDA_LAUNCH_BLOCKING=1",
         "export PYTHONFAULTHANDLER=1",
-        "export HIP_LAUNCH_BLOCKING=1",
         "set -x",
         "    --container-image=/img/torch.sqsh",
         f"    --container-mounts=/lustre:/lustre,{work}:{work}",
@@ -185,6 +198,8 @@ def test_cpu_only_amd_container_debug_and_environment_activation(work):
     ]:
         assert line in amd.splitlines(), line
     assert 'export MIOPEN_USER_DB_PATH="/tmp/${USER:-relaytrain}-miopen-$job_id"' in amd
+    # debugging must not serialise kernels: blocking launches can deadlock unbatched send/recv
+    assert "LAUNCH_BLOCKING" not in amd and "export TORCH_CPP_LOG_LEVEL=INFO" in amd.splitlines()
     assert "rocm-smi" in amd and "nvidia-smi" not in amd
     assert "task_wrapper=(uv run --project /src/proj python -m relaytrain.job.task" in amd
     assert "pip freeze" not in amd  # the batch shell is outside the container
@@ -474,3 +489,11 @@ def test_shipped_cluster_profiles_load_and_render(work, profile):
         assert (
             "ifname=hsn0" in text and "MIOPEN_USER_DB_PATH" in text and "export NCCL_NET_GDR_LEVEL=3" in text
         )
+
+
+def test_nccl_timeout_in_the_job_environment_is_refused_with_the_key_that_works(work):
+    with pytest.raises(
+        UserError, match="NCCL_TIMEOUT, which neither NCCL nor PyTorch reads.*collective_timeout_s"
+    ):
+        dry("7b", slurm={"env": {"NCCL_TIMEOUT": "1800"}})
+    assert load_config(None).resilience.init_timeout_s == 300  # eager NCCL init on many nodes

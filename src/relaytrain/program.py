@@ -143,7 +143,6 @@ def _controller():
     if _state["controller"] is not None:
         return _state["controller"]
     install()
-    import torch
     import torch.distributed as dist
 
     from relaytrain.resilience.shutdown import ShutdownController
@@ -152,13 +151,34 @@ def _controller():
     _state["config"] = cfg
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
-    device = torch.device("cpu")
-    if distributed and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    controller = ShutdownController(cfg.resilience, rank, device, _state["run_dir"])
+    controller = ShutdownController(cfg.resilience, rank, _collective_device(), _state["run_dir"])
     controller.install()
     _state["controller"] = controller
     return controller
+
+
+def _collective_device():
+    """Where the default group's collectives take their tensors: the host when the group has a CPU
+    backend (gloo, or "cpu:gloo,cuda:nccl"), else the current device of its accelerator (NCCL: this
+    process's CUDA device, XCCL: its XPU); the host without a process group."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    kind = dist.distributed_c10d._get_object_coll_device()
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _barrier() -> None:
+    """A barrier on the default group; on an accelerator on this process's device (NCCL guesses the
+    device from the rank without `device_ids`, and hangs when the guess is wrong)."""
+    import torch.distributed as dist
+
+    device = _collective_device()
+    dist.barrier(device_ids=None if device.type == "cpu" else [device.index])
 
 
 def should_stop(step: int | None = None) -> bool:
@@ -233,7 +253,7 @@ def exit_for_requeue(step: int | None = None, *, saved: bool = True) -> NoReturn
     if dist.is_available() and dist.is_initialized():
         # No rank exits before rank 0 recorded the stop: srun --kill-on-bad-exit ends the step at the
         # first exit 75. If rank 0 requeued the job, Slurm ends everyone here.
-        dist.barrier()
+        _barrier()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

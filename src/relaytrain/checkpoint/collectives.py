@@ -13,6 +13,13 @@ import torch.distributed as dist
 from relaytrain.errors import UserError
 
 
+def _default_timeout():
+    from torch.distributed import distributed_c10d as c10d
+
+    group = c10d._get_default_group()
+    return group._get_backend(group._device_types[0]).options._timeout
+
+
 class Collectives:
     """Without an initialized process group (one process) every collective returns this rank's value."""
 
@@ -21,8 +28,10 @@ class Collectives:
         self.dist = dist.is_available() and dist.is_initialized()
         if world_size > 1 and not self.dist:
             raise RuntimeError("CheckpointManager with world_size > 1 needs an initialized process group")
-        self.ctrl = dist.new_group(backend="gloo") if self.dist else None
-        self.save_group = dist.new_group(backend="gloo") if self.dist else None
+        # with the default group's timeout (resilience.collective_timeout_s), not gloo's default 1800 s
+        timeout = _default_timeout() if self.dist else None
+        self.ctrl = dist.new_group(backend="gloo", timeout=timeout) if self.dist else None
+        self.save_group = dist.new_group(backend="gloo", timeout=timeout) if self.dist else None
 
     def broadcast(self, obj):
         if not self.dist:

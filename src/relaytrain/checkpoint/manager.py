@@ -28,12 +28,13 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from relaytrain.checkpoint import files
 from relaytrain.checkpoint.checksums import write_complete
 from relaytrain.checkpoint.collectives import Collectives
+from relaytrain.checkpoint.host import HostStage
 from relaytrain.checkpoint.record import RunRecord, write_run_record, write_train_state
 from relaytrain.checkpoint.resume import CheckpointLoader
 from relaytrain.checkpoint.save_errors import disk_full_error, save_failure
 from relaytrain.checkpoint.schedule import SaveSchedule, retention_victims
 from relaytrain.checkpoint.state import model_state, optimizer_state, optimizers_have_state
-from relaytrain.checkpoint.storage import LiveStager, RawWriter
+from relaytrain.checkpoint.storage import WRITER_THREADS, LiveStager, RawWriter
 from relaytrain.config.schema import CheckpointConfig
 from relaytrain.errors import UserError
 from relaytrain.job.rundir import RunDir
@@ -94,6 +95,8 @@ class CheckpointManager:
         self.parallel_dims = json.loads(json.dumps(parallel_dims))
         self._coll = Collectives(rank, world_size)
         self._stager = None
+        # host buffers for a sync save's device tensors, kept for every save (allocated when first used)
+        self._host_stages = [HostStage() for _ in range(WRITER_THREADS)]
         self._checksummer: ThreadPoolExecutor | None = None
         if self.ckpt.mode == "async":
             # Checksums of this rank's files are computed after its write, on this thread, not the loop's.
@@ -185,7 +188,7 @@ class CheckpointManager:
             state["optim"] = optimizer_state(self.model_parts, self.optimizers)
             contents.insert(1, "optimizer")
         pending = _Pending(step, reason, step_dir, started, contents, checksums=own_train_state)
-        writer = RawWriter(step_dir)
+        writer = RawWriter(step_dir, stages=self._host_stages)
         if self.ckpt.mode == "async":
             written = dcp.async_save(
                 state,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import queue
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from relaytrain.checkpoint.checksums import Checksum
+from relaytrain.checkpoint.host import DeviceCopy, HostStage, on_host
 from relaytrain.errors import UserError
 
 RAW = "relaytrain-raw-v1"  # transform descriptor of a tensor stored as its bare bytes
@@ -52,43 +54,45 @@ class ChecksumMismatch(UserError):
     """A data file's content differs from the checksum its COMPLETE manifest recorded."""
 
 
-def _bytes_of(data: torch.Tensor | io.BytesIO) -> memoryview:
-    if isinstance(data, io.BytesIO):
-        return data.getbuffer()
-    tensor = data.detach()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
 class RawWriter(dcp.FileSystemWriter):
     """DCP storage writer for raw tensor bytes; `checksums` holds file name -> checksum after the write."""
 
-    def __init__(self, path: str | os.PathLike, thread_count: int = WRITER_THREADS):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        thread_count: int = WRITER_THREADS,
+        stages: list[HostStage] | None = None,
+    ):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
         self.checksums: dict[str, str] = {}
+        # host buffers for tensors off the host, one per writer thread (pass the same list to every save
+        # to reuse them: pinned allocations are slow)
+        self.stages = stages if stages is not None else [HostStage() for _ in range(thread_count)]
 
     def write_data(self, plan, planner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
         buckets = [b for b in _split_by_size_and_type(self.thread_count, plan.items) if b] or [[]]
         names = [f"{prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
         with ThreadPoolExecutor(len(buckets), thread_name_prefix="relaytrain-ckpt-write") as pool:
-            parts = list(pool.map(self._write_file, names, buckets, [planner] * len(names)))
+            stages = self.stages[: len(names)]
+            parts = list(pool.map(self._write_file, names, buckets, [planner] * len(names), stages))
         done: Future[list[WriteResult]] = Future()
         done.set_result([r for part in parts for r in part])
         return done
 
-    def _write_file(self, name: str, items: list, planner) -> list[WriteResult]:
+    def _write_file(self, name: str, items: list, planner, stage: HostStage) -> list[WriteResult]:
         results, checksum, offset = [], Checksum(), 0
+        entries = ((item, planner.resolve_data(item)) for item in items)
         with open(Path(self.path) / name, "wb") as f:
-            for item in items:
-                buf = _bytes_of(planner.resolve_data(item))
-                f.write(buf)  # file writes and the checksum release the GIL: the threads overlap
-                checksum.update(buf)
-                raw = None if item.type == WriteItemType.BYTE_IO else [RAW]
-                info = _StorageInfo(name, offset, len(buf), transform_descriptors=raw)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(buf), storage_data=info))
-                offset += len(buf)
+            # host tensors as they are; device tensors copied to the host buffer a fill at a time
+            for batch in stage.batches(entries):
+                for item, buf in batch:
+                    f.write(buf)  # file writes and the checksum release the GIL: the threads overlap
+                    checksum.update(buf)
+                    raw = None if item.type == WriteItemType.BYTE_IO else [RAW]
+                    info = _StorageInfo(name, offset, len(buf), transform_descriptors=raw)
+                    results.append(WriteResult(index=item.index, size_in_bytes=len(buf), storage_data=info))
+                    offset += len(buf)
             f.flush()
             os.fsync(f.fileno())
         self.checksums[name] = checksum.text()
@@ -130,8 +134,16 @@ class RawReader(dcp.FileSystemReader):
     no checksum is computed at all (`checkpoint.verify = false`). After `read_data`, `verified` names the
     files read whole whose checksum matched (or had none to compare); empty when `expected` is None."""
 
-    def __init__(self, path: str | os.PathLike, expected: dict[str, str] | None = None, threads: int = 2):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        expected: dict[str, str] | None = None,
+        threads: int = 2,
+        copy: DeviceCopy | None = None,
+    ):
         super().__init__(path)
+        self.copy = copy or DeviceCopy()
+        self._stages: queue.SimpleQueue[HostStage] = queue.SimpleQueue()  # host buffers, one per thread
         self.checking = expected is not None
         self.expected = dict(expected or {})
         self.threads = threads
@@ -167,6 +179,14 @@ class RawReader(dcp.FileSystemReader):
         return done
 
     def _read_file(self, name: str, reqs: Iterable, planner) -> None:
+        stage = self._stages.get() if not self._stages.empty() else HostStage(self.copy)
+        try:
+            self._read_entries(name, reqs, planner, stage)
+        finally:
+            stage.settle()  # every copy to a device has finished before the load returns
+            self._stages.put(stage)
+
+    def _read_entries(self, name: str, reqs: Iterable, planner, stage: HostStage) -> None:
         groups: dict[Any, list] = {}
         for req in reqs:
             groups.setdefault(req.storage_index, []).append(req)
@@ -189,7 +209,7 @@ class RawReader(dcp.FileSystemReader):
                     _read_exact(f, info.offset, buf, name)
                     deferred_bytes += [(req, buf) for req in group]
                 else:
-                    buf = self._read_tensor(f, name, index, info, group, planner)
+                    buf = self._read_tensor(f, name, index, info, group, planner, stage)
                 if checksum is None:
                     continue
                 if covered == info.offset:
@@ -216,19 +236,26 @@ class RawReader(dcp.FileSystemReader):
                 f"({self.expected[name].partition(':')[0]!r}); resume from another checkpoint"
             ) from None
 
-    def _read_tensor(self, f, name: str, index, info, group: list, planner) -> memoryview:
+    def _read_tensor(self, f, name: str, index, info, group: list, planner, stage: HostStage) -> memoryview:
         sizes, dtype = self._chunks[(index.fqn, tuple(index.offset))]
         target = planner.resolve_tensor(group[0]).detach() if len(group) == 1 else None
         whole_chunk = len(group) == 1 and all(o == 0 for o in group[0].storage_offsets)
-        direct = (
+        direct = (  # read straight into the target: a host tensor that is the whole saved chunk
             target is not None
+            and on_host(target)
             and whole_chunk
             and list(group[0].lengths) == list(sizes)
             and target.is_contiguous()
             and target.dtype == dtype
             and target.numel() * target.element_size() == info.length
         )
-        dest = target if direct else torch.empty(sizes, dtype=dtype)
+        if direct:
+            dest = target
+        else:  # into host memory, then narrowed and copied to the targets (on the device or the host)
+            numel = 1
+            for n in sizes:
+                numel *= n
+            dest = stage.scratch(numel * dtype.itemsize).view(dtype).view(sizes)
         buf = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
         if len(buf) != info.length:
             raise UserError(
@@ -247,6 +274,6 @@ class RawReader(dcp.FileSystemReader):
                     f"checkpoint file {name}: entry {index.fqn} has shape {list(piece.size())} where the "
                     f"model needs {list(into.size())}; the checkpoint does not fit this model"
                 )
-            into.copy_(piece)
+            stage.to_device(into, piece)
             planner.commit_tensor(req, into)
         return buf

@@ -182,8 +182,8 @@ class ResilienceConfig(Section):
     # to this many times per SLURM job before crashes requeue; 0: every crash requeues
     max_step_restarts: int = setting(3, at_least(0))
     # process-group init and the first health all-reduce
-    init_timeout_s: float = setting(120.0, seconds(zero_ok=False))
-    collective_timeout_s: float = setting(1800.0, seconds(zero_ok=False))  # timeout of training collectives
+    init_timeout_s: float = setting(300.0, seconds(zero_ok=False))
+    collective_timeout_s: float = setting(1800.0, seconds(zero_ok=False))  # every process group's timeout
     # watchdog: no finished step for this long dumps stacks and exits
     hang_timeout_s: float = setting(1800.0, seconds())
     nan_policy: Literal["skip", "stop", "rollback"] = "stop"
@@ -227,11 +227,11 @@ class SlurmConfig(Section):
     container_remap_root: bool = False
     network_interface: str = ""  # empty: detect ib*/hsn*; sets NCCL/GLOO_SOCKET_IFNAME
     nccl_ib_gid_index: int = setting(-1, at_least(-1))  # -1: leave unset
-    debug: bool = False  # PYTHONFAULTHANDLER, NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL
+    debug: bool = False  # PYTHONFAULTHANDLER, NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL, set -x
     modules: list[str] = field(default_factory=list)  # `module load` these before launch
     uv_project: str = ""  # run python through `uv run --project DIR`
-    # NCCL_NET_GDR_LEVEL (GPU-direct RDMA); -1 leaves it unset
-    nccl_net_gdr_level: int = setting(2, at_least(-1))
+    # NCCL_NET_GDR_LEVEL (GPU-direct RDMA); -1 leaves it unset (NCCL detects the topology)
+    nccl_net_gdr_level: int = setting(-1, at_least(-1))
     fs_write_gbps: float = setting(2.0, positive())  # checkpoint write bandwidth in GB/s (relaytrain plan)
 
 

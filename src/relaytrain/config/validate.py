@@ -61,3 +61,8 @@ def validate(cfg: Config) -> None:
         not ps or ps[0] < ps[1],
         f"metrics.profile_steps={ps} must be [start, end) with start < end",
     )
+    _require(
+        "NCCL_TIMEOUT" not in cfg.slurm.env,
+        "slurm.env sets NCCL_TIMEOUT, which neither NCCL nor PyTorch reads; remove it and set "
+        "resilience.collective_timeout_s (seconds) instead",
+    )

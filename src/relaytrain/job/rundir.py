@@ -114,6 +114,10 @@ class RunDir:
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank_{rank}.log"
 
+    def flight_recorder(self, job_id: str) -> Path:
+        """The prefix of a job's Flight Recorder dumps (torch appends the rank) after a collective timeout."""
+        return self.logs / f"flight_recorder_job{job_id}_rank"
+
     def hang_dump(self, rank: int) -> Path:
         return self.logs / f"hang_rank{rank}.txt"
 

@@ -6,12 +6,16 @@ One process per node (the sbatch script starts it on local rank 0 and kills it f
 It reads NVML through ``pynvml`` (nvidia-ml-py); without NVML it parses ``nvidia-smi dmon``; on
 a machine without NVIDIA GPUs it prints one line and exits 0. SIGTERM/SIGINT end it cleanly
 with every sampled row already flushed. The file is appended to, so a requeued job on the same
-node continues it. Deliberately free of torch: it starts in well under a second.
+node continues it (in the columns its header has). A GPU whose handle NVML refuses (hidden by the job's
+cgroup, or lost) is skipped, not fatal. Each row names the GPU by NVML index, UUID and PCI bus id: the
+index is neither CUDA's device number nor the local rank. Deliberately free of torch: it starts in well
+under a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import importlib
@@ -23,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,7 +38,9 @@ COLUMNS = (
     "datetime",
     "host",
     "job_id",
-    "gpu",
+    "gpu",  # NVML's (and nvidia-smi's) index: PCI order, not CUDA's order nor the local rank
+    "gpu_uuid",  # what CUDA_VISIBLE_DEVICES and torch.cuda.get_device_properties(i).uuid name
+    "pci_bus_id",
     "power_w",
     "util_gpu_pct",
     "util_mem_pct",
@@ -64,8 +71,12 @@ class GpuCsv:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         new = not path.exists() or path.stat().st_size == 0
+        columns = COLUMNS
+        if not new:  # continue a file in its own columns (one written before a column was added)
+            with open(path, newline="", encoding="utf-8") as f:
+                columns = tuple(next(csv.reader(f), COLUMNS)) or COLUMNS
         self._file: TextIO = open(path, "a", newline="", encoding="utf-8")  # noqa: SIM115
-        self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS, restval="")
+        self._writer = csv.DictWriter(self._file, fieldnames=columns, restval="", extrasaction="ignore")
         if new:
             self._writer.writeheader()
             self._file.flush()
@@ -96,26 +107,58 @@ def _nvml_value(read, scale: float = 1.0) -> str:
     return f"{value / scale:.1f}" if scale != 1.0 else str(value)
 
 
-def open_nvml() -> tuple[Any, list[Any], str]:
-    """(pynvml module, device handles, reason): no handles when NVML or GPUs are missing."""
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU NVML gave a handle for."""
+
+    index: int  # NVML's
+    handle: Any
+    uuid: str
+    pci_bus_id: str
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)  # older pynvml returns bytes
+
+
+def open_nvml() -> tuple[Any, list[Gpu], str]:
+    """(pynvml module, GPUs, reason): no GPUs when NVML or every GPU is missing; `reason` also names
+    the GPUs skipped because NVML refused their handle (a GPU of another job's cgroup, a lost GPU)."""
     try:
         nvml = importlib.import_module("pynvml")
         nvml.nvmlInit()
     except Exception as exc:  # ImportError, or NVMLError_LibraryNotFound / DriverNotLoaded
         return None, [], f"NVML unavailable ({exc})"
-    count = nvml.nvmlDeviceGetCount()
-    if count == 0:
-        nvml.nvmlShutdown()
-        return None, [], "NVML reports 0 GPUs"
-    return nvml, [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)], ""
+    gpus, skipped = [], []
+    try:
+        count = nvml.nvmlDeviceGetCount()
+    except Exception as exc:
+        count, skipped = 0, [f"no GPU count ({exc})"]
+    for i in range(count):
+        try:
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+        except Exception as exc:  # NVMLError_NoPermission, _NotFound, _GpuIsLost, ...
+            skipped.append(f"GPU {i} skipped ({exc})")
+            continue
+        uuid = _nvml_value(lambda h=handle: _text(nvml.nvmlDeviceGetUUID(h)))
+        bus = _nvml_value(lambda h=handle: _text(nvml.nvmlDeviceGetPciInfo(h).busId))
+        gpus.append(Gpu(i, handle, uuid, bus))
+    if not gpus:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+        return None, [], "; ".join(skipped or ["NVML reports 0 GPUs"])
+    return nvml, gpus, "; ".join(skipped)
 
 
-def sample_nvml(nvml: Any, handles: list[Any]) -> list[dict[str, Any]]:
+def sample_nvml(nvml: Any, gpus: list[Gpu]) -> list[dict[str, Any]]:
     rows = []
-    for index, handle in enumerate(handles):
+    for gpu in gpus:
+        handle = gpu.handle
         rows.append(
             {
-                "gpu": index,
+                "gpu": gpu.index,
+                "gpu_uuid": gpu.uuid,
+                "pci_bus_id": gpu.pci_bus_id,
                 "power_w": _nvml_value(lambda h=handle: nvml.nvmlDeviceGetPowerUsage(h), scale=1000.0),
                 "util_gpu_pct": _nvml_value(lambda h=handle: nvml.nvmlDeviceGetUtilizationRates(h).gpu),
                 "util_mem_pct": _nvml_value(lambda h=handle: nvml.nvmlDeviceGetUtilizationRates(h).memory),
@@ -131,12 +174,12 @@ def sample_nvml(nvml: Any, handles: list[Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def run_nvml(out: GpuCsv, interval: float, stop: threading.Event, nvml: Any, handles: list[Any]) -> int:
+def run_nvml(out: GpuCsv, interval: float, stop: threading.Event, nvml: Any, gpus: list[Gpu]) -> int:
     """Sample until ``stop`` is set; returns the number of samples taken."""
     samples = 0
     try:
         while not stop.is_set():
-            out.write(sample_nvml(nvml, handles))
+            out.write(sample_nvml(nvml, gpus))
             samples += 1
             stop.wait(interval)
     finally:
@@ -162,8 +205,24 @@ def parse_dmon_line(line: str, header: list[str] | None) -> tuple[list[str] | No
     return header, row
 
 
+def smi_ids(nvidia_smi: str) -> dict[str, dict[str, str]]:
+    """nvidia-smi index -> {"gpu_uuid", "pci_bus_id"} (empty when the query fails)."""
+    query = [nvidia_smi, "--query-gpu=index,uuid,pci.bus_id", "--format=csv,noheader"]
+    try:
+        text = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    ids = {}
+    for line in text.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 3 and fields[0].isdigit():
+            ids[fields[0]] = {"gpu_uuid": fields[1], "pci_bus_id": fields[2]}
+    return ids
+
+
 def run_dmon(out: GpuCsv, interval: float, stop: threading.Event, nvidia_smi: str) -> int:
     """Fallback without NVML bindings: stream ``nvidia-smi dmon`` into the same CSV columns."""
+    ids = smi_ids(nvidia_smi)
     cmd = [nvidia_smi, "dmon", "-d", str(max(1, round(interval))), "-s", "pumt"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     watcher = threading.Thread(target=lambda: (stop.wait(), proc.terminate()), daemon=True)
@@ -176,6 +235,7 @@ def run_dmon(out: GpuCsv, interval: float, stop: threading.Event, nvidia_smi: st
         header, row = parse_dmon_line(line, header)
         if row is None:
             continue
+        row.update(ids.get(row["gpu"], {}))
         if batch and row["gpu"] == batch[0]["gpu"]:  # the first GPU again: a new sample begins
             out.write(batch)
             samples += 1
@@ -198,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.interval <= 0:
         parser.error("--interval must be > 0")
 
-    nvml, handles, reason = open_nvml()
-    nvidia_smi = shutil.which("nvidia-smi") if not handles else None
-    if not handles and nvidia_smi is None:
+    nvml, gpus, reason = open_nvml()
+    nvidia_smi = shutil.which("nvidia-smi") if not gpus else None
+    if not gpus and nvidia_smi is None:
         print(
             f"gpu_monitor: no NVIDIA GPU on {host_name()} ({reason}; no nvidia-smi): not sampling", flush=True
         )
@@ -210,11 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     out = GpuCsv(args.out / f"{host_name()}.csv")
-    source = f"NVML, {len(handles)} GPUs" if handles else "nvidia-smi dmon"
-    print(f"gpu_monitor: sampling {source} every {args.interval:g}s into {out.path}", flush=True)
+    source = f"NVML, {len(gpus)} GPUs" if gpus else "nvidia-smi dmon"
+    note = f" ({reason})" if gpus and reason else ""
+    print(f"gpu_monitor: sampling {source}{note} every {args.interval:g}s into {out.path}", flush=True)
     try:
-        if handles:
-            run_nvml(out, args.interval, stop, nvml, handles)
+        if gpus:
+            run_nvml(out, args.interval, stop, nvml, gpus)
         else:
             run_dmon(out, args.interval, stop, nvidia_smi)
     finally:

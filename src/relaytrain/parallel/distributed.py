@@ -75,14 +75,35 @@ def init_distributed(cfg: Config) -> DistEnv:
         )
         health_check(env, cfg.resilience.init_timeout_s)
         # Training collectives may legitimately take longer than the start-up handshake.
-        _set_default_timeout(cfg.resilience.collective_timeout_s)
+        set_group_timeouts(cfg.resilience.collective_timeout_s)
     return env
 
 
-def _set_default_timeout(seconds: float) -> None:
-    from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
+def group_timeout(group=None) -> timedelta:
+    """The collective timeout of `group` (default: the default group)."""
+    from torch.distributed import distributed_c10d as c10d
 
-    _set_pg_timeout(timedelta(seconds=seconds), _get_default_group())
+    group = group or c10d._get_default_group()
+    return group._get_backend(group._device_types[0]).options._timeout
+
+
+def set_group_timeouts(seconds: float) -> int:
+    """Give every process group this rank is in `seconds` as its collective timeout: the default group
+    and those made since (the device mesh's, relaytrain's gloo groups); returns how many. Groups are
+    created with the backend's default (NCCL 600 s, gloo 1800 s), not the default group's timeout.
+    Groups made later take the default group's timeout with `match_default_timeout`."""
+    from torch.distributed import distributed_c10d as c10d
+
+    groups = list(c10d._world.pg_map)
+    for group in groups:
+        c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    return len(groups)
+
+
+def match_default_timeout() -> int:
+    """Every group gets the default group's timeout (`resilience.collective_timeout_s` once
+    `init_distributed` ran); call it after creating groups. Returns how many groups there are."""
+    return set_group_timeouts(group_timeout().total_seconds())
 
 
 def health_check(env: DistEnv, timeout_s: float) -> None:

@@ -7,6 +7,7 @@ import weakref
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from relaytrain.parallel.dims import ParallelDims
+from relaytrain.parallel.distributed import match_default_timeout
 from relaytrain.parallel.layout import parse_rank_order
 
 # Flattened dims of each mesh built here. PyTorch deprecates slicing flattened dims from the root mesh;
@@ -38,6 +39,8 @@ def build_mesh(dims: ParallelDims, device_type: str, rank_order: str | None = No
         "dp": mesh[_in_mesh_order(names, ("dp_replicate", "dp_shard"))]._flatten("dp"),
         "dp_shard_cp": mesh[_in_mesh_order(names, ("dp_shard", "cp"))]._flatten("dp_shard_cp"),
     }
+    # the mesh's groups were made with the backend's default timeout (NCCL: 600 s)
+    match_default_timeout()
     return mesh
 
 

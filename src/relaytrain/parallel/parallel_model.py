@@ -190,7 +190,9 @@ class ParallelModel:
 
     def _eval_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One pass through the stages with point-to-point sends: no schedule, so any batch size works."""
-        pp_ranks = dist.get_process_group_ranks(self._group("pp"))
+        # on the pipeline group (stage sid runs on its pp rank sid % pp): a send on the default group
+        # would make NCCL build another communicator, with the default group's timeout
+        pp_group = self._group("pp")
         pp = self.dims.pp
         # Between stages the residual stream is a local tensor, sequence-sharded under TP.
         hidden_shape = (inputs.shape[0], inputs.shape[1] // self.dims.tp, self.model_parts[0].cfg.dim)
@@ -204,12 +206,12 @@ class ParallelModel:
                 h = inputs
             elif (sid - 1) % pp != sid % pp:
                 h = torch.empty(hidden_shape, device=self.device)
-                dist.recv(h, src=pp_ranks[(sid - 1) % pp])
+                dist.recv(h, group=pp_group, group_src=(sid - 1) % pp)
             out = part(h)
             if sid == self.n_stages - 1:
                 loss = cross_entropy(out, targets)
             elif (sid + 1) % pp != sid % pp:
-                dist.send(out.float().contiguous(), dst=pp_ranks[(sid + 1) % pp])
+                dist.send(out.float().contiguous(), group=pp_group, group_dst=(sid + 1) % pp)
             else:
                 h = out
         return loss

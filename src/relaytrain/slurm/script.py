@@ -29,6 +29,7 @@ TEMPLATE_DIR = Path(__file__).parent / "templates"
 HEARTBEAT_S = 300
 SHUTDOWN_MARGIN_S = 30  # torchrun waits hard_deadline_s + this before it SIGKILLs workers
 TORCHRUN_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+FLIGHT_RECORDER_ENTRIES = 20000  # collectives each rank remembers for the dump after a timeout (torchtitan's)
 _PLAIN = re.compile(r"[A-Za-z0-9_.,:=/%@+\-]*")
 
 
@@ -227,6 +228,8 @@ def _in_run_dir(rundir: RunDir) -> dict[str, str]:
         "attach_log": rundir.attach_log("$job_id").name,
         "pip_freeze": rundir.pip_freeze("$job_id").name,
         "restart_file": rundir.step_restart_file("$job_id").name,
+        "logs": rundir.relative(rundir.logs),
+        "flight_recorder": rundir.relative(rundir.flight_recorder("${job_id}")),
     }
 
 
@@ -257,6 +260,7 @@ def render_script(spec: JobSpec) -> str:
         "nodes": s.nodes,
         "tasks_per_node": spec.tasks_per_node,
         "gpus_per_node": s.gpus_per_node,
+        "flight_recorder_entries": FLIGHT_RECORDER_ENTRIES,
         "rocm": is_rocm(s),
         "python_cmd": python_command(s),
         "heartbeat_s": HEARTBEAT_S,

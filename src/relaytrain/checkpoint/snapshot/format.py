@@ -9,7 +9,9 @@ None is refused when writing, and a header naming anything else is refused when 
 
 `Staging` keeps one host buffer for a rank's tensors and reuses it for every snapshot whose tensor
 layout is unchanged (the usual case): the copy into it is what blocks training; no page faults of a
-fresh allocation each time.
+fresh allocation each time. Off the host (a GPU), the buffer is pinned and every tensor's copy is issued
+without waiting; one synchronisation after the last makes them all visible before the buffer is handed
+to the thread that writes it (checkpoint.host.DeviceCopy).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from relaytrain.checkpoint.host import DeviceCopy
+
 MAGIC = b"RLTSNAP1"
-_ALIGN = 64
+_ALIGN = 64  # part of the file format
 _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
@@ -98,7 +102,8 @@ class Staged:
 class Staging:
     """Copies a state tree into one reusable host buffer (the blocking part of a snapshot)."""
 
-    def __init__(self):
+    def __init__(self, copy: DeviceCopy | None = None):
+        self.copy = copy or DeviceCopy()
         self._buffer: torch.Tensor | None = None
         self._layout: list[tuple[str, tuple[int, ...]]] | None = None
 
@@ -114,9 +119,11 @@ class Staging:
             table.append({"dtype": dtype, "shape": list(shape), "offset": offset, "nbytes": nbytes})
             offset += -(-nbytes // _ALIGN) * _ALIGN
         if self._buffer is None or layout != self._layout:
-            self._buffer = torch.empty(offset, dtype=torch.uint8)
+            # pinned only for tensors off the host (page-locking gigabytes for a CPU run costs memory)
+            self._buffer = self.copy.empty(offset, pin=any(t.device.type != "cpu" for t in tensors))
             self._layout = layout
         flat = self._buffer.numpy()
+        devices = set()
         for entry, t in zip(table, tensors, strict=True):
             start, end = entry["offset"], entry["offset"] + entry["nbytes"]
             if not entry["nbytes"]:
@@ -127,7 +134,10 @@ class Staging:
                 source = t if t.is_contiguous() else t.contiguous()
                 np.copyto(flat[start:end], source.reshape(-1).view(torch.uint8).numpy())
             else:
-                self._buffer[start:end].view(t.dtype).view(t.shape).copy_(t)
+                self.copy.to_host(self._buffer[start:end].view(t.dtype).view(t.shape), t)
+                devices.add(t.device)
+        if devices:
+            self.copy.synchronize(sorted(devices, key=str))  # the copies above did not wait
         body = json.dumps({"meta": meta, "tree": encoded, "tensors": table}).encode()
         header = MAGIC + struct.pack("<Q", len(body)) + body
         return Staged(header, self._buffer)

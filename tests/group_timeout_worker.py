@@ -1,0 +1,24 @@
+"""Run under torchrun (gloo): init_distributed, the device mesh of a layout and the checkpointer's gloo
+groups; prints one JSON line per rank: every process group this rank is in -> its timeout in seconds."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from torch.distributed import distributed_c10d as c10d
+
+from relaytrain.checkpoint.collectives import Collectives
+from relaytrain.config.loader import load_config
+from relaytrain.parallel.dims import ParallelDims
+from relaytrain.parallel.distributed import group_timeout, init_distributed, shutdown_distributed
+from relaytrain.parallel.mesh import build_mesh
+
+cfg = load_config(None, ["--run.device=cpu", f"--resilience.collective_timeout_s={sys.argv[1]}"])
+env = init_distributed(cfg)
+replicate, shard, pp = (int(n) for n in sys.argv[2:5])
+mesh = build_mesh(ParallelDims(replicate, shard, 1, 1, pp, env.world_size), "cpu")
+Collectives(env.rank, env.world_size)
+groups = {c10d._world.pg_names[g]: group_timeout(g).total_seconds() for g in c10d._world.pg_map}
+print("GROUPS " + json.dumps({"rank": env.rank, "dims": list(mesh.mesh_dim_names), "groups": groups}))
+shutdown_distributed()

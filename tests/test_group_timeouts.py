@@ -1,0 +1,34 @@
+"""resilience.collective_timeout_s reaches every process group, not only the default one: the device
+mesh's groups (pp, dp_replicate, dp_shard, cp, tp and the flattened dp, dp_shard_cp) and the
+checkpointer's gloo groups are created with the backend's default (NCCL 600 s, gloo 1800 s) unless set."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import child_env
+
+WORKER = Path(__file__).with_name("group_timeout_worker.py")
+
+
+def test_every_group_gets_the_collective_timeout(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(WORKER)]
+        + ["97", "2", "1", "2"],  # timeout, dp_replicate, dp_shard, pp
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads(line[7:]) for line in result.stdout.splitlines() if line.startswith("GROUPS ")]
+    assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3]
+    for report in reports:
+        assert sorted(report["dims"]) == ["cp", "dp_replicate", "dp_shard", "pp", "tp"]
+        # the default group, 5 mesh dims, 2 flattened dims, 2 checkpointer groups
+        assert len(report["groups"]) == 10, report
+        assert set(report["groups"].values()) == {97.0}, report
