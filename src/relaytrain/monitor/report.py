@@ -152,9 +152,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list
     run_dir = Path(run_dir)
     if not run_dir.exists():
         raise UserError(f"run directory {run_dir} does not exist")
-    if not run_dir.is_dir() or not any(marker.exists() for marker in RunDir(run_dir).markers):
-        what = "a file" if not run_dir.is_dir() else "a directory without metrics.jsonl or run_state.json"
-        raise UserError(f"{run_dir} is not a run directory ({what}); pass a run's directory, e.g. runs/NAME")
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a run directory (a file); pass a run's directory, e.g. runs/NAME")
     history = load_history(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else RunDir(run_dir).report
     name = run_dir.resolve().name
