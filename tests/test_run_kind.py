@@ -1,7 +1,7 @@
-"""One run per run directory (relaytrain.job.run_kind): a `--command` launch needs a run name of its own,
-a directory holding another kind of run (trainer vs program) or another command's run is refused in one
-line, and a program run outside a launch gets `runs/<program>` of its own, never the working directory.
-Conflicting launch flags are refused in one line."""
+"""One run per run directory (relaytrain.resilience.run_kind): a `--command` launch needs a run name of
+its own, a directory holding another kind of run (trainer vs program) or another command's run is
+refused in one line, and a program run outside a launch gets `runs/<program>` of its own, never the
+working directory. Conflicting launch flags are refused in one line."""
 
 from __future__ import annotations
 

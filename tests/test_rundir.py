@@ -108,6 +108,7 @@ def test_the_layout_of_a_run_directory():
         "config": "config.toml",
         "metrics": "metrics.jsonl",
         "run_state": "run_state.json",
+        "kind": "run_kind.json",
         "crashes": "crashes.jsonl",
         "lock": "run.lock",
         "lock_takeover": "run.lock.takeover",

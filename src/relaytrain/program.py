@@ -41,13 +41,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from relaytrain.job import JobFacts
-from relaytrain.job.run_kind import PROGRAM, RunKind, claim_kind
 from relaytrain.job.rundir import RunDir, metrics_record
 from relaytrain.resilience.codes import (
     EXIT_RESTART_STEP,  # noqa: F401  (the API's exit 76)
     StopReason,
 )
 from relaytrain.resilience.early_signals import capture_early_signals
+from relaytrain.resilience.run_kind import PROGRAM, RunKind, claim_kind
 from relaytrain.resilience.run_lock import RunLock
 from relaytrain.resilience.run_state import RunStateFile
 

@@ -63,7 +63,7 @@ class RunDir:
 
     @property
     def kind(self) -> Path:
-        """Which kind of run the directory holds: the trainer's or a program's (relaytrain.job.run_kind)."""
+        """Which kind of run the directory holds, the trainer's or a program's (resilience/run_kind.py)."""
         return self.root / "run_kind.json"
 
     @property

@@ -21,7 +21,7 @@ from relaytrain.checkpoint.choose import check_resume
 from relaytrain.config import Config, ResilienceConfig, SlurmConfig, config_to_toml, load_config
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
-from relaytrain.job.run_kind import PROGRAM, TRAIN, RunKind, claim_kind
+from relaytrain.resilience.run_kind import PROGRAM, TRAIN, RunKind, claim_kind
 from relaytrain.slurm.container import check_container
 from relaytrain.slurm.grid import parse_grid, render_command
 from relaytrain.slurm.launch_checks import check_request

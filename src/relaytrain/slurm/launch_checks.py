@@ -11,14 +11,11 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from relaytrain.config import parse_override
 from relaytrain.errors import UserError
 from relaytrain.slurm.submit import check_after
-
-if TYPE_CHECKING:
-    from relaytrain.slurm.launch import LaunchRequest
 
 
 def suggested_name(command: str) -> str:
@@ -39,8 +36,9 @@ def _names_run(overrides: list[str]) -> bool:
     return any(parse_override(text)[:2] == ("run", "name") for text in overrides)
 
 
-def check_request(req: LaunchRequest, what: str) -> None:
-    """Raise UserError (one line, exit 2) for a request `what` (launch, sweep) cannot honour as given."""
+def check_request(req: Any, what: str) -> None:
+    """Raise UserError (one line, exit 2) for a request (slurm.launch.LaunchRequest) that `what` (launch,
+    sweep) cannot honour as given."""
     if req.command is None and req.config is None:
         raise UserError(f"relaytrain {what} needs a CONFIG, or --command 'CMD' (with --name)")
     if req.after and req.jobid:
