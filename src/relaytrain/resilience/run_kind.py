@@ -53,6 +53,20 @@ def recorded_kind(run_dir: Path | str) -> RunKind | None:
 def claim_kind(run_dir: Path | str, wanted: RunKind) -> None:
     """Refuse (UserError) a directory that holds another kind of run or another command's run; else
     record `wanted` where nothing (or no command) is recorded yet."""
+    found = refuse_other_kind(run_dir, wanted)
+    path = RunDir(Path(run_dir)).kind
+    if found is not None and path.exists() and (found.command or not wanted.command):
+        return
+    record = {"kind": wanted.kind, **({"command": wanted.command} if wanted.command else {})}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def refuse_other_kind(run_dir: Path | str, wanted: RunKind) -> RunKind | None:
+    """Raise UserError when the directory holds another kind of run, or another command's; return what
+    it holds (None: nothing yet). Writes nothing."""
     found = recorded_kind(run_dir)
     path = RunDir(Path(run_dir)).kind
     if found is not None and found.kind != wanted.kind:
@@ -65,10 +79,4 @@ def claim_kind(run_dir: Path | str, wanted: RunKind) -> None:
             f"the run directory {run_dir} holds {found.describe()}, not {wanted.describe()}: give this run "
             f"its own name (--name NAME), or to continue that run with this command delete {path}"
         )
-    if found is not None and path.exists() and (found.command or not wanted.command):
-        return
-    record = {"kind": wanted.kind, **({"command": wanted.command} if wanted.command else {})}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(record) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    return found

@@ -21,7 +21,7 @@ from relaytrain.checkpoint.choose import check_resume
 from relaytrain.config import Config, ResilienceConfig, SlurmConfig, config_to_toml, load_config
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
-from relaytrain.resilience.run_kind import PROGRAM, TRAIN, RunKind, claim_kind
+from relaytrain.resilience.run_kind import PROGRAM, TRAIN, RunKind, claim_kind, refuse_other_kind
 from relaytrain.slurm.container import check_container
 from relaytrain.slurm.grid import parse_grid, render_command
 from relaytrain.slurm.launch_checks import check_request
@@ -214,13 +214,15 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
     notes: list[str] = []
     cfg, send_signal = load_for_job(req, notes=notes)
     refuse_busy_run_dir(rundir_of(cfg).root, req.after, req.jobid)  # before its files are rewritten
+    kind = RunKind(PROGRAM, req.command) if req.command else RunKind(TRAIN)
+    refuse_other_kind(rundir_of(cfg).root, kind)
     check_resume(cfg)
-    claim_kind(rundir_of(cfg).root, RunKind(PROGRAM, req.command) if req.command else RunKind(TRAIN))
     notes += check_container(cfg, rundir_of(cfg).root, Path.cwd())
     for line in notes:
         out(line)
     if req.command is None:
         check_plan(cfg, req.force, out)
+    claim_kind(rundir_of(cfg).root, kind)
     rundir, config_file = write_run_files(cfg)
     spec = build_spec(cfg, req, config_file)
     spec.send_signal = send_signal
@@ -289,8 +291,8 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
         out(line)
     for point, cfg, command in points:
         refuse_busy_run_dir(rundir_of(cfg).root, req.after)
+        refuse_other_kind(rundir_of(cfg).root, RunKind(PROGRAM, command) if command else RunKind(TRAIN))
         check_resume(cfg)
-        claim_kind(rundir_of(cfg).root, RunKind(PROGRAM, command) if command else RunKind(TRAIN))
         out(f"point {cfg.run.name}: {_values(point)}" + (f": {command}" if command else ""))
         if req.command is None:
             check_plan(cfg, req.force, out)
@@ -301,6 +303,7 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
     table = ["index\trun_name\t" + ("values\tcommand" if req.command is not None else "overrides")]
     rows = []
     for index, (point, cfg, command) in enumerate(points):
+        claim_kind(rundir_of(cfg).root, RunKind(PROGRAM, command) if command else RunKind(TRAIN))
         point_dir, config_file = write_run_files(cfg)
         array.append(SweepPoint(config_file=str(config_file), run_dir=str(point_dir.root), command=command))
         table.append("\t".join([str(index), cfg.run.name, _values(point)] + ([command] if command else [])))
