@@ -5,7 +5,8 @@ pre-timeout signal mid-run, requeued by exit 75, resumed, ending with exactly th
 uninterrupted torchrun run.
 
 The documented lines are parsed by bash as written; the test then adds what a 2-core test needs: its
-config (run directory, a slowed first run), the local cluster's profile, `--time 3 --signal USR2@60`
+config (run directory, a slowed first run), the local cluster's profile (CPU nodes: `--gpus-per-node 0`,
+one process per node: `--tasks-per-node 1`, Megatron's `--nproc_per_node=1`), `--time 3 --signal USR2@60`
 (the signal comes 90-120 s after each run's start: the first run, at 5 s a step, outlasts it; the
 requeued one, at full speed and DeepSpeed's start-up of about 25 s included, finishes before it), and
 to each command `--steps 30`, the step delay and, for DeepSpeed, the torch-AdamW config (the same
@@ -31,7 +32,9 @@ from slurm_fixtures import wait_job_finished
 
 pytestmark = pytest.mark.slurm
 
-TEST_LAUNCH = ("--time", "3", "--signal", "USR2@60")
+# The documented lines are for 8-GPU nodes; a CPU node of the local cluster runs one process.
+TEST_LAUNCH = ("--time", "3", "--signal", "USR2@60", "--tasks-per-node", "1")
+ONE_PROCESS = ("--nproc_per_node=8", "--nproc_per_node=1")
 STEPS = ("--steps", "30")
 TORCH_ADAMW = REPO / "examples" / "deepspeed" / "zero3_offload_torch_adamw.json"
 # name in the documented line: (example, what the test adds to its command)
@@ -72,7 +75,8 @@ def stacks(slurm_cluster, tmp_path_factory):
                 assert argv[0] == "launch", argv
                 args = list(argv[1:])
                 at = args.index("--command") + 1
-                args[at] = " ".join([args[at], *EXAMPLES[name][1], "--step-delay ${STEP_DELAY_S:-0}"])
+                command = args[at].replace(*ONE_PROCESS)
+                args[at] = " ".join([command, *EXAMPLES[name][1], "--step-delay ${STEP_DELAY_S:-0}"])
                 jobs[name] = launch(*args, str(config), *PROFILE, *TEST_LAUNCH)
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
             for name, (example, args) in EXAMPLES.items():  # one at a time: 2 cores

@@ -282,12 +282,16 @@ def test_the_documented_torchrun_wrapper_keeps_the_agreed_stops_exit_75(tmp_path
     assert done.returncode == 75, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr[-3000:]
     assert "relaytrain.job.torchrun: workers (rank 0,1) exited 75: stopped with a checkpoint" in done.stderr
-    state = json.loads((tmp_path / "run_state.json").read_text())
+    # Its own run directory, named for the script and said in one line; nothing in the working directory.
+    run = tmp_path / "runs" / "ddp_train"
+    assert done.stderr.count(f"relaytrain.program: run directory {run} ") == 1, done.stderr[-3000:]
+    assert not (tmp_path / "run_state.json").exists() and not (tmp_path / "metrics.jsonl").exists()
+    state = json.loads((run / "run_state.json").read_text())
     assert (state["status"], state["reason"], state["exit_code"]) == ("stopped", "time_budget", 75)
     # The same command again continues from the checkpoint to the end.
     done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((tmp_path / "run_state.json").read_text())["status"] == "finished"
+    assert json.loads((run / "run_state.json").read_text())["status"] == "finished"
     steps = [r["step"] for r in losses(tmp_path / "runs" / "ddp" / "out")]
     assert steps == list(range(1, 41))

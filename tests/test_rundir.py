@@ -16,6 +16,7 @@ OWNER = "job/rundir.py"
 
 # The names RunDir gives out: files, folders, and the per-rank / per-job files ({} the rank or job id).
 FILES = {"config.toml", "metrics.jsonl", "run_state.json", "crashes.jsonl", "run.lock", "wandb_id"}
+FILES |= {"run_kind.json"}
 FILES |= {"jobs.jsonl", "job.sh", "attach.sh", "sweep.tsv", "sweep.json", "%j.out", "%A_%a.out"}
 FOLDERS = {"slurm", "logs", "gpu", "checkpoints", "tensorboard", "profile", "report"}
 PATTERNS = (
@@ -107,6 +108,7 @@ def test_the_layout_of_a_run_directory():
         "config": "config.toml",
         "metrics": "metrics.jsonl",
         "run_state": "run_state.json",
+        "kind": "run_kind.json",
         "crashes": "crashes.jsonl",
         "lock": "run.lock",
         "lock_takeover": "run.lock.takeover",

@@ -156,8 +156,8 @@ def test_the_batch_script_starts_a_crashed_step_again_with_a_fresh_port(work):
 
 
 def test_a_program_exiting_76_gets_its_step_started_again(work):
-    dry("debug", slurm={"gpus_per_node": 0, "tasks_per_node": 1}, command="python train.py")
-    script = Path(work) / "runs/debug/slurm/job.sh"
+    dry("debug", slurm={"gpus_per_node": 0, "tasks_per_node": 1}, command="python train.py", name="prog")
+    script = Path(work) / "runs/prog/slurm/job.sh"
     fake(work / "bin", "srun",
          'echo "step $RELAYTRAIN_STEP_RESTARTS" >> "$FAKE_LOG.steps"\n'
          '[[ $RELAYTRAIN_STEP_RESTARTS == 0 ]] && exit 76; exit 0\n')  # fmt: skip

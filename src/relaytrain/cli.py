@@ -66,6 +66,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config, overrides = split_config_args(args)
     cfg = load_config(config, overrides)  # a config mistake is reported before torch is imported (seconds)
+    from relaytrain.checkpoint.choose import check_resume
+
+    check_resume(cfg)  # a checkpoint.resume path that names no checkpoint, before the run directory exists
     from relaytrain.trainer import train
 
     return train(cfg)

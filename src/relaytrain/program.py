@@ -18,8 +18,8 @@ of ``relaytrain.resilience.early_signals``; the first ``should_stop()`` builds a
 ``ShutdownController`` (handlers, time budget, hard deadline, agreement); ``exit_for_requeue()`` is
 its ``finish()``, i.e. ``handle_stop``. The resilience settings come from the config the launcher
 wrote (``RELAYTRAIN_CONFIG``), else from ``install(config=...)``, else the defaults; the run directory
-(run_state.json) from ``RELAYTRAIN_RUN_DIR``, else ``install(run_dir=...)``, else the working
-directory. torch is imported only when the controller is built.
+(run_state.json) from ``install(run_dir=...)``, else ``RELAYTRAIN_RUN_DIR``, else ``runs/<program>``
+under the working directory. torch is imported only when the controller is built.
 
 When the step of ``relaytrain launch --command`` ended, the batch script's end-of-step decision
 (``python -m relaytrain.resilience.step_end --program``) turns an exit code 75 that the program did not
@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -46,6 +47,7 @@ from relaytrain.resilience.codes import (
     StopReason,
 )
 from relaytrain.resilience.early_signals import capture_early_signals
+from relaytrain.resilience.run_kind import PROGRAM, RunKind, claim_kind
 from relaytrain.resilience.run_lock import RunLock
 from relaytrain.resilience.run_state import RunStateFile
 
@@ -66,8 +68,23 @@ _state: dict[str, Any] = {
 
 
 def _run_dir(run_dir: str | Path | None) -> Path:
-    chosen = run_dir or os.environ.get(RUN_DIR_ENV) or Path.cwd()
-    return Path(chosen).absolute()
+    """`run_dir`, else RELAYTRAIN_RUN_DIR (a launch sets it), else `runs/<program>` of its own, said in
+    one line: never the working directory, where every program would append to the same run."""
+    chosen = run_dir or os.environ.get(RUN_DIR_ENV)
+    if chosen:
+        return Path(chosen).absolute()
+    own = (Path("runs") / program_name()).absolute()
+    if _rank() == 0:
+        print(f"relaytrain.program: run directory {own} (no {RUN_DIR_ENV}; set it, or install(run_dir=...), "
+              "to choose another)", file=sys.stderr, flush=True)  # fmt: skip
+    return own
+
+
+def program_name() -> str:
+    """The running script's name (`examples/ddp_train.py` -> ddp_train; a package's __main__: the package)."""
+    main = Path(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c", "-") else None
+    name = "" if main is None else main.parent.name if main.stem == "__main__" else main.stem
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name).strip(".") or "program"
 
 
 def _load_config(config):
@@ -106,7 +123,7 @@ def _log_event(event: str, step: int, **fields: Any) -> None:
 def install(run_dir: str | Path | None = None, config=None) -> None:
     """Record stop signals from now on (call it before importing torch); idempotent.
 
-    ``run_dir``: where run_state.json lives (default RELAYTRAIN_RUN_DIR, else the working directory).
+    ``run_dir``: where run_state.json lives (default RELAYTRAIN_RUN_DIR, else ``runs/<program>``).
     ``config``: a relaytrain Config or TOML path whose [resilience] section applies (default
     RELAYTRAIN_CONFIG, else the defaults).
     """
@@ -133,6 +150,7 @@ def _take_run_lock(run_dir: Path) -> None:
 
     try:
         RunLock(run_dir).acquire("relaytrain.program")  # released at exit
+        claim_kind(run_dir, RunKind(PROGRAM))  # never a trainer's run directory
     except UserError as error:
         print(f"relaytrain: error: {error}", file=sys.stderr, flush=True)
         sys.exit(USAGE_EXIT_CODE)

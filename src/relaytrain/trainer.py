@@ -43,6 +43,7 @@ from relaytrain.resilience import (
     mark_finished,
     mark_running,
     recorded_checkpoint_step,
+    stop_fields,
 )
 from relaytrain.resilience.run_lock import take_run_lock
 
@@ -305,7 +306,7 @@ class Trainer:
                 self.checkpoint.wait()
                 self.checkpoint.save(step, reason=reason.name.lower())
                 self.checkpoint.wait()
-        self.metrics.log_event("stop", step, reason=reason.name.lower())
+        self.metrics.log_event("stop", step, **stop_fields(reason, self.cfg.checkpoint))
         return self.controller.finish(reason, step)
 
     def _rollback(self) -> None:

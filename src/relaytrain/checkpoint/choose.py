@@ -11,6 +11,7 @@ from pathlib import Path
 
 from relaytrain.checkpoint.checksums import damaged_problems
 from relaytrain.checkpoint.files import COMPLETE, DCP_METADATA, LATEST, list_steps, read_latest, step_number
+from relaytrain.config import Config
 from relaytrain.errors import UserError
 from relaytrain.job.rundir import RunDir
 
@@ -80,3 +81,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise UserError(
         f"{path} is not a checkpoint: give a step_<N> directory, a checkpoints directory or a run directory"
     )
+
+
+def check_resume(cfg: Config) -> None:
+    """An explicit `checkpoint.resume` path must name a checkpoint when the run has none of its own yet:
+    checked with the config, before torch starts or the run directory is created. (Once the run saved,
+    its own checkpoints win over the path, which retention may have deleted since.)"""
+    ck = cfg.checkpoint
+    if not ck.enabled or ck.resume in ("auto", "none"):
+        return
+    own = Path(ck.dir) if ck.dir else RunDir.of(cfg.run.dir, cfg.run.name).checkpoints
+    if any(entry.complete for entry in list_steps(own)):
+        return
+    try:
+        resolve_checkpoint(ck.resume)
+    except UserError as exc:
+        raise UserError(f"checkpoint.resume={ck.resume}: {exc}") from None

@@ -62,6 +62,11 @@ class RunDir:
         return self.root / "run_state.json"
 
     @property
+    def kind(self) -> Path:
+        """Which kind of run the directory holds, the trainer's or a program's (resilience/run_kind.py)."""
+        return self.root / "run_kind.json"
+
+    @property
     def crashes(self) -> Path:
         """One line per failed job step: its cause and whether it was requeued."""
         return self.root / "crashes.jsonl"

@@ -230,6 +230,25 @@ def plot_gpus(
     return path
 
 
+def throughput_series(history: History) -> list[tuple[str, str, float]]:
+    """The throughput lines: all devices and per device, or one line where they are the same (one
+    device), which would otherwise lie exactly under the other."""
+    pairs = [(r.get("tokens_per_s"), r.get("tokens_per_s_per_device")) for r in history.train]
+    if pairs and all(total is not None and total == each for total, each in pairs):
+        return [("tokens_per_s", "tokens/s (one device: all devices = per device)", 1.0)]
+    return [
+        ("tokens_per_s", "tokens/s (all devices)", 1.0),
+        ("tokens_per_s_per_device", "tokens/s per device", 1.0),
+    ]
+
+
+def mfu_labels(history: History) -> tuple[str, str]:
+    """(title, y label) of the MFU plot: an estimate where the peak was measured on this CPU."""
+    if any(r.get("mfu_estimate") for r in history.train):
+        return "model FLOPs utilisation (estimate: CPU peak measured on this machine)", "MFU (%), estimate"
+    return "model FLOPs utilisation", "MFU (%)"
+
+
 def plot_all(
     history: History, gpus: dict[str, list[dict[str, float]]], name: str, out_dir: Path
 ) -> list[Path]:
@@ -248,15 +267,10 @@ def plot_all(
             out_dir / "throughput.png",
             "throughput",
             "tokens / s",
-            [
-                ("tokens_per_s", "tokens/s (all devices)", 1.0),
-                ("tokens_per_s_per_device", "tokens/s per device", 1.0),
-            ],
+            throughput_series(history),
             engineering=True,
         ),
-        plot_over_time(
-            history, name, out_dir / "mfu.png", "model FLOPs utilisation", "MFU (%)", [("mfu", "MFU", 100.0)]
-        ),
+        plot_over_time(history, name, out_dir / "mfu.png", *mfu_labels(history), [("mfu", "MFU", 100.0)]),
         plot_over_time(history, name, out_dir / "memory.png", "memory (rank 0)", "GiB", memory_series),
         plot_step_time(history, name, out_dir / "step_time.png"),
         plot_gpus(history, gpus, name, out_dir / "gpu.png"),

@@ -150,8 +150,10 @@ def written_line(report: Path, images: list[Path]) -> str:
 def write_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list[Path]]:
     """Write the plots and ``report.md``; return report.md's path and the plots written."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
+    if not run_dir.exists():
         raise UserError(f"run directory {run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a run directory (a file); pass a run's directory, e.g. runs/NAME")
     history = load_history(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else RunDir(run_dir).report
     name = run_dir.resolve().name

@@ -30,6 +30,7 @@ _EXPORTS = {
     "mark_finished": "relaytrain.resilience.requeue",
     "mark_running": "relaytrain.resilience.requeue",
     "recorded_checkpoint_step": "relaytrain.resilience.run_state",
+    "stop_fields": "relaytrain.resilience.requeue",
     "take_run_lock": "relaytrain.resilience.run_lock",
 }
 

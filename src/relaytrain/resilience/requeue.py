@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relaytrain.config.schema import ResilienceConfig
+from relaytrain.config.schema import CheckpointConfig, ResilienceConfig
 from relaytrain.errors import USAGE_EXIT_CODE
 from relaytrain.job import JobFacts
 from relaytrain.resilience.codes import (
@@ -69,6 +69,13 @@ def exit_code_for(reason: StopReason) -> int:
     if reason == StopReason.DAMAGED_CHECKPOINT:
         return USAGE_EXIT_CODE  # the CLI's exit for a UserError: the user must decide
     return EXIT_RESUME
+
+
+def stop_fields(reason: StopReason, checkpoint: CheckpointConfig) -> dict[str, Any]:
+    """The trainer's `stop` event fields, logged before the stop is recorded (a requeue ends the job
+    inside `handle_stop`): the reason, whether the stop saved a checkpoint, and the exit code."""
+    saved = checkpoint.enabled and reason != StopReason.NAN
+    return {"reason": reason.name.lower(), "saved": saved, "exit_code": exit_code_for(reason)}
 
 
 def scontrol_requeue(requeue_id: str) -> tuple[bool, str]:

@@ -38,6 +38,7 @@ from pathlib import Path
 from relaytrain.errors import USAGE_EXIT_CODE, UserError
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.slurmctld import job_is_over, queue_states
+from relaytrain.resilience.run_kind import TRAIN, RunKind, claim_kind
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +327,8 @@ def _create_with(path: Path, text: str, tag: str) -> bool:
 
 
 def take_run_lock(run_dir: Path | str, rank: int, device, command: str) -> RunLock:
-    """Rank 0 takes the run directory's lock (other ranks get an unheld one); every rank learns whether
+    """Rank 0 of the trainer takes the run directory's lock (and refuses a directory holding another
+    program's run, relaytrain.resilience.run_kind) (other ranks get an unheld one); every rank learns whether
     it could. Call it on every rank at the same point, after the process group is up.
 
     A refusal ends every rank: rank 0 raises the UserError (one line, exit 2), the others exit 2
@@ -336,7 +338,9 @@ def take_run_lock(run_dir: Path | str, rank: int, device, command: str) -> RunLo
     if rank == 0:
         try:
             lock.acquire(command)
+            claim_kind(run_dir, RunKind(TRAIN))  # the trainer's: never a program's run directory
         except Exception as exc:  # any failure must reach the other ranks, or they wait in the broadcast
+            lock.release()
             error = exc
     if _agree_failed(error is not None, device):
         if error is not None:

@@ -1,17 +1,14 @@
-"""CLI: launch, sweep, chain, status, logs, cancel, plan, doctor."""
+"""CLI: launch, sweep, chain, status, logs, cancel, plan, doctor (status and logs: status_commands)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from relaytrain.errors import UserError
-from relaytrain.job import RunDir
+from relaytrain.slurm.status_commands import _console, cmd_logs, cmd_status
 
 _SLURM_FLAGS = {  # CLI flag -> (SlurmConfig key, type)
     "nodes": ("nodes", int),
@@ -26,10 +23,6 @@ _SLURM_FLAGS = {  # CLI flag -> (SlurmConfig key, type)
     "gpu": ("gpu_type", str),
 }
 _LEVEL_STYLE = {"pass": "green", "ok": "green", "warn": "yellow", "fail": "red"}
-
-
-def _console() -> Console:
-    return Console(highlight=False, soft_wrap=False, width=150 if not sys.stdout.isatty() else None)
 
 
 def _node_range(text: str) -> tuple[int, int]:
@@ -183,106 +176,6 @@ def _print_plan(cfg, plans, console: Console, notes: list[str]) -> None:
         console.print(line)
 
 
-def _job_table(jobs) -> Table:
-    table = Table(show_header=True)
-    for column in (
-        "job",
-        "name",
-        "state",
-        "restarts",
-        "elapsed",
-        "limit",
-        "nodes",
-        "reason/exit",
-        "last step",
-        "run dir",
-    ):
-        table.add_column(column, overflow="fold")
-    for job in jobs:
-        table.add_row(
-            job.job_id,
-            job.name,
-            job.state,
-            str(job.restarts),
-            job.elapsed,
-            job.time_limit,
-            f"{job.nodes} (nodes per run: {job.nodes_per_run})" if job.nodes_per_run else job.nodes,
-            job.reason or job.exit_code,
-            "" if job.last_step is None else str(job.last_step),
-            job.run_dir,
-        )
-    return table
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    from relaytrain.slurm import jobs
-
-    console = _console()
-    runs = Path(args.runs)
-    if not args.target:
-        found = jobs.list_queue(user_only=not args.all)  # a UserError when Slurm cannot be asked
-        for job in found:
-            run_dir = jobs.find_run_dir(job, runs)
-            if run_dir is not None:
-                job.run_dir, job.last_step = str(run_dir), jobs.last_step(run_dir)
-        console.print(_job_table(found) if found else "no pending or running jobs")
-        return 0
-    from relaytrain.slurm.client import SlurmUnavailable
-    from relaytrain.slurm.run_view import find_run, run_rows
-
-    run_dir = find_run(args.target, runs)
-    if run_dir is None:
-        try:
-            found = jobs.describe(args.target, runs)
-        except SlurmUnavailable as exc:
-            raise UserError(f"no run {args.target!r} under {args.runs}/ or at that path, and {exc}") from None
-        if not found:
-            raise UserError(
-                f"no job or run {args.target!r} found (squeue, scontrol, sacct and "
-                f"{RunDir(Path(args.runs) / '*').jobs} know nothing of it)"
-            )
-        console.print(_job_table(found))
-        return 0
-    facts = Table(title=f"run {run_dir.name}", show_header=False)
-    facts.add_column("what")
-    facts.add_column("value", overflow="fold")
-    for name, value in run_rows(run_dir):
-        facts.add_row(name, value)
-    console.print(facts)
-    if RunDir(run_dir).slurm.is_dir():
-        try:
-            console.print(_job_table(jobs.describe_run(run_dir)))
-        except SlurmUnavailable as exc:  # the run's own files above still answer
-            console.print(f"its Slurm jobs: unknown ({exc})")
-    return 0
-
-
-def cmd_logs(args: argparse.Namespace) -> int:
-    from relaytrain.slurm import jobs
-
-    records = jobs.query_job(args.jobid) or [jobs.Job(job_id=args.jobid)]
-    path = jobs.log_path(records[0], Path(args.runs))
-    if path is None:
-        raise UserError(f"no output file found for job {args.jobid}; is it still pending?")
-    with open(path, errors="replace") as f:
-        sys.stdout.write(f.read())
-        sys.stdout.flush()
-        if not args.follow:
-            return 0
-        idle_checks = 0
-        while True:
-            chunk = f.read()
-            if chunk:
-                sys.stdout.write(chunk)
-                sys.stdout.flush()
-                continue
-            idle_checks += 1
-            if (idle_checks == 1 or idle_checks % 5 == 0) and not jobs.is_active(args.jobid):
-                sys.stdout.write(f.read())
-                return 0
-            time.sleep(1.0)
-
-
 def cmd_cancel(args: argparse.Namespace) -> int:
     from relaytrain.slurm.client import run_slurm, slurm_refusal
     from relaytrain.slurm.jobs import cancel_command
@@ -380,10 +273,10 @@ def register(subparsers) -> None:
     p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
     p.set_defaults(func=cmd_status)
 
-    p = subparsers.add_parser("logs", help="print a job's output file")
-    p.add_argument("jobid")
+    p = subparsers.add_parser("logs", help="print a job's or a run's output")
+    p.add_argument("target", metavar="JOBID|RUN", help="a job id, or a run name or directory")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
-    p.add_argument("--runs", default="runs")
+    p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
     p.set_defaults(func=cmd_logs)
 
     p = subparsers.add_parser("cancel", help="cancel a job, or send its training processes a signal")

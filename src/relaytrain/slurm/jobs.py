@@ -270,13 +270,16 @@ def log_path(job: Job, runs_root: Path = Path("runs")) -> Path | None:
     if job.stdout and Path(job.stdout).is_file():
         return Path(job.stdout)
     entry = find_entry(job.job_id, runs_root)
-    if entry and entry.get("log"):
-        pattern = str(entry["log"])
-        array_id, _, task = job.job_id.partition("_")
-        path = Path(pattern.replace("%A", array_id).replace("%a", task).replace("%j", job.job_id))
-        if path.is_file():
-            return path
-    return None
+    path = entry_log(entry, job.job_id) if entry else None
+    return path if path is not None and path.is_file() else None
+
+
+def entry_log(entry: dict, job_id: str) -> Path | None:
+    """The output file a jobs.jsonl entry's `log` pattern names for `job_id` (`123`, `123_4`)."""
+    if not entry.get("log"):
+        return None
+    array_id, _, task = job_id.partition("_")
+    return Path(str(entry["log"]).replace("%A", array_id).replace("%a", task).replace("%j", job_id))
 
 
 def is_active(job_id: str) -> bool:

@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relaytrain.checkpoint.choose import check_resume
 from relaytrain.config import Config, ResilienceConfig, SlurmConfig, config_to_toml, load_config
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
+from relaytrain.resilience.run_kind import PROGRAM, TRAIN, RunKind, claim_kind, refuse_other_kind
 from relaytrain.slurm.container import check_container
 from relaytrain.slurm.grid import parse_grid, render_command
+from relaytrain.slurm.launch_checks import check_request
 from relaytrain.slurm.plan import Plan, plans_for
 from relaytrain.slurm.profile import explicit_config_keys, resolve_slurm
 from relaytrain.slurm.run_owner import refuse_busy_run_dir
@@ -78,7 +81,8 @@ def _resolved_slurm(
     (relaytrain.slurm.resources); never for --jobid, whose allocation is already made."""
     explicit = explicit_config_keys(req.config, overrides)
     choose = None if req.jobid else notes
-    return dataclasses.asdict(resolve_slurm(written.slurm, explicit, req.slurm, req.profile, choose))
+    resolved = resolve_slurm(written.slurm, explicit, req.slurm, req.profile, choose, req.command)
+    return dataclasses.asdict(resolved)
 
 
 def load_for_job(
@@ -206,18 +210,19 @@ def launch(req: LaunchRequest, out: Printer = print) -> int:
 
 def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | None]:
     """Like `launch`, and also returns the submitted job id (None for dry runs and attach)."""
-    if req.command is None and req.config is None:
-        raise UserError("relaytrain launch needs a CONFIG, or --command 'CMD' (with --name)")
-    if req.after:
-        check_after(req.after)
+    check_request(req, "launch")
     notes: list[str] = []
     cfg, send_signal = load_for_job(req, notes=notes)
     refuse_busy_run_dir(rundir_of(cfg).root, req.after, req.jobid)  # before its files are rewritten
+    kind = RunKind(PROGRAM, req.command) if req.command else RunKind(TRAIN)
+    refuse_other_kind(rundir_of(cfg).root, kind)
+    check_resume(cfg)
     notes += check_container(cfg, rundir_of(cfg).root, Path.cwd())
     for line in notes:
         out(line)
     if req.command is None:
         check_plan(cfg, req.force, out)
+    claim_kind(rundir_of(cfg).root, kind)
     rundir, config_file = write_run_files(cfg)
     spec = build_spec(cfg, req, config_file)
     spec.send_signal = send_signal
@@ -259,13 +264,10 @@ def _values(point: dict[str, str]) -> str:
 
 def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> int:
     """One job array over the grid: a config (and, with --command, a command) per point."""
-    if req.config is None and req.command is None:
-        raise UserError("relaytrain sweep needs a CONFIG, or --command 'CMD {key}' (with --name)")
     if req.jobid:
         raise UserError("relaytrain sweep submits a job array; --jobid does not apply")
+    check_request(req, "sweep")
     grid = parse_grid(grid_items, req.command)
-    if req.after:
-        check_after(req.after)
     if req.max_concurrent is not None and req.max_concurrent < 1:
         raise UserError(
             f"--max-concurrent {req.max_concurrent}: pass the most array tasks to run at once (>= 1)"
@@ -289,6 +291,8 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
         out(line)
     for point, cfg, command in points:
         refuse_busy_run_dir(rundir_of(cfg).root, req.after)
+        refuse_other_kind(rundir_of(cfg).root, RunKind(PROGRAM, command) if command else RunKind(TRAIN))
+        check_resume(cfg)
         out(f"point {cfg.run.name}: {_values(point)}" + (f": {command}" if command else ""))
         if req.command is None:
             check_plan(cfg, req.force, out)
@@ -299,6 +303,7 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
     table = ["index\trun_name\t" + ("values\tcommand" if req.command is not None else "overrides")]
     rows = []
     for index, (point, cfg, command) in enumerate(points):
+        claim_kind(rundir_of(cfg).root, RunKind(PROGRAM, command) if command else RunKind(TRAIN))
         point_dir, config_file = write_run_files(cfg)
         array.append(SweepPoint(config_file=str(config_file), run_dir=str(point_dir.root), command=command))
         table.append("\t".join([str(index), cfg.run.name, _values(point)] + ([command] if command else [])))

@@ -22,6 +22,7 @@ from typing import Any
 
 from relaytrain.config import SlurmConfig, config_from_dict, parse_override
 from relaytrain.errors import UserError
+from relaytrain.slurm.command_gpus import choose_command_gpus
 from relaytrain.slurm.partition import DEFAULT_GPUS_PER_NODE, mem_bytes, partition_facts
 from relaytrain.slurm.resources import choose_resources
 
@@ -98,11 +99,13 @@ def resolve_slurm(
     cli: dict[str, Any],
     profile: str | None = None,
     notes: list[str] | None = None,
+    command: str | None = None,
 ) -> SlurmConfig:
     """Merge defaults < profile < config (`explicit` keys of `config_slurm`) < CLI (non-None values).
 
     With `notes` (a list), CPUs, memory and exclusivity nobody set are chosen (relaytrain.slurm.resources)
-    and the line saying what was chosen is appended to it; without, they stay as given.
+    and the line saying what was chosen is appended to it; without, they stay as given. With `command`
+    (a --command job) the GPUs per node are those its processes use (relaytrain.slurm.command_gpus).
     """
     resolved = SlurmConfig()
     given = set(explicit) | {key for key, value in cli.items() if value is not None}
@@ -123,6 +126,11 @@ def resolve_slurm(
     if resolved.gpus_per_node < 0:
         facts = partition_facts(resolved.partition)
         resolved.gpus_per_node = facts.gpus_per_node if facts else DEFAULT_GPUS_PER_NODE
+    if command is not None:
+        user_set = "gpus_per_node" in explicit or cli.get("gpus_per_node") is not None
+        lines = choose_command_gpus(resolved, command, user_set)
+        if notes is not None:
+            notes.extend(lines)
     _check(resolved)
     if notes is not None:
         notes.extend(choose_resources(resolved, given))

@@ -6,15 +6,18 @@ a laptop, under torchrun or in a Slurm job. The jobs of a launched run are added
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 from relaytrain.checkpoint.files import read_latest
+from relaytrain.errors import UserError
 from relaytrain.job import RunDir
 from relaytrain.resilience.crash import RESTARTED, CrashLog
 from relaytrain.resilience.run_state import RUN_STATE_FILE, RunStateFile
-from relaytrain.slurm.jobs import last_step
+from relaytrain.slurm.jobs import entry_log, last_step
+from relaytrain.slurm.submit import read_jobs
 
 # run_state.json keys shown in their own rows, or not worth a row.
 _SHOWN = {"status", "reason", "step", "time", "unix_time", "host", "job_id", "restart_count", "message"}
@@ -34,6 +37,41 @@ def find_run(target: str, runs_root: Path) -> Path | None:
     return next((path for path in candidates if is_run_dir(path)), None)
 
 
+def damaged_state(run_dir: Path) -> str:
+    """Why the run's run_state.json cannot be read ("" when it is fine or not there yet)."""
+    path = RunDir(run_dir).run_state
+    if not path.exists() or RunStateFile(run_dir).read() is not None:
+        return ""
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+        why = "not a JSON object"
+    except (OSError, ValueError) as exc:
+        why = str(exc)
+    return (
+        f"{path} is damaged ({why}); the run's state is unknown (its checkpoints are not affected: the "
+        "next start rewrites the file)"
+    )
+
+
+def run_log(run_dir: Path) -> tuple[Path, str]:
+    """The run's log and the Slurm job that writes it: the output of its newest recorded job, else
+    rank 0's log (a run without Slurm; job ""). A UserError when it has neither yet."""
+    run = RunDir(run_dir)
+    for entry in reversed(read_jobs(run.jobs)):
+        job_id = str(entry.get("job_id", ""))
+        if entry.get("kind") == "sweep":  # the array's own directory: its first task's output
+            job_id += "_0"
+        path = entry_log(entry, job_id)
+        if path is not None and path.is_file():
+            return path, job_id
+    if run.rank_log(0).is_file():
+        return run.rank_log(0), ""
+    raise UserError(
+        f"run {run_dir} has no log yet: no job output under {run.slurm} and no {run.rank_log(0)} (a "
+        "program writes its own output)"
+    )
+
+
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else repr(value)
 
@@ -44,8 +82,11 @@ def run_rows(run_dir: Path) -> list[tuple[str, str]]:
     checkpoint check)."""
     state = RunStateFile(run_dir).read()
     rows = [("run dir", str(run_dir))]
-    if state is None:
-        rows.append(("state", f"unknown: no readable {RUN_STATE_FILE} (the run has not started yet)"))
+    damaged = damaged_state(run_dir)
+    if damaged:
+        rows.append(("state", f"damaged: {damaged}"))
+    elif state is None:
+        rows.append(("state", f"unknown: no {RUN_STATE_FILE} yet (the run has not started yet)"))
     else:
         status, reason = str(state.get("status", "?")), str(state.get("reason", ""))
         rows.append(("state", f"{status} ({reason})" if reason else status))

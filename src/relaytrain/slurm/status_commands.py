@@ -1,0 +1,139 @@
+"""CLI: `relaytrain status` and `relaytrain logs`, for a job id or a run (a name under --runs, or a path).
+
+A run's own files answer with or without Slurm (relaytrain.slurm.run_view); its jobs are added where
+Slurm can be asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from relaytrain.errors import UserError
+from relaytrain.job import RunDir
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=False, width=150 if not sys.stdout.isatty() else None)
+
+
+def _job_table(jobs) -> Table:
+    table = Table(show_header=True)
+    columns = ("job", "name", "state", "restarts", "elapsed", "limit", "nodes", "reason/exit", "last step")
+    for column in (*columns, "run dir"):
+        table.add_column(column, overflow="fold")
+    for job in jobs:
+        table.add_row(
+            job.job_id,
+            job.name,
+            job.state,
+            str(job.restarts),
+            job.elapsed,
+            job.time_limit,
+            f"{job.nodes} (nodes per run: {job.nodes_per_run})" if job.nodes_per_run else job.nodes,
+            job.reason or job.exit_code,
+            "" if job.last_step is None else str(job.last_step),
+            job.run_dir,
+        )
+    return table
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from relaytrain.slurm import jobs
+
+    console = _console()
+    runs = Path(args.runs)
+    if not args.target:
+        found = jobs.list_queue(user_only=not args.all)  # a UserError when Slurm cannot be asked
+        for job in found:
+            run_dir = jobs.find_run_dir(job, runs)
+            if run_dir is not None:
+                job.run_dir, job.last_step = str(run_dir), jobs.last_step(run_dir)
+        console.print(_job_table(found) if found else "no pending or running jobs")
+        return 0
+    from relaytrain.slurm.client import SlurmUnavailable
+    from relaytrain.slurm.run_view import damaged_state, find_run, run_rows
+
+    run_dir = find_run(args.target, runs)
+    if run_dir is None:
+        try:
+            found = jobs.describe(args.target, runs)
+        except SlurmUnavailable as exc:
+            raise UserError(f"no run {args.target!r} under {args.runs}/ or at that path, and {exc}") from None
+        if not found:
+            raise UserError(
+                f"no job or run {args.target!r} found (squeue, scontrol, sacct and "
+                f"{RunDir(Path(args.runs) / '*').jobs} know nothing of it)"
+            )
+        console.print(_job_table(found))
+        return 0
+    facts = Table(title=f"run {run_dir.name}", show_header=False)
+    facts.add_column("what")
+    facts.add_column("value", overflow="fold")
+    for name, value in run_rows(run_dir):
+        facts.add_row(name, value)
+    console.print(facts)
+    run = RunDir(run_dir)
+    if run.slurm.is_dir():
+        from relaytrain.slurm.submit import read_jobs, submission_line
+
+        if not read_jobs(run.jobs):  # written by a dry run (or a launch refused before sbatch)
+            again = f"; submit with: {submission_line(run.job_script)}" if run.job_script.is_file() else ""
+            console.print(f"its Slurm jobs: none submitted (no job recorded in {run.jobs}){again}")
+        else:
+            try:
+                console.print(_job_table(jobs.describe_run(run_dir)))
+            except SlurmUnavailable as exc:  # the run's own files above still answer
+                console.print(f"its Slurm jobs: unknown ({exc})")
+    if damaged := damaged_state(run_dir):
+        print(f"relaytrain: error: {damaged}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from relaytrain.resilience.run_lock import RunLock
+    from relaytrain.slurm import jobs
+    from relaytrain.slurm.run_view import JOB_ID, find_run, run_log
+
+    run_dir = find_run(args.target, Path(args.runs))
+    if run_dir is not None:
+        path, job_id = run_log(run_dir)  # a UserError when the run has no log yet
+        print(f"==> {path} <==", file=sys.stderr, flush=True)
+        if job_id:
+            return _print_log(path, args.follow, lambda: jobs.is_active(job_id))
+        return _print_log(path, args.follow, lambda: RunLock(run_dir).current_holder()[1])
+    if not JOB_ID.fullmatch(args.target):
+        raise UserError(f"no run {args.target!r} under {args.runs}/ or at that path, and not a job id")
+    records = jobs.query_job(args.target) or [jobs.Job(job_id=args.target)]
+    path = jobs.log_path(records[0], Path(args.runs))
+    if path is None:
+        raise UserError(f"no output file found for job {args.target}; is it still pending?")
+    return _print_log(path, args.follow, lambda: jobs.is_active(args.target))
+
+
+def _print_log(path: Path, follow: bool, running: Callable[[], bool]) -> int:
+    """Print the file; with `follow`, keep printing what is appended while `running()` says so."""
+    with open(path, errors="replace") as f:
+        sys.stdout.write(f.read())
+        sys.stdout.flush()
+        if not follow:
+            return 0
+        idle_checks = 0
+        while True:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+                continue
+            idle_checks += 1
+            if (idle_checks == 1 or idle_checks % 5 == 0) and not running():
+                sys.stdout.write(f.read())
+                return 0
+            time.sleep(1.0)

@@ -1,0 +1,88 @@
+"""Every README/docs line that runs relaytrain under torchrun starts it as `python -m relaytrain.job.torchrun`
+(plain torchrun turns an agreed stop into a `SignalException` traceback and exit 1), and runs as written:
+the README's one-node line, stopped by SIGTERM, saves and ends in one line with exit 128 + 15;
+docs/parallelism.md's lines train (two steps here: `--train.max_steps=2` and a run directory appended).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+
+import pytest
+
+from test_job_torchrun import clean_env
+from test_readme import README, bash_blocks, block
+from tiny_config import TINY_TOML
+
+from conftest import REPO
+
+WRAPPER = "python -m relaytrain.job.torchrun "
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
+
+
+def command_lines(path) -> list[str]:
+    """Each command of the file's bash blocks, continuation lines joined."""
+    out = []
+    for _, lines in bash_blocks(path):
+        joined = ""
+        for line in lines:
+            joined += line.rstrip("\\").rstrip() + " " if line.endswith("\\") else line
+            if not line.endswith("\\"):
+                out.append(joined.strip())
+                joined = ""
+    return out
+
+
+def under_torchrun(path) -> list[str]:
+    return [line for line in command_lines(path) if "relaytrain.cli" in line and "torch" in line]
+
+
+def test_every_doc_line_that_runs_relaytrain_under_torchrun_uses_the_wrapper():
+    found = {path.name: under_torchrun(path) for path in DOCS}
+    assert found["README.md"] and len(found["parallelism.md"]) == 3, found
+    for name, lines in found.items():
+        for line in lines:
+            assert line.startswith(WRAPPER), f"{name}: {line}"
+
+
+@pytest.mark.slow
+def test_the_readme_one_node_line_stops_cleanly_on_sigterm(tmp_path):
+    (line,) = [line for line in block(README, "Usage") if "relaytrain.cli" in line]
+    command = line.split("#")[0].strip()
+    config = tmp_path / shlex.split(command)[-1]  # configs/1b.toml, here a tiny model that trains on
+    config.parent.mkdir(parents=True)
+    config.write_text(
+        '[run]\nname = "one-node"\n' + TINY_TOML + "max_steps = 100000\n\n[metrics]\nlog_every = 1\n"
+    )
+    run, metrics = tmp_path / "runs" / "one-node", tmp_path / "runs" / "one-node" / "metrics.jsonl"
+    proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=tmp_path, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 240
+    while '"kind": "train"' not in (metrics.read_text() if metrics.exists() else ""):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no training step within 240 s"
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGTERM)  # as a preemption or `scancel` sends it
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert "relaytrain.job.torchrun: stopped by signal 15 (SIGTERM)" in err
+    state = json.loads((run / "run_state.json").read_text())
+    assert state["status"] == "stopped" and state["saved"] is True, state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line", under_torchrun(REPO / "docs" / "parallelism.md"))
+def test_the_parallelism_lines_train(line, tmp_path):
+    command = line.split("#")[0].strip() + f" --train.max_steps=2 --run.dir={tmp_path / 'runs'}"
+    env = clean_env()
+    done = subprocess.run(
+        ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "runs" / "debug" / "run_state.json").read_text())["status"] == "finished"
