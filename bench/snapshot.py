@@ -17,7 +17,8 @@ written to /dev/shm and read back, replicated to a peer node and restored from e
    (bench/snapshot_nodes.py, launched with `relaytrain launch --command` under the cluster's lock):
    the exchange of the two ranks' snapshots over the gloo group (replication throughput), and the
    restore of that state from local memory, from the peer node and from the DCP checkpoint on disk,
-   each through relaytrain's own restore path, checked bit-exact.
+   each through relaytrain's own restore path, checked bit-exact: the parameters, AdamW's moments and
+   step counters, and the training step.
 Prints a Markdown table for docs/benchmarks.md and keeps the figures in bench/results/snapshot-<UTC date
 and time>.json (bench/kept.py; the goodput extrapolation reads its inputs from these files).
 """
@@ -158,7 +159,7 @@ def nodes_rows(r: dict) -> list[str]:
     }
     for restore in r["restores"]:
         notes = [f"step {restore['step']} from the {restore['source']}"]
-        notes.append("bit-exact" if restore["bit_exact"] else "NOT bit-exact")
+        notes.append("bit-exact" if restore["bit_exact"] else f"NOT bit-exact{_differs(restore)}")
         if restore["tier"] == "dcp":
             notes.append(f"page cache {'dropped' if restore['page_cache_dropped'] else 'not dropped'}")
             notes.append(f"{restore['snapshot_lookup_s']:.3f} s of it finding no snapshot")
@@ -200,6 +201,13 @@ def keep(name: str, command: str, parts: dict[str, dict]) -> Path:
             "load": f"{info['load_start']} -> {[round(x, 2) for x in os.getloadavg()]}",
             "parts": parts, "figures": figures}  # fmt: skip
     return kept.save(name, data)
+
+
+def _differs(restore: dict) -> str:
+    """What a restore that is not bit-exact got wrong: the model, the optimizer state, the step."""
+    wrong = [what for key, what in (("model_exact", "model"), ("optim_exact", "AdamW state"))
+             if not restore.get(key, True)]  # fmt: skip
+    return f": {' and '.join(wrong)} differ{'s' if len(wrong) == 1 else ''}" if wrong else ""
 
 
 def step_rows(what: str, r: dict[str, float]) -> list[str]:

@@ -13,8 +13,13 @@ hold) and, through relaytrain's own code paths only:
    usable snapshot, as the trainer does): with both nodes' folders intact (local memory), after rank 1's
    node folder is deleted (rank 1's file comes from its replica on node 0), and after both are deleted
    (the DCP checkpoint of step 1; the page cache is dropped first when this process may). Before each
-   one the parameters are zeroed; after it a checksum of every rank's model state is compared with the
-   state that was saved.
+   one the parameters, AdamW's moments and its step counters are zeroed; after it a checksum of each of
+   them on every rank is compared with the state that was saved (`model_exact`, `optim_exact`;
+   `bit_exact`: both, and the training step restored is the one saved).
+
+The moments hold distinct values (not those of a fresh optimizer), and the snapshot's differ from the
+checkpoint's, so a restore that leaves the optimizer out, or takes it from the wrong tier, is seen.
+`--tiers local,dcp` runs in one process (no peer): the comparison's own test.
 
 Rank 0 writes the timings as JSON to --out.
 """
@@ -40,12 +45,36 @@ from relaytrain.monitor.logs import setup_logging
 from relaytrain.parallel.distributed import init_distributed, shutdown_distributed
 from relaytrain.trainer import Trainer, prepare_run_dir
 
+TIERS = ("local", "peer", "dcp")
 
-def fingerprint(parts) -> str:
+
+def _checksum(tensors) -> str:
     checksum = Checksum()
-    for tensor in model_state(parts).values():
-        checksum.update(_local(tensor).contiguous().reshape(-1).view(torch.uint8).numpy())
+    for tensor in tensors:
+        checksum.update(_local(tensor).detach().contiguous().reshape(-1).view(torch.uint8).numpy())
     return checksum.text()
+
+
+def optimizer_tensors(optimizers) -> list[torch.Tensor]:
+    """AdamW's state in a fixed order: each parameter's moments and step counter."""
+    return [opt.state[p][key] for opt in optimizers for group in opt.param_groups for p in group["params"]
+            if p in opt.state for key in sorted(opt.state[p])]  # fmt: skip
+
+
+def fingerprint(trainer: Trainer) -> dict[str, str]:
+    """Checksums of this rank's model state and optimizer state."""
+    return {"model": _checksum(model_state(trainer.model.model_parts).values()),
+            "optim": _checksum(optimizer_tensors(trainer.optimizers))}  # fmt: skip
+
+
+def change_state(trainer: Trainer, how) -> None:
+    """Apply ``how(tensor)`` in place to every parameter and every optimizer state tensor."""
+    with torch.no_grad():
+        for part in trainer.model.model_parts:
+            for param in part.parameters():
+                how(_local(param))
+        for tensor in optimizer_tensors(trainer.optimizers):
+            how(_local(tensor))
 
 
 def drop_page_cache() -> bool:
@@ -58,22 +87,26 @@ def drop_page_cache() -> bool:
         return False
 
 
+def barrier() -> None:
+    if dist.is_initialized():  # one process has no group
+        dist.barrier()
+
+
 def gathered(value) -> list:
+    if not dist.is_initialized():
+        return [value]
     box = [None] * dist.get_world_size()
     dist.all_gather_object(box, value)
     return box
 
 
-def restore(trainer: Trainer, tier: str, expected: str, rank: int) -> dict:
+def restore(trainer: Trainer, tier: str, expected: dict[str, str], expected_step: int, rank: int) -> dict:
     snapshots, checkpoint = trainer.snapshots, trainer.checkpoint
     if (tier == "peer" and rank == 1) or tier == "dcp":
         shutil.rmtree(snapshots.node_dir, ignore_errors=True)  # the node lost its memory
-    with torch.no_grad():
-        for part in trainer.model.model_parts:
-            for param in part.parameters():
-                _local(param).zero_()
+    change_state(trainer, torch.Tensor.zero_)
     dropped = drop_page_cache() if tier == "dcp" and rank == 0 else False
-    dist.barrier()
+    barrier()
     started = time.perf_counter()
     step = snapshots.restore()
     snapshot_s = time.perf_counter() - started
@@ -81,17 +114,25 @@ def restore(trainer: Trainer, tier: str, expected: str, rank: int) -> dict:
     if step is None:
         step, source = checkpoint.load(), "checkpoint"
     seconds = time.perf_counter() - started
-    dist.barrier()
+    barrier()
     total = time.perf_counter() - started  # the slowest rank's
-    exact = all(gathered(fingerprint(trainer.model.model_parts) == expected))
+    found = fingerprint(trainer)
+    model_exact = all(gathered(found["model"] == expected["model"]))
+    optim_exact = all(gathered(found["optim"] == expected["optim"]))
+    exact = model_exact and optim_exact and step == expected_step
     return {"tier": tier, "step": step, "source": source, "restore_s": total, "rank_s": gathered(seconds),
-            "snapshot_lookup_s": snapshot_s, "bit_exact": exact, "page_cache_dropped": dropped}  # fmt: skip
+            "snapshot_lookup_s": snapshot_s, "bit_exact": exact, "model_exact": model_exact,
+            "optim_exact": optim_exact, "page_cache_dropped": dropped}  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the JSON file rank 0 writes")
+    parser.add_argument("--tiers", default=",".join(TIERS), help="the restores to time, in this order")
     args = parser.parse_args()
+    tiers = args.tiers.split(",")
+    if unknown := set(tiers) - set(TIERS):
+        parser.error(f"--tiers: unknown {', '.join(sorted(unknown))}; choose from {','.join(TIERS)}")
     cfg = load_config(os.environ["RELAYTRAIN_CONFIG"])
     env = init_distributed(cfg)
     run_dir = prepare_run_dir(cfg, env.is_main)
@@ -101,24 +142,26 @@ def main() -> int:
     trainer = Trainer(cfg, env)
     try:
         create_adam_state(trainer.optimizers)  # the moments a first step would create: a full state
+        generator = torch.Generator().manual_seed(env.rank)  # moments: this rank's shards
+        change_state(trainer, lambda t: t.copy_(torch.rand(t.shape, generator=generator).to(t.dtype)))
+        for tensor in optimizer_tensors(trainer.optimizers):
+            if tensor.dim() == 0:  # a step counter: the same on every rank, as training keeps it
+                tensor.fill_(7)
         checkpoint, snapshots = trainer.checkpoint, trainer.snapshots
         trainer.state.step = 1
         started = time.perf_counter()
         checkpoint.save(1)
         checkpoint.wait()
-        dist.barrier()
+        barrier()
         dcp_save_s = time.perf_counter() - started
-        at_checkpoint = fingerprint(trainer.model.model_parts)
-        with torch.no_grad():
-            for part in trainer.model.model_parts:
-                for param in part.parameters():
-                    _local(param).add_(1.0)
+        at_checkpoint = fingerprint(trainer)
+        change_state(trainer, lambda t: t.add_(1))
         trainer.state.step = 2
-        at_snapshot = fingerprint(trainer.model.model_parts)
+        at_snapshot = fingerprint(trainer)
         snapshots.take(2)
         blocking = snapshots.last
         written = gathered(snapshots.wait())
-        dist.barrier()
+        barrier()
         results = {
             "nodes": gathered(env.node),
             "params": sum(_local(p).numel() for part in trainer.model.model_parts for p in part.parameters()),
@@ -128,9 +171,9 @@ def main() -> int:
             "dcp_save_s": dcp_save_s,
             "restores": [],
         }
-        for tier in ("local", "peer", "dcp"):
-            expected = at_checkpoint if tier == "dcp" else at_snapshot
-            results["restores"].append(restore(trainer, tier, expected, env.rank))
+        for tier in tiers:
+            expected, step = (at_checkpoint, 1) if tier == "dcp" else (at_snapshot, 2)
+            results["restores"].append(restore(trainer, tier, expected, step, env.rank))
             if env.is_main:
                 log.info("bench: restore from %s: %s", tier, results["restores"][-1])
         if env.is_main:

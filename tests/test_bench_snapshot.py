@@ -1,14 +1,21 @@
 """bench/snapshot.py's two-node part: its table from a results file (the measurement itself needs the
-local Slurm cluster and minutes; docs/benchmarks.md, "In-memory snapshots", has its figures)."""
+local Slurm cluster and minutes; docs/benchmarks.md, "In-memory snapshots", has its figures), and its
+restore check (bench/snapshot_nodes.py) run in one process."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
 import sys
 
 import pytest
 
+from tiny_config import TINY_TOML
+
+from bench import snapshot_nodes as nodes
 from bench.report import REPO
+from conftest import child_env
 
 spec = importlib.util.spec_from_file_location("bench_snapshot", REPO / "bench" / "snapshot.py")
 snapshot = importlib.util.module_from_spec(spec)
@@ -21,7 +28,8 @@ RESULTS = {
                 {"replicate_s": 4.5, "replicated_bytes": 1.19e9, "write_s": 4.1}],
     "restores": [
         {"tier": "local", "step": 2, "source": "snapshot", "restore_s": 1.0, "bit_exact": True},
-        {"tier": "peer", "step": 2, "source": "snapshot", "restore_s": 1.5, "bit_exact": False},
+        {"tier": "peer", "step": 2, "source": "snapshot", "restore_s": 1.5, "bit_exact": False,
+         "model_exact": True, "optim_exact": False},
         {"tier": "dcp", "step": 1, "source": "checkpoint", "restore_s": 1.8, "bit_exact": True,
          "page_cache_dropped": False, "snapshot_lookup_s": 0.01},
     ],
@@ -36,7 +44,7 @@ def test_the_two_node_rows_take_the_slowest_rank_and_say_where_each_restore_came
     assert "| 4.500 s, 264 MB/s per direction |" in rows[1] and rows[2].endswith("| 4.300 s |")
     local, peer, dcp = rows[3:6]
     assert "from local memory" in local and "(step 2 from the snapshot, bit-exact)" in local
-    assert "from the peer node" in peer and "NOT bit-exact" in peer
+    assert "from the peer node" in peer and "NOT bit-exact: AdamW state differs" in peer
     assert "step 1 from the checkpoint" in dcp and "page cache not dropped" in dcp
     assert rows[6].endswith("| 4.200 s |")
 
@@ -85,3 +93,45 @@ def test_a_run_keeps_its_figures_and_the_extrapolation_reads_them_back(tmp_path,
     snapshot.keep("snapshot-b.json", "python bench/snapshot.py", {"state": state, "nodes": RESULTS})
     with pytest.raises(ValueError, match="record no figure 'restore_peer_s'"):
         snapshot_run("snapshot-b.json")
+
+
+def run_nodes_bench(tmp_path):
+    """bench/snapshot_nodes.py in one process (tiers local and dcp: no peer): its results."""
+    config = tmp_path / "nodes.toml"
+    config.write_text(
+        TINY_TOML + "max_steps = 10\neval_every = 0\n\n"
+        f'[run]\nname = "nodes"\ndir = "{tmp_path / "runs"}"\n\n'
+        f'[checkpoint]\nsnapshot_every = 1\nsnapshot_dir = "{tmp_path / "shm"}"\n'
+        'mode = "sync"\ninterval = 100\n\n'
+        "[metrics]\ntensorboard = false\n"
+    )
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+         "-m", "bench.snapshot_nodes", "--out", str(out), "--tiers", "local,dcp"],
+        cwd=REPO, env=child_env(RELAYTRAIN_CONFIG=str(config)), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_the_restore_check_compares_the_model_and_the_adamw_state(tmp_path):
+    """Each restore is compared on the parameters, AdamW's moments and step counters, and the step: a
+    restore that left the optimizer out would read `optim_exact: false` and not bit-exact."""
+    local, dcp = run_nodes_bench(tmp_path)["restores"]
+    assert (local["tier"], local["source"], local["step"]) == ("local", "snapshot", 2)
+    assert (dcp["tier"], dcp["source"], dcp["step"]) == ("dcp", "checkpoint", 1)
+    for restore in (local, dcp):
+        assert restore["model_exact"] and restore["optim_exact"] and restore["bit_exact"], restore
+
+
+def test_the_optimizer_tensors_are_every_moment_and_step_counter():
+    import torch
+
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    opt = torch.optim.AdamW(params)
+    assert nodes.optimizer_tensors([opt]) == []
+    sum(p.sum() for p in params).backward()
+    opt.step()
+    tensors = nodes.optimizer_tensors([opt])
+    assert [t.shape for t in tensors] == [(3,), (3,), (), (2,), (2,), ()]  # exp_avg, exp_avg_sq, step

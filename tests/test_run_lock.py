@@ -1,12 +1,12 @@
-"""One writer per run directory: run.lock (take, refuse a live holder, take over a dead one), two
-`relaytrain train` at once, a refusal on every rank, the crash check after a refused step, and
+"""One writer per run directory: run.lock (take, refuse a live holder, take over a dead one; racing
+starts are in test_run_lock_race.py), two `relaytrain train` at once, a refusal on every rank, the
+crash check after a refused step, and
 `relaytrain launch` refusing a run directory whose job is still queued (fake and real Slurm)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import signal
 import socket
@@ -127,38 +127,6 @@ def test_a_holder_elsewhere_that_slurm_cannot_vouch_for_counts_as_alive(tmp_path
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no squeue here
     with pytest.raises(UserError, match="Slurm cannot be asked"):
         RunLock(run_dir).acquire("relaytrain train")
-
-
-def _race(run_dir: str, go, done, results) -> None:
-    go.wait()
-    try:
-        lock = RunLock(run_dir).acquire("relaytrain train")
-        results.put(("won", os.getpid()))
-        done.wait()  # hold until every racer has answered
-        lock.release()
-    except UserError as exc:
-        results.put(("refused", str(exc)))
-
-
-@pytest.mark.parametrize("stale", [False, True])
-def test_racing_starts_exactly_one_wins(tmp_path, no_job, stale):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    if stale:
-        write_lock(run_dir, pid=2**22 + 7, pid_start="x:1")  # above pid_max: never a live process
-    ctx = multiprocessing.get_context("fork")
-    go, done, results = ctx.Event(), ctx.Event(), ctx.Queue()
-    racers = [ctx.Process(target=_race, args=(str(run_dir), go, done, results)) for _ in range(6)]
-    for racer in racers:
-        racer.start()
-    go.set()
-    outcomes = [results.get(timeout=60) for _ in racers]
-    done.set()
-    for racer in racers:
-        racer.join(timeout=60)
-    winners = [pid for kind, pid in outcomes if kind == "won"]
-    assert len(winners) == 1, outcomes
-    assert all(f"(pid {winners[0]} " in text for kind, text in outcomes if kind == "refused"), outcomes
 
 
 def test_release_leaves_a_lock_another_start_took_over(tmp_path, no_job):

@@ -48,6 +48,59 @@ def register(subparsers) -> None:
         help="tokens per shard file (default %(default)s)",
     )
     p.set_defaults(func=run_prepare_data)
+    register_train_tokenizer(subparsers)
+
+
+def register_train_tokenizer(subparsers) -> None:
+    from relaytrain.data.bpe import DEFAULT_EOS
+
+    p = subparsers.add_parser(
+        "train-tokenizer",
+        help="train a byte-level BPE tokenizer.json on local text (for prepare-data --tokenizer)",
+        description=(
+            "Train a byte-level BPE with the tokenizers library on the same inputs prepare-data reads, "
+            "and write a tokenizer.json whose end-of-text token separates documents when data is prepared."
+        ),
+    )
+    p.add_argument(
+        "inputs", nargs="+", metavar="INPUT", help="as for prepare-data: files, directories of them"
+    )
+    p.add_argument("--out", required=True, help="the tokenizer.json to write (or a directory to hold it)")
+    p.add_argument(
+        "--vocab-size", type=int, required=True, help="entries, with the 256 bytes and special tokens"
+    )
+    p.add_argument("--text-key", default="text", help="JSON field / column holding the text")
+    p.add_argument("--eos-token", default=DEFAULT_EOS, help="the end-of-text token (default %(default)s)")
+    p.add_argument("--bos-token", default=None, help="a begin-of-text token (default: none; BOS is then EOS)")
+    p.add_argument(
+        "--special-token",
+        action="append",
+        default=[],
+        metavar="TOKEN",
+        help="a further special token (repeatable)",
+    )
+    p.add_argument("--min-frequency", type=int, default=2, help="pairs seen fewer times are not merged")
+    p.set_defaults(func=run_train_tokenizer)
+
+
+def run_train_tokenizer(args: argparse.Namespace) -> int:
+    from relaytrain.data.bpe import train_tokenizer
+    from relaytrain.data.tokenizer import build_tokenizer
+
+    path = train_tokenizer(
+        args.inputs,
+        args.out,
+        args.vocab_size,
+        text_key=args.text_key,
+        eos_token=args.eos_token,
+        bos_token=args.bos_token,
+        special_tokens=args.special_token,
+        min_frequency=args.min_frequency,
+    )
+    tok = build_tokenizer(str(path))
+    print(f"trained {path}: vocab {tok.vocab_size}, end-of-text {args.eos_token} (id {tok.eos_id})")
+    print(f"prepare data with: relaytrain prepare-data {' '.join(args.inputs)} --tokenizer {path} --out DIR")
+    return 0
 
 
 def run_prepare_data(args: argparse.Namespace) -> int:
