@@ -2,6 +2,11 @@
 a run stopped by a signal mid-training saves, and the next run resumes to exactly the losses of an
 uninterrupted run. Skipped where the `deepspeed` / `megatron` extra is not installed.
 
+DeepSpeed: a 50-step run stopped at about step 11 and step 27 (20 or more steps after the last
+resume), and the last checkpoint's optimizer state (each rank's fp32 master weights, Adam moments,
+step counts) compared bit for bit: without examples/deepspeed_zero3.py's resume_cpu_adam the losses
+differed from step 42 on, and a single stop at step 11 kept the losses but not the master weights.
+
 The DeepSpeed runs use the example's default config (examples/deepspeed/zero3_offload.json: ZeRO-3,
 optimizer and parameters offloaded to CPU, bf16, DeepSpeedCPUAdam). DeepSpeed builds that optimizer's
 C++ op on its first use on a machine (minutes; cached in ~/.cache/torch_extensions), so .ci/run builds
