@@ -13,7 +13,7 @@ sets ``zero_force_ds_cpu_optimizer`` false to allow it), which needs no op build
 
 On an agreed stop every rank saves its ZeRO shards with ``save_checkpoint`` and the job is requeued;
 the next job's ``load_checkpoint`` restores parameters, optimizer, scheduler and step, and
-``resume_cpu_adam`` the one state DeepSpeedCPUAdam keeps outside its state dict. The end of training
+``resume_cpu_adam`` the state DeepSpeedCPUAdam's C++ op keeps outside its state dict. The end of training
 saves a last checkpoint the same way. The model is a tiny ``LlamaForCausalLM`` built from a config and
 each step's batch depends only on the step, so an interrupted run logs exactly the losses of an
 uninterrupted one with the same world size and ends with the same weights and optimizer state.
