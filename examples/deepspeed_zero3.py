@@ -12,9 +12,11 @@ trains with ``torch.optim.AdamW`` instead (examples/deepspeed/zero3_offload_torc
 sets ``zero_force_ds_cpu_optimizer`` false to allow it), which needs no op build.
 
 On an agreed stop every rank saves its ZeRO shards with ``save_checkpoint`` and the job is requeued;
-the next job's ``load_checkpoint`` restores parameters, optimizer, scheduler and step. The model is a
-tiny ``LlamaForCausalLM`` built from a config and each step's batch depends only on the step, so an
-interrupted run logs exactly the losses of an uninterrupted one with the same world size.
+the next job's ``load_checkpoint`` restores parameters, optimizer, scheduler and step, and
+``resume_cpu_adam`` the state DeepSpeedCPUAdam's C++ op keeps outside its state dict. The end of training
+saves a last checkpoint the same way. The model is a tiny ``LlamaForCausalLM`` built from a config and
+each step's batch depends only on the step, so an interrupted run logs exactly the losses of an
+uninterrupted one with the same world size and ends with the same weights and optimizer state.
 """
 
 from relaytrain import program
@@ -51,6 +53,29 @@ def build_model():
     return LlamaForCausalLM(config)
 
 
+def resume_cpu_adam(engine) -> None:
+    """Bring DeepSpeedCPUAdam's C++ op to the step count of the optimizer state just loaded.
+
+    The op keeps beta1**t and beta2**t as float32 products, one multiplication per step, outside the
+    optimizer's state dict. After ``load_checkpoint`` its first step at t > 1 takes ``pow(beta, t)``
+    instead, which differs from the product in the last bits at many steps (for beta2 = 0.999 at every
+    step from 19 to 47): the bias correction changes and the resumed run drifts from the uninterrupted
+    one, in its bf16 losses some steps later. Replaying the op's step counter from 1 to t (on empty
+    tensors: nothing else is updated) rebuilds the same products. Does nothing for other optimizers or
+    before the first step.
+    """
+    basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    op = getattr(basic, "ds_opt_adam", None)
+    steps = max((int(state.get("step", 0)) for state in basic.state.values()), default=0)
+    if op is None or steps == 0:
+        return
+    group, empty = basic.param_groups[0], torch.empty(0)
+    beta1, beta2 = group["betas"]  # one op per optimizer: every group steps it with the same t and betas
+    for t in range(1, steps + 1):
+        op.adam_update(basic.opt_id, t, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                       group["bias_correction"], empty, empty, empty, empty)  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, help="checkpoint and loss log directory")
@@ -85,10 +110,11 @@ def main() -> int:
     if (checkpoints / "latest").exists():
         _, client_state = engine.load_checkpoint(str(checkpoints))
         step = client_state["step"]
+        resume_cpu_adam(engine)
         if rank == 0:
             print(f"resuming at step {step} (restart {program.restart_count()}, "
                   f"previous stop: {program.previous_stop()})", flush=True)  # fmt: skip
-    micro = engine.train_micro_batch_size_per_gpu()
+    start, micro = step, engine.train_micro_batch_size_per_gpu()
     while step < args.steps:
         tokens = batch(step, rank, world, micro).to(engine.device)
         loss = engine(input_ids=tokens, labels=tokens).loss
@@ -110,6 +136,8 @@ def main() -> int:
             if rank == 0:
                 print(f"stopping at step {step}: {program.stop_reason()}", flush=True)
             program.exit_for_requeue(step)  # records the stop, requeues if allowed, exits 75
+    if step > start:  # the trained model (a run started after the end keeps it)
+        engine.save_checkpoint(str(checkpoints), tag=f"step{step}", client_state={"step": step})
     program.finish(step)
     dist.destroy_process_group()
     return 0
