@@ -20,7 +20,7 @@ import torch
 from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord, UnloadableCheckpoints
 from relaytrain.checkpoint.snapshot.manager import SnapshotManager
 from relaytrain.config import Config, config_hash, config_to_toml
-from relaytrain.data import build_train_loader, build_val_loader
+from relaytrain.data import build_train_loader, build_val_loader, to_device
 from relaytrain.errors import UserError
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.model import flops_per_token
@@ -184,9 +184,8 @@ class Trainer:
         fitted = schedule_fit_warning(cfg.optim, cfg.train.max_steps)
         if fitted and self.env.rank == 0:
             log.warning("%s", fitted)
-        # Handlers first: a stop signal during the load is kept for the first step boundary. The load is
-        # inside the error handling, so a failed load marks the run failed instead of leaving the
-        # previous job's `stopped` marker.
+        # Handlers first: a stop signal during the load is kept for the first step. The load is inside the
+        # error handling, so a failed load marks the run failed, not the previous job's `stopped`.
         self.controller.install()
         finished = False
         try:
@@ -238,14 +237,17 @@ class Trainer:
             lr = lr_at(cfg.optim, step, train.max_steps) * state.lr_scale
             set_lr(self.optimizers, lr)
             with self.timer.section("data"):
-                inputs, targets = self.loader.next_batch()
-                inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
+                inputs, targets = (to_device(t, self.env.device) for t in self.loader.next_batch())
             with self.timer.section("forward_backward"):
                 loss = self.model.train_step(inputs, targets)
                 loss = self.inject_nan(loss, step)
             with self.timer.section("optimizer"):
                 grad_norm = self.model.clip_grad_norm_(train.grad_clip)
-                verdict = self.nan_guard.check(loss, grad_norm)
+                # One collective and one host read a step: all ranks' stop reasons and NaN flags together
+                reason, bad = self.controller.agree_with(
+                    step, self.checkpoint.save_seconds_estimate(), self.nan_guard.flag(loss, grad_norm)
+                )
+                verdict = self.nan_guard.decide(bad)
                 if verdict == "ok":
                     for opt in self.optimizers:
                         opt.step()
@@ -265,6 +267,7 @@ class Trainer:
             self.profiler.step(step)
             # Step 1 too: the loss curve starts at the initial loss, not log_every steps into it.
             if step % cfg.metrics.log_every == 0 or step in (1, train.max_steps):
+                self.timer.synchronize()  # loss and norms are read at log steps only, after one wait
                 elapsed = time.perf_counter() - window_start
                 self._log_train(step, loss, grad_norm, lr, window_tokens, elapsed)
                 window_start, window_tokens = time.perf_counter(), 0
@@ -281,7 +284,6 @@ class Trainer:
                     self.watchdog.beat(step)  # a save is progress: the hang timeout is per unit of work
                 if not is_last:
                     self.snapshots.take(step)
-            reason = self.controller.agree(step, self.checkpoint.save_seconds_estimate())
             if (
                 reason == StopReason.NONE
                 and train.stop_at_step
@@ -342,9 +344,8 @@ class Trainer:
                 self.model.eval_loss(inputs.to(self.env.device), targets.to(self.env.device))
             )
             batches += 1
-            # No early exit on a stop request: the evaluation of the stop step finishes (it is bounded by
-            # train.eval_steps), so a stopped and resumed run logs the same val_loss curve as one that
-            # never stopped. The stop is agreed at the step boundary right after.
+            # No early exit on a stop request: this evaluation finishes (bounded by train.eval_steps), so a
+            # stopped and resumed run logs the same val_loss curve as one that never stopped.
             self.watchdog.beat()
         if batches:
             val = total / batches
