@@ -24,7 +24,7 @@ from relaytrain.data import build_train_loader, build_val_loader, to_device
 from relaytrain.errors import UserError
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.model import flops_per_token
-from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer
+from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer, window_memory_stats
 from relaytrain.monitor.logs import setup_logging
 from relaytrain.optim import build_optimizer, lr_at, schedule_fit_warning, set_lr
 from relaytrain.parallel import parallelize
@@ -332,7 +332,7 @@ class Trainer:
         }
         record |= {f"time_{k}_s": v for k, v in self.timer.window().items()}
         record |= {f"snapshot_{k}": v for k, v in self.snapshots.last.items()}  # the newest snapshot's
-        # Raw counts: the metrics logger alone derives tokens/s, MFU and memory from them.
+        record |= window_memory_stats(self.env.device)  # every rank: the log window's peak, max over ranks
         self.metrics.log_train(step, record, tokens=tokens, seconds=elapsed)
 
     @torch.no_grad()

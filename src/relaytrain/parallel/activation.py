@@ -2,9 +2,10 @@
 
 AC replaces each block's `forward` on the instance and compile uses `nn.Module.compile`, instead of
 wrapping the block in another module, so parameter names (and with them the per-name init seeds, the
-checkpoint keys and the FSDP/TP plans) stay those of the plain model. Order as torchtitan: TP -> AC -> compile -> FSDP. FSDP's hooks run around the
-block's forward, outside the checkpointed region: its all-gathers are not replayed by the recompute, and
-the selective policy sees the same ops in forward and recompute.
+checkpoint keys and the FSDP/TP plans) stay those of the plain model. Order as torchtitan:
+TP -> AC -> compile -> FSDP. FSDP's hooks run around the block's forward, outside the checkpointed
+region: its all-gathers are not replayed by the recompute, and the selective policy sees the same ops
+in forward and recompute.
 """
 
 from __future__ import annotations
