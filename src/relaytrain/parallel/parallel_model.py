@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.attention import SDPBackend
 
 from relaytrain.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from relaytrain.model.transformer import Transformer
@@ -49,6 +50,14 @@ def _plain(value: torch.Tensor) -> torch.Tensor:
     if isinstance(value, DTensor):
         value = value.full_tensor()
     return value.float()
+
+
+# The SDPA kernels context parallel supports (as torchtitan pins them); the math kernel is left out.
+CP_SDPA_BACKENDS = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+]
 
 
 class ParallelModel:
@@ -108,6 +117,11 @@ class ParallelModel:
                 stack.enter_context(loss_parallel())
             if self.dims.cp > 1:
                 from torch.distributed.tensor.experimental import context_parallel
+                from torch.nn.attention import sdpa_kernel
+
+                # The head-tail permuted sequence is only attended correctly by the kernels context
+                # parallel dispatches (a math-kernel fallback would apply a plain causal mask): pin them.
+                stack.enter_context(sdpa_kernel(CP_SDPA_BACKENDS))
 
                 ropes = [t for part in self.model_parts for t in (part.rope_cos, part.rope_sin)]
                 stack.enter_context(
