@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -277,6 +278,39 @@ def test_plain_loop_trains_the_configured_model():
     assert len(out["step_s"]) == len(out["forward_backward_s"]) == 3
     assert out["tokens_per_step"] == 64
     assert math.isfinite(out["loss_first"]) and math.isfinite(out["loss_last"])
+    # the trainer's device and precision (CPU here: fp32, no autocast)
+    assert (out["device"], out["dtype"]) == ("cpu", "float32")
+
+
+def test_plain_loop_takes_the_trainers_device_and_precision():
+    from relaytrain.config import load_config
+
+    from bench.plain_loop import device_and_precision
+
+    device, dtype, autocast = device_and_precision(load_config(None, ["--parallel.param_dtype=bfloat16"]))
+    assert device.type == "cpu" and dtype == torch.bfloat16
+    with autocast():
+        assert torch.is_autocast_enabled("cpu")  # as ParallelModel without FSDP
+    device, dtype, autocast = device_and_precision(load_config(None, ["--run.device=cpu"]))
+    with autocast():
+        assert dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+
+
+def test_torchtitan_8b_preset_is_the_8b_shape_on_eight_gpus(tmp_path):
+    from relaytrain.config import load_config
+    from relaytrain.model import count_parameters
+
+    preset = torchtitan_gpu.PRESETS["8b"]
+    ours = torchtitan_gpu.relaytrain_gpu_argv(preset, 8, tmp_path, "x", 30, preset.seq, preset.batch)
+    overrides = ours[ours.index("train") + 1 :]
+    cfg = load_config(None, overrides)
+    assert 8.0e9 < count_parameters(cfg.model) < 8.1e9  # Llama 3.1 8B: 8.03 B
+    assert "--nproc_per_node=8" in ours and cfg.train.global_batch_size == 8 and cfg.train.seq_len == 8192
+    assert cfg.parallel.activation_checkpointing == "selective" and cfg.parallel.param_dtype == "bfloat16"
+    titan = torchtitan_gpu.titan_argv(preset, 8, 30, preset.seq, preset.batch, [])
+    assert titan[titan.index("--config") + 1] == "llama3_8b"
+    assert titan[-1] == "activation-checkpoint:selective"
+    assert "--parallelism.data_parallel_shard_degree=8" in titan
 
 
 def test_step_ab_times_both_step_functions_in_one_process():
