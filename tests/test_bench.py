@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from bench import checkpoint_section, gpu_mfu, matmul_peak, overhead, startup, torchtitan_gpu  # noqa: E402
 from bench.__main__ import ORDER, links_section  # noqa: E402
@@ -378,3 +380,40 @@ def test_only_accepts_the_checkpoint_issue_name(tmp_path, monkeypatch, capsys):
     assert json.loads((tmp_path / "results.json").read_text())["checkpoint-io-run"] == {"x": 1}
     with pytest.raises(SystemExit):
         runner.main(["--only", "checkpoint-iox", "--page", str(page), "--no-write"])
+
+
+def test_gpu_first_hour_without_a_gpu_says_so_in_one_line_and_exits_0():
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script would run for an hour")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script finds the repository itself
+    env["PYTHON"] = sys.executable
+    proc = subprocess.run(
+        ["bench/gpu_first_hour.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["gpu_first_hour: no CUDA GPU on this machine; nothing to do"]
+    assert proc.stderr == ""
+
+
+def test_gpu_first_hour_renders_its_section_with_date_device_and_failures(tmp_path):
+    from bench import gpu_first_hour
+
+    result = {
+        "date": "2026-11-25 18:00 UTC",
+        "device": "NVIDIA H100 80GB HBM3",
+        "steps": {
+            "matmul": {"ok": True, "figures": {"bf16_8192_tflops": 712.5}, "seconds": 3.0},
+            "layouts": {"ok": True, "figures": {"diff_vs_fsdp": {"tp": 0.001}}, "seconds": 300.0},
+            "compile": {"ok": False, "error": "FailOnRecompileLimitHit", "seconds": 40.0},
+        },
+    }
+    text = gpu_first_hour.render(result)
+    assert "2026-11-25 18:00 UTC" in text and "NVIDIA H100 80GB HBM3" in text
+    assert "bf16_8192_tflops: 712" in text and "**failed**: FailOnRecompileLimitHit" in text
+    assert "0 recompiles" in text  # what to look for, beside the figures
+    page = tmp_path / "benchmarks.md"
+    write_page({gpu_first_hour.SECTION: text}, path=page)
+    assert section_body(page.read_text(), "gpu-first-hour").strip() == text.strip()
+    assert gpu_first_hour.main(["--only", "nope"]) in (0, 2)  # 0 without a GPU, 2 (unknown step) with one
