@@ -271,7 +271,8 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 self._log_train(step, loss, grad_norm, lr, window_tokens, elapsed)
                 window_start, window_tokens = time.perf_counter(), 0
-            if self.val_loader is not None and (step % train.eval_every == 0 or step == train.max_steps):
+            slow = self.val_loader is not None and (step % train.eval_every == 0 or step == train.max_steps)
+            if slow:
                 eval_start = time.perf_counter()
                 with self.timer.excluded():
                     self._evaluate(step)
@@ -282,13 +283,12 @@ class Trainer:
                 if cfg.checkpoint.enabled and self.checkpoint.should_save(step, is_last):
                     self.checkpoint.save(step, reason="final" if is_last else "interval")
                     self.watchdog.beat(step)  # a save is progress: the hang timeout is per unit of work
+                    slow = True
                 if not is_last:
                     self.snapshots.take(step)
-            if (
-                reason == StopReason.NONE
-                and train.stop_at_step
-                and step == train.stop_at_step < train.max_steps
-            ):
+            if slow:  # a stop signalled during this evaluation or save is agreed now, not a step later
+                reason = max(reason, self.controller.agree(step, self.checkpoint.save_seconds_estimate()))
+            if reason == StopReason.NONE and step == train.stop_at_step < train.max_steps:
                 reason = StopReason.STOP_AT_STEP
             if reason != StopReason.NONE:
                 return self._stop(reason, step)
