@@ -45,7 +45,8 @@ def _world(group) -> int:
 class ShutdownController:
     """Per-rank stop logic. Build it on every rank after the process group exists (it runs one
     collective to share the job's end time), ``install()`` in the main thread, then call
-    ``agree(step, save_estimate_s)`` at every step boundary, the same number of times on all ranks.
+    ``agree(step, save_estimate_s)`` (or ``agree_with``, which also carries the NaN guard's flag) once
+    per step, at the same points and the same number of times on all ranks.
 
     ``resilience``: the [resilience] section; ``run_dir``: where run_state.json and the hard deadline's
     stack dumps go."""
