@@ -135,7 +135,17 @@ def usage_section() -> str:
         "(bench/torchtitan_gpu.py), `gpu` (bench/gpu_mfu.py). "
         "Raw results of the last run: bench/out/results.json (not committed). A section that fails keeps "
         "its previous text and the run exits 1. Each figure names the command that produced it. Runs are "
-        "separate processes with `OMP_NUM_THREADS` = cores unless `--threads` says otherwise.\n"
+        "separate processes with `OMP_NUM_THREADS` = cores unless `--threads` says otherwise.\n\n"
+        "On a machine with CUDA GPUs, run `bench/gpu_first_hour.sh` first (it needs no network and no "
+        "installed console script; it is `python -m bench.gpu_first_hour`): in order it prints the versions "
+        "and the device, measures the bf16 matmul peak, runs a single-GPU smoke run, saves sync and async "
+        "and resumes from each, takes snapshots of a 0.4 B-parameter state and reports their blocking time, "
+        "compiles a model deeper than Dynamo's recompile limit with recompiles logged, runs "
+        "`python -m bench.gpu_mfu`, and on a node with 2 to 8 GPUs runs the FSDP, TP, PP, HSDP, CP and "
+        "snapshot layouts under torchrun with their losses compared at the last step. It writes the "
+        "`gpu-first-hour` section (with the date and the device; each step's figures and what to look for) "
+        "and the `gpu` section of this page; `--only smoke,resume` runs a subset, `--no-write` leaves the "
+        "page alone. Without a GPU it says so in one line and exits 0.\n"
     )
 
 

@@ -87,6 +87,8 @@ def run_plain(steps: int, warmup: int, overrides: list[str], threads: int) -> di
         "forward_backward_s": median(out["forward_backward_s"][keep]),
         "optimizer_s": median(out["optimizer_s"][keep]),
         "threads": out["threads"],
+        "device": out.get("device", "cpu"),
+        "dtype": out.get("dtype", "float32"),
         "tokens_per_step": out["tokens_per_step"],
         "peak_flops": out.get("peak_flops"),
     }
@@ -181,9 +183,13 @@ def measure(
     samples = [peak_flops] if peak_flops else []
     samples += [r["peak_flops"] for r in runs if r.get("peak_flops")]
     samples += [r["trainer_peak_tokens_per_s"] * fpt for r in runs if r.get("trainer_peak_tokens_per_s")]
+    plain_runs = [r for r in runs if r["side"] == "plain"]
     result = {
         "command": " ".join(["python -m", MODULE, *args]),
         "threads": threads,
+        # both sides: the device run.device picks and parallel.param_dtype's precision there
+        "device": plain_runs[0]["device"],
+        "dtype": plain_runs[0]["dtype"],
         "pairs": pairs,
         "steps": steps,
         "warmup": warmup,
@@ -259,6 +265,11 @@ def _tokens_mfu(result: dict, step_s: float) -> tuple[float, float | None]:
     return tokens, (tokens * result["flops_per_token"] / peak if peak else None)
 
 
+def _precision(result: dict) -> str:
+    dtype = result.get("dtype", "float32")
+    return "fp32" if dtype == "float32" else f"fp32 parameters with {dtype} autocast"
+
+
 def render(result: dict) -> str:
     s = result["summary"]
     m, b = result["model"], result["batch"]
@@ -266,7 +277,8 @@ def render(result: dict) -> str:
     out += f"Command: `{result['command']}`\n\n"
     out += (
         f"Model dim {m['dim']}, {m['n_layers']} layers, vocab {m['vocab_size']} ({m['params'] / 1e6:.2f} M "
-        f"parameters), global batch {b['global']} x seq {b['seq_len']}, micro batch {b['micro']}, fp32, "
+        f"parameters), global batch {b['global']} x seq {b['seq_len']}, micro batch {b['micro']}, "
+        f"{_precision(result)} on {result.get('device', 'cpu').upper()} (both sides), "
         f"{result['threads']} threads, {result['pairs']} alternating pair(s) of runs, "
         f"{result['steps']} steps each, the first {result['warmup']} dropped.\n\n"
     )
@@ -331,7 +343,8 @@ def render(result: dict) -> str:
         peak = fmt(result["peak_flops"] / 1e9)
         n = len(result.get("peak_samples", [])) or 1
         out += (
-            f"\nMFU divides by {peak} GFLOP/s, the best of {n} fp32 1024² matmul peak measurements taken in "
+            f"\nMFU divides by {peak} GFLOP/s, the best of {n} {result.get('dtype', 'float32')} matmul peak "
+            "measurements (1024² on CPU, 4096² on CUDA) taken in "
             "this run (the matmul section, every plain-loop process, every trainer's start-up measurement): "
             "other load only ever lowers a measured peak.\n"
         )

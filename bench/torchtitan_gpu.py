@@ -1,7 +1,8 @@
 """relaytrain against torchtitan (its PyPI release) on GPUs: same model shape, sequence length and batch.
 
     pip install torchtitan==0.3.0 triton   # plus its declared dependencies; see docs/benchmarks.md
-    python -m bench.torchtitan_gpu [--gpus 1] [--pairs 3] [--steps 30] [--warmup 5] [--seq 2048] [--batch 8]
+    python -m bench.torchtitan_gpu [--shape debug|8b] [--gpus N] [--pairs 3] [--steps 30] [--warmup 5]
+                                   [--seq N] [--batch N]
 
 Alternates torchtitan / relaytrain runs (``--pairs`` of each) under ``torchrun --standalone``. torchtitan
 runs its ``llama3_debugmodel`` config (dim 256, 6 layers, 16 heads, FFN 768, vocab 2048, RoPE theta 5e5)
@@ -10,6 +11,14 @@ with activation checkpointing off, no checkpoints, a log line per step; relaytra
 are parsed from torchtitan's console lines (``step: N  loss: ...  tps: T  tflops: F  mfu: M%``) and read
 from relaytrain's metrics.jsonl; the first ``--warmup`` steps are dropped; medians and the ratio are
 reported. Both sides report their model's parameter count so that a shape mismatch is visible.
+
+``--shape debug`` (the default) is that debug model on one GPU: at dim 256 a step is a few milliseconds of
+kernel launches, so it compares per-step overheads, not MFU. ``--shape 8b`` is torchtitan's 8B recipe
+(config ``llama3_8b``: dim 4096, 32 layers, GQA 32/8, FFN 14336, vocab 128256) on one 8-GPU node: FSDP
+over the 8 GPUs, bf16 parameters, seq 8192, one sequence per GPU, selective activation checkpointing on
+both sides. The torchtitan config name and flags are read from its sources, not yet run here: if a
+release renames one, pass ``--titan-arg``. (A realistic shape on one GPU without torchtitan: ``python -m
+bench.overhead`` with a larger model, which runs both of its sides on the GPU in bf16.)
 
 Precision: on one GPU torchtitan applies no FSDP and trains in fp32, so relaytrain runs
 ``--parallel.param_dtype=float32`` too; with ``--gpus`` > 1 both use FSDP2 with bf16 parameters and fp32
@@ -31,6 +40,7 @@ import json
 import re
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.procs import WORK, read_metrics, run, shown, train_records
@@ -48,6 +58,41 @@ SHAPE = {
     "rope_theta": 500000.0,
     "norm_eps": 1e-5,
 }
+# torchtitan's llama3 "8B" flavour (Llama 3.1 8B: FFN 14336 from multiplier 1.3 and multiple of 1024).
+SHAPE_8B = {
+    "dim": 4096,
+    "n_layers": 32,
+    "n_heads": 32,
+    "n_kv_heads": 8,
+    "ffn_dim": 14336,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "norm_eps": 1e-5,
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One comparison: torchtitan's config, the same shape for relaytrain, and the defaults of the run."""
+
+    titan_config: str
+    shape: dict
+    gpus: int
+    seq: int
+    batch: int  # sequences per GPU per step
+    ac: str  # activation checkpointing on both sides: "none" or "selective"
+    why: str
+
+
+PRESETS = {
+    # Launch-bound on a GPU (dim 256): it measures per-step overheads, not MFU.
+    "debug": Preset("llama3_debugmodel", SHAPE, 1, 2048, 8, "none", "launch-bound: overheads, not MFU"),
+    # torchtitan's own 8B recipe on one 8-GPU node: FSDP over 8, seq 8192, one sequence per GPU,
+    # selective AC (torchtitan's per-op policy and relaytrain's differ in which matmuls they keep).
+    "8b": Preset("llama3_8b", SHAPE_8B, 8, 8192, 1, "selective", "an 8B model on one 8-GPU node: MFU"),
+}
+
+
 TITAN_LINE = re.compile(
     r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>[-\d.naif]+).*?tps:\s*(?P<tps>[\d,]+)"
     r".*?tflops:\s*(?P<tflops>[\d.,]+)\s+mfu:\s*(?P<mfu>[\d.]+)%"
@@ -60,6 +105,12 @@ def can_run() -> bool:
     import torch
 
     return torch.cuda.is_available() and importlib.util.find_spec("torchtitan") is not None
+
+
+def torch_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def prepare_assets(workdir: Path, vocab_size: int = 2000) -> Path:
@@ -94,9 +145,9 @@ def prepare_assets(workdir: Path, vocab_size: int = 2000) -> Path:
     return assets
 
 
-def titan_argv(gpus: int, steps: int, seq: int, batch: int, extra: list[str]) -> list[str]:
+def titan_argv(preset: Preset, gpus: int, steps: int, seq: int, batch: int, extra: list[str]) -> list[str]:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-    argv += ["-m", "torchtitan.train", "--module", "llama3", "--config", "llama3_debugmodel"]
+    argv += ["-m", "torchtitan.train", "--module", "llama3", "--config", preset.titan_config]
     argv += [
         f"--training.steps={steps}",
         f"--training.seq_len={seq}",
@@ -107,13 +158,17 @@ def titan_argv(gpus: int, steps: int, seq: int, batch: int, extra: list[str]) ->
     ]
     if gpus == 1:
         argv.append("--training.mixed_precision_param=float32")
-    return [*argv, *extra, "activation-checkpoint:none"]
+    else:
+        argv.append(f"--parallelism.data_parallel_shard_degree={gpus}")
+    return [*argv, *extra, f"activation-checkpoint:{preset.ac}"]
 
 
-def relaytrain_gpu_argv(gpus: int, run_root: Path, name: str, steps: int, seq: int, batch: int) -> list[str]:
+def relaytrain_gpu_argv(
+    preset: Preset, gpus: int, run_root: Path, name: str, steps: int, seq: int, batch: int
+) -> list[str]:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
     argv += ["-m", "relaytrain.cli", "train", f"--run.dir={run_root}", f"--run.name={name}"]
-    argv += [f"--model.{k}={v}" for k, v in SHAPE.items()]
+    argv += [f"--model.{k}={v}" for k, v in preset.shape.items()]
     argv += [
         f"--model.max_seq_len={seq}",
         f"--train.seq_len={seq}",
@@ -124,6 +179,7 @@ def relaytrain_gpu_argv(gpus: int, run_root: Path, name: str, steps: int, seq: i
         "--train.eval_every=0",
         "--metrics.log_every=1",
         "--checkpoint.enabled=false",
+        f"--parallel.activation_checkpointing={preset.ac}",
         f"--parallel.param_dtype={'float32' if gpus == 1 else 'bfloat16'}",
     ]
     return argv
@@ -140,24 +196,27 @@ def parse_titan(output: str) -> tuple[list[dict], int | None]:
 
 
 def measure(
-    gpus: int = 1,
+    gpus: int | None = None,
     pairs: int = 3,
     steps: int = 30,
     warmup: int = 5,
-    seq: int = 2048,
-    batch: int = 8,
+    seq: int | None = None,
+    batch: int | None = None,
     titan_extra: list[str] | None = None,
+    shape: str = "debug",
 ) -> dict:
     from relaytrain.config import load_config
     from relaytrain.model import count_parameters
 
+    preset = PRESETS[shape]
+    gpus, seq, batch = gpus or preset.gpus, seq or preset.seq, batch or preset.batch
     workdir = WORK / "torchtitan"
     prepare_assets(workdir)
     run_root = WORK / "runs"
     runs = []
     titan_params = None
     for i in range(pairs):
-        argv = titan_argv(gpus, steps, seq, batch, list(titan_extra or []))
+        argv = titan_argv(preset, gpus, steps, seq, batch, list(titan_extra or []))
         out = run(argv, threads=4, cwd=workdir, timeout=1200)
         parsed, titan_params = parse_titan(out.stdout + out.stderr)
         if not parsed:
@@ -175,7 +234,7 @@ def measure(
             }
         )
         name = f"titan-cmp-{i}"
-        argv = relaytrain_gpu_argv(gpus, run_root, name, steps, seq, batch)
+        argv = relaytrain_gpu_argv(preset, gpus, run_root, name, steps, seq, batch)
         run(argv, threads=4, timeout=1200)
         records = train_records(read_metrics(run_root / name))[warmup:]
         shutil.rmtree(run_root / name, ignore_errors=True)
@@ -188,15 +247,17 @@ def measure(
                 "mfu": median(r.get("mfu") for r in records),
             }
         )
-    cfg = load_config(None, [f"--model.{k}={v}" for k, v in SHAPE.items()])
+    cfg = load_config(None, [f"--model.{k}={v}" for k, v in preset.shape.items()])
     import torch
 
     titan = median(r["tps"] for r in runs if r["side"] == "torchtitan")
     ours = median(r["tps"] for r in runs if r["side"] == "relaytrain")
     return {
         "ran": True,
-        "command": f"python -m {MODULE} --gpus {gpus} --pairs {pairs} --steps {steps} --warmup {warmup} "
-        f"--seq {seq} --batch {batch}",
+        "command": f"python -m {MODULE} --shape {shape} --gpus {gpus} --pairs {pairs} --steps {steps} "
+        f"--warmup {warmup} --seq {seq} --batch {batch}",
+        "shape": shape,
+        "why": preset.why,
         "gpu": f"{gpus} x {torch.cuda.get_device_name(0)}",
         "params": {"relaytrain": count_parameters(cfg.model), "torchtitan": titan_params},
         "runs": runs,
@@ -230,6 +291,7 @@ def render(result: dict) -> str:
             "and the ratio.\n"
         )
     p = result["params"]
+    out += f"Shape `{result.get('shape', 'debug')}`: {result.get('why', PRESETS['debug'].why)}.\n\n"
     out += (
         f"GPU: {result['gpu']}. Parameters: relaytrain {p['relaytrain']:,}, torchtitan "
         f"{p['torchtitan'] if p['torchtitan'] is None else format(p['torchtitan'], ',')}.\n\n"
@@ -249,12 +311,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument(
+        "--shape",
+        choices=sorted(PRESETS),
+        default="debug",
+        help="debug: torchtitan's debug model (launch-bound); 8b: its 8B recipe on an 8-GPU node",
+    )
+    parser.add_argument("--gpus", type=int, default=None, help="default: the shape's (debug 1, 8b 8)")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per GPU per step")
+    parser.add_argument("--seq", type=int, default=None, help="default: the shape's (debug 2048, 8b 8192)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per GPU per step (debug 8, 8b 1)")
     parser.add_argument("--titan-arg", action="append", default=[], help="extra torchtitan flag (repeatable)")
     parser.add_argument(
         "--prepare-only", type=Path, default=None, help="only write torchtitan's assets there"
@@ -267,7 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     if not can_run():
         print("bench.torchtitan_gpu needs CUDA and an installed torchtitan", file=sys.stderr)
         return 2
-    result = measure(args.gpus, args.pairs, args.steps, args.warmup, args.seq, args.batch, args.titan_arg)
+    if args.gpus and args.gpus > torch_gpus():
+        print(f"bench.torchtitan_gpu --gpus {args.gpus}: only {torch_gpus()} GPU(s) visible", file=sys.stderr)
+        return 2
+    result = measure(
+        args.gpus, args.pairs, args.steps, args.warmup, args.seq, args.batch, args.titan_arg, args.shape
+    )
     print(json.dumps(result) if args.json else render(result))
     return 0
 

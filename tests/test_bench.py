@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from bench import checkpoint_section, gpu_mfu, matmul_peak, overhead, startup, torchtitan_gpu  # noqa: E402
 from bench.__main__ import ORDER, links_section  # noqa: E402
@@ -277,6 +280,39 @@ def test_plain_loop_trains_the_configured_model():
     assert len(out["step_s"]) == len(out["forward_backward_s"]) == 3
     assert out["tokens_per_step"] == 64
     assert math.isfinite(out["loss_first"]) and math.isfinite(out["loss_last"])
+    # the trainer's device and precision (CPU here: fp32, no autocast)
+    assert (out["device"], out["dtype"]) == ("cpu", "float32")
+
+
+def test_plain_loop_takes_the_trainers_device_and_precision():
+    from relaytrain.config import load_config
+
+    from bench.plain_loop import device_and_precision
+
+    device, dtype, autocast = device_and_precision(load_config(None, ["--parallel.param_dtype=bfloat16"]))
+    assert device.type == "cpu" and dtype == torch.bfloat16
+    with autocast():
+        assert torch.is_autocast_enabled("cpu")  # as ParallelModel without FSDP
+    device, dtype, autocast = device_and_precision(load_config(None, ["--run.device=cpu"]))
+    with autocast():
+        assert dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+
+
+def test_torchtitan_8b_preset_is_the_8b_shape_on_eight_gpus(tmp_path):
+    from relaytrain.config import load_config
+    from relaytrain.model import count_parameters
+
+    preset = torchtitan_gpu.PRESETS["8b"]
+    ours = torchtitan_gpu.relaytrain_gpu_argv(preset, 8, tmp_path, "x", 30, preset.seq, preset.batch)
+    overrides = ours[ours.index("train") + 1 :]
+    cfg = load_config(None, overrides)
+    assert 8.0e9 < count_parameters(cfg.model) < 8.1e9  # Llama 3.1 8B: 8.03 B
+    assert "--nproc_per_node=8" in ours and cfg.train.global_batch_size == 8 and cfg.train.seq_len == 8192
+    assert cfg.parallel.activation_checkpointing == "selective" and cfg.parallel.param_dtype == "bfloat16"
+    titan = torchtitan_gpu.titan_argv(preset, 8, 30, preset.seq, preset.batch, [])
+    assert titan[titan.index("--config") + 1] == "llama3_8b"
+    assert titan[-1] == "activation-checkpoint:selective"
+    assert "--parallelism.data_parallel_shard_degree=8" in titan
 
 
 def test_step_ab_times_both_step_functions_in_one_process():
@@ -344,3 +380,40 @@ def test_only_accepts_the_checkpoint_issue_name(tmp_path, monkeypatch, capsys):
     assert json.loads((tmp_path / "results.json").read_text())["checkpoint-io-run"] == {"x": 1}
     with pytest.raises(SystemExit):
         runner.main(["--only", "checkpoint-iox", "--page", str(page), "--no-write"])
+
+
+def test_gpu_first_hour_without_a_gpu_says_so_in_one_line_and_exits_0():
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script would run for an hour")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script finds the repository itself
+    env["PYTHON"] = sys.executable
+    proc = subprocess.run(
+        ["bench/gpu_first_hour.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["gpu_first_hour: no CUDA GPU on this machine; nothing to do"]
+    assert proc.stderr == ""
+
+
+def test_gpu_first_hour_renders_its_section_with_date_device_and_failures(tmp_path):
+    from bench import gpu_first_hour
+
+    result = {
+        "date": "2026-11-25 18:00 UTC",
+        "device": "NVIDIA H100 80GB HBM3",
+        "steps": {
+            "matmul": {"ok": True, "figures": {"bf16_8192_tflops": 712.5}, "seconds": 3.0},
+            "layouts": {"ok": True, "figures": {"diff_vs_fsdp": {"tp": 0.001}}, "seconds": 300.0},
+            "compile": {"ok": False, "error": "FailOnRecompileLimitHit", "seconds": 40.0},
+        },
+    }
+    text = gpu_first_hour.render(result)
+    assert "2026-11-25 18:00 UTC" in text and "NVIDIA H100 80GB HBM3" in text
+    assert "bf16_8192_tflops: 712" in text and "**failed**: FailOnRecompileLimitHit" in text
+    assert "0 recompiles" in text  # what to look for, beside the figures
+    page = tmp_path / "benchmarks.md"
+    write_page({gpu_first_hour.SECTION: text}, path=page)
+    assert section_body(page.read_text(), "gpu-first-hour").strip() == text.strip()
+    assert gpu_first_hour.main(["--only", "nope"]) in (0, 2)  # 0 without a GPU, 2 (unknown step) with one

@@ -430,3 +430,42 @@ def test_classify_op_and_memory_snapshot_on_cpu(tmp_path, caplog):
     assert record_memory_history(torch.device("cpu")) is False
     assert dump_memory_snapshot(torch.device("cpu"), tmp_path / "snap.pickle") is None
     assert "CUDA-only" in caplog.text and not (tmp_path / "snap.pickle").exists()
+
+
+def test_cuda_memory_peak_is_per_window_with_retries_and_max_over_ranks(monkeypatch):
+    """CUDA figures without a GPU: the allocator's counters are faked, the other rank's all-reduce too."""
+    from relaytrain.monitor import memory as memory_mod
+
+    gib, allocator = 1024**3, {"peak": 5.0, "retries": 0}
+    cuda = memory_mod.torch.cuda
+    monkeypatch.setattr(cuda, "memory_allocated", lambda d=None: 1 * gib)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda d=None: 6 * gib)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda d=None: allocator["peak"] * gib)
+    monkeypatch.setattr(cuda, "memory_stats", lambda d=None: {"num_alloc_retries": allocator["retries"]})
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda d=None: allocator.update(peak=1.0))
+    device = torch.device("cuda")
+    first = memory_mod.window_memory_stats(device)
+    assert first["mem_peak_gib"] == 5.0 and first["mem_alloc_retries"] == 0
+    allocator["retries"] = 3
+    second = memory_mod.window_memory_stats(device)
+    assert second["mem_peak_gib"] == 1.0, "the peak was not reset for the next log window"
+    assert second["mem_alloc_retries"] == 3
+
+    other_rank = {"mem_peak_gib": 9.0, "mem_alloc_retries": 1.0}  # the other rank's figures
+    dist = memory_mod.dist
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(
+        memory_mod.torch, "tensor", lambda data, **kw: torch.as_tensor(data, dtype=kw["dtype"])
+    )
+
+    def all_reduce(t, op=None, group=None):
+        keys = ["mem_allocated_gib", "mem_alloc_retries", "mem_peak_gib", "mem_reserved_gib"]
+        theirs = torch.tensor([other_rank.get(k, 0.0) for k in keys], dtype=t.dtype)
+        t.copy_(torch.maximum(t, theirs))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    stats = memory_mod.window_memory_stats(device)
+    assert stats["mem_peak_gib"] == 9.0 and stats["mem_alloc_retries"] == 3  # each its own maximum
+    line = format_train_line(1, 10, {"loss": 1.0, **stats})
+    assert "peak 9.0" in line and "alloc retries 3" in line

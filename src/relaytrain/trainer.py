@@ -20,11 +20,11 @@ import torch
 from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord, UnloadableCheckpoints
 from relaytrain.checkpoint.snapshot.manager import SnapshotManager
 from relaytrain.config import Config, config_hash, config_to_toml
-from relaytrain.data import build_train_loader, build_val_loader
+from relaytrain.data import build_train_loader, build_val_loader, to_device
 from relaytrain.errors import UserError
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.model import flops_per_token
-from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer
+from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer, window_memory_stats
 from relaytrain.monitor.logs import setup_logging
 from relaytrain.optim import build_optimizer, lr_at, schedule_fit_warning, set_lr
 from relaytrain.parallel import parallelize
@@ -185,9 +185,8 @@ class Trainer:
         fitted = schedule_fit_warning(cfg.optim, cfg.train.max_steps)
         if fitted and self.env.rank == 0:
             log.warning("%s", fitted)
-        # Handlers first: a stop signal during the load is kept for the first step boundary. The load is
-        # inside the error handling, so a failed load marks the run failed instead of leaving the
-        # previous job's `stopped` marker.
+        # Handlers first: a stop signal during the load is kept for the first step. The load is inside the
+        # error handling, so a failed load marks the run failed, not the previous job's `stopped`.
         self.controller.install()
         finished = False
         try:
@@ -239,14 +238,17 @@ class Trainer:
             lr = lr_at(cfg.optim, step, train.max_steps) * state.lr_scale
             set_lr(self.optimizers, lr)
             with self.timer.section("data"):
-                inputs, targets = self.loader.next_batch()
-                inputs, targets = inputs.to(self.env.device), targets.to(self.env.device)
+                inputs, targets = (to_device(t, self.env.device) for t in self.loader.next_batch())
             with self.timer.section("forward_backward"):
                 loss = self.model.train_step(inputs, targets)
                 loss = self.inject_nan(loss, step)
             with self.timer.section("optimizer"):
                 grad_norm = self.model.clip_grad_norm_(train.grad_clip)
-                verdict = self.nan_guard.check(loss, grad_norm)
+                # One collective and one host read a step: all ranks' stop reasons and NaN flags together
+                reason, bad = self.controller.agree_with(
+                    step, self.checkpoint.save_seconds_estimate(), self.nan_guard.flag(loss, grad_norm)
+                )
+                verdict = self.nan_guard.decide(bad)
                 if verdict == "ok":
                     for opt in self.optimizers:
                         opt.step()
@@ -266,10 +268,12 @@ class Trainer:
             self.profiler.step(step)
             # Step 1 too: the loss curve starts at the initial loss, not log_every steps into it.
             if step % cfg.metrics.log_every == 0 or step in (1, train.max_steps):
+                self.timer.synchronize()  # loss and norms are read at log steps only, after one wait
                 elapsed = time.perf_counter() - window_start
                 self._log_train(step, loss, grad_norm, lr, window_tokens, elapsed)
                 window_start, window_tokens = time.perf_counter(), 0
-            if self.val_loader is not None and (step % train.eval_every == 0 or step == train.max_steps):
+            slow = self.val_loader is not None and (step % train.eval_every == 0 or step == train.max_steps)
+            if slow:
                 eval_start = time.perf_counter()
                 with self.timer.excluded():
                     self._evaluate(step)
@@ -280,14 +284,12 @@ class Trainer:
                 if cfg.checkpoint.enabled and self.checkpoint.should_save(step, is_last):
                     self.checkpoint.save(step, reason="final" if is_last else "interval")
                     self.watchdog.beat(step)  # a save is progress: the hang timeout is per unit of work
+                    slow = True
                 if not is_last:
                     self.snapshots.take(step)
-            reason = self.controller.agree(step, self.checkpoint.save_seconds_estimate())
-            if (
-                reason == StopReason.NONE
-                and train.stop_at_step
-                and step == train.stop_at_step < train.max_steps
-            ):
+            if slow:  # a stop signalled during this evaluation or save is agreed now, not a step later
+                reason = max(reason, self.controller.agree(step, self.checkpoint.save_seconds_estimate()))
+            if reason == StopReason.NONE and step == train.stop_at_step < train.max_steps:
                 reason = StopReason.STOP_AT_STEP
             if reason != StopReason.NONE:
                 return self._stop(reason, step)
@@ -331,7 +333,7 @@ class Trainer:
         }
         record |= {f"time_{k}_s": v for k, v in self.timer.window().items()}
         record |= {f"snapshot_{k}": v for k, v in self.snapshots.last.items()}  # the newest snapshot's
-        # Raw counts: the metrics logger alone derives tokens/s, MFU and memory from them.
+        record |= window_memory_stats(self.env.device)  # every rank: the log window's peak, max over ranks
         self.metrics.log_train(step, record, tokens=tokens, seconds=elapsed)
 
     @torch.no_grad()
@@ -343,9 +345,8 @@ class Trainer:
                 self.model.eval_loss(inputs.to(self.env.device), targets.to(self.env.device))
             )
             batches += 1
-            # No early exit on a stop request: the evaluation of the stop step finishes (it is bounded by
-            # train.eval_steps), so a stopped and resumed run logs the same val_loss curve as one that
-            # never stopped. The stop is agreed at the step boundary right after.
+            # No early exit on a stop request: this evaluation finishes (bounded by train.eval_steps), so a
+            # stopped and resumed run logs the same val_loss curve as one that never stopped.
             self.watchdog.beat()
         if batches:
             val = total / batches

@@ -19,6 +19,7 @@ _EXPORTS = {
     "ValLoader": "relaytrain.data.loader",
     "build_train_loader": "relaytrain.data.loader",
     "build_val_loader": "relaytrain.data.loader",
+    "to_device": "relaytrain.data.loader",
 }
 
 __all__ = sorted(_EXPORTS)

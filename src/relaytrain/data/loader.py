@@ -198,6 +198,14 @@ def _open(
     return [PreparedDataset(p) for p in paths], weights
 
 
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on the training device. To CUDA through pinned memory without blocking: a copy from
+    pageable memory waits for the device, once a step."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
 def build_train_loader(
     data: DataConfig,
     dp_rank: int,

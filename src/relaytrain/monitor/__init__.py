@@ -13,6 +13,7 @@ _EXPORTS = {
     "StepTimer": "relaytrain.monitor.timer",
     "setup_logging": "relaytrain.monitor.logs",
     "memory_stats": "relaytrain.monitor.memory",
+    "window_memory_stats": "relaytrain.monitor.memory",
     "peak_flops_per_device": "relaytrain.monitor.mfu",
     "mfu": "relaytrain.monitor.mfu",
     "throughput": "relaytrain.monitor.mfu",

@@ -72,6 +72,8 @@ def format_train_line(step: int, total_steps: int, rec: dict[str, Any]) -> str:
             f"mem {rec['mem_allocated_gib']:.1f}/{rec['mem_reserved_gib']:.1f} GiB "
             f"(peak {rec['mem_peak_gib']:.1f})"
         )
+        if rec.get("mem_alloc_retries"):
+            parts.append(f"alloc retries {rec['mem_alloc_retries']:.0f}")
     elif "mem_rss_gib" in rec:
         parts.append(f"mem rss {rec['mem_rss_gib']:.2f} GiB (peak {rec['mem_peak_gib']:.2f})")
     elif "mem_peak_gib" in rec:
@@ -194,7 +196,8 @@ class MetricsLogger:
                     self.peak_flops / 1e9,
                     self.peak_source,
                 )
-        out.update(memory_stats(self.device))
+        for key, value in memory_stats(self.device).items():
+            out.setdefault(key, value)  # the trainer's window_memory_stats (max over ranks) come first
         return {key: _json_value(value) for key, value in out.items()}
 
     def log_train(

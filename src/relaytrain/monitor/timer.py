@@ -25,13 +25,15 @@ class StepTimer:
         record |= {f"time_{k}_s": v for k, v in timer.window().items()}
 
     A step is counted each time the ``data`` section starts. ``window()`` returns per-step means
-    since the previous call and starts a new window. On CUDA each section ends with a device
-    synchronize so that kernel time is charged to the section that launched it rather than to
-    whichever later call waits for it.
+    since the previous call and starts a new window. On CPU a section is wall-clock time. On CUDA no
+    section waits for the device (the CPU keeps running ahead of the GPU): each section records a pair
+    of CUDA events on the current stream, and ``window()`` (called at log steps only) synchronizes
+    once and reads their elapsed times, so kernel time is charged to the section that launched it.
     """
 
     def __init__(self, device: torch.device | None = None):
-        self._sync = device is not None and device.type == "cuda"
+        self._events = device is not None and torch.device(device).type == "cuda"
+        self._pending: list[tuple[str, object, object]] = []  # (section, start event, end event)
         self._reset(None)  # the first window starts at the first section, not at construction
 
     def _reset(self, now: float | None) -> None:
@@ -49,12 +51,25 @@ class StepTimer:
             self._window_start = start
         if name == "data":
             self._steps += 1
+        begin = self._record() if self._events else None
         try:
             yield
         finally:
-            if self._sync:
-                torch.cuda.synchronize()
-            self._totals[name] += time.perf_counter() - start
+            if begin is not None:
+                self._pending.append((name, begin, self._record()))
+            else:
+                self._totals[name] += time.perf_counter() - start
+
+    @staticmethod
+    def _record():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def synchronize(self) -> None:
+        """Wait for the device (CUDA only): at a log step, before wall-clock figures are read."""
+        if self._events:
+            torch.cuda.synchronize()
 
     @contextmanager
     def excluded(self) -> Iterator[None]:
@@ -69,6 +84,10 @@ class StepTimer:
     def window(self) -> dict[str, float]:
         """Per-step mean seconds since the last call: one key per section, ``other`` (time in no
         section) and ``step`` (wall time per step, the basis of tokens/s)."""
+        self.synchronize()  # the one wait of a window, on CUDA: every event below has completed
+        for name, begin, end in self._pending:
+            self._totals[name] += begin.elapsed_time(end) / 1000.0  # milliseconds
+        self._pending = []
         now = time.perf_counter()
         steps = max(self._steps, 1)
         sectioned = sum(self._totals.values())

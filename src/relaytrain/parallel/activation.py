@@ -1,10 +1,11 @@
 """Activation checkpointing and torch.compile, per transformer block.
 
-Both replace each block's `forward` on the instance instead of wrapping the block in another module, so
-parameter names (and with them the per-name init seeds, the checkpoint keys and the FSDP/TP plans) stay
-those of the plain model. Order as torchtitan: TP -> AC -> compile -> FSDP. FSDP's hooks run around the
-block's forward, outside the checkpointed region: its all-gathers are not replayed by the recompute, and
-the selective policy sees the same ops in forward and recompute.
+AC replaces each block's `forward` on the instance and compile uses `nn.Module.compile`, instead of
+wrapping the block in another module, so parameter names (and with them the per-name init seeds, the
+checkpoint keys and the FSDP/TP plans) stay those of the plain model. Order as torchtitan:
+TP -> AC -> compile -> FSDP. FSDP's hooks run around the block's forward, outside the checkpointed
+region: its all-gathers are not replayed by the recompute, and the selective policy sees the same ops
+in forward and recompute.
 """
 
 from __future__ import annotations
@@ -67,6 +68,14 @@ def _checkpointed(forward, mode: str):
 
 
 def apply_compile(model: Transformer) -> None:
-    """Compile each block's forward; its FSDP and AC hooks stay outside the compiled region."""
+    """Compile each block as a module (``nn.Module.compile``, as torchtitan), with ``fullgraph=True``.
+
+    The compiled region is the block's call: its forward (the checkpointed one under AC, so the
+    recompute is compiled too) between the FSDP hooks, which Dynamo leaves to run eagerly. The blocks
+    share one code object, so one graph serves them all (their parameters are the graph's inputs); a
+    guard that failed per block would recompile once per block, and past Dynamo's recompile limit a
+    region that is not ``fullgraph`` silently runs eagerly (8B has 32 blocks, 70B 80): with
+    ``fullgraph=True`` that is an error instead.
+    """
     for block in model.layers.values():
-        block.forward = torch.compile(block.forward)
+        block.compile(fullgraph=True)

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.attention import SDPBackend
 
 from relaytrain.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from relaytrain.model.transformer import Transformer
@@ -49,6 +50,14 @@ def _plain(value: torch.Tensor) -> torch.Tensor:
     if isinstance(value, DTensor):
         value = value.full_tensor()
     return value.float()
+
+
+# The SDPA kernels context parallel supports (as torchtitan pins them); the math kernel is left out.
+CP_SDPA_BACKENDS = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+]
 
 
 class ParallelModel:
@@ -102,14 +111,17 @@ class ParallelModel:
 
     @contextlib.contextmanager
     def _step_context(self, buffers: list[torch.Tensor]) -> Iterator[None]:
-        """Loss parallel, autocast and context parallel around a forward (and its backward)."""
+        """Loss parallel and context parallel around a forward and its backward (autocast: `_autocast`)."""
         with contextlib.ExitStack() as stack:
             if self.use_loss_parallel:
                 stack.enter_context(loss_parallel())
-            if self._autocast_dtype is not None:
-                stack.enter_context(torch.autocast(self.device.type, dtype=self._autocast_dtype))
             if self.dims.cp > 1:
                 from torch.distributed.tensor.experimental import context_parallel
+                from torch.nn.attention import sdpa_kernel
+
+                # The head-tail permuted sequence is only attended correctly by the kernels context
+                # parallel dispatches (a math-kernel fallback would apply a plain causal mask): pin them.
+                stack.enter_context(sdpa_kernel(CP_SDPA_BACKENDS))
 
                 ropes = [t for part in self.model_parts for t in (part.rope_cos, part.rope_sin)]
                 stack.enter_context(
@@ -121,6 +133,13 @@ class ParallelModel:
                     )
                 )
             yield
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision without FSDP (one device): around the forward and the loss only, as PyTorch
+        recommends; the backward runs in the dtypes autocast chose for the forward's ops."""
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
     def _group(self, dim: str) -> dist.ProcessGroup:
         return submesh(self.mesh, dim).get_group()
@@ -162,7 +181,8 @@ class ParallelModel:
             y = targets[i * mbs : (i + 1) * mbs].contiguous()
             self._set_gradient_sync(i == n_micro - 1)
             with self._step_context([x, y]):
-                loss = cross_entropy(model(x), y)
+                with self._autocast():
+                    loss = cross_entropy(model(x), y)
                 (loss / n_micro).backward()
             total += _plain(loss)
         return self._finish_loss(total / n_micro)
@@ -181,7 +201,7 @@ class ParallelModel:
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss over this rank's batch without gradients (any batch size)."""
         inputs, targets = inputs.contiguous(), targets.contiguous()
-        with self._step_context([inputs, targets]):
+        with self._step_context([inputs, targets]), self._autocast():
             if self.schedule is None:
                 loss = cross_entropy(self.model_parts[0](inputs), targets)
             else:

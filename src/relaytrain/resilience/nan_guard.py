@@ -1,5 +1,9 @@
 """NaN/Inf guard: one all-reduced finiteness check of the loss and grad norm per step.
 
+The trainer does not read the check on its own: ``flag`` stays on the device and travels in the stop
+agreement's all-reduce (one collective and one host read per step for both), then ``decide`` applies
+the policy.
+
 Policies (resilience.nan_policy), K = resilience.nan_max_consecutive:
 - ``stop``: the first bad step stops the run (marked failed, exit EXIT_NONFINITE, never requeued).
 - ``skip``: drop bad steps on every rank (zero the grads, no optimizer step); K bad steps in a row stop.
@@ -43,20 +47,28 @@ class NanGuard:
         self.bad_total = 0
         self.rollbacks = 0
 
+    def flag(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None = None) -> torch.Tensor:
+        """This rank's verdict as a 1-element int64 tensor on the device (1: the loss or the grad norm is
+        not finite), computed without reading anything back to the host: the trainer folds it into the
+        stop agreement's one all-reduce (``ShutdownController.agree_with``)."""
+        values = [_local(loss).float().reshape(-1).to(self.device)]
+        if isinstance(grad_norm, torch.Tensor):
+            values.append(_local(grad_norm).float().reshape(-1).to(self.device))
+        elif grad_norm is not None:
+            values.append(torch.full((1,), float(grad_norm), device=self.device))
+        finite = torch.isfinite(torch.cat(values)).all()
+        return (~finite).to(torch.int64).reshape(1)
+
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor | float | None = None) -> str:
-        """'ok', 'skip', 'stop' or 'rollback', the same on every rank (one MAX all-reduce)."""
-        bad = torch.zeros(1, dtype=torch.int64, device=self.device)
-        values = [_local(loss)]
-        if grad_norm is not None:
-            values.append(
-                _local(grad_norm) if isinstance(grad_norm, torch.Tensor) else torch.tensor(float(grad_norm))
-            )
-        for value in values:
-            if not bool(torch.isfinite(value.float()).all()):
-                bad.fill_(1)
+        """'ok', 'skip', 'stop' or 'rollback', the same on every rank (one MAX all-reduce, one read)."""
+        bad = self.flag(loss, grad_norm)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
-        if not bool(bad.item()):
+        return self.decide(bool(bad.item()))
+
+    def decide(self, bad: bool) -> str:
+        """The policy's answer to the flag agreed over all ranks (``check`` or the stop agreement)."""
+        if not bad:
             self.consecutive = 0
             return "ok"
         self.consecutive += 1

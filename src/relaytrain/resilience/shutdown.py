@@ -45,7 +45,8 @@ def _world(group) -> int:
 class ShutdownController:
     """Per-rank stop logic. Build it on every rank after the process group exists (it runs one
     collective to share the job's end time), ``install()`` in the main thread, then call
-    ``agree(step, save_estimate_s)`` at every step boundary, the same number of times on all ranks.
+    ``agree(step, save_estimate_s)`` (or ``agree_with``, which also carries the NaN guard's flag) once
+    per step, at the same points and the same number of times on all ranks.
 
     ``resilience``: the [resilience] section; ``run_dir``: where run_state.json and the hard deadline's
     stack dumps go."""
@@ -224,11 +225,25 @@ class ShutdownController:
     # -- the one collective per step ----------------------------------------------------------------
     def agree(self, step: int, save_estimate_s: float = 0.0) -> StopReason:
         """MAX over ranks of the local stop reasons. Every rank must call it at the same points."""
-        reason = self.local_reason(save_estimate_s)
-        if _world(self.group) > 1:
-            t = torch.tensor([int(reason)], dtype=torch.int64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            reason = StopReason(int(t.item()))
+        return self.agree_with(step, save_estimate_s)[0]
+
+    def agree_with(
+        self, step: int, save_estimate_s: float = 0.0, flag: torch.Tensor | None = None
+    ) -> tuple[StopReason, bool]:
+        """``agree`` plus the MAX over ranks of ``flag`` (a 1-element 0/1 tensor on this device, the NaN
+        guard's) in the same all-reduce and the same single host read: the trainer's one synchronisation
+        per step. Returns the agreed stop reason and whether any rank raised the flag."""
+        reason, flagged = self.local_reason(save_estimate_s), False
+        if _world(self.group) > 1 or flag is not None:
+            # torch.full launches a fill: no host-to-device copy (a synchronisation on CUDA)
+            parts = [torch.full((1,), int(reason), dtype=torch.int64, device=self.device)]
+            if flag is not None:
+                parts.append(flag.reshape(1).to(device=self.device, dtype=torch.int64))
+            t = torch.cat(parts)
+            if _world(self.group) > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            values = t.tolist()  # the one read
+            reason, flagged = StopReason(int(values[0])), bool(flag is not None and values[1])
         self.last_step = step
         if reason != StopReason.NONE and self.stop_reason == StopReason.NONE:
             self.stop_reason, self.stop_step = reason, step
@@ -241,7 +256,7 @@ class ShutdownController:
                     reason.label,
                     "" if left is None else f" ({left:.0f} s left in the job)",
                 )
-        return max(reason, self.stop_reason)
+        return max(reason, self.stop_reason), flagged
 
     def start_hard_deadline(self) -> None:
         """Start the hard-deadline clock (idempotent); agree() does it when a stop is agreed."""
