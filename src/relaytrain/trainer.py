@@ -185,8 +185,7 @@ class Trainer:
         fitted = schedule_fit_warning(cfg.optim, cfg.train.max_steps)
         if fitted and self.env.rank == 0:
             log.warning("%s", fitted)
-        # Handlers first: a stop signal during the load is kept for the first step. The load is inside the
-        # error handling, so a failed load marks the run failed, not the previous job's `stopped`.
+        # Handlers first (a stop during the load is kept); a failed load marks the run failed, not `stopped`.
         self.controller.install()
         finished = False
         try:
