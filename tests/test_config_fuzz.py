@@ -256,3 +256,54 @@ def test_checks_before_step_one_raise_only_user_errors(shape, world_size, gpus_p
         make_plan(cfg, nodes, gpus_per_node, gpu)
     except UserError as exc:
         _one_line(exc)
+
+
+# Every numeric key, at the edges of what its domain lets through: `relaytrain plan`'s arithmetic (node
+# ranges, batch splits, memory, step time, save and load times, time-limit suggestions) must hold for all
+# of them, or the domain must refuse the value (a subnormal slurm.fs_write_gbps once overflowed).
+NUMERIC = [(s, k, tp, d) for s, k, tp, d in FIELDS if tp in (int, float) and d is not None]
+EDGES = [0, 1, -1, 2, 3, 7, 64, 2**20, 2**31, 2**53, 2**63 - 1, 5e-324, 1e-300, 1e-12, 1e-3, 0.5, 1e15, 1e300]
+PLAN_LAYOUTS = [
+    ("debug", ["--slurm.nodes=1", "--slurm.gpus_per_node=1"]),
+    ("debug", ["--slurm.nodes=2", "--slurm.gpus_per_node=2", "--parallel.pp=2"]),
+    ("debug", ["--slurm.nodes=1", "--slurm.gpus_per_node=0", "--slurm.tasks_per_node=2"]),
+    ("70b", ["--slurm.nodes=4", "--slurm.gpus_per_node=8", "--checkpoint.snapshot_every=10"]),
+]
+
+
+def _edge_values(tp, domain) -> list:
+    values = [tp(v) for v in EDGES if tp is float or isinstance(v, int)]
+    return [v for v in values if domain.test(v)]
+
+
+class _Slow(Exception):
+    pass
+
+
+@settings(max_examples=int(os.environ.get("RELAYTRAIN_FUZZ_EXAMPLES", "150")), deadline=None, database=None)
+@given(st.sampled_from(NUMERIC), st.data(), st.sampled_from(PLAN_LAYOUTS))
+def test_plan_holds_for_every_numeric_key_at_its_domain_edges(field, data, layout):
+    import contextlib
+    import io
+    import signal
+
+    section, key, tp, domain = field
+    value = data.draw(st.sampled_from(_edge_values(tp, domain)))
+    preset, fixed = layout
+    fixed = [f for f in fixed if not f.startswith(f"--{section}.{key}=")]
+    args = ["plan", f"configs/{preset}.toml", "--slurm.gpu_type=h100", *fixed, f"--{section}.{key}={value!r}"]
+
+    def slow(*_):
+        raise _Slow(f"{args} ran over 60 s")
+
+    previous = signal.signal(signal.SIGALRM, slow)
+    signal.alarm(60)
+    os.environ["SLURM_CONF"] = "/nonexistent/slurm.conf"  # plan as on a login node whose Slurm is away
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            code = main(args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        del os.environ["SLURM_CONF"]
+    assert code in (0, 1, 2), args

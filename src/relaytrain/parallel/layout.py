@@ -95,7 +95,8 @@ def batch_split_note(train: TrainConfig, dims: ParallelDims) -> str | None:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _propose_tp(model: ModelConfig, dims: ParallelDims, gpus_per_node: int) -> str:
@@ -119,7 +120,11 @@ def _check_inside_node(model: ModelConfig, dims: ParallelDims, dim: str, gpus_pe
     if size == 1 or dims.world_size <= gpus_per_node:
         return
     label = {"tp": "tensor-parallel", "cp": "context-parallel"}[dim]
-    for start in range(dims.world_size):
+    # The groups repeat every block of ranks that holds whole groups (`dim` and the dims inside it), and
+    # nodes every gpus_per_node: the first crossing, if any, lies within their least common multiple.
+    names = [name for name, _ in dims.mesh_dims]
+    block = math.prod(n for _, n in dims.mesh_dims[names.index(dim) :])
+    for start in range(min(dims.world_size, math.lcm(block, gpus_per_node))):
         group = dims.group_of(start, dim)
         if group[0] != start:
             continue
