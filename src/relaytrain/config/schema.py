@@ -129,7 +129,8 @@ class ParallelConfig(Section):
     cp: int = setting(1, at_least(1))  # context parallel degree (CUDA only)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     pp_virtual_stages: int = setting(1, at_least(1))  # stages per pipeline rank (interleaved_1f1b needs >= 2)
-    pp_microbatches: int = setting(0, at_least(0))  # 0: pp (one microbatch per stage)
+    # pipeline micro batches per step; 0: micro batches of train.micro_batch_size sequences (at least pp)
+    pp_microbatches: int = setting(0, at_least(0))
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False  # torch.compile each transformer block
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on cuda, fp32 on cpu
@@ -212,7 +213,8 @@ class SlurmConfig(Section):
     # -1: from the profile, else 8; 0: CPU-only nodes (set tasks_per_node)
     gpus_per_node: int = setting(-1, in_range(-1, MAX_PER_NODE))
     gpu_type: str = ""  # h100, h200, a100, mi250x, ... (relaytrain plan); mi*: AMD ROCm/RCCL
-    tasks_per_node: int = setting(0, in_range(0, MAX_PER_NODE))  # 0: one task per GPU (CPU-only clusters set this)
+    # 0: one task per GPU (CPU-only clusters set this)
+    tasks_per_node: int = setting(0, in_range(0, MAX_PER_NODE))
     cpus_per_task: int = setting(0, at_least(0))  # unset: chosen at launch; sets OMP_NUM_THREADS
     mem: str = ""
     time: str = setting("01:00:00", slurm_time())
@@ -236,7 +238,8 @@ class SlurmConfig(Section):
     uv_project: str = ""  # run python through `uv run --project DIR`
     # NCCL_NET_GDR_LEVEL (GPU-direct RDMA); -1 leaves it unset
     nccl_net_gdr_level: int = setting(2, at_least(-1))
-    fs_write_gbps: float = setting(2.0, in_range(0.001, 1e6))  # checkpoint write bandwidth in GB/s (relaytrain plan)
+    # checkpoint write bandwidth in GB/s, all ranks together (relaytrain plan; reads assumed no faster)
+    fs_write_gbps: float = setting(2.0, in_range(0.001, 1e6))
 
 
 @dataclass(kw_only=True)

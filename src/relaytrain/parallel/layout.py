@@ -78,8 +78,21 @@ def resolve_dims(pcfg: ParallelConfig, world_size: int) -> ParallelDims:
     )
 
 
-def pp_microbatches(parallel: ParallelConfig) -> int:
-    return parallel.pp_microbatches or parallel.pp
+def pp_microbatches(parallel: ParallelConfig, train: TrainConfig, dp: int) -> int:
+    """Pipeline micro batches per step: parallel.pp_microbatches, or with 0 as many as make micro batches
+    of train.micro_batch_size sequences (the largest size up to it that splits the local batch into at
+    least pp micro batches, a multiple of pp for the interleaved schedule); pp when none does (the
+    layout check then names the batch that would)."""
+    if parallel.pp_microbatches or parallel.pp == 1:
+        return parallel.pp_microbatches or parallel.pp
+    local = train.global_batch_size // max(dp, 1)
+    step = parallel.pp if parallel.pp_schedule == "interleaved_1f1b" else 1
+    fits = [
+        d
+        for d in _divisors(local)
+        if d <= train.micro_batch_size and local // d >= parallel.pp and (local // d) % step == 0
+    ]
+    return local // max(fits) if fits else parallel.pp
 
 
 def batch_split_note(train: TrainConfig, dims: ParallelDims) -> str | None:
@@ -284,7 +297,7 @@ def check_layout(
                 f"parallel.pp_schedule={p.pp_schedule!r} runs one stage per rank; set "
                 f"parallel.pp_virtual_stages=1 or pp_schedule='interleaved_1f1b'",
             )
-        n_mb = pp_microbatches(parallel)
+        n_mb = pp_microbatches(parallel, train, dims.dp)
         require(
             n_mb >= dims.pp,
             f"parallel.pp_microbatches={n_mb} must be >= parallel.pp={dims.pp} "
@@ -315,7 +328,7 @@ def check_layout(
         f"{(gbs // dp + 1) * dp}",
     )
     if dims.pp > 1:
-        n_mb = pp_microbatches(parallel)
+        n_mb = pp_microbatches(parallel, train, dp)
         require(
             (gbs // dp) % n_mb == 0,
             f"train.global_batch_size={gbs} must be divisible by data-parallel degree {dp} x "
@@ -334,7 +347,7 @@ def split_batch(parallel: ParallelConfig, train: TrainConfig, dims: ParallelDims
     """`dims` with the batch split filled in; the degrees must have passed `check_layout`."""
     local = train.global_batch_size // dims.dp
     if dims.pp > 1:
-        n_mb = pp_microbatches(parallel)
+        n_mb = pp_microbatches(parallel, train, dims.dp)
         micro, accum = local // n_mb, n_mb
     else:
         micro = max(d for d in _divisors(local) if d <= max(1, train.micro_batch_size))

@@ -29,7 +29,6 @@ from pathlib import Path
 
 from relaytrain.config import Config
 from relaytrain.parallel.dims import ParallelDims
-from relaytrain.parallel.layout import pp_microbatches
 
 
 class SimulationError(Exception):
@@ -82,7 +81,7 @@ def steady_state_microbatches(parallel, dims: ParallelDims) -> int:
     multiples of pp). GPipe keeps every microbatch in flight: all of them. Each further microbatch
     repeats the steady state (checked with pp 2 on a small model: tests/test_simulate.py), except for
     the per-microbatch receive buffers, which the simulation adds (`_unrun_receive_buffers`)."""
-    n = pp_microbatches(parallel)
+    n = dims.grad_accum
     if parallel.pp_schedule == "1f1b":
         return min(n, dims.pp + 1)
     if parallel.pp_schedule == "interleaved_1f1b":
