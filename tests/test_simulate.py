@@ -155,7 +155,7 @@ def test_collectives_per_step_scale_the_simulated_micro_batches_to_the_whole_ste
     dims = validate_layout(cfg.parallel, cfg.model, cfg.train, 2, 2, "cuda")
     assert (dims.micro_batch_size, dims.grad_accum, simulated_micro_batches(cfg.parallel, dims)) == (1, 16, 2)
     (sim,) = simulate(cfg, dims, 2)
-    ops = {(c["op"], c["per"]): c for c in sim.collectives if c["mesh_dim"] == "dp_shard_cp"}
+    ops = {(c["op"], c["per"]): c for c in sim.collectives if c["mesh_dim"].startswith("dp_shard")}
     for op in ("_allgather_base", "_reduce_scatter_base"):
         c = ops[(op, "micro batch")]
         assert (c["calls"], c["bytes"]) == (8 * c["simulated_calls"], 8 * c["simulated_bytes"]) != (0, 0)
