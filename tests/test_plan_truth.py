@@ -138,3 +138,19 @@ def test_pipeline_micro_batches_default_to_train_micro_batch_size(
     plan = make_plan(cfg, nodes, gpus, "h100")
     assert (plan.dims.micro_batch_size, plan.dims.grad_accum) == (micro, accum)
     assert plan.verdict != "impossible", plan.checks
+
+
+def test_the_node_crossing_check_walks_one_period_of_the_layout_not_every_rank(monkeypatch):
+    """At slurm.nodes' upper bound (100,000 nodes of 8) the check looks at the groups of one period of
+    the rank pattern (the least common multiple of a tp block and a node), not at 800,000 ranks."""
+    from relaytrain.errors import UserError
+    from relaytrain.parallel.dims import ParallelDims
+    from relaytrain.parallel.layout import validate_layout
+
+    seen = []
+    group_of = ParallelDims.group_of
+    monkeypatch.setattr(ParallelDims, "group_of", lambda self, r, d: seen.append(r) or group_of(self, r, d))
+    cfg = load_config(PRESET_70B)
+    with pytest.raises(UserError, match="global_batch_size=1024 must be divisible"):
+        validate_layout(cfg.parallel, cfg.model, cfg.train, 800_000, 8, "cuda")
+    assert 0 < len(seen) <= 8
