@@ -18,10 +18,15 @@ from relaytrain.slurm.snapshot_memory import snapshot_bytes_per_node
 TIGHT_FRACTION = 0.90
 
 
+def stages_async_copies(cfg: Config, gpus: int) -> bool:
+    """Whether each save copies the state into host buffers: async checkpoints of state on GPUs."""
+    ck = cfg.checkpoint
+    return bool(ck.enabled and ck.mode == "async" and gpus and not cfg.parallel.cpu_offload)
+
+
 def async_checkpoint_bytes_per_node(cfg: Config, dims, per_node: int, parameters: int, gpus: int) -> float:
     """Pinned host buffers of async checkpoints on one node (0 when saves do not stage a copy)."""
-    ck = cfg.checkpoint
-    if not (ck.enabled and ck.mode == "async" and gpus and not cfg.parallel.cpu_offload):
+    if not stages_async_copies(cfg, gpus):
         return 0.0
     return 12.0 * parameters / (dims.tp * dims.pp * dims.dp_shard * dims.cp) * per_node
 

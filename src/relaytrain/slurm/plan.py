@@ -29,7 +29,7 @@ from relaytrain.slurm.gpu_memory import (
     estimate_memory,
     gpu_memory_bytes,
 )
-from relaytrain.slurm.host_memory import async_checkpoint_bytes_per_node, host_memory_check
+from relaytrain.slurm.host_memory import host_memory_check, stages_async_copies
 from relaytrain.slurm.partition import host_memory
 from relaytrain.slurm.snapshot_memory import snapshot_memory_check
 
@@ -125,7 +125,7 @@ def make_plan(
             plan.checks.append(("memory", "warn", detail + " (tight: less than 10% headroom)"))
         else:
             plan.checks.append(("memory", "ok", detail))
-    if plan.memory.offloaded or async_checkpoint_bytes_per_node(cfg, plan.dims, per_node, 1, gpus_per_node):
+    if plan.memory.offloaded or stages_async_copies(cfg, gpus_per_node):
         args = (cfg, plan.memory, plan.dims, nodes, per_node, plan.parameters, gpus_per_node, host_memory)
         plan.checks.append(host_memory_check(*args))
     if cfg.checkpoint.enabled and cfg.checkpoint.snapshot_every:
@@ -246,8 +246,9 @@ def _round_up_time(seconds: float) -> str:
 def plan_for(cfg: Config, nodes: int = 0, mfu: float = DEFAULT_MFU) -> Plan:
     """The plan for the resolved `[slurm]` section of `cfg` at `nodes` nodes (0: slurm.nodes)."""
     s = cfg.slurm
-    pinned = cfg.checkpoint.mode == "async" and s.gpus_per_node != 0  # async checkpoints' host buffers
-    needs_host = cfg.parallel.cpu_offload or cfg.checkpoint.snapshot_every or pinned
+    needs_host = (
+        cfg.parallel.cpu_offload or cfg.checkpoint.snapshot_every or stages_async_copies(cfg, s.gpus_per_node)
+    )
     host = host_memory(s.partition, s.mem) if needs_host else None
     return make_plan(cfg, nodes or s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node, host, mfu)
 
