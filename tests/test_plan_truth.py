@@ -60,6 +60,9 @@ def test_a_job_that_trains_few_steps_warns_and_names_a_limit_that_passes():
     assert check(passing, "time limit")[0] == "ok"
     just_under = make_plan(load_config(PRESET_70B, ["--slurm.time=01:30:00"]), 4, 8, "h100")
     assert check(just_under, "time limit")[0] == "warn"
+    # A limit that the stop and the load fill: every resumed job would stop after its first step.
+    level, detail = check(make_plan(load_config(PRESET_70B, ["--slurm.time=20"]), 4, 8, "h100"), "time limit")
+    assert level == "fail" and "0 s (0% of the limit) train" in detail and "--slurm.time=01:40:00" in detail
     # Few steps alone warn too: 81 % of two hours train, 5 steps of ~1280 s on one node.
     slow = make_plan(load_config(PRESET_70B, ["--slurm.time=02:00:00"]), 1, 8, "h100")
     level, detail = check(slow, "time limit")

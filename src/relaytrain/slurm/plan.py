@@ -228,9 +228,10 @@ def _time_limit_check(cfg: Config, plan: Plan) -> tuple[str, str, str]:
     overhead = stop + load
     passing = max(overhead / (1 - MIN_TRAIN_SHARE), overhead + MIN_JOB_STEPS * step)
     wanted = f"at least {MIN_JOB_STEPS} steps and {MIN_TRAIN_SHARE:.0%} of the limit training"
+    level = "fail" if train <= 0 else "warn"  # a resumed job would stop after its first step
     return (
         "time limit",
-        "warn",
+        level,
         f"{detail}; for {wanted} per job this passes: --slurm.time={_round_up_time(passing)}",
     )
 
