@@ -168,7 +168,7 @@ def test_a_loaded_config_is_read_only():
 
 def test_derived_values_are_validated_with_the_config():
     """What a command derives (the launcher's profile and flags) is checked like the file's values."""
-    with pytest.raises(ConfigError, match=r"slurm.nodes=0 is not allowed: must be >= 1"):
+    with pytest.raises(ConfigError, match=r"slurm.nodes=0 is not allowed: must be in \[1, 100000\]"):
         load_config(None, [], {"slurm": {"nodes": 0}})
     with pytest.raises(ConfigError, match=r"config key 'resilience.requeue' expects bool"):
         load_config(None, [], {"resilience": {"requeue": "no"}})

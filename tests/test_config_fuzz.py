@@ -10,6 +10,7 @@ import os
 import tempfile
 import typing
 
+import pytest
 import tomli_w
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -256,3 +257,77 @@ def test_checks_before_step_one_raise_only_user_errors(shape, world_size, gpus_p
         make_plan(cfg, nodes, gpus_per_node, gpu)
     except UserError as exc:
         _one_line(exc)
+
+
+# Every numeric key, at the edges of what its domain lets through: `relaytrain plan`'s arithmetic (node
+# ranges, batch splits, memory, step time, save and load times, time-limit suggestions) must hold for all
+# of them, or the domain must refuse the value (a subnormal slurm.fs_write_gbps once overflowed).
+NUMERIC = [(s, k, tp, d) for s, k, tp, d in FIELDS if tp in (int, float) and d is not None]
+EDGES = [0, 1, -1, 2, 3, 7, 64, 2**20, 2**31, 2**53, 2**63 - 1, 5e-324, 1e-300, 1e-12, 1e-3, 0.5, 1e15, 1e300]
+PLAN_LAYOUTS = [
+    ("debug", ["--slurm.nodes=1", "--slurm.gpus_per_node=1"]),
+    ("debug", ["--slurm.nodes=2", "--slurm.gpus_per_node=2", "--parallel.pp=2"]),
+    ("debug", ["--slurm.nodes=1", "--slurm.gpus_per_node=0", "--slurm.tasks_per_node=2"]),
+    ("70b", ["--slurm.nodes=4", "--slurm.gpus_per_node=8", "--checkpoint.snapshot_every=10"]),
+]
+
+
+def _edge_values(tp, domain) -> list:
+    values = [tp(v) for v in EDGES if tp is float or isinstance(v, int)]
+    return [v for v in values if domain.test(v)]
+
+
+class _Slow(Exception):
+    pass
+
+
+def _plan(args: list[str]) -> tuple[int, str]:
+    """`relaytrain plan ARGS` in this process, as on a login node whose Slurm is away: (exit, stderr)."""
+    import contextlib
+    import io
+    import signal
+
+    def slow(*_):
+        raise _Slow(f"{args} ran over 60 s")
+
+    previous = signal.signal(signal.SIGALRM, slow)
+    signal.alarm(60)
+    os.environ["SLURM_CONF"] = "/nonexistent/slurm.conf"
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        del os.environ["SLURM_CONF"]
+    return code, err.getvalue()
+
+
+def _plan_args(section: str, key: str, value, layout: int) -> list[str]:
+    preset, fixed = PLAN_LAYOUTS[layout]
+    fixed = [f for f in fixed if not f.startswith(f"--{section}.{key}=")]
+    return ["plan", f"configs/{preset}.toml", "--slurm.gpu_type=h100", *fixed, f"--{section}.{key}={value!r}"]
+
+
+@settings(max_examples=int(os.environ.get("RELAYTRAIN_FUZZ_EXAMPLES", "40")), deadline=None, database=None)
+@given(st.sampled_from(NUMERIC), st.integers(0, len(EDGES) - 1), st.integers(0, len(PLAN_LAYOUTS) - 1))
+def test_plan_holds_for_every_numeric_key_at_its_domain_edges(field, index, layout):
+    section, key, tp, domain = field
+    edges = _edge_values(tp, domain)
+    code, err = _plan(_plan_args(section, key, edges[index % len(edges)], layout))
+    assert code in (0, 1) or (code == 2 and len(err.strip().splitlines()) == 1), err
+
+
+@pytest.mark.parametrize(
+    "section, key, value, layout",
+    [
+        ("slurm", "fs_write_gbps", 5e-324, 0),  # an OverflowError in the time-limit arithmetic
+        ("metrics", "peak_flops", 5e-324, 0),  # a step time of infinity
+        ("train", "global_batch_size", 2**62, 0),  # the batch split's divisor search ran for ever
+        ("slurm", "nodes", 2**40, 3),  # plan walked every node count and every rank
+    ],
+)
+def test_values_that_broke_plans_arithmetic_are_refused_in_one_line(section, key, value, layout):
+    code, err = _plan(_plan_args(section, key, value, layout))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f"{section}.{key}=" in err, err

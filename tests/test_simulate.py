@@ -119,9 +119,22 @@ def test_tp2_pp2_fsdp4_at_16_ranks_simulates_both_pipeline_ends(tmp_path, interl
     fewer = simulated_micro_batches(cfg.parallel, dims)
     assert fewer == (2 * dims.pp if interleaved else dims.pp + 1)
     hidden = dims.micro_batch_size * cfg.train.seq_len // dims.tp * cfg.model.dim * 2  # bf16, SP-sharded
-    sends = fewer * (3 if interleaved else 1)  # interleaved: 2 activations and 1 gradient per microbatch
+    per_micro_batch = 3 if interleaved else 1  # interleaved: 2 activations and 1 gradient per microbatch
+    sends = fewer * per_micro_batch
     (p2p,) = [c for c in first.collectives if c["op"] == "send" and c["mesh_dim"] == "pp"]
-    assert (p2p["calls"], p2p["bytes"], p2p["crosses_nodes"]) == (sends, sends * hidden, True)
+    assert (p2p["simulated_calls"], p2p["simulated_bytes"], p2p["crosses_nodes"]) == (
+        sends,
+        sends * hidden,
+        True,
+    )
+    # The table counts the whole step: the sends of all n micro batches; the stage's FSDP traffic once.
+    assert (p2p["per"], p2p["calls"], p2p["bytes"]) == (
+        "micro batch",
+        n * per_micro_batch,
+        n * per_micro_batch * hidden,
+    )
+    fsdp = [c for c in first.collectives if c["mesh_dim"] == "dp_shard_cp" and c["op"] != "all_reduce"]
+    assert fsdp and all(c["per"] == "step" and c["calls"] == c["simulated_calls"] for c in fsdp)
     assert not any(c["crosses_nodes"] for s in sims for c in s.collectives if c["mesh_dim"] == "tp")
     whole = dataclasses.replace(dims, grad_accum=fewer)  # simulation_config then keeps all n
     # 1F1B's last stage holds one micro batch in flight from the first: its first stage is the test.
@@ -129,6 +142,28 @@ def test_tp2_pp2_fsdp4_at_16_ranks_simulates_both_pipeline_ends(tmp_path, interl
     for sim, per_micro_batch in ends:
         full = _run_child((simulation_config(cfg, whole), 16, sim.rank, 2, "", 0))
         assert 0 <= full.peak_bytes - sim.peak_bytes <= (n - fewer) * per_micro_batch
+
+
+def test_collectives_per_step_scale_the_simulated_micro_batches_to_the_whole_step(tmp_path):
+    """Without a pipeline the simulation runs 2 of the step's 16 micro batches: what every micro batch
+    repeats (FSDP's all-gathers and reduce-scatters) counts 8 times over, what runs once per step (the
+    gradient norm's all-reduce after the micro batches) once; the table's title states the scale."""
+    from relaytrain.slurm.plan import make_plan
+    from relaytrain.slurm.simulated import collectives_title
+
+    cfg = small_cfg(tmp_path)
+    dims = validate_layout(cfg.parallel, cfg.model, cfg.train, 2, 2, "cuda")
+    assert (dims.micro_batch_size, dims.grad_accum, simulated_micro_batches(cfg.parallel, dims)) == (1, 16, 2)
+    (sim,) = simulate(cfg, dims, 2)
+    ops = {(c["op"], c["per"]): c for c in sim.collectives if c["mesh_dim"].startswith("dp_shard")}
+    for op in ("_allgather_base", "_reduce_scatter_base"):
+        c = ops[(op, "micro batch")]
+        assert (c["calls"], c["bytes"]) == (8 * c["simulated_calls"], 8 * c["simulated_bytes"]) != (0, 0)
+    norm = ops[("all_reduce", "step")]
+    assert norm["calls"] == norm["simulated_calls"] >= 1
+    title = collectives_title(make_plan(cfg, 1, 2, "h100"), 2)
+    scaled = "those once per micro batch scaled x 8 from the 2 simulated"
+    assert title == f"collectives per step of 16 micro batches: {scaled}"
 
 
 def test_a_layout_the_fake_step_cannot_run_falls_back_to_the_plan_with_one_line(tmp_path):

@@ -265,8 +265,10 @@ def test_plan_prints_parameters_in_human_units(capsys):
     "time_limit, margin, level",
     [
         ("5", 300, "fail"),  # 300 s limit: the time budget (save estimate + 300 s) stops every job at once
-        ("10", 300, "ok"),
-        ("5", 30, "ok"),
+        ("10", 300, "warn"),  # half of the limit trains: less than 75 %
+        ("25", 300, "ok"),  # 80 %
+        ("5", 30, "warn"),  # Slurm's signal stops it 180 s early: 40 % trains
+        ("30", 30, "ok"),
         ("2", 5, "warn"),  # 120 s: time to train, but the default 180 s signal lead comes as it starts
         ("UNLIMITED", 300, "ok"),
     ],

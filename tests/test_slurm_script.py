@@ -439,7 +439,8 @@ def test_profile_jobid_and_signal_are_part_of_the_validated_config(work):
     profile = "gpus_per_node = 0\ntasks_per_node = 1\n"
     (work / "configs/clusters/slowfs.toml").write_text(profile + "fs_write_gbps = 0\n")
     debug = str(REPO / "configs/debug.toml")
-    with pytest.raises(UserError, match=r"slurm.fs_write_gbps=0.0 is not allowed: must be > 0"):
+    refusal = r"slurm.fs_write_gbps=0.0 is not allowed: must be in \[0.001, 1e\+06\]"
+    with pytest.raises(UserError, match=refusal):
         launch(LaunchRequest(config=debug, profile="slowfs", dry_run=True), quiet)
     (work / "configs/clusters/cpu.toml").write_text(profile)
     req = LaunchRequest(config=debug, profile="cpu", jobid="4567", signal="USR1@300", dry_run=True)

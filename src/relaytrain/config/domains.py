@@ -18,6 +18,13 @@ from relaytrain.errors import ConfigError
 
 # Longer timeouts and intervals than this are typos; their sum with a clock would overflow sleeps.
 MAX_SECONDS = 10_000_000.0  # ~115 days
+# More sequences per step than this are typos (Llama 3 405B: 16M tokens, 2K sequences); the batch split's
+# divisor search stays cheap below it.
+MAX_BATCH = 2**24
+# Node counts and processes per node beyond any machine (the largest have ~10,000 nodes of 4-8 GPUs);
+# plan's layout checks walk every rank.
+MAX_NODES = 100_000
+MAX_PER_NODE = 1024
 MAX_NAME_BYTES = 200  # stays inside the 255-byte file-name limit with room for suffixes
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -66,6 +73,11 @@ def in_range(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = Fal
         return above and below
 
     return Domain(f"in {left}{_num(lo)}, {_num(hi)}{right}", test)
+
+
+def zero_or_in_range(lo: float, hi: float) -> Domain:
+    """0 (off, or: find it out) or a value in [lo, hi]."""
+    return Domain(f"0 or in [{_num(lo)}, {_num(hi)}]", lambda v: v == 0 or lo <= v <= hi)
 
 
 def seconds(*, zero_ok: bool = True) -> Domain:

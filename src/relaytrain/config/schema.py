@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from relaytrain.config.domains import (
+    MAX_BATCH,
+    MAX_NODES,
+    MAX_PER_NODE,
     MAX_SECONDS,
     absolute_path,
     at_least,
@@ -25,6 +28,7 @@ from relaytrain.config.domains import (
     setting,
     slurm_time,
     with_lengths,
+    zero_or_in_range,
 )
 
 
@@ -88,8 +92,8 @@ class DataConfig(Section):
 class TrainConfig(Section):
     max_steps: int = setting(200, at_least(1))  # the LR schedule spans this many optimizer steps
     # sequences per optimizer step, over all data-parallel ranks
-    global_batch_size: int = setting(16, at_least(1))
-    micro_batch_size: int = setting(4, at_least(1))  # sequences per forward/backward on one rank
+    global_batch_size: int = setting(16, in_range(1, MAX_BATCH))
+    micro_batch_size: int = setting(4, in_range(1, MAX_BATCH))  # sequences per forward/backward on one rank
     seq_len: int = setting(128, at_least(1))
     grad_clip: float = setting(1.0, at_least(0))  # max global grad norm; 0 disables clipping
     eval_every: int = setting(100, at_least(0))  # 0 disables evaluation
@@ -125,7 +129,8 @@ class ParallelConfig(Section):
     cp: int = setting(1, at_least(1))  # context parallel degree (CUDA only)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     pp_virtual_stages: int = setting(1, at_least(1))  # stages per pipeline rank (interleaved_1f1b needs >= 2)
-    pp_microbatches: int = setting(0, at_least(0))  # 0: pp (one microbatch per stage)
+    # pipeline micro batches per step; 0: micro batches of train.micro_batch_size sequences (at least pp)
+    pp_microbatches: int = setting(0, at_least(0))
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False  # torch.compile each transformer block
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on cuda, fp32 on cpu
@@ -199,16 +204,17 @@ class SlurmConfig(Section):
     partition: str = ""
     account: str = ""
     qos: str = ""
-    nodes: int = setting(1, at_least(1))  # the most nodes (with min_nodes: the top of the range)
+    nodes: int = setting(1, in_range(1, MAX_NODES))  # the most nodes (with min_nodes: the top of the range)
     # 0: exactly `nodes`; else Slurm may start each job of the chain on min_nodes..nodes (--nodes MIN-MAX)
-    min_nodes: int = setting(0, at_least(0))
+    min_nodes: int = setting(0, in_range(0, MAX_NODES))
     # sbatch --no-kill: a failed node does not end the job, the step restarts on the nodes left (when
     # min_nodes allows) or the job is requeued; auto: on for node ranges (min_nodes), off for fixed counts
     no_kill: Literal["auto", True, False] = "auto"
     # -1: from the profile, else 8; 0: CPU-only nodes (set tasks_per_node)
-    gpus_per_node: int = setting(-1, at_least(-1))
+    gpus_per_node: int = setting(-1, in_range(-1, MAX_PER_NODE))
     gpu_type: str = ""  # h100, h200, a100, mi250x, ... (relaytrain plan); mi*: AMD ROCm/RCCL
-    tasks_per_node: int = setting(0, at_least(0))  # 0: one task per GPU (CPU-only clusters set this)
+    # 0: one task per GPU (CPU-only clusters set this)
+    tasks_per_node: int = setting(0, in_range(0, MAX_PER_NODE))
     cpus_per_task: int = setting(0, at_least(0))  # unset: chosen at launch; sets OMP_NUM_THREADS
     mem: str = ""
     time: str = setting("01:00:00", slurm_time())
@@ -232,7 +238,8 @@ class SlurmConfig(Section):
     uv_project: str = ""  # run python through `uv run --project DIR`
     # NCCL_NET_GDR_LEVEL (GPU-direct RDMA); -1 leaves it unset (NCCL detects the topology)
     nccl_net_gdr_level: int = setting(-1, at_least(-1))
-    fs_write_gbps: float = setting(2.0, positive())  # checkpoint write bandwidth in GB/s (relaytrain plan)
+    # checkpoint write bandwidth in GB/s, all ranks together (relaytrain plan; reads assumed no faster)
+    fs_write_gbps: float = setting(2.0, in_range(0.001, 1e6))
 
 
 @dataclass(kw_only=True)
@@ -248,7 +255,7 @@ class MetricsConfig(Section):
     profile_steps: list[int] = setting(domain=with_lengths(at_least(0), 0, 2), factory=list)
     gpu_monitor_interval_s: float = setting(5.0, seconds(zero_ok=False))
     # per-device peak FLOP/s for MFU; 0: table for GPUs, measured on CPU
-    peak_flops: float = setting(0.0, at_least(0))
+    peak_flops: float = setting(0.0, zero_or_in_range(1e9, 1e18))
 
 
 @dataclass(kw_only=True)

@@ -78,8 +78,21 @@ def resolve_dims(pcfg: ParallelConfig, world_size: int) -> ParallelDims:
     )
 
 
-def pp_microbatches(parallel: ParallelConfig) -> int:
-    return parallel.pp_microbatches or parallel.pp
+def pp_microbatches(parallel: ParallelConfig, train: TrainConfig, dp: int) -> int:
+    """Pipeline micro batches per step: parallel.pp_microbatches, or with 0 as many as make micro batches
+    of train.micro_batch_size sequences (the largest size up to it that splits the local batch into at
+    least pp micro batches, a multiple of pp for the interleaved schedule); pp when none does (the
+    layout check then names the batch that would)."""
+    if parallel.pp_microbatches or parallel.pp == 1:
+        return parallel.pp_microbatches or parallel.pp
+    local = train.global_batch_size // max(dp, 1)
+    step = parallel.pp if parallel.pp_schedule == "interleaved_1f1b" else 1
+    fits = [
+        d
+        for d in _divisors(local)
+        if d <= train.micro_batch_size and local // d >= parallel.pp and (local // d) % step == 0
+    ]
+    return local // max(fits) if fits else parallel.pp
 
 
 def batch_split_note(train: TrainConfig, dims: ParallelDims) -> str | None:
@@ -95,7 +108,8 @@ def batch_split_note(train: TrainConfig, dims: ParallelDims) -> str | None:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def _propose_tp(model: ModelConfig, dims: ParallelDims, gpus_per_node: int) -> str:
@@ -119,7 +133,11 @@ def _check_inside_node(model: ModelConfig, dims: ParallelDims, dim: str, gpus_pe
     if size == 1 or dims.world_size <= gpus_per_node:
         return
     label = {"tp": "tensor-parallel", "cp": "context-parallel"}[dim]
-    for start in range(dims.world_size):
+    # The groups repeat every block of ranks that holds whole groups (`dim` and the dims inside it), and
+    # nodes every gpus_per_node: the first crossing, if any, lies within their least common multiple.
+    names = [name for name, _ in dims.mesh_dims]
+    block = math.prod(n for _, n in dims.mesh_dims[names.index(dim) :])
+    for start in range(min(dims.world_size, math.lcm(block, gpus_per_node))):
         group = dims.group_of(start, dim)
         if group[0] != start:
             continue
@@ -279,7 +297,7 @@ def check_layout(
                 f"parallel.pp_schedule={p.pp_schedule!r} runs one stage per rank; set "
                 f"parallel.pp_virtual_stages=1 or pp_schedule='interleaved_1f1b'",
             )
-        n_mb = pp_microbatches(parallel)
+        n_mb = pp_microbatches(parallel, train, dims.dp)
         require(
             n_mb >= dims.pp,
             f"parallel.pp_microbatches={n_mb} must be >= parallel.pp={dims.pp} "
@@ -310,7 +328,7 @@ def check_layout(
         f"{(gbs // dp + 1) * dp}",
     )
     if dims.pp > 1:
-        n_mb = pp_microbatches(parallel)
+        n_mb = pp_microbatches(parallel, train, dp)
         require(
             (gbs // dp) % n_mb == 0,
             f"train.global_batch_size={gbs} must be divisible by data-parallel degree {dp} x "
@@ -329,7 +347,7 @@ def split_batch(parallel: ParallelConfig, train: TrainConfig, dims: ParallelDims
     """`dims` with the batch split filled in; the degrees must have passed `check_layout`."""
     local = train.global_batch_size // dims.dp
     if dims.pp > 1:
-        n_mb = pp_microbatches(parallel)
+        n_mb = pp_microbatches(parallel, train, dims.dp)
         micro, accum = local // n_mb, n_mb
     else:
         micro = max(d for d in _divisors(local) if d <= max(1, train.micro_batch_size))

@@ -32,7 +32,7 @@ from relaytrain.model.transformer import Transformer
 from relaytrain.parallel.activation import apply_ac, apply_compile
 from relaytrain.parallel.dims import ParallelDims
 from relaytrain.parallel.fsdp import apply_fsdp, param_dtype
-from relaytrain.parallel.layout import batch_split_note, pp_microbatches, validate_layout
+from relaytrain.parallel.layout import batch_split_note, validate_layout
 from relaytrain.parallel.mesh import build_mesh, fsdp_mesh, submesh
 from relaytrain.parallel.pipeline import build_schedule, split_stage, stage_ids_of
 from relaytrain.parallel.pipeline_shapes import BoundaryShapes, StageBoundary, stage_boundary
@@ -93,7 +93,7 @@ class ParallelModel:
                 self.n_stages,
                 device,
                 mesh["pp"].get_group(),
-                pp_microbatches(parallel),
+                dims.grad_accum,
                 self._loss_fn,
                 self._declared_boundaries(boundaries),
             )
@@ -372,7 +372,7 @@ def materialize(
     if declare_stage_shapes and dims.pp > 1:
         cfg = sharded.parts[0].cfg
         shapes = BoundaryShapes(
-            microbatch=dims.local_batch_size // pp_microbatches(parallel),
+            microbatch=dims.micro_batch_size,
             seq_len=train.seq_len,
             dim=cfg.dim,
             vocab_size=cfg.vocab_size,

@@ -29,7 +29,6 @@ from pathlib import Path
 
 from relaytrain.config import Config
 from relaytrain.parallel.dims import ParallelDims
-from relaytrain.parallel.layout import pp_microbatches
 
 
 class SimulationError(Exception):
@@ -82,7 +81,7 @@ def steady_state_microbatches(parallel, dims: ParallelDims) -> int:
     multiples of pp). GPipe keeps every microbatch in flight: all of them. Each further microbatch
     repeats the steady state (checked with pp 2 on a small model: tests/test_simulate.py), except for
     the per-microbatch receive buffers, which the simulation adds (`_unrun_receive_buffers`)."""
-    n = pp_microbatches(parallel)
+    n = dims.grad_accum
     if parallel.pp_schedule == "1f1b":
         return min(n, dims.pp + 1)
     if parallel.pp_schedule == "interleaved_1f1b":
@@ -127,12 +126,20 @@ def simulated_micro_batches(parallel, dims: ParallelDims) -> int:
 
 
 def simulate_rank(
-    cfg: Config, world_size: int, rank: int, gpus_per_node: int, role: str = "", unrun_microbatches: int = 0
+    cfg: Config,
+    world_size: int,
+    rank: int,
+    gpus_per_node: int,
+    role: str = "",
+    unrun_microbatches: int = 0,
+    step_micro_batches: int = 0,
 ) -> RankSimulation:
     """Simulate `rank` of `world_size` in this process (which it leaves with the fake group joined).
 
     `unrun_microbatches`: pipeline microbatches of the real step that `cfg` leaves out; their receive
-    buffers, which the schedule allocates once per microbatch and keeps, are allocated all the same."""
+    buffers, which the schedule allocates once per microbatch and keeps, are allocated all the same.
+    `step_micro_batches`: the real step's micro batches, to which the collectives are scaled (0: the
+    simulated ones)."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -170,9 +177,11 @@ def simulate_rank(
         with tracker, counter:
             unrun = _unrun_receive_buffers(model, unrun_microbatches)  # noqa: F841 - held through the step
             model.train_step(inputs, targets)
+            counter.after_micro_batches = True
             model.clip_grad_norm_(cfg.train.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    scale = (step_micro_batches or dims.grad_accum) / max(dims.grad_accum, 1)
     peak, categories = peak_by_category(tracker)
     host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return RankSimulation(
@@ -182,7 +191,9 @@ def simulate_rank(
         peak_bytes=peak,
         categories=categories,
         peak_at=tracker.peak_at,
-        collectives=[c.as_dict() for c in collectives(counter, model.mesh, gpus_per_node)],
+        collectives=[
+            c.as_dict() for c in collectives(counter, model.mesh, gpus_per_node, scale, dims.pp > 1)
+        ],
         attention_kernels=sorted(counter.attention_ops),
         seconds=time.monotonic() - start,
         host_peak_bytes=host,
@@ -223,7 +234,7 @@ def _allocate_optimizer_state(optimizer) -> None:
 
 
 def _simulate_in_child(
-    cfg: Config, world_size: int, rank: int, gpus_per_node: int, role: str, unrun: int = 0
+    cfg: Config, world_size: int, rank: int, gpus_per_node: int, role: str, unrun: int = 0, step: int = 0
 ) -> dict | str:
     """Runs in a fresh process (the fake process group is one per process); errors come back as text."""
     import logging
@@ -232,7 +243,7 @@ def _simulate_in_child(
     warnings.filterwarnings("ignore")
     logging.getLogger("torch").setLevel(logging.ERROR)
     try:
-        return dataclasses.asdict(simulate_rank(cfg, world_size, rank, gpus_per_node, role, unrun))
+        return dataclasses.asdict(simulate_rank(cfg, world_size, rank, gpus_per_node, role, unrun, step))
     except Exception as exc:  # noqa: BLE001 - any failure of the fake step is reported, not raised
         return f"{type(exc).__name__}: {_first_line(exc)}"
 
@@ -258,7 +269,8 @@ def simulate(
     for rank, role in representative_ranks(dims):
         coords = ", ".join(f"{k} {v}" for k, v in dims.coordinates(rank).items())
         progress(f"simulating rank {rank} of {dims.world_size} ({role}; {coords})")
-        out = _run_child((simulation_config(cfg, dims), dims.world_size, rank, gpus_per_node, role, unrun))
+        sim_cfg = simulation_config(cfg, dims)
+        out = _run_child((sim_cfg, dims.world_size, rank, gpus_per_node, role, unrun, dims.grad_accum))
         if isinstance(out, str):
             raise SimulationError(f"rank {rank}: {out}")
         progress(f"rank {rank}: peak {out.peak_bytes / 1024**3:.2f} GiB ({out.peak_at}), {out.seconds:.0f} s")

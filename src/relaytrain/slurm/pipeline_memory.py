@@ -53,7 +53,7 @@ def stage_memory(cfg: Config, dims, per_layer: float, stage_params: float) -> St
     """Pipeline terms for one activation checkpointing mode (`per_layer`: bytes a layer keeps per
     microbatch); `stage_params`: parameters of the largest stage, before TP."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    n = p.pp_microbatches or dims.pp
+    n = dims.grad_accum  # the layout's pipeline micro batches (relaytrain.parallel.layout.pp_microbatches)
     layers = -(-m.n_layers // dims.pp)
     fsdp = dims.dp_shard * dims.cp > 1 or p.cpu_offload
     grad_bytes = _DTYPE_BYTES.get(p.reduce_dtype, 4)

@@ -29,12 +29,15 @@ from relaytrain.slurm.gpu_memory import (
     estimate_memory,
     gpu_memory_bytes,
 )
+from relaytrain.slurm.host_memory import host_memory_check, stages_async_copies
 from relaytrain.slurm.partition import host_memory
 from relaytrain.slurm.snapshot_memory import snapshot_memory_check
 
 TIGHT_FRACTION = 0.90  # above this share of the GPU's memory the verdict is "tight"
 SAVE_HEADROOM = 1.2  # a suggested hard deadline leaves 20% over the save estimate
 EXIT_MARGIN_S = 60  # a suggested signal lead leaves this after the hard deadline for the processes to exit
+MIN_JOB_STEPS = 10  # a job that trains fewer steps within its time limit warns
+MIN_TRAIN_SHARE = 0.75  # as does one that trains for less than this share of its time limit
 
 
 @dataclass
@@ -122,17 +125,18 @@ def make_plan(
             plan.checks.append(("memory", "warn", detail + " (tight: less than 10% headroom)"))
         else:
             plan.checks.append(("memory", "ok", detail))
-    if plan.memory.offloaded:
-        plan.checks.append(_host_memory_check(plan.memory, per_node, host_memory))
+    if plan.memory.offloaded or stages_async_copies(cfg, gpus_per_node):
+        args = (cfg, plan.memory, plan.dims, nodes, per_node, plan.parameters, gpus_per_node, host_memory)
+        plan.checks.append(host_memory_check(*args))
     if cfg.checkpoint.enabled and cfg.checkpoint.snapshot_every:
         args = (cfg, plan.dims, nodes, per_node, plan.parameters, host_memory)
         plan.checks.append(snapshot_memory_check(*args))
     if gpus_per_node:
-        plan.step = estimate_step(cfg, world, gpu, mfu)
+        plan.step = estimate_step(cfg, world, gpu, mfu, plan.dims)
     plan.checkpoint_bytes = 12.0 * plan.parameters
     plan.save_seconds = plan.checkpoint_bytes / (cfg.slurm.fs_write_gbps * GB)
     plan.checks.append(_checkpoint_check(cfg, plan))
-    plan.checks.append(_time_limit_check(cfg, plan.save_seconds))
+    plan.checks.append(_time_limit_check(cfg, plan))
     return plan
 
 
@@ -181,19 +185,24 @@ def _checkpoint_check(cfg: Config, plan: Plan) -> tuple[str, str, str]:
     return ("checkpoint", "warn", f"{detail}: {fix}")
 
 
-def _time_limit_check(cfg: Config, save_seconds: float) -> tuple[str, str, str]:
+def _time_limit_check(cfg: Config, plan: Plan) -> tuple[str, str, str]:
     """A job must have time to train before its own time budget stops it (resilience/shutdown.py stops
-    when less than the save estimate + time_budget_margin_s remain): else every job of the chain trains
-    one step, saves and requeues until max_requeues."""
+    when less than the save estimate + time_budget_margin_s remain, or at Slurm's signal, whichever comes
+    first), after loading the checkpoint it resumes from: else the chain spends its jobs starting and
+    stopping. Fewer than MIN_JOB_STEPS steps, or less than MIN_TRAIN_SHARE of the limit training, warns
+    and names a limit that passes; no time to train at all fails."""
     limit, r = slurm_time_seconds(cfg.slurm.time), cfg.resilience
     if limit is None:
         return ("time limit", "ok", f"slurm.time={cfg.slurm.time!r}: no time limit, no time-budget stop")
-    stop = save_seconds + r.time_budget_margin_s
+    save = plan.save_seconds
+    stop = max(save + r.time_budget_margin_s, r.signal_lead_s)
+    load = plan.checkpoint_bytes / (cfg.slurm.fs_write_gbps * GB)  # reads assumed no faster than writes
     detail = (
         f"slurm.time={cfg.slurm.time} ({limit} s); the run stops itself {stop:.0f} s before the limit "
-        f"(save estimate {save_seconds:.0f} s + resilience.time_budget_margin_s={r.time_budget_margin_s:g})"
+        f"(the larger of save estimate {save:.0f} s + resilience.time_budget_margin_s="
+        f"{r.time_budget_margin_s:g} and resilience.signal_lead_s={r.signal_lead_s})"
     )
-    if limit <= stop:
+    if limit <= save + r.time_budget_margin_s:
         return (
             "time limit",
             "fail",
@@ -206,13 +215,41 @@ def _time_limit_check(cfg: Config, save_seconds: float) -> tuple[str, str, str]:
             "warn",
             detail + f"; Slurm's signal (resilience.signal_lead_s={r.signal_lead_s}) comes as the job starts",
         )
-    return ("time limit", "ok", detail)
+    train = limit - stop - load
+    step = plan.step.seconds if plan.step else 0.0
+    steps = train / step if step else None
+    detail += f", and a resumed job first loads the checkpoint (about {load:.0f} s): {max(train, 0):.0f} s "
+    detail += f"({max(train, 0) / limit:.0%} of the limit) train" + (
+        f", about {max(steps or 0, 0):.0f} steps (estimate)" if step else ""
+    )
+    short = train < MIN_TRAIN_SHARE * limit or (steps is not None and steps < MIN_JOB_STEPS)
+    if not short:
+        return ("time limit", "ok", detail)
+    overhead = stop + load
+    passing = max(overhead / (1 - MIN_TRAIN_SHARE), overhead + MIN_JOB_STEPS * step)
+    wanted = f"at least {MIN_JOB_STEPS} steps and {MIN_TRAIN_SHARE:.0%} of the limit training"
+    level = "fail" if train <= 0 else "warn"  # a resumed job would stop after its first step
+    return (
+        "time limit",
+        level,
+        f"{detail}; for {wanted} per job this passes: --slurm.time={_round_up_time(passing)}",
+    )
+
+
+def _round_up_time(seconds: float) -> str:
+    """Seconds rounded up to 10 minutes, as sbatch --time writes them: H:MM:SS, or D-HH:MM:SS."""
+    days, rest = divmod(_round_up(seconds, 600), 86400)
+    hours, rest = divmod(rest, 3600)
+    text = f"{hours:02d}:{rest // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{text}" if days else text
 
 
 def plan_for(cfg: Config, nodes: int = 0, mfu: float = DEFAULT_MFU) -> Plan:
     """The plan for the resolved `[slurm]` section of `cfg` at `nodes` nodes (0: slurm.nodes)."""
     s = cfg.slurm
-    needs_host = cfg.parallel.cpu_offload or cfg.checkpoint.snapshot_every
+    needs_host = (
+        cfg.parallel.cpu_offload or cfg.checkpoint.snapshot_every or stages_async_copies(cfg, s.gpus_per_node)
+    )
     host = host_memory(s.partition, s.mem) if needs_host else None
     return make_plan(cfg, nodes or s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node, host, mfu)
 
@@ -254,23 +291,6 @@ def _pipeline_hint(dims) -> str:
     )
 
 
-def _host_memory_check(mem: MemoryEstimate, per_node: int, host_memory: tuple[float, str] | None):
-    need = mem.host_per_process() * per_node
-    detail = (
-        f"{need / GIB:.1f} GiB per node for {per_node} process(es) with offloaded weights, gradients and "
-        "AdamW state"
-    )
-    if host_memory is None:
-        return ("host memory", "warn", detail + ": node memory unknown; pass --mem (e.g. --mem 0 for all)")
-    capacity, source = host_memory
-    detail += f", of {capacity / GIB:.1f} GiB ({source})"
-    if need > capacity:
-        return ("host memory", "fail", detail + "; ask for more --mem, use more nodes, or shard further")
-    if need > capacity * TIGHT_FRACTION:
-        return ("host memory", "warn", detail + " (tight: less than 10% headroom)")
-    return ("host memory", "ok", detail)
-
-
 def human_count(n: float) -> str:
     """3.1 M, 8.03 B, 512."""
     for scale, suffix, digits in ((1e12, "T", 2), (1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
@@ -300,4 +320,6 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
                     f"{mem.activations[mode] / GIB:.1f} GiB -> total {mem.total(mode) / GIB:.1f} GiB",
                 )
             )
-    return rows + estimate_rows(plan.step, plan.gpu)
+    # make_plan stops at a failed layout, before the estimate
+    why = "the layout failed (see the layout check)" if plan.dims is None else ""
+    return rows + estimate_rows(plan.step, plan.gpu, why)

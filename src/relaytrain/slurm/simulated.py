@@ -91,12 +91,25 @@ def collective_rows(sim) -> list[tuple[str, ...]]:
             c["op"],
             c["mesh_dim"],
             str(c["group_size"]),
+            c["per"],
             str(c["calls"]),
             _size(c["bytes"]),
+            f"{c['simulated_calls']}, {_size(c['simulated_bytes'])}",
             "yes" if c["crosses_nodes"] else "no",
         )
         for c in sim.collectives
     ]
+
+
+def collectives_title(plan: Plan, micro_batches: int) -> str:
+    """The table's title: what it counts and how it was scaled from what the simulation ran."""
+    n = plan.dims.grad_accum if plan.dims is not None else micro_batches
+    if n == micro_batches:
+        return f"collectives per step (all {n} micro batch(es) simulated)"
+    return (
+        f"collectives per step of {n} micro batches: those once per micro batch scaled "
+        f"x {n / micro_batches:g} from the {micro_batches} simulated"
+    )
 
 
 def tp_crosses_nodes(sims: list) -> bool:
@@ -197,8 +210,18 @@ def print_simulation(console, plan: Plan, sims: list, micro_batches: int) -> Non
         for row in category_rows(sim):
             detail.add_row(*row)
         console.print(detail)
-        comms = Table(show_header=True, title="collectives per step")
-        for column in ("collective", "mesh dim", "group", "calls", "payload", "crosses nodes"):
+        comms = Table(show_header=True, title=collectives_title(plan, micro_batches))
+        columns = (
+            "collective",
+            "mesh dim",
+            "group",
+            "once per",
+            "calls",
+            "payload",
+            "simulated",
+            "crosses nodes",
+        )
+        for column in columns:
             comms.add_column(column)
         for row in collective_rows(sim):
             comms.add_row(*row)
