@@ -41,6 +41,12 @@ def run_row(row: Row, out: Path = RESULTS) -> dict:
     import torch
 
     load = load_average()
+    git = ["git", "-C", str(REPO)]
+    commit = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    if subprocess.run([*git, "status", "--porcelain", "src"], capture_output=True, text=True).stdout.strip():
+        commit += " with uncommitted changes in src/"
     start = time.monotonic()
     command = [sys.executable, "-m", "relaytrain.cli", *row.args]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
@@ -50,7 +56,6 @@ def run_row(row: Row, out: Path = RESULTS) -> dict:
         raise RuntimeError(f"{row.id}: exit {proc.returncode}: {tail}")
     json.loads(proc.stdout)  # a record, or fail here rather than at rendering
     (out / f"{row.id}.json").write_text(proc.stdout)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     meta = {
         "command": row.command,
         "exit": proc.returncode,
@@ -59,7 +64,7 @@ def run_row(row: Row, out: Path = RESULTS) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cores": os.cpu_count(),
-        "commit": commit.stdout.strip() or None,
+        "commit": commit or None,
         "load_start": load,
         "load_end": load_average(),
     }
@@ -164,6 +169,7 @@ def render(where: Path = RESULTS, rows: list[Row] = ROWS) -> str:
         lines += [table(header, body).rstrip(), ""]
         lines += _timings(done, found)
         lines += _summary(done, found)
+    lines += [LIMITS]
     missing = [row for row in rows if found[row.id] is None]
     if missing:
         lines += [
@@ -218,6 +224,30 @@ def _summary(done: list[Row], found: dict) -> list[str]:
                 over.append(f"`{row.id}` ({', '.join(bad)})")
         body.append([name, str(len(rows)), *cells, "; ".join(over) or "none"])
     return lines + [table(header, body).rstrip(), ""]
+
+
+LIMITS = """What no row can show as such:
+
+* Context parallel (`parallel.cp` > 1) shards attention with CUDA's kernels; the fake step runs on the
+  CPU, which has no such strategy, so a cp row stays plan only (its one-line warning is in the table).
+* What no tensor holds: the CUDA context, NCCL's buffers and allocator fragmentation (plan's 3 GiB and
+  10 %) are outside every comparison.
+* `parallel.compile`: the simulated step runs eagerly; compiled blocks are taken to hold what eager
+  ones hold. The attention kernel is the CPU one, `_scaled_dot_product_flash_attention_for_cpu`, which
+  keeps the output and a log-sum-exp per head and position for backward as CUDA's flash attention
+  does (no s x s scores on either).
+* Not every micro batch runs: without a pipeline 2 of the step's micro batches (the peak is reached by
+  the second; each further one repeats it), with one the fewest at which the schedule reaches its
+  steady state (pp + 1 for 1F1B, 2 pp interleaved, all for GPipe) plus the receive buffers of the
+  others. A pipeline's stage boundary shapes are declared from the config (the trainer's schedule
+  learns them by a vote that reads tensor values, which fake tensors do not have).
+* With CPU offload the states live in host memory; the simulation, on the CPU, counts them in the same
+  categories. On 1 x 1 (no FSDP) autocast's bf16 weight copies, plan's gathered layers, are counted by
+  the tracker with the activations, so those two columns trade.
+* A pipeline's ranks differ by design: plan's figure is for the rank that holds the most (the last
+  stage with full checkpointing, where the loss lives, else the first, with pp micro batches in
+  flight), and the other end's line is below it.
+"""
 
 
 def select(spec: str) -> list[Row]:

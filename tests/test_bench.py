@@ -344,3 +344,36 @@ def test_only_accepts_the_checkpoint_issue_name(tmp_path, monkeypatch, capsys):
     assert json.loads((tmp_path / "results.json").read_text())["checkpoint-io-run"] == {"x": 1}
     with pytest.raises(SystemExit):
         runner.main(["--only", "checkpoint-iox", "--page", str(page), "--no-write"])
+
+
+def test_simulated_section_is_what_its_generator_writes_from_the_kept_outputs():
+    """docs/benchmarks.md's "Simulated at scale" is bench.simulated_table's rendering of the kept
+    `plan --simulate --json` outputs, byte for byte: no hand edit, no figure without a kept output."""
+    from bench.report import PAGE, section_body
+    from bench.simulated_table import SECTION, render
+
+    body = section_body(PAGE.read_text(), SECTION)
+    assert body is not None, "the page lacks the <!-- bench:simulated --> block"
+    assert body.rstrip() == render().rstrip(), "rerun: python -m bench.simulated_table"
+
+
+def test_simulated_rows_without_a_kept_output_are_named_not_shown(tmp_path):
+    import shutil
+
+    from bench.simulated_rows import ROWS
+    from bench.simulated_table import RESULTS, kept, render
+
+    have = next(r for r in ROWS if kept(r) is not None and kept(r)[0]["ranks"])
+    lacking = next(r for r in ROWS if r.id != have.id)
+    for suffix in (".json", ".run.json"):
+        shutil.copy(RESULTS / f"{have.id}{suffix}", tmp_path / f"{have.id}{suffix}")
+    text = render(tmp_path, [have, lacking])
+    table_lines = [line for line in text.splitlines() if line.startswith("| `")]
+    assert any(f"`{have.id}`" in line for line in table_lines)
+    assert not any(f"`{lacking.id}`" in line for line in table_lines)
+    (missing,) = [line for line in text.splitlines() if line.startswith("Not reproduced here")]
+    assert f"`{lacking.id}`" in missing and f"`{have.id}`" not in missing
+    record = kept(have)[0]
+    rank = max(record["ranks"], key=lambda r: r["peak_bytes"])
+    grads = next(c for c in rank["detail_comparison"] if c["category"] == "gradients")
+    assert f"{grads['plan_bytes'] / 1024**3:.2f} / {grads['simulated_bytes'] / 1024**3:.2f}" in text
