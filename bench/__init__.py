@@ -13,4 +13,8 @@ bench/checkpoint_section.py turns into the ``checkpoint-io-run`` block with the 
 
 The trials on the local Slurm cluster (``python -m bench.chaos``, ``python -m bench.goodput``) are the
 package bench/cluster/; they write their own sections and are not part of ``python -m bench``.
+
+The ``simulated`` section ("Simulated at scale") is ``python -m bench.simulated_table``: it renders the
+kept ``relaytrain plan --simulate --json`` outputs of bench/results/simulated/ (``--run`` simulates rows
+again; the rows are bench/simulated_rows.py), and is not part of ``python -m bench`` either.
 """

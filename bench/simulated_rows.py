@@ -9,6 +9,7 @@ pipelines, a bf16 gradient reduction, and a layout the fake step cannot run (con
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 TP8 = ("--parallel.tp=8",)
@@ -60,7 +61,7 @@ class Row:
     def id(self) -> str:
         words = [self.model, f"{self.nodes}x{self.gpus}", self.layout, self.mode or "default"]
         text = "-".join(words).lower()
-        return "".join(c if c.isalnum() else "-" for c in text).replace("--", "-").strip("-")
+        return re.sub("-+", "-", "".join(c if c.isalnum() else "-" for c in text)).strip("-")
 
 
 def _modes(model, nodes, gpus, layout, overrides=(), tuned=False, modes=MODES) -> list[Row]:
@@ -87,19 +88,43 @@ SEQ_2048 = ("--train.seq_len=2048",)
 UNTIED = ("--model.tie_embeddings=false",)  # tensor parallelism splits the embedding and output apart
 PP2_TP2_INTERLEAVED = ("--parallel.tp=2", *UNTIED, *PP2, *INTERLEAVED)
 SEQ_4096_X2 = ("--train.seq_len=4096", "--train.micro_batch_size=2")
+# Held-out rows keep the preset's widths, heads and vocabulary; most run fewer layers (the per-layer terms
+# are what is checked, and each simulated layer costs seconds on a shared CPU).
+L4, L8 = ("--model.n_layers=4",), ("--model.n_layers=8",)
 HELD_OUT = [
     Row("125m", 1, 8, "FSDP 8", (), "none"),
     Row("125m", 1, 8, "FSDP 8", (), "full"),
-    Row("350m", 2, 8, "HSDP 2 x 8", ("--parallel.dp_replicate=2", "--parallel.dp_shard=8"), "selective"),
-    Row("350m", 1, 8, "FSDP 2 x TP 2 x PP 2 (interleaved)", PP2_TP2_INTERLEAVED, "none"),
-    Row("1b", 2, 8, "FSDP 4 x TP 4, seq 8192", ("--parallel.tp=4", *UNTIED, *SEQ_8192), "selective"),
-    Row("1b", 1, 8, "FSDP 8, bf16 reduce", ("--parallel.reduce_dtype=bfloat16",), "full"),
-    Row("3b", 2, 8, "FSDP 8 x TP 2", ("--parallel.tp=2", *UNTIED), "full"),
-    Row("3b", 2, 8, "FSDP 4 x TP 2 x PP 2 (1F1B)", ("--parallel.tp=2", *UNTIED, *PP2), "selective"),
-    Row("7b", 2, 8, "FSDP 2 x TP 8", TP8, "selective"),
-    Row("7b", 4, 8, "HSDP 4 x 8, seq 2048", (*HSDP_4X8, *SEQ_2048), "full"),
-    Row("8b", 2, 8, "FSDP 16, seq 4096 x 2", SEQ_4096_X2, "selective"),
     Row("8b", 2, 8, "TP 4 x CP 2", ("--parallel.tp=4", "--parallel.cp=2"), "selective"),
+    Row("350m", 1, 8, "FSDP 2 x TP 2 x PP 2 (interleaved)", PP2_TP2_INTERLEAVED, "none"),
+    Row("7b", 2, 8, "FSDP 2 x TP 8, 4 layers", (*TP8, *L4), "selective"),
+    Row(
+        "3b",
+        2,
+        8,
+        "FSDP 4 x TP 2 x PP 2 (1F1B), 8 layers",
+        ("--parallel.tp=2", *UNTIED, *PP2, *L8),
+        "selective",
+    ),
+    Row(
+        "1b",
+        2,
+        8,
+        "FSDP 4 x TP 4, seq 8192, 4 layers",
+        ("--parallel.tp=4", *UNTIED, *SEQ_8192, *L4),
+        "selective",
+    ),
+    Row(
+        "350m",
+        2,
+        8,
+        "HSDP 2 x 8, 8 layers",
+        ("--parallel.dp_replicate=2", "--parallel.dp_shard=8", *L8),
+        "selective",
+    ),
+    Row("7b", 4, 8, "HSDP 4 x 8, seq 2048, 4 layers", (*HSDP_4X8, *SEQ_2048, *L4), "full"),
+    Row("8b", 2, 8, "FSDP 16, seq 4096 x 2, 4 layers", (*SEQ_4096_X2, *L4), "selective"),
+    Row("3b", 2, 8, "FSDP 8 x TP 2, 4 layers", ("--parallel.tp=2", *UNTIED, *L4), "full"),
+    Row("1b", 1, 8, "FSDP 8, bf16 reduce, 4 layers", ("--parallel.reduce_dtype=bfloat16", *L4), "full"),
 ]
 
 ROWS = HELD_OUT + TUNED
