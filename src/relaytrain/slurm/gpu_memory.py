@@ -115,7 +115,7 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
     states = sum(parts.values())
     block = count_parameters(m, include_embedding=False) // max(m.n_layers, 1)
     root = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim  # embedding, output, final norm
-    layer = (params - root) / max(m.n_layers, 1)  # one transformer block
+    layer = (params - root) / max(m.n_layers, 1)  # one transformer block, without a share of the root
     offloaded = p.cpu_offload
     working = 2 * layer / dims.tp if shard > 1 or offloaded else 0.0
     if working and not reshard_after_forward(p, dims.pp > 1):
@@ -137,7 +137,7 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
         recompute = per_layer["none"] if mode == "full" else 0.0  # the layer recomputed in backward
         held = value * layers_per_stage * in_flight
         if dims.pp > 1:  # the first stage and the last (which adds the loss): the larger
-            stage = stage_memory(cfg, dims, value, block * layers_per_stage + m.vocab_size * m.dim)
+            stage = stage_memory(cfg, dims, value, layer * layers_per_stage + m.vocab_size * m.dim)
             held = max(stage.first + recompute - logits, stage.last + max(0.0, recompute - logits))
             held, working = held + stage.buffers, stage.gathered
         else:  # the start of backward (the loss) or a layer's backward (its recomputation): the larger
