@@ -54,6 +54,11 @@ class Row:
         ]
 
     @property
+    def config_overrides(self) -> list[str]:
+        """The `--section.key=value` arguments of the command (without plan's own options)."""
+        return [a for a in self.args[10:] if a.startswith("--") and "=" in a]
+
+    @property
     def command(self) -> str:
         return "relaytrain " + " ".join(self.args)
 

@@ -94,7 +94,7 @@ def _lead(row: Row, record: dict) -> list[str]:
     """The row's first columns: id, model, nodes x GPUs, layout, AC, tokens, sample."""
     from relaytrain.config import load_config
 
-    cfg = load_config(REPO / row.config, [a for a in row.args[10:] if a.startswith("--") and "=" in a])
+    cfg = load_config(REPO / row.config, row.config_overrides)
     layout = record.get("layout") or ""
     micro = layout.split("micro batch ")[1].split(" x ")[0] if "micro batch " in layout else "?"
     return [

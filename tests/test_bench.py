@@ -377,3 +377,25 @@ def test_simulated_rows_without_a_kept_output_are_named_not_shown(tmp_path):
     rank = max(record["ranks"], key=lambda r: r["peak_bytes"])
     grads = next(c for c in rank["detail_comparison"] if c["category"] == "gradients")
     assert f"{grads['plan_bytes'] / 1024**3:.2f} / {grads['simulated_bytes'] / 1024**3:.2f}" in text
+
+
+def test_kept_simulations_carry_the_plan_that_plan_computes_now():
+    """A kept output's plan side must be today's plan: a formula change re-simulates its rows (or the
+    table would show yesterday's plan against the simulation)."""
+    from relaytrain.config import load_config
+    from relaytrain.slurm.plan import make_plan
+    from relaytrain.slurm.simulated import plan_detail
+
+    from bench.simulated_rows import ROWS
+    from bench.simulated_table import REPO, kept
+
+    checked = 0
+    for row in ROWS:
+        found = kept(row)
+        if found is None or not found[0]["ranks"]:
+            continue
+        plan = make_plan(load_config(REPO / row.config, row.config_overrides), row.nodes, row.gpus, "h100")
+        now, then = plan_detail(plan), found[0]["plan_detail_bytes"]
+        assert now == pytest.approx(then, rel=1e-9), f"rerun: python -m bench.simulated_table --run {row.id}"
+        checked += 1
+    assert checked >= 10
