@@ -113,7 +113,6 @@ def estimate_memory(cfg: Config, dims) -> MemoryEstimate:
     grads = 0 if dims.pp > 1 and not p.cpu_offload else 4
     parts = {"parameters": 4 * per_param, "gradients": grads * per_param, "optimizer state": 8 * per_param}
     states = sum(parts.values())
-    block = count_parameters(m, include_embedding=False) // max(m.n_layers, 1)
     root = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim  # embedding, output, final norm
     layer = (params - root) / max(m.n_layers, 1)  # one transformer block, without a share of the root
     offloaded = p.cpu_offload
