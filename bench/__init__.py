@@ -17,4 +17,8 @@ package bench/cluster/; they write their own sections and are not part of ``pyth
 Results that a section or an extrapolation is rebuilt from are kept in bench/results/ (bench/kept.py),
 committed with the page; such a section names the command that rewrites it from them (bench/report.py's
 REWRITTEN), and tests/test_bench_pages.py checks that it comes out byte for byte.
+
+The ``simulated`` section ("Simulated at scale") is ``python -m bench.simulated_table``: it renders the
+kept ``relaytrain plan --simulate --json`` outputs of bench/results/simulated/ (``--run`` simulates rows
+again; the rows are bench/simulated_rows.py), and is not part of ``python -m bench`` either.
 """

@@ -417,3 +417,58 @@ def test_gpu_first_hour_renders_its_section_with_date_device_and_failures(tmp_pa
     write_page({gpu_first_hour.SECTION: text}, path=page)
     assert section_body(page.read_text(), "gpu-first-hour").strip() == text.strip()
     assert gpu_first_hour.main(["--only", "nope"]) in (0, 2)  # 0 without a GPU, 2 (unknown step) with one
+
+
+def test_simulated_section_is_what_its_generator_writes_from_the_kept_outputs():
+    """docs/benchmarks.md's "Simulated at scale" is bench.simulated_table's rendering of the kept
+    `plan --simulate --json` outputs, byte for byte: no hand edit, no figure without a kept output."""
+    from bench.report import PAGE, section_body
+    from bench.simulated_table import SECTION, render
+
+    body = section_body(PAGE.read_text(), SECTION)
+    assert body is not None, "the page lacks the <!-- bench:simulated --> block"
+    assert body.rstrip() == render().rstrip(), "rerun: python -m bench.simulated_table"
+
+
+def test_simulated_rows_without_a_kept_output_are_named_not_shown(tmp_path):
+    import shutil
+
+    from bench.simulated_rows import ROWS
+    from bench.simulated_table import RESULTS, kept, render
+
+    have = next(r for r in ROWS if kept(r) is not None and kept(r)[0]["ranks"])
+    lacking = next(r for r in ROWS if r.id != have.id)
+    for suffix in (".json", ".run.json"):
+        shutil.copy(RESULTS / f"{have.id}{suffix}", tmp_path / f"{have.id}{suffix}")
+    text = render(tmp_path, [have, lacking])
+    table_lines = [line for line in text.splitlines() if line.startswith("| `")]
+    assert any(f"`{have.id}`" in line for line in table_lines)
+    assert not any(f"`{lacking.id}`" in line for line in table_lines)
+    (missing,) = [line for line in text.splitlines() if line.startswith("Not reproduced here")]
+    assert f"`{lacking.id}`" in missing and f"`{have.id}`" not in missing
+    record = kept(have)[0]
+    rank = max(record["ranks"], key=lambda r: r["peak_bytes"])
+    grads = next(c for c in rank["detail_comparison"] if c["category"] == "gradients")
+    assert f"{grads['plan_bytes'] / 1024**3:.2f} / {grads['simulated_bytes'] / 1024**3:.2f}" in text
+
+
+def test_kept_simulations_carry_the_plan_that_plan_computes_now():
+    """A kept output's plan side must be today's plan: a formula change re-simulates its rows (or the
+    table would show yesterday's plan against the simulation)."""
+    from relaytrain.config import load_config
+    from relaytrain.slurm.plan import make_plan
+    from relaytrain.slurm.simulated import plan_detail
+
+    from bench.simulated_rows import ROWS
+    from bench.simulated_table import REPO, kept
+
+    checked = 0
+    for row in ROWS:
+        found = kept(row)
+        if found is None or not found[0]["ranks"]:
+            continue
+        plan = make_plan(load_config(REPO / row.config, row.config_overrides), row.nodes, row.gpus, "h100")
+        now, then = plan_detail(plan), found[0]["plan_detail_bytes"]
+        assert now == pytest.approx(then, rel=1e-9), f"rerun: python -m bench.simulated_table --run {row.id}"
+        checked += 1
+    assert checked >= 10

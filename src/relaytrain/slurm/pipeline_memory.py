@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from relaytrain.config import Config
 from relaytrain.slurm.activations import vocab_split
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass
@@ -56,7 +56,7 @@ def stage_memory(cfg: Config, dims, per_layer: float, stage_params: float) -> St
     n = dims.grad_accum  # the layout's pipeline micro batches (relaytrain.parallel.layout.pp_microbatches)
     layers = -(-m.n_layers // dims.pp)
     fsdp = dims.dp_shard * dims.cp > 1 or p.cpu_offload
-    grad_bytes = _DTYPE_BYTES.get(p.reduce_dtype, 4)
+    grad_bytes = DTYPE_BYTES.get(p.reduce_dtype, 4)
     gathered = (2 + grad_bytes) * stage_params / dims.tp if fsdp else 0.0
     first = microbatches_in_flight(p.pp_schedule, dims.pp, p.pp_virtual_stages, n, 0) * layers * per_layer
     last = microbatches_in_flight(p.pp_schedule, dims.pp, p.pp_virtual_stages, n, dims.pp - 1)

@@ -18,6 +18,14 @@ GROUPS = (
     ("gathered layers", ("gathered layers", "communication buffers")),
     ("activations+logits", ("activations", "temporaries")),
 )
+# Finer: plan's states split as it counts them (an error in one cannot hide behind another).
+DETAIL = (
+    ("parameters", ("parameters",)),
+    ("gradients", ("gradients",)),
+    ("optimizer state", ("optimizer state",)),
+    ("gathered layers", ("gathered layers", "communication buffers")),
+    ("activations+logits", ("activations", "temporaries")),
+)
 AGREEMENT = 0.10  # plan's tensor total must be within 10% of the simulated peak
 
 
@@ -39,9 +47,38 @@ def plan_categories(plan: Plan) -> dict[str, float]:
     mem = plan.memory
     return {
         "weights+grads+AdamW": mem.states,
-        "gathered layers": mem.working,
+        "gathered layers": mem.gathered(plan.mode),
         "activations+logits": mem.activations[plan.mode] + mem.logits,
     }
+
+
+def plan_detail(plan: Plan) -> dict[str, float]:
+    """plan_categories with the states split into parameters, gradients and optimizer state."""
+    coarse = plan_categories(plan)
+    return {**plan.memory.state_parts, **{k: v for k, v in coarse.items() if k != "weights+grads+AdamW"}}
+
+
+def compare_detail(plan: Plan, sim) -> list[Comparison]:
+    """Per DETAIL category and in total, for one simulated rank."""
+    planned = plan_detail(plan)
+    rows = [
+        Comparison(name, planned[name], float(sum(sim.categories[c] for c in members)))
+        for name, members in DETAIL
+    ]
+    rows.append(Comparison("tensors at the peak", sum(planned.values()), float(sim.peak_bytes)))
+    return rows
+
+
+def _records(rows: list[Comparison]) -> list[dict]:
+    return [
+        {
+            "category": c.category,
+            "plan_bytes": c.plan_bytes,
+            "simulated_bytes": c.simulated_bytes,
+            "relative": c.relative,
+        }
+        for c in rows
+    ]
 
 
 def compare(plan: Plan, sim) -> list[Comparison]:
@@ -126,6 +163,7 @@ def as_json(plan: Plan, sims: list, micro_batches: int, warning: str = "") -> di
         "verdict": plan.verdict,
         "checks": [{"check": n, "result": level, "detail": d} for n, level, d in plan.checks],
         "plan_bytes": plan_categories(plan) if plan.memory is not None else None,
+        "plan_detail_bytes": plan_detail(plan) if plan.memory is not None else None,
         "plan_total_bytes": plan.memory.total(plan.mode) if plan.memory is not None else None,
         "simulation_warning": warning or None,
         "simulated_micro_batches": micro_batches,
@@ -133,15 +171,8 @@ def as_json(plan: Plan, sims: list, micro_batches: int, warning: str = "") -> di
     }
     for sim in sims:
         record = asdict(sim)
-        record["comparison"] = [
-            {
-                "category": c.category,
-                "plan_bytes": c.plan_bytes,
-                "simulated_bytes": c.simulated_bytes,
-                "relative": c.relative,
-            }
-            for c in compare(plan, sim)
-        ]
+        record["comparison"] = _records(compare(plan, sim))
+        record["detail_comparison"] = _records(compare_detail(plan, sim))
         out["ranks"].append(record)
     if sims:
         out["agrees_within_10_percent"] = agrees(plan, sims)
