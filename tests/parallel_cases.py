@@ -148,7 +148,7 @@ def run_case(name: str, world_size: int, rank: int, gpus_per_node: int) -> dict:
     names = {dist.group.WORLD.group_name: "default"} if dist.is_initialized() else {}
     if pm.dims.pp > 1:
         names[submesh(pm.mesh, "pp").get_group().group_name] = "pp"
-    p2p = {names.get(group, group) for (op, group) in counter.calls if op in ("send", "recv")}
+    p2p = {names.get(group, group) for (op, group, *_) in counter.calls if op in ("send", "recv")}
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     steady = statistics.median(step_times[1:]) if len(step_times) > 1 else step_times[0]
     return {

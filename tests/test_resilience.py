@@ -356,6 +356,20 @@ def test_after_a_recorded_stop_without_a_signal_an_exiting_rank_ignores_late_sto
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_finished_run_ignores_a_late_time_limit_signal_while_it_exits(tmp_path, fake_slurm, monkeypatch):
+    # Seen on the local cluster: the time-limit SIGUSR2 reached the ranks of a run that had just
+    # finished; with the default action restored they died of it (exit 140) and the job FAILED.
+    before = signal.getsignal(signal.SIGUSR2)
+    c = controller(tmp_path, monkeypatch, None)
+    c.install()
+    try:
+        c.uninstall(exiting=True, finished=True)
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+    finally:
+        c.uninstall()
+        signal.signal(signal.SIGUSR2, before)
+
+
 def test_a_start_up_signal_not_listed_gets_its_default_action_back(tmp_path, fake_slurm, monkeypatch):
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
     c = controller(tmp_path, monkeypatch, None, '--resilience.signals=["SIGUSR2", "SIGINT"]')

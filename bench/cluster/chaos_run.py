@@ -34,7 +34,8 @@ PHASES = ("mid_step", "mid_eval", "async_save", "startup", "resume_load", "emerg
 EVENTS = ("usr2", "preempt", "sigkill_rank", "kill_node")
 # Files a finished run may hold: everything else is a leftover.
 ALLOWED = re.compile(
-    r"^(config\.toml|metrics\.jsonl|run_state\.json|crashes\.jsonl|slurm/.*|logs/.*|tensorboard/.*|"
+    r"^(config\.toml|run_kind\.json|metrics\.jsonl|run_state\.json|crashes\.jsonl|slurm/.*|logs/.*|"
+    r"tensorboard/.*|"
     r"checkpoints/latest|checkpoints/step_\d+/.*)$"
 )
 

@@ -223,7 +223,7 @@ class Trainer:
             self.checkpoint.close()
             self.snapshots.close(finished)  # deleted once the run is done, else kept for the next start
             self.watchdog.stop()
-            self.controller.uninstall(exiting=True)
+            self.controller.uninstall(exiting=True, finished=finished)
             self.profiler.close()
             self.metrics.close()
 

@@ -17,7 +17,8 @@ def _default_timeout():
     from torch.distributed import distributed_c10d as c10d
 
     group = c10d._get_default_group()
-    return group._get_backend(group._device_types[0]).options._timeout
+    options = getattr(group._get_backend(group._device_types[0]), "options", None)
+    return getattr(options, "_timeout", None)  # None: a backend without one (the fake process group)
 
 
 class Collectives:

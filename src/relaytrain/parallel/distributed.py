@@ -79,12 +79,14 @@ def init_distributed(cfg: Config) -> DistEnv:
     return env
 
 
-def group_timeout(group=None) -> timedelta:
-    """The collective timeout of `group` (default: the default group)."""
+def group_timeout(group=None) -> timedelta | None:
+    """The collective timeout of `group` (default: the default group); None for a backend that has none
+    (the fake process group of `plan --simulate`)."""
     from torch.distributed import distributed_c10d as c10d
 
     group = group or c10d._get_default_group()
-    return group._get_backend(group._device_types[0]).options._timeout
+    options = getattr(group._get_backend(group._device_types[0]), "options", None)
+    return getattr(options, "_timeout", None)
 
 
 def set_group_timeouts(seconds: float) -> int:
@@ -103,7 +105,8 @@ def set_group_timeouts(seconds: float) -> int:
 def match_default_timeout() -> int:
     """Every group gets the default group's timeout (`resilience.collective_timeout_s` once
     `init_distributed` ran); call it after creating groups. Returns how many groups there are."""
-    return set_group_timeouts(group_timeout().total_seconds())
+    timeout = group_timeout()
+    return 0 if timeout is None else set_group_timeouts(timeout.total_seconds())
 
 
 def health_check(env: DistEnv, timeout_s: float) -> None:

@@ -147,17 +147,19 @@ class ShutdownController:
         self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         self.deadline.arm(read_fd, frozenset(self._previous))
 
-    def uninstall(self, exiting: bool = False) -> None:
+    def uninstall(self, exiting: bool = False, finished: bool = False) -> None:
         """Restore the previous handlers and cancel the hard deadline.
 
-        ``exiting=True`` (the trainer, right before the process exits): after a stop request, or once
-        a stop was recorded (``finish``: a program's own exit 75 needs no signal), the stop signals
-        other than SIGINT are ignored from here on, and the hard deadline keeps running.
+        ``exiting=True`` (the trainer, right before the process exits): after a stop request, once
+        a stop was recorded (``finish``: a program's own exit 75 needs no signal), or once the run
+        ``finished``, the stop signals other than SIGINT are ignored from here on, and the hard
+        deadline keeps running. A time-limit signal that reaches a finished run while it exits must
+        not kill it (exit 140 would fail the job whose run is complete).
         torchrun SIGTERMs the other workers as soon as one exits with a non-zero code (75), and they
         may still be tearing down; SIG_IGN (unlike a Python handler, which interpreter finalization
         resets to the default) keeps their clean 75 from turning into -15.
         """
-        if exiting and (self.stop_requested or self._recorded):
+        if exiting and (self.stop_requested or self._recorded or finished):
             for signum in self._previous:
                 if signum != signal.SIGINT:
                     signal.signal(signum, signal.SIG_IGN)

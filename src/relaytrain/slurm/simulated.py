@@ -60,10 +60,14 @@ def plan_detail(plan: Plan) -> dict[str, float]:
 
 def compare_detail(plan: Plan, sim) -> list[Comparison]:
     """Per DETAIL category and in total, for one simulated rank."""
-    planned = plan_detail(plan)
+    return _compare(plan_detail(plan), sim, DETAIL)
+
+
+def _compare(planned: dict[str, float], sim, groups) -> list[Comparison]:
+    """Each group of the simulation's categories against plan's figure of that name, and the total."""
     rows = [
         Comparison(name, planned[name], float(sum(sim.categories[c] for c in members)))
-        for name, members in DETAIL
+        for name, members in groups
     ]
     rows.append(Comparison("tensors at the peak", sum(planned.values()), float(sim.peak_bytes)))
     return rows
@@ -83,13 +87,7 @@ def _records(rows: list[Comparison]) -> list[dict]:
 
 def compare(plan: Plan, sim) -> list[Comparison]:
     """Per category and in total ("tensors at the peak"), for one simulated rank (RankSimulation)."""
-    planned = plan_categories(plan)
-    rows = [
-        Comparison(name, planned[name], float(sum(sim.categories[c] for c in members)))
-        for name, members in GROUPS
-    ]
-    rows.append(Comparison("tensors at the peak", sum(planned.values()), float(sim.peak_bytes)))
-    return rows
+    return _compare(plan_categories(plan), sim, GROUPS)
 
 
 def worst_total(plan: Plan, sims: list) -> Comparison:
