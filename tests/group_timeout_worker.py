@@ -1,10 +1,12 @@
 """Run under torchrun (gloo): init_distributed, the device mesh of a layout and the checkpointer's gloo
-groups; prints one JSON line per rank: every process group this rank is in -> its timeout in seconds."""
+groups; writes one JSON file per rank into the working directory (ranks printing to one pipe can interleave
+their lines): every process group this rank is in -> its timeout in seconds."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from torch.distributed import distributed_c10d as c10d
 
@@ -20,5 +22,6 @@ replicate, shard, pp = (int(n) for n in sys.argv[2:5])
 mesh = build_mesh(ParallelDims(replicate, shard, 1, 1, pp, env.world_size), "cpu")
 Collectives(env.rank, env.world_size)
 groups = {c10d._world.pg_names[g]: group_timeout(g).total_seconds() for g in c10d._world.pg_map}
-print("GROUPS " + json.dumps({"rank": env.rank, "dims": list(mesh.mesh_dim_names), "groups": groups}))
+report = {"rank": env.rank, "dims": list(mesh.mesh_dim_names), "groups": groups}
+Path(f"groups-rank{env.rank}.json").write_text(json.dumps(report))
 shutdown_distributed()
