@@ -34,7 +34,6 @@ from relaytrain.parallel.resize import resize_fields
 from relaytrain.resilience import (
     HangWatchdog,
     NanGuard,
-    NanInjector,
     RunStateFile,
     ShutdownController,
     StopReason,
@@ -166,10 +165,6 @@ class Trainer:
             on_fire=lambda step: self.controller.finish(StopReason.HANG, step),
         )
         self.nan_guard = NanGuard(cfg.resilience, env.device)
-        self.inject_nan = NanInjector(env.rank, env.world_size)  # RELAYTRAIN_INJECT_NAN_AT_STEPS test hook
-        # RELAYTRAIN_STEP_DELAY_S test hook: sleep after every step, so that a tiny model's run lasts long
-        # enough for a real scheduler to signal, preempt or kill it mid-training, without using CPU.
-        self.step_delay_s = float(os.environ.get("RELAYTRAIN_STEP_DELAY_S") or 0.0)
         self.profiler = StepProfiler(cfg.metrics, self.run_dir, env.rank, env.device)
         self.timer = StepTimer(env.device)
 
@@ -240,7 +235,6 @@ class Trainer:
                 inputs, targets = (to_device(t, self.env.device) for t in self.loader.next_batch())
             with self.timer.section("forward_backward"):
                 loss = self.model.train_step(inputs, targets)
-                loss = self.inject_nan(loss, step)
             with self.timer.section("optimizer"):
                 grad_norm = self.model.clip_grad_norm_(train.grad_clip)
                 # One collective and one host read a step: all ranks' stop reasons and NaN flags together
@@ -262,8 +256,6 @@ class Trainer:
             state.tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
             self.watchdog.beat(step)
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
             self.profiler.step(step)
             # Step 1 too: the loss curve starts at the initial loss, not log_every steps into it.
             if step % cfg.metrics.log_every == 0 or step in (1, train.max_steps):

@@ -9,15 +9,11 @@ Policies (resilience.nan_policy), K = resilience.nan_max_consecutive:
 - ``skip``: drop bad steps on every rank (zero the grads, no optimizer step); K bad steps in a row stop.
 - ``rollback``: drop bad steps like ``skip``; K in a row reload the last checkpoint (the trainer also
   multiplies the LR by resilience.nan_rollback_lr_scale). More than MAX_ROLLBACKS rollbacks stop.
-
-Testing hook: ``RELAYTRAIN_INJECT_NAN_AT_STEPS="5,6"`` makes the loss NaN at those steps on one rank
-(``RELAYTRAIN_INJECT_NAN_RANK``, default the last rank), each listed step once per process.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
@@ -26,8 +22,6 @@ from relaytrain.config.schema import ResilienceConfig
 
 log = logging.getLogger(__name__)
 
-INJECT_STEPS_ENV = "RELAYTRAIN_INJECT_NAN_AT_STEPS"
-INJECT_RANK_ENV = "RELAYTRAIN_INJECT_NAN_RANK"
 MAX_ROLLBACKS = 3  # a run that keeps diverging after this many rollbacks needs a human
 
 
@@ -93,22 +87,3 @@ class NanGuard:
         self.rollbacks += 1
         self.consecutive = 0
         return "rollback"
-
-
-class NanInjector:
-    """The RELAYTRAIN_INJECT_NAN_AT_STEPS testing hook; inactive (returns the loss) when unset."""
-
-    def __init__(self, rank: int, world_size: int, env=None):
-        env = os.environ if env is None else env
-        text = env.get(INJECT_STEPS_ENV, "").strip()
-        self.steps = {int(s) for s in text.split(",") if s.strip()} if text else set()
-        self.rank = int(env.get(INJECT_RANK_ENV, world_size - 1))
-        self.active = bool(self.steps) and rank == self.rank
-        self._done: set[int] = set()
-
-    def __call__(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        if not self.active or step not in self.steps or step in self._done:
-            return loss
-        self._done.add(step)
-        log.warning("%s: making the loss NaN at step %d on rank %d", INJECT_STEPS_ENV, step, self.rank)
-        return loss * float("nan")  # the check sees it; a loss still attached to the graph also poisons grads
