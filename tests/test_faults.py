@@ -1,0 +1,77 @@
+"""The fault injectors of faults/ land in a real training process, and stay out of it unless asked for.
+
+The resilience tests judge the NaN guard and the stop machinery with these faults; here the faults
+themselves are judged, so that one that silently stopped landing fails as "did not land".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import faults
+from conftest import TINY, child_env, run_cli
+
+TOKENS_PER_STEP = 8 * 32  # TINY: global_batch_size x seq_len
+
+
+def train_rows(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()]
+    return {r["step"]: r for r in rows if r.get("kind") == "train"}
+
+
+def python(code: str, env: dict[str, str]) -> str:
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout + done.stderr
+
+
+# Whether this process has faults armed: the one-shot import hook waiting for relaytrain.trainer
+ARMED = "import sys; print(['idle', 'armed'][any(type(f).__name__ == '_AfterImport' for f in sys.meta_path)])"
+
+
+def test_faults_armed_only_when_asked_and_a_shadowed_sitecustomize_still_runs(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("print('the other sitecustomize ran')\n")
+    path = {"PYTHONPATH": f"{faults.PYTHONPATH_DIR}:{other}"}
+    assert python(ARMED, child_env(**path)).split() == ["the", "other", "sitecustomize", "ran", "idle"]
+    armed = child_env(**path, **faults.variables(step_delay_s=0.1))
+    assert python(ARMED, armed).split()[-1] == "armed"
+    bad = subprocess.run(
+        [sys.executable, "-c", "pass"],
+        env=child_env(**faults.env(nan_at_steps=(1,)), RELAYTRAIN_FAULT_NAN_RANK="last"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode != 0 and "RELAYTRAIN_FAULT_NAN_RANK='last' is not a valid int" in bad.stderr
+
+
+def test_nan_fault_lands_in_the_loss_of_its_step(tmp_path):
+    args = ["train", *TINY, "--train.max_steps=4", f"--run.dir={tmp_path}", "--run.name=run",
+            "--resilience.nan_policy=skip", "--resilience.nan_max_consecutive=2"]  # fmt: skip
+    proc = run_cli(args, cwd=tmp_path, **faults.env(nan_at_steps=(2,)))
+    out = proc.stdout + proc.stderr
+    landed = faults.landed(out)
+    assert landed == ["NaN loss at step 2 on rank 0"], f"the NaN fault did not land:\n{out[-3000:]}"
+    assert proc.returncode == 0, out[-3000:]
+    losses = {step: row["loss"] for step, row in train_rows(tmp_path / "run").items()}
+    assert losses[2] is None, f"step 2's logged loss is not the injected NaN: {losses}"  # JSON null
+    assert all(math.isfinite(losses[s]) for s in (1, 3, 4)), losses
+
+
+def test_step_delay_fault_lands_after_every_step(tmp_path):
+    delay = 1.0
+    args = ["train", *TINY, "--train.max_steps=3", f"--run.dir={tmp_path}", "--run.name=run"]
+    proc = run_cli(args, cwd=tmp_path, **faults.env(step_delay_s=delay))
+    out = proc.stdout + proc.stderr
+    assert faults.landed(out) == ["1 s step delay after step 1 on rank 0"], f"the delay did not land:\n{out}"
+    assert proc.returncode == 0, out[-3000:]
+    rows = train_rows(tmp_path / "run")
+    seconds = {step: TOKENS_PER_STEP / row["tokens_per_s"] for step, row in rows.items()}
+    assert all(s >= delay for s in seconds.values()), f"a step took less than the {delay} s delay: {seconds}"
