@@ -1,8 +1,8 @@
 """Helpers for tests/test_e2e_slurm.py: configs, the relaytrain CLI in-process, run files, job timing.
 
-The jobs train a tiny model. ``RELAYTRAIN_STEP_DELAY_S`` (set only on a job's first run, through a
-``slurm.setup`` line) stretches that run so that Slurm can signal, preempt or kill it mid-training
-without using CPU; requeued runs go at full speed.
+The jobs train a tiny model. A step delay injected from outside the trainer (faults/, set only on a
+job's first run, through a ``slurm.setup`` line) stretches that run so that Slurm can signal, preempt or
+kill it mid-training without using CPU; requeued runs go at full speed.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tiny_config import TINY_TOML
 
+import faults
 from conftest import REPO, child_env
 from slurm_fixtures import job_fields, wait_for
 
@@ -49,7 +50,7 @@ hard_deadline_s = 60
 time_budget_margin_s = 10
 """
 FIRST_RUN_ONLY = 'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {}; fi'
-SLOW_FIRST_RUN = FIRST_RUN_ONLY.format("export RELAYTRAIN_STEP_DELAY_S=0.5")
+SLOW_FIRST_RUN = FIRST_RUN_ONLY.format(faults.setup_line(step_delay_s=0.5))
 
 
 def write_config(path: Path, runs: Path, name: str, steps: int, resilience: bool = False) -> Path:

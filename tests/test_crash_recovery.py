@@ -35,6 +35,7 @@ from relaytrain.job import JobFacts
 from relaytrain.resilience import crash, requeue, step_end
 from relaytrain.resilience.run_state import RunStateFile
 
+import faults
 from bench.cluster.harness import rank_pids
 from slurm_fixtures import wait_for, wait_job_finished
 
@@ -184,7 +185,7 @@ def test_sigkill_of_one_rank_restarts_the_step_in_place_and_resumes_bit_exact(sl
     cfg = write_config(tmp_path / "crash.toml", runs, "crash", CRASH_STEPS)
     cfg.write_text(cfg.read_text() + CRASH_RESILIENCE)
     reference = start_reference(runs / "reference", cfg)
-    slow = FIRST_RUN_ONLY.format("export RELAYTRAIN_STEP_DELAY_S=0.4")
+    slow = FIRST_RUN_ONLY.format(faults.setup_line(step_delay_s=0.4))
     job = launch(str(cfg), "--nodes", "1", "--tasks-per-node", "2", setup_override(slow))
     run_dir = runs / "crash"
     try:
@@ -221,7 +222,7 @@ def test_restarts_in_place_then_requeues_then_a_crash_loop_stops_the_job(slurm_c
     cfg = write_config(tmp_path / "loop.toml", runs, "loop", CRASH_STEPS)
     caps = "\n[resilience]\nmax_crash_requeues = 1\nmax_step_restarts = 1\n"
     cfg.write_text(cfg.read_text() + CRASH_RESILIENCE + caps)
-    slow = setup_override("export RELAYTRAIN_STEP_DELAY_S=0.4")
+    slow = setup_override(faults.setup_line(step_delay_s=0.4))
     job = launch(str(cfg), "--nodes", "1", "--tasks-per-node", "2", slow)
     run_dir = runs / "loop"
     try:
@@ -248,7 +249,7 @@ def test_a_restarted_step_whose_only_checkpoint_is_damaged_fails_once_and_keeps_
     runs = tmp_path / "runs"
     cfg = write_config(tmp_path / "damaged.toml", runs, "damaged", CRASH_STEPS)
     cfg.write_text(cfg.read_text() + "\n[checkpoint]\ninterval = 5\n")
-    slow = setup_override(FIRST_RUN_ONLY.format("export RELAYTRAIN_STEP_DELAY_S=1"))
+    slow = setup_override(FIRST_RUN_ONLY.format(faults.setup_line(step_delay_s=1)))
     job = launch(str(cfg), "--nodes", "1", "--tasks-per-node", "2", slow)
     run_dir = runs / "damaged"
     step_dir = run_dir / "checkpoints" / "step_5"

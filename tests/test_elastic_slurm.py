@@ -23,6 +23,7 @@ from relaytrain.job.env import expand_nodelist
 from relaytrain.localcluster import cluster as local_cluster
 from relaytrain.slurm.jobs import nodes_per_run
 
+import faults
 from slurm_fixtures import job_fields, wait_for, wait_job_finished
 
 pytestmark = pytest.mark.slurm
@@ -54,7 +55,7 @@ def test_a_node_range_job_continues_in_place_on_fewer_nodes_then_grows_back(slur
     config = write_config(tmp_path / "elastic.toml", runs, "elastic", STEPS)
     run_dir = runs / "elastic"
     job = launch(str(config), "--nodes", "1-2", "--tasks-per-node", "2", "--checkpoint.interval=5",
-                 setup_override("export RELAYTRAIN_STEP_DELAY_S=0.5"))  # fmt: skip
+                 setup_override(faults.setup_line(step_delay_s=0.5)))  # fmt: skip
     doomed = lost = batch_host = None
     try:
         wait_for(lambda: running_on(job, 2, 0), 120, f"job {job} to run on 2 nodes")

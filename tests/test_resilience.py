@@ -26,7 +26,6 @@ from relaytrain.resilience import (
     EXIT_NONFINITE,
     EXIT_RESUME,
     NanGuard,
-    NanInjector,
     RunStateFile,
     ShutdownController,
     StopReason,
@@ -547,13 +546,3 @@ def test_nan_policy_rollback(tmp_path):
     guard = NanGuard(cfg.resilience, torch.device("cpu"))
     verdicts = [guard.check(NAN, None) for _ in range(8)]
     assert verdicts == ["skip", "rollback"] * 3 + ["skip", "stop"]  # at most MAX_ROLLBACKS = 3 rollbacks
-
-
-def test_nan_injector():
-    env = {"RELAYTRAIN_INJECT_NAN_AT_STEPS": "5,6"}
-    inject = NanInjector(rank=1, world_size=2, env=env)  # default: the last rank
-    assert torch.isnan(inject(OK.clone(), 5)) and torch.isnan(inject(OK.clone(), 6))
-    assert inject(OK.clone(), 5) == 1.0  # each step once per process (a rollback replays it cleanly)
-    assert inject(OK.clone(), 7) == 1.0
-    assert NanInjector(rank=0, world_size=2, env=env)(OK.clone(), 5) == 1.0
-    assert not NanInjector(rank=0, world_size=1, env={}).active

@@ -23,6 +23,7 @@ import pytest
 
 from relaytrain.resilience import EXIT_NONFINITE
 
+import faults
 from conftest import TINY, child_env, run_cli
 
 pytestmark = pytest.mark.slow
@@ -214,9 +215,11 @@ def test_nan_rollback_on_two_ranks_replays_exactly(tmp_path):
             "--checkpoint.interval=2",
             "--resilience.nan_policy=rollback",
             "--resilience.nan_max_consecutive=2",
-            RELAYTRAIN_INJECT_NAN_AT_STEPS="5,6",
+            **faults.env(nan_at_steps=(5, 6)),
         )
     )
+    landed = ["NaN loss at step 5 on rank 1", "NaN loss at step 6 on rank 1"]
+    assert faults.landed(out) == landed, f"the NaN faults did not land:\n{out[-3000:]}"
     assert rc == 0, out[-3000:]
     assert [r["step"] for r in records(run_dir, "event") if r["event"] == "rollback"] == [4]
     assert finish(reference)[0] == 0
@@ -236,8 +239,10 @@ def test_nan_skip_then_escalates_to_stop(tmp_path):
             "--resilience.nan_max_consecutive=2",
         ],
         cwd=tmp_path,
-        RELAYTRAIN_INJECT_NAN_AT_STEPS="3,5,6",
+        **faults.env(nan_at_steps=(3, 5, 6)),
     )
+    landed = [f"NaN loss at step {step} on rank 0" for step in (3, 5, 6)]
+    assert faults.landed(proc.stderr) == landed, f"the NaN faults did not land:\n{proc.stderr[-3000:]}"
     assert proc.returncode == EXIT_NONFINITE, proc.stdout[-2000:] + proc.stderr[-2000:]
     seen = losses(run_dir)
     bad = seen[3] is None or seen[3] != seen[3]  # metrics.jsonl writes NaN as null

@@ -26,6 +26,7 @@ from relaytrain.slurm.submit import read_jobs
 from test_slurm_script import fake
 from tiny_config import TINY_TOML
 
+import faults
 from conftest import REPO, child_env, run_torchrun
 from slurm_fixtures import job_fields, slurm, wait_for
 
@@ -172,7 +173,7 @@ def events(run_dir: Path) -> list[str]:
 def test_two_trainings_started_at_once_one_trains_the_other_is_refused(tmp_path):
     (tmp_path / "lock.toml").write_text(TRAIN)
     run_dir = tmp_path / "runs" / "lock"
-    procs = [start_train(tmp_path, RELAYTRAIN_STEP_DELAY_S="0.2") for _ in range(2)]
+    procs = [start_train(tmp_path, **faults.env(step_delay_s=0.2)) for _ in range(2)]
     try:
         # The loser ends on its own; the winner trains until it is told to stop.
         loser = wait_for(lambda: next((p for p in procs if p.poll() is not None), None), 120, "a refusal")

@@ -18,6 +18,7 @@ from relaytrain.checkpoint.snapshot.peers import Ring
 from relaytrain.checkpoint.snapshot.restore import _plan
 from relaytrain.job.facts import JobFacts
 
+import faults
 from conftest import child_env, losses_by_step, run_cli
 
 
@@ -174,7 +175,7 @@ def test_killed_run_resumes_from_its_snapshot_bit_exact(tmp_path, tiny_args):
     assert not shm.exists() or not any(shm.iterdir())  # a finished run leaves no snapshot behind
 
     cmd = [sys.executable, "-m", "relaytrain.cli", *args, "--run.name=cut"]
-    env = child_env(RELAYTRAIN_STEP_DELAY_S="0.3")
+    env = child_env(**faults.env(step_delay_s=0.3))
     with open(tmp_path / "cut.out", "w") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
     node = None

@@ -15,6 +15,7 @@ import pytest
 
 from relaytrain.checkpoint.snapshot import store
 
+import faults
 from conftest import child_env, losses_by_step
 
 # Each rank names its own node (as SLURMD_NODENAME does on a cluster): node0, node1.
@@ -59,7 +60,7 @@ def test_wiped_node_resumes_from_the_peer_replica(tmp_path, tiny_args):
     pipe = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     cut = _torchrun(tmp_path, [*args, "--run.name=cut"])
     proc = subprocess.Popen(
-        cut, cwd=tmp_path, env=child_env(RELAYTRAIN_STEP_DELAY_S="0.3"), start_new_session=True, **pipe
+        cut, cwd=tmp_path, env=child_env(**faults.env(step_delay_s=0.3)), start_new_session=True, **pipe
     )
     log = tmp_path / "runs/cut/logs/rank_0.log"
     deadline = time.monotonic() + 300

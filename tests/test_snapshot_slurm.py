@@ -23,6 +23,7 @@ from e2e_slurm_jobs import (
 )
 from relaytrain.localcluster import cluster as local_cluster
 
+import faults
 from bench.cluster.harness import rank_pids
 from slurm_fixtures import wait_for, wait_job_finished
 
@@ -47,7 +48,7 @@ def test_killed_rank_on_a_wiped_node_resumes_from_the_peer_replica(slurm_cluster
     cfg = write_config(tmp_path / "snap.toml", runs, "snap", STEPS)
     cfg.write_text(cfg.read_text() + SNAPSHOTS)
     reference = start_reference(runs / "reference", cfg)
-    slow = FIRST_RUN_ONLY.format("export RELAYTRAIN_STEP_DELAY_S=0.4")
+    slow = FIRST_RUN_ONLY.format(faults.setup_line(step_delay_s=0.4))
     job = launch(str(cfg), "--nodes", "2", "--tasks-per-node", "1", setup_override(slow))
     run_dir = runs / "snap"
     try:
