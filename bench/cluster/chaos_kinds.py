@@ -35,6 +35,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+import faults
 from bench.cluster.chaos_run import INTERVAL, STEPS, Bench, kill_pids, kill_ranks
 from bench.cluster.chaos_snapshots import SnapshotTrials
 from bench.cluster.harness import RunFiles, rank_pids, tree_bytes, wait
@@ -180,7 +181,7 @@ class SpecialTrials(SnapshotTrials):
         run = self.bench.run_files(f"special-{trial.index}-{trial.kind.replace('_', '-')}")
         capped = ("--slurm.time=00:01:00", "--resilience.signal_lead_s=30", "--resilience.hard_deadline_s=20",
                   "--resilience.max_requeues=1", f"--resilience.time_budget_margin_s={margin}")  # fmt: skip
-        trial.job = self.bench.launch(run.name, *capped, setup="export RELAYTRAIN_STEP_DELAY_S=3")
+        trial.job = self.bench.launch(run.name, *capped, setup=faults.setup_line(step_delay_s=3))
         self.bench.finish(trial, run, (), setup=NO_DELAY)
         self.bench.check(trial, run)
         stops = first_job_stops(run.records("event"), trial.job)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import faults
 from bench.cluster.harness import (
     RunFiles,
     launch,
@@ -184,7 +185,7 @@ class Bench:
     def launch(self, name: str, *overrides: str, setup: str | None = None, nodes: int = 1) -> str:
         """Submit the run (2 ranks on 1 node, or 1 on each of 2 `nodes`); `setup` replaces the default
         (slow steps in the first run only)."""
-        delay = f"export RELAYTRAIN_STEP_DELAY_S={STEP_DELAY_S}"
+        delay = faults.setup_line(step_delay_s=STEP_DELAY_S)
         slow = setup or f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {delay}; fi'
         return launch(self.config, name, slow, *overrides, nodes=nodes)
 

@@ -44,6 +44,7 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
+import faults
 from bench import kept
 from bench.cluster.goodput_crash import CRASH_RUNS, losses_match, render_crashes, run_crashes, summary
 from bench.cluster.goodput_extrapolation import EXTRAPOLATION_HEADING, Extrapolation, render_extrapolation
@@ -90,7 +91,7 @@ class Runner:
     def run(self, result: RunResult, interval: float = 0.0, *overrides: str) -> None:
         run = RunFiles(self.runs / result.name)
         try:
-            setup = f"export RELAYTRAIN_STEP_DELAY_S={STEP_DELAY_S}"
+            setup = faults.setup_line(step_delay_s=STEP_DELAY_S)
             result.job = launch(self.config, result.name, setup, *overrides)
             stop = threading.Event()
             thread = threading.Thread(
@@ -261,7 +262,7 @@ def crash_comparison(args: argparse.Namespace, command: str) -> int:
     reference = RunResult("uninterrupted", "none")
     with cluster_lock(not args.no_lock):
         runner.run(reference)
-    setup = f"export RELAYTRAIN_STEP_DELAY_S={STEP_DELAY_S}"
+    setup = faults.setup_line(step_delay_s=STEP_DELAY_S)
     runs = []
     for kind in CRASH_RUNS:
         name = f"{kind}-{args.crash_interval:g}s"

@@ -61,7 +61,8 @@ def render(sources: list[tuple[ResultsFile, list[RunResult]]], info: dict, notes
         "## Goodput under preemption and time limits\n\n"
         f"Machine: {info.get('cpu', '?')} ({info.get('cores', '?')} cores), local Slurm cluster "
         f"(`relaytrain cluster up`). A tiny 2-rank run, steps slowed to {STEP_DELAY_S} s "
-        f"(`RELAYTRAIN_STEP_DELAY_S`), async checkpoint every {CKPT_INTERVAL} steps. Times in seconds; "
+        f"(`RELAYTRAIN_FAULT_STEP_DELAY_S` from faults/), async checkpoint every {CKPT_INTERVAL} steps. "
+        "Times in seconds; "
         "means over the interruptions of a run. Measured by:\n\n"
         + "".join(source_line(results, file_runs) for results, file_runs in sources)
         + "\n"
