@@ -1,4 +1,4 @@
-"""Fault injection for tests and benchmarks, from outside relaytrain's code (which carries no test hooks).
+"""Fault injection for tests and benchmarks, from outside relaytrain's code (its loop has no fault hooks).
 
 A training process gets faults through its environment: ``env(...)`` for a process started here, or
 ``setup_line(...)`` for a Slurm job's ``slurm.setup``. Both put ``faults/pythonpath`` first on PYTHONPATH

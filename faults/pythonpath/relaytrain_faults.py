@@ -1,4 +1,4 @@
-"""Faults injected into a relaytrain training process from outside its code (the product has no test hooks).
+"""Faults injected into a relaytrain training process from outside its code (the loop has no fault hooks).
 
 ``sitecustomize.py`` beside this file imports it at interpreter start when a ``RELAYTRAIN_FAULT_*``
 variable is set. When the process then imports ``relaytrain.trainer``, the Trainer's constructor is
