@@ -24,8 +24,12 @@ def train_rows(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows if r.get("kind") == "train"}
 
 
-def python(code: str, env: dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+def python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+def output(code: str, env: dict[str, str]) -> str:
+    done = python(code, env)
     assert done.returncode == 0, done.stderr
     return done.stdout + done.stderr
 
@@ -39,17 +43,14 @@ def test_faults_armed_only_when_asked_and_a_shadowed_sitecustomize_still_runs(tm
     other.mkdir()
     (other / "sitecustomize.py").write_text("print('the other sitecustomize ran')\n")
     path = {"PYTHONPATH": f"{faults.PYTHONPATH_DIR}:{other}"}
-    assert python(ARMED, child_env(**path)).split() == ["the", "other", "sitecustomize", "ran", "idle"]
+    assert output(ARMED, child_env(**path)).split() == ["the", "other", "sitecustomize", "ran", "idle"]
     armed = child_env(**path, **faults.variables(step_delay_s=0.1))
-    assert python(ARMED, armed).split()[-1] == "armed"
-    bad = subprocess.run(
-        [sys.executable, "-c", "pass"],
-        env=child_env(**faults.env(nan_at_steps=(1,)), RELAYTRAIN_FAULT_NAN_RANK="last"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    assert output(ARMED, armed).split()[-1] == "armed"
+    # A fault asked for wrongly stops the process with one line, instead of arming nothing
+    bad = python("pass", child_env(**faults.env(nan_at_steps=(1,)), RELAYTRAIN_FAULT_NAN_RANK="last"))
     assert bad.returncode != 0 and "RELAYTRAIN_FAULT_NAN_RANK='last' is not a valid int" in bad.stderr
+    misspelt = python("pass", child_env(**faults.env(), RELAYTRAIN_FAULT_STEP_DELAY="1"))
+    assert misspelt.returncode != 0 and "unknown RELAYTRAIN_FAULT_STEP_DELAY;" in misspelt.stderr
 
 
 def test_nan_fault_lands_in_the_loss_of_its_step(tmp_path):

@@ -47,6 +47,10 @@ class Faults:
     """The faults asked for by the environment, for one process."""
 
     def __init__(self, env=os.environ):
+        known = (NAN_AT_STEPS_ENV, NAN_RANK_ENV, STEP_DELAY_ENV)
+        unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
+        if unknown:  # a misspelt fault would otherwise arm nothing, and a test would pass without it
+            raise SystemExit(f"relaytrain-faults: unknown {', '.join(unknown)}; known: {', '.join(known)}")
         steps = env.get(NAN_AT_STEPS_ENV, "")
         self.nan_steps = {_number(NAN_AT_STEPS_ENV, s.strip(), int) for s in steps.split(",") if s.strip()}
         rank = env.get(NAN_RANK_ENV, "").strip()
