@@ -64,12 +64,14 @@ class Faults:
         rank, world_size = trainer.env.rank, trainer.env.world_size
         nan_rank = world_size - 1 if self.nan_rank is None else self.nan_rank
         nan_steps = set(self.nan_steps) if rank == nan_rank else set()
-        delay, stepped, delayed = self.step_delay_s, [False], [False]
+        delay = self.step_delay_s
+        step_open = [False]  # a train_step ran and no beat has ended its step yet
+        delay_said = [False]
 
         @functools.wraps(train_step)
         def faulty_train_step(*args, **kwargs):
             loss = train_step(*args, **kwargs)
-            stepped[0] = True
+            step_open[0] = True
             step = trainer.state.step + 1
             if step in nan_steps:
                 nan_steps.discard(step)  # once per process: the step replayed after a rollback is clean
@@ -82,11 +84,11 @@ class Faults:
             beat(step)
             # The first beat with a step after a train_step ends that step; later beats of the same
             # step (after a save) and step-less beats (evaluation, rollback, stop) do not sleep.
-            if step is None or not stepped[0]:
+            if step is None or not step_open[0]:
                 return
-            stepped[0] = False
-            if not delayed[0]:
-                delayed[0] = True
+            step_open[0] = False
+            if not delay_said[0]:
+                delay_said[0] = True
                 _say(f"{delay:g} s step delay after step {step} on rank {rank}")
             time.sleep(delay)
 
