@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,16 @@ def test_faults_armed_only_when_asked_and_a_shadowed_sitecustomize_still_runs(tm
     assert bad.returncode != 0 and "RELAYTRAIN_FAULT_NAN_RANK='last' is not a valid int" in bad.stderr
     misspelt = python("pass", child_env(**faults.env(), RELAYTRAIN_FAULT_STEP_DELAY="1"))
     assert misspelt.returncode != 0 and "unknown RELAYTRAIN_FAULT_STEP_DELAY;" in misspelt.stderr
+
+
+def test_a_slurm_setup_line_arms_the_faults_for_the_processes_the_script_starts():
+    line = faults.setup_line(step_delay_s=0.4)
+    assert "'" not in line  # it goes into a TOML literal string (slurm.setup)
+    for path in ({}, {"PYTHONPATH": "/elsewhere"}):
+        env = {k: v for k, v in child_env().items() if k != "PYTHONPATH"} | path
+        script = f"{line}; {shlex.quote(sys.executable)} -c {shlex.quote(ARMED)}; echo $PYTHONPATH"
+        done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+        assert done.stdout.split() == ["armed", ":".join([str(faults.PYTHONPATH_DIR), *path.values()])]
 
 
 def test_nan_fault_lands_in_the_loss_of_its_step(tmp_path):
