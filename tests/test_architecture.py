@@ -22,6 +22,7 @@ LAYERS: list[set[str]] = [
     {"config"},
     {"model", "data", "optim"},
     {"parallel", "checkpoint", "resilience", "monitor"},
+    {"plan"},  # the memory model and estimates of `relaytrain plan`: pure, no Slurm
     {"slurm", "localcluster"},  # login-node side: launcher and job tools; the local test cluster
     {"trainer", "program"},
     {"cli", "__init__"},

@@ -35,7 +35,7 @@ from relaytrain.parallel.fsdp import apply_fsdp, param_dtype
 from relaytrain.parallel.layout import batch_split_note, validate_layout
 from relaytrain.parallel.mesh import build_mesh, fsdp_mesh, submesh
 from relaytrain.parallel.pipeline import build_schedule, split_stage, stage_ids_of
-from relaytrain.parallel.pipeline_shapes import BoundaryShapes, StageBoundary, stage_boundary
+from relaytrain.parallel.sim_pipeline import BoundaryShapes, StageBoundary, stage_boundary
 
 log = logging.getLogger(__name__)
 

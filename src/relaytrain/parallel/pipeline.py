@@ -22,7 +22,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from relaytrain.model.transformer import Transformer
-from relaytrain.parallel.pipeline_shapes import StageBoundary, settle_static_vote
+from relaytrain.parallel.sim_pipeline import StageBoundary, settle_static_vote
 
 
 def stage_layer_ranges(n_layers: int, n_stages: int) -> list[range]:

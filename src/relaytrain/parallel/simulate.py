@@ -6,7 +6,7 @@ builds the model through the trainer's own path (`parallel_model.shard_on_meta`:
 `parallel.rank_order`, pipeline split, TP + SP, AC, FSDP2 / HSDP, CPU offload), then, under
 FakeTensorMode, allocates it (`materialize`) and runs one step as the trainer does: the micro batches
 of the local batch that reach the step's peak (`simulation_config`; through the pipeline schedule when
-there is one, its stages' boundary shapes declared: relaytrain.parallel.pipeline_shapes), backward,
+there is one, its stages' boundary shapes declared: relaytrain.parallel.sim_pipeline), backward,
 gradient clipping, the AdamW step. Fake tensors have shapes and no data: nothing is computed and
 nothing allocated, and the trackers record what a GPU would hold (sim_memory) and what it would send
 (sim_comm).
