@@ -18,10 +18,12 @@ ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 # Bottom to top; the same table is drawn in docs/architecture.md.
 LAYERS: list[set[str]] = [
-    {"errors", "lazy", "version", "job"},  # the in-job layer: facts of the job this process runs in
+    # the in-job layer (facts of the job this process runs in); torch_private: the seam to torch's privates
+    {"errors", "lazy", "version", "job", "torch_private"},
     {"config"},
     {"model", "data", "optim"},
     {"parallel", "checkpoint", "resilience", "monitor"},
+    {"plan"},  # the memory model and estimates of `relaytrain plan`: pure, no Slurm
     {"slurm", "localcluster"},  # login-node side: launcher and job tools; the local test cluster
     {"trainer", "program"},
     {"cli", "__init__"},

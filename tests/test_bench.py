@@ -456,8 +456,8 @@ def test_kept_simulations_carry_the_plan_that_plan_computes_now():
     """A kept output's plan side must be today's plan: a formula change re-simulates its rows (or the
     table would show yesterday's plan against the simulation)."""
     from relaytrain.config import load_config
-    from relaytrain.slurm.plan import make_plan
-    from relaytrain.slurm.simulated import plan_detail
+    from relaytrain.plan.checks import make_plan
+    from relaytrain.plan.compare import plan_detail
 
     from bench.simulated_rows import ROWS
     from bench.simulated_table import REPO, kept

@@ -20,7 +20,7 @@ from relaytrain.config import Config, load_config
 from relaytrain.config.domains import domain_of
 from relaytrain.errors import UserError
 from relaytrain.parallel.layout import validate_layout
-from relaytrain.slurm.plan import make_plan
+from relaytrain.plan.checks import make_plan
 
 # A few seconds in the fast suite; RELAYTRAIN_FUZZ_EXAMPLES=2000 for a longer hunt. No example database:
 # the tests leave nothing behind in the checkout.

@@ -10,8 +10,8 @@ import pytest
 
 from relaytrain.cli import main
 from relaytrain.config import load_config
-from relaytrain.slurm.gpu_memory import GIB
-from relaytrain.slurm.plan import make_plan, plan_rows
+from relaytrain.plan.checks import make_plan, plan_rows
+from relaytrain.plan.gpu_memory import GIB
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET_70B = REPO / "configs/70b.toml"

@@ -148,8 +148,8 @@ def test_collectives_per_step_scale_the_simulated_micro_batches_to_the_whole_ste
     """Without a pipeline the simulation runs 2 of the step's 16 micro batches: what every micro batch
     repeats (FSDP's all-gathers and reduce-scatters) counts 8 times over, what runs once per step (the
     gradient norm's all-reduce after the micro batches) once; the table's title states the scale."""
-    from relaytrain.slurm.plan import make_plan
-    from relaytrain.slurm.simulated import collectives_title
+    from relaytrain.plan.checks import make_plan
+    from relaytrain.plan.compare import collectives_title
 
     cfg = small_cfg(tmp_path)
     dims = validate_layout(cfg.parallel, cfg.model, cfg.train, 2, 2, "cuda")
@@ -232,8 +232,8 @@ def test_plan_simulate_refuses_an_impossible_layout_as_plan_does(tmp_path):
 @pytest.mark.slow
 def test_8b_on_4x8_fsdp_agrees_with_plan_within_10_percent(tmp_path):
     """The 8B preset at 32 ranks (about a minute per simulated rank on 2 cores)."""
-    from relaytrain.slurm.plan import make_plan
-    from relaytrain.slurm.simulated import agrees, compare
+    from relaytrain.plan.checks import make_plan
+    from relaytrain.plan.compare import agrees, compare
 
     cfg = load_config("configs/8b.toml")
     plan = make_plan(cfg, 4, 8, "h100")
@@ -248,8 +248,8 @@ def test_8b_on_4x8_fsdp_agrees_with_plan_within_10_percent(tmp_path):
 def test_70b_on_16x8_tp8_pp2_agrees_with_plan_within_10_percent():
     """The 70B preset with a 1F1B pipeline at 128 ranks (about 2.5 minutes on 2 cores): the rank that
     holds the most, the last stage, within 10 % in total and per category."""
-    from relaytrain.slurm.plan import make_plan
-    from relaytrain.slurm.simulated import agrees, compare
+    from relaytrain.plan.checks import make_plan
+    from relaytrain.plan.compare import agrees, compare
 
     cfg = load_config("configs/70b.toml", ["--parallel.pp=2", "--parallel.pp_microbatches=8"])
     plan = make_plan(cfg, 16, 8, "h100")
@@ -340,8 +340,8 @@ def test_plan_agrees_per_category_on_a_held_out_layout(tmp_path, mode):
     wrong term cannot hide behind another in the total), at both moments plan models: the start of
     backward (the loss held, one block gathered) and inside a layer's backward (FSDP's root group, the
     layer, the next one and the reduce-scatter input gathered)."""
-    from relaytrain.slurm.plan import make_plan
-    from relaytrain.slurm.simulated import compare_detail
+    from relaytrain.plan.checks import make_plan
+    from relaytrain.plan.compare import compare_detail
 
     (tmp_path / "held_out.toml").write_text(HELD_OUT_TOML)
     cfg = load_config(tmp_path / "held_out.toml", [f"--parallel.activation_checkpointing={mode}"])

@@ -11,8 +11,8 @@ import pytest
 
 from relaytrain.cli import main
 from relaytrain.config import load_config
+from relaytrain.plan.checks import make_plan
 from relaytrain.slurm.jobs import describe, parse_scontrol_record
-from relaytrain.slurm.plan import make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,9 @@ import pytest
 from relaytrain.cli import main
 from relaytrain.config import load_config
 from relaytrain.errors import UserError
+from relaytrain.plan.checks import make_plan
 from relaytrain.slurm import partition
 from relaytrain.slurm.launch import LaunchRequest, chain, launch, sweep
-from relaytrain.slurm.plan import make_plan
 from test_slurm_script import (
     dry,
     fake,

@@ -226,7 +226,7 @@ def test_cleanup_entry_point_removes_only_this_jobs_snapshots(tmp_path):
 
 def test_plan_counts_snapshots_and_replicas_in_host_memory():
     from relaytrain.config import load_config
-    from relaytrain.slurm.plan import make_plan
+    from relaytrain.plan.checks import make_plan
 
     from conftest import REPO
 

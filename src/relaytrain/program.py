@@ -182,9 +182,11 @@ def _collective_device():
     import torch
     import torch.distributed as dist
 
+    from relaytrain.torch_private import object_collective_device
+
     if not (dist.is_available() and dist.is_initialized()):
         return torch.device("cpu")
-    kind = dist.distributed_c10d._get_object_coll_device()
+    kind = object_collective_device()
     if kind == "cpu":
         return torch.device("cpu")
     return torch.device(kind, torch.get_device_module(kind).current_device())

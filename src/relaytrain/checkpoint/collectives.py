@@ -11,14 +11,7 @@ import torch
 import torch.distributed as dist
 
 from relaytrain.errors import UserError
-
-
-def _default_timeout():
-    from torch.distributed import distributed_c10d as c10d
-
-    group = c10d._get_default_group()
-    options = getattr(group._get_backend(group._device_types[0]), "options", None)
-    return getattr(options, "_timeout", None)  # None: a backend without one (the fake process group)
+from relaytrain.torch_private import group_timeout
 
 
 class Collectives:
@@ -30,7 +23,7 @@ class Collectives:
         if world_size > 1 and not self.dist:
             raise RuntimeError("CheckpointManager with world_size > 1 needs an initialized process group")
         # with the default group's timeout (resilience.collective_timeout_s), not gloo's default 1800 s
-        timeout = _default_timeout() if self.dist else None
+        timeout = group_timeout() if self.dist else None  # None: the fake process group has none
         self.ctrl = dist.new_group(backend="gloo", timeout=timeout) if self.dist else None
         self.save_group = dist.new_group(backend="gloo", timeout=timeout) if self.dist else None
 

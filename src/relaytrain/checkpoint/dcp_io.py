@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from relaytrain.checkpoint.storage import ChecksumMismatch, RawReader
 from relaytrain.errors import UserError
+from relaytrain.torch_private import set_state_element
 
 DCP_METADATA = ".metadata"
 
@@ -137,7 +137,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 "data; relaytrain refuses to unpickle it (the checkpoint was tampered with)"
             ) from None
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            set_state_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 

@@ -134,7 +134,7 @@ def create_adam_state(optimizers: list[torch.optim.Optimizer]) -> None:
     partial load): the entries their first step would create, with the same dtypes, shapes, devices and
     DTensor placements, but uninitialised moments (the load's reads fault the pages in once; zeros would
     be written twice). torch's state-dict helpers would otherwise run a zero-LR optimizer step."""
-    from torch.optim.optimizer import _get_scalar_dtype
+    from relaytrain.torch_private import optimizer_step_dtype
 
     for opt in optimizers:
         if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or opt.state:
@@ -144,11 +144,11 @@ def create_adam_state(optimizers: list[torch.optim.Optimizer]) -> None:
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
-                step_dtype = _get_scalar_dtype(is_fused=group["fused"])
+                step_dtype = optimizer_step_dtype(is_fused=group["fused"])
                 state = {
                     "step": torch.zeros((), dtype=step_dtype, device=p.device)
                     if on_device
-                    else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"),
+                    else torch.tensor(0.0, dtype=optimizer_step_dtype(), device="cpu"),
                     "exp_avg": torch.empty_like(p, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.empty_like(p, memory_format=torch.preserve_format),
                 }

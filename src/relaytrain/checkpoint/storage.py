@@ -30,12 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import (
-    DEFAULT_SUFFIX,
-    _split_by_size_and_type,
-    _StorageInfo,
-)
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -45,6 +40,7 @@ from torch.futures import Future
 from relaytrain.checkpoint.checksums import Checksum
 from relaytrain.checkpoint.host import DeviceCopy, HostStage, on_host
 from relaytrain.errors import UserError
+from relaytrain.torch_private import narrow_tensor_by_index, split_write_items, storage_info
 
 RAW = "relaytrain-raw-v1"  # transform descriptor of a tensor stored as its bare bytes
 WRITER_THREADS = 2
@@ -71,7 +67,7 @@ class RawWriter(dcp.FileSystemWriter):
 
     def write_data(self, plan, planner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
-        buckets = [b for b in _split_by_size_and_type(self.thread_count, plan.items) if b] or [[]]
+        buckets = [b for b in split_write_items(self.thread_count, plan.items) if b] or [[]]
         names = [f"{prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
         with ThreadPoolExecutor(len(buckets), thread_name_prefix="relaytrain-ckpt-write") as pool:
             stages = self.stages[: len(names)]
@@ -90,7 +86,7 @@ class RawWriter(dcp.FileSystemWriter):
                     f.write(buf)  # file writes and the checksum release the GIL: the threads overlap
                     checksum.update(buf)
                     raw = None if item.type == WriteItemType.BYTE_IO else [RAW]
-                    info = _StorageInfo(name, offset, len(buf), transform_descriptors=raw)
+                    info = storage_info(name, offset, len(buf), transform_descriptors=raw)
                     results.append(WriteResult(index=item.index, size_in_bytes=len(buf), storage_data=info))
                     offset += len(buf)
             f.flush()

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from relaytrain.config.schema import MetricsConfig
 from relaytrain.errors import UserError
 from relaytrain.job.rundir import RunDir
+from relaytrain.torch_private import dump_cuda_memory_snapshot, record_cuda_memory_history
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def record_memory_history(device: torch.device, enabled: bool = True, max_entrie
     if device.type != "cuda":
         log.info("CUDA memory history is CUDA-only; nothing recorded on %s", device.type)
         return False
-    torch.cuda.memory._record_memory_history(enabled="all" if enabled else None, max_entries=max_entries)
+    record_cuda_memory_history(enabled, max_entries)
     return True
 
 
@@ -98,7 +99,7 @@ def dump_memory_snapshot(device: torch.device, path: Path) -> Path | None:
         log.info("CUDA memory snapshots are CUDA-only; none written on %s", device.type)
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.cuda.memory._dump_snapshot(str(path))
+    dump_cuda_memory_snapshot(path)
     log.info("CUDA memory snapshot written to %s", path)
     return path
 

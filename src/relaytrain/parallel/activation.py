@@ -17,19 +17,12 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from relaytrain.model.transformer import Transformer
+from relaytrain.torch_private import functional_reduce_scatter_op, saved_attention_ops
 
 _aten = torch.ops.aten
 # Ops whose outputs selective AC keeps: attention (expensive to recompute, small output) and the
 # reduce-scatters of sequence parallelism (recomputing them would repeat communication).
-_SAVE_OPS = {
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    _aten.max.default,
-}
-if hasattr(_aten, "_scaled_dot_product_cudnn_attention"):
-    _SAVE_OPS.add(_aten._scaled_dot_product_cudnn_attention.default)
+_SAVE_OPS = {*saved_attention_ops(), functional_reduce_scatter_op(), _aten.max.default}
 
 
 def _selective_policy(counts: dict[str, int], ctx, func, *args, **kwargs) -> CheckpointPolicy:

@@ -82,11 +82,9 @@ def init_distributed(cfg: Config) -> DistEnv:
 def group_timeout(group=None) -> timedelta | None:
     """The collective timeout of `group` (default: the default group); None for a backend that has none
     (the fake process group of `plan --simulate`)."""
-    from torch.distributed import distributed_c10d as c10d
+    from relaytrain.torch_private import group_timeout as timeout_of
 
-    group = group or c10d._get_default_group()
-    options = getattr(group._get_backend(group._device_types[0]), "options", None)
-    return getattr(options, "_timeout", None)
+    return timeout_of(group)
 
 
 def set_group_timeouts(seconds: float) -> int:
@@ -94,11 +92,11 @@ def set_group_timeouts(seconds: float) -> int:
     and those made since (the device mesh's, relaytrain's gloo groups); returns how many. Groups are
     created with the backend's default (NCCL 600 s, gloo 1800 s), not the default group's timeout.
     Groups made later take the default group's timeout with `match_default_timeout`."""
-    from torch.distributed import distributed_c10d as c10d
+    from relaytrain.torch_private import process_groups, set_group_timeout
 
-    groups = list(c10d._world.pg_map)
+    groups = process_groups()
     for group in groups:
-        c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+        set_group_timeout(group, timedelta(seconds=seconds))
     return len(groups)
 
 

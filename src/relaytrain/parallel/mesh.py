@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from relaytrain.parallel.dims import ParallelDims
 from relaytrain.parallel.distributed import match_default_timeout
 from relaytrain.parallel.layout import parse_rank_order
+from relaytrain.torch_private import flatten_mesh
 
 # Flattened dims of each mesh built here. PyTorch deprecates slicing flattened dims from the root mesh;
 # the flattened meshes are kept instead.
@@ -36,8 +37,8 @@ def build_mesh(dims: ParallelDims, device_type: str, rank_order: str | None = No
     shape = tuple(size for _, size in dims.mesh_dims)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     _FLATTENED[mesh] = {
-        "dp": mesh[_in_mesh_order(names, ("dp_replicate", "dp_shard"))]._flatten("dp"),
-        "dp_shard_cp": mesh[_in_mesh_order(names, ("dp_shard", "cp"))]._flatten("dp_shard_cp"),
+        "dp": flatten_mesh(mesh[_in_mesh_order(names, ("dp_replicate", "dp_shard"))], "dp"),
+        "dp_shard_cp": flatten_mesh(mesh[_in_mesh_order(names, ("dp_shard", "cp"))], "dp_shard_cp"),
     }
     # the mesh's groups were made with the backend's default timeout (NCCL: 600 s)
     match_default_timeout()

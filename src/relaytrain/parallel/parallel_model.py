@@ -35,7 +35,6 @@ from relaytrain.parallel.fsdp import apply_fsdp, param_dtype
 from relaytrain.parallel.layout import batch_split_note, validate_layout
 from relaytrain.parallel.mesh import build_mesh, fsdp_mesh, submesh
 from relaytrain.parallel.pipeline import build_schedule, split_stage, stage_ids_of
-from relaytrain.parallel.pipeline_shapes import BoundaryShapes, StageBoundary, stage_boundary
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,6 @@ class ParallelModel:
         device: torch.device,
         model_parts: list[nn.Module],
         stage_ids: list[int],
-        boundaries: BoundaryShapes | None = None,
     ):
         self.dims, self.mesh, self.device = dims, mesh, device
         self.model_parts = model_parts
@@ -84,27 +82,23 @@ class ParallelModel:
         if mesh is None and param_dtype(parallel, device.type) != torch.float32:
             # No FSDP to cast parameters: mixed precision through autocast instead.
             self._autocast_dtype = param_dtype(parallel, device.type)
-        self.schedule = None
-        if dims.pp > 1:
-            self.schedule = build_schedule(
-                parallel.pp_schedule,
-                model_parts,
-                stage_ids,
-                self.n_stages,
-                device,
-                mesh["pp"].get_group(),
-                dims.grad_accum,
-                self._loss_fn,
-                self._declared_boundaries(boundaries),
-            )
+        self.schedule = self._build_schedule(parallel) if dims.pp > 1 else None
 
     # -- helpers ------------------------------------------------------------------------------------
 
-    def _declared_boundaries(self, shapes: BoundaryShapes | None) -> list[StageBoundary] | None:
-        if shapes is None:
-            return None
-        tp_mesh = self.mesh["tp"] if self.dims.tp > 1 else None
-        return [stage_boundary(shapes, sid, self.n_stages, self.device, tp_mesh) for sid in self.stage_ids]
+    def _build_schedule(self, parallel: ParallelConfig):
+        """The pipeline schedule over this rank's stages (the step simulation declares their shapes
+        instead: relaytrain.parallel.sim_pipeline.DeclaredStagesModel)."""
+        return build_schedule(
+            parallel.pp_schedule,
+            self.model_parts,
+            self.stage_ids,
+            self.n_stages,
+            self.device,
+            self.mesh["pp"].get_group(),
+            self.dims.grad_accum,
+            self._loss_fn,
+        )
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy(logits, targets)
@@ -312,7 +306,7 @@ def shard_on_meta(
     """The first half of `parallelize`: layout, mesh, pipeline split, TP -> AC -> compile -> FSDP.
 
     Nothing is allocated yet, so the simulation (relaytrain.parallel.simulate) runs this outside
-    FakeTensorMode (the mesh's coordinate code needs real tensors) and `materialize` inside it.
+    FakeTensorMode (the mesh's coordinate code needs real tensors) and `allocate` inside it.
     """
     dims = validate_layout(parallel, model, train, world_size, gpus_per_node, device.type)
     note = batch_split_note(train, dims)
@@ -341,19 +335,17 @@ def shard_on_meta(
 
 
 def materialize(
-    sharded: ShardedOnMeta,
-    parallel: ParallelConfig,
-    train: TrainConfig,
-    device: torch.device,
-    *,
-    seed: int,
-    declare_stage_shapes: bool = False,
+    sharded: ShardedOnMeta, parallel: ParallelConfig, train: TrainConfig, device: torch.device, *, seed: int
 ) -> ParallelModel:
-    """The second half of `parallelize`: allocate this rank's shards, initialise them, build the step.
+    """The second half of `parallelize`: allocate this rank's shards, initialise them, build the step."""
+    allocate(sharded, parallel, train, device, seed=seed)
+    return ParallelModel(parallel, sharded.dims, sharded.mesh, device, sharded.parts, sharded.stage_ids)
 
-    `declare_stage_shapes`: give the pipeline stages their boundary shapes instead of inferring them on
-    the first step (the step simulation, whose fake process group cannot carry the inference).
-    """
+
+def allocate(
+    sharded: ShardedOnMeta, parallel: ParallelConfig, train: TrainConfig, device: torch.device, *, seed: int
+) -> None:
+    """Allocate this rank's shards of the parts and initialise them (the step is built by the caller)."""
     init_device = torch.device("cpu") if parallel.cpu_offload else device
     for part in sharded.parts:
         part.to_empty(device=init_device)
@@ -367,18 +359,3 @@ def materialize(
             part.rope_cos = part.rope_cos[: train.seq_len].clone()
             part.rope_sin = part.rope_sin[: train.seq_len].clone()
         part.train()
-    dims = sharded.dims
-    shapes = None
-    if declare_stage_shapes and dims.pp > 1:
-        cfg = sharded.parts[0].cfg
-        shapes = BoundaryShapes(
-            microbatch=dims.micro_batch_size,
-            seq_len=train.seq_len,
-            dim=cfg.dim,
-            vocab_size=cfg.vocab_size,
-            dtype=param_dtype(parallel, device.type),
-            tp=dims.tp,
-            cp=dims.cp,
-            loss_parallel=parallel.loss_parallel,
-        )
-    return ParallelModel(parallel, dims, sharded.mesh, device, sharded.parts, sharded.stage_ids, shapes)

@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
-    _PipelineSchedule,
 )
 
 from relaytrain.model.transformer import Transformer
-from relaytrain.parallel.pipeline_shapes import StageBoundary, settle_static_vote
 
 
 def stage_layer_ranges(n_layers: int, n_stages: int) -> list[range]:
@@ -64,26 +64,24 @@ def build_schedule(
     group: dist.ProcessGroup,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    boundaries: list[StageBoundary] | None = None,
-) -> _PipelineSchedule:
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """The schedule over this rank's stages.
 
-    Without `boundaries` (the trainer), shapes are inferred on the first step by a metadata exchange, so
-    TP-sharded activations and the DTensor logits of loss parallel need no declared shapes. With them
-    (one per stage, declared alike on every rank: the step simulation), nothing is inferred or voted on.
+    Boundary shapes are inferred on the first step by a metadata exchange, so TP-sharded activations and
+    the DTensor logits of loss parallel need no declared shapes (the step simulation declares them
+    instead: relaytrain.parallel.sim_pipeline).
     """
-    declared = boundaries or [None] * len(parts)
     stages = [
-        PipelineStage(part, sid, n_stages, device, group=group, **(b.stage_kwargs() if b else {}))
-        for part, sid, b in zip(parts, stage_ids, declared, strict=True)
+        PipelineStage(part, sid, n_stages, device, group=group)
+        for part, sid in zip(parts, stage_ids, strict=True)
     ]
-    schedule = _schedule(kind, stages, n_microbatches, loss_fn)
-    if boundaries:
-        settle_static_vote(schedule)
-    return schedule
+    return schedule_of(kind, stages, n_microbatches, loss_fn)
 
 
-def _schedule(kind: str, stages: list[PipelineStage], n_microbatches: int, loss_fn) -> _PipelineSchedule:
+def schedule_of(
+    kind: str, stages: list[PipelineStage], n_microbatches: int, loss_fn
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """The `parallel.pp_schedule` kind over built stages."""
     # scale_grads: the loss of each microbatch is a mean, so gradients are divided by the microbatch
     # count, giving the gradient of the mean loss over the local batch.
     if kind == "interleaved_1f1b":

@@ -22,10 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from relaytrain.parallel.mesh import submesh
+from relaytrain.torch_private import dispatch_mode_base, resolve_process_group, tree_leaves
 
 _NAMESPACES = ("c10d", "_c10d_functional")
 _NOT_TRAFFIC = {"wait_tensor", "barrier", "monitored_barrier"}
@@ -50,11 +49,11 @@ class Collective:
 
 
 def _bytes_of(value) -> int:
-    flat, _ = tree_flatten(value)
+    flat = tree_leaves(value)
     return sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
 
 
-class CollectiveCounter(TorchDispatchMode):
+class CollectiveCounter(dispatch_mode_base()):
     """Counts calls and payload bytes per (op, process group name) on local tensors."""
 
     def __init__(self):
@@ -81,7 +80,7 @@ class CollectiveCounter(TorchDispatchMode):
 
     @staticmethod
     def _group_name(args, kwargs) -> str:
-        flat, _ = tree_flatten((args, kwargs))
+        flat = tree_leaves((args, kwargs))
         for a in flat:
             if isinstance(a, torch.ScriptObject):
                 return dist.ProcessGroup.unbox(a).group_name
@@ -149,7 +148,7 @@ def collectives(
         dim, ranks = table.get(group, ("other", []))
         if dim == "other":
             try:  # a group the mesh does not name (e.g. DTensor's flattened multi-dim reduce)
-                ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group))
+                ranks = dist.get_process_group_ranks(resolve_process_group(group))
             except (RuntimeError, ValueError, KeyError):
                 ranks = []
         per = "step" if once else "micro batch"

@@ -14,13 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
+
+from relaytrain.torch_private import (
+    fsdp_param_group,
+    fsdp_ref_type,
+    mem_tracker_classes,
+    partial_reduce_output,
+    sharding_propagation_lock,
+)
+
+MemTracker, FSDPMemTracker = mem_tracker_classes()
 
 _local = threading.local()
 
@@ -68,16 +75,9 @@ class _PropagationMark:
         return self.inner.__exit__(*exc)
 
 
-@contextlib.contextmanager
-def ignore_sharding_propagation() -> Iterator[None]:
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    saved = ShardingPropagator._fake_mode_lock
-    ShardingPropagator._fake_mode_lock = _PropagationMark(saved)
-    try:
-        yield
-    finally:
-        ShardingPropagator._fake_mode_lock = saved
+def ignore_sharding_propagation() -> contextlib.AbstractContextManager:
+    """Within: ops that DTensor's sharding propagation runs on its own fake tensors are not the step's."""
+    return sharding_propagation_lock(_PropagationMark)
 
 
 def _propagating() -> bool:
@@ -151,22 +151,22 @@ class FSDPStepTracker(_StepMixin, FSDPMemTracker):
           unsharded, upcast to the reduce dtype (the stage's unsharded gradients);
         * HSDP holds the all-reduce across replica groups until the last micro batch: the
           reduce-scattered gradients accumulate in FSDP's partial reduce output (the sharded ones)."""
-        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
-
+        ref_type = fsdp_ref_type()
         inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig_fsdp_param_group_post_backward)
 
         def post_backward(*args, **kwargs):
             out = inner(*args, **kwargs)
-            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            group = fsdp_param_group(fsdp_mod)
             if group is None:
                 return out
             for param in group.fsdp_params:
                 if param.unsharded_accumulated_grad is not None:
                     self._update_and_maybe_create_winfos(
-                        param.unsharded_accumulated_grad, _FSDPRefType.UNSHARDED_GRAD
+                        param.unsharded_accumulated_grad, ref_type.UNSHARDED_GRAD
                     )
-            if group._partial_reduce_output is not None:
-                self._update_and_maybe_create_winfos(group._partial_reduce_output, _FSDPRefType.SHARDED_GRAD)
+            held = partial_reduce_output(group)
+            if held is not None:
+                self._update_and_maybe_create_winfos(held, ref_type.SHARDED_GRAD)
             return out
 
         return post_backward

@@ -33,12 +33,11 @@ def layout_chunks(cfg: Config, world_size: int, gpus_per_node: int) -> dict[str,
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from relaytrain.parallel.parallel_model import shard_on_meta
+    from relaytrain.torch_private import fake_store, local_shape_and_offset
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     device = torch.device("cpu")
     sharded = shard_on_meta(cfg.parallel, cfg.model, cfg.train, device, world_size, 0, gpus_per_node)
     if sharded.dims.pp > 1:
@@ -53,7 +52,7 @@ def layout_chunks(cfg: Config, world_size: int, gpus_per_node: int) -> dict[str,
             ranks = param.device_mesh.mesh
             for coord in itertools.product(*(range(n) for n in ranks.shape)):
                 rank = int(ranks[coord])
-                shape, offset = _compute_local_shape_and_global_offset(
+                shape, offset = local_shape_and_offset(
                     param.shape, ranks.shape, list(coord), param.placements
                 )
                 if math.prod(shape):
@@ -64,10 +63,8 @@ def layout_chunks(cfg: Config, world_size: int, gpus_per_node: int) -> dict[str,
 
 def check_reshard(saved: dict[str, list[list[Chunk]]], loaded: dict[str, list[list[Chunk]]]) -> ReshardCheck:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-    from torch.distributed.checkpoint.resharding import (
-        _check_shard_metadata_pair_overlap,
-        _shards_get_overlap_region_wrt_saved_tensor,
-    )
+
+    from relaytrain.torch_private import shard_overlap
 
     problems: list[str] = []
     n_saved = n_reads = 0
@@ -83,8 +80,8 @@ def check_reshard(saved: dict[str, list[list[Chunk]]], loaded: dict[str, list[li
                 want = ChunkStorageMetadata(torch_size(off), torch_size(size))
                 read = 0
                 for piece in stored:
-                    if _check_shard_metadata_pair_overlap(piece, want):
-                        overlap = _shards_get_overlap_region_wrt_saved_tensor(piece, want)
+                    overlap = shard_overlap(piece, want)
+                    if overlap is not None:
                         n_reads += 1
                         read += math.prod(length for _, _, _, length in overlap)
                 if read != math.prod(size):

@@ -4,9 +4,10 @@ For a representative rank of each role (first and last pipeline stage, a member 
 replica group), a fresh process joins PyTorch's fake process group as that rank of the full world,
 builds the model through the trainer's own path (`parallel_model.shard_on_meta`: mesh in
 `parallel.rank_order`, pipeline split, TP + SP, AC, FSDP2 / HSDP, CPU offload), then, under
-FakeTensorMode, allocates it (`materialize`) and runs one step as the trainer does: the micro batches
-of the local batch that reach the step's peak (`simulation_config`; through the pipeline schedule when
-there is one, its stages' boundary shapes declared: relaytrain.parallel.pipeline_shapes), backward,
+FakeTensorMode, allocates it (`allocate`, as `materialize` does) and runs one step as the trainer does:
+the micro batches of the local batch that reach the step's peak (`simulation_config`; through the
+pipeline schedule when there is one, its stages' boundary shapes declared:
+relaytrain.parallel.sim_pipeline.DeclaredStagesModel), backward,
 gradient clipping, the AdamW step. Fake tensors have shapes and no data: nothing is computed and
 nothing allocated, and the trackers record what a GPU would hold (sim_memory) and what it would send
 (sim_comm).
@@ -142,11 +143,9 @@ def simulate_rank(
     simulated ones)."""
     import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from relaytrain.optim import build_optimizer
-    from relaytrain.parallel.parallel_model import materialize, shard_on_meta
+    from relaytrain.parallel.parallel_model import allocate, shard_on_meta
     from relaytrain.parallel.sim_comm import CollectiveCounter, collectives
     from relaytrain.parallel.sim_memory import (
         FSDPStepTracker,
@@ -154,17 +153,18 @@ def simulate_rank(
         ignore_sharding_propagation,
         peak_by_category,
     )
+    from relaytrain.parallel.sim_pipeline import DeclaredStagesModel
+    from relaytrain.torch_private import fake_store, fake_tensor_mode
 
     start = time.monotonic()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     device = torch.device("cpu")
     # The mesh's coordinate code needs real tensors: layout, mesh and sharding on meta, outside fake mode.
     sharded = shard_on_meta(cfg.parallel, cfg.model, cfg.train, device, world_size, rank, gpus_per_node)
     dims = sharded.dims
-    with FakeTensorMode(allow_non_fake_inputs=True), ignore_sharding_propagation():
-        model = materialize(
-            sharded, cfg.parallel, cfg.train, device, seed=cfg.run.seed, declare_stage_shapes=True
-        )
+    with fake_tensor_mode(allow_non_fake_inputs=True), ignore_sharding_propagation():
+        allocate(sharded, cfg.parallel, cfg.train, device, seed=cfg.run.seed)
+        model = DeclaredStagesModel(sharded, cfg.parallel, cfg.train.seq_len, device)
         optimizer = build_optimizer(cfg.optim, model.model_parts, device)
         shape = (dims.local_batch_size, cfg.train.seq_len)
         inputs = torch.randint(0, cfg.model.vocab_size, shape)
@@ -205,12 +205,14 @@ def _unrun_receive_buffers(model, microbatches: int) -> list:
     received activation (every stage but the first) and gradient (every stage but the last)."""
     import torch
 
+    from relaytrain.torch_private import schedule_stages, stage_declared_meta
+
     if model.schedule is None:
         return []
     buffers = []
-    for stage in getattr(model.schedule, "_stages", None) or [model.schedule._stage]:
-        metas = [] if stage.is_first else list(stage._user_meta.inputs)
-        metas += [] if stage.is_last else list(stage._user_meta.outputs)
+    for stage in schedule_stages(model.schedule):
+        inputs, outputs = stage_declared_meta(stage)
+        metas = ([] if stage.is_first else inputs) + ([] if stage.is_last else outputs)
         for meta in metas:
             buffers += [torch.empty(meta.shape, dtype=meta.dtype) for _ in range(microbatches)]
     return buffers

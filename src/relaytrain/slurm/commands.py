@@ -128,10 +128,10 @@ def cmd_chain(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from relaytrain.slurm.estimate import DEFAULT_MFU
+    from relaytrain.plan.compare import report
+    from relaytrain.plan.step_time import DEFAULT_MFU
     from relaytrain.slurm.launch import load_resolved
-    from relaytrain.slurm.plan import plans_for
-    from relaytrain.slurm.simulated import report
+    from relaytrain.slurm.partition_plans import plans_for
 
     if args.mfu is not None and not 0 < args.mfu <= 100:
         raise UserError(f"--mfu {args.mfu:g}: the assumed MFU is a percentage in (0, 100], e.g. --mfu 40")
@@ -146,7 +146,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _print_plan(cfg, plans, console: Console, notes: list[str]) -> None:
-    from relaytrain.slurm.plan import plan_rows, range_rows
+    from relaytrain.plan.checks import plan_rows, range_rows
 
     plan = plans[-1]
     if len(plans) > 1:  # --nodes MIN-MAX: each count Slurm may start a job of the chain on

@@ -21,11 +21,12 @@ from relaytrain.checkpoint.choose import check_resume
 from relaytrain.config import Config, ResilienceConfig, SlurmConfig, config_to_toml, load_config
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
+from relaytrain.plan.checks import Plan
 from relaytrain.resilience.run_kind import PROGRAM, TRAIN, RunKind, claim_kind, refuse_other_kind
 from relaytrain.slurm.container import check_container
 from relaytrain.slurm.grid import parse_grid, render_command
 from relaytrain.slurm.launch_checks import check_request
-from relaytrain.slurm.plan import Plan, plans_for
+from relaytrain.slurm.partition_plans import plans_for
 from relaytrain.slurm.profile import explicit_config_keys, resolve_slurm
 from relaytrain.slurm.run_owner import refuse_busy_run_dir
 from relaytrain.slurm.script import JobSpec, SweepPoint, render_script

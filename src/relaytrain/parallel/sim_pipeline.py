@@ -1,4 +1,5 @@
-"""What the pipeline stages pass between them, declared from the model config instead of inferred.
+"""The step simulation's pipeline: what the stages pass between them, declared from the model config
+instead of inferred, on a ParallelModel whose schedule is built with those declarations.
 
 The trainer's schedule infers its stages' boundary shapes on the first step: a vote over the pipeline
 ranks (an all-ones tensor read with `.item()`) and, for the shapes, a forward of the first microbatch
@@ -11,7 +12,8 @@ Every rank can compute every stage's boundaries itself: the first stage takes th
 (microbatch, seq, dim) in the compute dtype, sequence-sharded over TP (sequence parallel) and CP; the
 last stage returns the logits (microbatch, seq, vocab), a vocabulary-sharded DTensor under loss parallel.
 With these declared on every stage, every stage votes "static", so the vote's outcome is known
-without reading it (`settle_static_vote`).
+without reading it (`settle_static_vote`). The trainer's build knows nothing of this: the simulation
+builds a `DeclaredStagesModel`, which overrides only how the schedule is made.
 """
 
 from __future__ import annotations
@@ -20,7 +22,19 @@ import dataclasses
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Shard
+
+from relaytrain.config.schema import ParallelConfig
+from relaytrain.parallel.fsdp import param_dtype
+from relaytrain.parallel.parallel_model import ParallelModel, ShardedOnMeta
+from relaytrain.parallel.pipeline import schedule_of
+from relaytrain.torch_private import (
+    schedule_stages,
+    skip_warmup_vote,
+    stage_needs_inference,
+    validate_stage_at_runtime,
+)
 
 
 @dataclasses.dataclass
@@ -92,24 +106,49 @@ def stage_boundary(
 def settle_static_vote(schedule) -> None:
     """Skip the schedule's warm-up vote, whose outcome is known: every stage declared its boundaries.
 
-    torch's `_warmup_p2p` multiplies the stages' votes along the pipeline and reads the product with
+    torch's warm-up multiplies the stages' votes along the pipeline and reads the product with
     `.item()`; with declared boundaries on every rank each vote is 1 (static). Also skipped: the
     vote's side effect of opening the two-rank communicators early, which only a real group has.
     """
-    from torch.distributed.pipelining._utils import InferenceMode
-
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    stages = schedule_stages(schedule)
     for stage in stages:
-        if InferenceMode.needs_dynamic(stage._user_meta, schedule._has_backward):
+        if stage_needs_inference(stage, schedule):
             raise ValueError(f"pipeline stage {stage.stage_index} lacks declared boundary metadata")
-
     for stage in stages:
-        # Check every boundary tensor the step really passes against its declaration (torch does so
-        # under TORCH_DISTRIBUTED_DEBUG=DETAIL): a wrong declaration fails the step, not a later one.
-        stage._runtime_validate = True
+        # Check every boundary tensor the step really passes against its declaration: a wrong
+        # declaration fails the step, not a later one.
+        validate_stage_at_runtime(stage)
+    skip_warmup_vote(schedule)
 
-    def settled(stages, has_backward, p2p_done):
-        for stage in stages:
-            stage._inference_mode = InferenceMode.STATIC
 
-    schedule._warmup_p2p = settled
+class DeclaredStagesModel(ParallelModel):
+    """The trainer's ParallelModel with its pipeline stages' boundaries declared instead of inferred on
+    the first step, and the warm-up vote settled: the step simulation's fake process group cannot carry
+    the inference. Everything but the schedule's construction is the trainer's."""
+
+    def __init__(self, sharded: ShardedOnMeta, parallel: ParallelConfig, seq_len: int, device: torch.device):
+        dims, cfg = sharded.dims, sharded.parts[0].cfg
+        self.shapes = BoundaryShapes(
+            microbatch=dims.micro_batch_size,
+            seq_len=seq_len,
+            dim=cfg.dim,
+            vocab_size=cfg.vocab_size,
+            dtype=param_dtype(parallel, device.type),
+            tp=dims.tp,
+            cp=dims.cp,
+            loss_parallel=parallel.loss_parallel,
+        )
+        super().__init__(parallel, dims, sharded.mesh, device, sharded.parts, sharded.stage_ids)
+
+    def _build_schedule(self, parallel: ParallelConfig):
+        tp_mesh = self.mesh["tp"] if self.dims.tp > 1 else None
+        group = self.mesh["pp"].get_group()
+        stages = []
+        for part, sid in zip(self.model_parts, self.stage_ids, strict=True):
+            declared = stage_boundary(self.shapes, sid, self.n_stages, self.device, tp_mesh)
+            stages.append(
+                PipelineStage(part, sid, self.n_stages, self.device, group=group, **declared.stage_kwargs())
+            )
+        schedule = schedule_of(parallel.pp_schedule, stages, self.dims.grad_accum, self._loss_fn)
+        settle_static_vote(schedule)
+        return schedule

@@ -21,10 +21,10 @@ sharding degree z = dp_shard * cp):
   `parallel.reduce_dtype` (4 B / tp); R the parameters of the root. plan takes the moment
   that holds more; the extra gathered bytes count as gathered layers (`MemoryEstimate.gathered`).
 * activations and the loss: what the model keeps for backward per layer and micro batch, by activation
-  checkpointing mode, and cross entropy's fp32 log-softmax and gradients (relaytrain.slurm.activations,
+  checkpointing mode, and cross entropy's fp32 log-softmax and gradients (relaytrain.plan.activation_memory,
   measured by `--simulate`). Under full checkpointing the layer being recomputed in backward holds its
   activations once the loss's gradients are gone: the larger of the two counts. A pipeline holds more
-  (relaytrain.slurm.pipeline_memory): a stage's weights stay gathered and its gradients unsharded for the
+  (relaytrain.plan.pipeline_memory): a stage's weights stay gathered and its gradients unsharded for the
   step, several micro-batches are in flight, and the schedule keeps a receive buffer per micro-batch.
 * overhead: 3 GiB (CUDA context, NCCL buffers) plus 10% for allocator fragmentation.
 
@@ -41,12 +41,12 @@ from dataclasses import dataclass, field
 
 from relaytrain.config import Config
 from relaytrain.model import count_parameters
-from relaytrain.slurm.activations import (
+from relaytrain.plan.activation_memory import (
     activation_bytes_per_layer,
     loss_bytes,
     loss_parallel_extra_bytes,
 )
-from relaytrain.slurm.pipeline_memory import DTYPE_BYTES, stage_memory
+from relaytrain.plan.pipeline_memory import DTYPE_BYTES, stage_memory
 
 GIB = 1024**3
 GB = 1e9

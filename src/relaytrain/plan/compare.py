@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from relaytrain.slurm.plan import GIB, Plan
+from relaytrain.plan.checks import GIB, Plan
 
 # Plan's categories and the simulated ones each stands for.
 GROUPS = (

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relaytrain.config import Config
-from relaytrain.slurm.activations import vocab_split
+from relaytrain.plan.activation_memory import vocab_split
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 

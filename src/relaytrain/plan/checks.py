@@ -1,13 +1,14 @@
-"""`relaytrain plan`: will this config fit on N nodes x G GPUs before it waits in the queue?
+"""Will this config fit on N nodes x G GPUs before it waits in the queue: the plan and its checks.
 
-Per-GPU memory: relaytrain.slurm.gpu_memory.
+Per-GPU memory: relaytrain.plan.gpu_memory; host memory: relaytrain.plan.host_memory. The host memory a
+node has comes from the caller (relaytrain.slurm.partition_plans asks the partition).
 
 Checkpoint: 12 P bytes (fp32 weights + two AdamW moments), written in parallel by all ranks at
 `slurm.fs_write_gbps` GB/s in aggregate; the emergency save must finish within
 `resilience.hard_deadline_s`, and Slurm's signal must come early enough for the step in flight to end and
 the save to run (`resilience.signal_lead_s` >= one step + the hard deadline).
 
-The step time in that check is an estimate (relaytrain.slurm.estimate), also printed with the time to
+The step time in that check is an estimate (relaytrain.plan.step_time), also printed with the time to
 train.
 """
 
@@ -16,12 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from relaytrain.config import Config, SlurmConfig
+from relaytrain.config import Config
 from relaytrain.config.domains import slurm_time_seconds
 from relaytrain.errors import UserError
 from relaytrain.model import count_parameters
-from relaytrain.slurm.estimate import DEFAULT_MFU, StepEstimate, estimate_rows, estimate_step
-from relaytrain.slurm.gpu_memory import (
+from relaytrain.plan.gpu_memory import (
     GB,
     GIB,
     GPU_MEMORY_GB,
@@ -29,9 +29,9 @@ from relaytrain.slurm.gpu_memory import (
     estimate_memory,
     gpu_memory_bytes,
 )
-from relaytrain.slurm.host_memory import host_memory_check, stages_async_copies
-from relaytrain.slurm.partition import host_memory
-from relaytrain.slurm.snapshot_memory import snapshot_memory_check
+from relaytrain.plan.host_memory import host_memory_check, stages_async_copies
+from relaytrain.plan.snapshot_memory import snapshot_memory_check
+from relaytrain.plan.step_time import DEFAULT_MFU, StepEstimate, estimate_rows, estimate_step
 
 TIGHT_FRACTION = 0.90  # above this share of the GPU's memory the verdict is "tight"
 SAVE_HEADROOM = 1.2  # a suggested hard deadline leaves 20% over the save estimate
@@ -73,7 +73,7 @@ def make_plan(
 ) -> Plan:
     """Layout, memory and checkpoint checks; never raises for a bad plan (the verdict says it).
 
-    `host_memory`: bytes per node and where the figure comes from (relaytrain.slurm.partition), checked
+    `host_memory`: bytes per node and where the figure comes from (relaytrain.slurm.partition_plans), checked
     when the states are offloaded to host memory.
     """
     from relaytrain.parallel.layout import validate_layout
@@ -242,26 +242,6 @@ def _round_up_time(seconds: float) -> str:
     hours, rest = divmod(rest, 3600)
     text = f"{hours:02d}:{rest // 60:02d}:{rest % 60:02d}"
     return f"{days}-{text}" if days else text
-
-
-def plan_for(cfg: Config, nodes: int = 0, mfu: float = DEFAULT_MFU) -> Plan:
-    """The plan for the resolved `[slurm]` section of `cfg` at `nodes` nodes (0: slurm.nodes)."""
-    s = cfg.slurm
-    needs_host = (
-        cfg.parallel.cpu_offload or cfg.checkpoint.snapshot_every or stages_async_copies(cfg, s.gpus_per_node)
-    )
-    host = host_memory(s.partition, s.mem) if needs_host else None
-    return make_plan(cfg, nodes or s.nodes, s.gpus_per_node, s.gpu_type, s.tasks_per_node, host, mfu)
-
-
-def node_counts(s: SlurmConfig) -> list[int]:
-    """Every node count Slurm may start a job on: slurm.min_nodes..slurm.nodes, or just slurm.nodes."""
-    return list(range(min(s.min_nodes or s.nodes, s.nodes), s.nodes + 1))
-
-
-def plans_for(cfg: Config, mfu: float = DEFAULT_MFU) -> list[Plan]:
-    """One plan per node count of the range (what launch checks and `relaytrain plan` prints)."""
-    return [plan_for(cfg, nodes, mfu) for nodes in node_counts(cfg.slurm)]
 
 
 def range_rows(plans: list[Plan]) -> list[tuple[str, ...]]:

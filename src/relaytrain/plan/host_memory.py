@@ -1,19 +1,19 @@
 """What a node's host memory holds while it trains, for `relaytrain plan`: per process, the interpreter,
 torch, the CUDA host side and the data loader (4 GiB); with `parallel.cpu_offload` the offloaded weights,
-gradients and AdamW state (relaytrain.slurm.gpu_memory); with `checkpoint.mode = "async"` on GPUs the
+gradients and AdamW state (relaytrain.plan.gpu_memory); with `checkpoint.mode = "async"` on GPUs the
 pinned host buffers that each save copies the rank's state into before writing it while training goes on
 (relaytrain.checkpoint.manager: kept and reused by every save): 12 bytes per parameter (fp32 weights and
 the two AdamW moments) over the ranks that split the model (tp x pp x dp_shard x cp), for each rank of
 the node (none with cpu_offload, whose state is written from host memory as it is); with
-`checkpoint.snapshot_every` the snapshots (relaytrain.slurm.snapshot_memory). Their sum is checked
+`checkpoint.snapshot_every` the snapshots (relaytrain.plan.snapshot_memory). Their sum is checked
 against the node's memory.
 """
 
 from __future__ import annotations
 
 from relaytrain.config import Config
-from relaytrain.slurm.gpu_memory import GIB, MemoryEstimate
-from relaytrain.slurm.snapshot_memory import snapshot_bytes_per_node
+from relaytrain.plan.gpu_memory import GIB, MemoryEstimate
+from relaytrain.plan.snapshot_memory import snapshot_bytes_per_node
 
 TIGHT_FRACTION = 0.90
 
