@@ -13,8 +13,8 @@ hold) and, through relaytrain's own code paths only:
 3. restores three times (`SnapshotTier.restore`, then `CheckpointManager.load` when it finds no usable
    snapshot, as the front's `restore` does, timed apart): with both nodes' folders intact (local
    memory), after rank 1's node folder is deleted (rank 1's file comes from its replica on node 0), and
-   after both are deleted
-   (the DCP checkpoint of step 1; the page cache is dropped first when this process may). Before each
+   after both are deleted (the DCP checkpoint of step 1; the page cache is dropped first when this
+   process may). Before each
    one the parameters, AdamW's moments and its step counters are zeroed; after it a checksum of each of
    them on every rank is compared with the state that was saved (`model_exact`, `optim_exact`;
    `bit_exact`: both, and the training step restored is the one saved).
