@@ -6,7 +6,8 @@ on peer nodes) both persist the one `TrainingState`, over the one set of gloo gr
 (`collectives.py`). The front owns the decisions between them: a start restores a snapshot newer than the
 newest checkpoint before DCP is looked at; a step's snapshot is taken after its checkpoint decision, none
 at the last step; the end commits a pending save before the snapshot tier closes and both before the
-groups go. `checkpoint.enabled` is read here and nowhere else at run time.
+groups go. `checkpoint.enabled` is read here once for every persistence decision (outside: the config
+check before a start, `choose.check_resume`; the plan; the stop event's `saved` field, resilience/).
 
 Every method is called by every rank at the same point of the loop.
 """
