@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from relaytrain.checkpoint import CheckpointManager, RunRecord
+from relaytrain.checkpoint import Persistence, RunRecord, TrainingState
 from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.config.schema import ModelConfig
 from relaytrain.model import Transformer, count_parameters
@@ -150,21 +150,16 @@ def build(cfg: Config, run_dir: Path, mode: str, verify: bool = True):
     cfg.checkpoint.keep_last = 1
     model = Transformer(cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return (
-        model,
-        opt,
-        CheckpointManager(
-            cfg.checkpoint,
-            run_dir,
-            RunRecord("bench", config_to_toml(cfg), config_hash(cfg), cfg.model, cfg.data.tokenizer),
-            [model],
-            [opt],
-            {"train_state": BenchState()},
-            rank=0,
-            world_size=1,
-            parallel_dims={"world_size": 1},
-        ),
+    front = Persistence(
+        cfg.checkpoint,
+        run_dir,
+        RunRecord("bench", config_to_toml(cfg), config_hash(cfg), cfg.model, cfg.data.tokenizer),
+        TrainingState([model], [opt], {"train_state": BenchState()}),
+        rank=0,
+        world_size=1,
+        parallel_dims={"world_size": 1},
     )
+    return model, opt, front.checkpoints  # the DCP tier, measured on its own
 
 
 def main() -> None:

@@ -5,14 +5,16 @@ launch (RELAYTRAIN_CONFIG: the debug config with a model large enough for ~1 GB 
 It builds the trainer (model shards, AdamW state, data position, RNG: what a snapshot and a checkpoint
 hold) and, through relaytrain's own code paths only:
 
-1. saves a DCP checkpoint of step 1 (`CheckpointManager.save`, sync) to the run directory;
-2. changes every parameter, takes the snapshot of step 2 (`SnapshotManager.take`) and waits for its
-   write (`SnapshotManager.wait`): the blocking copy, the exchange with the peer node over the gloo
-   group (each rank sends its file to the other node and receives the other's), and the writes;
-3. restores three times (`SnapshotManager.restore`, then `CheckpointManager.load` when it finds no
-   usable snapshot, as the trainer does): with both nodes' folders intact (local memory), after rank 1's
-   node folder is deleted (rank 1's file comes from its replica on node 0), and after both are deleted
-   (the DCP checkpoint of step 1; the page cache is dropped first when this process may). Before each
+1. saves a DCP checkpoint of step 1 (the persistence front's DCP tier: `CheckpointManager.save`, sync)
+   to the run directory;
+2. changes every parameter, takes the snapshot of step 2 (its snapshot tier: `SnapshotTier.take`) and
+   waits for its write (`SnapshotTier.wait`): the blocking copy, the exchange with the peer node over the
+   gloo group (each rank sends its file to the other node and receives the other's), and the writes;
+3. restores three times (`SnapshotTier.restore`, then `CheckpointManager.load` when it finds no usable
+   snapshot, as the front's `restore` does, timed apart): with both nodes' folders intact (local
+   memory), after rank 1's node folder is deleted (rank 1's file comes from its replica on node 0), and
+   after both are deleted (the DCP checkpoint of step 1; the page cache is dropped first when this
+   process may). Before each
    one the parameters, AdamW's moments and its step counters are zeroed; after it a checksum of each of
    them on every rank is compared with the state that was saved (`model_exact`, `optim_exact`;
    `bit_exact`: both, and the training step restored is the one saved).
@@ -101,14 +103,14 @@ def gathered(value) -> list:
 
 
 def restore(trainer: Trainer, tier: str, expected: dict[str, str], expected_step: int, rank: int) -> dict:
-    snapshots, checkpoint = trainer.snapshots, trainer.checkpoint
+    snapshots, checkpoint = trainer.persistence.snapshots, trainer.persistence.checkpoints
     if (tier == "peer" and rank == 1) or tier == "dcp":
         shutil.rmtree(snapshots.node_dir, ignore_errors=True)  # the node lost its memory
     change_state(trainer, torch.Tensor.zero_)
     dropped = drop_page_cache() if tier == "dcp" and rank == 0 else False
     barrier()
     started = time.perf_counter()
-    step = snapshots.restore()
+    step = snapshots.restore(checkpoint.ckpt_dir)
     snapshot_s = time.perf_counter() - started
     source = "snapshot"
     if step is None:
@@ -147,7 +149,7 @@ def main() -> int:
         for tensor in optimizer_tensors(trainer.optimizers):
             if tensor.dim() == 0:  # a step counter: the same on every rank, as training keeps it
                 tensor.fill_(7)
-        checkpoint, snapshots = trainer.checkpoint, trainer.snapshots
+        checkpoint, snapshots = trainer.persistence.checkpoints, trainer.persistence.snapshots
         trainer.state.step = 1
         started = time.perf_counter()
         checkpoint.save(1)
@@ -178,8 +180,7 @@ def main() -> int:
                 log.info("bench: restore from %s: %s", tier, results["restores"][-1])
         if env.is_main:
             Path(args.out).write_text(json.dumps(results, indent=1))
-        snapshots.close(finished=True)
-        checkpoint.close()
+        trainer.persistence.close(finished=True)
     finally:
         shutdown_distributed()
     return 0

@@ -1,6 +1,6 @@
-"""Run under torchrun (gloo): init_distributed, the device mesh of a layout and the checkpointer's gloo
-groups; writes one JSON file per rank into the working directory (ranks printing to one pipe can interleave
-their lines): every process group this rank is in -> its timeout in seconds."""
+"""Run under torchrun (gloo): init_distributed, the device mesh of a layout and the persistence front's
+gloo groups; writes one JSON file per rank into the working directory (ranks printing to one pipe can
+interleave their lines): every process group this rank is in -> its timeout in seconds."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ cfg = load_config(None, ["--run.device=cpu", f"--resilience.collective_timeout_s
 env = init_distributed(cfg)
 replicate, shard, pp = (int(n) for n in sys.argv[2:5])
 mesh = build_mesh(ParallelDims(replicate, shard, 1, 1, pp, env.world_size), "cpu")
-Collectives(env.rank, env.world_size)
+Collectives(env.rank, env.world_size, replicas=True)  # the persistence front's groups, snapshots on
 groups = {c10d._world.pg_names[g]: group_timeout(g).total_seconds() for g in c10d._world.pg_map}
 report = {"rank": env.rank, "dims": list(mesh.mesh_dim_names), "groups": groups}
 Path(f"groups-rank{env.rank}.json").write_text(json.dumps(report))

@@ -58,7 +58,7 @@ def trainer_case(case: str, run_dir: Path) -> int:
         def load(*_args):
             raise UserError("checkpoint step_4 is unreadable")
 
-        trainer.checkpoint.load = load
+        trainer.persistence.checkpoints.load = load  # the DCP load the front's restore runs
     else:
         eval_loss = trainer.model.eval_loss
 

@@ -1,4 +1,5 @@
-"""CheckpointManager in one process: round trips, async commit, latest, retention, failures, schedule."""
+"""CheckpointManager (the persistence front's DCP tier) in one process: round trips, async commit,
+latest, retention, failures, schedule."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord, checksums, choose, files
+from relaytrain.checkpoint import Persistence, RngState, RunRecord, TrainingState, checksums, choose, files
 from relaytrain.checkpoint.schedule import SaveSchedule, retention_victims
 from relaytrain.checkpoint.state import merged_view
 from relaytrain.config import Config, config_hash, config_to_toml
@@ -38,7 +39,13 @@ class State:
         self.step, self.position = d["step"], d["position"]
 
 
-def make(
+def make(tmp_path: Path, **kwargs):
+    """The DCP tier of a one-process front (see `make_front`), the model parts, optimizer and state."""
+    front, *rest = make_front(tmp_path, **kwargs)
+    return (front.checkpoints, *rest)
+
+
+def make_front(
     tmp_path: Path,
     seed: int = 0,
     model: dict | None = None,
@@ -58,18 +65,16 @@ def make(
     opt = torch.optim.AdamW([p for m in model_parts for p in m.parameters()], lr=1e-2)
     state = State()
     record = RunRecord("run", config_to_toml(cfg), config_hash(cfg), cfg.model, tokenizer)
-    mgr = CheckpointManager(
+    front = Persistence(
         cfg.checkpoint,
         tmp_path / "run",
         record,
-        model_parts,
-        [opt],
-        {"train_state": state, "rng": RngState(cfg.run.seed)},
+        TrainingState(model_parts, [opt], {"train_state": state, "rng": RngState(cfg.run.seed)}),
         rank=0,
         world_size=1,
         parallel_dims={"pp": parts},
     )
-    return mgr, model_parts, opt, state
+    return front, model_parts, opt, state
 
 
 def split(model: Transformer, parts: int) -> list[Transformer]:
@@ -343,7 +348,7 @@ def test_pipeline_parts_and_whole_model_load_each_others_checkpoints(tmp_path):
     assert mgr2.load() == 4
     assert params(parts2).keys() == params(parts).keys()
     assert all(torch.equal(params(whole)[k], v) for k, v in params(parts2).items())
-    flat = {k for k in mgr2.optimizers[0].state_dict()["state"]}
+    flat = {k for k in mgr2.state.optimizers[0].state_dict()["state"]}
     assert len(flat) == sum(1 for p in parts2 for _ in p.parameters())
 
 
@@ -363,14 +368,19 @@ def test_schedule_by_step_time_and_last():
     assert not SaveSchedule(CheckpointConfig(interval=0), lambda f: f).due(7, False)
 
 
-def test_save_estimate_and_disabled(tmp_path, caplog):
-    mgr, parts, opt, state = make(tmp_path, enabled=False)
-    assert mgr.save_seconds_estimate() > 0
-    assert not mgr.should_save(100, True)
-    with caplog.at_level(logging.WARNING, logger="relaytrain.checkpoint"):
-        mgr.save(1)
-    assert not (tmp_path / "run/checkpoints").exists() and "enabled=false" in caplog.text
-    mgr.close()
+def test_save_estimate_and_disabled(tmp_path):
+    """checkpoint.enabled=false, owned by the front: no save by any path, no own checkpoint resumed."""
+    mgr, parts, opt, state = make(tmp_path)
+    train_step(parts, opt, state, 0)
+    mgr.save(1)
+    front, *_ = make_front(tmp_path, enabled=False)
+    assert front.save_seconds_estimate() > 0
+    assert front.restore() is None  # step_1 is there, but not resumed
+    front.save_initial()
+    assert not front.after_step(5, is_last=True)
+    front.save_now(6, "signal")
+    front.close(finished=True)
+    assert [e.path.name for e in files.list_steps(tmp_path / "run/checkpoints")] == ["step_1"]
 
 
 def test_checkpoint_of_an_older_format_gets_one_line(tmp_path):

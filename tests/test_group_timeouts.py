@@ -1,6 +1,7 @@
 """resilience.collective_timeout_s reaches every process group, not only the default one: the device
 mesh's groups (pp, dp_replicate, dp_shard, cp, tp and the flattened dp, dp_shard_cp) and the
-checkpointer's gloo groups are created with the backend's default (NCCL 600 s, gloo 1800 s) unless set."""
+persistence front's gloo groups are created with the backend's default (NCCL 600 s, gloo 1800 s) unless
+set."""
 
 from __future__ import annotations
 
@@ -29,6 +30,6 @@ def test_every_group_gets_the_collective_timeout(tmp_path):
     assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3]
     for report in reports:
         assert sorted(report["dims"]) == ["cp", "dp_replicate", "dp_shard", "pp", "tp"]
-        # the default group, 5 mesh dims, 2 flattened dims, 2 checkpointer groups
-        assert len(report["groups"]) == 10, report
+        # the default group, 5 mesh dims, 2 flattened dims, 3 persistence groups (control, DCP, replicas)
+        assert len(report["groups"]) == 11, report
         assert set(report["groups"].values()) == {97.0}, report

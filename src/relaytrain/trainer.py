@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from relaytrain.checkpoint import CheckpointManager, RngState, RunRecord, UnloadableCheckpoints
-from relaytrain.checkpoint.snapshot.manager import SnapshotManager
+from relaytrain.checkpoint import Persistence, RngState, RunRecord, TrainingState, UnloadableCheckpoints
 from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.data import build_train_loader, build_val_loader, to_device
 from relaytrain.errors import UserError
@@ -131,20 +130,23 @@ class Trainer:
             else None
         )
         self.state = TrainState(run_id=uuid.uuid4().hex[:12])
-        self.checkpoint = CheckpointManager(
-            cfg.checkpoint,
-            self.run_dir,
-            RunRecord(cfg.run.name, config_to_toml(cfg), config_hash(cfg), cfg.model, cfg.data.tokenizer),
+        # Everything a checkpoint or snapshot keeps: a new piece of state is one more component here.
+        training = TrainingState(
             self.model.model_parts,
             self.optimizers,
             {"train_state": self.state, "data": self.loader, "rng": RngState(cfg.run.seed)},
+        )
+        self.persistence = Persistence(
+            cfg.checkpoint,
+            self.run_dir,
+            RunRecord(cfg.run.name, config_to_toml(cfg), config_hash(cfg), cfg.model, cfg.data.tokenizer),
+            training,
             rank=env.rank,
             world_size=env.world_size,
             parallel_dims=vars(self.model.dims) | {"nodes": env.num_nodes},
             # run_state.json then knows the run has this checkpoint even if the directory is lost later
             on_commit=RunStateFile(self.run_dir).note_checkpoint,
         )
-        self.snapshots = SnapshotManager.beside(self.checkpoint)
         self.metrics = MetricsLogger(
             cfg.metrics,
             self.run_dir,
@@ -184,10 +186,7 @@ class Trainer:
         self.controller.install()
         finished = False
         try:
-            # A snapshot in node memory newer than the newest checkpoint wins (a crash lost no more than it)
-            resumed = self.snapshots.restore()
-            if resumed is None:
-                resumed = self.checkpoint.load(recorded_checkpoint_step(self.run_dir))
+            resumed = self.persistence.restore(recorded_checkpoint_step(self.run_dir))
             mark_running(cfg.train.max_steps, self.run_dir, self.env.rank, state.step)
             self.metrics.log_event(
                 "resume" if resumed is not None else "start",
@@ -195,12 +194,11 @@ class Trainer:
                 world_size=self.env.world_size,
                 nodes=self.env.num_nodes,
             )
-            resize = resize_fields(self.checkpoint.resumed_layout, self.model.dims, self.env.num_nodes)
+            resize = resize_fields(self.persistence.resumed_layout, self.model.dims, self.env.num_nodes)
             if resumed is not None and resize is not None:
                 self.metrics.log_event("resize", state.step, **resize)
             self.watchdog.start()
-            if resumed is None and cfg.checkpoint.save_initial and cfg.checkpoint.enabled:
-                self.checkpoint.save(0, reason="initial")
+            self.persistence.save_initial()
             code = self._loop()
             finished = state.step >= cfg.train.max_steps
             return code
@@ -215,8 +213,7 @@ class Trainer:
             raise
         finally:
             # Before the watchdog stops: a pending async save that never commits is still a hang.
-            self.checkpoint.close()
-            self.snapshots.close(finished)  # deleted once the run is done, else kept for the next start
+            self.persistence.close(finished)  # snapshots deleted once the run is done, else kept
             self.watchdog.stop()
             self.controller.uninstall(exiting=True, finished=finished)
             self.profiler.close()
@@ -239,7 +236,7 @@ class Trainer:
                 grad_norm = self.model.clip_grad_norm_(train.grad_clip)
                 # One collective and one host read a step: all ranks' stop reasons and NaN flags together
                 reason, bad = self.controller.agree_with(
-                    step, self.checkpoint.save_seconds_estimate(), self.nan_guard.flag(loss, grad_norm)
+                    step, self.persistence.save_seconds_estimate(), self.nan_guard.flag(loss, grad_norm)
                 )
                 verdict = self.nan_guard.decide(bad)
                 if verdict == "ok":
@@ -270,21 +267,16 @@ class Trainer:
                     self._evaluate(step)
                 window_start += time.perf_counter() - eval_start  # tokens/s counts training time only
             with self.timer.section("checkpoint"):
-                self.checkpoint.poll()
-                is_last = step == train.max_steps
-                if cfg.checkpoint.enabled and self.checkpoint.should_save(step, is_last):
-                    self.checkpoint.save(step, reason="final" if is_last else "interval")
+                if self.persistence.after_step(step, step == train.max_steps):
                     self.watchdog.beat(step)  # a save is progress: the hang timeout is per unit of work
                     slow = True
-                if not is_last:
-                    self.snapshots.take(step)
             if slow:  # a stop signalled during this evaluation or save is agreed now, not a step later
-                reason = max(reason, self.controller.agree(step, self.checkpoint.save_seconds_estimate()))
+                reason = max(reason, self.controller.agree(step, self.persistence.save_seconds_estimate()))
             if reason == StopReason.NONE and step == train.stop_at_step < train.max_steps:
                 reason = StopReason.STOP_AT_STEP
             if reason != StopReason.NONE:
                 return self._stop(reason, step)
-        self.checkpoint.wait()
+        self.persistence.wait()
         mark_finished(self.run_dir, self.env.rank, state.step)
         self.metrics.log_event("finished", state.step)
         return 0
@@ -294,18 +286,15 @@ class Trainer:
         log.info("stopping at step %d: %s", step, reason.name.lower())
         if reason != StopReason.NAN:
             self.controller.start_hard_deadline()
-            if self.cfg.checkpoint.enabled:
-                self.watchdog.beat()
-                self.checkpoint.wait()
-                self.checkpoint.save(step, reason=reason.name.lower())
-                self.checkpoint.wait()
+            self.watchdog.beat()
+            self.persistence.save_now(step, reason.name.lower())
         self.metrics.log_event("stop", step, **stop_fields(reason, self.cfg.checkpoint))
         return self.controller.finish(reason, step)
 
     def _rollback(self) -> None:
-        self.checkpoint.wait()
+        self.persistence.wait()
         self.watchdog.beat()
-        resumed = self.checkpoint.load()
+        resumed = self.persistence.reload()
         if resumed is None:
             raise UserError(
                 "NaN rollback needs a checkpoint but none is complete yet; use resilience.nan_policy"
@@ -323,7 +312,7 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
         }
         record |= {f"time_{k}_s": v for k, v in self.timer.window().items()}
-        record |= {f"snapshot_{k}": v for k, v in self.snapshots.last.items()}  # the newest snapshot's
+        record |= {f"snapshot_{k}": v for k, v in self.persistence.last_snapshot.items()}  # the newest's
         record |= window_memory_stats(self.env.device)  # every rank: the log window's peak, max over ranks
         self.metrics.log_train(step, record, tokens=tokens, seconds=elapsed)
 

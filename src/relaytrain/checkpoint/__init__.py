@@ -9,8 +9,10 @@ from relaytrain.lazy import lazy_getattr
 
 _EXPORTS = {
     "CheckpointManager": "relaytrain.checkpoint.manager",
+    "Persistence": "relaytrain.checkpoint.front",
     "RngState": "relaytrain.checkpoint.state",
     "RunRecord": "relaytrain.checkpoint.record",
+    "TrainingState": "relaytrain.checkpoint.training_state",
     "UnloadableCheckpoints": "relaytrain.checkpoint.resume",
     "load_model": "relaytrain.checkpoint.sources",
     "read_full_state": "relaytrain.checkpoint.sources",

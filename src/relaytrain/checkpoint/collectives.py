@@ -1,8 +1,12 @@
-"""The checkpointer's two gloo groups and the collectives it runs on them.
+"""The persistence front's gloo groups, created once and shared by checkpoints and snapshots, and the
+collectives run on them.
 
-Decisions that depend on the file system or the clock are taken by rank 0 and broadcast on the control
-group, so ranks never disagree. Asynchronous saves run their collectives on the save group from a
-background thread: collectives from two threads must never interleave on one group.
+One group per thread that runs collectives, because collectives from two threads must never interleave on
+one group: the control group carries everything on the training loop's thread (rank 0's decisions that
+depend on the file system or the clock, broadcast so ranks never disagree; agreeing on a snapshot; the
+snapshot restore's transfers); the save group carries DCP's collectives (an asynchronous save runs them
+on DCP's background thread, a sync save and a load on the loop's); the replica group, only when snapshots
+are on, carries the snapshot writer thread's sends to and receives from the peer nodes.
 """
 
 from __future__ import annotations
@@ -17,15 +21,18 @@ from relaytrain.torch_private import group_timeout
 class Collectives:
     """Without an initialized process group (one process) every collective returns this rank's value."""
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, *, replicas: bool):
         self.rank, self.world_size = rank, world_size
         self.dist = dist.is_available() and dist.is_initialized()
         if world_size > 1 and not self.dist:
-            raise RuntimeError("CheckpointManager with world_size > 1 needs an initialized process group")
+            raise RuntimeError("Persistence with world_size > 1 needs an initialized process group")
         # with the default group's timeout (resilience.collective_timeout_s), not gloo's default 1800 s
         timeout = group_timeout() if self.dist else None  # None: the fake process group has none
         self.ctrl = dist.new_group(backend="gloo", timeout=timeout) if self.dist else None
         self.save_group = dist.new_group(backend="gloo", timeout=timeout) if self.dist else None
+        # `replicas`: snapshots are on (the same on every rank: every rank creates the same groups)
+        replicas = replicas and self.dist
+        self.replica_group = dist.new_group(backend="gloo", timeout=timeout) if replicas else None
 
     def broadcast(self, obj):
         if not self.dist:
@@ -75,8 +82,8 @@ class Collectives:
         return {k: v for part in box or [] for k, v in part.items()}
 
     def close(self) -> None:
-        for group in (self.ctrl, self.save_group):
+        for group in (self.ctrl, self.save_group, self.replica_group):
             if group is not None and self.dist and dist.is_initialized():
                 dist.destroy_process_group(group)
-        self.ctrl = self.save_group = None
+        self.ctrl = self.save_group = self.replica_group = None
         self.dist = False

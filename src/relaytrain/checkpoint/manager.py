@@ -1,10 +1,12 @@
-"""CheckpointManager: save (sync or async), commit, retention, and resume for the training loop.
+"""CheckpointManager: the DCP tier of the persistence front (`front.py`): save (sync or async), commit,
+retention, and resume.
 
 Every public method is called by every rank at the same point of the loop. Decisions that depend on the
-file system or the clock are taken by rank 0 and broadcast on a dedicated gloo group, so ranks never
-disagree; asynchronous saves run their collectives on a second gloo group, away from training traffic
-(`collectives.py`). The save path and the commit live here; which checkpoint to load and loading it are
-`resume.py`'s; the metadata and train state files of a step directory are written by `record.py`.
+file system or the clock are taken by rank 0 and broadcast on the front's control group, so ranks never
+disagree; DCP runs its collectives on the save group, away from training traffic (`collectives.py`). What
+is saved is the `TrainingState`'s tree (`training_state.py`). The save path and the commit live here;
+which checkpoint to load and loading it are `resume.py`'s; the metadata and train state files of a step
+directory are written by `record.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
@@ -33,11 +34,10 @@ from relaytrain.checkpoint.record import RunRecord, write_run_record, write_trai
 from relaytrain.checkpoint.resume import CheckpointLoader
 from relaytrain.checkpoint.save_errors import disk_full_error, save_failure
 from relaytrain.checkpoint.schedule import SaveSchedule, retention_victims
-from relaytrain.checkpoint.state import model_state, optimizer_state, optimizers_have_state
 from relaytrain.checkpoint.storage import WRITER_THREADS, LiveStager, RawWriter
+from relaytrain.checkpoint.training_state import TrainingState
 from relaytrain.config.schema import CheckpointConfig
 from relaytrain.errors import UserError
-from relaytrain.job.rundir import RunDir
 
 log = logging.getLogger("relaytrain.checkpoint")
 
@@ -60,40 +60,33 @@ class _Pending:
 
 
 class CheckpointManager:
-    """Saves and restores model parts and optimizers (DCP, resharded on load) and a registry of per-rank
-    stateful objects (``train_state/rank_<r>.pt``: train state, data position, RNG, ...).
-
-    `states` maps a name to an object with ``state_dict()`` / ``load_state_dict()``. An object with
-    ``reseed(step, rank)`` (the RNG streams) cannot be carried to a different world size and is reseeded
-    instead; every other one is restored from rank 0's file then.
-    """
+    """Saves and restores the training state's tree: model and optimizer state as DCP files (resharded on
+    load), its components in each rank's ``train_state/rank_<r>.pt``. A `Reseedable` component (the RNG
+    streams) cannot be carried to a different world size and is reseeded instead; every other one is
+    restored from rank 0's file then. Whether to save is the front's decision; `enabled` (read once, by
+    the front) only tells the load whether the run's own checkpoints are resumed."""
 
     def __init__(
         self,
         cfg: CheckpointConfig,
-        run_dir: Path,
+        ckpt_dir: Path,
         record: RunRecord,
-        model_parts: list[nn.Module],
-        optimizers: list[torch.optim.Optimizer],
-        states: dict[str, Any],
+        state: TrainingState,
+        collectives: Collectives,
         *,
-        rank: int,
-        world_size: int,
+        enabled: bool,
         parallel_dims: dict,
         on_commit: Callable[[int], None] | None = None,
     ):
         self.ckpt = cfg
         self._on_commit = on_commit  # rank 0, after each commit: the run's record of its newest checkpoint
         self.record = record
-        self.run_dir = Path(run_dir)
-        self.ckpt_dir = Path(self.ckpt.dir) if self.ckpt.dir else RunDir(self.run_dir).checkpoints
-        self.model_parts = list(model_parts)
-        self.optimizers = list(optimizers)
-        self.states = dict(states)
-        self.rank, self.world_size = rank, world_size
+        self.ckpt_dir = ckpt_dir
+        self.state = state
+        self.rank, self.world_size = collectives.rank, collectives.world_size
         # as metadata.json stores it (tuples become lists), so that a comparison after loading is exact
         self.parallel_dims = json.loads(json.dumps(parallel_dims))
-        self._coll = Collectives(rank, world_size)
+        self._coll = collectives
         self._stager = None
         # host buffers for a sync save's device tensors, kept for every save (allocated when first used)
         self._host_stages = [HostStage() for _ in range(WRITER_THREADS)]
@@ -103,7 +96,7 @@ class CheckpointManager:
             self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-ckpt-checksum")
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            on_host = all(p.device.type == "cpu" for part in self.model_parts for p in part.parameters())
+            on_host = state.on_host()
             # State already in host memory is written from the live tensors, with no copy: only the
             # optimizers change them in place, so their next step waits until this rank's write is done
             # (the forward and backward passes in between overlap with the write).
@@ -125,7 +118,8 @@ class CheckpointManager:
             )
         self._step_hooks = []
         if isinstance(self._stager, LiveStager):
-            self._step_hooks = [o.register_step_pre_hook(self._before_optimizer_step) for o in optimizers]
+            hook = self._before_optimizer_step
+            self._step_hooks = [opt.register_step_pre_hook(hook) for opt in state.optimizers]
         self.last_save: dict[str, float] = {}  # seconds: blocking, written (since the start), commit
         self._janitor = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-ckpt-retention")
         self._retention: Future | None = None
@@ -138,11 +132,10 @@ class CheckpointManager:
             self.ckpt_dir,
             record.model,
             record.config_hash,
-            self.model_parts,
-            self.optimizers,
-            self.states,
+            state,
             self._coll,
             self.parallel_dims,
+            enabled=enabled,
         )
 
     @property
@@ -153,15 +146,10 @@ class CheckpointManager:
     # -- saving -----------------------------------------------------------------------------------
 
     def should_save(self, step: int, is_last: bool) -> bool:
-        if not self.ckpt.enabled:
-            return False
         due = self._schedule.due(step, is_last)
         return due and step not in self._saved_steps
 
     def save(self, step: int, reason: str = "interval") -> None:
-        if not self.ckpt.enabled:
-            log.warning("checkpoint.enabled=false: no checkpoint for step %d (%s)", step, reason)
-            return
         self.wait()
         if step in self._saved_steps:
             log.info("step %d is already checkpointed; nothing to save (%s)", step, reason)
@@ -172,21 +160,18 @@ class CheckpointManager:
             return
         started = time.perf_counter()
         self._schedule.mark_saved()
+        state = self.state.state_dict(optimizer=self._coll.any(self.state.has_optimizer_state()))
+        components = state.pop("states")  # this rank's file beside the DCP files; the rest is DCP's
         error = None
         try:
             own_train_state = write_train_state(
-                step_dir, self.states, step=step, rank=self.rank, world_size=self.world_size
+                step_dir, components, step=step, rank=self.rank, world_size=self.world_size
             )
         except OSError as exc:
             own_train_state, error = {}, exc
         if self._coll.any(error is not None):
             raise self._save_failed(step, step_dir, error)
-        contents = ["model", "train_state"]
-        state: dict[str, Any] = {"model": model_state(self.model_parts)}
-        # A never-stepped optimizer has no state; asking for it would create some (and change training).
-        if self._coll.any(optimizers_have_state(self.optimizers)):
-            state["optim"] = optimizer_state(self.model_parts, self.optimizers)
-            contents.insert(1, "optimizer")
+        contents = ["model", "optimizer", "train_state"] if "optim" in state else ["model", "train_state"]
         pending = _Pending(step, reason, step_dir, started, contents, checksums=own_train_state)
         writer = RawWriter(step_dir, stages=self._host_stages)
         if self.ckpt.mode == "async":
@@ -359,9 +344,7 @@ class CheckpointManager:
     def save_seconds_estimate(self) -> float:
         if self._durations:
             return max(self._durations)
-        local_bytes = sum(
-            p.numel() * p.element_size() for part in self.model_parts for p in part.parameters()
-        )
+        local_bytes = self.state.local_parameter_bytes()
         return 5.0 + 3 * local_bytes / _DEFAULT_WRITE_BYTES_PER_S  # weights + two AdamW moments
 
     # -- loading ----------------------------------------------------------------------------------
@@ -378,8 +361,16 @@ class CheckpointManager:
             self._schedule.mark_saved()
         return step
 
+    def continue_line_of_newest(self) -> None:
+        """The run resumed from a state newer than its newest checkpoint (a snapshot): later checkpoints
+        carry that checkpoint's lineage (an explicit resume's origin, the damaged dirs it keeps)."""
+        complete = [e.path for e in files.list_steps(self.ckpt_dir) if e.complete]
+        if complete:
+            self._loader.continue_line_of(complete[-1])
+
     def close(self) -> None:
-        """Commit a pending save, then release the stager, the checksum thread and the gloo groups.
+        """Commit a pending save, then release the stager, the checksum thread and the retention thread
+        (the gloo groups are the front's).
 
         Safe in a ``finally``: a failed pending save is logged here (it already stays incomplete)."""
         try:
@@ -396,4 +387,3 @@ class CheckpointManager:
             self._checksummer.shutdown()
             self._checksummer = None
         self._janitor.shutdown()
-        self._coll.close()

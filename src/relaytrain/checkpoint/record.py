@@ -1,5 +1,5 @@
 """The files of a step directory that are not DCP shards: what the run that wrote it was, and each
-rank's train state (the registry of stateful objects: train state, data position, RNG, ...)."""
+rank's train state (the training state's components: train state, data position, RNG, ...)."""
 
 from __future__ import annotations
 
@@ -46,10 +46,11 @@ class RunRecord:
 def write_train_state(
     step_dir: Path, states: dict[str, Any], *, step: int, rank: int, world_size: int
 ) -> dict[str, str]:
-    """Write this rank's train state file; its manifest checksum, computed from the bytes written."""
+    """Write this rank's train state file (`states`: the training state's "states", each component's
+    state dict); its manifest checksum, computed from the bytes written."""
     payload = {
         "format_version": FORMAT_VERSION,
-        "states": {name: obj.state_dict() for name, obj in states.items()},
+        "states": states,
         "step": step,
         "rank": rank,
         "world_size": world_size,

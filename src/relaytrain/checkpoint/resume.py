@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from relaytrain.checkpoint import dcp_io
 from relaytrain.checkpoint.checksums import damaged_problems, data_problems, listed_checksums
@@ -23,14 +22,8 @@ from relaytrain.checkpoint.choose import choose_resume, resolve_checkpoint
 from relaytrain.checkpoint.collectives import Collectives
 from relaytrain.checkpoint.files import COMPLETE, FORMAT_VERSION, list_steps, read_metadata, train_state_file
 from relaytrain.checkpoint.sources import init_model_from, verify_model_fits
-from relaytrain.checkpoint.state import (
-    create_adam_state,
-    model_state,
-    optimizer_state,
-    set_model_state,
-    set_optimizer_state,
-)
 from relaytrain.checkpoint.storage import ChecksumMismatch
+from relaytrain.checkpoint.training_state import MissingState, TrainingState
 from relaytrain.config.schema import CheckpointConfig, ModelConfig
 from relaytrain.errors import UserError
 
@@ -54,16 +47,19 @@ class CheckpointLoader:
         ckpt_dir: Path,
         model: ModelConfig,
         config_hash: str,
-        model_parts: list[nn.Module],
-        optimizers: list[torch.optim.Optimizer],
-        states: dict[str, Any],
+        state: TrainingState,
         collectives: Collectives,
         parallel_dims: dict,
+        *,
+        enabled: bool,
     ):
         self.ckpt = cfg
+        # checkpoint.enabled as the persistence front read it: off, the run's own checkpoints are never
+        # resumed (init_from still loads)
+        self.enabled = enabled
         self.ckpt_dir = ckpt_dir
         self.model, self.config_hash = model, config_hash
-        self.model_parts, self.optimizers, self.states = model_parts, optimizers, states
+        self.state = state
         self.coll = collectives
         self.rank, self.world_size = collectives.rank, collectives.world_size
         self.parallel_dims = parallel_dims
@@ -114,7 +110,9 @@ class CheckpointLoader:
         if kind == "init":
             log.info("initialising weights from %s (fresh optimizer, step 0): %s", path, why)
             try:
-                init_model_from(Path(path), self.model_parts, self.model, process_group=self.coll.save_group)
+                init_model_from(
+                    Path(path), self.state.model_parts, self.model, process_group=self.coll.save_group
+                )
             except UserError:
                 raise
             except Exception as exc:
@@ -136,35 +134,10 @@ class CheckpointLoader:
                 return "resume", str(chosen), why, None
         if self.resumed is not None:
             return "resume", str(self.resumed[0]), "reloading the checkpoint this run resumed from", None
-        if ck.enabled and ck.resume == "auto":
-            chosen, why = self._choose_own()
-            if chosen is not None:
-                return "resume", str(chosen), why, None
-            refusal = self._unloadable(recorded_step)
-            if refusal is not None:
-                return refusal
-        elif ck.enabled and ck.resume == "none":
-            complete = [e for e in list_steps(self.ckpt_dir) if e.complete]
-            if complete:
-                raise UserError(
-                    f"checkpoint.resume='none' but {self.ckpt_dir} already holds checkpoints (newest "
-                    f"{complete[-1].path.name}); use checkpoint.resume=auto to continue them, or a new "
-                    "run.name or checkpoint.dir to start over"
-                )
-        elif ck.enabled:
-            # A requeued job keeps its config: once this run has saved after resuming from the path, its
-            # own newer checkpoints win over going back to it (which retention may have deleted since).
-            own, why = self._choose_own()
-            argument = _absolute(ck.resume)
-            if own is not None:
-                meta = read_metadata(own)
-                if argument in (meta.get("resume_arg"), meta.get("resumed_from")) and own.resolve() != Path(
-                    argument
-                ):
-                    return "resume", str(own), f"{why} (this run's progress since {ck.resume})", None
-            explicit = resolve_checkpoint(ck.resume).resolve()
-            lineage = {"resumed_from": str(explicit), "resume_arg": argument}
-            return "resume", str(explicit), f"checkpoint.resume={ck.resume}", lineage
+        if self.enabled:
+            planned = self._plan_own(recorded_step)
+            if planned is not None:
+                return planned
         if ck.init_from:
             return (
                 "init",
@@ -172,8 +145,39 @@ class CheckpointLoader:
                 "checkpoint.init_from is set and there is no checkpoint to resume",
                 None,
             )
-        why = "checkpointing is disabled" if not ck.enabled else f"no complete checkpoint in {self.ckpt_dir}"
+        why = f"no complete checkpoint in {self.ckpt_dir}" if self.enabled else "checkpointing is disabled"
         return "fresh", None, why, None
+
+    def _plan_own(self, recorded_step: int) -> tuple[str, str | None, str, dict | None] | None:
+        """`_plan` for a run that keeps checkpoints, per checkpoint.resume; None: it has none to resume."""
+        ck = self.ckpt
+        if ck.resume == "auto":
+            chosen, why = self._choose_own()
+            if chosen is not None:
+                return "resume", str(chosen), why, None
+            return self._unloadable(recorded_step)
+        if ck.resume == "none":
+            complete = [e for e in list_steps(self.ckpt_dir) if e.complete]
+            if complete:
+                raise UserError(
+                    f"checkpoint.resume='none' but {self.ckpt_dir} already holds checkpoints (newest "
+                    f"{complete[-1].path.name}); use checkpoint.resume=auto to continue them, or a new "
+                    "run.name or checkpoint.dir to start over"
+                )
+            return None
+        # A requeued job keeps its config: once this run has saved after resuming from the path, its own
+        # newer checkpoints win over going back to it (which retention may have deleted since).
+        own, why = self._choose_own()
+        argument = _absolute(ck.resume)
+        if own is not None:
+            meta = read_metadata(own)
+            if argument in (meta.get("resume_arg"), meta.get("resumed_from")) and own.resolve() != Path(
+                argument
+            ):
+                return "resume", str(own), f"{why} (this run's progress since {ck.resume})", None
+        explicit = resolve_checkpoint(ck.resume).resolve()
+        lineage = {"resumed_from": str(explicit), "resume_arg": argument}
+        return "resume", str(explicit), f"checkpoint.resume={ck.resume}", lineage
 
     def _choose_own(self) -> tuple[Path | None, str]:
         # Shard files are checked while the load reads them (storage.RawReader), not in a read before it.
@@ -276,25 +280,19 @@ class CheckpointLoader:
                 self.world_size,
                 self.parallel_dims,
             )
+        same_world = meta["world_size"] == self.world_size
         try:
-            state: dict[str, Any] = {"model": model_state(self.model_parts)}
-            if "optimizer" in meta["contents"]:
-                create_adam_state(self.optimizers)
-                state["optim"] = optimizer_state(self.model_parts, self.optimizers)
+            tree = self.state.load_target(optimizer="optimizer" in meta["contents"])
             checked = dcp_io.load(
-                state,
+                tree,
                 step_dir,
                 process_group=self.coll.save_group,
                 no_dist=not self.coll.dist,
                 expected=listed_checksums(step_dir) if self.ckpt.verify else None,
             )
             self._check_data(step_dir, checked)
-            set_model_state(self.model_parts, state["model"])
-            if "optim" in state:
-                set_optimizer_state(self.model_parts, self.optimizers, state["optim"])
-            same_world = meta["world_size"] == self.world_size
             source = train_state_file(step_dir, self.rank if same_world else 0)
-            payload = torch.load(source, weights_only=True, map_location="cpu")
+            tree["states"] = torch.load(source, weights_only=True, map_location="cpu")["states"]
         except UserError:
             raise
         except Exception as exc:
@@ -304,17 +302,14 @@ class CheckpointLoader:
                 "not from this relaytrain; resume from an older one with "
                 "--checkpoint.resume=<older step dir>"
             ) from exc
-        missing = sorted(set(self.states) - set(payload["states"]))
-        if missing:
+        try:
+            # per-rank streams do not map onto another number of ranks: reseeded then
+            self.state.load_state_dict(tree, reseed_at=None if same_world else (step, self.rank))
+        except MissingState as exc:
             raise UserError(
-                f"checkpoint {step_dir} has no saved state for {', '.join(missing)}; it was written by a "
-                "different trainer: start from its weights with --checkpoint.init_from instead"
-            )
-        for name, obj in self.states.items():
-            if not same_world and hasattr(obj, "reseed"):
-                obj.reseed(step, self.rank)  # per-rank streams do not map onto another number of ranks
-            else:
-                obj.load_state_dict(payload["states"][name])
+                f"checkpoint {step_dir} has {exc.args[0]}; it was written by a different trainer: start "
+                "from its weights with --checkpoint.init_from instead"
+            ) from None
         self.resumed = (step_dir.resolve(), step)
         self.resumed_layout = {"world_size": meta["world_size"], **meta["parallel_dims"]}
         self.lineage = lineage or {k: str(meta.get(k, "")) for k in ("resumed_from", "resume_arg")}

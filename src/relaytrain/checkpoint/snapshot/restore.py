@@ -19,68 +19,71 @@ from typing import Any
 import numpy as np
 import torch
 
+from relaytrain.checkpoint.collectives import Collectives
 from relaytrain.checkpoint.files import list_steps
 from relaytrain.checkpoint.snapshot import store
 from relaytrain.checkpoint.snapshot.format import SnapshotFormatError, _local, decode
 from relaytrain.checkpoint.snapshot.peers import all_gather, as_bytes_tensor, recv_blob, send_blob
-from relaytrain.checkpoint.state import (
-    create_adam_state,
-    model_state,
-    optimizer_state,
-    set_model_state,
-    set_optimizer_state,
-)
+from relaytrain.checkpoint.training_state import TrainingState
 
 log = logging.getLogger("relaytrain.checkpoint")
 
 
-def restore_snapshot(m, ckpt_dir: Path) -> int | None:
-    """`m`: the SnapshotManager. The step restored, or None when the run resumes from DCP (or fresh)."""
-    coll = m._coll
-    reports = all_gather(store.holdings(m.node_dir), coll.ctrl, m.world_size)
+def restore_snapshot(
+    state: TrainingState,
+    coll: Collectives,
+    node_dir: Path,
+    node_leader: bool,
+    ckpt_dir: Path,
+    config_hash: str,
+) -> int | None:
+    """Into `state`, from this rank's node folder `node_dir` (`node_leader`: this rank trims it) or a peer:
+    the step restored, or None when the run resumes from DCP (or fresh)."""
+    rank, world_size = coll.rank, coll.world_size
+    reports = all_gather(store.holdings(node_dir), coll.ctrl, world_size)
     damaged: set[int] = set()
     restored = None
     while restored is None:
-        plan = coll.on_rank0(lambda: _plan(reports, ckpt_dir, m.world_size, m.config_hash, damaged))
+        plan = coll.on_rank0(lambda: _plan(reports, ckpt_dir, world_size, config_hash, damaged))
         if plan is None:
             break
         step, sources, checksums = plan["step"], plan["sources"], plan["checksums"]
         tree, problem = None, None
         try:
-            blob = _fetch(m, step, sources)
-            if blob is None or store.checksum_of(blob, checksums[m.rank]) != checksums[m.rank]:
-                where = "its own node" if sources[m.rank] == m.rank else f"rank {sources[m.rank]}'s node"
-                problem = f"rank {m.rank}'s file (from {where}) does not match its checksum"
+            blob = _fetch(coll, store.step_dir(node_dir, step), sources)
+            if blob is None or store.checksum_of(blob, checksums[rank]) != checksums[rank]:
+                where = "its own node" if sources[rank] == rank else f"rank {sources[rank]}'s node"
+                problem = f"rank {rank}'s file (from {where}) does not match its checksum"
             else:
                 _, tree = decode(blob)
         except (OSError, SnapshotFormatError, RuntimeError) as exc:
-            problem = f"rank {m.rank}'s file: {exc}"
-        problems = [p for p in all_gather(problem, coll.ctrl, m.world_size) if p]
+            problem = f"rank {rank}'s file: {exc}"
+        problems = [p for p in all_gather(problem, coll.ctrl, world_size) if p]
         if not problems:
             try:
-                _load(m, tree)
+                _load(state, tree)
             except (KeyError, ValueError, TypeError, RuntimeError) as exc:
-                problem = f"rank {m.rank}: {exc}"
-            problems = [p for p in all_gather(problem, coll.ctrl, m.world_size) if p]
+                problem = f"rank {rank}: {exc}"
+            problems = [p for p in all_gather(problem, coll.ctrl, world_size) if p]
             if problems:  # same config hash, so a bug: the state may be half loaded, never train on it
                 found = "; ".join(problems[:2])
                 raise RuntimeError(f"the snapshot of step {step} does not fit this run: {found}")
             restored = step
             break
-        if m.rank == 0:
+        if rank == 0:
             log.warning("skipping the damaged snapshot of step %d: %s", step, "; ".join(problems[:3]))
         damaged.add(step)
     coll.barrier()  # every rank read what it needed before the node folders are trimmed
-    if m.ring.is_node_leader(m.rank):
-        forget_after(m.node_dir, restored or 0)
-    if restored is not None and m.rank == 0:
+    if node_leader:
+        forget_after(node_dir, restored or 0)
+    if restored is not None and rank == 0:
         fetched = sum(1 for dst, src in plan["sources"].items() if src != dst)
         log.info(
             "resuming from the snapshot of step %d in node memory (%d of %d rank file(s) from a peer "
             "node): newer than the newest checkpoint",
             restored,
             fetched,
-            m.world_size,
+            world_size,
         )
     return restored
 
@@ -136,27 +139,28 @@ def _plan(reports: list[dict], ckpt_dir: Path, world_size: int, config_hash: str
     return None
 
 
-def _fetch(m, step: int, sources: dict[int, int]):
-    """This rank's snapshot bytes: from its node's folder, or sent by the rank that holds them. Every
-    rank walks the same list of transfers in the same order, so each send meets its receive."""
-    step_path = store.step_dir(m.node_dir, step)
+def _fetch(coll: Collectives, step_path: Path, sources: dict[int, int]):
+    """This rank's snapshot bytes: from its node's folder (`step_path`: the step's there), or sent by the
+    rank that holds them. Every rank walks the same list of transfers in the same order, so each send
+    meets its receive."""
+    rank = coll.rank
     mine = None
     for dst in sorted(sources):
         src = sources[dst]
-        if src == dst or m.rank not in (src, dst):
+        if src == dst or rank not in (src, dst):
             continue
-        if m.rank == src:
+        if rank == src:
             try:
                 data = store.read_file(step_path, dst)
             except OSError:
                 data = b""  # the receiver's checksum check reports it
-            for work in send_blob([as_bytes_tensor(data)], "", dst, m._coll.ctrl):
+            for work in send_blob([as_bytes_tensor(data)], "", dst, coll.ctrl):
                 work.wait()
         else:
-            parts, _ = recv_blob(src, 1, m._coll.ctrl)
+            parts, _ = recv_blob(src, 1, coll.ctrl)
             mine = parts[0]
-    if sources[m.rank] == m.rank:
-        mine = store.read_file(step_path, m.rank)
+    if sources[rank] == rank:
+        mine = store.read_file(step_path, rank)
     return mine
 
 
@@ -183,21 +187,12 @@ def _bytes(tensor: torch.Tensor) -> np.ndarray:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-def _load(m, tree: dict[str, Any]) -> None:
-    state: dict[str, Any] = {"model": model_state(m.model_parts)}
-    if "optim" in tree:
-        create_adam_state(m.optimizers)
-        state["optim"] = optimizer_state(m.model_parts, m.optimizers)
-    for key in state:
-        _fill(state[key], tree[key], key)
-    missing = sorted(set(m.states) - set(tree["states"]))
-    if missing:
-        raise KeyError(f"no saved state for {', '.join(missing)}")
-    set_model_state(m.model_parts, state["model"])
-    if "optim" in state:
-        set_optimizer_state(m.model_parts, m.optimizers, state["optim"])
-    for name, obj in m.states.items():
-        obj.load_state_dict(tree["states"][name])
+def _load(state: TrainingState, tree: dict[str, Any]) -> None:
+    """The decoded tree into `state`: its tensors copied into the load target's, then loaded as a tree."""
+    target = state.load_target(optimizer="optim" in tree)
+    for key in target:
+        _fill(target[key], tree[key], key)
+    state.load_state_dict({**target, "states": tree["states"]})
 
 
 def forget_after(node_dir: Path, step: int) -> None:

@@ -1,6 +1,7 @@
-"""SnapshotManager: the loop's entry point for in-memory snapshots (take, restore, clean up).
+"""SnapshotTier: the persistence front's in-memory tier (take, restore, clean up); `front.py` decides
+when each runs, beside the DCP tier.
 
-Every `checkpoint.snapshot_every` steps each rank copies its training state (the checkpoint registry:
+Every `checkpoint.snapshot_every` steps each rank copies its training state (the `TrainingState`'s tree:
 model and optimizer shards, train state, data position, RNG) into a reused host buffer; that copy is
 all the step waits for. A background thread then sends it to the rank's peers on other nodes (`peers.py`)
 and writes it, and the peers' copies, into the node's snapshot folder (`store.py`). The next snapshot
@@ -18,55 +19,45 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 from relaytrain.checkpoint.checksums import Checksum
 from relaytrain.checkpoint.collectives import Collectives
-from relaytrain.checkpoint.files import list_steps
 from relaytrain.checkpoint.snapshot import store
 from relaytrain.checkpoint.snapshot.format import Staged, Staging
 from relaytrain.checkpoint.snapshot.peers import Ring, all_gather, as_bytes_tensor, recv_blob, send_blob
 from relaytrain.checkpoint.snapshot.restore import forget_after, restore_snapshot
-from relaytrain.checkpoint.state import model_state, optimizer_state, optimizers_have_state
+from relaytrain.checkpoint.training_state import TrainingState
 from relaytrain.config.schema import CheckpointConfig
 from relaytrain.job.facts import JobFacts
-from relaytrain.job.rundir import RunDir
 
 log = logging.getLogger("relaytrain.checkpoint")
 
 FORMAT = 1
 
 
-class SnapshotManager:
-    """Called by every rank at the same points: `restore` at start, `take` after each step, `close`."""
+class SnapshotTier:
+    """Called by every rank at the same points: `restore` at start, `take` after each step, `close`. Built
+    by the front only when snapshots are on; it runs on the front's collectives (`replica_group`: its
+    writer thread's transfers)."""
 
     def __init__(
         self,
         cfg: CheckpointConfig,
         run_dir: Path,
         config_hash: str,
-        model_parts: list[nn.Module],
-        optimizers: list[torch.optim.Optimizer],
-        states: dict[str, Any],
-        *,
-        rank: int,
-        world_size: int,
+        state: TrainingState,
+        collectives: Collectives,
     ):
         self.cfg = cfg
-        self.every = cfg.snapshot_every if cfg.enabled else 0
+        self.every = cfg.snapshot_every
         self.config_hash = config_hash
-        self.model_parts, self.optimizers, self.states = list(model_parts), list(optimizers), dict(states)
+        self.state = state
+        self._coll = collectives
+        rank, world_size = collectives.rank, collectives.world_size
         self.rank, self.world_size = rank, world_size
-        self.ckpt_dir = RunDir(Path(run_dir)).checkpoints  # `beside` sets the manager's
-        self._checkpoints = None  # the CheckpointManager beside
         self.last: dict[str, float] = {}  # the newest snapshot: blocking_s, bytes (rank 0 logs them)
         self.written: dict[str, float] = {}  # its write, once done: replicate_s, replicated_bytes, write_s
-        if not self.every:
-            return
         job = JobFacts.from_env()
         self.root = store.job_root(cfg.snapshot_dir, run_dir, job)
-        self._coll = Collectives(rank, world_size)
         self.ring = Ring.of(all_gather(job.host(), self._coll.ctrl, world_size), cfg.snapshot_replicas)
         self.node_dir = self.root / self.ring.hosts[rank]
         self.targets, self.sources = self.ring.targets(rank), self.ring.sources(rank)
@@ -93,27 +84,6 @@ class SnapshotManager:
         self._pending: tuple[int, Future] | None = None
         self._taken = 0  # the newest step snapshotted
 
-    @classmethod
-    def beside(cls, checkpoints) -> SnapshotManager:
-        """Snapshots of what `checkpoints` (the run's CheckpointManager) saves, beside its checkpoints."""
-        c = checkpoints
-        made = cls(
-            c.ckpt,
-            c.run_dir,
-            c.record.config_hash,
-            c.model_parts,
-            c.optimizers,
-            c.states,
-            rank=c.rank,
-            world_size=c.world_size,
-        )
-        made.ckpt_dir, made._checkpoints = c.ckpt_dir, c
-        return made
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.every)
-
     # -- taking snapshots ---------------------------------------------------------------------------
 
     def take(self, step: int) -> None:
@@ -124,12 +94,7 @@ class SnapshotManager:
         if step <= self._taken and self.ring.is_node_leader(self.rank):
             forget_after(self.node_dir, step - 1)  # a rollback went back: those steps are another line
         self._taken = step
-        tree: dict[str, Any] = {
-            "model": model_state(self.model_parts),
-            "states": {name: obj.state_dict() for name, obj in self.states.items()},
-        }
-        if self._coll.any(optimizers_have_state(self.optimizers)):
-            tree["optim"] = optimizer_state(self.model_parts, self.optimizers)
+        tree = self.state.state_dict(optimizer=self._coll.any(self.state.has_optimizer_state()))
         meta = {"format": FORMAT, "step": step, "world_size": self.world_size}
         meta["config_hash"] = self.config_hash
         staged = self._staging.stage(tree, meta)
@@ -168,8 +133,8 @@ class SnapshotManager:
         started, works = time.perf_counter(), []
         for dst in self.targets:
             parts = [as_bytes_tensor(staged.header), staged.data]
-            works += send_blob(parts, checksum, dst, self._coll.save_group)
-        received = [(src, *recv_blob(src, 2, self._coll.save_group)) for src in self.sources]
+            works += send_blob(parts, checksum, dst, self._coll.replica_group)
+        received = [(src, *recv_blob(src, 2, self._coll.replica_group)) for src in self.sources]
         for work in works:
             work.wait()
         replicated = time.perf_counter()
@@ -199,18 +164,13 @@ class SnapshotManager:
 
     # -- restoring ------------------------------------------------------------------------------------
 
-    def restore(self, ckpt_dir: Path | None = None) -> int | None:
+    def restore(self, ckpt_dir: Path) -> int | None:
         """Load the newest snapshot every shard of which is on some node, when it is newer than the newest
-        complete checkpoint in `ckpt_dir` (default: the checkpoints it was made beside) and from this world
-        size; its step, or None (then: DCP as before)."""
+        complete checkpoint in `ckpt_dir` and from this world size; its step, or None (then: DCP)."""
         if not self.every or self.cfg.resume != "auto":
             return None
-        ckpt_dir = ckpt_dir or self.ckpt_dir
-        step = restore_snapshot(self, ckpt_dir)
-        complete = [e.path for e in list_steps(ckpt_dir) if e.complete]
-        if step is not None and complete and self._checkpoints is not None:
-            self._checkpoints._loader.continue_line_of(complete[-1])  # e.g. the damaged dirs it keeps
-        return step
+        leader = self.ring.is_node_leader(self.rank)
+        return restore_snapshot(self.state, self._coll, self.node_dir, leader, ckpt_dir, self.config_hash)
 
     # -- the end ----------------------------------------------------------------------------------------
 
@@ -229,7 +189,6 @@ class SnapshotManager:
             shutil.rmtree(self.node_dir, ignore_errors=True)
             with contextlib.suppress(OSError):  # the last node folder of a shared file system takes it
                 self.root.rmdir()
-        self._coll.close()
         self.every = 0
 
 

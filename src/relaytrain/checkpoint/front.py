@@ -1,0 +1,138 @@
+"""Persistence: the one front the training loop faces for keeping its state, over two tiers.
+
+The DCP tier (`manager.py`: checkpoints on the shared file system, resharded on load) and, with
+`checkpoint.snapshot_every`, the snapshot tier (`snapshot/tier.py`: each rank's state in node memory and
+on peer nodes) both persist the one `TrainingState`, over the one set of gloo groups created here
+(`collectives.py`). The front owns the decisions between them: a start restores a snapshot newer than the
+newest checkpoint before DCP is looked at; a step's snapshot is taken after its checkpoint decision, none
+at the last step; the end commits a pending save before the snapshot tier closes and both before the
+groups go. `checkpoint.enabled` is read here once for every persistence decision (outside: the config
+check before a start, `choose.check_resume`; the plan; the stop event's `saved` field, resilience/).
+
+Every method is called by every rank at the same point of the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from relaytrain.checkpoint.collectives import Collectives
+from relaytrain.checkpoint.manager import CheckpointManager
+from relaytrain.checkpoint.record import RunRecord
+from relaytrain.checkpoint.snapshot.tier import SnapshotTier
+from relaytrain.checkpoint.training_state import TrainingState
+from relaytrain.config.schema import CheckpointConfig
+from relaytrain.job.rundir import RunDir
+
+log = logging.getLogger("relaytrain.checkpoint")
+
+
+class Persistence:
+    """`restore` at the start, `after_step` after every step, `save_now` at a stop, `close` at the end."""
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_dir: Path,
+        record: RunRecord,
+        state: TrainingState,
+        *,
+        rank: int,
+        world_size: int,
+        parallel_dims: dict,
+        on_commit: Callable[[int], None] | None = None,
+    ):
+        self.cfg = cfg
+        self.enabled = cfg.enabled  # off: nothing is saved, no snapshot is taken, no own checkpoint resumed
+        snapshots_on = self.enabled and cfg.snapshot_every > 0
+        self.collectives = Collectives(rank, world_size, replicas=snapshots_on)
+        ckpt_dir = Path(cfg.dir) if cfg.dir else RunDir(Path(run_dir)).checkpoints
+        # The DCP tier exists when saving is off too: init_from loads through it, and the loop's stop
+        # agreement asks it how long a save would take.
+        self.checkpoints = CheckpointManager(
+            cfg,
+            ckpt_dir,
+            record,
+            state,
+            self.collectives,
+            enabled=self.enabled,
+            parallel_dims=parallel_dims,
+            on_commit=on_commit,
+        )
+        self.snapshots: SnapshotTier | None = None
+        if snapshots_on:
+            self.snapshots = SnapshotTier(cfg, Path(run_dir), record.config_hash, state, self.collectives)
+        self._resumed: int | None = None
+
+    # -- the start ----------------------------------------------------------------------------------
+
+    def restore(self, recorded_step: int = 0) -> int | None:
+        """The step the run continues from (a snapshot newer than the newest checkpoint wins: a crash lost
+        no more than it), or None when it starts at step 0 (fresh or init_from). `recorded_step`: the
+        newest checkpoint the run's record says it has (see `CheckpointManager.load`)."""
+        step = self.snapshots.restore(self.checkpoints.ckpt_dir) if self.snapshots is not None else None
+        if step is not None:
+            self.checkpoints.continue_line_of_newest()  # e.g. the damaged dirs its line keeps
+        else:
+            step = self.checkpoints.load(recorded_step)
+        self._resumed = step
+        return step
+
+    def save_initial(self) -> None:
+        """Step 0's checkpoint, when checkpoint.save_initial asks for one and the run did not resume."""
+        if self.enabled and self.cfg.save_initial and self._resumed is None:
+            self.checkpoints.save(0, reason="initial")
+
+    @property
+    def resumed_layout(self) -> dict[str, Any] | None:
+        """World size and parallel dims of the checkpoint the run resumed from (None: not from one)."""
+        return self.checkpoints.resumed_layout
+
+    # -- every step ---------------------------------------------------------------------------------
+
+    def after_step(self, step: int, is_last: bool) -> bool:
+        """Commit a finished async save, save when due, then take the step's snapshot (none at the last
+        step: the run ends there). Whether a save started (it took time the loop may account for)."""
+        self.checkpoints.poll()
+        saved = self.enabled and self.checkpoints.should_save(step, is_last)
+        if saved:
+            self.checkpoints.save(step, reason="final" if is_last else "interval")
+        if self.snapshots is not None and not is_last:
+            self.snapshots.take(step)
+        return saved
+
+    def save_seconds_estimate(self) -> float:
+        return self.checkpoints.save_seconds_estimate()
+
+    @property
+    def last_snapshot(self) -> dict[str, float]:
+        """The newest snapshot's blocking_s and bytes (empty: none taken)."""
+        return self.snapshots.last if self.snapshots is not None else {}
+
+    # -- stops, rollbacks, the end ------------------------------------------------------------------
+
+    def save_now(self, step: int, reason: str) -> None:
+        """A stop: the step every rank stopped at, committed before this returns (nothing when off)."""
+        if self.enabled:
+            self.checkpoints.wait()
+            self.checkpoints.save(step, reason=reason)
+            self.checkpoints.wait()
+
+    def reload(self) -> int | None:
+        """The run's newest checkpoint again (NaN rollback), from DCP; None when there is none."""
+        return self.checkpoints.load()
+
+    def wait(self) -> None:
+        """Until a pending save is committed."""
+        self.checkpoints.wait()
+
+    def close(self, finished: bool) -> None:
+        """Commit a pending save (an error is logged: safe in a ``finally``), stop the snapshot tier (its
+        node folder deleted when the run `finished`, else kept for the next start), release the groups."""
+        self.checkpoints.close()
+        if self.snapshots is not None:
+            self.snapshots.close(finished)
+        self.collectives.close()
