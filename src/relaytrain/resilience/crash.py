@@ -138,4 +138,3 @@ def cause_of(exit_code: int, why: str, state: Mapping[str, Any] | None, job_log_
         "nodes": sorted({e["node"] for e in errors}),
         "previous_state": {k: state.get(k) for k in ("status", "reason", "step", "host")} if state else None,
     }
-

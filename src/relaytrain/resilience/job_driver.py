@@ -71,8 +71,8 @@ class StepLaunch:
         if nodes and list(nodes) != self.nodes:
             self.nodes = list(nodes)
             narrow_to_nodes(environ, self.nodes)
-            joined, count = ",".join(self.nodes), len(self.nodes)
-            self.extra += [f"--nodes={count}", f"--nodelist={joined}", f"--ntasks={count * self.tasks_per_node}"]
+            count, tasks = len(self.nodes), len(self.nodes) * self.tasks_per_node
+            self.extra += [f"--nodes={count}", f"--nodelist={','.join(self.nodes)}", f"--ntasks={tasks}"]
             environ["MASTER_ADDR"] = self.nodes[0]
         base = int(job_id) + self.restarts if job_id.isdigit() else f"{job_id}+{self.restarts}"
         environ["MASTER_PORT"] = str(choose_port(base, has_no_listener))

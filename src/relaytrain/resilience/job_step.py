@@ -52,10 +52,7 @@ class SignalForwarder:
         log(f"received SIG{name}: forwarding it to the job step")
         step = self.step
         if step is not None and step.poll() is None:
-            try:
-                step.send_signal(signal.Signals[f"SIG{name}"])
-            except ProcessLookupError:
-                pass
+            step.send_signal(signal.Signals[f"SIG{name}"])  # a step that just ended is skipped
         else:
             self.pending = name
 
