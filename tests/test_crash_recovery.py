@@ -141,8 +141,8 @@ def test_crash_check_block_of_the_batch_script_and_the_default_cap():
     from relaytrain.config import load_config
 
     template = (Path(crash.__file__).parents[1] / "slurm" / "templates" / "job.sh.j2").read_text()
-    assert template.count("-m relaytrain.resilience.step_end --exit-code") == 2  # with or without a container
-    assert "-m relaytrain.resilience.crash" not in template and "-m relaytrain.program" not in template
+    assert template.count("-m relaytrain.resilience.job_driver --run-dir") == 1  # with or without a container
+    assert "step_end" not in template and "-m relaytrain.program" not in template
     assert load_config(None).resilience.max_crash_requeues == 3
 
 
@@ -279,8 +279,7 @@ def test_a_restarted_step_whose_only_checkpoint_is_damaged_fails_once_and_keeps_
 def test_the_requeues_own_sigterm_does_not_cut_the_record_short(tmp_path):
     """`scontrol requeue` ends the batch job, so Slurm's SIGTERM reaches the crash check (a child of the
     batch shell) during the call or at any moment after it returned: it must still record the requeue
-    and exit 0 (the batch script logs 'the crash check failed' otherwise). `python -m
-    relaytrain.resilience.crash`, which batch scripts of earlier versions run, is the same command."""
+    and exit 0 (the batch script logs 'the crash check failed' otherwise)."""
     config = tmp_path / "config.toml"
     config.write_text("")
     run_dir = tmp_path / "run"
@@ -295,9 +294,9 @@ def fake(requeue_id):
     return True, f"scontrol requeue {{requeue_id}}"
 
 requeue.scontrol_requeue = fake
-sys.argv = ["crash", "--config", {str(config)!r}, "--run-dir", {str(run_dir)!r}, "--exit-code", "137"]
+sys.argv = ["step_end", "--config", {str(config)!r}, "--run-dir", {str(run_dir)!r}, "--exit-code", "137"]
 try:
-    runpy.run_module("relaytrain.resilience.crash", run_name="__main__")
+    runpy.run_module("relaytrain.resilience.step_end", run_name="__main__")
 except SystemExit as done:
     code = done.code
 os.kill(os.getpid(), signal.SIGTERM)  # ... or just after it returned

@@ -164,7 +164,8 @@ def test_command_default_sends_no_signal_and_trainer_default_is_unchanged(work):
     text = command_script()
     assert "#SBATCH --signal" not in text and "trap 'forward_signal" not in text
     assert "export RELAYTRAIN_RUN_DIR=$run_dir RELAYTRAIN_CONFIG=$config_file" in text
-    assert '-m relaytrain.resilience.step_end --exit-code "$step_rc" --program' in text
+    assert "-m relaytrain.resilience.job_driver --run-dir" in text and "--signal none" in text
+    assert "--heartbeat-s 300 --program" in text
     trainer = dry("7b", slurm={"nodes": 1})
     assert "#SBATCH --signal=B:USR2@180" in trainer and "--program" not in trainer
     # What the job's ranks learn of it: a SIGUSR2 in a job that asked for none is not the time limit.

@@ -296,7 +296,12 @@ def test_hostile_names_paths_and_values_execute_nothing(work):
     assert load_config(run_dir / "slurm" / "config.toml").slurm.env["V"] == HOSTILE
 
 
-def test_the_batch_shell_forwards_the_slurm_signal_to_the_job_step(work):
+@pytest.mark.parametrize("by", ["driver", "shell"])
+def test_the_batch_shell_forwards_the_slurm_signal_to_the_job_step(work, by):
+    """relaytrain's driver, which the batch shell becomes, forwards it; so does the shell itself where
+    its python cannot import relaytrain (a container job's host python)."""
+    if by == "shell":
+        fake(work / "bin", "python", "exit 1\n")
     fake(
         work / "bin",
         "srun",
@@ -332,6 +337,7 @@ def test_the_batch_shell_forwards_the_slurm_signal_to_the_job_step(work):
     assert step_log.read_text().splitlines() == ["started", "step got USR2"]
     assert "received SIGUSR2: forwarding it to the job step" in out
     assert "received SIGTERM: Slurm signals the job step itself" in out
+    assert ("cannot import relaytrain" in out) == (by == "shell")
 
 
 def test_attach_to_an_existing_allocation_runs_srun_overlap_without_sbatch(work):

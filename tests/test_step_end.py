@@ -135,7 +135,7 @@ def test_the_batch_script_requeues_a_crashed_step_through_the_one_call(work):
     dry("debug", slurm={"gpus_per_node": 0, "tasks_per_node": 1})
     script = Path(work) / "runs/debug/slurm/job.sh"
     text = script.read_text()
-    assert text.count("-m relaytrain.resilience.step_end --exit-code") == 1
+    assert "-m relaytrain.resilience.job_driver --run-dir" in text and "step_end" not in text
     fake(work / "bin", "srun", "exit 3\n")
     fake(
         work / "bin", "scontrol", '[[ $1 == requeue ]] && echo "requeue $2" >> "$FAKE_LOG.requeue"; exit 0\n'

@@ -105,3 +105,18 @@ def apply_slurm_env(environ: MutableMapping[str, str]) -> bool:
         environ["MASTER_PORT"] = str(base_port(environ.get("SLURM_JOB_ID", "0")))
     normalize_amd_visibility(environ)
     return True
+
+
+def narrow_to_nodes(environ: MutableMapping[str, str], nodes: list[str]) -> None:
+    """The job's node variables for a job step restarted on fewer nodes (a node was lost under
+    `sbatch --no-kill`): the tasks read the job's nodes from these, and the lost node is no longer the
+    job's. The task count goes too: the step's `srun --ntasks` sets it."""
+    joined = ",".join(nodes)
+    environ.update(
+        SLURM_JOB_NODELIST=joined,
+        SLURM_NODELIST=joined,
+        SLURM_JOB_NUM_NODES=str(len(nodes)),
+        SLURM_NNODES=str(len(nodes)),
+    )
+    for name in ("SLURM_NTASKS", "SLURM_NPROCS"):
+        environ.pop(name, None)

@@ -1,7 +1,8 @@
 """MASTER_PORT: derived from the job id so every rank computes the same port, then checked for use.
 
 The generated script runs the same rule in bash (`pick_port`) on the first node, where rank 0 listens,
-and exports the result, so all ranks share it.
+and exports the result, so all ranks share it; the batch job's driver picks the port of a job step
+restarted in place with ``choose_port(job_id + restarts, has_no_listener)``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ def port_is_free(port: int, host: str = "") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def has_no_listener(port: int) -> bool:
+    """Whether nothing listens on ``port`` here: only a listener blocks torch's TCPStore, which binds with
+    SO_REUSEADDR, so a bind with it fails exactly then (TIME-WAIT sockets that a requeued job's earlier
+    run leaves do not count; counting them moved requeued jobs onto each other's ports)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
         except OSError:
             return False
     return True

@@ -162,10 +162,6 @@ class RunDir:
         """The output of an attached run (`launch --jobid`), which sbatch does not capture."""
         return self.slurm / f"attach-{job_id}.out"
 
-    def step_restart_file(self, job_id: str) -> Path:
-        """Where the end-of-step decision tells the batch script to start the step again, and where."""
-        return self.slurm / f"restart-step-{job_id}.txt"
-
     def pip_freeze(self, job_id: str) -> Path:
         """The Python packages the job ran with."""
         return self.slurm / f"pip-freeze-{job_id}.txt"

@@ -18,9 +18,6 @@ ranks) asks ``classify`` here, which decides from ``run_state.json``:
 Crashes are counted per SLURM job in ``<run_dir>/crashes.jsonl`` (one line per crash, never rewritten),
 so a job resubmitted by hand starts with a fresh allowance; time-limit requeues have their own cap
 (``max_requeues``). The requeued job resumes from the last complete checkpoint as after any requeue.
-
-``python -m relaytrain.resilience.crash`` is ``python -m relaytrain.resilience.step_end`` (batch scripts
-written by earlier versions call it).
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -142,9 +138,3 @@ def cause_of(exit_code: int, why: str, state: Mapping[str, Any] | None, job_log_
         "nodes": sorted({e["node"] for e in errors}),
         "previous_state": {k: state.get(k) for k in ("status", "reason", "step", "host")} if state else None,
     }
-
-
-if __name__ == "__main__":
-    from relaytrain.resilience.step_end import main
-
-    sys.exit(main(prog="python -m relaytrain.resilience.crash"))

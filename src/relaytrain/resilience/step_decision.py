@@ -44,7 +44,7 @@ class RunFacts:
     @classmethod
     def read(cls, run_dir: Path | str, job: JobFacts, job_log_tail: str = "") -> RunFacts:
         # The output file holds every run of the job (--open-mode=append) and every step of a run:
-        # keep only this step's part (the batch script logs the marker before each launch).
+        # keep only this step's part (the batch job's driver logs the marker before each launch).
         start = job_log_tail.rfind(step_marker(job.restart_count, job.step_restarts))
         if start < 0:
             start = job_log_tail.rfind(f"restart count {job.restart_count},")
@@ -58,8 +58,9 @@ class RunFacts:
         )
 
 
-def step_marker(restart_count: int | str, step_restarts: int | str) -> str:
-    """The job-log line before each launch of a step (the batch script writes it with shell values)."""
+def step_marker(restart_count: int, step_restarts: int) -> str:
+    """The job-log line before each launch of a step: the batch job's driver (``job_driver.py``) writes
+    it, the decision after the step finds the step's part of the job log by it."""
     return f"job step of restart count {restart_count}, step restart {step_restarts}:"
 
 

@@ -1,7 +1,8 @@
 """After a job step ended: one decision about what happens to the job, and why.
 
-The generated batch script runs ``python -m relaytrain.resilience.step_end --exit-code N ...`` once after
-the job step (it runs outside the step, so it survives the ranks). ``decide`` reads the facts (the
+The batch job's driver (``job_driver.py``) calls ``after_step`` once after each job step (it runs
+outside the step, so it survives the ranks); ``python -m relaytrain.resilience.step_end --exit-code N
+...`` is the same call for batch scripts of earlier versions. ``decide`` reads the facts (the
 step's exit code, ``run_state.json`` as the step left it, this job's crashes, the job log) and says:
 
 * **fail**, nothing touched: the step was refused because another run holds the run directory
@@ -187,6 +188,23 @@ def run(
     # the exit be 0, or the script logs the check as failed.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="relaytrain: %(message)s", stream=sys.stdout)
+    after_step(run_dir, exit_code, config, program=program, job_log=job_log, step=step,
+               restart_file=restart_file)  # fmt: skip
+    return 0
+
+
+def after_step(
+    run_dir: str,
+    exit_code: int,
+    config: str = "",
+    *,
+    program: bool = False,
+    job_log: str = "",
+    step: StepFacts | None = None,
+    restart_file: str = "",
+) -> Decision:
+    """``end_step`` with the resilience settings of the run's resolved config (the defaults without
+    one) and the tail of the job's output file: the command line's call and the batch driver's."""
     min_nodes = 1
     if config:
         from relaytrain.config import load_config
@@ -195,9 +213,8 @@ def run(
         resilience, min_nodes = cfg.resilience, cfg.slurm.min_nodes or cfg.slurm.nodes
     else:
         resilience = ResilienceConfig()
-    end_step(run_dir, exit_code, resilience, program=program, job_log_tail=_tail(job_log), step=step,
-             min_nodes=min_nodes, restart_file=restart_file)  # fmt: skip
-    return 0
+    return end_step(run_dir, exit_code, resilience, program=program, job_log_tail=_tail(job_log), step=step,
+                    min_nodes=min_nodes, restart_file=restart_file)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -227,7 +227,6 @@ def _in_run_dir(rundir: RunDir) -> dict[str, str]:
         "run_state": rundir.relative(rundir.run_state),
         "attach_log": rundir.attach_log("$job_id").name,
         "pip_freeze": rundir.pip_freeze("$job_id").name,
-        "restart_file": rundir.step_restart_file("$job_id").name,
         "logs": rundir.relative(rundir.logs),
         "flight_recorder": rundir.relative(rundir.flight_recorder("${job_id}")),
     }

@@ -1,0 +1,208 @@
+"""The batch job's driver: the generated batch script prepares the environment, then ``exec``s
+``python -m relaytrain.resilience.job_driver ... -- COMMAND``, which runs the job:
+
+* one job step after the other (``srun OPTIONS COMMAND``), each announced in the job log by
+  ``step_decision.step_marker``, the line the decision after the step finds the step's output by;
+* Slurm's pre-timeout signal passed on to the step that runs (``job_step.SignalForwarder``), and a
+  heartbeat line every few minutes;
+* after each step the end-of-step decision (``step_end.after_step``): finished, requeued, failed, or
+  started again in place, on the nodes it names (the step's ``srun`` then gets ``--overlap``, the narrower
+  node set, and a fresh rendezvous port);
+* when that decision itself failed, the requeue the run asked for and could not do (``requeue_pending``);
+* at the job's end for good (not requeued), the in-memory snapshots freed on every node of the job.
+
+It exits with the last step's exit status. It lives in resilience/ (not job/, the bottom layer) because
+the decision after the step and the run's record are resilience's and read the run's config. Where the
+batch shell's python cannot import it (a container job whose host python lacks relaytrain), the script
+runs the step once by itself (docs/containers.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from relaytrain.job import JobFacts
+from relaytrain.job.env import narrow_to_nodes
+from relaytrain.job.facts import STEP_RESTARTS_ENV
+from relaytrain.job.ports import choose_port, has_no_listener
+from relaytrain.resilience.job_step import Heartbeat, SignalForwarder, job_log_path, log
+from relaytrain.resilience.requeue import scontrol_requeue
+from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.resilience.step_decision import Action, Decision, step_marker
+from relaytrain.resilience.step_end import after_step
+from relaytrain.resilience.step_restart import StepFacts
+
+HEARTBEAT_S = 300.0
+
+
+@dataclass
+class StepLaunch:
+    """The job step's command line: ``srun`` with its options, then the command each task runs."""
+
+    srun_options: list[str]
+    command: list[str]
+    nodes: list[str]  # the nodes the step runs on
+    tasks_per_node: int  # srun tasks per node (1 for torchrun, which starts the workers itself)
+    restarts: int = 0  # how often it was started again in place in this allocation
+    extra: list[str] = field(default_factory=list)  # options a restart in place added
+
+    def argv(self) -> list[str]:
+        # After the script's own options: a later srun option wins over an earlier one (--nodes).
+        return ["srun", *self.srun_options, *self.extra, *self.command]
+
+    def restart(self, nodes: tuple[str, ...], job_id: str, environ: MutableMapping[str, str]) -> None:
+        """Start the step again inside this allocation: on ``nodes`` (empty: the same ones), with a
+        fresh rendezvous port."""
+        self.restarts += 1
+        if self.restarts == 1:
+            # Slurm holds a step with a lost node "completing" until it gives the node up: the new step
+            # shares those CPUs (the old step's processes are gone).
+            self.extra.append("--overlap")
+        if nodes and list(nodes) != self.nodes:
+            self.nodes = list(nodes)
+            narrow_to_nodes(environ, self.nodes)
+            count, tasks = len(self.nodes), len(self.nodes) * self.tasks_per_node
+            self.extra += [f"--nodes={count}", f"--nodelist={','.join(self.nodes)}", f"--ntasks={tasks}"]
+            environ["MASTER_ADDR"] = self.nodes[0]
+        base = int(job_id) + self.restarts if job_id.isdigit() else f"{job_id}+{self.restarts}"
+        environ["MASTER_PORT"] = str(choose_port(base, has_no_listener))
+
+
+class RequeueState(NamedTuple):
+    pending: bool  # the run asked for a requeue it could not do (no scontrol in a container, or it failed)
+    asked: bool  # the job was requeued, or the run asked for a requeue
+
+
+def requeue_state(run_dir: str) -> RequeueState:
+    """What run_state.json says about a requeue: the driver's one read of the run's record."""
+    state = RunStateFile(run_dir).read() or {}
+    pending = state.get("requeue_pending") is True
+    return RequeueState(pending, state.get("requeued") is True or state.get("requeue_requested") is True)
+
+
+def requeue_if_pending(run_dir: str, job: JobFacts) -> None:
+    """The decision could not run: do the requeue the run asked for and could not do itself."""
+    if not requeue_state(run_dir).pending:
+        return
+    print(f"relaytrain: the run asked for a requeue it could not do: scontrol requeue {job.requeue_id}",
+          flush=True)  # fmt: skip
+    done, how = scontrol_requeue(job.requeue_id)
+    if not done:
+        print(f"relaytrain: scontrol requeue {job.requeue_id} failed: {how}", file=sys.stderr, flush=True)
+
+
+def free_snapshots(python: list[str], config: str, nodes: list[str]) -> None:
+    """The job ends for good: free the in-memory snapshots on every node of the job
+    (docs/checkpointing.md); one task per node runs the cleanup."""
+    count = str(len(nodes))
+    argv = ["srun", "--overlap", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
+            f"--nodelist={','.join(nodes)}", *python, "-m", "relaytrain.checkpoint.snapshot", "cleanup",
+            "--config", config]  # fmt: skip
+    try:
+        done = subprocess.run(argv, check=False).returncode == 0
+    except OSError:
+        done = False
+    if not done:
+        log("could not remove the job's snapshots from the nodes' memory")
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What the batch script hands the driver."""
+
+    run_dir: str
+    config: str
+    program: bool  # the step runs a --command program (its exit 75/76 mean requeue/restart)
+    free_snapshots: bool  # the run keeps in-memory snapshots on the nodes
+    python: list[str]  # how a node runs python with relaytrain (uv run ...)
+    heartbeat_s: float = HEARTBEAT_S
+
+
+def decide(plan: JobPlan, exit_code: int, launch: StepLaunch, seconds: float) -> Decision | None:
+    """The end-of-step decision; None when it failed (the job log then says so)."""
+    step = StepFacts(can_restart=True, seconds=seconds, nodes=tuple(launch.nodes))
+    try:
+        return after_step(plan.run_dir, exit_code, plan.config, program=plan.program, job_log=job_log_path(),
+                          step=step)  # fmt: skip
+    except Exception:  # noqa: BLE001  (any failure: the job must still end with the step's status)
+        traceback.print_exc()
+        if plan.program:
+            print("relaytrain: the end-of-step decision (relaytrain.resilience.step_end) failed: no requeue",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        else:
+            log("the crash check failed; the job is not requeued")
+        return None
+
+
+def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
+    """Run the job's steps until the decision after one says the job is done here; the last step's
+    exit status."""
+    environ = os.environ  # each step and the decision after it read the job's variables from here
+    while True:
+        job = JobFacts.from_env()
+        environ[STEP_RESTARTS_ENV] = str(launch.restarts)
+        log(f"{step_marker(job.restart_count, launch.restarts)} on {','.join(launch.nodes)}")
+        log(f"launching: {' '.join(launch.argv())}")
+        started = time.monotonic()
+        exit_code = forwarder.run(launch.argv())
+        log(f"job step finished with exit code {exit_code}")
+        decision = decide(plan, exit_code, launch, time.monotonic() - started)
+        if decision is None:
+            requeue_if_pending(plan.run_dir, JobFacts.from_env())
+        if decision is None or decision.action is not Action.RESTART or decision.restart is None:
+            break
+        launch.restart(decision.restart.nodes, job.job_id, environ)
+        log(f"restarting the job step in place ({launch.restarts}): master "
+            f"{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}")  # fmt: skip
+    if plan.free_snapshots and not requeue_state(plan.run_dir).asked:
+        free_snapshots(plan.python, plan.config, launch.nodes)
+    return exit_code
+
+
+def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalForwarder]:
+    parser = argparse.ArgumentParser(prog="python -m relaytrain.resilience.job_driver",
+                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--config", required=True, help="the run's resolved config (TOML)")
+    parser.add_argument("--program", action="store_true", help="the step runs a --command program")
+    parser.add_argument("--free-snapshots", action="store_true", help="free the nodes' snapshots at the end")
+    parser.add_argument("--python", default="python", help="how a node runs python (shell words)")
+    parser.add_argument("--nodes", default="", help="the nodes the step runs on, comma-separated")
+    parser.add_argument("--tasks-per-node", type=int, default=1, help="srun tasks per node")
+    parser.add_argument("--srun-option", action="append", default=[], help="an option of the step's srun")
+    parser.add_argument("--signal", default="", help="Slurm's pre-timeout signal to forward (USR2)")
+    parser.add_argument("--pending-signal", default="", help="a signal the batch shell got before this")
+    parser.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the command each task runs")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("the command each task runs is missing (after --)")
+    plan = JobPlan(args.run_dir, args.config, args.program, args.free_snapshots, shlex.split(args.python),
+                   args.heartbeat_s)  # fmt: skip
+    nodes = [n for n in args.nodes.split(",") if n]
+    launch = StepLaunch(list(args.srun_option), command, nodes, args.tasks_per_node)
+    return plan, launch, SignalForwarder(args.signal, args.pending_signal)
+
+
+def main(argv: list[str] | None = None) -> int:
+    plan, launch, forwarder = parse(argv)
+    forwarder.install()
+    # The decision's own lines (step_end, requeue) go to the job log as the command line's do.
+    logging.basicConfig(level=logging.INFO, format="relaytrain: %(message)s", stream=sys.stdout)
+    with Heartbeat(plan.heartbeat_s):
+        return drive(plan, launch, forwarder)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
