@@ -31,9 +31,9 @@ from e2e_slurm_jobs import (
     write_config,
 )
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience import crash, requeue, step_end
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.resilience.run_state import RunState, RunStateFile
 
 from bench.cluster.harness import rank_pids
 from slurm_fixtures import wait_for, wait_job_finished
@@ -56,19 +56,21 @@ def requeues(monkeypatch):
 def after_step(run_dir, exit_code, cap, requeue_on, log_tail="", env=None) -> bool:
     """The batch script's end-of-step decision for relaytrain's trainer; whether it requeued."""
     r = ResilienceConfig(max_crash_requeues=cap, requeue=requeue_on)
-    decision = step_end.end_step(run_dir, exit_code, r, job_log_tail=log_tail, env=env)
+    decision = step_end.end_step(RunDir(run_dir), exit_code, r, job_log_tail=log_tail, env=env)
     return decision.action is step_end.Action.REQUEUE
 
 
 def write_state(run_dir: Path, status: str, reason: str = "", job_id: str = "41", restart: int = 2, **extra):
-    RunStateFile(run_dir).write(status, reason, 12, job_id=job_id, restart_count=restart, **extra)
+    RunStateFile(RunDir(run_dir)).write(
+        RunState.of(status, reason, 12, job_id=job_id, restart_count=restart, **extra)
+    )
 
 
 def test_a_user_error_recorded_by_the_run_is_not_a_crash(tmp_path):
     """torchrun exits 1 for a worker's exit 2: a full disk during a save is told by its recorded message."""
     message = "UserError('checkpoint save of step 20 failed: no space')"
     write_state(tmp_path, "failed", "error", message=message)
-    got, why = crash.classify(RunStateFile(tmp_path).read(), JobFacts.from_env(JOB), 1)
+    got, why = crash.classify(RunStateFile(RunDir(tmp_path)).read(), JobFacts.from_env(JOB), 1)
     assert got is False and "no space" in why
 
 
@@ -88,7 +90,7 @@ def test_a_user_error_recorded_by_the_run_is_not_a_crash(tmp_path):
 )
 def test_classify(tmp_path, status, reason, job_id, code, is_crash):
     write_state(tmp_path, status, reason, job_id=job_id)
-    got, why = crash.classify(RunStateFile(tmp_path).read(), JobFacts.from_env(JOB), code)
+    got, why = crash.classify(RunStateFile(RunDir(tmp_path)).read(), JobFacts.from_env(JOB), code)
     assert got is is_crash, why
 
 
@@ -100,7 +102,7 @@ def test_crash_requeues_until_the_cap_then_records_a_crash_loop(tmp_path, requeu
     for attempt in range(3):
         write_state(tmp_path, "running")
         requeued = after_step(tmp_path, 137, 2, True, log_tail, env=JOB)
-        state = RunStateFile(tmp_path).read()
+        state = RunStateFile(RunDir(tmp_path)).read().as_json()
         assert state is not None
         if attempt < 2:
             assert requeued and requeues == ["41"] * (attempt + 1)
@@ -121,12 +123,12 @@ def test_crash_requeues_until_the_cap_then_records_a_crash_loop(tmp_path, requeu
 def test_no_requeue_when_requeue_is_off_or_not_a_crash(tmp_path, requeues):
     write_state(tmp_path, "running")
     assert not after_step(tmp_path, 1, 3, False, env=JOB)
-    state = RunStateFile(tmp_path).read()
+    state = RunStateFile(RunDir(tmp_path)).read().as_json()
     assert state and (state["status"], state["reason"]) == ("failed", "crash")
     assert state["requeue_pending"] is False
     write_state(tmp_path, "stopped", "time_limit_signal")
     assert not after_step(tmp_path, 1, 3, True, env=JOB)
-    assert RunStateFile(tmp_path).read()["status"] == "stopped"  # untouched
+    assert RunStateFile(RunDir(tmp_path)).read().status == "stopped"  # untouched
     assert requeues == []
 
 
@@ -308,5 +310,5 @@ print("exit code", code)
     assert done.returncode == 0, (done.returncode, done.stderr)
     assert "requeuing from the last complete checkpoint" in done.stdout
     assert "relaytrain: requeued (scontrol requeue 41)" in done.stdout and "exit code 0" in done.stdout
-    state = RunStateFile(run_dir).read()
+    state = RunStateFile(RunDir(run_dir)).read().as_json()
     assert state is not None and state["requeued"] is True
