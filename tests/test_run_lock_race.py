@@ -31,7 +31,7 @@ RIVAL_WAIT_S = 2.0  # how long the paused start lets its rival run (a right lock
 def _race(run_dir: str, go, done, results, answered=None) -> None:
     go.wait()
     try:
-        lock = RunLock(RunDir(run_dir)).acquire("relaytrain train")
+        lock = RunLock(RunDir(Path(run_dir))).acquire("relaytrain train")
         results.put(("won", os.getpid()))
         if answered is not None:
             answered.set()

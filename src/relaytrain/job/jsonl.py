@@ -36,15 +36,23 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def _open_append(path: Path) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    return os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+
+
+def _after_torn_line(fd: int) -> bytes:
+    """A newline when the file ends inside a line (its writer was killed mid-write): the next record then
+    starts on a line of its own instead of being glued to the torn one and lost with it."""
+    size = os.fstat(fd).st_size
+    return b"\n" if size and os.pread(fd, 1, size - 1) != b"\n" else b""
 
 
 def append(path: Path, record: Mapping[str, Any], *, sort_keys: bool = False) -> None:
     """Append one record as one line. Raises OSError (a full or read-only disk): the caller decides
     whether losing the line matters."""
+    data = encode(record, sort_keys=sort_keys)  # before the file is touched: a NaN writes nothing
     fd = _open_append(path)
     try:
-        _write_all(fd, encode(record, sort_keys=sort_keys))
+        _write_all(fd, _after_torn_line(fd) + data)
     finally:
         os.close(fd)
 
@@ -55,10 +63,12 @@ class Appender:
     def __init__(self, path: Path):
         self.path = path
         self._fd: int | None = _open_append(path)
+        self._start = _after_torn_line(self._fd)  # only this process writes it while it is open
 
     def write(self, record: Mapping[str, Any]) -> None:
         assert self._fd is not None, f"{self.path} is closed"
-        _write_all(self._fd, encode(record))
+        data, self._start = self._start + encode(record), b""
+        _write_all(self._fd, data)
 
     def close(self) -> None:
         """Closes after an fsync: the lines survive the node's crash, not only the process's."""
