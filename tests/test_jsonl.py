@@ -44,7 +44,7 @@ def test_a_torn_last_line_and_foreign_lines_are_skipped_and_counted(tmp_path):
     assert jsonl.read(path).records[-1] == {"step": 5}
 
 
-def test_tail_reads_the_last_records_and_drops_the_line_its_window_cuts(tmp_path):
+def test_tail_reads_the_last_records_and_skips_the_line_its_window_cuts(tmp_path):
     path = tmp_path / "m.jsonl"
     for step in range(200):
         jsonl.append(path, {"step": step, "pad": "x" * 40})
@@ -56,6 +56,9 @@ def test_tail_reads_the_last_records_and_drops_the_line_its_window_cuts(tmp_path
     assert len(text.encode()) == size and text.endswith("}\n")
     cut = text.split("\n")[0]  # the window starts inside a line: that record is not returned half-read
     assert not cut.startswith('{"step"') and f'"step": {steps[0] - 1},' not in text
+    line = len(path.read_bytes().splitlines(keepends=True)[-1])  # steps 100-199: lines of one length
+    # a window of exactly 7 lines starts on a line: all 7 come back
+    assert [r["step"] for r in jsonl.tail(path, 7 * line)] == list(range(193, 200))
     assert jsonl.tail(tmp_path / "missing.jsonl") == [] and jsonl.tail_text(tmp_path / "missing") == ""
     small = tmp_path / "s.jsonl"
     jsonl.append(small, {"step": 0})

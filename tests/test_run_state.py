@@ -102,27 +102,32 @@ def test_a_user_error_is_its_own_field(tmp_path):
     assert classify(RunStateFile(run).read(), JOB, 1)[0] is True
 
 
-HOSTILE = {
-    "not JSON": b'{"status": "running", "st',
-    "a list": b'["running"]',
-    "an unknown status": b'{"status": "exploded", "step": 1}',
-    "no status": b'{"checkpoint_step": 4}',
-    "a step that is text": b'{"status": "running", "step": "12"}',
-    "a flag that is text": b'{"status": "stopped", "requeue_pending": "true"}',
-    "a step that is a bool": b'{"status": "running", "step": true}',
-    "bytes that are not UTF-8": b'{"status": "\xff\xfe"}',
-    "too large": b'{"status": "running", "pad": "' + b"x" * (2 << 20) + b'"}',
+HOSTILE = {  # the file, and what the one line says is wrong with it
+    "not JSON": (b'{"status": "running", "st', "not JSON"),
+    "a list": (b'["running"]', "not a JSON object but list"),
+    "an unknown status": (b'{"status": "exploded", "step": 1}', "status 'exploded' is not one of"),
+    "no status": (b'{"checkpoint_step": 4}', "status None is not one of"),
+    "a step that is text": (b'{"status": "running", "step": "12"}', "field 'step' is '12', not int"),
+    "a flag that is text": (
+        b'{"status": "stopped", "requeue_pending": "true"}',
+        "'requeue_pending' is 'true'",
+    ),
+    "a step that is a bool": (b'{"status": "running", "step": true}', "field 'step' is True, not int"),
+    "bytes that are not UTF-8": (b'{"status": "\xff\xfe"}', "not JSON"),
+    "too large": (b'{"status": "running", "pad": "' + b"x" * (2 << 20) + b'"}', "larger than 1048576 bytes"),
 }
 
 
 @pytest.mark.parametrize("case", HOSTILE)
 def test_a_damaged_or_foreign_file_is_one_clear_line(tmp_path, case):
     run = RunDir(tmp_path)
-    run.run_state.write_bytes(HOSTILE[case])
+    data, words = HOSTILE[case]
+    run.run_state.write_bytes(data)
     with pytest.raises(RunStateError) as caught:
         RunStateFile(run).load()
     message = str(caught.value)
-    assert message.startswith(f"{run.run_state} is damaged (") and "\n" not in message and len(message) < 400
+    assert message.startswith(f"{run.run_state} is damaged (") and words in message
+    assert "\n" not in message and len(message) < 400
     assert RunStateFile(run).read() is None and RunStateFile(run).damage() == message
     assert recorded_checkpoint_step(run) == 0
     # the run itself rewrites it
