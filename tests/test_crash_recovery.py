@@ -203,7 +203,7 @@ def test_sigkill_of_one_rank_restarts_the_step_in_place_and_resumes_bit_exact(sl
     resumes = [r for r in records(run_dir, "event") if r["event"] == "resume"]
     assert resumes and resumes[0]["step"] == max(checkpoints) <= killed_at
     assert (resumes[0]["restart"], resumes[0]["step_restart"]) == (0, 1)
-    entries = crash.CrashLog(run_dir).entries()
+    entries = crash.CrashLog(RunDir(run_dir)).entries()
     assert len(entries) == 1 and entries[0]["job_id"] == job and entries[0]["signal"] == "SIGKILL", entries
     assert entries[0]["action"] == "restart" and entries[0]["step_restart"] == 1
     restarts = [r for r in records(run_dir, "event") if r["event"] == "step_restart"]
@@ -236,7 +236,7 @@ def test_restarts_in_place_then_requeues_then_a_crash_loop_stops_the_job(slurm_c
     assert fields["JobState"] == "FAILED" and fields["Restarts"] == "1", job_log(run_dir, job)
     state = marker(run_dir)
     assert (state["status"], state["reason"], state["crash_count"]) == ("failed", "crash_loop", 2), state
-    entries = crash.CrashLog(run_dir).entries()
+    entries = crash.CrashLog(RunDir(run_dir)).entries()
     assert [e["action"] for e in entries] == ["restart", "requeue", "fail"], entries
     assert "max_step_restarts=1 reached" in entries[1]["not_restarted_in_place"]
     code, out = cli("status", job, "--runs", str(runs))
@@ -271,7 +271,7 @@ def test_a_restarted_step_whose_only_checkpoint_is_damaged_fails_once_and_keeps_
     assert (state["status"], state["reason"]) == ("failed", "damaged_checkpoint"), state
     assert f"{shard.name} is missing" in state["message"] and state["requeue_requested"] is False
     assert "--checkpoint.start_over_if_damaged=true" in state["message"]
-    assert len(crash.CrashLog(run_dir).entries()) == 1  # the SIGKILL; the refusal is not a crash
+    assert len(crash.CrashLog(RunDir(run_dir)).entries()) == 1  # the SIGKILL; the refusal is not a crash
     assert sorted(p.name for p in step_dir.rglob("*")) == kept and complete_checkpoints(run_dir) == [5]
     code, out = cli("status", job, "--runs", str(runs))
     assert code == 0 and "damaged_checkpoint" in out, out  # the table wraps the message itself
