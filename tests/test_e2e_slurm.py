@@ -45,7 +45,6 @@ from e2e_slurm_jobs import (
     wait_step,
     write_config,
 )
-from relaytrain.job import RunDir
 from relaytrain.localcluster import cluster as local_cluster
 
 from slurm_fixtures import job_fields, sbatch, slurm, wait_for, wait_job_finished
@@ -180,7 +179,7 @@ def test_two_nodes_by_two_tasks_trains_to_the_end(e2e):
         by_node.setdefault(node, set()).add(local)
     assert sorted(by_node) == sorted(e2e.cluster.nodes[:2]) and all(v == {"0", "1"} for v in by_node.values())
     assert "health check passed: world size 4 on 2 node(s)" in log
-    assert last_step(RunDir(run_dir)) == 20 and marker(run_dir)["status"] == "finished"
+    assert last_step(run_dir) == 20 and marker(run_dir)["status"] == "finished"
     start = [e for e in events(run_dir) if e["event"] == "start"]
     assert start and start[0]["world_size"] == 4 and start[0]["nodes"] == 2
 
@@ -224,7 +223,7 @@ def test_sweep_is_a_job_array_with_one_run_dir_per_point(e2e):
     peak_lr = {}
     for index in (0, 1):
         run_dir = e2e.runs / f"small-{index}"
-        assert marker(run_dir)["status"] == "finished" and last_step(RunDir(run_dir)) == 6
+        assert marker(run_dir)["status"] == "finished" and last_step(run_dir) == 6
         peak_lr[index] = max(r["lr"] for r in records(run_dir, "train"))
     assert peak_lr == pytest.approx({0: 1e-3, 1: 2e-3})
     table = (e2e.runs / "small-sweep" / "sweep.tsv").read_text()
@@ -255,7 +254,7 @@ def test_time_limit_signal_saves_requeues_and_resumes_identically(e2e, reference
     assert stops[0]["reason"] == "time_limit_signal" and stops[0]["restart"] == 0
     resumes = [e for e in events(run_dir) if e["event"] == "resume"]
     assert resumes[0]["step"] == stops[0]["step"] and resumes[0]["restart"] == 1
-    assert marker(run_dir)["status"] == "finished" and last_step(RunDir(run_dir)) == RESILIENCE_STEPS
+    assert marker(run_dir)["status"] == "finished" and last_step(run_dir) == RESILIENCE_STEPS
     assert_losses_match(run_dir, reference_losses)
     resume_timings("time-limit signal", run_dir, fields, log)
 
@@ -302,7 +301,7 @@ def second_wave(e2e, reference_losses):
     wait_step(e2e.runs / "killed", jobs["killed"], 30)
     killed_at = time.time()
     local_cluster.kill_node(doomed, e2e.cluster.base_dir)
-    before_kill = last_step(RunDir(e2e.runs / "killed"))
+    before_kill = last_step(e2e.runs / "killed")
     checkpoints = complete_checkpoints(e2e.runs / "killed")  # nothing on the dead node writes any more
     try:
         yield SimpleNamespace(jobs=jobs, high=high, high_submitted=high_submitted, doomed=doomed, other=other,
