@@ -208,11 +208,7 @@ class RunStateFile:
         """Replace the record with ``record``. A new record (no ``time``) is stamped with the time and host;
         one read back keeps when and where it was written. ``checkpoint_step`` keeps its previous value
         unless ``record`` sets it. Returns what was written."""
-        now = time.time()
-        stamped = record
-        if not record.time:
-            when = datetime.fromtimestamp(now).astimezone().isoformat(timespec="seconds")
-            stamped = replace(record, time=when, unix_time=round(now, 3), host=socket.gethostname())
+        stamped = _stamped(record)
 
         def carry(previous: RunState | None) -> RunState:
             if stamped.checkpoint_step is None and previous is not None:
@@ -226,7 +222,7 @@ class RunStateFile:
         failed write is logged, not raised: the checkpoint is committed all the same, training goes on."""
 
         def noted(previous: RunState | None) -> RunState:
-            return replace(previous or RunState(RunStatus.RUNNING), checkpoint_step=int(step))
+            return replace(previous or _stamped(RunState(RunStatus.RUNNING)), checkpoint_step=int(step))
 
         try:
             self._rewrite(noted)
@@ -247,6 +243,15 @@ class RunStateFile:
             if locked:
                 _WRITE_LOCK.release()
         return record
+
+
+def _stamped(record: RunState) -> RunState:
+    """A new record (no ``time``) with the time and host it is written at; one read back as it is."""
+    if record.time:
+        return record
+    now = time.time()
+    when = datetime.fromtimestamp(now).astimezone().isoformat(timespec="seconds")
+    return replace(record, time=when, unix_time=round(now, 3), host=socket.gethostname())
 
 
 def recorded_checkpoint_step(run: RunDir) -> int:
