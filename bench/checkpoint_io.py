@@ -38,6 +38,7 @@ import torch
 from relaytrain.checkpoint import Persistence, RunRecord, TrainingState
 from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.config.schema import ModelConfig
+from relaytrain.job import RunDir
 from relaytrain.model import Transformer, count_parameters
 
 
@@ -152,7 +153,7 @@ def build(cfg: Config, run_dir: Path, mode: str, verify: bool = True):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     front = Persistence(
         cfg.checkpoint,
-        run_dir,
+        RunDir(run_dir),
         RunRecord("bench", config_to_toml(cfg), config_hash(cfg), cfg.model, cfg.data.tokenizer),
         TrainingState([model], [opt], {"train_state": BenchState()}),
         rank=0,

@@ -32,6 +32,7 @@ from relaytrain.errors import UserError
 from relaytrain.job import RunDir
 from relaytrain.resilience import HangWatchdog, RunStateFile, ShutdownController
 from relaytrain.resilience.early_signals import capture_early_signals
+from relaytrain.resilience.run_state import RunState
 
 from conftest import TINY
 
@@ -53,7 +54,9 @@ def trainer_case(case: str, run_dir: Path) -> int:
     prepare_run_dir(cfg, env.is_main)
     trainer = Trainer(cfg, env)
     if case == "load_fails":
-        RunStateFile(run_dir).write("stopped", "preemption", 4, saved=True)  # the previous job's record
+        RunStateFile(RunDir(run_dir)).write(
+            RunState.of("stopped", "preemption", 4, saved=True)
+        )  # the previous job's record
 
         def load(*_args):
             raise UserError("checkpoint step_4 is unreadable")
@@ -72,7 +75,7 @@ def trainer_case(case: str, run_dir: Path) -> int:
     except UserError as exc:
         print("error:", exc, flush=True)
         code = 2
-    print("state:", RunStateFile(run_dir).read()["status"], flush=True)
+    print("state:", RunStateFile(RunDir(run_dir)).read().status, flush=True)
     return code
 
 
@@ -106,7 +109,7 @@ def main(case: str, run_dir: Path) -> int:
             *(['--resilience.signals=["SIGUSR2", "SIGINT"]'] if case == "unlisted" else []),
         ],
     )
-    controller = ShutdownController(cfg.resilience, rank=0, device=torch.device("cpu"), run_dir=run_dir)
+    controller = ShutdownController(cfg.resilience, rank=0, device=torch.device("cpu"), run=RunDir(run_dir))
     controller.install()
     print("ready", flush=True)
     if case == "deadline":

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.job import RunDir
+from relaytrain.resilience.run_state import RunState, RunStateFile
 
 from bench.cluster import chaos
 from bench.cluster.chaos_kinds import (
@@ -249,7 +250,7 @@ def test_run_files_read_each_file_through_its_owner(tmp_path):
         {"kind": "event", "event": "stop", "step": 1},
         {"kind": "train", "step": 1, "loss": 2.5},  # replayed after a requeue: the later record counts
     ], torn=True)  # fmt: skip
-    RunStateFile(run.path).write("finished", "max_steps", 1)
+    RunStateFile(RunDir(run.path)).write(RunState.of("finished", "max_steps", 1))
     run.dir.slurm.mkdir()
     run.dir.job_log("10").write_text("second job")
     run.dir.job_log("9").write_text("first job")

@@ -21,6 +21,7 @@ from relaytrain.checkpoint.state import merged_view
 from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.config.schema import CheckpointConfig, ModelConfig
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.model import Transformer
 
 SMALL = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
@@ -67,7 +68,7 @@ def make_front(
     record = RunRecord("run", config_to_toml(cfg), config_hash(cfg), cfg.model, tokenizer)
     front = Persistence(
         cfg.checkpoint,
-        tmp_path / "run",
+        RunDir(tmp_path / "run"),
         record,
         TrainingState(model_parts, [opt], {"train_state": state, "rng": RngState(cfg.run.seed)}),
         rank=0,

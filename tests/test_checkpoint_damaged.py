@@ -12,9 +12,9 @@ import pytest
 from relaytrain.checkpoint import UnloadableCheckpoints, files
 from relaytrain.checkpoint.schedule import retention_victims
 from relaytrain.errors import UserError
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience import crash
-from relaytrain.resilience.run_state import RunStateFile, recorded_checkpoint_step
+from relaytrain.resilience.run_state import RunState, RunStateFile, recorded_checkpoint_step
 from test_checkpoint import make, train_step
 
 from conftest import run_cli
@@ -103,25 +103,25 @@ def test_start_over_keeps_the_damaged_checkpoint_through_saves_retention_and_req
 
 
 def test_run_state_keeps_the_checkpoint_step_across_later_records(tmp_path):
-    state = RunStateFile(tmp_path)
-    state.write("running", "", 4, checkpoint_step=4)
+    state = RunStateFile(RunDir(tmp_path))
+    state.write(RunState.of("running", "", 4, checkpoint_step=4))
     state.note_checkpoint(6)
-    assert (state.read()["status"], state.read()["step"], recorded_checkpoint_step(tmp_path)) == (
+    assert (state.read().status, state.read().step, recorded_checkpoint_step(RunDir(tmp_path))) == (
         "running",
         4,
         6,
     )
-    state.write("failed", "crash", 9, job_id="41", restart_count=0)
-    assert state.read()["checkpoint_step"] == 6 and recorded_checkpoint_step(tmp_path) == 6
-    state.write("running", "", 0, checkpoint_step=0)  # started over: a new line of checkpoints
-    assert recorded_checkpoint_step(tmp_path) == 0
+    state.write(RunState.of("failed", "crash", 9, job_id="41", restart_count=0))
+    assert state.read().checkpoint_step == 6 and recorded_checkpoint_step(RunDir(tmp_path)) == 6
+    state.write(RunState.of("running", "", 0, checkpoint_step=0))  # started over: a new line of checkpoints
+    assert recorded_checkpoint_step(RunDir(tmp_path)) == 0
 
 
 def test_cli_refuses_with_exit_2_records_the_reason_and_opt_in_starts_over(tmp_path, tiny_args):
     args = ["train", *tiny_args, "--run.name=dmg", "--checkpoint.interval=2"]
     assert run_cli([*args, "--train.max_steps=2"], tmp_path).returncode == 0
     run_dir = tmp_path / "runs" / "dmg"
-    assert RunStateFile(run_dir).read()["checkpoint_step"] == 2  # noted at the commit
+    assert RunStateFile(RunDir(run_dir)).read().checkpoint_step == 2  # noted at the commit
     # The checkpoint dir is gone altogether: the record says there was a checkpoint of step 2.
     (run_dir / "checkpoints").rename(run_dir / "moved")
     proc = run_cli([*args, "--train.max_steps=4"], tmp_path)
@@ -136,12 +136,13 @@ def test_cli_refuses_with_exit_2_records_the_reason_and_opt_in_starts_over(tmp_p
     assert last.startswith("relaytrain: error: every checkpoint of this run in ")
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "step 1/4" not in proc.stdout + proc.stderr and snapshot(step_dir) == before
-    state = RunStateFile(run_dir).read()
+    record = RunStateFile(RunDir(run_dir)).read()
+    state = record.as_json()
     assert (state["status"], state["reason"], state["step"]) == ("failed", "damaged_checkpoint", 2)
     assert "__0_0.distcp is missing" in state["message"]
     # The batch script's crash check does not requeue it.
     facts = JobFacts.from_env({"SLURM_JOB_ID": "", "SLURM_RESTART_COUNT": "0"})
-    assert crash.classify(state, facts, 1)[0] is False
+    assert crash.classify(record, facts, 1)[0] is False
     proc = run_cli([*args, "--train.max_steps=4", "--checkpoint.start_over_if_damaged=true"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "starting over at step 0" in proc.stdout + proc.stderr and snapshot(step_dir) == before

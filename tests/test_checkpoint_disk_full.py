@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from relaytrain.checkpoint.save_errors import disk_full_error
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience import crash
 from relaytrain.resilience.run_state import RunStateFile
 from tiny_config import TINY_TOML
@@ -89,10 +89,11 @@ def test_a_save_on_a_full_disk_fails_cleanly_and_the_run_continues_after_space_i
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_10"]  # the partial step_20 is gone
     assert (ckpts / "step_10" / "COMPLETE").is_file() and os.readlink(ckpts / "latest") == "step_10"
-    state = RunStateFile(run_dir).read()
+    record = RunStateFile(RunDir(run_dir)).read()
+    state = record.as_json()
     assert state["status"] == "failed" and "no space left" in state["message"]
     # Under Slurm torchrun turns the exit 2 into 1: crash recovery must still not retry a full disk.
-    assert crash.classify(state, JobFacts.from_env({}), 1)[0] is False
+    assert crash.classify(record, JobFacts.from_env({}), 1)[0] is False
 
     resize(small_fs, 64 * 2**20)  # space freed
     second = run_cli(["train", str(cfg)], tmp_path)
@@ -100,7 +101,7 @@ def test_a_save_on_a_full_disk_fails_cleanly_and_the_run_continues_after_space_i
     assert "resum" in second.stdout and "step_10" in second.stdout
     resumed = losses(run_dir)  # steps 1..30, the replayed 11..20 twice: all bit-identical
     assert {s for s, _ in resumed} == set(reference) and all(v == reference[s] for s, v in resumed)
-    assert RunStateFile(run_dir).read()["status"] == "finished"
+    assert RunStateFile(RunDir(run_dir)).read().status == "finished"
 
 
 def test_disk_full_is_found_behind_dcp_wrappers():

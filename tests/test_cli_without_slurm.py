@@ -11,7 +11,8 @@ import json
 import pytest
 
 from relaytrain.cli import main
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.job import RunDir
+from relaytrain.resilience.run_state import RunState, RunStateFile
 
 import needs
 
@@ -67,7 +68,9 @@ def test_doctor_fails_without_slurm(no_slurm, capsys):
 def test_status_of_a_run_reads_its_directory_without_slurm(no_slurm, capsys):
     run = no_slurm / "runs" / "debug"
     damage = "step_5 is damaged: bad checksum"
-    RunStateFile(run).write("failed", "error", 7, message="RuntimeError('boom')", checkpoint_error=damage)
+    RunStateFile(RunDir(run)).write(
+        RunState.of("failed", "error", 7, message="RuntimeError('boom')", checkpoint_error=damage)
+    )
     (run / "metrics.jsonl").write_text(json.dumps({"step": 6, "time": 1.0, "loss": 2.0}) + "\n")
     for target in ("debug", str(run), "runs/debug"):
         assert main(["status", target]) == 0, target
@@ -82,7 +85,7 @@ def test_status_of_a_launched_run_without_slurm_still_shows_the_run(no_slurm, ca
     run = no_slurm / "runs" / "big"
     (run / "slurm").mkdir(parents=True)
     (run / "slurm" / "jobs.jsonl").write_text(json.dumps({"job_id": "42", "run_dir": str(run)}) + "\n")
-    RunStateFile(run).write("stopped", "time_limit", 3)
+    RunStateFile(RunDir(run)).write(RunState.of("stopped", "time_limit", 3))
     assert main(["status", "big"]) == 0
     out = capsys.readouterr().out
     assert "stopped (time_limit)" in out and "its Slurm jobs: unknown (scontrol not found" in out
@@ -99,7 +102,7 @@ def test_with_slurm_present_the_same_commands_answer(slurm_cluster, tmp_path, mo
     run = tmp_path / "runs" / "done"
     (run / "slurm").mkdir(parents=True)
     (run / "slurm" / "jobs.jsonl").write_text(json.dumps({"job_id": "999999", "run_dir": str(run)}) + "\n")
-    RunStateFile(run).write("finished", "max_steps", 4)
+    RunStateFile(RunDir(run)).write(RunState.of("finished", "max_steps", 4))
     assert main(["status", "done"]) == 0
     out = capsys.readouterr().out
     assert "finished (max_steps)" in out and "999999" in out and "UNKNOWN" in out

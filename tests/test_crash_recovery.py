@@ -31,9 +31,9 @@ from e2e_slurm_jobs import (
     write_config,
 )
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience import crash, requeue, step_end
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.resilience.run_state import RunState, RunStateFile
 
 import faults
 from bench.cluster.harness import rank_pids
@@ -57,19 +57,21 @@ def requeues(monkeypatch):
 def after_step(run_dir, exit_code, cap, requeue_on, log_tail="", env=None) -> bool:
     """The batch script's end-of-step decision for relaytrain's trainer; whether it requeued."""
     r = ResilienceConfig(max_crash_requeues=cap, requeue=requeue_on)
-    decision = step_end.end_step(run_dir, exit_code, r, job_log_tail=log_tail, env=env)
+    decision = step_end.end_step(RunDir(run_dir), exit_code, r, job_log_tail=log_tail, env=env)
     return decision.action is step_end.Action.REQUEUE
 
 
 def write_state(run_dir: Path, status: str, reason: str = "", job_id: str = "41", restart: int = 2, **extra):
-    RunStateFile(run_dir).write(status, reason, 12, job_id=job_id, restart_count=restart, **extra)
+    RunStateFile(RunDir(run_dir)).write(
+        RunState.of(status, reason, 12, job_id=job_id, restart_count=restart, **extra)
+    )
 
 
 def test_a_user_error_recorded_by_the_run_is_not_a_crash(tmp_path):
     """torchrun exits 1 for a worker's exit 2: a full disk during a save is told by its recorded message."""
     message = "UserError('checkpoint save of step 20 failed: no space')"
     write_state(tmp_path, "failed", "error", message=message)
-    got, why = crash.classify(RunStateFile(tmp_path).read(), JobFacts.from_env(JOB), 1)
+    got, why = crash.classify(RunStateFile(RunDir(tmp_path)).read(), JobFacts.from_env(JOB), 1)
     assert got is False and "no space" in why
 
 
@@ -89,7 +91,7 @@ def test_a_user_error_recorded_by_the_run_is_not_a_crash(tmp_path):
 )
 def test_classify(tmp_path, status, reason, job_id, code, is_crash):
     write_state(tmp_path, status, reason, job_id=job_id)
-    got, why = crash.classify(RunStateFile(tmp_path).read(), JobFacts.from_env(JOB), code)
+    got, why = crash.classify(RunStateFile(RunDir(tmp_path)).read(), JobFacts.from_env(JOB), code)
     assert got is is_crash, why
 
 
@@ -101,7 +103,7 @@ def test_crash_requeues_until_the_cap_then_records_a_crash_loop(tmp_path, requeu
     for attempt in range(3):
         write_state(tmp_path, "running")
         requeued = after_step(tmp_path, 137, 2, True, log_tail, env=JOB)
-        state = RunStateFile(tmp_path).read()
+        state = RunStateFile(RunDir(tmp_path)).read().as_json()
         assert state is not None
         if attempt < 2:
             assert requeued and requeues == ["41"] * (attempt + 1)
@@ -122,12 +124,12 @@ def test_crash_requeues_until_the_cap_then_records_a_crash_loop(tmp_path, requeu
 def test_no_requeue_when_requeue_is_off_or_not_a_crash(tmp_path, requeues):
     write_state(tmp_path, "running")
     assert not after_step(tmp_path, 1, 3, False, env=JOB)
-    state = RunStateFile(tmp_path).read()
+    state = RunStateFile(RunDir(tmp_path)).read().as_json()
     assert state and (state["status"], state["reason"]) == ("failed", "crash")
     assert state["requeue_pending"] is False
     write_state(tmp_path, "stopped", "time_limit_signal")
     assert not after_step(tmp_path, 1, 3, True, env=JOB)
-    assert RunStateFile(tmp_path).read()["status"] == "stopped"  # untouched
+    assert RunStateFile(RunDir(tmp_path)).read().status == "stopped"  # untouched
     assert requeues == []
 
 
@@ -202,7 +204,7 @@ def test_sigkill_of_one_rank_restarts_the_step_in_place_and_resumes_bit_exact(sl
     resumes = [r for r in records(run_dir, "event") if r["event"] == "resume"]
     assert resumes and resumes[0]["step"] == max(checkpoints) <= killed_at
     assert (resumes[0]["restart"], resumes[0]["step_restart"]) == (0, 1)
-    entries = crash.CrashLog(run_dir).entries()
+    entries = crash.CrashLog(RunDir(run_dir)).entries()
     assert len(entries) == 1 and entries[0]["job_id"] == job and entries[0]["signal"] == "SIGKILL", entries
     assert entries[0]["action"] == "restart" and entries[0]["step_restart"] == 1
     restarts = [r for r in records(run_dir, "event") if r["event"] == "step_restart"]
@@ -235,7 +237,7 @@ def test_restarts_in_place_then_requeues_then_a_crash_loop_stops_the_job(slurm_c
     assert fields["JobState"] == "FAILED" and fields["Restarts"] == "1", job_log(run_dir, job)
     state = marker(run_dir)
     assert (state["status"], state["reason"], state["crash_count"]) == ("failed", "crash_loop", 2), state
-    entries = crash.CrashLog(run_dir).entries()
+    entries = crash.CrashLog(RunDir(run_dir)).entries()
     assert [e["action"] for e in entries] == ["restart", "requeue", "fail"], entries
     assert "max_step_restarts=1 reached" in entries[1]["not_restarted_in_place"]
     code, out = cli("status", job, "--runs", str(runs))
@@ -270,7 +272,7 @@ def test_a_restarted_step_whose_only_checkpoint_is_damaged_fails_once_and_keeps_
     assert (state["status"], state["reason"]) == ("failed", "damaged_checkpoint"), state
     assert f"{shard.name} is missing" in state["message"] and state["requeue_requested"] is False
     assert "--checkpoint.start_over_if_damaged=true" in state["message"]
-    assert len(crash.CrashLog(run_dir).entries()) == 1  # the SIGKILL; the refusal is not a crash
+    assert len(crash.CrashLog(RunDir(run_dir)).entries()) == 1  # the SIGKILL; the refusal is not a crash
     assert sorted(p.name for p in step_dir.rglob("*")) == kept and complete_checkpoints(run_dir) == [5]
     code, out = cli("status", job, "--runs", str(runs))
     assert code == 0 and "damaged_checkpoint" in out, out  # the table wraps the message itself
@@ -308,5 +310,5 @@ print("exit code", code)
     assert done.returncode == 0, (done.returncode, done.stderr)
     assert "requeuing from the last complete checkpoint" in done.stdout
     assert "relaytrain: requeued (scontrol requeue 41)" in done.stdout and "exit code 0" in done.stdout
-    state = RunStateFile(run_dir).read()
+    state = RunStateFile(RunDir(run_dir)).read().as_json()
     assert state is not None and state["requeued"] is True

@@ -108,6 +108,7 @@ def test_a_world_no_layout_fits_is_one_line_before_the_run_starts(tmp_path, tiny
 def test_in_a_slurm_job_a_world_no_layout_fits_is_recorded_and_not_requeued(tmp_path, tiny_args):
     from relaytrain.job import JobFacts
     from relaytrain.resilience.crash import classify
+    from relaytrain.resilience.run_state import RunState
 
     job = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}
     args = ["train", *tiny_args, *STEPS, "--run.name=nofit", "--parallel.dp_shard=2"]
@@ -120,7 +121,8 @@ def test_in_a_slurm_job_a_world_no_layout_fits_is_recorded_and_not_requeued(tmp_
     assert "no valid layout" in state["message"]
     assert state["requeue_pending"] is False and state["requeue_requested"] is False
     # torchrun exits 1 whatever its worker returned: the crash check must still not retry it
-    assert classify(state, JobFacts.from_env(job), 1)[0] is False
+    assert state["user_error"].startswith("no valid layout")  # the error the user must fix, as its own field
+    assert classify(RunState.from_json(state), JobFacts.from_env(job), 1)[0] is False
 
 
 def _record(kind: str, step: int, restart: int, t: float, **fields) -> str:
@@ -128,6 +130,7 @@ def _record(kind: str, step: int, restart: int, t: float, **fields) -> str:
 
 
 def test_status_and_report_show_the_node_count_of_each_run(tmp_path):
+    from relaytrain.job import RunDir
     from relaytrain.monitor.history import load_history
     from relaytrain.monitor.plots import _restarts_by_step
     from relaytrain.monitor.report import make_report
@@ -144,13 +147,13 @@ def test_status_and_report_show_the_node_count_of_each_run(tmp_path):
     lines += [_record("train", 5, 2, 21.0, loss=4.5)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
-    assert nodes_per_run(tmp_path, "7") == "2, 1, 2"
-    assert nodes_per_run(tmp_path, "8") == ""
-    history = load_history(tmp_path)
+    assert nodes_per_run(RunDir(tmp_path), "7") == "2, 1, 2"
+    assert nodes_per_run(RunDir(tmp_path), "8") == ""
+    history = load_history(RunDir(tmp_path))
     assert [seg.nodes for seg in history.segments] == [2, 1, 2]
     labels = [label for _, label in _restarts_by_step(history)]
     assert "resized 2 -> 1 nodes (4 -> 2 ranks)" in labels[0] and "resized" not in labels[1]
-    report = make_report(tmp_path).read_text()
+    report = make_report(RunDir(tmp_path)).read_text()
     assert "| nodes |" in report and "(resized 2 -> 1 nodes (4 -> 2 ranks))" in report
 
 

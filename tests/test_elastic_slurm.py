@@ -19,6 +19,7 @@ from e2e_slurm_jobs import (
     wait_step,
     write_config,
 )
+from relaytrain.job import RunDir
 from relaytrain.job.env import expand_nodelist
 from relaytrain.localcluster import cluster as local_cluster
 from relaytrain.slurm.jobs import nodes_per_run
@@ -107,7 +108,7 @@ def test_a_node_range_job_continues_in_place_on_fewer_nodes_then_grows_back(slur
     for r in train:
         assert r["tokens_seen"] == r["step"] * GLOBAL_BATCH * SEQ_LEN
     assert marker(run_dir)["status"] == "finished"
-    assert nodes_per_run(run_dir, job).startswith("2, 1, 2")
+    assert nodes_per_run(RunDir(run_dir), job).startswith("2, 1, 2")
     code, out = cli("status", str(run_dir))
     # the table wraps its nodes cell at 150 columns: "nsnode[1-2] (nodes per run:" / "2, 1, 2)"
     assert code == 0 and "nodes per run:" in out and "2, 1, 2" in out, out

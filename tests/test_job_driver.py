@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from relaytrain.job import RunDir
 from relaytrain.job.facts import STEP_RESTARTS_ENV
 from relaytrain.job.ports import choose_port, has_no_listener
 from relaytrain.resilience import job_driver
 from relaytrain.resilience.crash import CrashLog
 from relaytrain.resilience.job_driver import JobPlan, StepLaunch, requeue_state
 from relaytrain.resilience.job_step import SignalForwarder, exit_status
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.resilience.run_state import RunState, RunStateFile
 from relaytrain.resilience.step_decision import step_marker
 
 from conftest import child_env
@@ -46,8 +47,12 @@ def job(tmp_path, monkeypatch):
     return tmp_path
 
 
+def write_record(run_dir: Path, status: str, reason: str, step: int, **fields) -> None:
+    RunStateFile(RunDir(run_dir)).write(RunState.of(status, reason, step, **fields))
+
+
 def plan(run_dir: Path, snapshots: bool = False) -> JobPlan:
-    return JobPlan(str(run_dir), "", False, snapshots, ["python"], heartbeat_s=0)
+    return JobPlan(RunDir(run_dir), "", False, snapshots, ["python"], heartbeat_s=0)
 
 
 def test_a_restart_in_place_overlaps_once_and_narrows_the_step_to_the_nodes_left():
@@ -74,13 +79,15 @@ def test_only_a_listener_takes_a_port():
 
 
 def test_the_run_record_says_pending_and_asked(tmp_path):
-    assert requeue_state(str(tmp_path)) == (False, False)
-    RunStateFile(tmp_path).write("stopped", "time_budget", 5, requeue_requested=True, requeue_pending=True)
-    assert requeue_state(str(tmp_path)) == (True, True)
-    RunStateFile(tmp_path).write("stopped", "time_limit_signal", 7, requeued=True)
-    assert requeue_state(str(tmp_path)) == (False, True)
-    RunStateFile(tmp_path).write("finished", "", 9)
-    assert requeue_state(str(tmp_path)) == (False, False)
+    assert requeue_state(RunDir(tmp_path)) == (False, False)
+    RunStateFile(RunDir(tmp_path)).write(
+        RunState.of("stopped", "time_budget", 5, requeue_requested=True, requeue_pending=True)
+    )
+    assert requeue_state(RunDir(tmp_path)) == (True, True)
+    write_record(tmp_path, "stopped", "time_limit_signal", 7, requeued=True)
+    assert requeue_state(RunDir(tmp_path)) == (False, True)
+    write_record(tmp_path, "finished", "", 9)
+    assert requeue_state(RunDir(tmp_path)) == (False, False)
 
 
 def test_a_signal_that_came_between_steps_goes_to_the_next_step():
@@ -113,7 +120,9 @@ def test_a_crashed_step_restarts_in_place_then_the_job_frees_its_snapshots(job, 
 def test_a_requeued_job_keeps_its_snapshots(job):
     run_dir = job / "run"
     fake(job / "bin", "srun", '[[ $* == *snapshot* ]] && echo cleanup >> "$FAKE_LOG.cleanup"; exit 0\n')
-    RunStateFile(run_dir).write("stopped", "time_limit_signal", 5, requeue_requested=True, requeued=True)
+    RunStateFile(RunDir(run_dir)).write(
+        RunState.of("stopped", "time_limit_signal", 5, requeue_requested=True, requeued=True)
+    )
     launch = StepLaunch([], ["python", "t.py"], ["node1"], 1)
     assert job_driver.drive(plan(run_dir, snapshots=True), launch, SignalForwarder("")) == 0
     assert not (job / "fake.cleanup").exists()
@@ -126,7 +135,9 @@ def test_when_the_decision_fails_the_pending_requeue_is_still_done(job, monkeypa
     monkeypatch.setattr(job_driver, "after_step", broken)
     fake(job / "bin", "srun", "exit 75\n")
     run_dir = job / "run"
-    RunStateFile(run_dir).write("stopped", "time_budget", 5, requeue_requested=True, requeue_pending=True)
+    RunStateFile(RunDir(run_dir)).write(
+        RunState.of("stopped", "time_budget", 5, requeue_requested=True, requeue_pending=True)
+    )
     launch = StepLaunch([], ["python", "t.py"], ["node1"], 1)
     assert job_driver.drive(plan(run_dir), launch, SignalForwarder("")) == 75
     assert (job / "fake.requeue").read_text().splitlines() == ["requeue 123"]

@@ -17,6 +17,7 @@ import torch
 
 from relaytrain.config.schema import Config
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.monitor import mfu as mfu_mod
 from relaytrain.monitor import timer as timer_mod
 from relaytrain.monitor.logs import setup_logging
@@ -43,7 +44,7 @@ def _cfg(**metrics) -> Config:
 def _logger(cfg: Config, run_dir: Path, is_main: bool, world_size: int = 1, **kwargs) -> MetricsLogger:
     return MetricsLogger(
         cfg.metrics,
-        run_dir,
+        RunDir(run_dir),
         is_main,
         device=torch.device("cpu"),
         world_size=world_size,
@@ -338,7 +339,7 @@ def test_setup_logging_rank_files_and_console(tmp_path, capsys, restore_root_log
     log = logging.getLogger("relaytrain.test")
     plain = logging.StreamHandler(sys.stderr)  # what logging.basicConfig in a CLI installs
     logging.getLogger().addHandler(plain)
-    path = setup_logging(tmp_path, rank=3, local_rank=1, node="node2", rank_logs=True)
+    path = setup_logging(RunDir(tmp_path), rank=3, local_rank=1, node="node2", rank_logs=True)
     assert path == tmp_path / "logs" / "rank_3.log"
     assert plain not in logging.getLogger().handlers
     log.info("info from rank 3")
@@ -347,7 +348,9 @@ def test_setup_logging_rank_files_and_console(tmp_path, capsys, restore_root_log
     assert "info from rank 3" not in out.out + out.err
     assert "[rank 3 node2 local 1] WARNING relaytrain.test: warning from rank 3" in out.err
 
-    setup_logging(tmp_path, rank=0, local_rank=0, node="node1", rank_logs=True)  # replaces the handlers
+    setup_logging(
+        RunDir(tmp_path), rank=0, local_rank=0, node="node1", rank_logs=True
+    )  # replaces the handlers
     log.info("info from rank 0")
     out = capsys.readouterr()
     assert "[rank 0 node1 local 0] INFO relaytrain.test: info from rank 0" in out.out
@@ -356,7 +359,7 @@ def test_setup_logging_rank_files_and_console(tmp_path, capsys, restore_root_log
     line0 = (tmp_path / "logs" / "rank_0.log").read_text().strip()
     assert line0[:4].isdigit() and line0.endswith("info from rank 0")  # timestamp first
 
-    assert setup_logging(tmp_path / "nolog", 1, 1, "n", rank_logs=False) is None
+    assert setup_logging(RunDir(tmp_path / "nolog"), 1, 1, "n", rank_logs=False) is None
     assert not (tmp_path / "nolog").exists()
 
 
@@ -374,7 +377,7 @@ def test_profiler_writes_trace_and_summary(tmp_path, caplog):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    prof = StepProfiler(_profile_cfg([2, 4]).metrics, tmp_path, rank=0, device=torch.device("cpu"))
+    prof = StepProfiler(_profile_cfg([2, 4]).metrics, RunDir(tmp_path), rank=0, device=torch.device("cpu"))
     caplog.set_level(logging.INFO, logger="relaytrain.monitor.profiler")
     prof.step(0)  # before the loop: the job starts from step 0
     for step in range(1, 6):
@@ -393,8 +396,8 @@ def test_profiler_writes_trace_and_summary(tmp_path, caplog):
     assert "profile of 2 steps" in caplog.text and "compute" in caplog.text
 
     with pytest.raises(UserError, match="profile_steps"):
-        StepProfiler(_profile_cfg([5, 5]).metrics, tmp_path, 0, torch.device("cpu"))
-    idle = StepProfiler(_profile_cfg([]).metrics, tmp_path / "idle", 0, torch.device("cpu"))
+        StepProfiler(_profile_cfg([5, 5]).metrics, RunDir(tmp_path), 0, torch.device("cpu"))
+    idle = StepProfiler(_profile_cfg([]).metrics, RunDir(tmp_path / "idle"), 0, torch.device("cpu"))
     idle.step(1)
     idle.close()
     assert not (tmp_path / "idle").exists()
@@ -406,7 +409,9 @@ def test_profiler_counts_collectives_and_closes_early(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         layer = torch.nn.Linear(16, 16)
-        prof = StepProfiler(_profile_cfg([1, 10]).metrics, tmp_path, rank=0, device=torch.device("cpu"))
+        prof = StepProfiler(
+            _profile_cfg([1, 10]).metrics, RunDir(tmp_path), rank=0, device=torch.device("cpu")
+        )
         prof.step(0)
         for step in (1, 2):
             layer(torch.randn(4, 16)).sum().backward()

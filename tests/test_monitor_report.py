@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.monitor.commands import register
 from relaytrain.monitor.gpu_monitor import COLUMNS
 from relaytrain.monitor.history import load_history
@@ -124,7 +125,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 def test_history_stitches_requeued_jobs(tmp_path):
     write_synthetic_run(tmp_path / "run")
-    history = load_history(tmp_path / "run")
+    history = load_history(RunDir(tmp_path / "run"))
     assert [s.job_id for s in history.segments] == ["1001", "1002", "1003"]
     assert history.skipped_lines == 1
     steps = [r["step"] for r in history.train]
@@ -165,18 +166,18 @@ def test_report_writes_plots_and_summary(tmp_path):
 def test_report_out_dir_and_missing_metrics(tmp_path):
     run = tmp_path / "run"
     write_synthetic_run(run)
-    report = make_report(run, tmp_path / "elsewhere")
+    report = make_report(RunDir(run), tmp_path / "elsewhere")
     assert report == tmp_path / "elsewhere" / "report.md" and (tmp_path / "elsewhere" / "loss.png").exists()
 
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(UserError, match="no metrics file"):
-        make_report(empty)
+        make_report(RunDir(empty))
     (empty / "metrics.jsonl").write_text("")
     with pytest.raises(UserError, match="no metric records"):
-        make_report(empty)
+        make_report(RunDir(empty))
     with pytest.raises(UserError, match="does not exist"):
-        make_report(tmp_path / "nope")
+        make_report(RunDir(tmp_path / "nope"))
 
 
 def _write(run_dir: Path, recs: list[dict]) -> None:
@@ -192,10 +193,10 @@ def test_a_run_trained_further_after_it_finished_is_no_restart(tmp_path):
     recs += [_train(step, 90000.0 + step, None, 0) for step in range(60, 101, 10)]
     recs += [_event("finished", 100, 90101.0, None, 0)]
     _write(tmp_path / "run", recs)
-    history = load_history(tmp_path / "run")
+    history = load_history(RunDir(tmp_path / "run"))
     assert len(history.segments) == 2 and history.segments[1].extends_finished
     assert history.restarts == 0 and history.lost_time() == (0.0, 0)
-    md = make_report(tmp_path / "run").read_text()
+    md = make_report(RunDir(tmp_path / "run")).read_text()
     assert "| restarts | 0 |" in md and "| extended after finishing | 1 |" in md
     assert "| time lost to restarts | 0m 00s (0 steps recomputed) |" in md
     assert "50 (extended: train.max_steps raised) |" in md

@@ -16,6 +16,7 @@ import pytest
 import test_slurm_script
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.resilience import step_end
 from relaytrain.slurm.launch import LaunchRequest, launch
 from test_slurm_script import SHELLCHECK, dry, fake, quiet, run_script
@@ -112,7 +113,7 @@ def scontrol_calls(tmp: Path) -> list[str]:
 
 def after_step(exit_code: int, run_dir: Path, **resilience) -> step_end.Decision:
     """The batch script's end-of-step decision for a --command program."""
-    return step_end.end_step(run_dir, exit_code, ResilienceConfig(**resilience), program=True)
+    return step_end.end_step(RunDir(run_dir), exit_code, ResilienceConfig(**resilience), program=True)
 
 
 def test_an_unrecorded_exit_75_requeues_the_array_task_with_reason_program_exit(job_env):
@@ -125,7 +126,7 @@ def test_an_unrecorded_exit_75_requeues_the_array_task_with_reason_program_exit(
     assert event["event"] == "stop" and event["reason"] == "program_exit" and event["job_id"] == "41"
     from relaytrain.slurm.jobs import last_step
 
-    assert last_step(job_env) is None  # the batch script does not know the program's step
+    assert last_step(RunDir(job_env)) is None  # the batch script does not know the program's step
 
 
 def test_exit_75_is_capped_by_max_requeues(job_env, monkeypatch):
@@ -248,9 +249,9 @@ def test_two_torchrun_ranks_stop_at_the_same_step_when_only_one_got_the_signal(t
 def test_status_takes_a_foreign_runs_last_step_from_run_state(tmp_path):
     from relaytrain.slurm.jobs import last_step
 
-    assert last_step(tmp_path) is None
+    assert last_step(RunDir(tmp_path)) is None
     (tmp_path / "run_state.json").write_text(json.dumps({"status": "stopped", "step": 17}))
-    assert last_step(tmp_path) == 17
+    assert last_step(RunDir(tmp_path)) == 17
 
 
 # -- docs/programs.md "Under torchrun", run as written ----------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from relaytrain.config.loader import load_config
 from relaytrain.errors import ConfigError
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience import (
     EXIT_DEADLINE,
     EXIT_DOUBLE_INTERRUPT,
@@ -37,6 +37,7 @@ from relaytrain.resilience import (
     mark_running,
 )
 from relaytrain.resilience.early_signals import capture_early_signals
+from relaytrain.resilience.run_state import RunState
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = Path(__file__).with_name("resilience_cases.py")
@@ -119,9 +120,9 @@ def test_time_budget_stop_requeues_array_task(tmp_path, fake_slurm, monkeypatch)
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     cfg = cfg_for(tmp_path)
-    assert handle_stop(cfg.resilience, tmp_path, S.TIME_BUDGET, 40, rank=0) == EXIT_RESUME
+    assert handle_stop(cfg.resilience, RunDir(tmp_path), S.TIME_BUDGET, 40, rank=0) == EXIT_RESUME
     assert fake_slurm() == ["requeue 100_7"]
-    state = RunStateFile(tmp_path).read()
+    state = RunStateFile(RunDir(tmp_path)).read().as_json()
     assert state["status"] == "stopped" and state["reason"] == "time_budget" and state["step"] == 40
     assert state["requeue_requested"] and state["requeued"] and not state["requeue_pending"]
     assert (state["job_id"], state["restart_count"], state["saved"]) == ("107", 2, True)
@@ -129,20 +130,23 @@ def test_time_budget_stop_requeues_array_task(tmp_path, fake_slurm, monkeypatch)
 
 def test_other_ranks_only_get_the_exit_code(tmp_path, fake_slurm, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "5")
-    assert handle_stop(cfg_for(tmp_path).resilience, tmp_path, S.TIME_LIMIT_SIGNAL, 9, rank=1) == EXIT_RESUME
-    assert fake_slurm() == [] and RunStateFile(tmp_path).read() is None
+    assert (
+        handle_stop(cfg_for(tmp_path).resilience, RunDir(tmp_path), S.TIME_LIMIT_SIGNAL, 9, rank=1)
+        == EXIT_RESUME
+    )
+    assert fake_slurm() == [] and RunStateFile(RunDir(tmp_path)).read() is None
 
 
 def test_preemption_requeues_but_scancel_does_not(tmp_path, fake_slurm, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "8")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "50")  # over max_requeues: preemption is not capped
     cfg = cfg_for(tmp_path)
-    assert handle_stop(cfg.resilience, tmp_path, S.PREEMPTION, 3, rank=0) == EXIT_RESUME
+    assert handle_stop(cfg.resilience, RunDir(tmp_path), S.PREEMPTION, 3, rank=0) == EXIT_RESUME
     assert fake_slurm() == ["show job -o 8", "requeue 8"]
     monkeypatch.setenv("FAKE_JOB_STATE", "CANCELLED")
-    assert handle_stop(cfg.resilience, tmp_path, S.PREEMPTION, 4, rank=0) == EXIT_RESUME
+    assert handle_stop(cfg.resilience, RunDir(tmp_path), S.PREEMPTION, 4, rank=0) == EXIT_RESUME
     assert fake_slurm()[2:] == ["show job -o 8"]
-    state = RunStateFile(tmp_path).read()
+    state = RunStateFile(RunDir(tmp_path)).read().as_json()
     assert state["reason"] == "cancelled" and not state["requeue_requested"]
 
 
@@ -150,35 +154,35 @@ def test_time_limit_cap_and_errors_do_not_requeue(tmp_path, fake_slurm, monkeypa
     monkeypatch.setenv("SLURM_JOB_ID", "9")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "20")
     cfg = cfg_for(tmp_path)  # max_requeues defaults to 20
-    assert handle_stop(cfg.resilience, tmp_path, S.TIME_LIMIT_SIGNAL, 5, rank=0) == EXIT_RESUME
+    assert handle_stop(cfg.resilience, RunDir(tmp_path), S.TIME_LIMIT_SIGNAL, 5, rank=0) == EXIT_RESUME
     assert fake_slurm() == ["show job -o 9"]  # only the scancel check, no requeue
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
-    assert handle_stop(cfg.resilience, tmp_path, S.NAN, 6, rank=0) == EXIT_NONFINITE
-    assert RunStateFile(tmp_path).read()["status"] == "failed"
-    assert handle_stop(cfg.resilience, tmp_path, S.STOP_AT_STEP, 7, rank=0) == 0
+    assert handle_stop(cfg.resilience, RunDir(tmp_path), S.NAN, 6, rank=0) == EXIT_NONFINITE
+    assert RunStateFile(RunDir(tmp_path)).read().status == "failed"
+    assert handle_stop(cfg.resilience, RunDir(tmp_path), S.STOP_AT_STEP, 7, rank=0) == 0
     off = cfg_for(tmp_path, "--resilience.requeue=false").resilience
-    assert handle_stop(off, tmp_path, S.TIME_BUDGET, 8, rank=0) == EXIT_RESUME
+    assert handle_stop(off, RunDir(tmp_path), S.TIME_BUDGET, 8, rank=0) == EXIT_RESUME
     assert fake_slurm() == ["show job -o 9"]
 
 
 def test_no_requeue_outside_slurm(tmp_path, fake_slurm):
-    assert handle_stop(cfg_for(tmp_path).resilience, tmp_path, S.SIGNAL, 3, rank=0) == EXIT_RESUME
-    assert fake_slurm() == [] and RunStateFile(tmp_path).read()["status"] == "stopped"
+    assert handle_stop(cfg_for(tmp_path).resilience, RunDir(tmp_path), S.SIGNAL, 3, rank=0) == EXIT_RESUME
+    assert fake_slurm() == [] and RunStateFile(RunDir(tmp_path)).read().status == "stopped"
 
 
 def test_missing_or_failing_scontrol_leaves_requeue_pending(tmp_path, fake_slurm, monkeypatch, caplog):
     monkeypatch.setenv("SLURM_JOB_ID", "11")
     monkeypatch.setenv("FAKE_REQUEUE_RC", "1")
     cfg = cfg_for(tmp_path)
-    handle_stop(cfg.resilience, tmp_path, S.TIME_BUDGET, 12, rank=0)
+    handle_stop(cfg.resilience, RunDir(tmp_path), S.TIME_BUDGET, 12, rank=0)
     assert fake_slurm() == ["requeue 11"]
-    state = RunStateFile(tmp_path).read()
+    state = RunStateFile(RunDir(tmp_path)).read().as_json()
     assert state["requeue_pending"] and not state["requeued"]
     monkeypatch.setenv("PATH", "/nonexistent")  # inside a container: no scontrol at all
     with caplog.at_level("WARNING"):
-        handle_stop(cfg.resilience, tmp_path, S.TIME_BUDGET, 13, rank=0)
+        handle_stop(cfg.resilience, RunDir(tmp_path), S.TIME_BUDGET, 13, rank=0)
     assert "scontrol is not on PATH" in caplog.text
-    assert RunStateFile(tmp_path).read()["requeue_pending"]
+    assert RunStateFile(RunDir(tmp_path)).read().requeue_pending
 
 
 def _doc_snippet(marker: str) -> str:
@@ -196,7 +200,9 @@ def test_batch_script_fallback_snippet_from_docs(tmp_path, fake_slurm, monkeypat
     monkeypatch.setenv(
         "FAKE_REQUEUE_RC", "1"
     )  # scontrol fails inside the "container": the marker says pending
-    handle_stop(cfg_for(tmp_path).resilience, tmp_path, S.TIME_BUDGET if pending else S.NAN, 5, rank=0)
+    handle_stop(
+        cfg_for(tmp_path).resilience, RunDir(tmp_path), S.TIME_BUDGET if pending else S.NAN, 5, rank=0
+    )
     monkeypatch.setenv("FAKE_REQUEUE_RC", "0")
     script = f"run_dir={tmp_path}\nstep_end_done=false\n" + _doc_snippet("requeue-fallback")
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=os.environ)
@@ -209,18 +215,18 @@ def test_run_state_markers(tmp_path, fake_slurm, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "3")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     cfg = cfg_for(tmp_path, "--train.max_steps=40")
-    mark_running(cfg.train.max_steps, tmp_path, rank=1, step=0)
-    assert RunStateFile(tmp_path).read() is None
-    mark_running(cfg.train.max_steps, tmp_path, rank=0, step=10)
-    assert RunStateFile(tmp_path).read()["status"] == "running"
-    assert finished_message(cfg.train.max_steps, tmp_path) is None
-    mark_finished(tmp_path, rank=0, step=40)
+    mark_running(cfg.train.max_steps, RunDir(tmp_path), rank=1, step=0)
+    assert RunStateFile(RunDir(tmp_path)).read() is None
+    mark_running(cfg.train.max_steps, RunDir(tmp_path), rank=0, step=10)
+    assert RunStateFile(RunDir(tmp_path)).read().status == "running"
+    assert finished_message(cfg.train.max_steps, RunDir(tmp_path)) is None
+    mark_finished(RunDir(tmp_path), rank=0, step=40)
     text = (tmp_path / "run_state.json").read_text()
     assert '"status": "finished"' in text and '"requeue_pending": false' in text  # one key per line
-    assert "already finished at step 40" in finished_message(cfg.train.max_steps, tmp_path)
-    assert finished_message(80, tmp_path) is None
+    assert "already finished at step 40" in finished_message(cfg.train.max_steps, RunDir(tmp_path))
+    assert finished_message(80, RunDir(tmp_path)) is None
     with pytest.raises(ValueError):
-        RunStateFile(tmp_path).write("done", "", 1)
+        RunStateFile(RunDir(tmp_path)).write(RunState.of("done", "", 1))
 
 
 # -- the job's end time and the time budget -------------------------------------------------------
@@ -254,7 +260,9 @@ def controller(tmp_path, monkeypatch, end_in_s: float | None, *overrides: str, s
     if slurm:
         monkeypatch.setenv("SLURM_JOB_ID", "1234")
     cfg = cfg_for(tmp_path, *overrides)
-    return ShutdownController(cfg.resilience, rank=0, device=torch.device("cpu"), run_dir=tmp_path / "run")
+    return ShutdownController(
+        cfg.resilience, rank=0, device=torch.device("cpu"), run=RunDir(tmp_path / "run")
+    )
 
 
 def test_time_budget_stops_before_the_signal(tmp_path, fake_slurm, monkeypatch):
@@ -317,7 +325,7 @@ def test_a_slurm_signal_the_job_did_not_ask_for_is_not_the_time_limit(
 def test_ctrl_c_stop_exits_130_not_the_requeue_code(tmp_path):
     # 75 asks a batch script to requeue; a Ctrl-C on a laptop is the user's stop (saved, not requeued).
     assert exit_code_for(S.USER_INTERRUPT) == 130
-    assert handle_stop(cfg_for(tmp_path).resilience, tmp_path, S.USER_INTERRUPT, 3, rank=0) == 130
+    assert handle_stop(cfg_for(tmp_path).resilience, RunDir(tmp_path), S.USER_INTERRUPT, 3, rank=0) == 130
     state = json.loads((tmp_path / "run_state.json").read_text())
     assert (state["reason"], state["exit_code"], state["requeue_requested"]) == ("user_interrupt", 130, False)
     assert exit_code_for(S.SIGNAL) == EXIT_RESUME
@@ -392,7 +400,7 @@ def test_concurrent_marker_writes_do_not_collide(tmp_path):
     def write(status: str) -> None:
         try:
             for step in range(200):
-                RunStateFile(tmp_path).write(status, "", step)
+                RunStateFile(RunDir(tmp_path)).write(RunState.of(status, "", step))
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             errors.append(exc)
 
@@ -402,7 +410,7 @@ def test_concurrent_marker_writes_do_not_collide(tmp_path):
     for thread in threads:
         thread.join()
     assert not errors
-    assert RunStateFile(tmp_path).read()["step"] == 199
+    assert RunStateFile(RunDir(tmp_path)).read().step == 199
 
 
 def test_config_checks(tmp_path):

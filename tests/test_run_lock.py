@@ -21,7 +21,7 @@ from relaytrain.errors import UserError
 from relaytrain.job import RunDir
 from relaytrain.resilience import crash, step_end
 from relaytrain.resilience.run_lock import Holder, RunLock, process_start
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.resilience.run_state import RunState, RunStateFile
 from relaytrain.slurm.submit import read_jobs
 from test_slurm_script import fake
 from tiny_config import TINY_TOML
@@ -61,8 +61,8 @@ def squeue_says(tmp_path: Path, monkeypatch, output: str) -> None:
 
 
 def test_take_and_release(tmp_path, no_job):
-    lock = RunLock(tmp_path / "run").acquire("relaytrain train")
-    holder, alive, why = RunLock(tmp_path / "run").current_holder()
+    lock = RunLock(RunDir(tmp_path / "run")).acquire("relaytrain train")
+    holder, alive, why = RunLock(RunDir(tmp_path / "run")).current_holder()
     assert holder.pid == os.getpid() and holder.host == socket.gethostname() and holder.pid_start
     assert (alive, why) == (False, "held by this process")  # the same process may take it again
     lock.release()
@@ -74,7 +74,7 @@ def test_a_live_holder_on_this_host_is_refused_by_name(tmp_path, no_job, sleeper
     run_dir = tmp_path / "run"
     write_lock(run_dir, pid=sleeper.pid, pid_start=process_start(sleeper.pid))
     with pytest.raises(UserError) as refused:
-        RunLock(run_dir).acquire("relaytrain train")
+        RunLock(RunDir(run_dir)).acquire("relaytrain train")
     message = str(refused.value)
     assert f"is in use by relaytrain train (pid {sleeper.pid} on {socket.gethostname()} since " in message
     assert "; its process is running): wait for it to end, or choose another --run.name" in message
@@ -91,7 +91,7 @@ def test_a_dead_or_recycled_holder_is_taken_over_with_one_log_line(tmp_path, no_
         pid, start = sleeper.pid, process_start(sleeper.pid).split(":")[0] + ":1"
     write_lock(run_dir, pid=pid, pid_start=start)
     with caplog.at_level(logging.WARNING, logger="relaytrain.resilience.run_lock"):
-        lock = RunLock(run_dir).acquire("relaytrain train")
+        lock = RunLock(RunDir(run_dir)).acquire("relaytrain train")
     assert lock.holder.pid == os.getpid()
     assert json.loads(RunDir(run_dir).lock.read_text())["token"] == lock.holder.token
     lines = [r.getMessage() for r in caplog.records]
@@ -104,9 +104,9 @@ def test_a_slurm_holder_is_alive_while_its_job_may_run(tmp_path, no_job, monkeyp
     write_lock(run_dir, job_id="777", pid=1, host="node9")
     squeue_says(tmp_path, monkeypatch, "777 PENDING\\n")
     with pytest.raises(UserError, match=r"in use by job 777 .*the job is PENDING.*relaytrain cancel 777"):
-        RunLock(run_dir).acquire("relaytrain train")
+        RunLock(RunDir(run_dir)).acquire("relaytrain train")
     squeue_says(tmp_path, monkeypatch, "")  # ended and gone from the queue
-    RunLock(run_dir).acquire("relaytrain train").release()
+    RunLock(RunDir(run_dir)).acquire("relaytrain train").release()
     assert "-j 777 -o %i %T" in (tmp_path / "squeue.calls").read_text()
 
 
@@ -116,7 +116,7 @@ def test_a_requeued_job_takes_over_its_own_earlier_runs_lock(tmp_path, no_job, m
     squeue_says(tmp_path, monkeypatch, "777 RUNNING\\n")
     monkeypatch.setenv("SLURM_JOB_ID", "777")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    lock = RunLock(run_dir).acquire("relaytrain train")
+    lock = RunLock(RunDir(run_dir)).acquire("relaytrain train")
     assert lock.holder.job_id == "777" and lock.holder.restart_count == 1
     assert not (tmp_path / "squeue.calls").exists()  # its own job: no need to ask Slurm
     lock.release()
@@ -127,11 +127,11 @@ def test_a_holder_elsewhere_that_slurm_cannot_vouch_for_counts_as_alive(tmp_path
     write_lock(run_dir, job_id="777", pid=1, host="node9")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no squeue here
     with pytest.raises(UserError, match="Slurm cannot be asked"):
-        RunLock(run_dir).acquire("relaytrain train")
+        RunLock(RunDir(run_dir)).acquire("relaytrain train")
 
 
 def test_release_leaves_a_lock_another_start_took_over(tmp_path, no_job):
-    lock = RunLock(tmp_path / "run").acquire("relaytrain train")
+    lock = RunLock(RunDir(tmp_path / "run")).acquire("relaytrain train")
     other = write_lock(tmp_path / "run", pid=1, pid_start="x:1")
     lock.release()
     assert json.loads(RunDir(tmp_path / "run").lock.read_text())["token"] == other.token
@@ -139,14 +139,14 @@ def test_release_leaves_a_lock_another_start_took_over(tmp_path, no_job):
 
 def test_the_crash_check_leaves_a_run_directory_it_was_refused(tmp_path):
     run_dir = tmp_path / "run"
-    RunStateFile(run_dir).write("running", "", 5, job_id="100", restart_count=0)
+    RunStateFile(RunDir(run_dir)).write(RunState.of("running", "", 5, job_id="100", restart_count=0))
     before = (run_dir / "run_state.json").read_text()
     log_tail = (
         "[relaytrain 2026-11-24T00:00:00] job 200: restart count 0, 1 node(s)\n"
         f"relaytrain: error: the run directory {run_dir} is in use by job 100 (...): wait for it to end\n"
     )
     env = {"SLURM_JOB_ID": "200"}
-    decision = step_end.end_step(run_dir, 1, ResilienceConfig(), job_log_tail=log_tail, env=env)
+    decision = step_end.end_step(RunDir(run_dir), 1, ResilienceConfig(), job_log_tail=log_tail, env=env)
     assert decision.action is step_end.Action.FAIL and "in use by another run" in decision.reason
     assert (run_dir / "run_state.json").read_text() == before
     assert not (run_dir / crash.CRASH_LOG_FILE).exists()

@@ -31,7 +31,7 @@ RIVAL_WAIT_S = 2.0  # how long the paused start lets its rival run (a right lock
 def _race(run_dir: str, go, done, results, answered=None) -> None:
     go.wait()
     try:
-        lock = RunLock(run_dir).acquire("relaytrain train")
+        lock = RunLock(RunDir(Path(run_dir))).acquire("relaytrain train")
         results.put(("won", os.getpid()))
         if answered is not None:
             answered.set()
@@ -198,7 +198,7 @@ def test_a_link_whose_reply_was_lost_is_ours_by_its_link_count(tmp_path, no_job,
             raise FileExistsError(errno.EEXIST, "File exists", os.fspath(dst))
 
     monkeypatch.setattr(os, "link", link_with_a_lost_reply)
-    lock = RunLock(tmp_path / "run").acquire("relaytrain train")
+    lock = RunLock(RunDir(tmp_path / "run")).acquire("relaytrain train")
     assert len(lost) == 1  # taken at the first try, not by taking over its own lock
     assert json.loads(RunDir(tmp_path / "run").lock.read_text())["token"] == lock.holder.token
     lock.release()
@@ -208,7 +208,7 @@ def test_a_link_whose_reply_was_lost_is_ours_by_its_link_count(tmp_path, no_job,
 def test_a_link_refused_because_another_holds_the_lock_is_not_ours(tmp_path, no_job, sleeper):  # noqa: F811
     other = write_lock(tmp_path / "run", pid=sleeper.pid, pid_start=process_start(sleeper.pid))
     with pytest.raises(UserError, match=f"in use by relaytrain train \\(pid {sleeper.pid} "):
-        RunLock(tmp_path / "run").acquire("relaytrain train")
+        RunLock(RunDir(tmp_path / "run")).acquire("relaytrain train")
     assert json.loads(RunDir(tmp_path / "run").lock.read_text())["token"] == other.token
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["run.lock"]
 

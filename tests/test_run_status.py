@@ -11,6 +11,7 @@ import pytest
 import test_slurm_script
 from relaytrain.cli import main
 from relaytrain.errors import UserError
+from relaytrain.job import RunDir
 from relaytrain.monitor import plots
 from relaytrain.monitor.history import load_history
 from relaytrain.monitor.report import make_report
@@ -80,7 +81,7 @@ def test_status_after_a_dry_run_says_no_job_was_submitted(work, capsys):
 def test_report_of_a_file_says_it_is_not_a_run_directory(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(UserError, match=r"afile is not a run directory \(a file\)"):
-        make_report(tmp_path / "afile")
+        make_report(RunDir(tmp_path / "afile"))
 
 
 def test_a_missing_resume_path_is_refused_with_the_config(tmp_path, work, capsys):
@@ -106,7 +107,7 @@ def test_the_stops_table_fills_saved_and_exit_code_for_the_trainers_own_stops(tm
     )
     done = run_cli(["train", str(config)], tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    md = make_report(tmp_path / "runs" / "s").read_text()
+    md = make_report(RunDir(tmp_path / "runs" / "s")).read_text()
     (row,) = [line for line in md.splitlines() if line.startswith("| local | 3 | stop |")]
     assert row == "| local | 3 | stop | stop_at_step | True |  | 0 |", row
 
@@ -132,7 +133,7 @@ def test_one_device_throughput_is_one_visible_line_and_cpu_mfu_is_marked_an_esti
 
     monkeypatch.setattr(plots, "_save", keep)
     _one_device_cpu_run(tmp_path / "run")
-    plots.plot_all(load_history(tmp_path / "run"), {}, "run", tmp_path / "out")
+    plots.plot_all(load_history(RunDir(tmp_path / "run")), {}, "run", tmp_path / "out")
     title, _, labels = drawn["throughput.png"]
     assert [label for label in labels if label.startswith("tokens/s")] == [
         "tokens/s (one device: all devices = per device)"

@@ -12,10 +12,10 @@ import pytest
 
 import test_slurm_script
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience import requeue, step_end
 from relaytrain.resilience.crash import CrashLog
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.resilience.run_state import RunState, RunStateFile
 from relaytrain.resilience.step_end import Action, RunFacts, decide
 from test_slurm_script import dry, fake, run_script
 
@@ -29,15 +29,17 @@ USER_ERR = "UserError('checkpoint save of step 20 failed: no space')"
 BUSY = "relaytrain: error: the run directory runs/x is in use by job 7 (...): wait for it to end\n"
 
 
-def st(status: str, reason: str = "", job_id: str = "41", restart: int = 2, **extra) -> dict:
-    return {
-        "status": status,
-        "reason": reason,
-        "step": 12,
-        "job_id": job_id,
-        "restart_count": restart,
-        **extra,
-    }
+def st(status: str, reason: str = "", job_id: str = "41", restart: int = 2, **extra) -> RunState:
+    return RunState.from_json(
+        {
+            "status": status,
+            "reason": reason,
+            "step": 12,
+            "job_id": job_id,
+            "restart_count": restart,
+            **extra,
+        }
+    )
 
 
 FIN, REQ, FAIL = Action.FINISHED, Action.REQUEUE, Action.FAIL
@@ -102,12 +104,12 @@ def test_performing_a_pending_requeue_keeps_the_record_and_says_requeued(tmp_pat
 
     monkeypatch.setattr(requeue, "scontrol_requeue", fake_requeue)
     marker = st("stopped", "time_budget", requeue_requested=True, requeue_pending=True, saved=True)
-    RunStateFile(tmp_path).write(**marker)
-    before = RunStateFile(tmp_path).read()
+    RunStateFile(RunDir(tmp_path)).write(marker)
+    before = RunStateFile(RunDir(tmp_path)).read().as_json()
     env = {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2"}
-    decision = step_end.end_step(tmp_path, 143, ResilienceConfig(), env=env)
+    decision = step_end.end_step(RunDir(tmp_path), 143, ResilienceConfig(), env=env)
     assert decision.action is Action.REQUEUE and calls == ["41"]
-    after = RunStateFile(tmp_path).read()
+    after = RunStateFile(RunDir(tmp_path)).read().as_json()
     assert after["requeued"] and not after["requeue_pending"] and after["saved"]
     assert {k: after[k] for k in ("time", "host", "step", "reason")} == {
         k: before[k] for k in ("time", "host", "step", "reason")
@@ -116,7 +118,7 @@ def test_performing_a_pending_requeue_keeps_the_record_and_says_requeued(tmp_pat
         "relaytrain: the run asked for a requeue it could not do: scontrol requeue 41"
         in capsys.readouterr().out
     )
-    assert not CrashLog(tmp_path).entries()
+    assert not CrashLog(RunDir(tmp_path)).entries()
 
 
 def test_program_after_step_is_the_same_decision(tmp_path):
@@ -125,7 +127,7 @@ def test_program_after_step_is_the_same_decision(tmp_path):
     command = [sys.executable, "-m", "relaytrain.program", "after-step", "75", "--run-dir", str(tmp_path)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "relaytrain: exit 75: requeue refused" in done.stdout, done.stderr
-    assert RunStateFile(tmp_path).read()["reason"] == "program_exit"
+    assert RunStateFile(RunDir(tmp_path)).read().reason == "program_exit"
     (event,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert (event["event"], event["reason"], event["requeue_requested"]) == ("stop", "program_exit", False)
 
@@ -146,4 +148,4 @@ def test_the_batch_script_requeues_a_crashed_step_through_the_one_call(work):
     assert "relaytrain: requeued (scontrol requeue 123)" in result.stdout
     assert "the run asked for a requeue it could not do" not in result.stdout  # requeued once
     assert (work / "fake.requeue").read_text().splitlines() == ["requeue 123"]
-    assert RunStateFile(work / "runs/debug").read()["requeued"] is True
+    assert RunStateFile(RunDir(work / "runs/debug")).read().requeued is True

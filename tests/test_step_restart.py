@@ -12,10 +12,10 @@ import pytest
 import test_slurm_script
 from relaytrain import program
 from relaytrain.config.schema import ResilienceConfig, SlurmConfig
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience import step_end
 from relaytrain.resilience.crash import CrashLog
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.resilience.run_state import RunState, RunStateFile
 from relaytrain.resilience.step_end import Action, Restartable, RunFacts, decide
 from relaytrain.resilience.step_restart import StepFacts
 from relaytrain.slurm.script import keeps_job_on_node_failure
@@ -38,7 +38,7 @@ def running(job: JobFacts = JOB) -> dict:
 def after(code, state, *, job=JOB, restarts=0, crashes=0, step=None, usable=None, min_nodes=1, program=False,
           **resilience):  # fmt: skip
     step = step or StepFacts(can_restart=True, seconds=120.0, nodes=("n1",), started=job.wrote(state))
-    facts = RunFacts(state, crashes, "", restarts)
+    facts = RunFacts(None if state is None else RunState.from_json(state), crashes, "", restarts)
     return decide(code, facts, ResilienceConfig(**resilience), job, program=program,
                   restartable=Restartable(step, min_nodes, usable))  # fmt: skip
 
@@ -108,10 +108,10 @@ def test_performing_a_restart_writes_the_file_the_event_and_the_crash_line(tmp_p
     env = JOB_ENV
     for key, value in env.items():
         monkeypatch.setenv(key, value)  # the metrics record's job identity
-    RunStateFile(tmp_path).write(**running())
+    RunStateFile(RunDir(tmp_path)).write(RunState.of(**running()))
     restart_file = tmp_path / "restart.txt"
     step = StepFacts(can_restart=True, seconds=60.0, nodes=("n1",))
-    decision = step_end.end_step(tmp_path, 137, ResilienceConfig(), env=env, step=step,
+    decision = step_end.end_step(RunDir(tmp_path), 137, ResilienceConfig(), env=env, step=step,
                                  restart_file=str(restart_file))  # fmt: skip
     assert decision.action is Action.RESTART
     assert restart_file.read_text() == "\n"  # the same nodes
@@ -122,9 +122,12 @@ def test_performing_a_restart_writes_the_file_the_event_and_the_crash_line(tmp_p
         "SIGKILL",
         "41",
     )
-    (line,) = CrashLog(tmp_path).entries()
+    (line,) = CrashLog(RunDir(tmp_path)).entries()
     assert (line["action"], line["step_restart"]) == ("restart", 1)
-    assert CrashLog(tmp_path).count("41", restarts=True) == 1 and CrashLog(tmp_path).count("41") == 0
+    assert (
+        CrashLog(RunDir(tmp_path)).count("41", restarts=True) == 1
+        and CrashLog(RunDir(tmp_path)).count("41") == 0
+    )
 
 
 def test_no_kill_is_on_for_node_ranges_and_where_the_config_says():
@@ -151,7 +154,7 @@ def test_the_batch_script_starts_a_crashed_step_again_with_a_fresh_port(work):
     assert "--overlap" in second and "--overlap" not in first
     assert "restarting the job step in place" in result.stdout
     assert "job step of restart count 0, step restart 1: on node1" in result.stdout
-    (line,) = CrashLog(work / "runs/debug").entries()
+    (line,) = CrashLog(RunDir(work / "runs/debug")).entries()
     assert line["action"] == "restart"
 
 

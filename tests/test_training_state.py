@@ -16,6 +16,7 @@ from relaytrain.checkpoint.snapshot import store
 from relaytrain.checkpoint.snapshot.format import decode
 from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.config.schema import ModelConfig
+from relaytrain.job import RunDir
 from relaytrain.model import Transformer
 
 SMALL = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
@@ -55,7 +56,7 @@ def build(tmp_path: Path, seed: int):
     training = TrainingState([model], [opt])
     training.register("counter", counter)  # the one change that adds the component to every path
     record = RunRecord("run", config_to_toml(cfg), config_hash(cfg), cfg.model, "byte")
-    front = Persistence(cfg.checkpoint, tmp_path / "run", record, training, rank=0, world_size=1,
+    front = Persistence(cfg.checkpoint, RunDir(tmp_path / "run"), record, training, rank=0, world_size=1,
                         parallel_dims={})  # fmt: skip
     return front, model, opt, counter
 

@@ -256,11 +256,12 @@ class RunFiles:
         return build_history(self.records())
 
     def state(self) -> dict[str, Any]:
-        """The last run_state.json, {} when there is none yet."""
-        return RunStateFile(self.path).read() or {}
+        """The last run_state.json as its JSON object, {} when there is none yet (or it is damaged)."""
+        record = RunStateFile(self.dir).read()
+        return record.as_json() if record is not None else {}
 
     def crashes(self) -> list[dict[str, Any]]:
-        return CrashLog(self.path).entries()
+        return CrashLog(self.dir).entries()
 
     def job_log(self) -> str:
         """Every batch job's output, in job id order."""

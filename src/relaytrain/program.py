@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from relaytrain.job import JobFacts
-from relaytrain.job.rundir import RunDir, metrics_record
+from relaytrain.job.jsonl import append_event
+from relaytrain.job.rundir import RunDir
 from relaytrain.resilience.codes import (
     EXIT_RESTART_STEP,  # noqa: F401  (the API's exit 76)
     StopReason,
@@ -49,7 +50,7 @@ from relaytrain.resilience.codes import (
 from relaytrain.resilience.early_signals import capture_early_signals
 from relaytrain.resilience.run_kind import PROGRAM, RunKind, claim_kind
 from relaytrain.resilience.run_lock import RunLock
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.resilience.run_state import RunStateFile, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ CONFIG_ENV = "RELAYTRAIN_CONFIG"
 
 _state: dict[str, Any] = {
     "installed": False,
-    "run_dir": None,
+    "run": None,  # the RunDir
     "config": None,
     "previous": None,  # run_state.json as it was when install() ran
     "controller": None,
@@ -67,17 +68,17 @@ _state: dict[str, Any] = {
 }
 
 
-def _run_dir(run_dir: str | Path | None) -> Path:
+def _run_dir(run_dir: str | Path | None) -> RunDir:
     """`run_dir`, else RELAYTRAIN_RUN_DIR (a launch sets it), else `runs/<program>` of its own, said in
     one line: never the working directory, where every program would append to the same run."""
     chosen = run_dir or os.environ.get(RUN_DIR_ENV)
     if chosen:
-        return Path(chosen).absolute()
+        return RunDir(Path(chosen).absolute())
     own = (Path("runs") / program_name()).absolute()
     if _rank() == 0:
         print(f"relaytrain.program: run directory {own} (no {RUN_DIR_ENV}; set it, or install(run_dir=...), "
               "to choose another)", file=sys.stderr, flush=True)  # fmt: skip
-    return own
+    return RunDir(own)
 
 
 def program_name() -> str:
@@ -108,16 +109,11 @@ def _log_event(event: str, step: int, **fields: Any) -> None:
     `relaytrain status` and `report` tell this program's restarts and stops like the trainer's."""
     if _rank() != 0:
         return
-    from relaytrain.monitor.sinks import JsonlSink
-
-    record = metrics_record("event", step, {"event": event, **fields})
-    metrics = RunDir(_state["run_dir"]).metrics  # the trainer's metrics log; a program writes events only
+    run = _state["run"]  # the trainer's metrics log; a program writes events only
     try:
-        sink = JsonlSink(metrics)
-        sink.write(record)
-        sink.close()
+        append_event(run, event, step, **fields)
     except OSError as error:  # a full or read-only disk must not keep the program from its own work
-        log.warning("could not record %s in %s: %s", event, metrics, error)
+        log.warning("could not record %s in %s: %s", event, run.metrics, error)
 
 
 def install(run_dir: str | Path | None = None, config=None) -> None:
@@ -130,11 +126,11 @@ def install(run_dir: str | Path | None = None, config=None) -> None:
     if _state["installed"]:
         return
     capture_early_signals()
-    _state["run_dir"] = _run_dir(run_dir)
+    _state["run"] = _run_dir(run_dir)
     if _rank() == 0:
-        _take_run_lock(_state["run_dir"])
+        _take_run_lock(_state["run"])
     _state["config"] = config
-    _state["previous"] = RunStateFile(_state["run_dir"]).read()
+    _state["previous"] = RunStateFile(_state["run"]).read()
     _state["installed"] = True
     previous = previous_stop()
     job = JobFacts.from_env()
@@ -144,13 +140,13 @@ def install(run_dir: str | Path | None = None, config=None) -> None:
         _log_event("start", 0, nodes=job.num_nodes or None)
 
 
-def _take_run_lock(run_dir: Path) -> None:
+def _take_run_lock(run: RunDir) -> None:
     """One writer per run directory (docs/resilience.md): held until the process exits."""
     from relaytrain.errors import USAGE_EXIT_CODE, UserError
 
     try:
-        RunLock(run_dir).acquire("relaytrain.program")  # released at exit
-        claim_kind(run_dir, RunKind(PROGRAM))  # never a trainer's run directory
+        RunLock(run).acquire("relaytrain.program")  # released at exit
+        claim_kind(run, RunKind(PROGRAM))  # never a trainer's run directory
     except UserError as error:
         print(f"relaytrain: error: {error}", file=sys.stderr, flush=True)
         sys.exit(USAGE_EXIT_CODE)
@@ -169,7 +165,7 @@ def _controller():
     _state["config"] = cfg
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
-    controller = ShutdownController(cfg.resilience, rank, _collective_device(), _state["run_dir"])
+    controller = ShutdownController(cfg.resilience, rank, _collective_device(), _state["run"])
     controller.install()
     _state["controller"] = controller
     return controller
@@ -246,10 +242,10 @@ def previous_stop() -> dict[str, Any] | None:
     """The last recorded stop of this run (``step``, ``reason``, ``saved``, ``restart_count``, ...),
     as run_state.json held it when ``install()`` ran; None when the run never stopped before."""
     install()
-    state = _state["previous"]
-    if not state or state.get("status") != "stopped":
+    record = _state["previous"]
+    if record is None or record.status is not RunStatus.STOPPED:
         return None
-    return dict(state)
+    return record.as_json()
 
 
 def exit_for_requeue(step: int | None = None, *, saved: bool = True) -> NoReturn:
@@ -282,7 +278,8 @@ def exit_for_requeue(step: int | None = None, *, saved: bool = True) -> NoReturn
 
 def _log_stop(step: int) -> None:
     """The stop as run_state.json recorded it (reason, saved, requeue), as a `stop` event."""
-    state = RunStateFile(_state["run_dir"]).read() or {}
+    record = RunStateFile(_state["run"]).read()
+    state = record.as_json() if record is not None else {}
     fields = {
         key: state.get(key) for key in ("reason", "saved", "requeue_requested", "exit_code") if key in state
     }
@@ -295,7 +292,7 @@ def finish(step: int) -> None:
 
     install()
     controller = _state["controller"]
-    mark_finished(_state["run_dir"], _rank(), step)
+    mark_finished(_state["run"], _rank(), step)
     _log_event("finished", step)
     if controller is not None:
         controller.uninstall()

@@ -13,7 +13,6 @@ import os
 import time
 import uuid
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
@@ -41,6 +40,7 @@ from relaytrain.resilience import (
     mark_finished,
     mark_running,
     recorded_checkpoint_step,
+    recorded_step,
     stop_fields,
 )
 from relaytrain.resilience.run_lock import take_run_lock
@@ -72,26 +72,26 @@ class TrainState:
         self.run_id = str(state["run_id"])
 
 
-def prepare_run_dir(cfg: Config, is_main: bool) -> Path:
+def prepare_run_dir(cfg: Config, is_main: bool) -> RunDir:
     run = RunDir.of(cfg.run.dir, cfg.run.name)
-    run_dir = run.root
     if is_main:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            run.root.mkdir(parents=True, exist_ok=True)
             tmp = run.config.with_name(f".{run.config.name}.tmp")
             tmp.write_text(config_to_toml(cfg))
             os.replace(tmp, run.config)
         except OSError as exc:
+            where = run.root
             raise UserError(
-                f"cannot write the run directory '{run_dir}' ({exc.strerror}); set run.dir to a writable path"
+                f"cannot write the run directory '{where}' ({exc.strerror}); set run.dir to a writable path"
             ) from None
-    return run_dir
+    return run
 
 
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
-        self.run_dir = RunDir.of(cfg.run.dir, cfg.run.name).root
+        self.run_dir = RunDir.of(cfg.run.dir, cfg.run.name)  # built once, passed to every part
         self.model = parallelize(
             cfg.parallel,
             cfg.model,
@@ -163,7 +163,7 @@ class Trainer:
         self.watchdog = HangWatchdog(
             cfg.resilience.hang_timeout_s,
             env.rank,
-            RunDir(self.run_dir).hang_dump(env.rank),
+            self.run_dir.hang_dump(env.rank),
             on_fire=lambda step: self.controller.finish(StopReason.HANG, step),
         )
         self.nan_guard = NanGuard(cfg.resilience, env.device)
@@ -205,11 +205,12 @@ class Trainer:
         except UnloadableCheckpoints as exc:
             # Failed, not a crash: the job is not requeued into the same refusal. The record keeps the step
             # the run had reached (and its checkpoint_step), so the next attempt still knows what is at stake.
-            reached = int((RunStateFile(self.run_dir).read() or {}).get("step", 0))
+            reached = recorded_step(self.run_dir) or 0
             self.controller.finish(StopReason.DAMAGED_CHECKPOINT, reached, saved=False, message=str(exc))
             raise
         except BaseException as exc:
-            self.controller.finish(StopReason.ERROR, state.step, message=repr(exc))
+            user_error = str(exc) if isinstance(exc, UserError) else ""  # the step's end won't retry it
+            self.controller.finish(StopReason.ERROR, state.step, message=repr(exc), user_error=user_error)
             raise
         finally:
             # Before the watchdog stops: a pending async save that never commits is still a hang.
@@ -333,9 +334,9 @@ class Trainer:
             self.metrics.log_eval(step, {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
 
 
-def check_world(cfg: Config, env: DistEnv, run_dir: Path | None) -> None:
+def check_world(cfg: Config, env: DistEnv, run: RunDir | None) -> None:
     """Refuse a world no layout fits (e.g. `--parallel.tp=2` on one process, a requeue on fewer nodes than
-    the global batch divides by). In a Slurm job (`run_dir` given) run_state.json says failed with the
+    the global batch divides by). In a Slurm job (`run` given) run_state.json says failed with the
     reason, as an error the user must fix, so the job ends instead of requeueing into the same error."""
     try:
         validate_layout(
@@ -343,11 +344,10 @@ def check_world(cfg: Config, env: DistEnv, run_dir: Path | None) -> None:
         )
     except UserError as exc:
         message = f"no valid layout for {env.world_size} rank(s) on {env.num_nodes} node(s): {exc}"
-        if run_dir is not None:
-            step = int((RunStateFile(run_dir).read() or {}).get("step", 0))
-            recorded = repr(UserError(message))  # read by resilience/crash.py: not a crash to retry
+        if run is not None:
+            step = recorded_step(run) or 0  # recorded as a user error: the end of the step does not retry it
             handle_stop(
-                cfg.resilience, run_dir, StopReason.ERROR, step, env.rank, saved=False, message=recorded
+                cfg.resilience, run, StopReason.ERROR, step, env.rank, saved=False, user_error=message
             )
         raise UserError(message) from None
 
@@ -364,17 +364,17 @@ def train(cfg: Config) -> int:
             shutdown_distributed()
             raise
     # One writer per run directory: rank 0 takes its lock before anything is written into it.
-    lock = take_run_lock(RunDir.of(cfg.run.dir, cfg.run.name).root, env.rank, env.device, "relaytrain train")
-    run_dir = prepare_run_dir(cfg, env.is_main)
+    lock = take_run_lock(RunDir.of(cfg.run.dir, cfg.run.name), env.rank, env.device, "relaytrain train")
+    run = prepare_run_dir(cfg, env.is_main)
     try:
-        setup_logging(run_dir, env.rank, env.local_rank, env.node, cfg.metrics.rank_logs)
+        setup_logging(run, env.rank, env.local_rank, env.node, cfg.metrics.rank_logs)
     except OSError as exc:
         raise UserError(
-            f"cannot write logs under '{run_dir}' ({exc.strerror}); set run.dir to a writable path"
+            f"cannot write logs under '{run.root}' ({exc.strerror}); set run.dir to a writable path"
         ) from None
     torch.manual_seed(cfg.run.seed)
     try:
-        check_world(cfg, env, run_dir)
+        check_world(cfg, env, run)
         return Trainer(cfg, env).run()
     finally:
         lock.release()

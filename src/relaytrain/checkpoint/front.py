@@ -36,7 +36,7 @@ class Persistence:
     def __init__(
         self,
         cfg: CheckpointConfig,
-        run_dir: Path,
+        run: RunDir,
         record: RunRecord,
         state: TrainingState,
         *,
@@ -49,7 +49,7 @@ class Persistence:
         self.enabled = cfg.enabled  # off: nothing is saved, no snapshot is taken, no own checkpoint resumed
         snapshots_on = self.enabled and cfg.snapshot_every > 0
         self.collectives = Collectives(rank, world_size, replicas=snapshots_on)
-        ckpt_dir = Path(cfg.dir) if cfg.dir else RunDir(Path(run_dir)).checkpoints
+        ckpt_dir = Path(cfg.dir) if cfg.dir else run.checkpoints
         # The DCP tier exists when saving is off too: init_from loads through it, and the loop's stop
         # agreement asks it how long a save would take.
         self.checkpoints = CheckpointManager(
@@ -64,7 +64,7 @@ class Persistence:
         )
         self.snapshots: SnapshotTier | None = None
         if snapshots_on:
-            self.snapshots = SnapshotTier(cfg, Path(run_dir), record.config_hash, state, self.collectives)
+            self.snapshots = SnapshotTier(cfg, run, record.config_hash, state, self.collectives)
         self._resumed: int | None = None
 
     # -- the start ----------------------------------------------------------------------------------

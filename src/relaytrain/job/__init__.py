@@ -5,7 +5,8 @@ it is the only place that reads ``SLURM_*`` variables inside a job (the launcher
 writes them into sbatch scripts). ``JobFacts`` holds the job's ids, restart count, nodes and end time;
 ``env`` maps srun's variables to torch's, ``ports`` picks MASTER_PORT, ``netdetect`` the network
 interface, and ``task`` is the wrapper every srun task starts through. ``RunDir`` names the files and
-folders of a run directory, where every job of a run and every command about it meet.
+folders of a run directory, where every job of a run and every command about it meet; ``jsonl`` is the
+one way to append to and read its JSON Lines files (metrics.jsonl, crashes.jsonl, slurm/jobs.jsonl).
 """
 
 from __future__ import annotations

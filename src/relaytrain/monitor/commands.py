@@ -7,9 +7,10 @@ from pathlib import Path
 
 
 def report_command(args: argparse.Namespace) -> int:
+    from relaytrain.job import RunDir
     from relaytrain.monitor.report import write_report, written_line  # matplotlib only when it runs
 
-    report, images = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    report, images = write_report(RunDir(Path(args.run_dir)), Path(args.out) if args.out else None)
     print(written_line(report, images))
     return 0
 

@@ -10,14 +10,13 @@ older checkpoint logs some steps again; the later record for a step wins.
 from __future__ import annotations
 
 import csv
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from relaytrain.errors import UserError
-from relaytrain.job.rundir import RunDir
+from relaytrain.job import RunDir, jsonl
 
 START_EVENTS = ("start", "resume")
 
@@ -153,21 +152,14 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
     (a job killed mid-write can leave a torn last line)."""
     if not path.is_file():
         raise UserError(f"no metrics file at {path}: is this a run directory written by `relaytrain train`?")
-    records, skipped = [], 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                skipped += 1
-                continue
-            if not isinstance(rec, dict) or "step" not in rec or "time" not in rec:
-                skipped += 1
-                continue
-            rec.setdefault("kind", "train")
-            records.append(rec)
+    found = jsonl.read(path)
+    records, skipped = [], found.skipped
+    for rec in found.records:
+        if "step" not in rec or "time" not in rec:
+            skipped += 1
+            continue
+        rec.setdefault("kind", "train")
+        records.append(rec)
     if not records:
         raise UserError(f"{path} holds no metric records yet: let the run log at least one step")
     return records, skipped
@@ -197,8 +189,8 @@ def build_history(records: list[dict[str, Any]], skipped_lines: int = 0) -> Hist
     )
 
 
-def load_history(run_dir: Path) -> History:
-    records, skipped = read_records(RunDir(Path(run_dir)).metrics)
+def load_history(run: RunDir) -> History:
+    records, skipped = read_records(run.metrics)
     return build_history(records, skipped)
 
 

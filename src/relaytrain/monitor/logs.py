@@ -47,7 +47,7 @@ class _RankLogFile(logging.FileHandler):
             print(f"relaytrain: cannot write {self.baseFilename} ({error}); console only", file=sys.stderr)
 
 
-def setup_logging(run_dir: Path | str, rank: int, local_rank: int, node: str, rank_logs: bool) -> Path | None:
+def setup_logging(run: RunDir, rank: int, local_rank: int, node: str, rank_logs: bool) -> Path | None:
     """Configure the root logger for this process; returns the rank's log file (or None).
 
     - ``rank_logs``: every rank writes all its INFO+ lines to ``<run_dir>/logs/rank_<rank>.log``
@@ -78,7 +78,7 @@ def setup_logging(run_dir: Path | str, rank: int, local_rank: int, node: str, ra
 
     log_file = None
     if rank_logs:
-        log_file = RunDir(Path(run_dir)).rank_log(rank)
+        log_file = run.rank_log(rank)
         log_file.parent.mkdir(parents=True, exist_ok=True)
         file_handler = _RankLogFile(log_file, mode="a", encoding="utf-8")
         file_handler.setLevel(logging.INFO)

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from relaytrain.config.schema import MetricsConfig
+from relaytrain.job.jsonl import event_record
 from relaytrain.job.rundir import RunDir, metrics_record
 from relaytrain.monitor.memory import memory_stats
 from relaytrain.monitor.mfu import cpu_capability, mfu, peak_flops_per_device, raise_cpu_peak, throughput
@@ -107,7 +107,7 @@ class MetricsLogger:
     def __init__(
         self,
         mcfg: MetricsConfig,
-        run_dir: Path,
+        run: RunDir,
         is_main: bool,
         *,
         device: torch.device,
@@ -119,7 +119,7 @@ class MetricsLogger:
         run_config: dict[str, Any] | None = None,
         progress_bar: bool | None = None,
     ):
-        self.run_dir = Path(run_dir)
+        self.run = run
         self.is_main = is_main
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
@@ -146,13 +146,11 @@ class MetricsLogger:
 
         m = mcfg
         if m.jsonl:
-            self._sinks.append(JsonlSink(RunDir(self.run_dir).metrics))
+            self._sinks.append(JsonlSink(run.metrics))
         if m.tensorboard:
-            self._sinks.append(TensorBoardSink(RunDir(self.run_dir).tensorboard))
+            self._sinks.append(TensorBoardSink(run.tensorboard))
         if m.wandb:
-            self._sinks.append(
-                WandbSink(self.run_dir, m.wandb_project, m.wandb_mode, run_name, run_config or {})
-            )
+            self._sinks.append(WandbSink(run, m.wandb_project, m.wandb_mode, run_name, run_config or {}))
         self._console = ConsoleSink(self.total_steps, progress_bar=progress_bar)
 
     def _record(self, kind: str, step: int, values: dict[str, Any]) -> dict[str, Any]:
@@ -233,7 +231,7 @@ class MetricsLogger:
     def log_event(self, event: str, step: int, **fields: Any) -> None:
         if not self.is_main:
             return
-        record = self._record("event", step, {"event": event, **fields})
+        record = event_record(event, step, {key: _json_value(value) for key, value in fields.items()})
         self._emit(record)
         if self._console is not None:
             extra = ", ".join(f"{k}={v}" for k, v in fields.items())

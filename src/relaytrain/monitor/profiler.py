@@ -114,12 +114,12 @@ class StepProfiler:
     when nothing ran) writes what was captured if the run stops inside the window.
     """
 
-    def __init__(self, mcfg: MetricsConfig, run_dir: Path, rank: int, device: torch.device):
+    def __init__(self, mcfg: MetricsConfig, run: RunDir, rank: int, device: torch.device):
         window = list(mcfg.profile_steps)
         if window and (len(window) != 2 or not 0 <= window[0] < window[1]):
             raise UserError(f"metrics.profile_steps must be [start, end) with 0 <= start < end, got {window}")
         self.window = tuple(window)
-        self.out_dir = RunDir(Path(run_dir)).profile
+        self.out_dir = run.profile
         self.rank = rank
         self.device = device
         self._prof: profile | None = None

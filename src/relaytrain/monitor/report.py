@@ -131,9 +131,9 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
     return "\n".join(lines)
 
 
-def make_report(run_dir: Path, out_dir: Path | None = None) -> Path:
+def make_report(run: RunDir, out_dir: Path | None = None) -> Path:
     """Write the plots and ``report.md`` to ``out_dir`` (default ``<run_dir>/report``)."""
-    return write_report(run_dir, out_dir)[0]
+    return write_report(run, out_dir)[0]
 
 
 def written_line(report: Path, images: list[Path]) -> str:
@@ -147,18 +147,18 @@ def written_line(report: Path, images: list[Path]) -> str:
     return f"wrote {report} and {len(images)} plots in {report.parent}: {names}"
 
 
-def write_report(run_dir: Path, out_dir: Path | None = None) -> tuple[Path, list[Path]]:
+def write_report(run: RunDir, out_dir: Path | None = None) -> tuple[Path, list[Path]]:
     """Write the plots and ``report.md``; return report.md's path and the plots written."""
-    run_dir = Path(run_dir)
+    run_dir = run.root
     if not run_dir.exists():
         raise UserError(f"run directory {run_dir} does not exist")
     if not run_dir.is_dir():
         raise UserError(f"{run_dir} is not a run directory (a file); pass a run's directory, e.g. runs/NAME")
-    history = load_history(run_dir)
-    out_dir = Path(out_dir) if out_dir is not None else RunDir(run_dir).report
+    history = load_history(run)
+    out_dir = Path(out_dir) if out_dir is not None else run.report
     name = run_dir.resolve().name
     out_dir.mkdir(parents=True, exist_ok=True)
-    gpus = read_gpu_csvs(RunDir(run_dir).gpu)
+    gpus = read_gpu_csvs(run.gpu)
     images = plot_all(history, gpus, name, out_dir) if history.train or gpus else []
     report = out_dir / "report.md"
     report.write_text(render_markdown(name, history, summarize(history), images), encoding="utf-8")

@@ -7,15 +7,14 @@ Every sink takes the same records: flat dicts with ``kind`` ("train", "eval" or 
 from __future__ import annotations
 
 import importlib
-import json
 import logging
-import os
 import secrets
 import sys
 from pathlib import Path
 from typing import Any
 
 from relaytrain.errors import UserError
+from relaytrain.job.jsonl import Appender
 from relaytrain.job.rundir import RunDir
 
 log = logging.getLogger("relaytrain.metrics")
@@ -24,23 +23,9 @@ log = logging.getLogger("relaytrain.metrics")
 META_FIELDS = ("kind", "step", "time", "job_id", "restart", "event")
 
 
-class JsonlSink:
-    """Appends one JSON object per line; requeued jobs continue the same file."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held open for the run
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()  # a killed job keeps every line written before the kill
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
+class JsonlSink(Appender):
+    """Appends one JSON object per line (`relaytrain.job.jsonl`); requeued jobs continue the same file,
+    and a killed job keeps every line written before the kill."""
 
 
 class TensorBoardSink:
@@ -69,7 +54,7 @@ class TensorBoardSink:
 class WandbSink:
     """Weights & Biases run whose id lives in ``<run_dir>/wandb_id`` so requeued jobs resume it."""
 
-    def __init__(self, run_dir: Path, project: str, mode: str, run_name: str, config: dict[str, Any]):
+    def __init__(self, run: RunDir, project: str, mode: str, run_name: str, config: dict[str, Any]):
         try:
             wandb = importlib.import_module("wandb")
         except ImportError:
@@ -77,12 +62,12 @@ class WandbSink:
                 "metrics.wandb = true but the wandb package is not installed: "
                 "pip install wandb (or set metrics.wandb = false)"
             ) from None
-        id_file = RunDir(run_dir).wandb_id
+        id_file = run.wandb_id
         if id_file.exists():
             run_id = id_file.read_text().strip()
         else:
             run_id = secrets.token_hex(8)
-            run_dir.mkdir(parents=True, exist_ok=True)
+            run.root.mkdir(parents=True, exist_ok=True)
             id_file.write_text(run_id + "\n")
         self.run_id = run_id
         self._run = wandb.init(
@@ -91,7 +76,7 @@ class WandbSink:
             id=run_id,
             resume="allow",
             mode=mode,
-            dir=str(run_dir),
+            dir=str(run.root),
             config=config,
         )
 

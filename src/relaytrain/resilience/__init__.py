@@ -16,7 +16,10 @@ _EXPORTS = {
     "NanGuard": "relaytrain.resilience.nan_guard",
     "RUN_STATE_FILE": "relaytrain.resilience.run_state",
     "RunLock": "relaytrain.resilience.run_lock",
+    "RunState": "relaytrain.resilience.run_state",
+    "RunStateError": "relaytrain.resilience.run_state",
     "RunStateFile": "relaytrain.resilience.run_state",
+    "RunStatus": "relaytrain.resilience.run_state",
     "ShutdownController": "relaytrain.resilience.shutdown",
     "StopReason": "relaytrain.resilience.codes",
     "capture_early_signals": "relaytrain.resilience.early_signals",
@@ -28,6 +31,7 @@ _EXPORTS = {
     "mark_finished": "relaytrain.resilience.requeue",
     "mark_running": "relaytrain.resilience.requeue",
     "recorded_checkpoint_step": "relaytrain.resilience.run_state",
+    "recorded_step": "relaytrain.resilience.run_state",
     "stop_fields": "relaytrain.resilience.requeue",
     "take_run_lock": "relaytrain.resilience.run_lock",
 }

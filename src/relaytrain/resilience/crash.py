@@ -10,7 +10,7 @@ ranks) asks ``classify`` here, which decides from ``run_state.json``:
 * ``stopped`` or ``finished`` by the current run: not a crash (the stop path already decided; torchrun
   exits 128 + the signal after a stop signal even when every worker saved);
 * ``failed`` with reason ``nan`` or ``damaged_checkpoint`` (no checkpoint of the run loads), a
-  UserError recorded as the message (a full disk during a save), or a step exit code 2 (a config or
+  UserError recorded as its ``user_error`` (a full disk during a save), or a step exit code 2 (a config or
   usage error): a deterministic failure, never requeued;
 * ``failed`` with reason ``error`` or ``hang``, ``running``, or a marker written by an earlier run (the
   process died before or while loading its checkpoint): a crash.
@@ -22,14 +22,14 @@ so a job resubmitted by hand starts with a fresh allowance; time-limit requeues 
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from relaytrain.job import JobFacts, RunDir
+from relaytrain.job import JobFacts, RunDir, jsonl
+from relaytrain.resilience.run_state import RunState, RunStatus
 
 CRASH_LOG_FILE = RunDir(Path()).crashes.name  # for messages; the path is RunDir.crashes
 USAGE_ERROR_EXIT = 2  # relaytrain's CLI exits 2 on a UserError/ConfigError: retrying cannot help
@@ -66,50 +66,39 @@ def torchrun_signals(job_log_tail: str) -> list[str]:
     return sorted(set(_TORCHRUN_SIGNAL.findall(job_log_tail)))
 
 
-def classify(state: Mapping[str, Any] | None, job: JobFacts, exit_code: int) -> tuple[bool, str]:
+def classify(state: RunState | None, job: JobFacts, exit_code: int) -> tuple[bool, str]:
     """(is it a crash to recover from, why). ``state`` is run_state.json as the step left it."""
     if exit_code == 0:
         return False, "the job step exited 0"
-    if not job.wrote(state):
+    if state is None or not state.written_by(job):
         if exit_code == USAGE_ERROR_EXIT:
             return False, "exit code 2: a config or usage error (see the log)"
         return True, "the step died before its run wrote run_state.json (start-up or checkpoint load)"
-    assert state is not None
-    status, reason = state.get("status"), str(state.get("reason", ""))
-    if status in ("stopped", "finished"):
+    status, reason = state.status, state.reason
+    if status in (RunStatus.STOPPED, RunStatus.FINISHED):
         return False, f"the run {status} ({reason}); the stop path decided about requeueing"
-    if status == "failed" and reason in NEVER_REQUEUED_REASONS:
+    if status is RunStatus.FAILED and reason in NEVER_REQUEUED_REASONS:
         again = "the same data" if reason == "nan" else "the same checkpoint files"
         return False, f"the run failed ({reason}): not retried, {again} would fail again"
-    if status == "failed" and str(state.get("message", "")).startswith("UserError("):
+    if status is RunStatus.FAILED and state.user_error:
         # A condition the user must fix (a full disk during a save, a bad resume): torchrun exits 1 for any,
         # so the step's exit code does not say so; the same job would fail the same way again.
-        return False, f"the run failed with an error the user must fix: {state['message']}"
-    if status == "failed" and reason in CRASH_REASONS:
-        return True, f"the run failed ({reason}): {state.get('message', '')}".strip()
-    if status == "running":
-        return True, f"a rank died at step >= {state.get('step')} without a record (killed, OOM, segfault?)"
-    return False, f"run_state.json has status {status!r}: not a crash"
+        return False, f"the run failed with an error the user must fix: {state.user_error}"
+    if status is RunStatus.FAILED and reason in CRASH_REASONS:
+        return True, f"the run failed ({reason}): {state.message or ''}".strip()
+    if status is RunStatus.RUNNING:
+        return True, f"a rank died at step >= {state.step} without a record (killed, OOM, segfault?)"
+    return False, f"run_state.json has status {status.value!r}: not a crash"
 
 
 class CrashLog:
     """``<run_dir>/crashes.jsonl``: every crash of the run, one JSON object a line."""
 
-    def __init__(self, run_dir: Path | str):
-        self.path = RunDir(Path(run_dir)).crashes
+    def __init__(self, run: RunDir):
+        self.path = run.crashes
 
     def entries(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
-            return []
-        out = []
-        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(entry, dict):
-                out.append(entry)
-        return out
+        return jsonl.read(self.path).records
 
     def count(self, job_id: str, *, restarts: bool = False) -> int:
         """This job's crashes that were restarted in place (``restarts``), or the others: requeued or
@@ -121,12 +110,10 @@ class CrashLog:
         )
 
     def append(self, entry: Mapping[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(dict(entry), sort_keys=True) + "\n")
+        jsonl.append(self.path, entry, sort_keys=True)
 
 
-def cause_of(exit_code: int, why: str, state: Mapping[str, Any] | None, job_log_tail: str) -> dict[str, Any]:
+def cause_of(exit_code: int, why: str, state: RunState | None, job_log_tail: str) -> dict[str, Any]:
     """The crash's cause as crashes.jsonl and run_state.json record it: exit code, signal, the tasks
     `srun` reported dead (and their nodes), the marker the step left."""
     errors = srun_task_errors(job_log_tail)
@@ -136,5 +123,7 @@ def cause_of(exit_code: int, why: str, state: Mapping[str, Any] | None, job_log_
         "why": why,
         "failed_tasks": errors,
         "nodes": sorted({e["node"] for e in errors}),
-        "previous_state": {k: state.get(k) for k in ("status", "reason", "step", "host")} if state else None,
+        "previous_state": None
+        if state is None
+        else {"status": state.status.value, "reason": state.reason, "step": state.step, "host": state.host},
     }

@@ -29,9 +29,10 @@ import time
 import traceback
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.env import narrow_to_nodes
 from relaytrain.job.facts import STEP_RESTARTS_ENV
 from relaytrain.job.ports import choose_port, has_no_listener
@@ -83,16 +84,18 @@ class RequeueState(NamedTuple):
     asked: bool  # the job was requeued, or the run asked for a requeue
 
 
-def requeue_state(run_dir: str) -> RequeueState:
-    """What run_state.json says about a requeue: the driver's one read of the run's record."""
-    state = RunStateFile(run_dir).read() or {}
-    pending = state.get("requeue_pending") is True
-    return RequeueState(pending, state.get("requeued") is True or state.get("requeue_requested") is True)
+def requeue_state(run: RunDir) -> RequeueState:
+    """What run_state.json says about a requeue: the driver's one read of the run's record (a missing or
+    damaged record: none asked)."""
+    record = RunStateFile(run).read()
+    if record is None:
+        return RequeueState(False, False)
+    return RequeueState(record.requeue_pending, record.requeued or record.requeue_requested)
 
 
-def requeue_if_pending(run_dir: str, job: JobFacts) -> None:
+def requeue_if_pending(run: RunDir, job: JobFacts) -> None:
     """The decision could not run: do the requeue the run asked for and could not do itself."""
-    if not requeue_state(run_dir).pending:
+    if not requeue_state(run).pending:
         return
     print(f"relaytrain: the run asked for a requeue it could not do: scontrol requeue {job.requeue_id}",
           flush=True)  # fmt: skip
@@ -120,7 +123,7 @@ def free_snapshots(python: list[str], config: str, nodes: list[str]) -> None:
 class JobPlan:
     """What the batch script hands the driver."""
 
-    run_dir: str
+    run: RunDir
     config: str
     program: bool  # the step runs a --command program (its exit 75/76 mean requeue/restart)
     free_snapshots: bool  # the run keeps in-memory snapshots on the nodes
@@ -132,7 +135,7 @@ def decide(plan: JobPlan, exit_code: int, launch: StepLaunch, seconds: float) ->
     """The end-of-step decision; None when it failed (the job log then says so)."""
     step = StepFacts(can_restart=True, seconds=seconds, nodes=tuple(launch.nodes))
     try:
-        return after_step(plan.run_dir, exit_code, plan.config, program=plan.program, job_log=job_log_path(),
+        return after_step(plan.run, exit_code, plan.config, program=plan.program, job_log=job_log_path(),
                           step=step)  # fmt: skip
     except Exception:  # noqa: BLE001  (any failure: the job must still end with the step's status)
         traceback.print_exc()
@@ -158,13 +161,13 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
         log(f"job step finished with exit code {exit_code}")
         decision = decide(plan, exit_code, launch, time.monotonic() - started)
         if decision is None:
-            requeue_if_pending(plan.run_dir, JobFacts.from_env())
+            requeue_if_pending(plan.run, JobFacts.from_env())
         if decision is None or decision.action is not Action.RESTART or decision.restart is None:
             break
         launch.restart(decision.restart.nodes, job.job_id, environ)
         log(f"restarting the job step in place ({launch.restarts}): master "
             f"{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}")  # fmt: skip
-    if plan.free_snapshots and not requeue_state(plan.run_dir).asked:
+    if plan.free_snapshots and not requeue_state(plan.run).asked:
         free_snapshots(plan.python, plan.config, launch.nodes)
     return exit_code
 
@@ -188,8 +191,10 @@ def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalFor
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("the command each task runs is missing (after --)")
-    plan = JobPlan(args.run_dir, args.config, args.program, args.free_snapshots, shlex.split(args.python),
-                   args.heartbeat_s)  # fmt: skip
+    run = RunDir(Path(args.run_dir))
+    plan = JobPlan(
+        run, args.config, args.program, args.free_snapshots, shlex.split(args.python), args.heartbeat_s
+    )
     nodes = [n for n in args.nodes.split(",") if n]
     launch = StepLaunch(list(args.srun_option), command, nodes, args.tasks_per_node)
     return plan, launch, SignalForwarder(args.signal, args.pending_signal)

@@ -15,13 +15,12 @@ import logging
 import shutil
 import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from relaytrain.config.schema import CheckpointConfig, ResilienceConfig
 from relaytrain.errors import USAGE_EXIT_CODE
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience.codes import (
     EXIT_HANG,
     EXIT_INTERRUPTED,
@@ -32,7 +31,7 @@ from relaytrain.resilience.codes import (
     TIME_LIMIT_REASONS,
     StopReason,
 )
-from relaytrain.resilience.run_state import CHECKPOINT_STEP, RunStateFile
+from relaytrain.resilience.run_state import RunState, RunStateFile, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -97,36 +96,19 @@ def scontrol_requeue(requeue_id: str) -> tuple[bool, str]:
     return True, " ".join(cmd)
 
 
-@dataclass(frozen=True)
-class StateRecord:
-    """What run_state.json is to say about how the run ended: status, reason, step and further facts."""
-
-    status: str
-    reason: str
-    step: int
-    facts: dict[str, Any] = field(default_factory=dict)
-
-    def write(self, run_state: RunStateFile, *, requeue: bool) -> None:
-        """Write it; ``requeue``: the policy asks for one, pending until ``scontrol`` did it."""
-        pending = {"requeue_requested": requeue, "requeue_pending": requeue}
-        run_state.write(self.status, self.reason, self.step, **pending, **self.facts)
-
-
-def requeue(job: JobFacts, run_state: RunStateFile, record: StateRecord, why: str) -> bool:
+def requeue(job: JobFacts, run_state: RunStateFile, record: RunState, why: str) -> bool:
     """Write the record with the requeue pending, ``scontrol requeue`` the job, record it requeued.
 
     ``why`` completes the warning when it fails ("could not requeue {why}: ..."); the record then says
     ``requeue_pending`` (the batch shell's fallback requeues it when the run cannot, docs/resilience.md).
     Slurm ends the job at once after a successful call: the record is written before it.
     """
-    record.write(run_state, requeue=True)
+    run_state.write(replace(record, requeue_requested=True, requeue_pending=True, requeued=False))
     done, how = scontrol_requeue(job.requeue_id)
     if not done:
         log.warning("could not requeue %s: %s", why, how)
         return False
-    run_state.write(
-        record.status, record.reason, record.step, requeue_requested=True, requeued=True, **record.facts
-    )
+    run_state.write(replace(record, requeue_requested=True, requeue_pending=False, requeued=True))
     log.info("requeued (%s)", how)
     return True
 
@@ -143,13 +125,14 @@ def _refine(reason: StopReason, job: JobFacts) -> StopReason:
 
 def handle_stop(
     resilience: ResilienceConfig,
-    run_dir: Path | str,
+    run: RunDir,
     reason: StopReason,
     step: int,
     rank: int,
     *,
     saved: bool = True,
     message: str = "",
+    user_error: str = "",
     env: Mapping[str, str] | None = None,
 ) -> int:
     """Record why the run stopped (rank 0), requeue if the policy says so, return the exit code.
@@ -166,14 +149,10 @@ def handle_stop(
     reason = _refine(reason, job)
     code = exit_code_for(reason)
     wanted = decide_requeue(reason, r.requeue, r.max_requeues, job.restart_count, job.in_slurm)
-    status = "failed" if reason in FAILURE_REASONS else "stopped"
-    facts = {
-        **job.identity(),
-        "saved": saved,
-        "exit_code": code,
-        "message": message[:500],
-    }
-    record = StateRecord(status, reason.label, step, facts)
+    status = RunStatus.FAILED if reason in FAILURE_REASONS else RunStatus.STOPPED
+    facts = {**job.identity(), "saved": saved, "exit_code": code}
+    message = (message or user_error)[:500]  # a user error is its own message unless one is given
+    record = RunState.of(status, reason.label, step, message=message, user_error=user_error, **facts)
     log.info(
         "run %s at step %d (%s%s), exit code %d, SLURM_RESTART_COUNT=%d",
         status,
@@ -184,9 +163,9 @@ def handle_stop(
         job.restart_count,
     )
     if wanted:
-        requeue(job, RunStateFile(run_dir), record, "the job")
+        requeue(job, RunStateFile(run), record, "the job")
         return code
-    record.write(RunStateFile(run_dir), requeue=False)
+    RunStateFile(run).write(record)
     if job.in_slurm and reason in TIME_LIMIT_REASONS and r.requeue:
         log.warning(
             "not requeuing: SLURM_RESTART_COUNT=%d reached resilience.max_requeues=%d",
@@ -197,7 +176,7 @@ def handle_stop(
 
 
 def mark_running(
-    max_steps: int, run_dir: Path | str, rank: int, step: int, env: Mapping[str, str] | None = None
+    max_steps: int, run: RunDir, rank: int, step: int, env: Mapping[str, str] | None = None
 ) -> None:
     """At the start of training (rank 0): status running at the step the run resumed from (0: it started
     at step 0, a new line of checkpoints), also its ``checkpoint_step``; logs SLURM_RESTART_COUNT."""
@@ -211,40 +190,29 @@ def mark_running(
             job.restart_count,
             step,
         )
-    RunStateFile(run_dir).write(
-        "running",
-        "",
-        step,
-        **job.identity(),
-        max_steps=max_steps,
-        **{CHECKPOINT_STEP: step},
+    record = RunState.of(
+        RunStatus.RUNNING, "", step, checkpoint_step=step, **job.identity(), max_steps=max_steps
     )
+    RunStateFile(run).write(record)
 
 
-def mark_finished(run_dir: Path | str, rank: int, step: int, env: Mapping[str, str] | None = None) -> None:
+def mark_finished(run: RunDir, rank: int, step: int, env: Mapping[str, str] | None = None) -> None:
     """After the last step (rank 0): status finished, so that a stale requeue ends at once."""
     if rank != 0:
         return
     job = JobFacts.from_env(env)
-    RunStateFile(run_dir).write(
-        "finished",
-        "max_steps",
-        step,
-        **job.identity(),
-        exit_code=0,
-    )
+    RunStateFile(run).write(RunState.of(RunStatus.FINISHED, "max_steps", step, **job.identity(), exit_code=0))
 
 
-def finished_message(max_steps: int, run_dir: Path | str) -> str | None:
+def finished_message(max_steps: int, run: RunDir) -> str | None:
     """A message when run_state.json says this run already finished at ``max_steps`` (train.max_steps),
     else None."""
-    state = RunStateFile(run_dir).read()
-    if not state or state.get("status") != "finished":
+    record = RunStateFile(run).read()
+    if record is None or record.status is not RunStatus.FINISHED:
         return None
-    step = int(state.get("step", -1))
-    if step < max_steps:
+    if record.step < max_steps:
         return None  # train.max_steps was raised since: train on
     return (
-        f"run {Path(run_dir)} already finished at step {step} (train.max_steps={max_steps}, "
-        f"{state.get('time', '?')}); nothing to do. Raise train.max_steps to train further."
+        f"run {run.root} already finished at step {record.step} (train.max_steps={max_steps}, "
+        f"{record.time or '?'}); nothing to do. Raise train.max_steps to train further."
     )

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from relaytrain.errors import UserError
 from relaytrain.job.rundir import RunDir
@@ -36,9 +35,8 @@ class RunKind:
         return "a program's run (relaytrain.program)"
 
 
-def recorded_kind(run_dir: Path | str) -> RunKind | None:
+def recorded_kind(run: RunDir) -> RunKind | None:
     """The kind of run the directory holds, or None when it holds none yet (or cannot tell)."""
-    run = RunDir(Path(run_dir))
     try:
         data = json.loads(run.kind.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -50,11 +48,11 @@ def recorded_kind(run_dir: Path | str) -> RunKind | None:
     return None
 
 
-def claim_kind(run_dir: Path | str, wanted: RunKind) -> None:
+def claim_kind(run: RunDir, wanted: RunKind) -> None:
     """Refuse (UserError) a directory that holds another kind of run or another command's run; else
     record `wanted` where nothing (or no command) is recorded yet."""
-    found = refuse_other_kind(run_dir, wanted)
-    path = RunDir(Path(run_dir)).kind
+    found = refuse_other_kind(run, wanted)
+    path = run.kind
     if found is not None and path.exists() and (found.command or not wanted.command):
         return
     record = {"kind": wanted.kind, **({"command": wanted.command} if wanted.command else {})}
@@ -64,19 +62,19 @@ def claim_kind(run_dir: Path | str, wanted: RunKind) -> None:
     os.replace(tmp, path)
 
 
-def refuse_other_kind(run_dir: Path | str, wanted: RunKind) -> RunKind | None:
+def refuse_other_kind(run: RunDir, wanted: RunKind) -> RunKind | None:
     """Raise UserError when the directory holds another kind of run, or another command's; return what
     it holds (None: nothing yet). Writes nothing."""
-    found = recorded_kind(run_dir)
-    path = RunDir(Path(run_dir)).kind
+    found = recorded_kind(run)
+    path = run.kind
     if found is not None and found.kind != wanted.kind:
         raise UserError(
-            f"the run directory {run_dir} holds {found.describe()}, not {wanted.describe()}: give this run "
+            f"the run directory {run.root} holds {found.describe()}, not {wanted.describe()}: give this run "
             "its own name (--name NAME, or --run.name=NAME)"
         )
     if found is not None and found.command and wanted.command and found.command != wanted.command:
         raise UserError(
-            f"the run directory {run_dir} holds {found.describe()}, not {wanted.describe()}: give this run "
+            f"the run directory {run.root} holds {found.describe()}, not {wanted.describe()}: give this run "
             f"its own name (--name NAME), or to continue that run with this command delete {path}"
         )
     return found

@@ -165,13 +165,13 @@ def holder_alive(holder: Holder, me: Holder) -> tuple[bool, str]:
     return True, "it runs on another host, where its process cannot be checked"
 
 
-def busy_message(run_dir: Path, holder: str, job_id: str = "", lock: bool = True) -> str:
+def busy_message(run: RunDir, holder: str, job_id: str = "", lock: bool = True) -> str:
     """The one-line refusal: who holds the run directory and what to do."""
     todo = "wait for it to end"
     if job_id:
         todo += f", stop it with `relaytrain cancel {job_id}`"
-    gone = f" (if that holder is surely gone, delete {RunDir(run_dir).lock})" if lock else ""
-    return f"the run directory {run_dir}{BUSY_WORDS}{holder}: {todo}, or choose another --run.name{gone}"
+    gone = f" (if that holder is surely gone, delete {run.lock})" if lock else ""
+    return f"the run directory {run.root}{BUSY_WORDS}{holder}: {todo}, or choose another --run.name{gone}"
 
 
 def is_busy_refusal(output: str) -> bool:
@@ -179,16 +179,16 @@ def is_busy_refusal(output: str) -> bool:
     return "relaytrain: error: the run directory " in output and BUSY_WORDS in output
 
 
-def _unwritable(run_dir: Path, exc: OSError) -> str:
-    return f"cannot write the run directory '{run_dir}' ({exc.strerror}); set run.dir to a writable path"
+def _unwritable(run: RunDir, exc: OSError) -> str:
+    return f"cannot write the run directory '{run.root}' ({exc.strerror}); set run.dir to a writable path"
 
 
 class RunLock:
     """The lock of one run directory; ``acquire()`` takes it, ``release()`` gives it back."""
 
-    def __init__(self, run_dir: Path | str):
-        self.run_dir = Path(run_dir)
-        self.path = RunDir(self.run_dir).lock
+    def __init__(self, run: RunDir):
+        self.run = run
+        self.path = run.lock
         self.holder: Holder | None = None  # ours, while held
 
     def read(self) -> tuple[Holder | None, str | None]:
@@ -211,9 +211,9 @@ class RunLock:
         """Take the lock, or raise UserError naming the live holder."""
         me = Holder.this_process(command)
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise UserError(_unwritable(self.run_dir, exc)) from None
+            raise UserError(_unwritable(self.run, exc)) from None
         took_over = None
         for _ in range(_ATTEMPTS):
             if self._create(me):
@@ -228,7 +228,7 @@ class RunLock:
             alive, why = self._judge(holder, me)
             text = holder.describe(why) if holder is not None else f"an unreadable lock ({why})"
             if alive:
-                raise UserError(busy_message(self.run_dir, text, holder.job_id if holder else ""))
+                raise UserError(busy_message(self.run, text, holder.job_id if holder else ""))
             if self._remove_stale(raw):
                 took_over = text
         raise UserError(
@@ -260,17 +260,17 @@ class RunLock:
         try:
             return _create_with(self.path, me.text(), f"{me.host}.{me.pid}.{me.token[:8]}")
         except OSError as exc:
-            raise UserError(_unwritable(self.run_dir, exc)) from None
+            raise UserError(_unwritable(self.run, exc)) from None
 
     def _remove_stale(self, stale_text: str) -> bool:
         """Remove run.lock if it still holds ``stale_text``. Removers take turns through a guard file,
         so the check and the removal are one step for them; a creator cannot replace an existing
         lock, so a lock another start took meanwhile (another token) is never removed."""
-        guard = RunDir(self.run_dir).lock_takeover
+        guard = self.run.lock_takeover
         try:
             mine = _create_with(guard, f"{socket.gethostname()} {os.getpid()}\n", uuid.uuid4().hex[:8])
         except OSError as exc:
-            raise UserError(_unwritable(self.run_dir, exc)) from None
+            raise UserError(_unwritable(self.run, exc)) from None
         if not mine:
             with contextlib.suppress(OSError):
                 if time.time() - guard.stat().st_mtime > TAKEOVER_GRACE_S:
@@ -326,7 +326,7 @@ def _create_with(path: Path, text: str, tag: str) -> bool:
     return True
 
 
-def take_run_lock(run_dir: Path | str, rank: int, device, command: str) -> RunLock:
+def take_run_lock(run: RunDir, rank: int, device, command: str) -> RunLock:
     """Rank 0 of the trainer takes the run directory's lock (and refuses a directory holding another
     program's run, relaytrain.resilience.run_kind) (other ranks get an unheld one); every rank learns whether
     it could. Call it on every rank at the same point, after the process group is up.
@@ -334,11 +334,11 @@ def take_run_lock(run_dir: Path | str, rank: int, device, command: str) -> RunLo
     A refusal ends every rank: rank 0 raises the UserError (one line, exit 2), the others exit 2
     quietly instead of waiting in their first collective.
     """
-    lock, error = RunLock(run_dir), None
+    lock, error = RunLock(run), None
     if rank == 0:
         try:
             lock.acquire(command)
-            claim_kind(run_dir, RunKind(TRAIN))  # the trainer's: never a program's run directory
+            claim_kind(run, RunKind(TRAIN))  # the trainer's: never a program's run directory
         except Exception as exc:  # any failure must reach the other ranks, or they wait in the broadcast
             lock.release()
             error = exc

@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -48,17 +47,17 @@ class ShutdownController:
     ``agree(step, save_estimate_s)`` (or ``agree_with``, which also carries the NaN guard's flag) once
     per step, at the same points and the same number of times on all ranks.
 
-    ``resilience``: the [resilience] section; ``run_dir``: where run_state.json and the hard deadline's
-    stack dumps go."""
+    ``resilience``: the [resilience] section; ``run``: the run directory, where run_state.json and the
+    hard deadline's stack dumps go."""
 
     def __init__(
-        self, resilience: ResilienceConfig, rank: int, device: torch.device, run_dir: Path | str, group=None
+        self, resilience: ResilienceConfig, rank: int, device: torch.device, run: RunDir, group=None
     ):
         self.resilience = resilience
         self.rank = rank
         self.device = torch.device(device)
         self.group = group
-        self.run_dir = Path(run_dir)
+        self.run = run
         self.job = JobFacts.from_env()
         self.in_slurm = self.job.in_slurm
         self.stop_reason = StopReason.NONE
@@ -76,7 +75,7 @@ class ShutdownController:
         self.deadline = HardDeadline(
             self.resilience.hard_deadline_s,
             rank,
-            RunDir(self.run_dir).deadline_dump(rank),
+            run.deadline_dump(rank),
             describe=self._describe,
             on_expire=self._on_deadline,
         )
@@ -270,16 +269,26 @@ class ShutdownController:
         return f"step {self.last_step}, stop reason {reason.label}"
 
     # -- the end of a stop ---------------------------------------------------------------------------
-    def finish(self, reason: StopReason, step: int, *, saved: bool = True, message: str = "") -> int:
+    def finish(
+        self, reason: StopReason, step: int, *, saved: bool = True, message: str = "", user_error: str = ""
+    ) -> int:
         """Record the stop (rank 0: run_state.json and requeue), disarm the hard deadline, return the
         exit code. Call it on every rank once the stop's checkpoint is complete (or after an error).
 
+        ``user_error``: the message of a UserError the run failed with (not retried by the end of the step).
         Whatever teardown follows is no longer the stop's business: a hard deadline still armed would
         requeue a second time and mark the saved stop as not saved.
         """
         with self._record_lock:
             code = handle_stop(
-                self.resilience, self.run_dir, reason, step, self.rank, saved=saved, message=message
+                self.resilience,
+                self.run,
+                reason,
+                step,
+                self.rank,
+                saved=saved,
+                message=message,
+                user_error=user_error,
             )
             self._recorded = True
         self.deadline.cancel()
@@ -297,7 +306,7 @@ class ShutdownController:
                 reason = self.stop_reason if self.stop_reason != StopReason.NONE else self.local_reason()
                 handle_stop(
                     self.resilience,
-                    self.run_dir,
+                    self.run,
                     reason,
                     self.last_step,
                     self.rank,

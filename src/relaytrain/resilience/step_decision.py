@@ -9,20 +9,16 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.job import JobFacts
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience.codes import EXIT_RESTART_STEP, EXIT_RESUME, StopReason
 from relaytrain.resilience.crash import CRASH_LOG_FILE, RESTARTED, CrashLog, cause_of, classify
-from relaytrain.resilience.requeue import StateRecord, decide_requeue
+from relaytrain.resilience.requeue import decide_requeue
 from relaytrain.resilience.run_lock import is_busy_refusal
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.resilience.run_state import RunState, RunStateFile, RunStatus
 from relaytrain.resilience.step_restart import RestartPlan, StepFacts, plan_restart
-
-# The keys RunStateFile.write sets itself: a record rewritten from run_state.json passes the others on.
-_RECORD_KEYS = ("status", "reason", "step", "requeue_requested", "requeue_pending", "requeued")
 
 
 class Action(enum.Enum):
@@ -36,22 +32,22 @@ class Action(enum.Enum):
 class RunFacts:
     """What the run directory and the job's output say about the step that ended."""
 
-    state: dict[str, Any] | None  # run_state.json as the step left it
+    state: RunState | None  # run_state.json as the step left it (None: none, or damaged)
     earlier_crashes: int  # crashes of this job in crashes.jsonl that requeued it (or ended it)
     job_log_tail: str  # this step's part of the job's output
     earlier_restarts: int = 0  # crashes of this job in crashes.jsonl restarted in place
 
     @classmethod
-    def read(cls, run_dir: Path | str, job: JobFacts, job_log_tail: str = "") -> RunFacts:
+    def read(cls, run: RunDir, job: JobFacts, job_log_tail: str = "") -> RunFacts:
         # The output file holds every run of the job (--open-mode=append) and every step of a run:
         # keep only this step's part (the batch job's driver logs the marker before each launch).
         start = job_log_tail.rfind(step_marker(job.restart_count, job.step_restarts))
         if start < 0:
             start = job_log_tail.rfind(f"restart count {job.restart_count},")
         tail = job_log_tail[start:] if start >= 0 else job_log_tail
-        crashes = CrashLog(run_dir)
+        crashes = CrashLog(run)
         return cls(
-            RunStateFile(run_dir).read(),
+            RunStateFile(run).read(),
             crashes.count(job.job_id),
             tail,
             crashes.count(job.job_id, restarts=True),
@@ -69,7 +65,7 @@ class Decision:
     action: Action
     reason: str  # why, for a human
     say: tuple[str, ...] = ()  # the job log's lines about it
-    record: StateRecord | None = None  # what run_state.json is to say (None: it stays as the step left it)
+    record: RunState | None = None  # what run_state.json is to say (None: it stays as the step left it)
     crash: Mapping[str, Any] | None = None  # the crashes.jsonl entry to append
     program_stop: bool = False  # a program's stop: also a `stop` event in metrics.jsonl
     restart: RestartPlan | None = None  # RESTART: where the batch script starts the step again
@@ -122,7 +118,7 @@ def _after_crash(
     restartable: Restartable,
 ) -> Decision:
     r, state = resilience, run.state
-    step = int(state.get("step", 0)) if state else 0
+    step = state.step if state is not None else 0
     cause = cause_of(exit_code, why, state, run.job_log_tail)
     plan, not_in_place = plan_restart(
         restartable.step,
@@ -154,7 +150,6 @@ def _after_crash(
         **job.identity(),
         "saved": False,
         "exit_code": exit_code,
-        "message": message[:500],
         "crash": cause,
         "crash_count": count,
         "max_crash_requeues": r.max_crash_requeues,
@@ -166,7 +161,7 @@ def _after_crash(
         Action.REQUEUE if allowed else Action.FAIL,
         message,
         say,
-        StateRecord("failed", reason, step, facts),
+        RunState.of(RunStatus.FAILED, reason, step, message=message[:500], **facts),
         crash={**job.identity(), "step": step, **cause, "action": "requeue" if allowed else "fail"},
         requeue_why="after the crash",
     )
@@ -191,7 +186,6 @@ def _restart_in_place(
         **job.identity(),
         "saved": False,
         "exit_code": exit_code,
-        "message": message[:500],
         "crash": cause,
         "step_restart": number,
         "max_step_restarts": cap,
@@ -201,7 +195,7 @@ def _restart_in_place(
         Action.RESTART,
         message,
         (message,),
-        StateRecord("failed", "crash", step, facts),
+        RunState.of(RunStatus.FAILED, "crash", step, message=message[:500], **facts),
         crash={
             **job.identity(),
             "step": step,
@@ -216,25 +210,26 @@ def _restart_in_place(
 
 def _after_program(exit_code: int, run: RunFacts, resilience: ResilienceConfig, job: JobFacts) -> Decision:
     """Exit 75 asks for the program to be continued (docs/programs.md), unless it recorded its stop."""
-    state = run.state or {}
+    state = run.state if run.state is not None and run.state.written_by(job) else None
     if exit_code != EXIT_RESUME:
         why = f"the program exited {exit_code}"
-        finished = exit_code == 0 or (job.wrote(state) and state.get("status") == "finished")
+        finished = exit_code == 0 or (state is not None and state.status is RunStatus.FINISHED)
         if exit_code and finished:
             # relaytrain.program.finish() recorded the end; a signal after it (the pre-timeout one) killed
             # a program that had nothing left to do
             why += " after it recorded its end (finished)"
         return _pending(run, job) or Decision(Action.FINISHED if finished else Action.FAIL, why)
-    if job.wrote(state) and state.get("status") in ("stopped", "failed", "finished"):
-        recorded = f"{state.get('reason')}, requeue {state.get('requeue_requested')}"
+    if state is not None and state.status is not RunStatus.RUNNING:
+        recorded = f"{state.reason}, requeue {state.requeue_requested}"
         why = f"the program recorded its stop ({recorded})"
         return _pending(run, job, (why,)) or Decision(_settled(exit_code, state, job), why, (why,))
     r = resilience
-    step = int(state.get("step", -1)) if state.get("status") == "running" else -1
+    running = run.state is not None and run.state.status is RunStatus.RUNNING
+    step = run.state.step if running and run.state is not None else -1
     reason = StopReason.PROGRAM_EXIT
     wanted = decide_requeue(reason, r.requeue, r.max_requeues, job.restart_count, job.in_slurm)
     message = f"the program exited {EXIT_RESUME} without recording a stop: continue it"
-    facts = {**job.identity(), "saved": True, "exit_code": EXIT_RESUME, "message": message}
+    facts = {**job.identity(), "saved": True, "exit_code": EXIT_RESUME}
     say = [f"exit {EXIT_RESUME}: requeue {'requested' if wanted else 'refused'}"]
     why = message
     if not wanted and job.in_slurm and r.requeue:
@@ -247,7 +242,7 @@ def _after_program(exit_code: int, run: RunFacts, resilience: ResilienceConfig, 
         Action.REQUEUE if wanted else Action.FAIL,
         why,
         tuple(say),
-        StateRecord("stopped", reason.label, step, facts),
+        RunState.of(RunStatus.STOPPED, reason.label, step, message=message, **facts),
         program_stop=True,
     )
 
@@ -255,19 +250,19 @@ def _after_program(exit_code: int, run: RunFacts, resilience: ResilienceConfig, 
 def _pending(run: RunFacts, job: JobFacts, say: tuple[str, ...] = ()) -> Decision | None:
     """A requeue the run asked for and could not do (no scontrol inside the container, or it failed)."""
     state = run.state
-    if not (state and state.get("requeue_pending") is True and job.in_slurm):
+    if not (state is not None and state.requeue_pending and job.in_slurm):
         return None
     why = "the run asked for a requeue it could not do"
-    facts = {k: v for k, v in state.items() if k not in _RECORD_KEYS}  # its time and host included
-    record = StateRecord(str(state["status"]), str(state.get("reason", "")), int(state.get("step", 0)), facts)
+    record = state  # rewritten as it is, its time and host included, with the requeue's flags
     line = f"{why}: scontrol requeue {job.requeue_id}"
     return Decision(Action.REQUEUE, why, (*say, line), record, requeue_why="what the run asked for")
 
 
-def _settled(exit_code: int, state: Mapping[str, Any] | None, job: JobFacts) -> Action:
+def _settled(exit_code: int, state: RunState | None, job: JobFacts) -> Action:
     """No crash, nothing to requeue: finished when the step exited 0 or this run recorded a stop or its
     end, else failed."""
     if exit_code == 0:
         return Action.FINISHED
-    ended = job.wrote(state) and state.get("status") in ("stopped", "finished")
+    written = state is not None and state.written_by(job)
+    ended = written and state.status in (RunStatus.STOPPED, RunStatus.FINISHED)
     return Action.FINISHED if ended else Action.FAIL

@@ -28,7 +28,6 @@ step's exit code, ``run_state.json`` as the step left it, this job's crashes, th
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
@@ -39,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.job import JobFacts, RunDir
-from relaytrain.job.rundir import metrics_record
+from relaytrain.job import JobFacts, RunDir, jsonl
+from relaytrain.job.jsonl import append_event
 from relaytrain.job.slurmctld import usable_job_nodes
 from relaytrain.resilience.crash import CrashLog
-from relaytrain.resilience.requeue import StateRecord, requeue
-from relaytrain.resilience.run_state import RunStateFile
+from relaytrain.resilience.requeue import requeue
+from relaytrain.resilience.run_state import RunState, RunStateFile
 from relaytrain.resilience.step_decision import (  # noqa: F401  (the decision's names, for callers)
     Action,
     Decision,
@@ -58,24 +57,24 @@ from relaytrain.resilience.step_restart import StepFacts
 log = logging.getLogger(__name__)
 
 
-def perform(decision: Decision, job: JobFacts, run_dir: Path | str, restart_file: str = "") -> bool:
+def perform(decision: Decision, job: JobFacts, run: RunDir, restart_file: str = "") -> bool:
     """Carry the decision out: the crash record, run_state.json, the restart file, the requeue.
     Returns whether it requeued."""
     if decision.crash is not None:
-        CrashLog(run_dir).append({**decision.crash, "time": round(time.time(), 3)})
+        CrashLog(run).append({**decision.crash, "time": round(time.time(), 3)})
     for line in decision.say:
         print(f"relaytrain: {line}", flush=True)
     requeued = False
-    run_state = RunStateFile(run_dir)
+    run_state = RunStateFile(run)
     if decision.record is not None:
         if decision.action is Action.REQUEUE:
             requeued = requeue(job, run_state, decision.record, decision.requeue_why)
         else:
-            decision.record.write(run_state, requeue=False)
+            run_state.write(decision.record)  # a new record: no requeue asked for
     if decision.program_stop and decision.record is not None:
-        _note_program_stop(run_dir, decision.record, decision.action is Action.REQUEUE)
+        _note_program_stop(run, decision.record, decision.action is Action.REQUEUE)
     if decision.restart is not None and decision.record is not None:
-        _note_event(run_dir, decision.record.step, _restart_event(decision))
+        _note_event(run, "step_restart", decision.record.step, _restart_event(decision))
         if restart_file:
             # the batch script reads it: one line, the nodes to start the step on ("" for the same)
             Path(restart_file).write_text(",".join(decision.restart.nodes) + "\n", encoding="utf-8")
@@ -86,7 +85,6 @@ def _restart_event(decision: Decision) -> dict[str, Any]:
     assert decision.record is not None and decision.restart is not None and decision.crash is not None
     facts = decision.record.facts
     return {
-        "event": "step_restart",
         "step_restart": facts["step_restart"],
         "exit_code": facts["exit_code"],
         "signal": decision.crash.get("signal", ""),
@@ -95,27 +93,25 @@ def _restart_event(decision: Decision) -> dict[str, Any]:
     }
 
 
-def _note_program_stop(run_dir: Path | str, record: StateRecord, requested: bool) -> None:
+def _note_program_stop(run: RunDir, record: RunState, requested: bool) -> None:
     """The `stop` event relaytrain.program writes for a stop it records, so that `relaytrain status` and
     `report` tell this stop like the others."""
-    fields = {"saved": record.facts.get("saved"), "requeue_requested": requested}
-    _note_event(run_dir, record.step, {"event": "stop", "reason": record.reason, **fields,
-                                       "exit_code": record.facts.get("exit_code")})  # fmt: skip
+    fields = {"saved": record.fact("saved"), "requeue_requested": requested}
+    _note_event(
+        run, "stop", record.step, {"reason": record.reason, **fields, "exit_code": record.fact("exit_code")}
+    )
 
 
-def _note_event(run_dir: Path | str, step: int, fields: dict[str, Any]) -> None:
-    """One `event` line in metrics.jsonl, as monitor/'s sink writes it (monitor/ is the same layer)."""
-    event = metrics_record("event", step, fields)
-    path = RunDir(Path(run_dir)).metrics
+def _note_event(run: RunDir, event: str, step: int, fields: dict[str, Any]) -> None:
+    """One `event` line in metrics.jsonl (`relaytrain.job.jsonl`, as the metrics logger writes it)."""
     try:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(event, allow_nan=False) + "\n")
+        append_event(run, event, step, **fields)
     except OSError as error:
-        log.warning("could not record the %s event in %s: %s", fields["event"], path, error)
+        log.warning("could not record the %s event in %s: %s", event, run.metrics, error)
 
 
 def end_step(
-    run_dir: Path | str,
+    run: RunDir,
     exit_code: int,
     resilience: ResilienceConfig,
     *,
@@ -128,26 +124,16 @@ def end_step(
 ) -> Decision:
     """Decide and perform what follows the step that ended with ``exit_code``; returns the decision."""
     job = JobFacts.from_env(env)
-    run = RunFacts.read(run_dir, job, job_log_tail)
-    step = replace(step or StepFacts(), started=job.wrote(run.state))
+    facts = RunFacts.read(run, job, job_log_tail)
+    step = replace(step or StepFacts(), started=facts.state is not None and facts.state.written_by(job))
     usable = None
     if exit_code != 0 and step.can_restart and job.in_slurm and len(step.nodes) > 1:
         # a node that failed under `--no-kill`: Slurm drops it from the job and shows it down
         usable = usable_job_nodes(job.job_id)
     restartable = Restartable(step, min_nodes, usable)
-    decision = decide(exit_code, run, resilience, job, program=program, restartable=restartable)
-    perform(decision, job, run_dir, restart_file)
+    decision = decide(exit_code, facts, resilience, job, program=program, restartable=restartable)
+    perform(decision, job, run, restart_file)
     return decision
-
-
-def _tail(path: str, size: int = 65536) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - size))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m relaytrain.resilience.step_end") -> int:
@@ -188,13 +174,13 @@ def run(
     # the exit be 0, or the script logs the check as failed.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="relaytrain: %(message)s", stream=sys.stdout)
-    after_step(run_dir, exit_code, config, program=program, job_log=job_log, step=step,
+    after_step(RunDir(Path(run_dir)), exit_code, config, program=program, job_log=job_log, step=step,
                restart_file=restart_file)  # fmt: skip
     return 0
 
 
 def after_step(
-    run_dir: str,
+    run: RunDir,
     exit_code: int,
     config: str = "",
     *,
@@ -213,7 +199,8 @@ def after_step(
         resilience, min_nodes = cfg.resilience, cfg.slurm.min_nodes or cfg.slurm.nodes
     else:
         resilience = ResilienceConfig()
-    return end_step(run_dir, exit_code, resilience, program=program, job_log_tail=_tail(job_log), step=step,
+    tail = jsonl.tail_text(Path(job_log)) if job_log else ""
+    return end_step(run, exit_code, resilience, program=program, job_log_tail=tail, step=step,
                     min_nodes=min_nodes, restart_file=restart_file)  # fmt: skip
 
 

@@ -6,13 +6,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from relaytrain.errors import UserError
-from relaytrain.job import RunDir
+from relaytrain.job import RunDir, jsonl
 from relaytrain.job.slurmctld import queue_states
 from relaytrain.slurm.client import run_slurm, slurm_error
 from relaytrain.slurm.submit import read_jobs
@@ -151,48 +150,34 @@ def list_queue(user_only: bool = True) -> list[Job]:
     return jobs
 
 
-def last_step(run_dir: Path) -> int | None:
+def last_step(run: RunDir) -> int | None:
     """`step` of the last record of <run_dir>/metrics.jsonl that has one; for a --command program
     that writes no metrics, the step of its last stop in run_state.json (docs/programs.md)."""
-    path = RunDir(run_dir).metrics
-    if not path.is_file():
-        from relaytrain.resilience.run_state import RunStateFile
+    if not run.metrics.is_file():
+        from relaytrain.resilience.run_state import recorded_step
 
-        step = (RunStateFile(run_dir).read() or {}).get("step")
-        return step if isinstance(step, int) and step >= 0 else None
-    with open(path, "rb") as f:
-        f.seek(0, 2)
-        f.seek(max(0, f.tell() - 65536))
-        lines = f.read().decode(errors="replace").splitlines()
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] >= 0:
-            return record["step"]  # -1: a stop whose step the batch script could not know (exit 75)
+        step = recorded_step(run)
+        return step if step is not None and step >= 0 else None
+    for record in reversed(jsonl.tail(run.metrics)):
+        step = record.get("step")
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            return step  # -1: a stop whose step the batch script could not know (exit 75)
     return None
 
 
-def nodes_per_run(run_dir: Path, job_id: str) -> str:
+def nodes_per_run(run: RunDir, job_id: str) -> str:
     """The node count each run of a job (its first start, then every restart in place and every requeue)
     trained on, from the start and resume events in <run_dir>/metrics.jsonl: "2, 1, 2" for a job that
     lost a node and got it back."""
     counts: dict[tuple[int, int], object] = {}
     try:
-        lines = RunDir(run_dir).metrics.read_text(errors="replace").splitlines()
+        lines = run.metrics.read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    for line in lines:
-        if '"resume"' not in line and '"start"' not in line:
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    starts = [line for line in lines if '"resume"' in line or '"start"' in line]  # parse only these
+    for rec in jsonl.parse(starts).records:
         if (
-            isinstance(rec, dict)
-            and rec.get("event") in ("start", "resume")
+            rec.get("event") in ("start", "resume")
             and str(rec.get("job_id")) == job_id
             and rec.get("nodes") is not None
         ):
@@ -200,14 +185,14 @@ def nodes_per_run(run_dir: Path, job_id: str) -> str:
     return ", ".join(str(counts[k]) for k in sorted(counts))
 
 
-def run_state_note(run_dir: Path) -> str:
+def run_state_note(run: RunDir) -> str:
     """For a failed run, `<reason>: <message>` from its run_state.json (a crash loop says so), else ``""``."""
-    from relaytrain.resilience.run_state import RunStateFile
+    from relaytrain.resilience.run_state import RunStateFile, RunStatus
 
-    state = RunStateFile(run_dir).read() or {}
-    if state.get("status") != "failed":
+    state = RunStateFile(run).read()
+    if state is None or state.status is not RunStatus.FAILED:
         return ""
-    return f"{state.get('reason', '?')}: {state.get('message', '')}".strip()
+    return f"{state.reason or '?'}: {state.message or ''}".strip()
 
 
 def find_entry(job_id: str, runs_root: Path = Path("runs")) -> dict | None:
@@ -223,42 +208,41 @@ def find_entry(job_id: str, runs_root: Path = Path("runs")) -> dict | None:
     return fallback
 
 
-def find_run_dir(job: Job, runs_root: Path = Path("runs")) -> Path | None:
+def find_run_dir(job: Job, runs_root: Path = Path("runs")) -> RunDir | None:
     """From the job's StdOut (`<run_dir>/slurm/%j.out`), else a `jobs.jsonl` that names the job."""
     entry = find_entry(job.job_id, runs_root)
     if entry and entry.get("run_dir"):
-        return Path(entry["run_dir"])
+        return RunDir(Path(entry["run_dir"]))
     if job.stdout:
-        holder = RunDir.holding_job_log(Path(job.stdout))
-        return holder.root if holder is not None else None
+        return RunDir.holding_job_log(Path(job.stdout))
     return None
 
 
-def describe_run(run_dir: Path) -> list[Job]:
+def describe_run(run: RunDir) -> list[Job]:
     """The last jobs `relaytrain launch/sweep` recorded in the run's jobs.jsonl, as Slurm knows them."""
     jobs = []
-    for entry in read_jobs(RunDir(run_dir).jobs)[-5:]:
+    for entry in read_jobs(run.jobs)[-5:]:
         found = query_job(str(entry["job_id"])) or [Job(job_id=str(entry["job_id"]), state="UNKNOWN")]
         jobs.extend(found)
     for job in jobs:
-        job.run_dir = str(run_dir)
-        job.last_step = last_step(run_dir)
-        job.nodes_per_run = nodes_per_run(run_dir, job.job_id)
+        job.run_dir = str(run.root)
+        job.last_step = last_step(run)
+        job.nodes_per_run = nodes_per_run(run, job.job_id)
     if jobs:
-        jobs[-1].reason = run_state_note(run_dir) or jobs[-1].reason
+        jobs[-1].reason = run_state_note(run) or jobs[-1].reason
     return jobs
 
 
 def describe(job_or_run: str, runs_root: Path = Path("runs")) -> list[Job]:
     """Jobs for a job id, or for a run (name or directory) through its jobs.jsonl."""
-    run_dir = Path(job_or_run) if "/" in job_or_run else runs_root / job_or_run
-    if not re.fullmatch(r"\d+(_\d+)?", job_or_run) and RunDir(run_dir).slurm.is_dir():
-        return describe_run(run_dir)
+    run = RunDir(Path(job_or_run) if "/" in job_or_run else runs_root / job_or_run)
+    if not re.fullmatch(r"\d+(_\d+)?", job_or_run) and run.slurm.is_dir():
+        return describe_run(run)
     jobs = query_job(job_or_run)
     for job in jobs:
         found = find_run_dir(job, runs_root)
         if found is not None:
-            job.run_dir = str(found)
+            job.run_dir = str(found.root)
             job.last_step = last_step(found)
             job.nodes_per_run = nodes_per_run(found, job.job_id)
             job.reason = run_state_note(found) or job.reason

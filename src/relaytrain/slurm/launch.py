@@ -214,16 +214,16 @@ def launch_job(req: LaunchRequest, out: Printer = print) -> tuple[int, str | Non
     check_request(req, "launch")
     notes: list[str] = []
     cfg, send_signal = load_for_job(req, notes=notes)
-    refuse_busy_run_dir(rundir_of(cfg).root, req.after, req.jobid)  # before its files are rewritten
+    refuse_busy_run_dir(rundir_of(cfg), req.after, req.jobid)  # before its files are rewritten
     kind = RunKind(PROGRAM, req.command) if req.command else RunKind(TRAIN)
-    refuse_other_kind(rundir_of(cfg).root, kind)
+    refuse_other_kind(rundir_of(cfg), kind)
     check_resume(cfg)
     notes += check_container(cfg, rundir_of(cfg).root, Path.cwd())
     for line in notes:
         out(line)
     if req.command is None:
         check_plan(cfg, req.force, out)
-    claim_kind(rundir_of(cfg).root, kind)
+    claim_kind(rundir_of(cfg), kind)
     rundir, config_file = write_run_files(cfg)
     spec = build_spec(cfg, req, config_file)
     spec.send_signal = send_signal
@@ -291,8 +291,8 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
     for line in dict.fromkeys(notes):  # the same line once, not once per point
         out(line)
     for point, cfg, command in points:
-        refuse_busy_run_dir(rundir_of(cfg).root, req.after)
-        refuse_other_kind(rundir_of(cfg).root, RunKind(PROGRAM, command) if command else RunKind(TRAIN))
+        refuse_busy_run_dir(rundir_of(cfg), req.after)
+        refuse_other_kind(rundir_of(cfg), RunKind(PROGRAM, command) if command else RunKind(TRAIN))
         check_resume(cfg)
         out(f"point {cfg.run.name}: {_values(point)}" + (f": {command}" if command else ""))
         if req.command is None:
@@ -304,7 +304,7 @@ def sweep(req: LaunchRequest, grid_items: list[str], out: Printer = print) -> in
     table = ["index\trun_name\t" + ("values\tcommand" if req.command is not None else "overrides")]
     rows = []
     for index, (point, cfg, command) in enumerate(points):
-        claim_kind(rundir_of(cfg).root, RunKind(PROGRAM, command) if command else RunKind(TRAIN))
+        claim_kind(rundir_of(cfg), RunKind(PROGRAM, command) if command else RunKind(TRAIN))
         point_dir, config_file = write_run_files(cfg)
         array.append(SweepPoint(config_file=str(config_file), run_dir=str(point_dir.root), command=command))
         table.append("\t".join([str(index), cfg.run.name, _values(point)] + ([command] if command else [])))

@@ -9,7 +9,6 @@ starts only once they ended.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
@@ -18,24 +17,24 @@ from relaytrain.resilience.run_lock import RunLock, busy_message
 from relaytrain.slurm.submit import read_jobs
 
 
-def refuse_busy_run_dir(run_dir: Path, after: str | None = None, attach: str | None = None) -> None:
-    """Raise UserError naming the job (or process) that holds ``run_dir`` or is queued to write it.
+def refuse_busy_run_dir(run: RunDir, after: str | None = None, attach: str | None = None) -> None:
+    """Raise UserError naming the job (or process) that holds the run directory or is queued to write it.
 
     ``attach``: the allocation of `launch --jobid`; a lock its own earlier step left is for the step
     to judge (on its node it can tell whether that process still runs).
     """
     waits_for = set(re.split(r"[:,?\s]+", after or "")) - {""}
-    holder, alive, why = RunLock(run_dir).current_holder()
+    holder, alive, why = RunLock(run).current_holder()
     if alive and not (holder is not None and holder.job_id in waits_for | {attach}):
         text = holder.describe(why) if holder is not None else f"an unreadable lock ({why})"
-        raise UserError(busy_message(run_dir, text, holder.job_id if holder else "") + "; nothing submitted")
-    recorded = {str(entry.get("job_id", "")) for entry in read_jobs(RunDir(run_dir).jobs)}
+        raise UserError(busy_message(run, text, holder.job_id if holder else "") + "; nothing submitted")
+    recorded = {str(entry.get("job_id", "")) for entry in read_jobs(run.jobs)}
     recorded = {
         job for job in recorded if job and job not in waits_for and job.split("_")[0] not in waits_for
     }
     for job_id, state in (queued_jobs(sorted(recorded)) or []) if recorded else []:
         if not job_is_over([state]):
             raise UserError(
-                busy_message(run_dir, f"job {job_id} (submitted for it, {state})", job_id, lock=False)
+                busy_message(run, f"job {job_id} (submitted for it, {state})", job_id, lock=False)
                 + "; nothing submitted"
             )

@@ -6,7 +6,6 @@ a laptop, under torchrun or in a Slurm job. The jobs of a launched run are added
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -29,34 +28,17 @@ def is_run_dir(path: Path) -> bool:
     return path.is_dir() and any(marker.exists() for marker in RunDir(path).markers)
 
 
-def find_run(target: str, runs_root: Path) -> Path | None:
+def find_run(target: str, runs_root: Path) -> RunDir | None:
     """A run name under `runs_root`, or the path of a run directory; None when it is neither."""
     candidates = [runs_root / target]
     if not JOB_ID.fullmatch(target):  # a bare number is a job id unless runs_root holds a run of that name
         candidates.append(Path(target))
-    return next((path for path in candidates if is_run_dir(path)), None)
+    return next((RunDir(path) for path in candidates if is_run_dir(path)), None)
 
 
-def damaged_state(run_dir: Path) -> str:
-    """Why the run's run_state.json cannot be read ("" when it is fine or not there yet)."""
-    path = RunDir(run_dir).run_state
-    if not path.exists() or RunStateFile(run_dir).read() is not None:
-        return ""
-    try:
-        json.loads(path.read_text(encoding="utf-8"))
-        why = "not a JSON object"
-    except (OSError, ValueError) as exc:
-        why = str(exc)
-    return (
-        f"{path} is damaged ({why}); the run's state is unknown (its checkpoints are not affected: the "
-        "next start rewrites the file)"
-    )
-
-
-def run_log(run_dir: Path) -> tuple[Path, str]:
+def run_log(run: RunDir) -> tuple[Path, str]:
     """The run's log and the Slurm job that writes it: the output of its newest recorded job, else
     rank 0's log (a run without Slurm; job ""). A UserError when it has neither yet."""
-    run = RunDir(run_dir)
     for entry in reversed(read_jobs(run.jobs)):
         job_id = str(entry.get("job_id", ""))
         if entry.get("kind") == "sweep":  # the array's own directory: its first task's output
@@ -67,7 +49,7 @@ def run_log(run_dir: Path) -> tuple[Path, str]:
     if run.rank_log(0).is_file():
         return run.rank_log(0), ""
     raise UserError(
-        f"run {run_dir} has no log yet: no job output under {run.slurm} and no {run.rank_log(0)} (a "
+        f"run {run.root} has no log yet: no job output under {run.slurm} and no {run.rank_log(0)} (a "
         "program writes its own output)"
     )
 
@@ -76,37 +58,38 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
-def run_rows(run_dir: Path) -> list[tuple[str, str]]:
+def run_rows(run: RunDir) -> list[tuple[str, str]]:
     """(what, value) rows: state, step, time, the job that wrote it, the latest checkpoint and every
     reason, error or message run_state.json records (whoever wrote it: the loop, the crash check, a
     checkpoint check)."""
-    state = RunStateFile(run_dir).read()
-    rows = [("run dir", str(run_dir))]
-    damaged = damaged_state(run_dir)
+    rows = [("run dir", str(run.root))]
+    record_file = RunStateFile(run)
+    record, damaged = record_file.read(), record_file.damage()
     if damaged:
         rows.append(("state", f"damaged: {damaged}"))
-    elif state is None:
+    elif record is None:
         rows.append(("state", f"unknown: no {RUN_STATE_FILE} yet (the run has not started yet)"))
     else:
-        status, reason = str(state.get("status", "?")), str(state.get("reason", ""))
+        state = record.as_json()
+        status, reason = record.status.value, record.reason
         rows.append(("state", f"{status} ({reason})" if reason else status))
-        rows.append(("at step", str(state.get("step", "?"))))
-        rows.append(("recorded", f"{state.get('time', '?')} on {state.get('host', '?')}"))
+        rows.append(("at step", str(record.step)))
+        rows.append(("recorded", f"{record.time or '?'} on {record.host or '?'}"))
         if state.get("job_id"):
             rows.append(("slurm job", f"{state['job_id']} (restart {state.get('restart_count', 0)})"))
-        if state.get("message"):
-            rows.append(("message", _text(state["message"])))
+        if record.message:
+            rows.append(("message", record.message))
         for key in sorted(state):
             if key not in _SHOWN and _NOTE_KEY.search(key) and state[key] not in ("", None, [], {}):
                 rows.append((key, _text(state[key])))
-    crashes = CrashLog(run_dir).entries()
+    crashes = CrashLog(run).entries()
     if crashes:
         in_place = sum(1 for e in crashes if e.get("action") == RESTARTED)
         requeued = sum(1 for e in crashes if e.get("action", "requeue") == "requeue")
         rows.append(("crashes", f"{len(crashes)}: {in_place} in place, {requeued} requeued (crashes.jsonl)"))
-    step = last_step(run_dir)
+    step = last_step(run)
     rows.append(("last logged step", "none yet" if step is None else str(step)))
-    latest = read_latest(RunDir(run_dir).checkpoints)
+    latest = read_latest(run.checkpoints)
     if latest is not None:
         rows.append(("latest checkpoint", str(latest)))
     return rows

@@ -52,16 +52,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not args.target:
         found = jobs.list_queue(user_only=not args.all)  # a UserError when Slurm cannot be asked
         for job in found:
-            run_dir = jobs.find_run_dir(job, runs)
-            if run_dir is not None:
-                job.run_dir, job.last_step = str(run_dir), jobs.last_step(run_dir)
+            found_run = jobs.find_run_dir(job, runs)
+            if found_run is not None:
+                job.run_dir, job.last_step = str(found_run.root), jobs.last_step(found_run)
         console.print(_job_table(found) if found else "no pending or running jobs")
         return 0
+    from relaytrain.resilience.run_state import RunStateFile
     from relaytrain.slurm.client import SlurmUnavailable
-    from relaytrain.slurm.run_view import damaged_state, find_run, run_rows
+    from relaytrain.slurm.run_view import find_run, run_rows
 
-    run_dir = find_run(args.target, runs)
-    if run_dir is None:
+    run = find_run(args.target, runs)
+    if run is None:
         try:
             found = jobs.describe(args.target, runs)
         except SlurmUnavailable as exc:
@@ -73,13 +74,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
         console.print(_job_table(found))
         return 0
-    facts = Table(title=f"run {run_dir.name}", show_header=False)
+    facts = Table(title=f"run {run.root.name}", show_header=False)
     facts.add_column("what")
     facts.add_column("value", overflow="fold")
-    for name, value in run_rows(run_dir):
+    for name, value in run_rows(run):
         facts.add_row(name, value)
     console.print(facts)
-    run = RunDir(run_dir)
     if run.slurm.is_dir():
         from relaytrain.slurm.submit import read_jobs, submission_line
 
@@ -88,10 +88,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             console.print(f"its Slurm jobs: none submitted (no job recorded in {run.jobs}){again}")
         else:
             try:
-                console.print(_job_table(jobs.describe_run(run_dir)))
+                console.print(_job_table(jobs.describe_run(run)))
             except SlurmUnavailable as exc:  # the run's own files above still answer
                 console.print(f"its Slurm jobs: unknown ({exc})")
-    if damaged := damaged_state(run_dir):
+    if damaged := RunStateFile(run).damage():
         print(f"relaytrain: error: {damaged}", file=sys.stderr)
         return 1
     return 0
@@ -102,13 +102,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
     from relaytrain.slurm import jobs
     from relaytrain.slurm.run_view import JOB_ID, find_run, run_log
 
-    run_dir = find_run(args.target, Path(args.runs))
-    if run_dir is not None:
-        path, job_id = run_log(run_dir)  # a UserError when the run has no log yet
+    run = find_run(args.target, Path(args.runs))
+    if run is not None:
+        path, job_id = run_log(run)  # a UserError when the run has no log yet
         print(f"==> {path} <==", file=sys.stderr, flush=True)
         if job_id:
             return _print_log(path, args.follow, lambda: jobs.is_active(job_id))
-        return _print_log(path, args.follow, lambda: RunLock(run_dir).current_holder()[1])
+        return _print_log(path, args.follow, lambda: RunLock(run).current_holder()[1])
     if not JOB_ID.fullmatch(args.target):
         raise UserError(f"no run {args.target!r} under {args.runs}/ or at that path, and not a job id")
     records = jobs.query_job(args.target) or [jobs.Job(job_id=args.target)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import shutil
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.errors import UserError
+from relaytrain.job import jsonl
 from relaytrain.slurm.client import run_slurm
 
 _JOB_IDS = re.compile(r"[0-9]+(?:_[0-9]+)?(?::[0-9]+(?:_[0-9]+)?)*")  # 1234, 1234_5, 1234:1240
@@ -64,20 +64,9 @@ def submit(script: Path, after: str | None = None) -> str:
 
 def record_job(jobs_file: Path, entry: dict[str, Any]) -> None:
     """Append ``entry`` to a run's jobs.jsonl (`RunDir.jobs`)."""
-    jobs_file.parent.mkdir(parents=True, exist_ok=True)
-    entry = {"submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **entry}
-    with open(jobs_file, "a") as f:
-        f.write(json.dumps(entry) + "\n")
+    jsonl.append(jobs_file, {"submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **entry})
 
 
 def read_jobs(path: Path) -> list[dict[str, Any]]:
     """The entries of a run's jobs.jsonl (`RunDir.jobs`); none when it does not exist."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return jsonl.read(path).records

@@ -28,6 +28,7 @@ from relaytrain.checkpoint.snapshot.restore import forget_after, restore_snapsho
 from relaytrain.checkpoint.training_state import TrainingState
 from relaytrain.config.schema import CheckpointConfig
 from relaytrain.job.facts import JobFacts
+from relaytrain.job.rundir import RunDir
 
 log = logging.getLogger("relaytrain.checkpoint")
 
@@ -42,7 +43,7 @@ class SnapshotTier:
     def __init__(
         self,
         cfg: CheckpointConfig,
-        run_dir: Path,
+        run: RunDir,
         config_hash: str,
         state: TrainingState,
         collectives: Collectives,
@@ -57,12 +58,12 @@ class SnapshotTier:
         self.last: dict[str, float] = {}  # the newest snapshot: blocking_s, bytes (rank 0 logs them)
         self.written: dict[str, float] = {}  # its write, once done: replicate_s, replicated_bytes, write_s
         job = JobFacts.from_env()
-        self.root = store.job_root(cfg.snapshot_dir, run_dir, job)
+        self.root = store.job_root(cfg.snapshot_dir, run.root, job)
         self.ring = Ring.of(all_gather(job.host(), self._coll.ctrl, world_size), cfg.snapshot_replicas)
         self.node_dir = self.root / self.ring.hosts[rank]
         self.targets, self.sources = self.ring.targets(rank), self.ring.sources(rank)
         if self.ring.is_node_leader(rank):
-            for stale in store.remove_earlier_jobs(cfg.snapshot_dir, run_dir, job):
+            for stale in store.remove_earlier_jobs(cfg.snapshot_dir, run.root, job):
                 log.info("removed the snapshots an earlier job of this run left on this node: %s", stale)
         if rank == 0:
             nodes = len(self.ring.nodes)
