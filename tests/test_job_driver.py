@@ -114,7 +114,7 @@ def test_a_crashed_step_restarts_in_place_then_the_job_frees_its_snapshots(job, 
     (cleanup,) = (job / "fake.cleanup").read_text().splitlines()
     assert cleanup.startswith("--overlap --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=node1,node2")
     assert cleanup.endswith("-m relaytrain.checkpoint.snapshot cleanup --config ")
-    assert [e["action"] for e in CrashLog(run_dir).entries()] == ["restart"]
+    assert [e["action"] for e in CrashLog(RunDir(run_dir)).entries()] == ["restart"]
 
 
 def test_a_requeued_job_keeps_its_snapshots(job):
