@@ -21,7 +21,8 @@ step's exit code, ``run_state.json`` as the step left it, this job's crashes, th
   (the run failed and is not retried: NaN, a damaged checkpoint, a config error, a program's exit code).
 
 ``perform`` carries it out: ``crashes.jsonl``, ``run_state.json``, a ``step_restart`` event in
-``metrics.jsonl``, the restart file the batch script reads (where to start the step again), and
+``metrics.jsonl``, the restart file (where to start the step again; only batch scripts written by
+earlier versions ask for it: the driver takes the decision's nodes directly), and
 ``requeue.requeue``, the one function that requeues a job (the run's own stop path calls it too).
 """
 
