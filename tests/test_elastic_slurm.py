@@ -83,7 +83,7 @@ def test_a_node_range_job_continues_in_place_on_fewer_nodes_then_grows_back(slur
     assert fields["JobState"] == "COMPLETED", job_log(run_dir, job)
     # The stop's requeue; the lost node cost none. The step that lost the node stays `completing` until
     # the node is back, and the stop's signal may reach the next run's step of the same id too (Slurm
-    # delivers it late): then one more stop and requeue, with nothing lost.
+    # delivers it late): then one more stop and requeue, or a restart in place (below), with nothing lost.
     assert int(fields["Restarts"]) >= 1
     starts = [e for e in events(run_dir) if e["event"] in ("start", "resume")]
     keys = ("event", "restart", "step_restart", "nodes", "world_size")
@@ -92,9 +92,13 @@ def test_a_node_range_job_continues_in_place_on_fewer_nodes_then_grows_back(slur
         ("resume", 0, 1, 1, 2),
         ("resume", 1, 0, 2, 4),
     ]
-    assert {(e["nodes"], e.get("step_restart", 0)) for e in starts[3:]} <= {(2, 0)}
-    (restart,) = [e for e in events(run_dir) if e["event"] == "step_restart"]
+    assert {e["nodes"] for e in starts[3:]} <= {2}
+    restart, *late = [e for e in events(run_dir) if e["event"] == "step_restart"]
     assert restart["nodes_lost"] == [lost] and restart["nodes"] == [batch_host], restart
+    # Slurm may also deliver the requeue's cancellation of step <job>.0 late, to the next run's step of
+    # the same id (its tasks SIGKILLed at start-up, "STEP <job>.0 CANCELLED" in the job log): a crash,
+    # restarted in place on the same nodes (both: the starts above), no node lost.
+    assert all(e["restart"] >= 1 and e["nodes_lost"] == [] for e in late), late
     resizes = [e for e in events(run_dir) if e["event"] == "resize"]
     assert [(e["from_nodes"], e["nodes"], e["from_grad_accum"], e["grad_accum"]) for e in resizes][:2] == [
         (2, 1, 1, 2),  # 8 sequences over dp 4 -> 2 per rank, 1 micro batch of 2; over dp 2 -> 2 x 2

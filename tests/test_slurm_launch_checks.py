@@ -193,8 +193,11 @@ def test_presets_pass_their_own_plan_on_the_documented_layouts(command, capsys, 
     assert "step time (estimate)" in out and "time to train (estimate)" in out
 
 
-def test_step_estimate_is_flops_over_assumed_mfu(capsys):
+def test_step_estimate_is_flops_over_assumed_mfu(capsys, monkeypatch, tmp_path):
     from relaytrain.model.flops import flops_per_token
+
+    # An 8-GPU node's plan, not the CPU-only local cluster's (SLURM_CONF of a Slurm test run before).
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-slurm.conf"))
 
     cfg = load_config(REPO / "configs/8b.toml")
     plan = make_plan(cfg, 4, 8, "h100", mfu=0.5)
