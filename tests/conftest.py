@@ -39,6 +39,14 @@ TINY = [
 ]
 
 
+def fake_tool(bin_dir: Path, name: str, body: str) -> None:
+    """An executable bash script `bin_dir/name` (a stand-in for a Slurm tool on PATH)."""
+    bin_dir.mkdir(exist_ok=True)
+    path = bin_dir / name
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(0o755)
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})

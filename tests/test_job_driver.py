@@ -23,20 +23,16 @@ from relaytrain.resilience.job_step import SignalForwarder, exit_status
 from relaytrain.resilience.run_state import RunState, RunStateFile
 from relaytrain.resilience.step_decision import step_marker
 
-from conftest import child_env
-
-
-def fake(bin_dir: Path, name: str, body: str) -> None:
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / name).write_text("#!/bin/bash\n" + body)
-    (bin_dir / name).chmod(0o755)
+from conftest import child_env, fake_tool
 
 
 @pytest.fixture
 def job(tmp_path, monkeypatch):
     """A Slurm job's variables (restored afterwards: the driver sets the step's own) and fake tools."""
     bin_dir = tmp_path / "bin"
-    fake(bin_dir, "scontrol", '[[ $1 == requeue ]] && echo "requeue $2" >> "$FAKE_LOG.requeue"; exit 0\n')
+    fake_tool(
+        bin_dir, "scontrol", '[[ $1 == requeue ]] && echo "requeue $2" >> "$FAKE_LOG.requeue"; exit 0\n'
+    )
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "fake"))
     variables = {"SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NTASKS": "4",
@@ -98,7 +94,7 @@ def test_a_signal_that_came_between_steps_goes_to_the_next_step():
 
 
 def test_a_crashed_step_restarts_in_place_then_the_job_frees_its_snapshots(job, capfd):
-    fake(job / "bin", "srun",
+    fake_tool(job / "bin", "srun",
          'if [[ $* == *snapshot* ]]; then echo "$*" >> "$FAKE_LOG.cleanup"; exit 0; fi\n'
          'echo "step $RELAYTRAIN_STEP_RESTARTS $*" >> "$FAKE_LOG.steps"\n'
          '[[ $RELAYTRAIN_STEP_RESTARTS == 0 ]] && exit 137; exit 0\n')  # fmt: skip
@@ -119,7 +115,7 @@ def test_a_crashed_step_restarts_in_place_then_the_job_frees_its_snapshots(job, 
 
 def test_a_requeued_job_keeps_its_snapshots(job):
     run_dir = job / "run"
-    fake(job / "bin", "srun", '[[ $* == *snapshot* ]] && echo cleanup >> "$FAKE_LOG.cleanup"; exit 0\n')
+    fake_tool(job / "bin", "srun", '[[ $* == *snapshot* ]] && echo cleanup >> "$FAKE_LOG.cleanup"; exit 0\n')
     RunStateFile(RunDir(run_dir)).write(
         RunState.of("stopped", "time_limit_signal", 5, requeue_requested=True, requeued=True)
     )
@@ -133,7 +129,7 @@ def test_when_the_decision_fails_the_pending_requeue_is_still_done(job, monkeypa
         raise RuntimeError("the decision broke")
 
     monkeypatch.setattr(job_driver, "after_step", broken)
-    fake(job / "bin", "srun", "exit 75\n")
+    fake_tool(job / "bin", "srun", "exit 75\n")
     run_dir = job / "run"
     RunStateFile(RunDir(run_dir)).write(
         RunState.of("stopped", "time_budget", 5, requeue_requested=True, requeue_pending=True)
@@ -151,7 +147,7 @@ def test_the_decision_reads_only_its_own_steps_part_of_the_job_log(job, tmp_path
     `srun: error` lines in the same output file are not this crash's."""
     log_file = tmp_path / "slurm-123.out"
     log_file.write_text("srun: error: old9: task 0: Killed\n")  # an earlier run of the job
-    fake(job / "bin", "srun",
+    fake_tool(job / "bin", "srun",
          '[[ $RELAYTRAIN_STEP_RESTARTS == 0 ]] || exit 0\n'
          'echo "srun: error: node2: task 1: Killed"; exit 137\n')  # fmt: skip
     command = [sys.executable, "-m", "relaytrain.resilience.job_driver", "--run-dir", str(tmp_path / "run"),

@@ -14,6 +14,8 @@ from relaytrain.config import load_config
 from relaytrain.plan.checks import make_plan
 from relaytrain.slurm.jobs import describe, parse_scontrol_record
 
+from conftest import fake_tool
+
 REPO = Path(__file__).resolve().parents[1]
 
 SCONTROL_123 = (
@@ -24,12 +26,6 @@ SCONTROL_123 = (
     "NumNodes=2 NumCPUs=4 Command={run}/slurm/job.sh WorkDir={work} StdErr={run}/slurm/123.out "
     "StdIn=/dev/null StdOut={run}/slurm/123.out Power="
 )
-
-
-def fake(bin_dir: Path, name: str, body: str) -> None:
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / name).write_text("#!/bin/bash\n" + body)
-    (bin_dir / name).chmod(0o755)
 
 
 @pytest.fixture
@@ -53,13 +49,13 @@ def cluster(tmp_path, monkeypatch):
     )
     bin_dir = tmp_path / "bin"
     (tmp_path / "scontrol_123").write_text(SCONTROL_123.format(run=run, work=tmp_path) + "\n")
-    fake(
+    fake_tool(
         bin_dir,
         "scontrol",
         f'if [[ "$*" == "show job -o 123" ]]; then cat {tmp_path}/scontrol_123; exit 0; fi\n'
         'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n',
     )
-    fake(
+    fake_tool(
         bin_dir,
         "sacct",
         "if [[ $1 == -c && $3 == 124 ]]; then\n"
@@ -67,13 +63,13 @@ def cluster(tmp_path, monkeypatch):
         '  echo "124|7b|COMPLETED|0:0|00:02:00|2|2026-11-22T00:02:00|2026-11-22T00:04:00|node[1-2]"\n'
         '  exit 0\nfi\necho "Slurm accounting storage is disabled" >&2; exit 1\n',
     )
-    fake(
+    fake_tool(
         bin_dir,
         "squeue",
         'if [[ " $* " == *" -j "* ]]; then exit 0; fi\necho "123|7b|RUNNING|10:01|1:00:00|2|node[1-2]"\n',
     )
-    fake(bin_dir, "scancel", f'printf "%s\\n" "$@" > {tmp_path}/scancel.args\n')
-    fake(bin_dir, "sinfo", 'echo "debug*|up|2"; echo "high|up|2"; echo "maint|down|1"\n')
+    fake_tool(bin_dir, "scancel", f'printf "%s\\n" "$@" > {tmp_path}/scancel.args\n')
+    fake_tool(bin_dir, "sinfo", 'echo "debug*|up|2"; echo "high|up|2"; echo "maint|down|1"\n')
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     for key in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST"):
         monkeypatch.delenv(key, raising=False)
@@ -140,7 +136,7 @@ def test_doctor_inside_an_allocation_checks_every_node(cluster, monkeypatch):
     from relaytrain.slurm.doctor import check_environment, check_shared_dir
 
     # srun runs the command once per fake node, as SLURMD_NODENAME=nodeK, with this interpreter as python.
-    fake(
+    fake_tool(
         cluster / "bin",
         "srun",
         f"for n in node1 node2; do SLURMD_NODENAME=$n PATH={Path(sys.executable).parent}:$PATH "
@@ -151,7 +147,7 @@ def test_doctor_inside_an_allocation_checks_every_node(cluster, monkeypatch):
     assert not list((cluster / "runs").glob(".doctor-*"))
     name, level, detail = check_environment(["node1", "node2"])
     assert level == "pass", detail
-    fake(cluster / "bin", "srun", 'SLURMD_NODENAME=node1 "${@:4}"\n')  # node2 does not see the directory
+    fake_tool(cluster / "bin", "srun", 'SLURMD_NODENAME=node1 "${@:4}"\n')  # node2 does not see the directory
     assert check_shared_dir(cluster / "runs", ["node1", "node2"])[1] == "fail"
 
 
@@ -221,7 +217,7 @@ OFFLOADED_8B = [
 
 
 def test_plan_counts_offloaded_states_in_host_memory(tmp_path, monkeypatch, capsys):
-    fake(tmp_path / "bin", "sinfo", "printf 'gpu*|gpu:h100:1|524288\\n'\n")  # 512 GiB nodes
+    fake_tool(tmp_path / "bin", "sinfo", "printf 'gpu*|gpu:h100:1|524288\\n'\n")  # 512 GiB nodes
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     assert main(OFFLOADED_8B) == 0
     out = capsys.readouterr().out

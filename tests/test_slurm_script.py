@@ -23,16 +23,10 @@ from relaytrain.slurm.partition import PartitionFacts, gres_gpus, parse_sinfo
 from relaytrain.slurm.script import sbatch_value
 
 import needs
+from conftest import fake_tool
 
 REPO = Path(__file__).resolve().parents[1]
 SHELLCHECK = shutil.which("shellcheck")
-
-
-def fake(bin_dir: Path, name: str, body: str) -> None:
-    bin_dir.mkdir(exist_ok=True)
-    path = bin_dir / name
-    path.write_text("#!/bin/bash\n" + body)
-    path.chmod(0o755)
 
 
 @pytest.fixture
@@ -40,17 +34,19 @@ def work(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     bin_dir = tmp_path / "bin"
     # scontrol expands the two-node list; srun records its arguments, one per line, then exits 0.
-    fake(bin_dir, "scontrol", "if [[ $1 == show && $2 == hostnames ]]; then echo node1; echo node2; fi\n")
-    fake(bin_dir, "srun", 'printf "%s\\n" "$@" > "$FAKE_LOG.srun.$$"\n')
-    fake(
+    fake_tool(
+        bin_dir, "scontrol", "if [[ $1 == show && $2 == hostnames ]]; then echo node1; echo node2; fi\n"
+    )
+    fake_tool(bin_dir, "srun", 'printf "%s\\n" "$@" > "$FAKE_LOG.srun.$$"\n')
+    fake_tool(
         bin_dir,
         "sbatch",
         'n=$(( $(cat "$FAKE_LOG.count" 2>/dev/null || echo 100) + 1 )); echo $n > "$FAKE_LOG.count"\n'
         'printf "%s\\n" "$@" > "$FAKE_LOG.sbatch.$n"; echo "$n"\n',
     )
-    fake(bin_dir, "squeue", 'echo "node[1-2]"\n')
+    fake_tool(bin_dir, "squeue", 'echo "node[1-2]"\n')
     # No cluster answers: gpus_per_node falls back to 8 unless a test writes its own sinfo.
-    fake(bin_dir, "sinfo", "echo 'sinfo: error: no cluster' >&2; exit 1\n")
+    fake_tool(bin_dir, "sinfo", "echo 'sinfo: error: no cluster' >&2; exit 1\n")
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "fake"))
     return tmp_path
@@ -144,7 +140,7 @@ def test_gres_strings_and_sinfo_rows():
 
 
 def test_gpus_per_node_comes_from_the_partition_when_not_given(work):
-    fake(work / "bin", "sinfo", "printf 'debug*|(null)|4000\\ngpu|gpu:h100:4(S:0-1)|512000\\n'\n")
+    fake_tool(work / "bin", "sinfo", "printf 'debug*|(null)|4000\\ngpu|gpu:h100:4(S:0-1)|512000\\n'\n")
     partition._cached_facts.cache_clear()
     cpu = dry("debug", slurm={"nodes": 1, "tasks_per_node": 2, "gpu_type": ""})
     assert "--gpus-per-node" not in cpu
@@ -301,8 +297,8 @@ def test_the_batch_shell_forwards_the_slurm_signal_to_the_job_step(work, by):
     """relaytrain's driver, which the batch shell becomes, forwards it; so does the shell itself where
     its python cannot import relaytrain (a container job's host python)."""
     if by == "shell":
-        fake(work / "bin", "python", "exit 1\n")
-    fake(
+        fake_tool(work / "bin", "python", "exit 1\n")
+    fake_tool(
         work / "bin",
         "srun",
         'trap \'echo "step got USR2" >> "$FAKE_LOG.step"; exit 0\' USR2\n'
@@ -341,7 +337,7 @@ def test_the_batch_shell_forwards_the_slurm_signal_to_the_job_step(work, by):
 
 
 def test_attach_to_an_existing_allocation_runs_srun_overlap_without_sbatch(work):
-    fake(
+    fake_tool(
         work / "bin",
         "srun",
         'printf "%s\\n" "$@" > "$FAKE_LOG.srun.$$"\n'
