@@ -19,10 +19,10 @@ from relaytrain.errors import UserError
 from relaytrain.job import RunDir
 from relaytrain.resilience import step_end
 from relaytrain.slurm.launch import LaunchRequest, launch
-from test_slurm_script import SHELLCHECK, dry, fake, quiet, run_script
+from test_slurm_script import SHELLCHECK, dry, quiet, run_script
 
 import needs
-from conftest import REPO, child_env
+from conftest import REPO, child_env, fake_tool
 
 work = test_slurm_script.work  # the fixture: fake srun/scontrol/sbatch on PATH, cwd in tmp_path
 
@@ -97,7 +97,7 @@ def test_outside_slurm_the_api_never_stops_on_its_own(tmp_path):
 @pytest.fixture
 def job_env(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
-    fake(bin_dir, "scontrol", 'echo "$@" >> "$FAKE_LOG.scontrol"\n')
+    fake_tool(bin_dir, "scontrol", 'echo "$@" >> "$FAKE_LOG.scontrol"\n')
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "fake"))
     for key, value in {"SLURM_JOB_ID": "41", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "1"}.items():
@@ -197,8 +197,10 @@ def test_command_scripts_pass_shellcheck(work):
 
 
 def test_the_script_requeues_a_step_that_exited_75(work):
-    fake(work / "bin", "srun", "exit 75\n")
-    fake(work / "bin", "scontrol", 'if [[ $1 == requeue ]]; then echo "$@" >> "$FAKE_LOG.scontrol"; fi\n')
+    fake_tool(work / "bin", "srun", "exit 75\n")
+    fake_tool(
+        work / "bin", "scontrol", 'if [[ $1 == requeue ]]; then echo "$@" >> "$FAKE_LOG.scontrol"; fi\n'
+    )
     launch(
         LaunchRequest(name="p75", command="python t.py", slurm={"gpus_per_node": 0, "tasks_per_node": 1},
                       dry_run=True), quiet)  # fmt: skip

@@ -13,7 +13,9 @@ from relaytrain.cli import main
 from relaytrain.errors import UserError
 from relaytrain.slurm.grid import parse_grid, render_command
 from relaytrain.slurm.launch import LaunchRequest, sweep
-from test_slurm_script import fake, quiet, run_script, srun_calls
+from test_slurm_script import quiet, run_script, srun_calls
+
+from conftest import fake_tool
 
 work = test_slurm_script.work  # the fixture: fake srun/scontrol/sbatch on PATH, cwd in tmp_path
 
@@ -81,13 +83,15 @@ def test_command_sweep_gives_each_array_task_its_command_run_dir_and_array_aware
     assert entries[0]["job_id"] == "101_2"
     # Array task 2's step exits 75: its own command ran, with its run directory, and the batch shell
     # requeued that array task (not the whole array) with reason program_exit.
-    fake(
+    fake_tool(
         work / "bin",
         "srun",
         'printf "%s\\n" "$@" > "$FAKE_LOG.srun.$$"\n'
         'echo "$RELAYTRAIN_RUN_DIR" >> "$FAKE_LOG.dirs"\nexit 75\n',
     )
-    fake(work / "bin", "scontrol", 'if [[ $1 == requeue ]]; then echo "$@" >> "$FAKE_LOG.scontrol"; fi\n')
+    fake_tool(
+        work / "bin", "scontrol", 'if [[ $1 == requeue ]]; then echo "$@" >> "$FAKE_LOG.scontrol"; fi\n'
+    )
     done = run_script(
         script, {"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_JOB_ID": "101", "SLURM_JOB_ID": "104"}
     )

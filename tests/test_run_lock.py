@@ -23,11 +23,10 @@ from relaytrain.resilience import crash, step_end
 from relaytrain.resilience.run_lock import Holder, RunLock, process_start
 from relaytrain.resilience.run_state import RunState, RunStateFile
 from relaytrain.slurm.submit import read_jobs
-from test_slurm_script import fake
 from tiny_config import TINY_TOML
 
 import faults
-from conftest import REPO, child_env, run_torchrun
+from conftest import REPO, child_env, fake_tool, run_torchrun
 from slurm_fixtures import job_fields, slurm, wait_for
 
 
@@ -56,7 +55,7 @@ def write_lock(run_dir: Path, **fields) -> Holder:
 
 def squeue_says(tmp_path: Path, monkeypatch, output: str) -> None:
     """A squeue on PATH that prints `output` for `squeue -h -j ID -o '%i %T'` (and records the call)."""
-    fake(tmp_path / "bin", "squeue", f'echo "$*" >> {tmp_path}/squeue.calls\nprintf "{output}"\n')
+    fake_tool(tmp_path / "bin", "squeue", f'echo "$*" >> {tmp_path}/squeue.calls\nprintf "{output}"\n')
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
 
 

@@ -19,12 +19,13 @@ from relaytrain.slurm import partition
 from relaytrain.slurm.launch import LaunchRequest, chain, launch, sweep
 from test_slurm_script import (
     dry,
-    fake,
     quiet,
     run_script,
     srun_calls,
     work,  # noqa: F401  (the fixture the tests below take)
 )
+
+from conftest import fake_tool
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +55,7 @@ def test_a_whole_node_job_gets_the_node_when_sinfo_cannot_answer(work):
 
 
 def test_cpus_and_memory_come_from_sinfo_and_a_set_value_wins(work):
-    fake(work / "bin", "sinfo", "printf 'gpu*|gpu:h100:8(S:0-1)|1000000|96\\n'\n")
+    fake_tool(work / "bin", "sinfo", "printf 'gpu*|gpu:h100:8(S:0-1)|1000000|96\\n'\n")
     partition._cached_facts.cache_clear()
     whole = dry("7b", slurm={"nodes": 1, "gpus_per_node": 8}).splitlines()
     for line in ("#SBATCH --exclusive", "#SBATCH --mem=0", "#SBATCH --cpus-per-task=96"):
@@ -113,8 +114,8 @@ def test_a_container_job_says_how_relaytrain_runs_and_what_it_leaves_out(work):
     script = work / "runs/debug/slurm/job.sh"
     assert f"    --container-workdir={work}" in script.read_text().splitlines()  # the launch directory
     # The crash check runs on the batch shell's python when it imports relaytrain, else says it did not.
-    fake(work / "bin", "srun", "exit 3\n")
-    fake(work / "bin", "python", "exit 1\n")
+    fake_tool(work / "bin", "srun", "exit 3\n")
+    fake_tool(work / "bin", "python", "exit 1\n")
     result = run_script(script, {})
     assert result.returncode == 3
     assert "crash recovery skipped: this shell's python (outside the container image)" in result.stdout

@@ -17,9 +17,9 @@ from relaytrain.resilience import requeue, step_end
 from relaytrain.resilience.crash import CrashLog
 from relaytrain.resilience.run_state import RunState, RunStateFile
 from relaytrain.resilience.step_end import Action, RunFacts, decide
-from test_slurm_script import dry, fake, run_script
+from test_slurm_script import dry, run_script
 
-from conftest import child_env
+from conftest import child_env, fake_tool
 
 work = test_slurm_script.work  # the fixture: fake srun/scontrol/sbatch on PATH, cwd in tmp_path
 
@@ -138,8 +138,8 @@ def test_the_batch_script_requeues_a_crashed_step_through_the_one_call(work):
     script = Path(work) / "runs/debug/slurm/job.sh"
     text = script.read_text()
     assert "-m relaytrain.resilience.job_driver --run-dir" in text and "step_end" not in text
-    fake(work / "bin", "srun", "exit 3\n")
-    fake(
+    fake_tool(work / "bin", "srun", "exit 3\n")
+    fake_tool(
         work / "bin", "scontrol", '[[ $1 == requeue ]] && echo "requeue $2" >> "$FAKE_LOG.requeue"; exit 0\n'
     )
     result = run_script(script, {}, timeout=300)  # pip freeze and two python starts on a busy machine

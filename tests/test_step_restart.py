@@ -19,7 +19,9 @@ from relaytrain.resilience.run_state import RunState, RunStateFile
 from relaytrain.resilience.step_end import Action, Restartable, RunFacts, decide
 from relaytrain.resilience.step_restart import StepFacts
 from relaytrain.slurm.script import keeps_job_on_node_failure
-from test_slurm_script import dry, fake, run_script
+from test_slurm_script import dry, run_script
+
+from conftest import fake_tool
 
 work = test_slurm_script.work  # the fixture: fake srun/scontrol/sbatch on PATH, cwd in tmp_path
 
@@ -143,7 +145,7 @@ def test_the_batch_script_starts_a_crashed_step_again_with_a_fresh_port(work):
     assert "#SBATCH --no-kill" in text
     script = Path(work) / "runs/debug/slurm/job.sh"
     # The first step is killed before it writes anything, the second ends well.
-    fake(work / "bin", "srun",
+    fake_tool(work / "bin", "srun",
          'echo "step $RELAYTRAIN_STEP_RESTARTS port $MASTER_PORT args $*" >> "$FAKE_LOG.steps"\n'
          '[[ $RELAYTRAIN_STEP_RESTARTS == 0 ]] && exit 137; exit 0\n')  # fmt: skip
     result = run_script(script, {"SLURM_JOB_NODELIST": "node1"}, timeout=300)
@@ -161,7 +163,7 @@ def test_the_batch_script_starts_a_crashed_step_again_with_a_fresh_port(work):
 def test_a_program_exiting_76_gets_its_step_started_again(work):
     dry("debug", slurm={"gpus_per_node": 0, "tasks_per_node": 1}, command="python train.py", name="prog")
     script = Path(work) / "runs/prog/slurm/job.sh"
-    fake(work / "bin", "srun",
+    fake_tool(work / "bin", "srun",
          'echo "step $RELAYTRAIN_STEP_RESTARTS" >> "$FAKE_LOG.steps"\n'
          '[[ $RELAYTRAIN_STEP_RESTARTS == 0 ]] && exit 76; exit 0\n')  # fmt: skip
     result = run_script(script, {"SLURM_JOB_NODELIST": "node1"}, timeout=300)
