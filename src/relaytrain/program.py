@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--run-dir (or {RUN_DIR_ENV}) is required")
     from relaytrain.resilience.step_end import run
 
-    return run(args.run_dir, args.exit_code, args.config, program=True)
+    return run(RunDir(Path(args.run_dir)), args.exit_code, args.config, program=True)
 
 
 if __name__ == "__main__":

@@ -157,26 +157,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m relaytrain.resili
         seconds=args.step_seconds,
         nodes=tuple(n for n in args.step_nodes.split(",") if n),
     )
-    return run(args.run_dir, args.exit_code, args.config, args.program, args.job_log, step, args.restart_file)
+    return run(RunDir(Path(args.run_dir)), args.exit_code, args.config, program=args.program,
+               job_log=args.job_log, step=step, restart_file=args.restart_file)  # fmt: skip
 
 
-def run(
-    run_dir: str,
-    exit_code: int,
-    config: str = "",
-    program: bool = False,
-    job_log: str = "",
-    step: StepFacts | None = None,
-    restart_file: str = "",
-) -> int:
-    """The command line's work: always exit 0, the decision is in the job log and run_state.json."""
+def run(run: RunDir, exit_code: int, config: str = "", **facts: Any) -> int:
+    """The command line's work: ``after_step`` (``facts``: its keyword arguments), and always exit 0, the
+    decision is in the job log and run_state.json."""
     # Its own `scontrol requeue` ends this batch job, and Slurm's SIGTERM reaches this process too (a
     # child of the batch shell), at any moment after that call: the record must still be written and
     # the exit be 0, or the script logs the check as failed.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="relaytrain: %(message)s", stream=sys.stdout)
-    after_step(RunDir(Path(run_dir)), exit_code, config, program=program, job_log=job_log, step=step,
-               restart_file=restart_file)  # fmt: skip
+    after_step(run, exit_code, config, **facts)
     return 0
 
 
