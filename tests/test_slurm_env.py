@@ -16,6 +16,8 @@ from relaytrain.job.netdetect import IFNAME_AWK, detect_interface, high_speed_in
 from relaytrain.job.ports import PORT_MAX, PORT_MIN, base_port, choose_port
 from relaytrain.slurm.script import TEMPLATE_DIR
 
+from conftest import child_env
+
 # What srun sets for task 5 of a 2-node x 4-task step (values as Slurm 22.05 prints them).
 SRUN_TASK_ENV = {
     "SLURM_JOB_ID": "4242",
@@ -216,3 +218,25 @@ def test_task_wrapper_maps_the_environment_and_execs_the_command():
         text=True,
     )
     assert bad.returncode == 127 and "cannot run" in bad.stderr
+
+
+def test_a_stop_signal_during_the_wrappers_start_reaches_the_trainers_early_capture():
+    """srun forwards Slurm's pre-timeout signal while the task wrapper still starts: the wrapper must
+    not die by it, and the command it execs must learn of it (the trainer's early capture replays it)."""
+    command = (
+        "import signal; from relaytrain.resilience import early_signals; "
+        "early_signals.capture_early_signals(); "
+        "print([signal.Signals(s).name for s in early_signals.drain_early_signals()]); "
+        "import os; print(os.environ.get('RELAYTRAIN_EARLY_SIGNALS'))"
+    )
+    # The signal is sent from inside the wrapper's process, after its capture and before its exec: a
+    # forced version of the race (an srun forwarding it in the wrapper's first milliseconds).
+    code = (
+        "import os, signal, sys; from relaytrain.job import task; task.capture_stop_signals(); "
+        "os.kill(os.getpid(), signal.SIGUSR2); "
+        f"sys.exit(task.main(['--', sys.executable, '-c', {command!r}]))"
+    )
+    env = child_env(RELAYTRAIN_EARLY_SIGNALS="SIGTERM")  # named by an outer wrapper: both are kept
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["['SIGTERM', 'SIGUSR2']", "None"]  # replayed, then consumed

@@ -7,6 +7,12 @@
   signals (monitoring continues through the emergency save) and is killed when CMD's process ends
   (PR_SET_PDEATHSIG), so no helper outlives the task.
 * Then it execs CMD, so CMD keeps the task's pid and receives the signals srun forwards.
+
+A stop signal that srun forwards while this wrapper starts (Slurm's pre-timeout signal of a job whose
+start-up was slow, a scancel) would kill the task with the default action before CMD could handle it.
+The wrapper records those signals instead and hands them to CMD in ``RELAYTRAIN_EARLY_SIGNALS``
+(``SIGUSR2,SIGTERM``): relaytrain's trainer and ``relaytrain.program`` act on them as if they had
+arrived after their own handlers were in place (``resilience.early_signals``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,32 @@ from relaytrain.job.env import apply_slurm_env
 
 GPU_MONITOR_MODULE = "relaytrain.monitor.gpu_monitor"
 _PR_SET_PDEATHSIG = 1
+EARLY_SIGNALS_ENV = "RELAYTRAIN_EARLY_SIGNALS"  # stop signals that arrived before CMD started
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+_received: list[str] = []
+
+
+def _remember(signum: int, _frame: object) -> None:
+    name = signal.Signals(signum).name
+    if name not in _received:
+        _received.append(name)
+
+
+def capture_stop_signals() -> None:
+    """Record the stop signals instead of dying on them while the wrapper starts."""
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), _remember)
+
+
+def hand_over_stop_signals(environ: dict[str, str] | os._Environ) -> None:
+    """Give the signals their default action back (CMD starts as srun would start it) and name the ones
+    that arrived in ``RELAYTRAIN_EARLY_SIGNALS`` (with any an outer wrapper already named)."""
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    earlier = [n for n in environ.get(EARLY_SIGNALS_ENV, "").split(",") if n]
+    names = earlier + [n for n in _received if n not in earlier]
+    if names:
+        environ[EARLY_SIGNALS_ENV] = ",".join(names)
 
 
 def _monitor_preexec() -> None:
@@ -48,6 +80,7 @@ def start_gpu_monitor(out_dir: str, interval: float, environ: dict[str, str]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    capture_stop_signals()
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
         print("usage: python -m relaytrain.job.task [options] -- COMMAND [ARGS...]", file=sys.stderr)
@@ -66,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         apply_slurm_env(os.environ)
     if args.gpu_monitor_dir and args.gpu_monitor_interval > 0:
         start_gpu_monitor(args.gpu_monitor_dir, args.gpu_monitor_interval, dict(os.environ))
+    hand_over_stop_signals(os.environ)
     try:
         os.execvp(command[0], command)
     except OSError as exc:
