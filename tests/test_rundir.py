@@ -126,10 +126,17 @@ def test_the_layout_of_a_run_directory():
         "jobs": "slurm/jobs.jsonl",
         "sweep_table": "sweep.tsv",
         "sweep_points": "sweep.json",
+        "hang": "hang",
+        "hang_request": "hang/request.json",
+        "hang_record": "hang/last.json",
     }
     assert run.rank_log(3) == run.root / "logs" / "rank_3.log"
     assert run.hang_dump(0) == run.root / "logs" / "hang_rank0.txt"
     assert run.deadline_dump(1) == run.root / "logs" / "deadline_rank1.txt"
+    assert run.hang_report(12) == run.root / "logs" / "hang-step12.md"
+    assert run.stack_dump(1) == run.root / "logs" / "stacks_rank1.txt"
+    assert run.hang_node("n2") == run.root / "hang" / "nodes" / "n2.json"
+    assert run.hang_stacks("n2") == run.root / "hang" / "stacks" / "n2.md"
     assert run.job_log("%A_%a") == run.root / "slurm" / "%A_%a.out"
     assert run.attach_log("$job_id") == run.root / "slurm" / "attach-$job_id.out"
     assert run.pip_freeze("12") == run.root / "slurm" / "pip-freeze-12.txt"

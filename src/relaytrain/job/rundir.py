@@ -129,6 +129,37 @@ class RunDir:
     def deadline_dump(self, rank: int) -> Path:
         return self.logs / f"deadline_rank{rank}.txt"
 
+    def hang_report(self, step: int) -> Path:
+        """The report of a hang the job's hang monitor detected at this step (docs/resilience.md)."""
+        return self.logs / f"hang-step{step}.md"
+
+    def stack_dump(self, rank: int) -> Path:
+        """Where a rank writes its Python stacks when the node's hang watcher asks (a signal)."""
+        return self.logs / f"stacks_rank{rank}.txt"
+
+    # -- hang detection: the node watchers and the job's hang monitor meet here ------------------------
+    @property
+    def hang(self) -> Path:
+        return self.root / "hang"
+
+    def hang_node(self, node: str) -> Path:
+        """A node watcher's view of its ranks, rewritten every second while the job step runs."""
+        return self.hang / "nodes" / f"{node}.json"
+
+    @property
+    def hang_request(self) -> Path:
+        """The monitor's request to every node watcher: dump the stacks, then end the ranks."""
+        return self.hang / "request.json"
+
+    def hang_stacks(self, node: str) -> Path:
+        """A node watcher's answer to a request: the stacks and process states of its ranks."""
+        return self.hang / "stacks" / f"{node}.md"
+
+    @property
+    def hang_record(self) -> Path:
+        """The last hang detected (job, step, culprits): the end-of-step decision reads it."""
+        return self.hang / "last.json"
+
     # -- the Slurm job files ---------------------------------------------------------------------------
     @property
     def slurm(self) -> Path:

@@ -1,0 +1,275 @@
+"""Where each rank is, published cheaply for the node's hang watcher: the progress board.
+
+Every rank of a job step keeps one small memory-mapped file in a node-local folder
+(``RELAYTRAIN_PROGRESS_DIR``, on the node's tmpfs, set by the task wrapper that starts the watcher):
+its step, its phase (start-up, data, forward/backward, optimizer, evaluation, checkpoint save or load,
+snapshot, stop), when the phase began, the collectives relaytrain issued that it entered and left (and
+the last one's name), how many it entered per step, and the recent median length of each phase. A
+write is a ``struct.pack_into`` into the mapping (no system call), so publishing every phase of every
+step costs microseconds. The watcher (``relaytrain.resilience.hang_watch``) reads the files from
+another process, so a rank that is stopped, in uninterruptible sleep or holding the GIL in a C call
+still shows where it stopped.
+
+A record is written under a sequence lock: the sequence number is odd while a write is under way, and a
+reader retries until it reads the same even number before and after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import mmap
+import os
+import signal
+import statistics
+import struct
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+PROGRESS_DIR_ENV = "RELAYTRAIN_PROGRESS_DIR"
+# The watcher asks a rank for its Python stacks with this signal (faulthandler.register in the trainer).
+# SIGURG's default action is to ignore it, so a process that registered nothing (torchrun's agent, a
+# program) is not harmed by it.
+STACK_SIGNAL = signal.SIGURG
+MAGIC = b"RTPB"
+VERSION = 1
+RECENT = 16  # phase lengths kept per phase for its median
+
+
+class Phase(enum.IntEnum):
+    """What a rank is doing; the order is the order within a step (``behind`` compares it)."""
+
+    STARTUP = 0  # from the process start to its first step: init, restore, compilation, the first step
+    DATA = 1
+    FORWARD_BACKWARD = 2
+    OPTIMIZER = 3
+    EVALUATION = 4
+    CHECKPOINT_SAVE = 5
+    SNAPSHOT = 6
+    CHECKPOINT_LOAD = 7
+    STOP = 8  # the save after a stop was agreed, then the exit
+    DONE = 9  # the run finished or the process is leaving
+
+    @property
+    def label(self) -> str:
+        return PHASE_LABELS[self]
+
+
+PHASE_LABELS = {
+    Phase.STARTUP: "start-up",
+    Phase.DATA: "data",
+    Phase.FORWARD_BACKWARD: "forward/backward",
+    Phase.OPTIMIZER: "optimizer",
+    Phase.EVALUATION: "evaluation",
+    Phase.CHECKPOINT_SAVE: "checkpoint save",
+    Phase.SNAPSHOT: "snapshot",
+    Phase.CHECKPOINT_LOAD: "checkpoint load",
+    Phase.STOP: "stop",
+    Phase.DONE: "done",
+}
+NAME_BYTES = 24
+# magic, version, seq | rank, local_rank, pid | step, phase, phase_started, updated, budget |
+# entered, left, name | step_collectives, last_step_collectives, usual_step_collectives | medians
+_HEAD = struct.Struct("<4sHxxQ")
+_BODY = struct.Struct(f"<iiiqBdddQQ{NAME_BYTES}sIII{len(Phase)}d")
+SIZE = _HEAD.size + _BODY.size
+
+
+@dataclass(frozen=True)
+class ProgressRecord:
+    """One rank's published position."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    step: int  # the last finished step
+    phase: Phase
+    phase_started: float  # time.time() when the phase began
+    updated: float  # time.time() of the last write
+    budget_s: float  # the rank's own bound for this phase (a save's estimate); 0: none
+    collectives_entered: int
+    collectives_left: int
+    collective: str  # the last collective entered ("" before the first)
+    step_collectives: int  # entered since the last step finished
+    last_step_collectives: int  # entered during the last finished step
+    usual_step_collectives: int  # entered during most recent steps (0: not known yet)
+    medians: dict[Phase, float]  # recent median length of each phase, seconds (absent: not measured)
+
+    @property
+    def in_collective(self) -> bool:
+        return self.collectives_entered > self.collectives_left
+
+    def token(self) -> tuple[int, int, int, int]:
+        """Changes whenever the rank moves: a new step or phase, a collective entered or left."""
+        return (self.step, int(self.phase), self.collectives_entered, self.collectives_left)
+
+
+class ProgressBoard:
+    """The writer: one rank's record. ``ProgressBoard.open_from_env`` gives a board that writes only when
+    the job's task wrapper set ``RELAYTRAIN_PROGRESS_DIR`` (a run outside Slurm has no watcher)."""
+
+    def __init__(self, directory: Path | None, rank: int, local_rank: int):
+        self.rank, self.local_rank = rank, local_rank
+        self._map: mmap.mmap | None = None
+        self._seq = 0
+        self._step = 0
+        self._phase = Phase.STARTUP
+        self._phase_started = time.time()
+        self._budget = 0.0
+        self._entered = self._left = 0
+        self._name = b""
+        self._step_collectives = self._last_step_collectives = 0
+        self._per_step: deque[int] = deque(maxlen=RECENT)
+        self._usual = 0
+        self._lengths: dict[Phase, deque[float]] = {p: deque(maxlen=RECENT) for p in Phase}
+        self._medians: dict[Phase, float] = {}
+        if directory is not None:
+            self._map = _create(directory / f"rank{rank}", SIZE)
+            self._write()
+
+    @classmethod
+    def open_from_env(cls, rank: int, local_rank: int) -> ProgressBoard:
+        directory = os.environ.get(PROGRESS_DIR_ENV, "")
+        if not directory:
+            return cls(None, rank, local_rank)
+        try:
+            return cls(Path(directory), rank, local_rank)
+        except OSError:  # a full or missing tmpfs costs the watcher's view, never the run
+            return cls(None, rank, local_rank)
+
+    @property
+    def enabled(self) -> bool:
+        return self._map is not None
+
+    @property
+    def phase_now(self) -> Phase:
+        return self._phase
+
+    def phase(self, phase: Phase, budget_s: float = 0.0) -> None:
+        """Enter ``phase``; the phase left is timed into its recent median. ``budget_s``: how long this
+        phase may take by the rank's own estimate (a checkpoint save), 0 for none."""
+        if self._map is None:
+            return
+        now = time.time()
+        if phase is not self._phase:
+            lengths = self._lengths[self._phase]
+            lengths.append(now - self._phase_started)
+            self._medians[self._phase] = statistics.median(lengths)
+            self._phase, self._phase_started = phase, now
+        self._budget = float(budget_s)
+        self._write(now)
+
+    def step_done(self, step: int) -> None:
+        """A step finished: the collectives it entered are counted for the next step's comparison."""
+        if self._map is None:
+            return
+        self._step = step
+        self._last_step_collectives, self._step_collectives = self._step_collectives, 0
+        self._per_step.append(self._last_step_collectives)
+        earlier = list(self._per_step)[:-1]  # the last step is the one compared with the usual
+        self._usual = statistics.mode(earlier) if earlier else 0
+        self._write()
+
+    @contextlib.contextmanager
+    def collective(self, name: str) -> Iterator[None]:
+        """Around a collective relaytrain issues: entered, then left (left also when it raises)."""
+        if self._map is None:
+            yield
+            return
+        self._entered += 1
+        self._step_collectives += 1
+        self._name = name.encode()[:NAME_BYTES]
+        self._write()
+        try:
+            yield
+        finally:
+            self._left += 1
+            self._write()
+
+    def close(self) -> None:
+        if self._map is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self.phase(Phase.DONE)
+                self._map.close()
+            self._map = None
+
+    def _write(self, now: float | None = None) -> None:
+        m = self._map
+        assert m is not None
+        self._seq += 1  # odd: a write is under way
+        _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
+        medians = [self._medians.get(p, 0.0) for p in Phase]
+        _BODY.pack_into(m, _HEAD.size, self.rank, self.local_rank, os.getpid(), self._step, int(self._phase),
+                        self._phase_started, time.time() if now is None else now, self._budget, self._entered,
+                        self._left, self._name, self._step_collectives, self._last_step_collectives,
+                        self._usual, *medians)  # fmt: skip
+        self._seq += 1
+        _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
+
+
+def _create(path: Path, size: int) -> mmap.mmap:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def read_record(path: Path, attempts: int = 50) -> ProgressRecord | None:
+    """One rank's record, or None (missing, foreign or torn through every attempt)."""
+    try:
+        with open(path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+    with m:
+        if len(m) < SIZE:
+            return None
+        for _ in range(attempts):
+            magic, version, seq = _HEAD.unpack_from(m, 0)
+            if magic != MAGIC or version != VERSION:
+                return None
+            if seq % 2:
+                time.sleep(0.0005)
+                continue
+            body = _BODY.unpack_from(m, _HEAD.size)
+            if _HEAD.unpack_from(m, 0)[2] == seq:
+                return _record(body)
+    return None
+
+
+def read_board(directory: Path) -> list[ProgressRecord]:
+    """Every rank's record in ``directory``, by rank."""
+    try:
+        paths = sorted(directory.glob("rank*"))
+    except OSError:
+        return []
+    records = [r for r in (read_record(p) for p in paths) if r is not None]
+    return sorted(records, key=lambda r: r.rank)
+
+
+def _record(body: tuple) -> ProgressRecord:
+    (rank, local_rank, pid, step, phase, started, updated, budget, entered, left, name, step_coll,
+     last_coll, usual, *medians) = body  # fmt: skip
+    return ProgressRecord(
+        rank=rank,
+        local_rank=local_rank,
+        pid=pid,
+        step=step,
+        phase=Phase(phase),
+        phase_started=started,
+        updated=updated,
+        budget_s=budget,
+        collectives_entered=entered,
+        collectives_left=left,
+        collective=name.rstrip(b"\0").decode(errors="replace"),
+        step_collectives=step_coll,
+        last_step_collectives=last_coll,
+        usual_step_collectives=usual,
+        medians={p: v for p, v in zip(Phase, medians, strict=True) if v > 0},
+    )
