@@ -6,6 +6,9 @@
 * On local rank 0 of each node it starts the per-node GPU monitor as a child that ignores the stop
   signals (monitoring continues through the emergency save) and is killed when CMD's process ends
   (PR_SET_PDEATHSIG), so no helper outlives the task.
+* With ``--hang-watch RUN_DIR`` every task gets ``RELAYTRAIN_PROGRESS_DIR``, the node's progress board
+  for this job step (``relaytrain.job.progress``, on the node's tmpfs), and local rank 0 starts the node's
+  hang watcher (``relaytrain.resilience.hang_watch``) as such a child too.
 * Then it execs CMD, so CMD keeps the task's pid and receives the signals srun forwards.
 
 A stop signal that srun forwards while this wrapper starts (Slurm's pre-timeout signal of a job whose
@@ -25,10 +28,16 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from relaytrain.job.env import apply_slurm_env
+from relaytrain.job.facts import STEP_RESTARTS_ENV
+from relaytrain.job.progress import PROGRESS_DIR_ENV
 
 GPU_MONITOR_MODULE = "relaytrain.monitor.gpu_monitor"
+HANG_WATCH_MODULE = "relaytrain.resilience.hang_watch"
+NODE_MEMORY = Path("/dev/shm")  # the node's tmpfs: the board lives and dies with the node's memory
 _PR_SET_PDEATHSIG = 1
 EARLY_SIGNALS_ENV = "RELAYTRAIN_EARLY_SIGNALS"  # stop signals that arrived before CMD started
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
@@ -79,6 +88,23 @@ def start_gpu_monitor(out_dir: str, interval: float, environ: dict[str, str]) ->
     return subprocess.Popen(cmd, env=environ, stdin=subprocess.DEVNULL, preexec_fn=_monitor_preexec)
 
 
+def progress_dir(environ: dict[str, str] | os._Environ) -> Path:
+    """The node's progress board of this job step: the same folder for every task of the node."""
+    root = NODE_MEMORY if NODE_MEMORY.is_dir() else Path(tempfile.gettempdir())
+    job, step = environ.get("SLURM_JOB_ID", "0"), environ.get("SLURM_STEP_ID", "0")
+    return root / f"relaytrain-progress-{job}.{step}"
+
+
+def start_hang_watch(run_dir: str, board: Path, environ: dict[str, str]) -> subprocess.Popen | None:
+    """Start the node's hang watcher on local rank 0, or return None (other ranks)."""
+    if environ.get("SLURM_LOCALID", "0") != "0":
+        return None
+    cmd = [sys.executable, "-m", HANG_WATCH_MODULE, "--run-dir", run_dir, "--progress-dir", str(board),
+           "--job-id", environ.get("SLURM_JOB_ID", "0"), "--step-restarts",
+           environ.get(STEP_RESTARTS_ENV, "0") or "0"]  # fmt: skip
+    return subprocess.Popen(cmd, env=environ, stdin=subprocess.DEVNULL, preexec_fn=_monitor_preexec)
+
+
 def main(argv: list[str] | None = None) -> int:
     capture_stop_signals()
     argv = sys.argv[1:] if argv is None else argv
@@ -90,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--map-env", action="store_true")
     parser.add_argument("--gpu-monitor-dir", default="")
     parser.add_argument("--gpu-monitor-interval", type=float, default=5.0)
+    parser.add_argument("--hang-watch", default="", metavar="RUN_DIR", help="watch the ranks for hangs")
     args = parser.parse_args(argv[:split])
     command = argv[split + 1 :]
     if not command:
@@ -99,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         apply_slurm_env(os.environ)
     if args.gpu_monitor_dir and args.gpu_monitor_interval > 0:
         start_gpu_monitor(args.gpu_monitor_dir, args.gpu_monitor_interval, dict(os.environ))
+    if args.hang_watch:
+        board = progress_dir(os.environ)
+        os.environ[PROGRESS_DIR_ENV] = str(board)
+        start_hang_watch(args.hang_watch, board, dict(os.environ))
     hand_over_stop_signals(os.environ)
     try:
         os.execvp(command[0], command)

@@ -5,6 +5,8 @@
   ``step_decision.step_marker``, the line the decision after the step finds the step's output by;
 * Slurm's pre-timeout signal passed on to the step that runs (``job_step.SignalForwarder``), and a
   heartbeat line every few minutes;
+* while a step of relaytrain's trainer runs, the hang monitor (``hang_monitor.HangMonitor``), which
+  reads every node's hang watcher, names a hang's culprit and ends the step;
 * after each step the end-of-step decision (``step_end.after_step``): finished, requeued, failed, or
   started again in place, on the nodes it names (the step's ``srun`` then gets ``--overlap``, the narrower
   node set, and a fresh rendezvous port);
@@ -36,6 +38,8 @@ from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.env import narrow_to_nodes
 from relaytrain.job.facts import STEP_RESTARTS_ENV
 from relaytrain.job.ports import choose_port, has_no_listener
+from relaytrain.resilience.hang_detect import HangPolicy
+from relaytrain.resilience.hang_monitor import HangMonitor
 from relaytrain.resilience.job_step import Heartbeat, SignalForwarder, job_log_path, log
 from relaytrain.resilience.requeue import scontrol_requeue
 from relaytrain.resilience.run_state import RunStateFile
@@ -129,6 +133,22 @@ class JobPlan:
     free_snapshots: bool  # the run keeps in-memory snapshots on the nodes
     python: list[str]  # how a node runs python with relaytrain (uv run ...)
     heartbeat_s: float = HEARTBEAT_S
+    hang_policy: HangPolicy | None = None  # None: no hang monitor (a program, or resilience.hang_timeout_s=0)
+
+
+def hang_policy(config: str, program: bool) -> HangPolicy | None:
+    """The hang monitor's limits from the run's config; None when the step is a program (it publishes no
+    progress) or hang detection is off."""
+    if program or not config:
+        return None
+    try:
+        from relaytrain.config import load_config
+
+        resilience = load_config(config).resilience
+    except Exception as error:  # noqa: BLE001  (the job runs on without a monitor, and says so)
+        log(f"no hang monitor: cannot read the run's config {config}: {error}")
+        return None
+    return HangPolicy.from_config(resilience) if resilience.hang_timeout_s > 0 else None
 
 
 def decide(plan: JobPlan, exit_code: int, launch: StepLaunch, seconds: float) -> Decision | None:
@@ -157,7 +177,14 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
         log(f"{step_marker(job.restart_count, launch.restarts)} on {','.join(launch.nodes)}")
         log(f"launching: {' '.join(launch.argv())}")
         started = time.monotonic()
+        HangMonitor.forget_last(plan.run)
+        monitor = None
+        if plan.hang_policy is not None:
+            monitor = HangMonitor(plan.run, plan.hang_policy, JobFacts.from_env(), forwarder.abort, log)
+            monitor.start()
         exit_code = forwarder.run(launch.argv())
+        if monitor is not None:
+            monitor.stop()  # before the decision: a hang it found is recorded by now
         log(f"job step finished with exit code {exit_code}")
         decision = decide(plan, exit_code, launch, time.monotonic() - started)
         if decision is None:
@@ -192,9 +219,8 @@ def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalFor
     if not command:
         parser.error("the command each task runs is missing (after --)")
     run = RunDir(Path(args.run_dir))
-    plan = JobPlan(
-        run, args.config, args.program, args.free_snapshots, shlex.split(args.python), args.heartbeat_s
-    )
+    plan = JobPlan(run, args.config, args.program, args.free_snapshots, shlex.split(args.python),
+                   args.heartbeat_s, hang_policy(args.config, args.program))  # fmt: skip
     nodes = [n for n in args.nodes.split(",") if n]
     launch = StepLaunch(list(args.srun_option), command, nodes, args.tasks_per_node)
     return plan, launch, SignalForwarder(args.signal, args.pending_signal)

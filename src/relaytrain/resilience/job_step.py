@@ -60,6 +60,15 @@ class SignalForwarder:
     def _note_term(_signum: int, _frame: object = None) -> None:
         log("received SIGTERM: Slurm signals the job step itself; waiting for it to finish")
 
+    def abort(self) -> None:
+        """End the running step and its tasks: two SIGINTs within a second make srun kill every task."""
+        step = self.step
+        for _ in range(2):
+            if step is None or step.poll() is not None:
+                return
+            step.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+
     def run(self, argv: Sequence[str], env: dict[str, str] | None = None) -> int:
         """Start the step, hand it a pending signal, wait for its end; its exit status."""
         self.step = subprocess.Popen(list(argv), env=env, stdout=sys.stdout, stderr=sys.stderr)

@@ -1,0 +1,179 @@
+"""The job's hang monitor: a thread of the batch driver that watches every node's watcher while a step runs.
+
+It lives outside the training processes and survives any one of them (a stopped rank 0 that hosts the
+rendezvous store included). Every ``interval_s`` it reads the node files the node watchers rewrite
+(``RunDir.hang_node``), turns them into ``hang_detect.RankView`` s and asks ``hang_detect.assess``:
+
+* a job that still moves may have a slow rank: one ``slow rank:`` line in the job log (no restart);
+* a job where no rank moved for longer than its limit hangs. Before anything is killed the monitor asks
+  every node watcher for its ranks' stacks (``RunDir.hang_request``), writes the report
+  (``RunDir.hang_report(step)``), prints one job-log line starting ``hang detected:``, records the hang
+  for the end-of-step decision (``hang_record.HangRecordFile``), then asks the watchers to end their
+  ranks. The step ends; the decision restarts it in place (docs/resilience.md, Hangs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from relaytrain.job import JobFacts, RunDir
+from relaytrain.job.progress import Phase, ProgressRecord
+from relaytrain.resilience.hang_detect import (
+    HangPolicy,
+    RankView,
+    SlowRankTracker,
+    Verdict,
+    assess,
+    hang_line,
+    render_report,
+)
+from relaytrain.resilience.hang_record import HangRecord, HangRecordFile
+from relaytrain.resilience.hang_watch import read_json, write_json
+
+INTERVAL_S = 2.0
+STACKS_WAIT_S = 20.0  # how long the watchers get to answer with their ranks' stacks
+END_WAIT_S = 30.0  # how long the ranks get to die after the watchers were told, before srun is told
+
+
+def rank_view(fields: dict[str, Any], node: str, age_s: float) -> RankView:
+    """One rank of a node file; raises KeyError/TypeError/ValueError on a damaged one."""
+    medians = {Phase(code): float(fields["medians"][p.label]) for code, p in enumerate(Phase)
+               if p.label in fields["medians"]}  # fmt: skip
+    record = ProgressRecord(
+        rank=int(fields["rank"]),
+        local_rank=int(fields["local_rank"]),
+        pid=int(fields["pid"]),
+        step=int(fields["step"]),
+        phase=Phase(int(fields["phase_code"])),
+        phase_started=float(fields["phase_started"]),
+        updated=float(fields["updated"]),
+        budget_s=float(fields["budget_s"]),
+        collectives_entered=int(fields["collectives_entered"]),
+        collectives_left=int(fields["collectives_left"]),
+        collective=str(fields["collective"]),
+        step_collectives=int(fields["step_collectives"]),
+        last_step_collectives=int(fields["last_step_collectives"]),
+        usual_step_collectives=int(fields["usual_step_collectives"]),
+        medians=medians,
+    )
+    # The file is up to a watcher interval old: the rank has been idle at least that much longer.
+    idle = float(fields["idle_s"]) + max(age_s, 0.0)
+    return RankView(record.rank, node, record, idle, str(fields["state"]), str(fields["wchan"]))
+
+
+class HangMonitor:
+    """Watches one job step; ``end_step`` ends it when the node watchers could not."""
+
+    def __init__(self, run: RunDir, policy: HangPolicy, job: JobFacts, end_step: Callable[[], None],
+                 say: Callable[[str], None], interval_s: float = INTERVAL_S):  # fmt: skip
+        self.run, self.policy, self.job = run, policy, job
+        self.end_step, self.say, self.interval_s = end_step, say, interval_s
+        self.slow = SlowRankTracker()
+        self.verdict: Verdict | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hang-monitor", daemon=True)
+
+    @staticmethod
+    def forget_last(run: RunDir) -> None:
+        """Before a step starts: the previous step's request and record were read by its decision."""
+        for path in (run.hang_request, run.hang_record):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    def start(self) -> HangMonitor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=STACKS_WAIT_S + END_WAIT_S + 10)
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        """The node files of this job step, by node."""
+        found = {}
+        for path in sorted(self.run.hang_node("x").parent.glob("*.json")):
+            data = read_json(path)
+            if data is None or str(data.get("job_id")) != self.job.job_id:
+                continue
+            if data.get("step_restarts") == self.job.step_restarts and isinstance(data.get("ranks"), list):
+                found[str(data.get("node", path.stem))] = data
+        return found
+
+    def views(self, nodes: dict[str, dict[str, Any]] | None = None) -> list[RankView]:
+        now, views = time.time(), []
+        for node, data in (self.nodes() if nodes is None else nodes).items():
+            try:
+                age = now - float(data["time"])
+                views += [rank_view(fields, node, age) for fields in data["ranks"]]
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue  # a damaged node file: that node's ranks count as not yet published
+        return sorted(views, key=lambda v: v.rank)
+
+    def check(self) -> Verdict | None:
+        """One look at the job; the verdict when it hangs."""
+        views = self.views()
+        if not views:
+            return None
+        verdict = assess(views, self.policy, len(views))
+        if verdict.hung:
+            return verdict
+        self.slow.sample(views, time.monotonic())
+        line = self.slow.report(time.monotonic())
+        if line:
+            self.say(line)
+        return None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            verdict = self.check()
+            if verdict is not None:
+                self.verdict = verdict
+                self.act(verdict)
+                return
+
+    def act(self, verdict: Verdict) -> None:
+        job = self.job
+        ident = f"{job.job_id}.{job.restart_count}.{job.step_restarts}.{int(time.time())}"
+        request = {"id": ident, "job_id": job.job_id, "step_restarts": job.step_restarts, "step": verdict.step}
+        write_json(self.run.hang_request, {**request, "end": False})
+        nodes = self.nodes()
+        stacks = self.wait_for_stacks(ident, list(nodes))
+        report = self.run.hang_report(verdict.step)
+        relative = self.run.relative(report)
+        with contextlib.suppress(OSError):
+            report.parent.mkdir(parents=True, exist_ok=True)
+            report.write_text(render_report(verdict, self.views(nodes), stacks, job.job_id), encoding="utf-8")
+        line = hang_line(verdict, relative)
+        print(line, flush=True)  # the job log's line starts with it (no stamp in front)
+        culprits = tuple(asdict(c) for c in verdict.culprits)
+        HangRecordFile(self.run).write(
+            HangRecord(job.job_id, job.step_restarts, verdict.step, time.time(), verdict.idle_s,
+                       verdict.limit_s, culprits, line, relative)  # fmt: skip
+        )
+        write_json(self.run.hang_request, {**request, "end": True})
+        if self._stop.wait(END_WAIT_S):
+            return  # the step ended
+        self.say(f"the ranks are still running {END_WAIT_S:g} s after the hang: ending the job step")
+        self.end_step()
+
+    def wait_for_stacks(self, ident: str, nodes: list[str]) -> dict[str, str]:
+        stacks: dict[str, str] = {}
+        deadline = time.monotonic() + STACKS_WAIT_S
+        while len(stacks) < len(nodes) and time.monotonic() < deadline and not self._stop.is_set():
+            for node in nodes:
+                if node in stacks:
+                    continue
+                with contextlib.suppress(OSError):
+                    text = self.run.hang_stacks(node).read_text(encoding="utf-8", errors="replace")
+                    if text.startswith(f"<!-- request {ident} -->"):
+                        stacks[node] = text.split("\n", 1)[1] if "\n" in text else ""
+            time.sleep(0.2)
+        for node in nodes:
+            stacks.setdefault(node, f"(node {node}'s watcher did not answer within {STACKS_WAIT_S:g} s)")
+        return stacks

@@ -1,0 +1,177 @@
+"""The node's hang watcher: a process beside the training processes of one node, outside them.
+
+The task wrapper (``relaytrain.job.task``) starts it on each node's first task of a job step, as a child
+that ignores the stop signals and dies with the task. Every second it reads its node's progress board
+(``relaytrain.job.progress``: each rank's step, phase and collectives), notes how long each rank has not
+moved and its process state (``hang_stacks.process_state``), and rewrites ``RunDir.hang_node(node)``,
+which the job's hang monitor (``hang_monitor.py``, in the batch driver) reads for every node.
+
+A rank that is stopped, blocked in the kernel, or holding the GIL cannot report on itself; this process
+can. When the monitor decides the job hangs it writes ``RunDir.hang_request``; each watcher answers
+with its ranks' stacks and states (``RunDir.hang_stacks(node)``), then, when the request says ``end``,
+kills its ranks so that the job step ends and the end-of-step decision restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from relaytrain.job import RunDir
+from relaytrain.job.progress import Phase, ProgressRecord, read_board
+from relaytrain.resilience.hang_stacks import describe_rank, process_state
+
+INTERVAL_S = 1.0
+
+
+def node_name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Whole-file replace: a reader on another node never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def rank_fields(record: ProgressRecord, node: str, idle_s: float) -> dict[str, Any]:
+    fields = asdict(record)
+    state = process_state(record.pid)
+    fields.update(
+        node=node,
+        phase=record.phase.label,
+        phase_code=int(record.phase),
+        medians={p.label: v for p, v in record.medians.items()},
+        idle_s=round(idle_s, 3),
+        state=state.state,
+        wchan=state.wchan,
+    )
+    return fields
+
+
+class NodeWatcher:
+    """One node's view of its ranks, and its part in a hang request."""
+
+    def __init__(self, run: RunDir, progress_dir: Path, node: str, job_id: str, step_restarts: int,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self.run, self.progress_dir, self.node = run, progress_dir, node
+        self.job_id, self.step_restarts = job_id, step_restarts
+        self.clock = clock
+        self._seen: dict[int, tuple[tuple[int, int, int, int], float]] = {}  # rank -> (token, since)
+        self._answered: set[str] = set()
+        self._records: list[ProgressRecord] = []
+
+    def observe(self) -> dict[str, Any]:
+        """Read the board once and publish this node's view."""
+        now = self.clock()
+        self._records = read_board(self.progress_dir)
+        ranks = []
+        for record in self._records:
+            token = record.token()
+            seen = self._seen.get(record.rank)
+            if seen is None or seen[0] != token:
+                self._seen[record.rank] = seen = (token, now)
+            ranks.append(rank_fields(record, self.node, now - seen[1]))
+        view = {"node": self.node, "job_id": self.job_id, "step_restarts": self.step_restarts,
+                "time": time.time(), "pid": os.getpid(), "ranks": ranks}  # fmt: skip
+        with contextlib.suppress(OSError):
+            write_json(self.run.hang_node(self.node), view)
+        return view
+
+    def request(self) -> dict[str, Any] | None:
+        """The monitor's request to this job step's watchers, if there is one."""
+        request = read_json(self.run.hang_request)
+        if request is None or str(request.get("job_id")) != self.job_id:
+            return None
+        return request if request.get("step_restarts") == self.step_restarts else None
+
+    def answer(self, request: dict[str, Any]) -> bool:
+        """Stacks for a new request, the end of the ranks when it says so. True: this watcher is done."""
+        ident = str(request.get("id", ""))
+        if ident and ident not in self._answered:
+            self._answered.add(ident)
+            self.write_stacks(ident)
+        if request.get("end"):
+            self.end_ranks()
+            return True
+        return False
+
+    def write_stacks(self, ident: str) -> None:
+        sections = [f"<!-- request {ident} -->", f"## node {self.node}", ""]
+        for record in self._records:
+            sections.append(describe_rank(record.rank, record.pid, self.run.stack_dump(record.rank)))
+        if not self._records:
+            sections.append("(no rank of this node published its progress)")
+        with contextlib.suppress(OSError):
+            path = self.run.hang_stacks(self.node)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("\n".join(sections) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+
+    def end_ranks(self) -> None:
+        """SIGKILL the node's ranks, this watcher's parent last (its death ends this process too)."""
+        parent = os.getppid()
+        pids = [r.pid for r in self._records if r.phase is not Phase.DONE]
+        for pid in sorted(pids, key=lambda p: p == parent):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def clear_old_boards(progress_dir: Path) -> None:
+    """Boards of this job's earlier steps on this node (a restart in place is a new step)."""
+    prefix = progress_dir.name.rsplit(".", 1)[0] + "."
+    with contextlib.suppress(OSError):
+        for old in progress_dir.parent.glob(prefix + "*"):
+            if old != progress_dir and old.is_dir():
+                for f in old.iterdir():
+                    with contextlib.suppress(OSError):
+                        f.unlink()
+                with contextlib.suppress(OSError):
+                    old.rmdir()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m relaytrain.resilience.hang_watch",
+                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--progress-dir", required=True, help="the node's progress board (tmpfs)")
+    parser.add_argument("--node", default="")
+    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--step-restarts", type=int, default=0)
+    parser.add_argument("--interval", type=float, default=INTERVAL_S)
+    args = parser.parse_args(argv)
+    progress_dir = Path(args.progress_dir)
+    clear_old_boards(progress_dir)
+    watcher = NodeWatcher(RunDir(Path(args.run_dir)), progress_dir, args.node or node_name(), args.job_id,
+                          args.step_restarts)  # fmt: skip
+    while True:
+        watcher.observe()
+        request = watcher.request()
+        if request is not None and watcher.answer(request):
+            return 0
+        time.sleep(args.interval)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
