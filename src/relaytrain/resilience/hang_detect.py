@@ -1,0 +1,348 @@
+"""Is the job hung, and which rank holds it: the pure judgement over every rank's published progress.
+
+The job's hang monitor (in the batch driver) reads the node watchers' files, builds one ``RankView`` per
+rank and calls ``assess``. The job is hung when no rank moved for longer than the largest ``phase_limit``
+over the ranks, so one rank in a long, budgeted phase (a checkpoint save, start-up with compilation)
+protects them all. A rank's limit comes from the run's own timing: a multiple of the phase's recent median,
+never below the floor, never above ``resilience.hang_timeout_s`` (the cap).
+
+On a hang the culprits are named, most certain first: a process that is gone, stopped or in uninterruptible
+sleep (it cannot run Python, so its own stack may be missing); a rank outside any collective while others
+wait in one; a rank that skipped a collective (desynchronised); else the ranks furthest behind. A rank that
+is slower but still moving is no hang: ``SlowRankTracker`` reports it. The markdown report is
+``relaytrain.resilience.hang_report``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from relaytrain.config.schema import ResilienceConfig
+from relaytrain.job.progress import Phase, ProgressRecord
+
+TRAINING_PHASES = frozenset({Phase.DATA, Phase.FORWARD_BACKWARD, Phase.OPTIMIZER})
+# Phases whose length the rank may announce in advance (budget_s: a save's estimate).
+BUDGETED_PHASES = frozenset(
+    {Phase.EVALUATION, Phase.CHECKPOINT_SAVE, Phase.SNAPSHOT, Phase.CHECKPOINT_LOAD, Phase.STOP}
+)
+BUDGET_MULTIPLE = 2.0  # a phase with a budget may take twice its estimate before it is a hang
+MAX_NAMED = 4  # culprits named in the one-line summary; the report lists them all
+GONE_STATES = {"X": "process gone (state X)", "Z": "process exited (state Z, not yet reaped)"}
+STOPPED_STATES = frozenset({"T", "t"})
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank as its node watcher saw it. ``record`` None: the rank never published (still starting)."""
+
+    rank: int
+    node: str
+    record: ProgressRecord | None
+    idle_s: float  # seconds since the rank's progress token last changed, by the watcher's clock
+    state: str  # /proc/<pid>/stat state letter; "X" when the process is gone
+    wchan: str  # where in the kernel it sleeps ("" or "0" when running or unknown)
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    floor_s: float  # no phase is called hung sooner
+    multiple: float  # a phase may last this many times its recent median
+    cap_s: float  # no phase waits longer (math.inf: no cap)
+
+    @classmethod
+    def from_config(cls, resilience: ResilienceConfig) -> HangPolicy:
+        # hang_floor_s and hang_multiple are added to ResilienceConfig on another branch (issue 37, part A);
+        # the defaults here are theirs until the merge makes these plain attributes.
+        floor = float(getattr(resilience, "hang_floor_s", 40.0))
+        multiple = float(getattr(resilience, "hang_multiple", 10.0))
+        # hang_timeout_s = 0 turns the in-rank watchdog off; here it means no absolute cap.
+        cap = float(resilience.hang_timeout_s) or math.inf
+        return cls(floor_s=floor, multiple=multiple, cap_s=cap)
+
+
+@dataclass(frozen=True)
+class Culprit:
+    rank: int
+    node: str
+    phase: str  # the phase's label
+    why: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    hung: bool
+    step: int  # the lowest step among the ranks
+    idle_s: float  # seconds since any rank moved
+    limit_s: float  # the job's limit: the largest phase limit over the ranks
+    limit_why: str
+    culprits: tuple[Culprit, ...]  # empty when not hung
+    waiting: str  # where the other ranks are, e.g. "rank 0 waits in stop_agreement (data, collective 37)"
+
+
+def phase_limit(view: RankView, policy: HangPolicy) -> tuple[float, str]:
+    """How long ``view``'s rank may go without progress in its present phase, and why."""
+    record = view.record
+    cap_name = f"the cap resilience.hang_timeout_s ({seconds(policy.cap_s)})"
+    if view.state in GONE_STATES:  # nothing left to wait for: a gone process protects nobody
+        return policy.floor_s, f"{phase_label(view)}, process gone: the floor resilience.hang_floor_s"
+    if record is None:
+        return policy.cap_s, f"start-up (no progress published yet): {cap_name}"
+    if record.phase not in TRAINING_PHASES and record.phase not in BUDGETED_PHASES:
+        # start-up holds the first step and its compilation; done may still finish an asynchronous save
+        return policy.cap_s, f"{record.phase.label}: {cap_name}"
+    candidates = [(policy.floor_s, "the floor resilience.hang_floor_s")]
+    median = record.medians.get(record.phase)
+    if median is not None:
+        candidates.append((policy.multiple * median, f"{policy.multiple:g} x its median {seconds(median)}"))
+    if record.phase in BUDGETED_PHASES and record.budget_s > 0:
+        candidates.append(
+            (
+                BUDGET_MULTIPLE * record.budget_s,
+                f"{BUDGET_MULTIPLE:g} x its budget {seconds(record.budget_s)}",
+            )
+        )
+    limit, why = max(candidates, key=lambda c: c[0])
+    if limit > policy.cap_s:
+        return policy.cap_s, f"{record.phase.label}: {why}, capped by {cap_name}"
+    return limit, f"{record.phase.label}: {why}"
+
+
+def assess(views: list[RankView], policy: HangPolicy, world_size: int) -> Verdict:
+    """The job's verdict from every rank's view; ranks of ``world_size`` without a view are starting."""
+    limits = [(*phase_limit(v, policy), f"rank {v.rank}") for v in views]
+    missing = sorted(set(range(world_size)) - {v.rank for v in views})
+    if missing:
+        cap = f"the cap resilience.hang_timeout_s ({seconds(policy.cap_s)})"
+        limits.append((policy.cap_s, f"start-up (no view yet): {cap}", ranks(missing)))
+    limit, why, who = max(limits, key=lambda item: item[0], default=(policy.cap_s, "no rank seen", "none"))
+    published = [v.record for v in views if v.record is not None]
+    idle = min((v.idle_s for v in views), default=0.0)
+    # A job whose every rank is done has finished: its exit is the launcher's business, not a hang.
+    hung = any(r.phase is not Phase.DONE for r in published) and idle > limit
+    step = min((r.step for r in published), default=0)
+    if not hung:
+        return Verdict(False, step, idle, limit, f"{who} in {why}", (), "")
+    named = _culprits(views)
+    blamed = {v.rank for v, _ in named}
+    culprits = tuple(Culprit(v.rank, v.node, phase_label(v), why) for v, why in named)
+    waiting = _where_others_are([v for v in views if v.rank not in blamed])
+    return Verdict(True, step, idle, limit, f"{who} in {why}", culprits, waiting)
+
+
+def _culprits(views: list[RankView]) -> list[tuple[RankView, str]]:
+    """The ranks that hold the job, each with why; never empty when ``views`` is not."""
+    held = [(v, why) for v in views if (why := _process_state(v))]
+    if held:
+        return held
+    waiters = [v for v in views if v.record is not None and v.record.in_collective]
+    outside = [v for v in views if v.record is None or not v.record.in_collective]
+    if waiters and outside:
+        names = ", ".join(sorted({v.record.collective or "a collective" for v in waiters if v.record}))
+        others = f"{ranks([v.rank for v in waiters])} {'wait' if len(waiters) > 1 else 'waits'} in {names}"
+        return [(v, f"{_outside_why(v)}, while {others}{_kernel(v)}") for v in outside]
+    desynced = [(v, why) for v in views if (why := _desync(v))]
+    if desynced and len(desynced) < len(views):  # every rank off the usual count is a different step
+        return desynced
+    lowest = min(progress_key(v) for v in views)
+    behind = [v for v in views if progress_key(v) == lowest]
+    alone = "furthest behind" if len(behind) < len(views) else "no rank is ahead of it (all stopped alike)"
+    return [(v, f"{alone}: {_position(v)}{_kernel(v)}") for v in behind]
+
+
+def _process_state(view: RankView) -> str:
+    if view.state in GONE_STATES:
+        return GONE_STATES[view.state]
+    if view.state in STOPPED_STATES:
+        return f"stopped (state {view.state}: SIGSTOP or a debugger)"
+    if view.state == "D":
+        where = f", wchan {view.wchan}" if _sleeps_at(view) else ""
+        return f"blocked in the kernel (state D{where})"
+    return ""
+
+
+def _outside_why(view: RankView) -> str:
+    if view.record is None:
+        return "never published its progress (start-up)"
+    return f"in {view.record.phase.label}, not in a collective"
+
+
+def _desync(view: RankView) -> str:
+    r = view.record
+    if r is None or r.usual_step_collectives <= 0 or r.last_step_collectives == r.usual_step_collectives:
+        return ""
+    entered, usual = r.last_step_collectives, r.usual_step_collectives
+    if entered < usual:
+        return f"skipped a collective in step {r.step} (entered {entered} of the usual {usual})"
+    return f"entered an extra collective in step {r.step} ({entered}, usually {usual})"
+
+
+def _position(view: RankView) -> str:
+    r = view.record
+    if r is None:
+        return "never published its progress (start-up)"
+    return f"step {r.step}, {r.phase.label}, {r.collectives_entered} collectives entered"
+
+
+def _kernel(view: RankView) -> str:
+    """Where a sleeping rank sleeps (a FIFO or pipe read, a futex of a stalled loader), or that it runs."""
+    if view.state == "S" and _sleeps_at(view):
+        return f"; asleep in the kernel at {view.wchan} (state S)"
+    if view.state == "R":
+        return "; running (state R)"
+    return ""
+
+
+def _sleeps_at(view: RankView) -> bool:
+    return view.wchan not in ("", "0", "-")
+
+
+def _where_others_are(views: list[RankView]) -> str:
+    """Where the ranks that are not culprits wait, grouped: "ranks 0,2-3 wait in x (data, collective 7)"."""
+    groups: dict[tuple, list[int]] = {}
+    for v in sorted(views, key=lambda v: v.rank):
+        r = v.record
+        if r is None:
+            key: tuple = ("start",)
+        elif r.in_collective:
+            key = ("wait", r.collective or "a collective", r.phase.label, r.collectives_entered)
+        else:
+            key = ("in", r.phase.label, r.step)
+        groups.setdefault(key, []).append(v.rank)
+    parts = []
+    for key, members in groups.items():
+        many = len(members) > 1
+        if key[0] == "start":
+            parts.append(f"{ranks(members)} never published (start-up)")
+        elif key[0] == "wait":
+            verb = "wait" if many else "waits"
+            parts.append(f"{ranks(members)} {verb} in {key[1]} ({key[2]}, collective {key[3]})")
+        else:
+            parts.append(f"{ranks(members)} {'are' if many else 'is'} in {key[1]} at step {key[2]}")
+    return "; ".join(parts)
+
+
+def progress_key(view: RankView) -> tuple[int, int, int]:
+    """How far a rank got: (step, phase order, collectives entered); a rank never published is lowest."""
+    r = view.record
+    return (-1, -1, -1) if r is None else (r.step, int(r.phase), r.collectives_entered)
+
+
+def phase_label(view: RankView) -> str:
+    return view.record.phase.label if view.record is not None else Phase.STARTUP.label
+
+
+def hang_line(verdict: Verdict, report: str) -> str:
+    """The one job-log line of a hang: culprits with node, phase and why, idle and limit, the others, the
+    report."""
+    named = [f"rank {c.rank} on {c.node} in {c.phase} ({c.why})" for c in verdict.culprits[:MAX_NAMED]]
+    if len(verdict.culprits) > MAX_NAMED:
+        named.append(f"and {len(verdict.culprits) - MAX_NAMED} more ranks")
+    parts = [
+        f"{', '.join(named) or 'no rank named'} at step {verdict.step}",
+        f"{seconds(verdict.idle_s)} without progress (limit {seconds(verdict.limit_s)}: {verdict.limit_why})",
+    ]
+    if verdict.waiting:
+        parts.append(verdict.waiting)
+    parts.append(f"report {report}")
+    return "hang detected: " + one_line("; ".join(parts))
+
+
+def one_line(text: str) -> str:
+    """Names from a rank or /proc (a collective, a wchan) cannot break the line or the table."""
+    return "".join(c if c.isprintable() else " " for c in text)
+
+
+def seconds(value: float) -> str:
+    if math.isinf(value):
+        return "no limit"
+    return f"{value:.0f} s" if value >= 10 else f"{value:.2g} s"
+
+
+def ranks(numbers: list[int] | set[int]) -> str:
+    """ "rank 3", "ranks 0,2-3": runs of consecutive ranks compressed."""
+    ordered = sorted(set(numbers))
+    runs: list[list[int]] = []
+    for n in ordered:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    text = ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+    return f"{'ranks' if len(ordered) > 1 else 'rank'} {text}"
+
+
+class SlowRankTracker:
+    """Names a rank that keeps the others waiting while the job still moves (slow, not hung).
+
+    Each ``sample`` in which the ranks' progress keys differ marks the ranks below the furthest as behind;
+    a sample in which no rank moved since the last one (a hang in the making) is left out. A rank behind
+    in at least ``share`` of the differing samples of the last ``window_s`` (at least ``min_samples`` of
+    them) is slow: two ranks of equal speed are each behind about half the time.
+    """
+
+    def __init__(
+        self, window_s: float = 60.0, min_samples: int = 10, share: float = 0.8, repeat_s: float = 60.0
+    ):
+        self.window_s, self.min_samples, self.share, self.repeat_s = window_s, min_samples, share, repeat_s
+        self._samples: deque[tuple[float, frozenset[int]]] = deque()  # (time, ranks behind) when they differ
+        self._tokens: dict[int, tuple] | None = None
+        self._latest: dict[int, RankView] = {}
+        self._reported: dict[int, float] = {}
+
+    def sample(self, views: list[RankView], now: float) -> None:
+        seen = {v.rank: v for v in views if v.record is not None}
+        tokens = {rank: v.record.token() for rank, v in seen.items() if v.record is not None}
+        moved, self._tokens, self._latest = tokens != self._tokens, tokens, seen
+        if moved and len(seen) > 1:
+            keys = {rank: progress_key(v) for rank, v in seen.items()}
+            top = max(keys.values())
+            behind = frozenset(rank for rank, key in keys.items() if key < top)
+            if behind:
+                self._samples.append((now, behind))
+        while self._samples and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+
+    def report(self, now: float) -> str | None:
+        """One ``slow rank:`` line, for the rank most often behind, at most once per ``repeat_s`` a rank."""
+        recent = [behind for t, behind in self._samples if t >= now - self.window_s]
+        if len(recent) < self.min_samples:
+            return None
+        counts = Counter(rank for behind in recent for rank in behind)
+        slow = [
+            (count / len(recent), rank)
+            for rank, count in counts.items()
+            if count / len(recent) >= self.share
+            and now - self._reported.get(rank, -math.inf) >= self.repeat_s
+        ]
+        if not slow:
+            return None
+        share, rank = max(slow)
+        self._reported[rank] = now
+        view = self._latest.get(rank)
+        node = f" on {view.node}" if view is not None else ""
+        return one_line(
+            f"slow rank: rank {rank}{node} behind the others in {share:.0%} of {len(recent)} samples "
+            f"over the last {seconds(self.window_s)}{self._step_times(rank)}; "
+            "the job still moves, so no restart"
+        )
+
+    def _step_times(self, rank: int) -> str:
+        own = _step_time(self._latest.get(rank))
+        others = sorted(t for r, v in self._latest.items() if r != rank and (t := _step_time(v)) is not None)
+        if own is None:
+            return ""
+        if not others:
+            return f" (its step-time median {seconds(own)})"
+        return f" (its step-time median {seconds(own)} vs {seconds(others[len(others) // 2])} on the others)"
+
+
+def _step_time(view: RankView | None) -> float | None:
+    """A training step's recent median length (data + forward/backward + optimizer), when all are measured."""
+    if view is None or view.record is None:
+        return None
+    medians = view.record.medians
+    if not all(p in medians for p in TRAINING_PHASES):
+        return None
+    return sum(medians[p] for p in TRAINING_PHASES)
