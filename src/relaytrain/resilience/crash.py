@@ -15,6 +15,10 @@ ranks) asks ``classify`` here, which decides from ``run_state.json``:
 * ``failed`` with reason ``error`` or ``hang``, ``running``, or a marker written by an earlier run (the
   process died before or while loading its checkpoint): a crash.
 
+When the job's hang monitor detected a hang in the step (``hang_record.HangRecord``) and had its ranks
+killed, the crash's cause says so: ``why`` is the monitor's ``hang detected: ...`` line and ``hang`` names
+the step, the culprit rank(s) and node(s), the report and the limit that was passed.
+
 Crashes are counted per SLURM job in ``<run_dir>/crashes.jsonl`` (one line per crash, never rewritten),
 so a job resubmitted by hand starts with a fresh allowance; time-limit requeues have their own cap
 (``max_requeues``). The requeued job resumes from the last complete checkpoint as after any requeue.
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.job import JobFacts, RunDir, jsonl
+from relaytrain.resilience.hang_record import HangRecord
 from relaytrain.resilience.run_state import RunState, RunStatus
 
 CRASH_LOG_FILE = RunDir(Path()).crashes.name  # for messages; the path is RunDir.crashes
@@ -37,6 +42,8 @@ USAGE_ERROR_EXIT = 2  # relaytrain's CLI exits 2 on a UserError/ConfigError: ret
 NEVER_REQUEUED_REASONS = frozenset({"nan", "damaged_checkpoint"})
 CRASH_REASONS = frozenset({"error", "hang"})
 RESTARTED = "restart"  # a crashes.jsonl line's action when the step was started again in place
+CULPRIT_TWICE = "named as a hang's culprit twice"  # why a node is left out of a restart in place
+HANG_LINE_START = "hang detected: "  # the monitor's job-log line starts so, and a hang crash's `why`
 # srun reports each task that died: `srun: error: node2: task 1: Killed` (or `... Exited with exit code 3`)
 _SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
 # torchrun (one node) exits 1 whatever killed its worker; its failure summary names the signal
@@ -109,21 +116,83 @@ class CrashLog:
             if str(e.get("job_id")) == job_id and (e.get("action") == RESTARTED) == restarts
         )
 
+    def hang_culprit_nodes(self, job_id: str) -> list[str]:
+        """The culprit nodes of this job's hangs: each node once per hang crash that named it (the lines
+        are the run directory's, anything may have written them: what is not a hang's shape is skipped)."""
+        nodes: list[str] = []
+        for entry in self.entries():
+            hang = entry.get("hang")
+            culprits = hang.get("culprits") if isinstance(hang, dict) else None
+            if str(entry.get("job_id")) != job_id or not isinstance(culprits, list):
+                continue
+            named = (c.get("node") for c in culprits if isinstance(c, dict))
+            nodes += dict.fromkeys(node for node in named if isinstance(node, str) and node)
+        return nodes
+
     def append(self, entry: Mapping[str, Any]) -> None:
         jsonl.append(self.path, entry, sort_keys=True)
 
 
-def cause_of(exit_code: int, why: str, state: RunState | None, job_log_tail: str) -> dict[str, Any]:
+_ACTIONS = {RESTARTED: "restarted in place", "requeue": "requeued", "fail": "not recovered (the job ended)"}
+
+
+def describe_crash(entry: Mapping[str, Any]) -> str:
+    """One line for a crashes.jsonl entry (`relaytrain status`): a hang's step, culprit(s) and report, or
+    another crash's step and why; then what followed. The entry may hold anything: odd fields are left out."""
+    hang = entry.get("hang") if isinstance(entry.get("hang"), dict) else None
+    if hang is not None:
+        culprits = [c for c in hang.get("culprits") or () if isinstance(c, dict)]
+        named = "; ".join(
+            f"rank {c.get('rank', '?')} on {c.get('node', '?')} in {c.get('phase', '?')}"
+            + (f" ({c['why']})" if c.get("why") else "")
+            for c in culprits
+        )
+        parts = [f"hang at step {hang.get('step', '?')}: {named or 'no culprit named'}"]
+        if hang.get("report"):
+            parts.append(f"report {hang['report']}")
+    else:
+        parts = [f"at step {entry.get('step', '?')}: {entry.get('why') or 'no cause recorded'}"]
+    action = _ACTIONS.get(str(entry.get("action", "requeue")), str(entry.get("action")))
+    left_out = entry.get("nodes_left_out")
+    if isinstance(left_out, list) and left_out:
+        action += f" without {','.join(map(str, left_out))} ({CULPRIT_TWICE})"
+    return "; ".join([*parts, action])
+
+
+def hang_why(hang: HangRecord) -> str:
+    """A hang crash's `why`: the monitor's job-log line (`hang detected: rank 1 on n2 in ...`)."""
+    line = " ".join(hang.line.split()) or f"at step {hang.step}"  # one line, whatever the file held
+    return line if line.startswith(HANG_LINE_START) else HANG_LINE_START + line
+
+
+def hang_cause(hang: HangRecord) -> dict[str, Any]:
+    """What crashes.jsonl and run_state.json's `crash` say of a hang under `hang`."""
+    return {
+        "step": hang.step,
+        "culprits": [dict(c) for c in hang.culprits],
+        "line": hang.line,
+        "report": hang.report,
+        "idle_s": hang.idle_s,
+        "limit_s": hang.limit_s,
+    }
+
+
+def cause_of(
+    exit_code: int, why: str, state: RunState | None, job_log_tail: str, hang: HangRecord | None = None
+) -> dict[str, Any]:
     """The crash's cause as crashes.jsonl and run_state.json record it: exit code, signal, the tasks
-    `srun` reported dead (and their nodes), the marker the step left."""
+    `srun` reported dead (and their nodes), the marker the step left, and the hang the job's hang
+    monitor detected in the step (its line becomes the `why`)."""
     errors = srun_task_errors(job_log_tail)
+    hung = {} if hang is None else {"hang": hang_cause(hang)}
     return {
         "exit_code": exit_code,
         "signal": signal_of(exit_code) or ",".join(torchrun_signals(job_log_tail)),
-        "why": why,
+        "why": why if hang is None else hang_why(hang),
         "failed_tasks": errors,
         "nodes": sorted({e["node"] for e in errors}),
         "previous_state": None
         if state is None
         else {"status": state.status.value, "reason": state.reason, "step": state.step, "host": state.host},
+        **hung,
     }

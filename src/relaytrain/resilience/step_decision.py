@@ -7,6 +7,7 @@ decision out. See ``step_end.py`` for the whole list of outcomes.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,15 @@ from typing import Any
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.resilience.codes import EXIT_RESTART_STEP, EXIT_RESUME, StopReason
-from relaytrain.resilience.crash import CRASH_LOG_FILE, RESTARTED, CrashLog, cause_of, classify
+from relaytrain.resilience.crash import (
+    CRASH_LOG_FILE,
+    CULPRIT_TWICE,
+    RESTARTED,
+    CrashLog,
+    cause_of,
+    classify,
+)
+from relaytrain.resilience.hang_record import HangRecord, HangRecordFile
 from relaytrain.resilience.requeue import decide_requeue
 from relaytrain.resilience.run_lock import is_busy_refusal
 from relaytrain.resilience.run_state import RunState, RunStateFile, RunStatus
@@ -36,6 +45,8 @@ class RunFacts:
     earlier_crashes: int  # crashes of this job in crashes.jsonl that requeued it (or ended it)
     job_log_tail: str  # this step's part of the job's output
     earlier_restarts: int = 0  # crashes of this job in crashes.jsonl restarted in place
+    hang: HangRecord | None = None  # the hang the job's hang monitor detected in this step
+    earlier_hang_nodes: tuple[str, ...] = ()  # culprit nodes of this job's earlier hangs, once per hang
 
     @classmethod
     def read(cls, run: RunDir, job: JobFacts, job_log_tail: str = "") -> RunFacts:
@@ -51,6 +62,8 @@ class RunFacts:
             crashes.count(job.job_id),
             tail,
             crashes.count(job.job_id, restarts=True),
+            HangRecordFile(run).for_step(job),
+            tuple(crashes.hang_culprit_nodes(job.job_id)),
         )
 
 
@@ -119,7 +132,8 @@ def _after_crash(
 ) -> Decision:
     r, state = resilience, run.state
     step = state.step if state is not None else 0
-    cause = cause_of(exit_code, why, state, run.job_log_tail)
+    cause = cause_of(exit_code, why, state, run.job_log_tail, run.hang)
+    why = cause["why"]  # a hang's: the monitor's `hang detected: ...` line
     plan, not_in_place = plan_restart(
         restartable.step,
         run.earlier_restarts,
@@ -127,6 +141,8 @@ def _after_crash(
         job,
         min_nodes=restartable.min_nodes,
         usable_nodes=restartable.usable_nodes,
+        excluded=culprits_named_twice(run),
+        excluded_why=CULPRIT_TWICE,
     )
     if plan is not None:
         return _restart_in_place(exit_code, why, step, cause, plan, run, r, job)
@@ -191,6 +207,7 @@ def _restart_in_place(
         "max_step_restarts": cap,
     }
     lost = list(plan.lost)
+    left_out = {"nodes_left_out": list(plan.left_out), **({"nodes_kept": plan.kept} if plan.kept else {})}
     return Decision(
         Action.RESTART,
         message,
@@ -203,9 +220,19 @@ def _restart_in_place(
             "action": RESTARTED,
             "step_restart": number,
             "nodes_lost": lost,
+            **left_out,
         },  # fmt: skip
         restart=plan,
     )
+
+
+def culprits_named_twice(run: RunFacts) -> set[str]:
+    """The culprit nodes of this step's hang that an earlier hang of this job named too: left out of the
+    restart in place where the node range allows (a node that hangs the job twice is likely to again)."""
+    if run.hang is None:
+        return set()
+    named = Counter(run.earlier_hang_nodes) + Counter(run.hang.culprit_nodes)
+    return {node for node in run.hang.culprit_nodes if named[node] >= 2}
 
 
 def _after_program(exit_code: int, run: RunFacts, resilience: ResilienceConfig, job: JobFacts) -> Decision:

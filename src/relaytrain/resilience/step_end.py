@@ -84,13 +84,17 @@ def perform(decision: Decision, job: JobFacts, run: RunDir, restart_file: str = 
 
 def _restart_event(decision: Decision) -> dict[str, Any]:
     assert decision.record is not None and decision.restart is not None and decision.crash is not None
-    facts = decision.record.facts
+    facts, plan, hang = decision.record.facts, decision.restart, decision.crash.get("hang")
     return {
         "step_restart": facts["step_restart"],
         "exit_code": facts["exit_code"],
         "signal": decision.crash.get("signal", ""),
-        "nodes_lost": list(decision.restart.lost),
-        "nodes": list(decision.restart.nodes),
+        "nodes_lost": list(plan.lost),
+        "nodes": list(plan.nodes),
+        # the nodes left out (a hang's culprit twice), or why they were kept: `left out: n2, named as ...`
+        "nodes_left_out": list(plan.left_out),
+        **({"nodes_note": plan.exclusion()} if plan.exclusion() else {}),
+        **({"hang_culprits": hang["culprits"]} if isinstance(hang, dict) else {}),
     }
 
 

@@ -16,11 +16,15 @@ where to start the step again, or why not, and the crash then goes the requeue w
 * nodes the step ran on that Slurm no longer gives the job (``sbatch --no-kill`` keeps the job when a
   node fails; ``sinfo`` shows it down) are left out: the step restarts on the nodes left when the run's
   node range allows (``slurm.min_nodes``; the elastic path of docs/elastic.md re-plans the layout at
-  start), else the job is requeued.
+  start), else the job is requeued;
+* nodes the decision asks to leave out (``excluded``: a node named as a hang's culprit twice in this
+  job) are left out the same way when the node range allows; when it does not, the step restarts on
+  the same nodes and the plan says why they were kept (a hang is not a reason to give the job up).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from relaytrain.config.schema import ResilienceConfig
@@ -42,15 +46,29 @@ class StepFacts:
 
 @dataclass(frozen=True)
 class RestartPlan:
-    """Where the step starts again, and which of its nodes were lost."""
+    """Where the step starts again, which of its nodes were lost, and which were left out (or kept)."""
 
     nodes: tuple[str, ...]  # () when the same nodes (Slurm could not be asked about them)
     lost: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()  # usable nodes the decision asked to leave out, left out
+    left_out_why: str = ""  # why they were asked to be left out ("named as a hang's culprit twice")
+    kept: str = ""  # the nodes asked to be left out but kept, and why (the node range does not allow it)
+
+    def exclusion(self) -> str:
+        """`left out: n2, named as ...` or the kept sentence; "" when no node was asked to be left out."""
+        if self.left_out:
+            why = f", {self.left_out_why}" if self.left_out_why else ""
+            return f"left out: {','.join(self.left_out)}{why}"
+        return self.kept
 
     def describe(self) -> str:
-        if not self.lost:
-            return "on the same nodes"
-        return f"on the {len(self.nodes)} node(s) left ({','.join(self.nodes)}); lost: {','.join(self.lost)}"
+        where = f"on the {len(self.nodes)} node(s) left ({','.join(self.nodes)})" if self.nodes else ""
+        parts = [where or "on the same nodes"]
+        if self.lost:
+            parts.append(f"lost: {','.join(self.lost)}")
+        if self.exclusion():
+            parts.append(self.exclusion())
+        return "; ".join(parts)
 
 
 def plan_restart(
@@ -61,10 +79,13 @@ def plan_restart(
     *,
     min_nodes: int,
     usable_nodes: list[str] | None,
+    excluded: Collection[str] = (),
+    excluded_why: str = "",
 ) -> tuple[RestartPlan | None, str]:
     """(where to restart the step, or None; why not). ``restarts_so_far``: this job's restarts in
     place; ``min_nodes``: the fewest nodes the run may continue on (its node range, else all of them);
-    ``usable_nodes``: the nodes the job holds that can run a step now (None: Slurm could not say)."""
+    ``usable_nodes``: the nodes the job holds that can run a step now (None: Slurm could not say);
+    ``excluded``: nodes to leave out when the range allows, for ``excluded_why``."""
     cap = resilience.max_step_restarts
     if not step.can_restart or not job.in_slurm:
         return None, "this job's batch script cannot start a step again"
@@ -76,13 +97,26 @@ def plan_restart(
     if job.step_restarts and (too_soon or not step.started):
         when = f"{step.seconds:.0f} s after its launch" if too_soon else "before it wrote run_state.json"
         return None, f"the restarted step failed again at start-up ({when}): not restarted in place again"
-    if usable_nodes is None or not step.nodes:
+    if not step.nodes:
         return RestartPlan(()), ""
-    left = tuple(node for node in step.nodes if node in usable_nodes)
-    lost = tuple(node for node in step.nodes if node not in usable_nodes)
-    if not lost:
-        return RestartPlan(()), ""
-    if len(left) < max(min_nodes, 1):
-        need = f"slurm.min_nodes={min_nodes}" if min_nodes < len(step.nodes) else "every node of the job"
-        return None, f"node(s) {','.join(lost)} lost and {len(left)} left, fewer than the run needs ({need})"
-    return RestartPlan(left, lost), ""
+    usable = step.nodes if usable_nodes is None else usable_nodes  # unknown: the same nodes as far as known
+    left = tuple(node for node in step.nodes if node in usable)
+    lost = tuple(node for node in step.nodes if node not in usable)
+    need = max(min_nodes, 1)
+    needed = f"slurm.min_nodes={min_nodes}" if min_nodes < len(step.nodes) else "every node of the job"
+    if lost and len(left) < need:
+        few = f"{len(left)} left, fewer than the run needs ({needed})"
+        return None, f"node(s) {','.join(lost)} lost and {few}"
+    out = tuple(node for node in left if node in excluded)
+    kept = ""
+    if out and len(left) - len(out) < need:
+        why = f", {excluded_why}" if excluded_why else ""
+        kept = (
+            f"kept: {','.join(out)}{why}: without {'it' if len(out) == 1 else 'them'} "
+            f"{len(left) - len(out)} node(s) would be left, fewer than the run needs ({needed})"
+        )
+        out = ()
+    if not lost and not out:
+        return RestartPlan((), kept=kept), ""
+    rest = tuple(node for node in left if node not in out)
+    return RestartPlan(rest, lost, out, excluded_why if out else "", kept), ""
