@@ -15,6 +15,7 @@ steps and a hang floor of 15 s (``resilience.hang_floor_s``), the first run slow
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -84,7 +85,8 @@ def hangs(slurm_cluster, tmp_path_factory):
         for name in ("stop1", "stop0"):
             jobs[name] = launch(str(cfg), "--name", name, *NODES, slowed())
         jobs["fifo"] = launch(str(cfg), "--name", "fifo", *NODES, slowed(fifo_at_step=12, rank=1))
-        jobs["slow"] = launch(str(cfg), "--name", "slow", *NODES, slowed(slow_factor=5, slow_from_step=8, rank=1))
+        slow = slowed(slow_factor=5, slow_from_step=8, rank=1)
+        jobs["slow"] = launch(str(cfg), "--name", "slow", *NODES, slow)
         for name, rank in (("stop1", 1), ("stop0", 0)):
             stopped[name] = stop_rank_at(runs / name, jobs[name], rank, 12)
         fields = {name: wait_job_finished(int(job), timeout=600) for name, job in jobs.items()}
@@ -95,10 +97,8 @@ def hangs(slurm_cluster, tmp_path_factory):
     finally:
         for pid, _node, _when in stopped.values():
             for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, sig)
-                except OSError:
-                    pass
         subprocess.run(["scancel", *jobs.values()], capture_output=True, timeout=30)
         if reference.poll() is None:
             reference.kill()

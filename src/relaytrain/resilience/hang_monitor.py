@@ -30,9 +30,9 @@ from relaytrain.resilience.hang_detect import (
     Verdict,
     assess,
     hang_line,
-    render_report,
 )
 from relaytrain.resilience.hang_record import HangRecord, HangRecordFile
+from relaytrain.resilience.hang_report import render_report
 from relaytrain.resilience.hang_watch import read_json, write_json
 
 INTERVAL_S = 2.0
@@ -140,7 +140,8 @@ class HangMonitor:
     def act(self, verdict: Verdict) -> None:
         job = self.job
         ident = f"{job.job_id}.{job.restart_count}.{job.step_restarts}.{int(time.time())}"
-        request = {"id": ident, "job_id": job.job_id, "step_restarts": job.step_restarts, "step": verdict.step}
+        request = {"id": ident, "job_id": job.job_id, "step_restarts": job.step_restarts,
+                   "step": verdict.step}  # fmt: skip
         write_json(self.run.hang_request, {**request, "end": False})
         nodes = self.nodes()
         stacks = self.wait_for_stacks(ident, list(nodes))
@@ -152,10 +153,11 @@ class HangMonitor:
         line = hang_line(verdict, relative)
         print(line, flush=True)  # the job log's line starts with it (no stamp in front)
         culprits = tuple(asdict(c) for c in verdict.culprits)
-        HangRecordFile(self.run).write(
-            HangRecord(job.job_id, job.step_restarts, verdict.step, time.time(), verdict.idle_s,
-                       verdict.limit_s, culprits, line, relative)  # fmt: skip
-        )
+        record = HangRecord(job_id=job.job_id, step_restarts=job.step_restarts, step=verdict.step,
+                            detected_at=time.time(), idle_s=verdict.idle_s, limit_s=verdict.limit_s,
+                            culprits=culprits, line=line, report=relative,
+                            restart_count=job.restart_count)  # fmt: skip
+        HangRecordFile(self.run).write(record)
         write_json(self.run.hang_request, {**request, "end": True})
         if self._stop.wait(END_WAIT_S):
             return  # the step ended

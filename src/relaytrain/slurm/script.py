@@ -270,8 +270,10 @@ def render_script(spec: JobSpec) -> str:
         "gpu_monitor": s.gpus_per_node > 0 and spec.cfg.metrics.gpu_monitor_interval_s > 0,
         "gpu_monitor_interval": spec.cfg.metrics.gpu_monitor_interval_s,
         "map_env": spec.launcher != "torchrun",
-        # Each node's hang watcher for the driver's hang monitor (not for programs: they publish no progress).
-        "hang_watch": spec.launcher in ("torchrun", "srun") and r.hang_timeout_s > 0 and not spec.attach_jobid,
+        # Each node's hang watcher for the driver's hang monitor (not programs: they publish no progress).
+        "hang_watch": spec.launcher in ("torchrun", "srun")
+        and r.hang_timeout_s > 0
+        and not spec.attach_jobid,
         "launcher": spec.launcher,
         "nproc": spec.tasks_per_node,
         "srun_tasks_per_node": 1 if spec.launcher == "torchrun" else spec.tasks_per_node,
