@@ -80,10 +80,10 @@ class HangMonitor:
 
     @staticmethod
     def forget_last(run: RunDir) -> None:
-        """Before a step starts: the previous step's request and record were read by its decision."""
-        for path in (run.hang_request, run.hang_record):
-            with contextlib.suppress(OSError):
-                path.unlink()
+        """Before a step starts: an earlier step's request must not reach the new step's watchers (the
+        record stays: it names its job, restart and step, and the benchmarks read it)."""
+        with contextlib.suppress(OSError):
+            run.hang_request.unlink()
 
     def start(self) -> HangMonitor:
         self._thread.start()
@@ -140,8 +140,8 @@ class HangMonitor:
     def act(self, verdict: Verdict) -> None:
         job = self.job
         ident = f"{job.job_id}.{job.restart_count}.{job.step_restarts}.{int(time.time())}"
-        request = {"id": ident, "job_id": job.job_id, "step_restarts": job.step_restarts,
-                   "step": verdict.step}  # fmt: skip
+        request = {"id": ident, "job_id": job.job_id, "restart_count": job.restart_count,
+                   "step_restarts": job.step_restarts, "step": verdict.step}  # fmt: skip
         write_json(self.run.hang_request, {**request, "end": False})
         nodes = self.nodes()
         stacks = self.wait_for_stacks(ident, list(nodes))

@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -27,15 +26,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from relaytrain.job import RunDir
+from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.progress import Phase, ProgressRecord, read_board
 from relaytrain.resilience.hang_stacks import describe_rank, process_state
 
 INTERVAL_S = 1.0
-
-
-def node_name() -> str:
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -73,9 +68,10 @@ class NodeWatcher:
     """One node's view of its ranks, and its part in a hang request."""
 
     def __init__(self, run: RunDir, progress_dir: Path, node: str, job_id: str, step_restarts: int,
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+                 restart_count: int = 0, clock: Callable[[], float] = time.monotonic):  # fmt: skip
         self.run, self.progress_dir, self.node = run, progress_dir, node
-        self.job_id, self.step_restarts = job_id, step_restarts
+        # which step of which run of the job this is: a request names the same three
+        self.job_id, self.step_restarts, self.restart_count = job_id, step_restarts, restart_count
         self.clock = clock
         self._seen: dict[int, tuple[tuple[int, int, int, int], float]] = {}  # rank -> (token, since)
         self._answered: set[str] = set()
@@ -103,7 +99,9 @@ class NodeWatcher:
         request = read_json(self.run.hang_request)
         if request is None or str(request.get("job_id")) != self.job_id:
             return None
-        return request if request.get("step_restarts") == self.step_restarts else None
+        step = (request.get("restart_count"), request.get("step_restarts"))
+        ours = step == (self.restart_count, self.step_restarts)
+        return request if ours else None
 
     def answer(self, request: dict[str, Any]) -> bool:
         """Stacks for a new request, the end of the ranks when it says so. True: this watcher is done."""
@@ -159,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", default="")
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--step-restarts", type=int, default=0)
+    parser.add_argument("--restart-count", type=int, default=0, help="SLURM_RESTART_COUNT of the job")
     parser.add_argument("--interval", type=float, default=INTERVAL_S)
     args = parser.parse_args(argv)
     progress_dir = Path(args.progress_dir)
     clear_old_boards(progress_dir)
-    watcher = NodeWatcher(RunDir(Path(args.run_dir)), progress_dir, args.node or node_name(), args.job_id,
-                          args.step_restarts)  # fmt: skip
+    watcher = NodeWatcher(RunDir(Path(args.run_dir)), progress_dir, args.node or JobFacts.from_env().host(), args.job_id,
+                          args.step_restarts, args.restart_count)  # fmt: skip
     while True:
         watcher.observe()
         request = watcher.request()
