@@ -157,13 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node", default="")
     parser.add_argument("--job-id", required=True)
     parser.add_argument("--step-restarts", type=int, default=0)
-    parser.add_argument("--restart-count", type=int, default=0, help="SLURM_RESTART_COUNT of the job")
+    parser.add_argument("--restart-count", type=int, default=0, help="the restart count of the job")
     parser.add_argument("--interval", type=float, default=INTERVAL_S)
     args = parser.parse_args(argv)
     progress_dir = Path(args.progress_dir)
     clear_old_boards(progress_dir)
-    watcher = NodeWatcher(RunDir(Path(args.run_dir)), progress_dir, args.node or JobFacts.from_env().host(), args.job_id,
-                          args.step_restarts, args.restart_count)  # fmt: skip
+    node = args.node or JobFacts.from_env().host()
+    watcher = NodeWatcher(RunDir(Path(args.run_dir)), progress_dir, node, args.job_id, args.step_restarts,
+                          args.restart_count)  # fmt: skip
     while True:
         watcher.observe()
         request = watcher.request()
