@@ -75,6 +75,7 @@ class HangMonitor:
         self.end_step, self.say, self.interval_s = end_step, say, interval_s
         self.slow = SlowRankTracker()
         self.verdict: Verdict | None = None
+        self.longest = (0.0, 0.0)  # the longest time no rank moved without a hang, and the limit then
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-monitor", daemon=True)
 
@@ -93,6 +94,12 @@ class HangMonitor:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=STACKS_WAIT_S + END_WAIT_S + 10)
+        if self.verdict is None and self.longest[0] > 0:
+            # How close a clean step came to its limit: the measure behind hang_floor_s's default.
+            idle, limit = self.longest
+            self.say(
+                f"hang monitor: the longest pause of this step was {idle:.1f} s (limit then {limit:.0f} s)"
+            )
 
     def nodes(self) -> dict[str, dict[str, Any]]:
         """The node files of this job step, by node."""
@@ -101,7 +108,10 @@ class HangMonitor:
             data = read_json(path)
             if data is None or str(data.get("job_id")) != self.job.job_id:
                 continue
-            if data.get("step_restarts") == self.job.step_restarts and isinstance(data.get("ranks"), list):
+            step = (data.get("restart_count"), data.get("step_restarts"))
+            if step == (self.job.restart_count, self.job.step_restarts) and isinstance(
+                data.get("ranks"), list
+            ):
                 found[str(data.get("node", path.stem))] = data
         return found
 
@@ -123,6 +133,8 @@ class HangMonitor:
         verdict = assess(views, self.policy, len(views))
         if verdict.hung:
             return verdict
+        if verdict.idle_s > self.longest[0]:
+            self.longest = (verdict.idle_s, verdict.limit_s)
         self.slow.sample(views, time.monotonic())
         line = self.slow.report(time.monotonic())
         if line:

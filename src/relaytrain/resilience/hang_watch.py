@@ -88,8 +88,9 @@ class NodeWatcher:
             if seen is None or seen[0] != token:
                 self._seen[record.rank] = seen = (token, now)
             ranks.append(rank_fields(record, self.node, now - seen[1]))
-        view = {"node": self.node, "job_id": self.job_id, "step_restarts": self.step_restarts,
-                "time": time.time(), "pid": os.getpid(), "ranks": ranks}  # fmt: skip
+        view = {"node": self.node, "job_id": self.job_id, "restart_count": self.restart_count,
+                "step_restarts": self.step_restarts, "time": time.time(), "pid": os.getpid(),
+                "ranks": ranks}  # fmt: skip
         with contextlib.suppress(OSError):
             write_json(self.run.hang_node(self.node), view)
         return view
