@@ -254,10 +254,11 @@ def test_the_line_names_culprit_node_phase_step_idle_limit_the_others_and_the_re
 
 
 def test_the_line_stays_one_line_and_short_with_many_culprits():
-    views = [view(waiting(r, name="bad\nname")) for r in range(10)]
+    views = [view(waiting(r, name="bad\nname", entered=38 if r == 9 else 37)) for r in range(10)]
     line = hang_line(assess(views, POLICY, 10), "logs/hang-step12.md")
     assert line.startswith("hang detected: rank 0 on n1") and "\n" not in line
-    assert "and 6 more ranks" in line and "rank 5 on" not in line
+    assert "and 5 more ranks" in line and "rank 4 on" not in line
+    assert "rank 9 waits in bad name (forward/backward, collective 38)" in line
 
 
 # ---- slow ranks
