@@ -84,7 +84,7 @@ class Verdict:
 def phase_limit(view: RankView, policy: HangPolicy) -> tuple[float, str]:
     """How long ``view``'s rank may go without progress in its present phase, and why."""
     record = view.record
-    cap_name = f"the cap resilience.hang_timeout_s ({seconds(policy.cap_s)})"
+    cap_name = _cap_name(policy)
     if view.state in GONE_STATES:  # nothing left to wait for: a gone process protects nobody
         return policy.floor_s, f"{phase_label(view)}, process gone: the floor resilience.hang_floor_s"
     if record is None:
@@ -109,13 +109,16 @@ def phase_limit(view: RankView, policy: HangPolicy) -> tuple[float, str]:
     return limit, f"{record.phase.label}: {why}"
 
 
+def _cap_name(policy: HangPolicy) -> str:
+    return f"the cap resilience.hang_timeout_s ({seconds(policy.cap_s)})"
+
+
 def assess(views: list[RankView], policy: HangPolicy, world_size: int) -> Verdict:
     """The job's verdict from every rank's view; ranks of ``world_size`` without a view are starting."""
     limits = [(*phase_limit(v, policy), f"rank {v.rank}") for v in views]
     missing = sorted(set(range(world_size)) - {v.rank for v in views})
     if missing:
-        cap = f"the cap resilience.hang_timeout_s ({seconds(policy.cap_s)})"
-        limits.append((policy.cap_s, f"start-up (no view yet): {cap}", ranks(missing)))
+        limits.append((policy.cap_s, f"start-up (no view yet): {_cap_name(policy)}", ranks(missing)))
     limit, why, who = max(limits, key=lambda item: item[0], default=(policy.cap_s, "no rank seen", "none"))
     published = [v.record for v in views if v.record is not None]
     idle = min((v.idle_s for v in views), default=0.0)
@@ -143,7 +146,8 @@ def _culprits(views: list[RankView]) -> list[tuple[RankView, str]]:
         others = f"{ranks([v.rank for v in waiters])} {'wait' if len(waiters) > 1 else 'waits'} in {names}"
         return [(v, f"{_outside_why(v)}, while {others}{_kernel(v)}") for v in outside]
     desynced = [(v, why) for v in views if (why := _desync(v))]
-    if desynced and len(desynced) < len(views):  # every rank off the usual count is a different step
+    # Every rank off its usual count is a step unlike the others (an evaluation's), not one rank's skip.
+    if desynced and len(desynced) < len(views):
         return desynced
     lowest = min(progress_key(v) for v in views)
     behind = [v for v in views if progress_key(v) == lowest]
