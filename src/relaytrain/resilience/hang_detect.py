@@ -84,7 +84,7 @@ class Verdict:
 def phase_limit(view: RankView, policy: HangPolicy) -> tuple[float, str]:
     """How long ``view``'s rank may go without progress in its present phase, and why."""
     record = view.record
-    cap_name = f"the cap resilience.hang_timeout_s ({seconds(policy.cap_s)})"
+    cap_name = _cap_name(policy)
     if view.state in GONE_STATES:  # nothing left to wait for: a gone process protects nobody
         return policy.floor_s, f"{phase_label(view)}, process gone: the floor resilience.hang_floor_s"
     if record is None:
@@ -109,13 +109,16 @@ def phase_limit(view: RankView, policy: HangPolicy) -> tuple[float, str]:
     return limit, f"{record.phase.label}: {why}"
 
 
+def _cap_name(policy: HangPolicy) -> str:
+    return f"the cap resilience.hang_timeout_s ({seconds(policy.cap_s)})"
+
+
 def assess(views: list[RankView], policy: HangPolicy, world_size: int) -> Verdict:
     """The job's verdict from every rank's view; ranks of ``world_size`` without a view are starting."""
     limits = [(*phase_limit(v, policy), f"rank {v.rank}") for v in views]
     missing = sorted(set(range(world_size)) - {v.rank for v in views})
     if missing:
-        cap = f"the cap resilience.hang_timeout_s ({seconds(policy.cap_s)})"
-        limits.append((policy.cap_s, f"start-up (no view yet): {cap}", ranks(missing)))
+        limits.append((policy.cap_s, f"start-up (no view yet): {_cap_name(policy)}", ranks(missing)))
     limit, why, who = max(limits, key=lambda item: item[0], default=(policy.cap_s, "no rank seen", "none"))
     published = [v.record for v in views if v.record is not None]
     idle = min((v.idle_s for v in views), default=0.0)
@@ -143,7 +146,8 @@ def _culprits(views: list[RankView]) -> list[tuple[RankView, str]]:
         others = f"{ranks([v.rank for v in waiters])} {'wait' if len(waiters) > 1 else 'waits'} in {names}"
         return [(v, f"{_outside_why(v)}, while {others}{_kernel(v)}") for v in outside]
     desynced = [(v, why) for v in views if (why := _desync(v))]
-    if desynced and len(desynced) < len(views):  # every rank off the usual count is a different step
+    # Every rank off its usual count is a step unlike the others (an evaluation's), not one rank's skip.
+    if desynced and len(desynced) < len(views):
         return desynced
     lowest = min(progress_key(v) for v in views)
     behind = [v for v in views if progress_key(v) == lowest]
@@ -165,7 +169,7 @@ def _process_state(view: RankView) -> str:
 def _outside_why(view: RankView) -> str:
     if view.record is None:
         return "never published its progress (start-up)"
-    return f"in {view.record.phase.label}, not in a collective"
+    return "not in a collective"
 
 
 def _desync(view: RankView) -> str:
@@ -276,17 +280,19 @@ def ranks(numbers: list[int] | set[int]) -> str:
 class SlowRankTracker:
     """Names a rank that keeps the others waiting while the job still moves (slow, not hung).
 
-    Each ``sample`` in which the ranks' progress keys differ marks the ranks below the furthest as behind;
-    a sample in which no rank moved since the last one (a hang in the making) is left out. A rank behind
-    in at least ``share`` of the differing samples of the last ``window_s`` (at least ``min_samples`` of
-    them) is slow: two ranks of equal speed are each behind about half the time.
+    Each ``sample`` marks the ranks whose progress key is below the furthest rank's as behind; a sample in
+    which no rank moved since the last one (a hang in the making, the monitor's business) is left out. A
+    rank behind in at least ``share`` of the samples of the last ``window_s``, with at least ``min_samples``
+    samples in which the ranks differed, is slow. The share counts every sample, not only those that
+    differ: ranks of equal speed rarely differ when sampled, and when they do, either may be behind, or
+    the same one by a hair (rank 0 logging), so they never come near it.
     """
 
     def __init__(
         self, window_s: float = 60.0, min_samples: int = 10, share: float = 0.8, repeat_s: float = 60.0
     ):
         self.window_s, self.min_samples, self.share, self.repeat_s = window_s, min_samples, share, repeat_s
-        self._samples: deque[tuple[float, frozenset[int]]] = deque()  # (time, ranks behind) when they differ
+        self._samples: deque[tuple[float, frozenset[int]]] = deque()  # (time, the ranks behind)
         self._tokens: dict[int, tuple] | None = None
         self._latest: dict[int, RankView] = {}
         self._reported: dict[int, float] = {}
@@ -298,23 +304,21 @@ class SlowRankTracker:
         if moved and len(seen) > 1:
             keys = {rank: progress_key(v) for rank, v in seen.items()}
             top = max(keys.values())
-            behind = frozenset(rank for rank, key in keys.items() if key < top)
-            if behind:
-                self._samples.append((now, behind))
+            self._samples.append((now, frozenset(rank for rank, key in keys.items() if key < top)))
         while self._samples and self._samples[0][0] < now - self.window_s:
             self._samples.popleft()
 
     def report(self, now: float) -> str | None:
         """One ``slow rank:`` line, for the rank most often behind, at most once per ``repeat_s`` a rank."""
         recent = [behind for t, behind in self._samples if t >= now - self.window_s]
-        if len(recent) < self.min_samples:
+        if sum(1 for behind in recent if behind) < self.min_samples:
             return None
         counts = Counter(rank for behind in recent for rank in behind)
+        quiet = {rank for rank, t in self._reported.items() if now - t < self.repeat_s}
         slow = [
             (count / len(recent), rank)
             for rank, count in counts.items()
-            if count / len(recent) >= self.share
-            and now - self._reported.get(rank, -math.inf) >= self.repeat_s
+            if count / len(recent) >= self.share and rank not in quiet
         ]
         if not slow:
             return None
