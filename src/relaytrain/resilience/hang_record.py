@@ -98,10 +98,6 @@ def _is_culprit(value: object) -> bool:
     )
 
 
-def _no_constants(name: str) -> float:
-    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: Python's json takes them, strict JSON not
-
-
 class HangRecordFile:
     """``<run_dir>/hang/last.json``: one record, replaced whole by each hang."""
 
@@ -129,7 +125,7 @@ class HangRecordFile:
         if len(raw) > MAX_RECORD_BYTES:
             return None
         try:
-            data = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
+            data = json.loads(raw.decode("utf-8"))  # NaN and Infinity: _is_number refuses them
         except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nesting thousands deep
             return None
         return HangRecord.from_json(data)
