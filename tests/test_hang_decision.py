@@ -6,6 +6,7 @@ place when the node range allows, and `relaytrain status RUN` showing the last c
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -99,8 +100,11 @@ def test_a_damaged_or_hostile_record_reads_as_none(run, content):
     assert HangRecordFile(run).for_step(JOB) is None
 
 
-def test_a_directory_in_the_records_place_reads_as_none(run):
+def test_a_directory_or_a_fifo_in_the_records_place_reads_as_none(run):
     run.hang_record.mkdir(parents=True)
+    assert HangRecordFile(run).read() is None
+    run.hang_record.rmdir()
+    os.mkfifo(run.hang_record)  # no writer: a blocking open would wait for ever
     assert HangRecordFile(run).read() is None
 
 
