@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -98,10 +99,6 @@ def _is_culprit(value: object) -> bool:
     )
 
 
-def _no_constants(name: str) -> float:
-    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: Python's json takes them, strict JSON not
-
-
 class HangRecordFile:
     """``<run_dir>/hang/last.json``: one record, replaced whole by each hang."""
 
@@ -122,14 +119,23 @@ class HangRecordFile:
     def read(self) -> HangRecord | None:
         """The record, or None: no file, an unreadable, oversized or damaged one, or not a record."""
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read(MAX_RECORD_BYTES + 1)
-        except OSError:  # missing, a directory, no permission
+            # non-blocking, and only a regular file: a FIFO in its place must not stall the decision
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:  # missing, no permission
             return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory, a FIFO, a device
+                return None
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                raw = f.read(MAX_RECORD_BYTES + 1)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
         if len(raw) > MAX_RECORD_BYTES:
             return None
         try:
-            data = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
+            data = json.loads(raw.decode("utf-8"))  # NaN and Infinity: _is_number refuses them
         except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nesting thousands deep
             return None
         return HangRecord.from_json(data)

@@ -3,13 +3,17 @@
 The batch job's driver (``job_driver.py``) calls ``after_step`` once after each job step (it runs
 outside the step, so it survives the ranks); ``python -m relaytrain.resilience.step_end --exit-code N
 ...`` is the same call for batch scripts of earlier versions. ``decide`` reads the facts (the
-step's exit code, ``run_state.json`` as the step left it, this job's crashes, the job log) and says:
+step's exit code, ``run_state.json`` as the step left it, this job's crashes, the step's hang record,
+the job log) and says:
 
 * **fail**, nothing touched: the step was refused because another run holds the run directory
   (``run.lock``; its output says so);
 * **restart** the job step in place after a crash of relaytrain's trainer (``crash.classify``) or a
   program's exit 76, when ``step_restart.plan_restart`` allows (the script can, fewer than
-  ``resilience.max_step_restarts`` restarts in place, on the nodes left after a node failure);
+  ``resilience.max_step_restarts`` restarts in place, on the nodes left after a node failure, without
+  a node named as a hang's culprit twice in this job where the node range allows); a crash of a step
+  the job's hang monitor found hung (``hang_record``: ``hang/last.json`` of this step) is recorded as
+  the hang, with its culprit rank(s) and node(s);
 * else **requeue** or **fail** after such a crash: requeued from the last complete checkpoint while
   the job had fewer than ``resilience.max_crash_requeues`` crash requeues, else recorded as
   ``crash_loop`` (or ``crash`` when requeueing is off or outside Slurm);
