@@ -21,6 +21,7 @@ from relaytrain.resilience.hang_detect import (
     assess,
     hang_line,
     phase_limit,
+    progress_key,
 )
 from relaytrain.resilience.hang_report import render_report
 
@@ -361,3 +362,13 @@ def test_the_report_holds_the_verdict_every_rank_the_limit_the_stacks_and_what_c
         text.index("### n1") < text.index("File train.py") < text.index("### n2") < text.index("pipe_read\n")
     )
     assert "restarts it in place" in text.split("## What happens next")[1]
+
+
+def test_a_rank_still_after_its_step_is_behind_ranks_already_in_the_next_one():
+    """The record's step is the last finished one: a rank that sleeps after step 12 (logging, a slow
+    rank's pause) is behind one that entered step 13's forward/backward, not ahead of it."""
+    after = view(record(1, Phase.AFTER_STEP, step=12))
+    next_step = view(record(0, Phase.FORWARD_BACKWARD, step=12))
+    saving = view(record(2, Phase.CHECKPOINT_SAVE, step=12))
+    assert progress_key(after) < progress_key(saving) < progress_key(next_step)
+    assert progress_key(view(record(3, Phase.OPTIMIZER, step=12))) > progress_key(saving)

@@ -40,7 +40,8 @@ RECENT = 16  # phase lengths kept per phase for its median
 
 
 class Phase(enum.IntEnum):
-    """What a rank is doing; the order is the order within a step (``behind`` compares it)."""
+    """What a rank is doing. The codes are the record's; the order within a step is
+    ``hang_detect.progress_key``'s (a phase after a step belongs to the step just finished)."""
 
     STARTUP = 0  # from the process start to its first step: init, restore, compilation, the first step
     DATA = 1
@@ -52,6 +53,7 @@ class Phase(enum.IntEnum):
     CHECKPOINT_LOAD = 7
     STOP = 8  # the save after a stop was agreed, then the exit
     DONE = 9  # the run finished or the process is leaving
+    AFTER_STEP = 10  # from the end of a step to the next (logging, the stop agreement after a save)
 
     @property
     def label(self) -> str:
@@ -69,6 +71,7 @@ PHASE_LABELS = {
     Phase.CHECKPOINT_LOAD: "checkpoint load",
     Phase.STOP: "stop",
     Phase.DONE: "done",
+    Phase.AFTER_STEP: "after the step",
 }
 NAME_BYTES = 24
 # magic, version, seq | rank, local_rank, pid | step, phase, phase_started, updated, budget |
@@ -154,13 +157,17 @@ class ProgressBoard:
         if self._map is None:
             return
         now = time.time()
+        self._enter(phase, now)
+        self._budget = float(budget_s)
+        self._write(now)
+
+    def _enter(self, phase: Phase, now: float) -> None:
         if phase is not self._phase:
             lengths = self._lengths[self._phase]
             lengths.append(now - self._phase_started)
             self._medians[self._phase] = statistics.median(lengths)
             self._phase, self._phase_started = phase, now
-        self._budget = float(budget_s)
-        self._write(now)
+            self._budget = 0.0
 
     def step_done(self, step: int) -> None:
         """A step finished: the collectives it entered are counted for the next step's comparison."""
@@ -168,6 +175,7 @@ class ProgressBoard:
             return
         self._step = step
         self._last_step_collectives, self._step_collectives = self._step_collectives, 0
+        self._enter(Phase.AFTER_STEP, time.time())
         self._per_step.append(self._last_step_collectives)
         earlier = list(self._per_step)[:-1]  # the last step is the one compared with the usual
         self._usual = statistics.mode(earlier) if earlier else 0

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job.progress import Phase, ProgressRecord
 
-TRAINING_PHASES = frozenset({Phase.DATA, Phase.FORWARD_BACKWARD, Phase.OPTIMIZER})
+TRAINING_PHASES = frozenset({Phase.DATA, Phase.FORWARD_BACKWARD, Phase.OPTIMIZER, Phase.AFTER_STEP})
+# Phases of the step under way (the record's step is the last finished one) and their order in it; every
+# other phase comes after the step the record names (AFTER_STEP, evaluation, a save) or before the first.
+IN_STEP_ORDER = {Phase.STARTUP: 0, Phase.CHECKPOINT_LOAD: 0, Phase.DATA: 1, Phase.FORWARD_BACKWARD: 2,
+                 Phase.OPTIMIZER: 3}  # fmt: skip
+AFTER_STEP_ORDER = {Phase.AFTER_STEP: 10, Phase.EVALUATION: 11, Phase.CHECKPOINT_SAVE: 12, Phase.SNAPSHOT: 13,
+                    Phase.STOP: 14, Phase.DONE: 15}  # fmt: skip
 # Phases whose length the rank may announce in advance (budget_s: a save's estimate).
 BUDGETED_PHASES = frozenset(
     {Phase.EVALUATION, Phase.CHECKPOINT_SAVE, Phase.SNAPSHOT, Phase.CHECKPOINT_LOAD, Phase.STOP}
@@ -53,10 +59,7 @@ class HangPolicy:
 
     @classmethod
     def from_config(cls, resilience: ResilienceConfig) -> HangPolicy:
-        # hang_floor_s and hang_multiple are added to ResilienceConfig on another branch (issue 37, part A);
-        # the defaults here are theirs until the merge makes these plain attributes.
-        floor = float(getattr(resilience, "hang_floor_s", 40.0))
-        multiple = float(getattr(resilience, "hang_multiple", 10.0))
+        floor, multiple = float(resilience.hang_floor_s), float(resilience.hang_multiple)
         # hang_timeout_s = 0 turns the in-rank watchdog off; here it means no absolute cap.
         cap = float(resilience.hang_timeout_s) or math.inf
         return cls(floor_s=floor, multiple=multiple, cap_s=cap)
@@ -230,7 +233,11 @@ def _where_others_are(views: list[RankView]) -> str:
 def progress_key(view: RankView) -> tuple[int, int, int]:
     """How far a rank got: (step, phase order, collectives entered); a rank never published is lowest."""
     r = view.record
-    return (-1, -1, -1) if r is None else (r.step, int(r.phase), r.collectives_entered)
+    if r is None:
+        return (-1, -1, -1)
+    if r.phase in IN_STEP_ORDER:  # working on the step after the last finished one
+        return (r.step + 1, IN_STEP_ORDER[r.phase], r.collectives_entered)
+    return (r.step, AFTER_STEP_ORDER[r.phase], r.collectives_entered)
 
 
 def phase_label(view: RankView) -> str:
@@ -347,6 +354,6 @@ def _step_time(view: RankView | None) -> float | None:
     if view is None or view.record is None:
         return None
     medians = view.record.medians
-    if not all(p in medians for p in TRAINING_PHASES):
+    if not all(p in medians for p in (Phase.DATA, Phase.FORWARD_BACKWARD, Phase.OPTIMIZER)):
         return None
-    return sum(medians[p] for p in TRAINING_PHASES)
+    return sum(medians[p] for p in TRAINING_PHASES if p in medians)
