@@ -140,10 +140,8 @@ def test_the_collective_timeout_is_derived_from_the_hang_settings_unless_set():
     resilience = load_config(None, []).resilience
     assert (resilience.hang_floor_s, resilience.hang_multiple, resilience.collective_timeout_s) == (40, 10, 0)
     assert resilience.effective_collective_timeout_s() == 1800 + 120
-    assert (
-        load_config(None, ["--resilience.hang_timeout_s=0"]).resilience.effective_collective_timeout_s()
-        == 160
-    )
+    off = load_config(None, ["--resilience.hang_timeout_s=0"])  # the watchdog off: the floor
+    assert off.resilience.effective_collective_timeout_s() == 160
     floor = load_config(None, ["--resilience.hang_timeout_s=15", "--resilience.hang_floor_s=90"])
     assert floor.resilience.effective_collective_timeout_s() == 210
     explicit = load_config(None, ["--resilience.collective_timeout_s=97"])
@@ -173,9 +171,8 @@ def test_bad_hang_settings_are_refused_with_one_line(override, fragment):
 
 def test_two_ranks_publish_steps_phases_and_their_collectives(tmp_path):
     board = tmp_path / "board"
-    steps = (
-        6  # the usual count is the mode over the steps before the last: start-up's and a log step's differ
-    )
+    # the usual count is the mode over the steps before the last: start-up's and the log step's differ
+    steps = 6
     result = run_torchrun(
         2,
         ["train", f"--train.max_steps={steps}", f"--run.dir={tmp_path}"],
