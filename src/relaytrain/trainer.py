@@ -257,8 +257,8 @@ class Trainer:
             window_tokens += tokens_per_step
             self.watchdog.beat(step)
             # Counted per step: every collective on the board, log/eval/save steps' extra ones too (loss_mean,
-            # checkpoint_*); the board's usual count is the mode over recent steps, which those rarer steps
-            # leave at the every-step count (stop_agreement).
+            # checkpoint_*). The usual count is the mode over recent steps, which those rarer steps leave at
+            # the every-step count (stop_agreement); only the step after one shows a higher last count.
             self.progress.step_done(step)
             self._stepped = True
             self.profiler.step(step)

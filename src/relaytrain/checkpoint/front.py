@@ -151,9 +151,9 @@ class Persistence:
 
     @contextlib.contextmanager
     def _phase(self, phase: Phase, budget_s: float) -> Iterator[None]:
-        """Publish `phase` while it runs. After it the board goes back to start-up or stop, spans the work
-        happened inside; after a loop section it stays: the loop publishes the section it enters next
-        (going back would add a short second piece to the section's median)."""
+        """Publish `phase` while it runs. Then back to start-up or stop, the spans it ran inside; after a
+        section of the loop it stays until the loop publishes the section it enters next (going back
+        would add a short second piece to that section's median)."""
         before = self.board.phase_now
         self.board.phase(phase, budget_s=budget_s)
         yield
