@@ -7,20 +7,30 @@ stopping and requeueing are decided collectively so that every rank acts at the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict
 
 import torch
 
-from relaytrain.checkpoint import Persistence, RngState, RunRecord, TrainingState, UnloadableCheckpoints
+from relaytrain.checkpoint import (
+    Persistence,
+    RngState,
+    RunRecord,
+    TrainingState,
+    TrainState,
+    UnloadableCheckpoints,
+)
 from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.data import build_train_loader, build_val_loader, to_device
 from relaytrain.errors import UserError
 from relaytrain.job import JobFacts, RunDir
+from relaytrain.job.progress import Phase, ProgressBoard
 from relaytrain.model import flops_per_token
 from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer, window_memory_stats
 from relaytrain.monitor.logs import setup_logging
@@ -34,6 +44,7 @@ from relaytrain.resilience import (
     NanGuard,
     RunStateFile,
     ShutdownController,
+    StackSignal,
     StopReason,
     finished_message,
     handle_stop,
@@ -46,30 +57,6 @@ from relaytrain.resilience import (
 from relaytrain.resilience.run_lock import take_run_lock
 
 log = logging.getLogger("relaytrain")
-
-
-class TrainState:
-    """The loop's own counters; the data position and the RNG streams are checkpointed beside it."""
-
-    def __init__(self, run_id: str):
-        self.step = 0
-        self.tokens_seen = 0
-        self.lr_scale = 1.0  # lowered by the NaN rollback policy
-        self.run_id = run_id
-
-    def state_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "lr_scale": self.lr_scale,
-            "run_id": self.run_id,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
-        self.lr_scale = float(state.get("lr_scale", 1.0))
-        self.run_id = str(state["run_id"])
 
 
 def prepare_run_dir(cfg: Config, is_main: bool) -> RunDir:
@@ -92,6 +79,11 @@ class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.run_dir = RunDir.of(cfg.run.dir, cfg.run.name)  # built once, passed to every part
+        # Where this rank is, for the node's hang watcher (only in a job step that runs one), and its
+        # stacks on the watcher's request. Start-up lasts until this process's first step finished.
+        self.progress = ProgressBoard.open_from_env(env.rank, env.local_rank)
+        self.stacks = StackSignal.register(self.run_dir.stack_dump(env.rank), self.progress.enabled)
+        self._stepped = False
         self.model = parallelize(
             cfg.parallel,
             cfg.model,
@@ -146,6 +138,7 @@ class Trainer:
             parallel_dims=vars(self.model.dims) | {"nodes": env.num_nodes},
             # run_state.json then knows the run has this checkpoint even if the directory is lost later
             on_commit=RunStateFile(self.run_dir).note_checkpoint,
+            board=self.progress,
         )
         self.metrics = MetricsLogger(
             cfg.metrics,
@@ -159,7 +152,9 @@ class Trainer:
             run_name=cfg.run.name,
             run_config=asdict(cfg),
         )
-        self.controller = ShutdownController(cfg.resilience, env.rank, env.device, self.run_dir)
+        self.controller = ShutdownController(
+            cfg.resilience, env.rank, env.device, self.run_dir, board=self.progress
+        )
         self.watchdog = HangWatchdog(
             cfg.resilience.hang_timeout_s,
             env.rank,
@@ -173,6 +168,13 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            self.stacks.close()
+            self.progress.close()  # done: the watcher sees a rank that left, not one that stopped moving
+
+    def _run(self) -> int:
         cfg, state = self.cfg, self.state
         resuming = cfg.checkpoint.resume == "auto"
         done = finished_message(cfg.train.max_steps, self.run_dir) if resuming else None
@@ -229,11 +231,11 @@ class Trainer:
             step = state.step + 1
             lr = lr_at(cfg.optim, step, train.max_steps) * state.lr_scale
             set_lr(self.optimizers, lr)
-            with self.timer.section("data"):
+            with self._section("data", Phase.DATA):
                 inputs, targets = (to_device(t, self.env.device) for t in self.loader.next_batch())
-            with self.timer.section("forward_backward"):
+            with self._section("forward_backward", Phase.FORWARD_BACKWARD):
                 loss = self.model.train_step(inputs, targets)
-            with self.timer.section("optimizer"):
+            with self._section("optimizer", Phase.OPTIMIZER):
                 grad_norm = self.model.clip_grad_norm_(train.grad_clip)
                 # One collective and one host read a step: all ranks' stop reasons and NaN flags together
                 reason, bad = self.controller.agree_with(
@@ -254,6 +256,11 @@ class Trainer:
             state.tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
             self.watchdog.beat(step)
+            # Counted per step: every collective on the board, log/eval/save steps' extra ones too (loss_mean,
+            # checkpoint_*). The usual count is the mode over recent steps, which those rarer steps leave at
+            # the every-step count (stop_agreement); only the step after one shows a higher last count.
+            self.progress.step_done(step)
+            self._stepped = True
             self.profiler.step(step)
             # Step 1 too: the loss curve starts at the initial loss, not log_every steps into it.
             if step % cfg.metrics.log_every == 0 or step in (1, train.max_steps):
@@ -285,6 +292,7 @@ class Trainer:
     def _stop(self, reason: StopReason, step: int) -> int:
         """Save where every rank agreed to stop, then hand the decision to requeue to the marker file."""
         log.info("stopping at step %d: %s", step, reason.name.lower())
+        self.progress.phase(Phase.STOP)
         if reason != StopReason.NAN:
             self.controller.start_hard_deadline()
             self.watchdog.beat()
@@ -303,28 +311,38 @@ class Trainer:
         self.state.lr_scale *= self.cfg.resilience.nan_rollback_lr_scale
         self.metrics.log_event("rollback", self.state.step, lr_scale=self.state.lr_scale)
 
+    @contextlib.contextmanager
+    def _section(self, name: str, phase: Phase) -> Iterator[None]:
+        """A timed section of the step, published as its phase from the second step on: the first step
+        (compilation, the first allocations) stays start-up, whose limit is the hang cap."""
+        if self._stepped:
+            self.progress.phase(phase)
+        with self.timer.section(name):
+            yield
+
     # -- reporting --------------------------------------------------------------------------------
 
     def _log_train(self, step, loss, grad_norm, lr, tokens, elapsed) -> None:
         record = {
-            "loss": self.model.reduce_mean(loss),
+            "loss": self.model.reduce_mean(loss, self.progress, "loss_mean"),
             "lr": lr,
             "grad_norm": float(grad_norm),
             "tokens_seen": self.state.tokens_seen,
         }
         record |= {f"time_{k}_s": v for k, v in self.timer.window().items()}
         record |= {f"snapshot_{k}": v for k, v in self.persistence.last_snapshot.items()}  # the newest's
-        record |= window_memory_stats(self.env.device)  # every rank: the log window's peak, max over ranks
+        # every rank: the log window's peak, max over ranks
+        record |= window_memory_stats(self.env.device, board=self.progress)
         self.metrics.log_train(step, record, tokens=tokens, seconds=elapsed)
 
     @torch.no_grad()
     def _evaluate(self, step: int) -> None:
         train = self.cfg.train
+        self.progress.phase(Phase.EVALUATION)
         total, batches = 0.0, 0
         for inputs, targets in self.val_loader.batches(train.eval_steps, self.model.dims.micro_batch_size):
-            total += self.model.reduce_mean(
-                self.model.eval_loss(inputs.to(self.env.device), targets.to(self.env.device))
-            )
+            loss = self.model.eval_loss(inputs.to(self.env.device), targets.to(self.env.device))
+            total += self.model.reduce_mean(loss, self.progress, "val_loss_mean")
             batches += 1
             # No early exit on a stop request: this evaluation finishes (bounded by train.eval_steps), so a
             # stopped and resumed run logs the same val_loss curve as one that never stopped.

@@ -12,6 +12,7 @@ _EXPORTS = {
     "Persistence": "relaytrain.checkpoint.front",
     "RngState": "relaytrain.checkpoint.state",
     "RunRecord": "relaytrain.checkpoint.record",
+    "TrainState": "relaytrain.checkpoint.state",
     "TrainingState": "relaytrain.checkpoint.training_state",
     "UnloadableCheckpoints": "relaytrain.checkpoint.resume",
     "load_model": "relaytrain.checkpoint.sources",

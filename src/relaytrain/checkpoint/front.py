@@ -9,13 +9,16 @@ at the last step; the end commits a pending save before the snapshot tier closes
 groups go. `checkpoint.enabled` is read here once for every persistence decision (outside: the config
 check before a start, `choose.check_resume`; the plan; the stop event's `saved` field, resilience/).
 
-Every method is called by every rank at the same point of the loop.
+Every method is called by every rank at the same point of the loop. While it loads, saves or snapshots,
+the rank's progress board shows that phase, with the save estimate as its budget: the hang monitor
+gives a save the time it was expected to take, and a stuck one is named as a stuck save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from relaytrain.checkpoint.record import RunRecord
 from relaytrain.checkpoint.snapshot.tier import SnapshotTier
 from relaytrain.checkpoint.training_state import TrainingState
 from relaytrain.config.schema import CheckpointConfig
+from relaytrain.job.progress import Phase, ProgressBoard
 from relaytrain.job.rundir import RunDir
 
 log = logging.getLogger("relaytrain.checkpoint")
@@ -44,11 +48,13 @@ class Persistence:
         world_size: int,
         parallel_dims: dict,
         on_commit: Callable[[int], None] | None = None,
+        board: ProgressBoard | None = None,
     ):
         self.cfg = cfg
+        self.board = board if board is not None else ProgressBoard(None, rank, 0)
         self.enabled = cfg.enabled  # off: nothing is saved, no snapshot is taken, no own checkpoint resumed
         snapshots_on = self.enabled and cfg.snapshot_every > 0
-        self.collectives = Collectives(rank, world_size, replicas=snapshots_on)
+        self.collectives = Collectives(rank, world_size, replicas=snapshots_on, board=self.board)
         ckpt_dir = Path(cfg.dir) if cfg.dir else run.checkpoints
         # The DCP tier exists when saving is off too: init_from loads through it, and the loop's stop
         # agreement asks it how long a save would take.
@@ -73,18 +79,20 @@ class Persistence:
         """The step the run continues from (a snapshot newer than the newest checkpoint wins: a crash lost
         no more than it), or None when it starts at step 0 (fresh or init_from). `recorded_step`: the
         newest checkpoint the run's record says it has (see `CheckpointManager.load`)."""
-        step = self.snapshots.restore(self.checkpoints.ckpt_dir) if self.snapshots is not None else None
-        if step is not None:
-            self.checkpoints.continue_line_of_newest()  # e.g. the damaged dirs its line keeps
-        else:
-            step = self.checkpoints.load(recorded_step)
+        with self._phase(Phase.CHECKPOINT_LOAD, self.save_seconds_estimate()):
+            step = self.snapshots.restore(self.checkpoints.ckpt_dir) if self.snapshots is not None else None
+            if step is not None:
+                self.checkpoints.continue_line_of_newest()  # e.g. the damaged dirs its line keeps
+            else:
+                step = self.checkpoints.load(recorded_step)
         self._resumed = step
         return step
 
     def save_initial(self) -> None:
         """Step 0's checkpoint, when checkpoint.save_initial asks for one and the run did not resume."""
         if self.enabled and self.cfg.save_initial and self._resumed is None:
-            self.checkpoints.save(0, reason="initial")
+            with self._phase(Phase.CHECKPOINT_SAVE, self.save_seconds_estimate()):
+                self.checkpoints.save(0, reason="initial")
 
     @property
     def resumed_layout(self) -> dict[str, Any] | None:
@@ -99,9 +107,11 @@ class Persistence:
         self.checkpoints.poll()
         saved = self.enabled and self.checkpoints.should_save(step, is_last)
         if saved:
-            self.checkpoints.save(step, reason="final" if is_last else "interval")
-        if self.snapshots is not None and not is_last:
-            self.snapshots.take(step)
+            with self._phase(Phase.CHECKPOINT_SAVE, self.save_seconds_estimate()):
+                self.checkpoints.save(step, reason="final" if is_last else "interval")
+        if self.snapshots is not None and not is_last and step % self.cfg.snapshot_every == 0:
+            with self._phase(Phase.SNAPSHOT, self.snapshots.last.get("blocking_s", 0.0)):
+                self.snapshots.take(step)
         return saved
 
     def save_seconds_estimate(self) -> float:
@@ -117,13 +127,15 @@ class Persistence:
     def save_now(self, step: int, reason: str) -> None:
         """A stop: the step every rank stopped at, committed before this returns (nothing when off)."""
         if self.enabled:
-            self.checkpoints.wait()
-            self.checkpoints.save(step, reason=reason)
-            self.checkpoints.wait()
+            with self._phase(Phase.CHECKPOINT_SAVE, self.save_seconds_estimate()):
+                self.checkpoints.wait()
+                self.checkpoints.save(step, reason=reason)
+                self.checkpoints.wait()
 
     def reload(self) -> int | None:
         """The run's newest checkpoint again (NaN rollback), from DCP; None when there is none."""
-        return self.checkpoints.load()
+        with self._phase(Phase.CHECKPOINT_LOAD, self.save_seconds_estimate()):
+            return self.checkpoints.load()
 
     def wait(self) -> None:
         """Until a pending save is committed."""
@@ -136,3 +148,14 @@ class Persistence:
         if self.snapshots is not None:
             self.snapshots.close(finished)
         self.collectives.close()
+
+    @contextlib.contextmanager
+    def _phase(self, phase: Phase, budget_s: float) -> Iterator[None]:
+        """Publish `phase` while it runs. Then back to start-up or stop, the spans it ran inside; after a
+        section of the loop it stays until the loop publishes the section it enters next (going back
+        would add a short second piece to that section's median)."""
+        before = self.board.phase_now
+        self.board.phase(phase, budget_s=budget_s)
+        yield
+        if before in (Phase.STARTUP, Phase.STOP):
+            self.board.phase(before)

@@ -176,6 +176,30 @@ def set_optimizer_state(
         set_optimizer_state_dict(module, opt, optim_state_dict=state, options=_FLAT)
 
 
+class TrainState:
+    """The loop's own counters; the data position and the RNG streams are checkpointed beside it."""
+
+    def __init__(self, run_id: str):
+        self.step = 0
+        self.tokens_seen = 0
+        self.lr_scale = 1.0  # lowered by the NaN rollback policy
+        self.run_id = run_id
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "lr_scale": self.lr_scale,
+            "run_id": self.run_id,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.lr_scale = float(state.get("lr_scale", 1.0))
+        self.run_id = str(state["run_id"])
+
+
 class RngState:
     """This rank's torch, CUDA, Python ``random`` and NumPy streams: their one owner in a checkpoint."""
 

@@ -31,6 +31,10 @@ from relaytrain.config.domains import (
     zero_or_in_range,
 )
 
+# What the derived collective timeout adds to the hang monitor's cap: the monitor's own polling, the
+# stacks it collects and the kill it asks for all fit in it.
+COLLECTIVE_TIMEOUT_MARGIN_S = 120.0
+
 
 class Section:
     """Base of every section and of Config. `freeze` (load_config runs it after validation) makes every
@@ -188,14 +192,28 @@ class ResilienceConfig(Section):
     max_step_restarts: int = setting(3, at_least(0))
     # process-group init and the first health all-reduce
     init_timeout_s: float = setting(300.0, seconds(zero_ok=False))
-    collective_timeout_s: float = setting(1800.0, seconds(zero_ok=False))  # every process group's timeout
-    # watchdog: no finished step for this long dumps stacks and exits
+    # every process group's timeout; 0: derived, max(hang_timeout_s, hang_floor_s) + 120, so the hang
+    # monitor acts before the backend's own timeout
+    collective_timeout_s: float = setting(0.0, seconds())
+    # watchdog: no finished step for this long dumps stacks and exits; the hang monitor's cap
     hang_timeout_s: float = setting(1800.0, seconds())
+    # hang monitor: no phase counts as hung before this many seconds without progress
+    hang_floor_s: float = setting(40.0, seconds(zero_ok=False))
+    # hang monitor: a phase is hung after this multiple of its recent median length without progress
+    hang_multiple: float = setting(10.0, in_range(1, 1000, lo_open=True))
     nan_policy: Literal["skip", "stop", "rollback"] = "stop"
     # skip/rollback: this many bad steps in a row escalates
     nan_max_consecutive: int = setting(3, at_least(1))
     # rollback: multiply the LR by this after reloading
     nan_rollback_lr_scale: float = setting(1.0, in_range(0, 1, lo_open=True))
+
+    def effective_collective_timeout_s(self) -> float:
+        """The process groups' timeout: an explicit collective_timeout_s, else (0) the hang monitor's
+        longest limit plus a margin, so the backend never aborts a collective the monitor still waits
+        for (it names the culprit first)."""
+        if self.collective_timeout_s > 0:
+            return self.collective_timeout_s
+        return max(self.hang_timeout_s, self.hang_floor_s) + COLLECTIVE_TIMEOUT_MARGIN_S
 
 
 @dataclass(kw_only=True)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from relaytrain.job.progress import ProgressBoard
 
 GIB = 1024**3
 
@@ -57,15 +60,18 @@ def memory_stats(device: torch.device, reset_peak: bool = False) -> dict[str, fl
     return stats
 
 
-def window_memory_stats(device: torch.device, group=None) -> dict[str, float]:
+def window_memory_stats(
+    device: torch.device, group=None, board: ProgressBoard | None = None
+) -> dict[str, float]:
     """``memory_stats`` for a log line, called on every rank at the same step: the peak is reset for the
     next window, and every figure is the maximum over the ranks of ``group`` (the default group) when
     several processes run (the rank closest to running out is the one to watch; one small all-reduce
-    at log steps only)."""
+    at log steps only, published on `board` as collective "memory_max")."""
     stats = memory_stats(device, reset_peak=True)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         keys = sorted(stats)
         t = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        with board.collective("memory_max") if board is not None else contextlib.nullcontext():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         stats = dict(zip(keys, t.tolist(), strict=True))
     return stats

@@ -74,8 +74,9 @@ def init_distributed(cfg: Config) -> DistEnv:
             device_id=device if device.type == "cuda" else None,
         )
         health_check(env, cfg.resilience.init_timeout_s)
-        # Training collectives may legitimately take longer than the start-up handshake.
-        set_group_timeouts(cfg.resilience.collective_timeout_s)
+        # Training collectives may legitimately take longer than the start-up handshake; the hang
+        # monitor, not the backend, is the first to act on one that never returns.
+        set_group_timeouts(cfg.resilience.effective_collective_timeout_s())
     return env
 
 
@@ -101,8 +102,8 @@ def set_group_timeouts(seconds: float) -> int:
 
 
 def match_default_timeout() -> int:
-    """Every group gets the default group's timeout (`resilience.collective_timeout_s` once
-    `init_distributed` ran); call it after creating groups. Returns how many groups there are."""
+    """Every group gets the default group's timeout (`ResilienceConfig.effective_collective_timeout_s`
+    once `init_distributed` ran); call it after creating groups. Returns how many groups there are."""
     timeout = group_timeout()
     return 0 if timeout is None else set_group_timeouts(timeout.total_seconds())
 

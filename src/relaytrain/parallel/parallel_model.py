@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend
 
 from relaytrain.config.schema import ModelConfig, ParallelConfig, TrainConfig
+from relaytrain.job.progress import ProgressBoard
 from relaytrain.model.transformer import Transformer
 from relaytrain.parallel.activation import apply_ac, apply_compile
 from relaytrain.parallel.dims import ParallelDims
@@ -256,13 +257,17 @@ class ParallelModel:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
 
-    def reduce_mean(self, value: torch.Tensor) -> float:
-        """Average a per-rank scalar over the data-parallel ranks (TP/PP/CP peers already agree)."""
+    def reduce_mean(
+        self, value: torch.Tensor, board: ProgressBoard | None = None, name: str = "mean"
+    ) -> float:
+        """Average a per-rank scalar over the data-parallel ranks (TP/PP/CP peers already agree); the
+        all-reduce is published on `board` as collective `name`."""
         if self.mesh is None or self.dims.dp == 1:
             return float(value)
         t = value.detach().float().reshape(()).to(self.device).clone()
-        dist.all_reduce(t, group=self._group("dp"))
-        return float(t) / self.dims.dp
+        with board.collective(name) if board is not None else contextlib.nullcontext():
+            dist.all_reduce(t, group=self._group("dp"))
+            return float(t) / self.dims.dp
 
 
 def parallelize(

@@ -21,6 +21,7 @@ _EXPORTS = {
     "RunStateFile": "relaytrain.resilience.run_state",
     "RunStatus": "relaytrain.resilience.run_state",
     "ShutdownController": "relaytrain.resilience.shutdown",
+    "StackSignal": "relaytrain.resilience.stack_signal",
     "StopReason": "relaytrain.resilience.codes",
     "capture_early_signals": "relaytrain.resilience.early_signals",
     "decide_requeue": "relaytrain.resilience.requeue",

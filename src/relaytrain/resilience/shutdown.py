@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts, RunDir
+from relaytrain.job.progress import ProgressBoard
 from relaytrain.resilience.codes import EXIT_DOUBLE_INTERRUPT, StopReason
 from relaytrain.resilience.early_signals import EARLY_SIGNALS, drain_early_signals
 from relaytrain.resilience.requeue import handle_stop
@@ -48,13 +49,21 @@ class ShutdownController:
     per step, at the same points and the same number of times on all ranks.
 
     ``resilience``: the [resilience] section; ``run``: the run directory, where run_state.json and the
-    hard deadline's stack dumps go."""
+    hard deadline's stack dumps go; ``board``: this rank's progress board, which shows the hang watcher
+    when the rank waits in the stop agreement (none: not published)."""
 
     def __init__(
-        self, resilience: ResilienceConfig, rank: int, device: torch.device, run: RunDir, group=None
+        self,
+        resilience: ResilienceConfig,
+        rank: int,
+        device: torch.device,
+        run: RunDir,
+        group=None,
+        board: ProgressBoard | None = None,
     ):
         self.resilience = resilience
         self.rank = rank
+        self.board = board if board is not None else ProgressBoard(None, rank, 0)
         self.device = torch.device(device)
         self.group = group
         self.run = run
@@ -85,7 +94,8 @@ class ShutdownController:
         end, source = self.job.end_time() if self.rank == 0 else (None, "")
         if _world(self.group) > 1:  # one scontrol query per job, not per rank
             t = torch.tensor([end if end is not None else -1.0], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            with self.board.collective("job_end_time"):
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             end = float(t.item()) if t.item() > 0 else None
             source = source or "rank 0"
         if self.rank == 0:
@@ -242,8 +252,12 @@ class ShutdownController:
                 parts.append(flag.reshape(1).to(device=self.device, dtype=torch.int64))
             t = torch.cat(parts)
             if _world(self.group) > 1:
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            values = t.tolist()  # the one read
+                # left once the result is on the host: with NCCL the all-reduce itself only queues
+                with self.board.collective("stop_agreement"):
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+                    values = t.tolist()  # the one read
+            else:
+                values = t.tolist()
             reason, flagged = StopReason(int(values[0])), bool(flag is not None and values[1])
         self.last_step = step
         if reason != StopReason.NONE and self.stop_reason == StopReason.NONE:
