@@ -42,8 +42,14 @@ STALL_AT_STEP_ENV = "RELAYTRAIN_FAULT_STALL_AT_STEP"
 SKIP_COLLECTIVE_AT_STEP_ENV = "RELAYTRAIN_FAULT_SKIP_COLLECTIVE_AT_STEP"
 SLOW_FACTOR_ENV = "RELAYTRAIN_FAULT_SLOW_FACTOR"
 SLOW_FROM_STEP_ENV = "RELAYTRAIN_FAULT_SLOW_FROM_STEP"
-HANG_KNOWN = (FAULT_RANK_ENV, FIFO_AT_STEP_ENV, STALL_AT_STEP_ENV, SKIP_COLLECTIVE_AT_STEP_ENV, SLOW_FACTOR_ENV,
-              SLOW_FROM_STEP_ENV)  # fmt: skip
+HANG_KNOWN = (
+    FAULT_RANK_ENV,
+    FIFO_AT_STEP_ENV,
+    STALL_AT_STEP_ENV,
+    SKIP_COLLECTIVE_AT_STEP_ENV,
+    SLOW_FACTOR_ENV,
+    SLOW_FROM_STEP_ENV,
+)
 # relaytrain.job.facts.STEP_RESTARTS_ENV (not imported: this module loads before relaytrain): the job driver
 # numbers the job steps it starts again inside the allocation. A restarted step runs new processes, so
 # "once per process" alone would hang it again at the same step; the hang faults land in the first only.
@@ -161,7 +167,12 @@ class HangFaults:
         target = trainer.env.world_size - 1 if self.rank is None else self.rank
         if rank != target or not self.first_job_step:
             return
-        state, loader, controller, watchdog = trainer.state, trainer.loader, trainer.controller, trainer.watchdog
+        state, loader, controller, watchdog = (
+            trainer.state,
+            trainer.loader,
+            trainer.controller,
+            trainer.watchdog,
+        )
         blocking = {"fifo": self.fifo_at, "stall": self.stall_at}
         step_started = [None]  # when the rank's current step began (its data fetch); None: no step open
         next_batch = loader.next_batch
