@@ -10,7 +10,7 @@ from datetime import datetime
 import pytest
 
 from bench.cluster import chaos
-from bench.cluster.chaos_hangs import HANG_ALLOWED, draw, first_run_setup, watched_rank
+from bench.cluster.chaos_hangs import HANG_ALLOWED, draw, fault_landed, first_run_setup, watched_rank
 from bench.cluster.chaos_hangs_judge import (
     HangTrial,
     culprit_correct,
@@ -132,6 +132,17 @@ def test_a_clean_run_fails_on_any_hang_line():
     assert false.detections == 1 and not false.ok
     with pytest.raises(ValueError, match="no hang trial kind 'hang'"):
         judge(hang_trial(kind="hang"), log(), {}, [])
+
+
+def test_the_faults_own_landed_line_gives_its_time_not_the_step_delays():
+    job_log = log(
+        "relaytrain-faults: landed: 0.3 s step delay after step 1 on rank 1 [t=100.5]",
+        "relaytrain-faults: landed: data loader stall at step 9 on rank 0 [t=101.25]",
+        "relaytrain-faults: landed: data loader stall at step 9 on rank 1 [t=102.75]",
+    )
+    assert fault_landed(job_log, "hang_loader_stall", 1) == ("data loader stall at step 9 on rank 1", 102.75)
+    assert fault_landed(job_log, "hang_fifo", 1) is None
+    assert fault_landed(job_log, "slow_rank", 1) is None
 
 
 def test_kinds_are_interleaved_and_checked():
