@@ -83,6 +83,24 @@ def first_run_setup(**fault) -> str:
     return f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {line}; fi'
 
 
+# What each injected kind's landed line says (faults/pythonpath/relaytrain_faults.py); the step delay's
+# lines land too
+LANDED_SAYS = {
+    "hang_fifo": "FIFO read with no writer",
+    "hang_loader_stall": "data loader stall",
+    "hang_skip_collective": "skipped the stop agreement collective",
+    "slow_rank": "slower steps",
+}
+
+
+def fault_landed(log: str, kind: str, rank: int) -> tuple[str, float] | None:
+    """(text, Unix time) of the landed line of `kind`'s fault on `rank` in a job log, None before it lands."""
+    for text, at in faults.landed_at(log):
+        if LANDED_SAYS[kind] in text and f" on rank {rank}" in text and at is not None:
+            return text, at
+    return None
+
+
 def watched_rank(run: RunFiles, job: str, rank: int) -> tuple[int, str] | None:
     """(pid, node) of `rank` as the node watchers see it in job `job`'s hang/nodes/<node>.json files."""
     for view in run.hang_nodes():
@@ -175,8 +193,8 @@ class HangTrials:
             fault = {variable: trial.at_step}
         setup = first_run_setup(rank=trial.rank, **fault)
         trial.job = self.bench.launch(run.name, *OVERRIDES, setup=setup, nodes=NODES)
-        landed = wait(lambda: faults.landed_at(run.job_log()), 300, "the fault's landed line in the job log")
-        text, trial.fault_time = landed[0]
+        text, trial.fault_time = wait(lambda: fault_landed(run.job_log(), trial.kind, trial.rank), 300,
+                                      "the fault's landed line in the job log")  # fmt: skip
         evidence.append(f"landed: {text}")
         trial.detail = text
         _, trial.node, _ = locate(run, trial.job, trial.rank)
