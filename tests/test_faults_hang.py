@@ -24,6 +24,7 @@ from relaytrain.job.facts import STEP_RESTARTS_ENV
 from relaytrain.resilience.codes import StopReason
 
 import faults
+from bench.cluster.chaos_hangs import remove_fifo
 from conftest import TINY, child_env
 from faults.pythonpath import relaytrain_faults
 
@@ -178,6 +179,11 @@ def test_a_blocking_hang_fault_holds_its_rank_at_its_step_until_the_watchdog_end
     rc, out = torchrun(run_dir, 30, "--resilience.hang_timeout_s=20", **{fault: 4}, **chosen)
     landed = faults.landed_at(out)
     assert len(landed) == 1 and landed[0][0].startswith(BLOCKING[fault].format(rank=rank)), out[-3000:]
+    if fault == "fifo_at_step":
+        fifo = Path(landed[0][0].rsplit(": ", 1)[1])
+        assert fifo.is_fifo()  # the rank blocked opening it, and nobody ever wrote
+        remove_fifo(landed[0][0])
+        assert not fifo.parent.exists()
     assert before < landed[0][1] < time.time()
     assert rc != 0, out[-3000:]  # the run did not finish: the hang held it until the watchdog
     state = json.loads((run_dir / "run_state.json").read_text())

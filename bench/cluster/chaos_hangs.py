@@ -101,6 +101,16 @@ def fault_landed(log: str, kind: str, rank: int) -> tuple[str, float] | None:
     return None
 
 
+def remove_fifo(landed: str) -> None:
+    """Remove the FIFO (and its folder) that a FIFO fault's landed line names: the rank that opened it is
+    gone, and nobody else reads it."""
+    fifo = Path(landed.rsplit(": ", 1)[-1])
+    if fifo.parent.name.startswith("relaytrain-fault-"):
+        fifo.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            fifo.parent.rmdir()
+
+
 def watched_rank(run: RunFiles, job: str, rank: int) -> tuple[int, str] | None:
     """(pid, node) of `rank` as the node watchers see it in job `job`'s hang/nodes/<node>.json files."""
     for view in run.hang_nodes():
@@ -197,11 +207,15 @@ class HangTrials:
                                       "the fault's landed line in the job log")  # fmt: skip
         evidence.append(f"landed: {text}")
         trial.detail = text
-        _, trial.node, _ = locate(run, trial.job, trial.rank)
-        if trial.kind == "slow_rank":
-            self.bench.finish(trial, run, OVERRIDES, setup=NO_FAULT, nodes=NODES)
-        else:
-            self._until_detected(trial, run)
+        try:
+            _, trial.node, _ = locate(run, trial.job, trial.rank)
+            if trial.kind == "slow_rank":
+                self.bench.finish(trial, run, OVERRIDES, setup=NO_FAULT, nodes=NODES)
+            else:
+                self._until_detected(trial, run)
+        finally:
+            if trial.kind == "hang_fifo":
+                remove_fifo(text)
 
     def clean(self, trial: HangTrial, run: RunFiles, evidence: list[str]) -> None:
         mode = ("async", "sync")[trial.index % 2]
