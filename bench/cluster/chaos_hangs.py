@@ -4,11 +4,12 @@
     python -m bench.chaos --hangs clean --trials 20           # false detections over 20 clean runs
     python -m bench.chaos --page-from hangs-seed7-DATE.json --section hangs   # the section from kept results
 
-Each trial is a tiny run on 2 nodes x 1 task of the local Slurm cluster (`relaytrain cluster up`), 40 steps
-slowed to ~0.3 s each (faults' step delay), interval checkpoints every 10 steps, evaluations every 10, and
-in-memory snapshots every 2 steps. The absolute cap (`resilience.hang_timeout_s`, also the in-process
-watchdog's timeout) is set to 600 s, so the job's hang monitor, with its default floor and multiple, is
-what acts. The kinds (faults/pythonpath/relaytrain_faults.py has the injected ones):
+Each trial is a run of the debug config's model and batch (configs/debug.toml: a step takes about half a
+second here) on 2 nodes x 1 task of the local Slurm cluster (`relaytrain cluster up`), 40 steps, interval
+checkpoints every 10 steps, evaluations every 10, and in-memory snapshots every 2 steps. The absolute
+cap (`resilience.hang_timeout_s`, also the in-process watchdog's timeout) is set to 600 s, so the job's
+hang monitor, with its default floor and multiple, is what acts. The kinds
+(faults/pythonpath/relaytrain_faults.py has the injected ones):
 
 * ``hang_stop_rank0``, ``hang_stop_rank1``: the bench SIGSTOPs the rank's process (its pid from the node
   watcher's hang/nodes/<node>.json) after a random step, and sees it stopped (state T); it kills it
@@ -38,6 +39,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,8 +49,9 @@ from bench import kept
 from bench.cluster.chaos_hangs_judge import KINDS, HangTrial, judge
 from bench.cluster.chaos_hangs_page import SECTION, render_hangs_section
 from bench.cluster.chaos_page import results_data
-from bench.cluster.chaos_run import ALLOWED, STEP_DELAY_S, STEPS, Bench
+from bench.cluster.chaos_run import ALLOWED, STEPS, Bench
 from bench.cluster.harness import (
+    TINY_TOML,
     RunFiles,
     cluster_lock,
     load_averages,
@@ -57,9 +60,10 @@ from bench.cluster.harness import (
     start_cluster,
     wait,
 )
-from bench.report import machine_info, write_page
+from bench.report import REPO, machine_info, write_page
 
 NODES = 2
+DEBUG_CONFIG = REPO / "configs" / "debug.toml"
 CAP_S = 600  # resilience.hang_timeout_s: far above the monitor's floor, so the monitor acts first
 OVERRIDES = ("--checkpoint.snapshot_every=2", f"--resilience.hang_timeout_s={CAP_S}")
 DETECT_WAIT_S = 240  # no `hang detected:` line this long after the fault: the trial fails
@@ -67,6 +71,17 @@ SLOW_FACTOR, SLOW_FROM_STEP = 5, 3
 NO_FAULT = "true"  # the setup of a resubmitted run: full speed, no fault
 # The hang monitor's and the node watchers' files are part of a run that had a hang
 HANG_ALLOWED = re.compile(rf"^(hang/.*|{ALLOWED.pattern[1:-1]})$")
+
+
+def debug_model_toml() -> str:
+    """The debug config's [model] and batch, in place of the chaos runs' tiny ones (harness.CONFIG)."""
+    debug = tomllib.loads(DEBUG_CONFIG.read_text())
+    batch = {k: debug["train"][k] for k in ("seq_len", "global_batch_size", "micro_batch_size")}
+
+    def table(name: str, values: dict) -> str:
+        return f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+
+    return table("model", debug["model"]) + "\n" + table("train", batch)
 
 
 def proc_state(pid: int) -> str:
@@ -78,8 +93,9 @@ def proc_state(pid: int) -> str:
 
 
 def first_run_setup(**fault) -> str:
-    """The batch shell's setup: slowed steps and the fault, in the job's first run only (not a requeue)."""
-    line = faults.setup_line(step_delay_s=STEP_DELAY_S, **fault)
+    """The batch shell's setup: the fault, in the job's first run only (not a requeue). The debug model's
+    steps are long enough to aim a fault at: no step delay."""
+    line = faults.setup_line(**fault)
     return f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {line}; fi'
 
 
@@ -258,6 +274,7 @@ def main(args, command: str) -> int:
     base.mkdir(parents=True, exist_ok=True)
     rng, load = random.Random(seed), [os.getloadavg()]
     bench = Bench(base, start_cluster(lock=not args.no_lock))
+    bench.config.write_text(bench.config.read_text().replace(TINY_TOML, debug_model_toml()))
     bench.run_reference()
     runner = HangTrials(bench)
     now = datetime.now(UTC)
