@@ -4,23 +4,50 @@ A training process gets faults through its environment: ``env(...)`` for a proce
 ``setup_line(...)`` for a Slurm job's ``slurm.setup``. Both put ``faults/pythonpath`` first on PYTHONPATH
 (its ``sitecustomize.py`` arms the faults; ``relaytrain_faults.py`` there says what each one does) and
 set the fault's variable. ``landed(output)`` lists the faults a process reported as done, so that a test
-can tell "the fault did not land" apart from "the code under test did the wrong thing".
+can tell "the fault did not land" apart from "the code under test did the wrong thing"; ``landed_at``
+adds the Unix time each one landed at (a benchmark measures from it).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
-from faults.pythonpath.relaytrain_faults import LANDED, NAN_AT_STEPS_ENV, NAN_RANK_ENV, STEP_DELAY_ENV
+from faults.pythonpath.relaytrain_faults import (
+    FAULT_RANK_ENV,
+    FIFO_AT_STEP_ENV,
+    LANDED,
+    NAN_AT_STEPS_ENV,
+    NAN_RANK_ENV,
+    SKIP_COLLECTIVE_AT_STEP_ENV,
+    SLOW_FACTOR_ENV,
+    SLOW_FROM_STEP_ENV,
+    STALL_AT_STEP_ENV,
+    STEP_DELAY_ENV,
+)
 
 PYTHONPATH_DIR = Path(__file__).resolve().parent / "pythonpath"
 
 
+# variables()'s keyword for each hang fault (faults/pythonpath/relaytrain_faults.py: HangFaults)
+HANG_FAULTS = {
+    "rank": FAULT_RANK_ENV,
+    "fifo_at_step": FIFO_AT_STEP_ENV,
+    "stall_at_step": STALL_AT_STEP_ENV,
+    "skip_collective_at_step": SKIP_COLLECTIVE_AT_STEP_ENV,
+    "slow_factor": SLOW_FACTOR_ENV,
+    "slow_from_step": SLOW_FROM_STEP_ENV,
+}
+
+
 def variables(
-    nan_at_steps: tuple[int, ...] = (), nan_rank: int | None = None, step_delay_s: float = 0.0
+    nan_at_steps: tuple[int, ...] = (), nan_rank: int | None = None, step_delay_s: float = 0.0, **hang
 ) -> dict[str, str]:
-    """The fault variables alone (empty when no fault is asked for)."""
+    """The fault variables alone (empty when no fault is asked for); `hang`: HANG_FAULTS' keywords."""
+    unknown = sorted(set(hang) - set(HANG_FAULTS))
+    if unknown:
+        raise TypeError(f"no fault named {', '.join(unknown)}; the hang faults: {', '.join(HANG_FAULTS)}")
     out = {}
     if nan_at_steps:
         out[NAN_AT_STEPS_ENV] = ",".join(str(s) for s in nan_at_steps)
@@ -28,6 +55,7 @@ def variables(
         out[NAN_RANK_ENV] = str(nan_rank)
     if step_delay_s:
         out[STEP_DELAY_ENV] = f"{step_delay_s:g}"
+    out |= {HANG_FAULTS[k]: f"{v:g}" for k, v in hang.items() if v is not None}
     return out
 
 
@@ -45,6 +73,22 @@ def setup_line(**faults) -> str:
     return f"export {' '.join(exports)} PYTHONPATH={PYTHONPATH_DIR}${{PYTHONPATH:+:$PYTHONPATH}}"
 
 
+# The end of a landed line: the Unix time the fault landed at
+LANDED_TIME = re.compile(r"\s*\[t=(\d+(?:\.\d*)?)\]\s*$")
+
+
+def landed_at(output: str) -> list[tuple[str, float | None]]:
+    """(what landed, the Unix time it landed at) for each fault that processes reported as landed in
+    `output` (their stderr, or a job log), in order; None where the line carries no time."""
+    found = []
+    for line in output.splitlines():
+        if LANDED in line:
+            text = line.split(LANDED, 1)[1]
+            stamp = LANDED_TIME.search(text)
+            found.append((LANDED_TIME.sub("", text).strip(), float(stamp.group(1)) if stamp else None))
+    return found
+
+
 def landed(output: str) -> list[str]:
     """The faults that processes reported as landed in `output` (their stderr), in order."""
-    return [line.split(LANDED, 1)[1].strip() for line in output.splitlines() if LANDED in line]
+    return [text for text, _ in landed_at(output)]

@@ -9,6 +9,10 @@ docs/benchmarks.md (`python -m bench.chaos`, `python -m bench.goodput`), not `py
     chaos_kinds.py            the targeted trials (SIGKILL in a save, time limit cap, hang, disk full)
     chaos_page.py             the chaos sections from kept results (bench/results/), several runs merged
     chaos_snapshots.py        the targeted trials of the peer replica (2 nodes, a node's memory wiped)
+    chaos_hangs.py            `--hangs`: hangs injected (SIGSTOP, FIFO, stalled loader, skipped collective),
+                              a slow rank, clean runs; detection time, culprit, restart
+    chaos_hangs_judge.py      one hang trial's figures and checks, from its job log, metrics, hang record
+    chaos_hangs_page.py       the hangs section from kept results
     goodput.py                `python -m bench.goodput`: the runs, preempted and time-limited
     goodput_results.py        one run's figures, results files
     goodput_page.py           the goodput section

@@ -3,6 +3,7 @@
     python -m bench.chaos --trials 20 --seed 7      # writes its section of docs/benchmarks.md
     python -m bench.chaos --quick                   # 2 trials (the `slurm` test runs this), no page
     python -m bench.chaos --page-from A.json B.json --section chaos  # a section from kept results
+    python -m bench.chaos --hangs all --trials 3    # hangs: bench/cluster/chaos_hangs.py
 
 Every run but a quick one keeps its results in bench/results/chaos-seed<seed>-<date>.json (bench/kept.py)
 and writes its section from that file, as `--page-from` does, so the page equals what the kept results
@@ -37,6 +38,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench import kept
+from bench.cluster import chaos_hangs
+from bench.cluster.chaos_hangs_page import SECTION as HANGS
+from bench.cluster.chaos_hangs_page import render_hangs_section
 from bench.cluster.chaos_kinds import SPECIAL_KINDS, SpecialTrial, SpecialTrials
 from bench.cluster.chaos_page import SECTIONS, render_section, results_data
 from bench.cluster.chaos_run import Bench, draw
@@ -57,13 +61,20 @@ def draw_special(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=20, help="random (phase, event) trials")
+    parser.add_argument(
+        "--trials", type=int, default=20, help="random (phase, event) trials; with --hangs: per kind"
+    )
+    kinds = ",".join(chaos_hangs.KINDS)
+    hangs_help = f"hang trials only (chaos_hangs.py): all, or of {kinds}; writes the {HANGS!r} section"
+    parser.add_argument("--hangs", metavar="KIND[,KIND]", help=hangs_help)
     parser.add_argument("--kill-saves", type=int, default=10, help="SIGKILL-during-save trials")
     parser.add_argument("--kill-save-modes", default="async,sync", help="checkpoint.mode of those, in turn")
     parser.add_argument("--special", default="", help=f"only these of {','.join(SPECIAL_KINDS)}")
     parser.add_argument("--no-special", action="store_true", help="skip time limit/cap, hang, disk full")
     parser.add_argument("--seed", type=int, default=None, help="default: from the clock (printed)")
-    parser.add_argument("--quick", action="store_true", help="2 random trials only, no page")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 random trials only (--hangs: as asked), no page"
+    )
     parser.add_argument("--chunk", type=int, default=5, help="trials per hold of the cluster lock")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--section", default="chaos", help="page section to write")
@@ -76,17 +87,26 @@ def main(argv: list[str] | None = None) -> int:
         help="write --section from kept results files (bench/results/chaos-seed*.json), in run order",
     )
     args = parser.parse_args(argv)  # fmt: skip
-    if args.section not in SECTIONS:
-        parser.error(f"--section: no chaos section {args.section!r}; choose from {', '.join(SECTIONS)}")
+    if args.section not in (*SECTIONS, HANGS):
+        parser.error(
+            f"--section: no chaos section {args.section!r}; choose from {', '.join([*SECTIONS, HANGS])}"
+        )
     command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.page_from:
         try:
-            section = render_section(args.page_from, args.section)
+            if args.section == HANGS:
+                section = render_hangs_section(args.page_from)
+            else:
+                section = render_section(args.page_from, args.section)
         except (ValueError, TypeError) as err:
             parser.error(f"--page-from: {err}")
         print(section)
         write_page({args.section: section})
         return 0
+    if args.hangs:
+        if args.hangs != "all" and not set(args.hangs.split(",")) <= set(chaos_hangs.KINDS):
+            parser.error(f"--hangs: choose from all, {', '.join(chaos_hangs.KINDS)}")
+        return chaos_hangs.main(args, command)
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     trials = draw(2 if args.quick else args.trials, seed)
     kinds = args.special.split(",") if args.special else not args.no_special

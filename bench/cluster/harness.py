@@ -10,6 +10,7 @@ crashes.jsonl through `CrashLog`, checkpoints through `relaytrain.checkpoint.fil
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import signal
@@ -233,6 +234,15 @@ def tree_bytes(path: Path) -> int:
 # -- a run's files ----------------------------------------------------------------------------------
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file, {} when it is missing, half written or not an object (its writer replaces it)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 class RunFiles:
     """Everything the trials read from one run directory: each path from relaytrain's `RunDir`, each
     file read by the module that owns it. Nothing else in bench/cluster/ opens a file in a run directory."""
@@ -277,6 +287,14 @@ class RunFiles:
         """The stacks the hang watchdog of `rank` dumped, "" when it dumped none."""
         path = self.dir.hang_dump(rank)
         return path.read_text(errors="replace") if path.is_file() else ""
+
+    def hang_nodes(self) -> list[dict[str, Any]]:
+        """The node watchers' views (hang/nodes/<node>.json) now: one object per readable node file."""
+        return [view for p in sorted(self.dir.hang.glob("nodes/*.json")) if (view := _json_object(p))]
+
+    def hang_record(self) -> dict[str, Any]:
+        """The last hang the job's monitor detected (hang/last.json), {} when none (or unreadable)."""
+        return _json_object(self.dir.hang_record)
 
     @property
     def checkpoints(self) -> Path:

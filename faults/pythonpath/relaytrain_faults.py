@@ -11,10 +11,13 @@ wrapped, and each Trainer it builds gets its faults on two public seams of its o
 - ``RELAYTRAIN_FAULT_STEP_DELAY_S=0.4``: every rank sleeps this long after each finished step (after the
   first ``watchdog.beat(step)`` that follows a ``train_step``), so that a tiny model's run lasts long
   enough for a real scheduler to signal, preempt or kill it mid-training without using CPU.
+- The hang faults (``HangFaults`` below: a FIFO read, a stalled loader, a skipped collective, a
+  slow rank) on one rank (``RELAYTRAIN_FAULT_RANK``) at one step.
 
-Each fault that lands says so on stderr (a line starting with ``LANDED``), once per NaN and once per
-process for the delay: a test checks that line before it judges what the guard or the run did, so a
-fault that silently stopped landing fails as that, not as a puzzling pass or failure elsewhere.
+Each fault that lands says so on stderr (a line starting with ``LANDED``, ending with the Unix time it
+landed at, ``[t=1764212345.123]``), once per NaN and once per process for the others: a test checks that
+line before it judges what the guard or the run did, so a fault that silently stopped landing fails as
+that, not as a puzzling pass or failure elsewhere.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import tempfile
+import threading
 import time
 
 NAN_AT_STEPS_ENV = "RELAYTRAIN_FAULT_NAN_AT_STEPS"
@@ -30,13 +35,33 @@ STEP_DELAY_ENV = "RELAYTRAIN_FAULT_STEP_DELAY_S"
 ENV_PREFIX = "RELAYTRAIN_FAULT_"
 LANDED = "relaytrain-faults: landed:"
 TARGET = "relaytrain.trainer"
+# The hang faults: which rank, and what it does at which step
+FAULT_RANK_ENV = "RELAYTRAIN_FAULT_RANK"
+FIFO_AT_STEP_ENV = "RELAYTRAIN_FAULT_FIFO_AT_STEP"
+STALL_AT_STEP_ENV = "RELAYTRAIN_FAULT_STALL_AT_STEP"
+SKIP_COLLECTIVE_AT_STEP_ENV = "RELAYTRAIN_FAULT_SKIP_COLLECTIVE_AT_STEP"
+SLOW_FACTOR_ENV = "RELAYTRAIN_FAULT_SLOW_FACTOR"
+SLOW_FROM_STEP_ENV = "RELAYTRAIN_FAULT_SLOW_FROM_STEP"
+HANG_KNOWN = (
+    FAULT_RANK_ENV,
+    FIFO_AT_STEP_ENV,
+    STALL_AT_STEP_ENV,
+    SKIP_COLLECTIVE_AT_STEP_ENV,
+    SLOW_FACTOR_ENV,
+    SLOW_FROM_STEP_ENV,
+)
+# relaytrain.job.facts.STEP_RESTARTS_ENV (not imported: this module loads before relaytrain): the job driver
+# numbers the job steps it starts again inside the allocation. A restarted step runs new processes, so
+# "once per process" alone would hang it again at the same step; the hang faults land in the first only.
+STEP_RESTARTS_ENV = "RELAYTRAIN_STEP_RESTARTS"
 
 
-def _say(text: str) -> None:
-    print(f"{LANDED} {text}", file=sys.stderr, flush=True)
+def say(text: str) -> None:
+    """The landed line, flushed before whatever the fault does next (a hang fault blocks right after)."""
+    print(f"{LANDED} {text} [t={time.time():.3f}]", file=sys.stderr, flush=True)
 
 
-def _number(name: str, text: str, kind):
+def number(name: str, text: str, kind):
     try:
         return kind(text)
     except ValueError:
@@ -47,16 +72,18 @@ class Faults:
     """The faults asked for by the environment, for one process."""
 
     def __init__(self, env=os.environ):
-        known = (NAN_AT_STEPS_ENV, NAN_RANK_ENV, STEP_DELAY_ENV)
+        known = (NAN_AT_STEPS_ENV, NAN_RANK_ENV, STEP_DELAY_ENV, *HANG_KNOWN)
         unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
         if unknown:  # a misspelt fault would otherwise arm nothing, and a test would pass without it
             raise SystemExit(f"relaytrain-faults: unknown {', '.join(unknown)}; known: {', '.join(known)}")
         steps = env.get(NAN_AT_STEPS_ENV, "")
-        self.nan_steps = {_number(NAN_AT_STEPS_ENV, s.strip(), int) for s in steps.split(",") if s.strip()}
+        self.nan_steps = {number(NAN_AT_STEPS_ENV, s.strip(), int) for s in steps.split(",") if s.strip()}
+        self.hang = HangFaults(env)
         rank = env.get(NAN_RANK_ENV, "").strip()
-        self.nan_rank = _number(NAN_RANK_ENV, rank, int) if rank else None  # None: the last rank
+        # None: the last rank (RELAYTRAIN_FAULT_RANK, when set, names it for every fault)
+        self.nan_rank = number(NAN_RANK_ENV, rank, int) if rank else self.hang.rank
         delay = env.get(STEP_DELAY_ENV, "").strip()
-        self.step_delay_s = _number(STEP_DELAY_ENV, delay, float) if delay else 0.0
+        self.step_delay_s = number(STEP_DELAY_ENV, delay, float) if delay else 0.0
 
     def attach(self, trainer) -> None:
         """Wrap this trainer's ``model.train_step`` and ``watchdog.beat`` (instance attributes only)."""
@@ -75,7 +102,7 @@ class Faults:
             step = trainer.state.step + 1
             if step in nan_steps:
                 nan_steps.discard(step)  # once per process: the step replayed after a rollback is clean
-                _say(f"NaN loss at step {step} on rank {rank}")
+                say(f"NaN loss at step {step} on rank {rank}")
                 return loss * float("nan")
             return loss
 
@@ -89,13 +116,126 @@ class Faults:
             step_open[0] = False
             if not delay_said[0]:
                 delay_said[0] = True
-                _say(f"{delay:g} s step delay after step {step} on rank {rank}")
+                say(f"{delay:g} s step delay after step {step} on rank {rank}")
             time.sleep(delay)
 
         if self.nan_steps or delay:
             trainer.model.train_step = faulty_train_step
         if delay:
             trainer.watchdog.beat = slow_beat
+        self.hang.attach(trainer, say)  # over the delay: a slow rank's step time includes the delay
+
+
+class HangFaults:
+    """The hang faults, each on one rank (``RELAYTRAIN_FAULT_RANK``, default the last) and once per
+    process, in the first job step of a Slurm job only (a restarted step runs clean):
+
+    - ``RELAYTRAIN_FAULT_FIFO_AT_STEP=N``: when the rank is about to compute step N, its data fetch
+      (``loader.next_batch``) opens a FIFO that has no writer: ``open()`` blocks in the kernel, as a read
+      from a dead mount does (the process cannot run Python meanwhile, its main thread at least).
+    - ``RELAYTRAIN_FAULT_STALL_AT_STEP=N``: the data fetch of step N waits forever on an Event, as a
+      deadlocked loader does (Python runs; its stack shows the wait).
+    - ``RELAYTRAIN_FAULT_SKIP_COLLECTIVE_AT_STEP=N``: the rank skips the stop agreement's all-reduce of
+      step N (``controller.agree_with`` returns what a quiet step returns: no stop, no NaN flag), so the
+      ranks' collectives no longer pair up: desynchronised.
+    - ``RELAYTRAIN_FAULT_SLOW_FACTOR=F`` with ``RELAYTRAIN_FAULT_SLOW_FROM_STEP=N``: from step N, the rank
+      sleeps (F - 1) x its own step time after each step (from its data fetch to the ``watchdog.beat`` that
+      ends the step, the step delay fault's sleep included), so it runs F times slower but keeps moving.
+
+    Each prints its landed line before it blocks (``say`` flushes).
+    """
+
+    def __init__(self, env=os.environ):
+        def read(name: str, kind):
+            text = env.get(name, "").strip()
+            return number(name, text, kind) if text else None
+
+        self.rank = read(FAULT_RANK_ENV, int)  # None: the last rank
+        self.fifo_at, self.stall_at = read(FIFO_AT_STEP_ENV, int), read(STALL_AT_STEP_ENV, int)
+        self.skip_at = read(SKIP_COLLECTIVE_AT_STEP_ENV, int)
+        self.slow_factor, self.slow_from = read(SLOW_FACTOR_ENV, float), read(SLOW_FROM_STEP_ENV, int)
+        if (self.slow_factor is None) != (self.slow_from is None):
+            raise SystemExit(f"relaytrain-faults: {SLOW_FACTOR_ENV} and {SLOW_FROM_STEP_ENV} go together")
+        if self.slow_factor is not None and self.slow_factor <= 1:
+            raise SystemExit(f"relaytrain-faults: {SLOW_FACTOR_ENV}={self.slow_factor:g} must be > 1")
+        self.first_job_step = env.get(STEP_RESTARTS_ENV, "").strip() in ("", "0")
+
+    def attach(self, trainer, say) -> None:
+        """Wrap this trainer's ``loader.next_batch``, ``controller.agree_with`` and ``watchdog.beat`` (its
+        instance attributes) on the faulted rank, for the faults asked for."""
+        rank = trainer.env.rank
+        target = trainer.env.world_size - 1 if self.rank is None else self.rank
+        if rank != target or not self.first_job_step:
+            return
+        state, loader, controller, watchdog = (
+            trainer.state,
+            trainer.loader,
+            trainer.controller,
+            trainer.watchdog,
+        )
+        blocking = {"fifo": self.fifo_at, "stall": self.stall_at}
+        step_started = [None]  # when the rank's current step began (its data fetch); None: no step open
+        next_batch = loader.next_batch
+
+        @functools.wraps(next_batch)
+        def faulty_next_batch():
+            step_started[0] = time.monotonic()
+            step = state.step + 1
+            if blocking["fifo"] == step:
+                blocking["fifo"] = None
+                folder = tempfile.mkdtemp(prefix="relaytrain-fault-")
+                fifo = os.path.join(folder, "dead-mount")
+                os.mkfifo(fifo)
+                say(f"FIFO read with no writer at step {step} on rank {rank}: {fifo}")
+                with open(fifo, "rb"):  # blocks in the kernel until a writer comes: none will
+                    pass
+            if blocking["stall"] == step:
+                blocking["stall"] = None
+                say(f"data loader stall at step {step} on rank {rank}")
+                threading.Event().wait()  # nothing sets it
+            return next_batch()
+
+        if self.fifo_at is not None or self.stall_at is not None or self.slow_factor is not None:
+            loader.next_batch = faulty_next_batch
+        if self.skip_at is not None:
+            controller.agree_with = self._skipping(controller.agree_with, rank, say)
+        if self.slow_factor is not None:
+            watchdog.beat = self._slowing(watchdog.beat, step_started, rank, say)
+
+    def _skipping(self, agree_with, rank: int, say):
+        from relaytrain.resilience.codes import StopReason  # loaded with the trainer
+
+        skip = [self.skip_at]
+
+        @functools.wraps(agree_with)
+        def skipping_agree_with(step, save_estimate_s=0.0, flag=None):
+            if step != skip[0]:
+                return agree_with(step, save_estimate_s, flag)
+            skip[0] = None
+            say(f"skipped the stop agreement collective at step {step} on rank {rank}")
+            return StopReason.NONE, False  # a quiet step's answer: no stop agreed, no rank's NaN flag
+
+        return skipping_agree_with
+
+    def _slowing(self, beat, step_started: list, rank: int, say):
+        factor, first = self.slow_factor, self.slow_from
+        said = [False]
+
+        @functools.wraps(beat)
+        def slowing_beat(step=None):
+            beat(step)
+            # The first beat with a step after a data fetch ends that step; later beats of the same step
+            # (after a save) and step-less beats (evaluation, rollback, stop) do not sleep.
+            started, step_started[0] = step_started[0], None
+            if step is None or started is None or step < first:
+                return
+            took = time.monotonic() - started
+            if not said[0]:
+                said[0] = True
+                say(f"{factor:g}x slower steps from step {step} on rank {rank} (its step took {took:.3f} s)")
+            time.sleep((factor - 1) * took)
+
+        return slowing_beat
 
 
 def _patch_trainer(module, faults: Faults) -> None:

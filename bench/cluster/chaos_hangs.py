@@ -1,0 +1,300 @@
+"""`python -m bench.chaos --hangs KIND[,KIND] --trials N`: hangs on real Slurm, detected, named, restarted.
+
+    python -m bench.chaos --hangs all --trials 3 --seed 7     # every kind 3 times; writes the "hangs" section
+    python -m bench.chaos --hangs clean --trials 20           # false detections over 20 clean runs
+    python -m bench.chaos --page-from hangs-seed7-DATE.json --section hangs   # the section from kept results
+
+Each trial is a run of the debug config's model and batch (configs/debug.toml: a step takes about half a
+second here) on 2 nodes x 1 task of the local Slurm cluster (`relaytrain cluster up`), 40 steps, interval
+checkpoints every 10 steps, evaluations every 10, and in-memory snapshots every 2 steps. The absolute
+cap (`resilience.hang_timeout_s`, also the in-process watchdog's timeout) is set to 600 s, so the job's
+hang monitor, with its default floor and multiple, is what acts. The kinds
+(faults/pythonpath/relaytrain_faults.py has the injected ones):
+
+* ``hang_stop_rank0``, ``hang_stop_rank1``: the bench SIGSTOPs the rank's process (its pid from the node
+  watcher's hang/nodes/<node>.json) after a random step, and sees it stopped (state T); it kills it
+  afterwards if nothing did.
+* ``hang_fifo``: the rank's data fetch opens a FIFO with no writer (blocked in the kernel: a dead mount).
+* ``hang_loader_stall``: the rank's data fetch waits forever on an Event (a deadlocked loader).
+* ``hang_skip_collective``: the rank skips the stop agreement's all-reduce once (desynchronised).
+* ``slow_rank``: the rank runs 5x slower from step 3, still moving: a `slow rank:` line, no restart.
+* ``clean``: no fault, with checkpoint.mode async and sync in turn, evaluations, and a CPU-bound process
+  beside the run the whole time: any `hang detected:` line is a false detection.
+
+The faulted rank alternates (trial index mod 2) for the injected kinds. Per trial: the fault's time, the
+detection's, the culprit named in hang/last.json against the faulted rank and its node, the time from the
+fault to the first step after the restart, steps replayed, and losses against an uninterrupted reference
+run (bench/cluster/chaos_hangs_judge.py). A trial counts only with evidence its fault landed: the landed
+line in the job log, or the stopped process seen in state T.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+
+import faults
+from bench import kept
+from bench.cluster.chaos_hangs_judge import KINDS, HangTrial, judge
+from bench.cluster.chaos_hangs_page import SECTION, render_hangs_section
+from bench.cluster.chaos_page import results_data
+from bench.cluster.chaos_run import ALLOWED, STEPS, Bench
+from bench.cluster.harness import (
+    TINY_TOML,
+    RunFiles,
+    cluster_lock,
+    load_averages,
+    node_of,
+    rank_pids,
+    start_cluster,
+    wait,
+)
+from bench.report import REPO, machine_info, write_page
+
+NODES = 2
+DEBUG_CONFIG = REPO / "configs" / "debug.toml"
+CAP_S = 600  # resilience.hang_timeout_s: far above the monitor's floor, so the monitor acts first
+OVERRIDES = ("--checkpoint.snapshot_every=2", f"--resilience.hang_timeout_s={CAP_S}")
+DETECT_WAIT_S = 240  # no `hang detected:` line this long after the fault: the trial fails
+SLOW_FACTOR, SLOW_FROM_STEP = 5, 3
+NO_FAULT = "true"  # the setup of a resubmitted run: full speed, no fault
+# The hang monitor's and the node watchers' files are part of a run that had a hang
+HANG_ALLOWED = re.compile(rf"^(hang/.*|{ALLOWED.pattern[1:-1]})$")
+
+
+def debug_model_toml() -> str:
+    """The debug config's [model] and batch, in place of the chaos runs' tiny ones (harness.CONFIG)."""
+    debug = tomllib.loads(DEBUG_CONFIG.read_text())
+    batch = {k: debug["train"][k] for k in ("seq_len", "global_batch_size", "micro_batch_size")}
+
+    def table(name: str, values: dict) -> str:
+        return f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+
+    return table("model", debug["model"]) + "\n" + table("train", batch)
+
+
+def proc_state(pid: int) -> str:
+    """/proc/<pid>/stat's state letter, "X" when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def first_run_setup(**fault) -> str:
+    """The batch shell's setup: the fault, in the job's first run only (not a requeue). The debug model's
+    steps are long enough to aim a fault at: no step delay."""
+    line = faults.setup_line(**fault)
+    return f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {line}; fi'
+
+
+# What each injected kind's landed line says (faults/pythonpath/relaytrain_faults.py); the step delay's
+# lines land too
+LANDED_SAYS = {
+    "hang_fifo": "FIFO read with no writer",
+    "hang_loader_stall": "data loader stall",
+    "hang_skip_collective": "skipped the stop agreement collective",
+    "slow_rank": "slower steps",
+}
+
+
+def fault_landed(log: str, kind: str, rank: int) -> tuple[str, float] | None:
+    """(text, Unix time) of the landed line of `kind`'s fault on `rank` in a job log, None before it lands."""
+    for text, at in faults.landed_at(log):
+        if LANDED_SAYS[kind] in text and f" on rank {rank}" in text and at is not None:
+            return text, at
+    return None
+
+
+def remove_fifo(landed: str) -> None:
+    """Remove the FIFO (and its folder) that a FIFO fault's landed line names: the rank that opened it is
+    gone, and nobody else reads it."""
+    fifo = Path(landed.rsplit(": ", 1)[-1])
+    if fifo.parent.name.startswith("relaytrain-fault-"):
+        fifo.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            fifo.parent.rmdir()
+
+
+def watched_rank(run: RunFiles, job: str, rank: int) -> tuple[int, str] | None:
+    """(pid, node) of `rank` as the node watchers see it in job `job`'s hang/nodes/<node>.json files."""
+    for view in run.hang_nodes():
+        if str(view.get("job_id")) != job:
+            continue
+        for entry in view.get("ranks") or []:
+            if isinstance(entry, dict) and entry.get("rank") == rank and entry.get("state") != "X":
+                return int(entry["pid"]), str(entry.get("node") or view.get("node"))
+    return None
+
+
+def locate(run: RunFiles, job: str, rank: int) -> tuple[int, str, str]:
+    """(pid, node, where from) of `rank`: the node watchers' files, else (none within 30 s) /proc."""
+    with contextlib.suppress(TimeoutError):
+        pid, node = wait(lambda: watched_rank(run, job, rank), 30, f"the node watchers' view of rank {rank}")
+        return pid, node, "hang/nodes"
+    pids = wait(lambda: rank_pids(job, rank=rank), 30, f"rank {rank}'s process")
+    return pids[0], node_of(pids[0]), "/proc (no node watcher file)"
+
+
+class HangTrials:
+    """Runs hang trials on a chaos_run.Bench (its reference run, launch, finish and loss check)."""
+
+    def __init__(self, bench: Bench):
+        self.bench = bench
+
+    def run(self, trial: HangTrial, rng) -> None:
+        start = time.monotonic()
+        run = self.bench.run_files(f"hangs-{trial.index}-{trial.kind.replace('_', '-')}")
+        evidence: list[str] = []
+        try:
+            if trial.kind.startswith("hang_stop_rank"):
+                self.stop(trial, run, rng, evidence)
+            elif trial.kind == "clean":
+                self.clean(trial, run, evidence)
+            else:
+                self.injected(trial, run, rng, evidence)
+            self.bench.check(trial, run)
+            trial.leftovers = run.leftovers(HANG_ALLOWED)
+            trial.evidence = evidence
+            judge(trial, run.job_log(), run.hang_record(), run.records())
+        except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError, KeyError, ValueError) as err:
+            trial.error = str(err)[:300]
+            trial.evidence = evidence
+            subprocess.run(["scancel", trial.job], capture_output=True, timeout=30)
+        trial.seconds = round(time.monotonic() - start, 1)
+
+    def _last_step(self, run: RunFiles) -> int:
+        return max((r["step"] for r in run.records("train") if not r.get("step_restart")), default=0)
+
+    def _until_detected(self, trial: HangTrial, run: RunFiles) -> None:
+        """Wait for the monitor's `hang detected:` line, then for the run to end (resubmitted if needed)."""
+        wait(
+            lambda: "hang detected:" in run.job_log(), DETECT_WAIT_S, "a `hang detected:` line in the job log"
+        )
+        self.bench.finish(trial, run, OVERRIDES, setup=NO_FAULT, nodes=NODES)
+
+    def stop(self, trial: HangTrial, run: RunFiles, rng, evidence: list[str]) -> None:
+        trial.rank = int(trial.kind.removeprefix("hang_stop_rank"))
+        trial.at_step = rng.randint(5, STEPS - 15)
+        trial.job = self.bench.launch(run.name, *OVERRIDES, setup=first_run_setup(), nodes=NODES)
+        wait(lambda: self._last_step(run) >= trial.at_step, 240, f"step {trial.at_step}")
+        pid, trial.node, source = locate(run, trial.job, trial.rank)
+        trial.fault_time = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        trial.hit.append(f"SIGSTOP pid {pid} (rank {trial.rank} on {trial.node}, pid from {source})")
+        try:
+            wait(lambda: proc_state(pid) in ("T", "t"), 5, f"pid {pid} to stop", interval=0.01)
+            seen = time.time() - trial.fault_time
+            evidence.append(f"pid {pid} (rank {trial.rank}) seen in state T {seen:.2f} s after the SIGSTOP")
+            trial.detail = f"SIGSTOP rank {trial.rank} on {trial.node} after step {self._last_step(run)}"
+            self._until_detected(trial, run)
+        finally:
+            if proc_state(pid) in ("T", "t"):  # nothing ended it: leave no stopped process behind
+                for sig in (signal.SIGKILL, signal.SIGCONT):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+                trial.hit.append(f"pid {pid} still stopped after the trial: killed by the bench")
+
+    def injected(self, trial: HangTrial, run: RunFiles, rng, evidence: list[str]) -> None:
+        """The faults that land from inside the rank (faults/): their landed line gives the time."""
+        trial.rank = trial.index % 2
+        if trial.kind == "slow_rank":
+            trial.at_step = SLOW_FROM_STEP
+            fault = {"slow_factor": SLOW_FACTOR, "slow_from_step": SLOW_FROM_STEP}
+        else:
+            trial.at_step = rng.randint(5, STEPS - 15)
+            variable = {"hang_fifo": "fifo_at_step", "hang_loader_stall": "stall_at_step",
+                        "hang_skip_collective": "skip_collective_at_step"}[trial.kind]  # fmt: skip
+            fault = {variable: trial.at_step}
+        setup = first_run_setup(rank=trial.rank, **fault)
+        trial.job = self.bench.launch(run.name, *OVERRIDES, setup=setup, nodes=NODES)
+        text, trial.fault_time = wait(lambda: fault_landed(run.job_log(), trial.kind, trial.rank), 300,
+                                      "the fault's landed line in the job log")  # fmt: skip
+        evidence.append(f"landed: {text}")
+        trial.detail = text
+        try:
+            _, trial.node, _ = locate(run, trial.job, trial.rank)
+            if trial.kind == "slow_rank":
+                self.bench.finish(trial, run, OVERRIDES, setup=NO_FAULT, nodes=NODES)
+            else:
+                self._until_detected(trial, run)
+        finally:
+            if trial.kind == "hang_fifo":
+                remove_fifo(text)
+
+    def clean(self, trial: HangTrial, run: RunFiles, evidence: list[str]) -> None:
+        mode = ("async", "sync")[trial.index % 2]
+        overrides = (*OVERRIDES, f"--checkpoint.mode={mode}")
+        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a CPU-bound neighbour
+        try:
+            trial.job = self.bench.launch(run.name, *overrides, setup=first_run_setup(), nodes=NODES)
+            self.bench.finish(trial, run, overrides, setup=NO_FAULT, nodes=NODES)
+            alive = hog.poll() is None
+        finally:
+            hog.kill()
+            hog.wait()
+        evals = len(run.records("eval"))
+        latest = run.latest()
+        trial.detail = (
+            f"checkpoint.mode={mode}, {evals} evaluations, latest checkpoint {latest and latest.name}"
+        )
+        if alive and evals:
+            evidence.append(f"CPU-bound process pid {hog.pid} ran beside the whole run; {evals} evaluations")
+
+
+def draw(kinds: list[str], trials: int, start: int = 0) -> list[HangTrial]:
+    """`trials` of each kind, kinds interleaved (a slow machine hour spreads over every kind)."""
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise ValueError(f"no hang kind {', '.join(unknown)}; the kinds: all, {', '.join(KINDS)}")
+    order = [k for _ in range(trials) for k in kinds]
+    return [HangTrial(start + i, kind) for i, kind in enumerate(order)]
+
+
+def main(args, command: str) -> int:
+    """`bench.chaos --hangs`: run the trials, keep their results, write the "hangs" section."""
+    kinds = list(KINDS) if args.hangs == "all" else args.hangs.split(",")
+    trials = draw(kinds, args.trials)
+    seed = args.seed if args.seed is not None else int(time.time()) % 100000
+    for t in trials:
+        t.seed = str(seed)
+    print(f"bench.chaos --hangs: seed {seed}, {len(trials)} trials of {', '.join(kinds)}", flush=True)
+    base = Path(args.out) / f"hangs-seed{seed}-{int(time.time())}"
+    base.mkdir(parents=True, exist_ok=True)
+    rng, load = random.Random(seed), [os.getloadavg()]
+    bench = Bench(base, start_cluster(lock=not args.no_lock))
+    bench.config.write_text(bench.config.read_text().replace(TINY_TOML, debug_model_toml()))
+    bench.run_reference()
+    runner = HangTrials(bench)
+    now = datetime.now(UTC)
+    keep = f"hangs-seed{seed}-{now:%Y-%m-%d-%H%M}.json"  # in bench/results/, unless --quick
+
+    def save() -> None:
+        data = results_data(command.strip(), str(now.date()), seed, machine_info(),
+                            load_averages([*load, os.getloadavg()]), trials)  # fmt: skip
+        (base / "results.json").write_text(json.dumps(data, indent=1))
+        if not args.quick:
+            kept.save(keep, data)
+
+    for start in range(0, len(trials), args.chunk):
+        with cluster_lock(not args.no_lock):
+            for trial in trials[start : start + args.chunk]:
+                runner.run(trial, rng)
+                print(f"bench.chaos --hangs: {json.dumps(asdict(trial))}", flush=True)
+                save()
+    save()
+    print(render_hangs_section([str(base / "results.json")]))
+    if not (args.quick or args.no_write):
+        write_page({SECTION: render_hangs_section([keep])})
+    return 0 if all(t.ok for t in trials) else 1

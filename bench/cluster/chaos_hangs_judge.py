@@ -1,0 +1,168 @@
+"""What one hang trial measured and whether it passed, read from the run's job log, metrics and hang record
+(bench/cluster/chaos_hangs.py runs the trials; chaos_hangs_page.py puts them on the page).
+
+The times: the fault's (the bench's SIGSTOP, or the Unix time on the fault's landed line), the detection's
+(hang/last.json's `detected_at` when its line is the job log's `hang detected:` line, else the line's own
+stamp: `[relaytrain 2026-11-27T03:10:08]` from the batch driver, or a rank log's `2026-11-27 03:10:08`
+prefix, whole seconds), and the first step after the restart (the `time` of the first train record that
+carries `step_restart`). Pure functions of text and records: tests/test_bench_chaos_hangs.py feeds them
+synthetic logs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+DETECTED = "hang detected:"
+SLOW = "slow rank:"
+DETECTION_TARGET_S = 60.0  # the issue's target for the debug config
+HANG_KINDS = ("hang_stop_rank0", "hang_stop_rank1", "hang_fifo", "hang_loader_stall", "hang_skip_collective")
+KINDS = (*HANG_KINDS, "slow_rank", "clean")
+_STAMPS = (
+    re.compile(r"\[relaytrain (\d{4}-\d\d-\d\d)T(\d\d:\d\d:\d\d(?:\.\d+)?)\]"),  # the batch driver's log()
+    re.compile(r"^\s*(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d(?:[.,]\d+)?)"),  # relaytrain's logging format
+)
+
+
+@dataclass
+class HangTrial:
+    index: int
+    kind: str
+    seed: str = ""
+    rank: int = -1  # the faulted rank (-1: none, a clean run)
+    node: str = ""  # its node
+    at_step: int = -1  # the step the fault was aimed at
+    job: str = ""
+    fault_time: float | None = None  # Unix time of the SIGSTOP, or on the landed line
+    detection_s: float | None = None  # fault -> `hang detected:`
+    detection_source: str = ""
+    detections: int = 0  # `hang detected:` lines in the job log
+    culprits: list[dict] = field(default_factory=list)  # hang/last.json's
+    culprit_correct: bool = False
+    restart_s: float | None = None  # fault -> the first step after the restart
+    step_restarts: int = 0  # restarts in place (the highest step_restart in metrics.jsonl)
+    slow_lines: list[str] = field(default_factory=list)  # `slow rank:` lines that name the faulted rank
+    restarts: int = 0  # Slurm requeues
+    resubmits: int = 0
+    bit_exact: bool = False
+    steps_replayed: int = 0
+    latest_complete: bool = False
+    leftovers: list[str] = field(default_factory=list)
+    final_status: str = ""
+    checks: dict[str, bool] = field(default_factory=dict)
+    detail: str = ""
+    seconds: float = 0.0
+    error: str = ""
+    hit: list[str] = field(default_factory=list)  # what the bench's own fault reached (the SIGSTOP)
+    evidence: list[str] = field(default_factory=list)  # what shows the fault landed (or the clean run's load)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            bool(self.evidence)
+            and not self.error
+            and self.bit_exact
+            and self.latest_complete
+            and not self.leftovers
+            and self.final_status == "finished"
+            and all(self.checks.values())
+        )
+
+
+def line_time(line: str) -> float | None:
+    """The Unix time a job-log or rank-log line is stamped with (local time, as written), None if none."""
+    for stamp in _STAMPS:
+        found = stamp.search(line)
+        if found:
+            return datetime.fromisoformat(f"{found[1]}T{found[2].replace(',', '.')}").timestamp()
+    return None
+
+
+@dataclass(frozen=True)
+class Detection:
+    line: str
+    time: float | None
+    source: str  # where the time came from; "" when nothing gives one
+
+
+def detections(log: str, record: dict[str, Any]) -> list[Detection]:
+    """Each `hang detected:` line of the job log, with its time: the hang record's `detected_at` (to the
+    millisecond) for the line it recorded, else the line's stamp (whole seconds)."""
+    recorded = str(record.get("line") or "")
+    at = record.get("detected_at")
+    found = []
+    for line in log.splitlines():
+        if DETECTED not in line:
+            continue
+        said = line[line.index(DETECTED) :].strip()
+        if isinstance(at, int | float) and recorded.strip() and recorded.strip() in said:
+            found.append(Detection(said, float(at), "hang/last.json detected_at"))
+        elif (stamped := line_time(line)) is not None:
+            found.append(Detection(said, stamped, "job log stamp"))
+        else:
+            found.append(Detection(said, None, ""))
+    if not found and recorded and isinstance(at, int | float):  # the record without its log line
+        found.append(Detection(recorded, float(at), "hang/last.json only (no job-log line)"))
+    return found
+
+
+def culprit_correct(record: dict[str, Any], rank: int, node: str) -> bool:
+    """The hang record names exactly the faulted rank, and its node."""
+    culprits = [c for c in record.get("culprits") or [] if isinstance(c, dict)]
+    ranks = {c.get("rank") for c in culprits}
+    nodes = {c.get("node") for c in culprits}
+    return bool(culprits) and ranks == {rank} and nodes == {node}
+
+
+def step_restarts(records: list[dict[str, Any]]) -> int:
+    return max((int(r.get("step_restart") or 0) for r in records), default=0)
+
+
+def first_step_after_restart(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first train record of a restarted step (metrics.jsonl order), None when no step restarted."""
+    return next(
+        (r for r in records if r.get("kind") == "train" and int(r.get("step_restart") or 0) >= 1), None
+    )
+
+
+def slow_lines(log: str, rank: int) -> list[str]:
+    """The `slow rank:` lines of the job log that name `rank`."""
+    named = re.compile(rf"{re.escape(SLOW)}.*\brank {rank}\b")
+    return [line[line.index(SLOW) :].strip() for line in log.splitlines() if named.search(line)]
+
+
+def judge(trial: HangTrial, log: str, record: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """Fill in what the finished trial measured and its checks (the bench filled in the fault and the
+    run's end: evidence, fault_time, rank, node, bit_exact, final_status, ...)."""
+    found = detections(log, record)
+    trial.detections = len(found)
+    trial.step_restarts = step_restarts(records)
+    trial.culprits = [c for c in record.get("culprits") or [] if isinstance(c, dict)]
+    if trial.kind in HANG_KINDS:
+        first = found[0] if found else None
+        if first is not None and first.time is not None and trial.fault_time is not None:
+            trial.detection_s = round(first.time - trial.fault_time, 1)
+            trial.detection_source = first.source
+        trial.culprit_correct = culprit_correct(record, trial.rank, trial.node)
+        again = first_step_after_restart(records)
+        if again is not None and trial.fault_time is not None:
+            trial.restart_s = round(float(again["time"]) - trial.fault_time, 1)
+        trial.checks["hang detected once"] = trial.detections == 1
+        detected = trial.detection_s is not None and 0 <= trial.detection_s <= DETECTION_TARGET_S
+        trial.checks[f"detected within {DETECTION_TARGET_S:g} s"] = detected
+        trial.checks["culprit rank and node named"] = trial.culprit_correct
+        in_place = trial.step_restarts >= 1 and trial.restarts == 0 and trial.resubmits == 0
+        trial.checks["restarted in place"] = in_place and trial.restart_s is not None
+    elif trial.kind == "slow_rank":
+        trial.slow_lines = slow_lines(log, trial.rank)
+        trial.checks["reported as slow, naming the rank"] = bool(trial.slow_lines)
+        trial.checks["no hang detected"] = trial.detections == 0
+        trial.checks["no restart"] = trial.step_restarts == 0 and trial.restarts == 0
+    elif trial.kind == "clean":
+        trial.checks["no hang detected"] = trial.detections == 0
+        trial.checks["no restart"] = trial.step_restarts == 0 and trial.restarts == 0
+    else:
+        raise ValueError(f"no hang trial kind {trial.kind!r}; the kinds: {', '.join(KINDS)}")

@@ -1,0 +1,210 @@
+"""bench.chaos --hangs (bench/cluster/chaos_hangs*.py): how a hang trial's job log, metrics and hang record
+are read and judged, and how its section is written, on synthetic runs (fast, no Slurm)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from datetime import datetime
+
+import pytest
+
+from bench.cluster import chaos
+from bench.cluster.chaos_hangs import HANG_ALLOWED, draw, fault_landed, first_run_setup, watched_rank
+from bench.cluster.chaos_hangs_judge import (
+    HangTrial,
+    culprit_correct,
+    detections,
+    first_step_after_restart,
+    judge,
+    line_time,
+    slow_lines,
+)
+from bench.cluster.chaos_hangs_page import render_hangs_section
+from bench.cluster.chaos_page import results_data
+from bench.cluster.harness import RunFiles
+
+FAULT = datetime(2026, 11, 27, 3, 10, 0).timestamp()
+DETECTED = "hang detected: rank 1 on n2 in data at step 12 (state S); 41 s without progress; report logs/x.md"
+CULPRIT = {"rank": 1, "node": "n2", "phase": "data", "why": "behind"}
+
+
+def log(*lines: str) -> str:
+    return "\n".join(["[relaytrain 2026-11-27T03:09:50] job 7: restart count 0", *lines, "trailing output"])
+
+
+def records(fault_to_restart_s: float = 50.0) -> list[dict]:
+    train = [{"kind": "train", "step": s, "time": FAULT - 12 + s, "loss": 1.0} for s in range(1, 12)]
+    resume = {"kind": "event", "event": "resume", "step": 11, "time": FAULT + 45, "step_restart": 1}
+    again = [{"kind": "train", "step": s, "time": FAULT + fault_to_restart_s + s - 12, "step_restart": 1}
+             for s in range(12, 15)]  # fmt: skip
+    return [*train, resume, *again]
+
+
+def hang_record(at: float | None = FAULT + 41.25, **extra) -> dict:
+    return {"job_id": "7", "step_restarts": 0, "step": 12, "detected_at": at, "culprits": [CULPRIT],
+            "line": DETECTED, **extra}  # fmt: skip
+
+
+def test_both_stamps_of_a_log_line_read_as_local_time():
+    assert line_time("[relaytrain 2026-11-27T03:10:41] hang detected: x") == FAULT + 41
+    assert line_time("2026-11-27 03:10:41 [rank 0 n1 local 0] WARNING x: hang detected: y") == FAULT + 41
+    assert line_time("2026-11-27 03:10:41,500 rank 0") == FAULT + 41.5
+    assert line_time("hang detected: no stamp") is None
+
+
+def test_a_detection_takes_the_records_time_for_its_line_else_its_stamp_else_none():
+    plain = log(DETECTED)
+    (found,) = detections(plain, hang_record())
+    assert (found.time, found.source) == (FAULT + 41.25, "hang/last.json detected_at")
+    stamped = log(f"[relaytrain 2026-11-27T03:10:42] {DETECTED}")
+    assert detections(stamped, {})[0].time == FAULT + 42  # no record: the stamp
+    assert detections(stamped, hang_record(line="hang detected: another hang"))[0].source == "job log stamp"
+    assert detections(plain, {})[0].time is None
+    assert detections(log(), hang_record())[0].source == "hang/last.json only (no job-log line)"
+    assert detections(log(), {}) == []
+
+
+def test_the_culprit_is_right_only_when_it_is_the_faulted_rank_alone_on_its_node():
+    assert culprit_correct(hang_record(), 1, "n2")
+    assert not culprit_correct(hang_record(), 1, "n1")
+    assert not culprit_correct(hang_record(), 0, "n2")
+    both = hang_record(culprits=[CULPRIT, {**CULPRIT, "rank": 0, "node": "n1"}])
+    assert not culprit_correct(both, 1, "n2")
+    assert not culprit_correct({}, 1, "n2") and not culprit_correct({"culprits": "rank 1"}, 1, "n2")
+
+
+def test_the_first_step_after_the_restart_is_the_first_train_record_of_a_restarted_step():
+    assert first_step_after_restart(records())["step"] == 12
+    assert first_step_after_restart([r for r in records() if not r.get("step_restart")]) is None
+
+
+def hang_trial(**fields) -> HangTrial:
+    defaults = dict(index=0, kind="hang_fifo", rank=1, node="n2", fault_time=FAULT, bit_exact=True,
+                    latest_complete=True, final_status="finished", evidence=["landed: FIFO"])  # fmt: skip
+    return HangTrial(**(defaults | fields))
+
+
+def test_a_hang_trial_is_judged_on_detection_time_culprit_and_restart():
+    trial = hang_trial()
+    judge(trial, log(DETECTED), hang_record(), records())
+    assert (trial.detection_s, trial.restart_s, trial.step_restarts) == (41.2, 50.0, 1)
+    assert trial.checks == {"hang detected once": True, "detected within 60 s": True,
+                            "culprit rank and node named": True, "restarted in place": True}  # fmt: skip
+    assert trial.ok
+    late = hang_trial()
+    judge(late, log(DETECTED), hang_record(at=FAULT + 75), records())
+    assert late.detection_s == 75 and not late.checks["detected within 60 s"] and not late.ok
+    wrong = hang_trial(node="n1")
+    judge(wrong, log(DETECTED), hang_record(), records())
+    assert not wrong.checks["culprit rank and node named"] and not wrong.ok
+    undetected = hang_trial()
+    judge(undetected, log(), {}, [r for r in records() if not r.get("step_restart")])
+    assert undetected.detection_s is None and not any(undetected.checks.values())
+    requeued = hang_trial(restarts=1)
+    judge(requeued, log(DETECTED), hang_record(), records())
+    assert not requeued.checks["restarted in place"]
+    assert not hang_trial(evidence=[]).ok  # without evidence of the fault a trial does not count
+
+
+def test_a_slow_rank_passes_with_its_line_and_no_restart():
+    slow = "[relaytrain 2026-11-27T03:11:00] slow rank: rank 1 on n2 behind the others in 9 of 10 samples"
+    no_restart = [r for r in records() if not r.get("step_restart")]
+    trial = hang_trial(kind="slow_rank")
+    judge(trial, log(slow), {}, no_restart)
+    assert trial.slow_lines == [slow.split("] ", 1)[1]] and trial.ok
+    assert slow_lines(log(slow), 0) == [] and slow_lines(log("rank 1 is slow"), 1) == []
+    other = hang_trial(kind="slow_rank", rank=0)
+    judge(other, log(slow), {}, no_restart)
+    assert not other.ok  # the line names another rank
+    restarted = hang_trial(kind="slow_rank")
+    judge(restarted, log(slow, DETECTED), hang_record(), records())
+    assert not restarted.checks["no hang detected"] and not restarted.checks["no restart"]
+
+
+def test_a_clean_run_fails_on_any_hang_line():
+    no_restart = [r for r in records() if not r.get("step_restart")]
+    clean = hang_trial(kind="clean", rank=-1, node="")
+    judge(clean, log(), {}, no_restart)
+    assert clean.detections == 0 and clean.ok
+    false = hang_trial(kind="clean", rank=-1, node="")
+    judge(false, log(DETECTED), hang_record(), no_restart)
+    assert false.detections == 1 and not false.ok
+    with pytest.raises(ValueError, match="no hang trial kind 'hang'"):
+        judge(hang_trial(kind="hang"), log(), {}, [])
+
+
+def test_the_faults_own_landed_line_gives_its_time_not_the_step_delays():
+    job_log = log(
+        "relaytrain-faults: landed: 0.3 s step delay after step 1 on rank 1 [t=100.5]",
+        "relaytrain-faults: landed: data loader stall at step 9 on rank 0 [t=101.25]",
+        "relaytrain-faults: landed: data loader stall at step 9 on rank 1 [t=102.75]",
+    )
+    assert fault_landed(job_log, "hang_loader_stall", 1) == ("data loader stall at step 9 on rank 1", 102.75)
+    assert fault_landed(job_log, "hang_fifo", 1) is None
+    assert fault_landed(job_log, "slow_rank", 1) is None
+
+
+def test_kinds_are_interleaved_and_checked():
+    assert [t.kind for t in draw(["clean", "hang_fifo"], 2)] == ["clean", "hang_fifo", "clean", "hang_fifo"]
+    assert [t.index for t in draw(["clean"], 3, start=5)] == [5, 6, 7]
+    with pytest.raises(ValueError, match="no hang kind hang_nope"):
+        draw(["hang_nope"], 1)
+
+
+def test_the_faults_arm_in_the_first_run_only_and_hang_files_are_no_leftovers():
+    setup = first_run_setup(rank=1, fifo_at_step=9)
+    assert setup.startswith('if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then export ')
+    assert "RELAYTRAIN_FAULT_FIFO_AT_STEP=9" in setup and "RELAYTRAIN_FAULT_RANK=1" in setup
+    assert HANG_ALLOWED.match("hang/nodes/n1.json") and HANG_ALLOWED.match("checkpoints/step_10/x")
+    assert not HANG_ALLOWED.match("stray.txt") and not HANG_ALLOWED.match("xhang/a")
+
+
+def test_a_ranks_pid_and_node_come_from_the_node_watchers_files(tmp_path):
+    run = RunFiles(tmp_path / "run")
+    nodes = run.dir.hang / "nodes"
+    nodes.mkdir(parents=True)
+    rank = {"rank": 1, "pid": 4242, "node": "n2", "state": "S"}
+    (nodes / "n2.json").write_text(json.dumps({"node": "n2", "job_id": "7", "ranks": [rank]}))
+    (nodes / "n1.json").write_text('{"node": "n1", "job_id": "7", "ra')  # half written: skipped
+    assert watched_rank(run, "7", 1) == (4242, "n2")
+    assert watched_rank(run, "8", 1) is None and watched_rank(run, "7", 0) is None
+    (nodes / "n2.json").write_text(
+        json.dumps({"node": "n2", "job_id": "7", "ranks": [rank | {"state": "X"}]})
+    )
+    assert watched_rank(run, "7", 1) is None  # gone
+    assert run.hang_record() == {}
+    run.dir.hang_record.write_text(json.dumps(hang_record()))
+    assert run.hang_record()["culprits"] == [CULPRIT]
+
+
+def test_the_hangs_section_is_written_from_kept_results(tmp_path, monkeypatch):
+    trials = [hang_trial(), hang_trial(index=1, kind="clean", rank=-1, node="")]
+    judge(trials[0], log(DETECTED), hang_record(), records())
+    judge(trials[1], log(), {}, [r for r in records() if not r.get("step_restart")])
+    data = results_data("python -m bench.chaos --hangs hang_fifo,clean --trials 1", "2026-11-27", 7,
+                        {"cpu": "cpu", "cores": 2}, "1.0/1.0/1.0 → 2.0/2.0/2.0", trials)  # fmt: skip
+    kept = tmp_path / "hangs-seed7.json"
+    kept.write_text(json.dumps(data))
+    section = render_hangs_section([str(kept)])
+    assert section.startswith("## Hangs: detected, named and restarted on real Slurm\n")
+    assert "**2 of 2 trials passed.**" in section and "| 0 | hang_fifo | 1 on n2 |" in section
+    assert "Detection ≤ 60 s after the fault: **met**: 1 of 1 hang trials (median 41.2 s" in section
+    assert (
+        "0 false detections in ≥ 20 clean runs: **not met**: 0 `hang detected:` line(s) in 1 clean runs"
+        in section
+    )
+    assert (
+        f"Rewritten from the kept results by `python -m bench.chaos --page-from {kept} --section hangs`"
+        in section
+    )
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n")
+    monkeypatch.setenv("BENCH_PAGE", str(page))
+    assert chaos.main(["--page-from", str(kept), "--section", "hangs"]) == 0
+    assert "<!-- bench:hangs -->" in page.read_text() and section in page.read_text()
+    wrong = tmp_path / "chaos.json"
+    wrong.write_text(json.dumps({"trials": [{"index": 0, "phase": "mid_step", "event": "usr2"}]}))
+    with pytest.raises(SystemExit):
+        chaos.main(["--page-from", str(wrong), "--section", "hangs"])
+    assert asdict(trials[0])["culprits"] == [CULPRIT]
