@@ -290,13 +290,15 @@ class SlowRankTracker:
     Each ``sample`` marks the ranks whose progress key is below the furthest rank's as behind; a sample in
     which no rank moved since the last one (a hang in the making, the monitor's business) is left out. A
     rank behind in at least ``share`` of the samples of the last ``window_s``, with at least ``min_samples``
-    samples in which the ranks differed, is slow. The share counts every sample, not only those that
+    samples in which the ranks differed, is slow (a rank k times slower than the others waits for none
+    of them and is behind (k - 1) / k of the time: 0.6 names one 2.5 times slower and up). The share
+    counts every sample, not only those that
     differ: ranks of equal speed rarely differ when sampled, and when they do, either may be behind, or
     the same one by a hair (rank 0 logging), so they never come near it.
     """
 
     def __init__(
-        self, window_s: float = 60.0, min_samples: int = 10, share: float = 0.8, repeat_s: float = 60.0
+        self, window_s: float = 60.0, min_samples: int = 10, share: float = 0.6, repeat_s: float = 60.0
     ):
         self.window_s, self.min_samples, self.share, self.repeat_s = window_s, min_samples, share, repeat_s
         self._samples: deque[tuple[float, frozenset[int]]] = deque()  # (time, the ranks behind)

@@ -133,7 +133,7 @@ class HangMonitor:
         verdict = assess(views, self.policy, len(views))
         if verdict.hung:
             return verdict
-        if verdict.idle_s > self.longest[0]:
+        if verdict.limit_s < self.policy.cap_s and verdict.idle_s > self.longest[0]:  # past start-up
             self.longest = (verdict.idle_s, verdict.limit_s)
         self.slow.sample(views, time.monotonic())
         line = self.slow.report(time.monotonic())
