@@ -116,7 +116,7 @@ class NodeWatcher:
         return False
 
     def write_stacks(self, ident: str) -> None:
-        sections = [f"<!-- request {ident} -->", f"## node {self.node}", ""]
+        sections = [f"<!-- request {ident} -->", ""]  # the report gives each node its heading
         for record in self._records:
             sections.append(describe_rank(record.rank, record.pid, self.run.stack_dump(record.rank)))
         if not self._records:
