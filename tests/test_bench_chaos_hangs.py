@@ -208,3 +208,10 @@ def test_the_hangs_section_is_written_from_kept_results(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         chaos.main(["--page-from", str(wrong), "--section", "hangs"])
     assert asdict(trials[0])["culprits"] == [CULPRIT]
+
+
+def test_the_decisions_quote_of_the_hang_line_is_not_a_second_detection():
+    line = "hang detected: rank 1 on nsnode2 in data (stopped) at step 12; report logs/hang-step12.md"
+    log = "\n".join([line, f"relaytrain: crash ({line}); restarting the job step in place on the same nodes"])
+    found = detections(log, {"line": line, "detected_at": 1000.5})
+    assert [(d.line, d.time) for d in found] == [(line, 1000.5)]

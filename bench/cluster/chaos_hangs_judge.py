@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 DETECTED = "hang detected:"
+STAMP = re.compile(r"^\[[^\]]*\]\s*")  # `[relaytrain 2026-11-27T03:07:48] ` in front of a line
 SLOW = "slow rank:"
 DETECTION_TARGET_S = 60.0  # the target for the debug config
 HANG_KINDS = ("hang_stop_rank0", "hang_stop_rank1", "hang_fifo", "hang_loader_stall", "hang_skip_collective")
@@ -95,7 +96,9 @@ def detections(log: str, record: dict[str, Any]) -> list[Detection]:
     at = record.get("detected_at")
     found = []
     for line in log.splitlines():
-        if DETECTED not in line:
+        # The monitor's line starts with it (after a time stamp, where one is put in front); the end-of-step
+        # decision's "crash (hang detected: ...)" quotes it and is not a detection of its own.
+        if not STAMP.sub("", line, count=1).startswith(DETECTED):
             continue
         said = line[line.index(DETECTED) :].strip()
         if isinstance(at, int | float) and recorded.strip() and recorded.strip() in said:
