@@ -10,7 +10,8 @@
 * ``time_limit_cap_budget``: the same with ``time_budget_margin_s=40``: the trainer stops itself on its
   time budget (time left < save estimate + margin) before the signal, the other way a time limit ends a job.
 * ``hang``: SIGSTOP one rank mid-step with ``resilience.hang_timeout_s=15``: the other rank's watchdog
-  dumps its stacks (``logs/hang_rank0.txt``) and ends the step; crash recovery restarts it in place and it
+  dumps its stacks (``logs/hang_rank0.txt``), or the job's hang monitor, at the same cap, names the
+  stopped rank (``logs/hang-step<N>.md``), and the step ends; crash recovery restarts it in place and it
   resumes.
 * ``kill_in_place_then_requeue``: ``resilience.max_step_restarts=1``, one rank SIGKILLed at a random
   step, then again at a random step of the restarted step: the first crash restarts the step in place
@@ -204,7 +205,10 @@ class SpecialTrials(SnapshotTrials):
         self.bench.check(trial, run)
         crashes = run.crashes()
         trial.detail = f"SIGSTOP rank 1 after step {target}; crashes recorded: {len(crashes)}"
-        trial.checks["watchdog dumped stacks"] = "Thread" in run.hang_stacks(0)
+        # Whichever acts first at the 15 s cap: rank 0's watchdog (its stacks) or the job's hang monitor
+        # (its report, with every rank's stacks)
+        reports = [p.read_text(errors="replace") for p in run.dir.logs.glob("hang-step*.md")]
+        trial.checks["stacks dumped"] = "Thread" in run.hang_stacks(0) or any("Stacks" in r for r in reports)
         in_place = [c for c in crashes if c.get("action") == "restart"]
         trial.checks["restarted in place by crash recovery"] = bool(in_place) and trial.resubmits == 0
         trial.checks["cause recorded as hang"] = any("hang" in json.dumps(c) for c in crashes)
