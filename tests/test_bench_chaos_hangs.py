@@ -215,3 +215,19 @@ def test_the_decisions_quote_of_the_hang_line_is_not_a_second_detection():
     log = "\n".join([line, f"relaytrain: crash ({line}); restarting the job step in place on the same nodes"])
     found = detections(log, {"line": line, "detected_at": 1000.5})
     assert [(d.line, d.time) for d in found] == [(line, 1000.5)]
+
+
+def test_a_skipped_collective_that_gloo_fails_at_once_is_judged_as_the_crash_it_is():
+    trial = HangTrial(4, "hang_skip_collective", rank=1, node="n2", fault_time=100.0)
+    log = "relaytrain-faults: landed: skipped ...\nwhat(): ... Is there a distributed collective mismatch in your code?"
+    records = [
+        {"kind": "train", "step": 5, "time": 99.0},
+        {"kind": "event", "event": "step_restart", "step": 4, "time": 101.5},
+        {"kind": "train", "step": 5, "time": 110.0, "step_restart": 1},
+    ]
+    judge(trial, log, {}, records)
+    assert trial.detection_s == 1.5 and trial.restart_s == 10.0 and "gloo failed" in trial.detail
+    assert trial.checks == {
+        "no hang detected": True,
+        "the backend failed the mismatch, the step restarted in place": True,
+    }

@@ -48,6 +48,10 @@ class Recorder:
     def beat(self, step=None):
         self.calls.append(("beat", step))
 
+    def reduce_mean(self, value, board=None, name="mean"):
+        self.calls.append(("reduce_mean", name))
+        return -1.0  # the mean over the ranks
+
 
 def trainer(rank: int = 1, world_size: int = 2) -> SimpleNamespace:
     seams = Recorder()
@@ -57,6 +61,7 @@ def trainer(rank: int = 1, world_size: int = 2) -> SimpleNamespace:
         loader=SimpleNamespace(next_batch=seams.next_batch),
         controller=SimpleNamespace(agree_with=seams.agree_with),
         watchdog=SimpleNamespace(beat=seams.beat),
+        model=SimpleNamespace(reduce_mean=seams.reduce_mean),
         seams=seams,
     )
 
@@ -72,28 +77,38 @@ def test_the_step_restarts_variable_is_relaytrains():
     assert relaytrain_faults.STEP_RESTARTS_ENV == STEP_RESTARTS_ENV
 
 
-def test_a_skipped_collective_answers_like_a_quiet_step_once_on_its_rank_only():
+def test_a_skipped_collective_is_the_loss_mean_of_its_step_once_on_its_rank_only():
     t = trainer()
     said = attach(t, skip_collective_at_step=3)
-    assert t.controller.agree_with(2) == (StopReason.PREEMPTION, True)  # not yet: the real call
-    assert t.controller.agree_with(3, 1.0, None) == (StopReason.NONE, False)
-    assert said == ["skipped the stop agreement collective at step 3 on rank 1"]
-    assert t.controller.agree_with(3) == (StopReason.PREEMPTION, True)  # once per process
-    assert t.seams.calls == [("agree_with", 2), ("agree_with", 3)]
+    t.state.step = 2
+    assert t.model.reduce_mean(0.5, None, "loss_mean") == -1.0  # not yet: the real call
+    t.state.step = 3
+    assert t.model.reduce_mean(0.5, None, "val_loss_mean") == -1.0  # another collective of step 3
+    assert t.model.reduce_mean(0.5, None, "loss_mean") == 0.5  # skipped: its own loss, no all-reduce
+    assert said == ["skipped the loss_mean collective at step 3 on rank 1"]
+    assert t.model.reduce_mean(0.5, None, "loss_mean") == -1.0  # once per process
+    assert t.seams.calls == [("reduce_mean", n) for n in ("loss_mean", "val_loss_mean", "loss_mean")]
     other = trainer(rank=0)
-    assert attach(other, skip_collective_at_step=3) == [] and other.controller.agree_with(3)[1] is True
+    other.state.step = 3
+    assert (
+        attach(other, skip_collective_at_step=3) == []
+        and other.model.reduce_mean(0.5, None, "loss_mean") == -1.0
+    )
 
 
 def test_the_fault_rank_picks_the_rank_and_a_restarted_step_runs_clean():
     first, last = trainer(rank=0), trainer(rank=1)
     attach(first, rank=0, skip_collective_at_step=1)
     attach(last, rank=0, skip_collective_at_step=1)
-    assert first.controller.agree_with(1) == (StopReason.NONE, False)
-    assert last.controller.agree_with(1) == (StopReason.PREEMPTION, True)
+    for t in (first, last):
+        t.state.step = 1
+    assert first.model.reduce_mean(0.5, None, "loss_mean") == 0.5  # skipped on rank 0
+    assert last.model.reduce_mean(0.5, None, "loss_mean") == -1.0
     restarted = trainer()
+    restarted.state.step = 1
     env = faults.variables(skip_collective_at_step=1) | {STEP_RESTARTS_ENV: "1"}
     relaytrain_faults.HangFaults(env).attach(restarted, print)
-    assert restarted.controller.agree_with(1) == (StopReason.PREEMPTION, True)
+    assert restarted.model.reduce_mean(0.5, None, "loss_mean") == -1.0
 
 
 def test_a_stalled_fetch_blocks_after_its_landed_line(monkeypatch):
@@ -162,7 +177,7 @@ def train_rows(run_dir: Path) -> dict[int, dict]:
 BLOCKING = {
     "fifo_at_step": "FIFO read with no writer at step 4 on rank {rank}: ",
     "stall_at_step": "data loader stall at step 4 on rank {rank}",
-    "skip_collective_at_step": "skipped the stop agreement collective at step 4 on rank {rank}",
+    "skip_collective_at_step": "skipped the loss_mean collective at step 4 on rank {rank}",
 }
 
 

@@ -16,7 +16,9 @@ hang monitor, with its default floor and multiple, is what acts. The kinds
   afterwards if nothing did.
 * ``hang_fifo``: the rank's data fetch opens a FIFO with no writer (blocked in the kernel: a dead mount).
 * ``hang_loader_stall``: the rank's data fetch waits forever on an Event (a deadlocked loader).
-* ``hang_skip_collective``: the rank skips the stop agreement's all-reduce once (desynchronised).
+* ``hang_skip_collective``: the rank skips the all-reduce of its logged loss once (desynchronised). On
+  gloo its next collective is paired with the one the others wait in and gloo fails both at once (size
+  mismatch): a crash, restarted in place, which the trial records as such (no hang to detect).
 * ``slow_rank``: the rank runs 5x slower from step 3, still moving: a `slow rank:` line, no restart.
 * ``clean``: no fault, with checkpoint.mode async and sync in turn, evaluations, and a CPU-bound process
   beside the run the whole time: any `hang detected:` line is a false detection.
@@ -46,7 +48,7 @@ from pathlib import Path
 
 import faults
 from bench import kept
-from bench.cluster.chaos_hangs_judge import KINDS, HangTrial, judge
+from bench.cluster.chaos_hangs_judge import KINDS, MISMATCH, HangTrial, judge
 from bench.cluster.chaos_hangs_page import SECTION, render_hangs_section
 from bench.cluster.chaos_page import results_data
 from bench.cluster.chaos_run import ALLOWED, STEPS, Bench
@@ -104,7 +106,7 @@ def first_run_setup(**fault) -> str:
 LANDED_SAYS = {
     "hang_fifo": "FIFO read with no writer",
     "hang_loader_stall": "data loader stall",
-    "hang_skip_collective": "skipped the stop agreement collective",
+    "hang_skip_collective": "skipped the loss_mean collective",
     "slow_rank": "slower steps",
 }
 
@@ -179,8 +181,11 @@ class HangTrials:
 
     def _until_detected(self, trial: HangTrial, run: RunFiles) -> None:
         """Wait for the monitor's `hang detected:` line, then for the run to end (resubmitted if needed)."""
+        ends = ("hang detected:", MISMATCH) if trial.kind == "hang_skip_collective" else ("hang detected:",)
         wait(
-            lambda: "hang detected:" in run.job_log(), DETECT_WAIT_S, "a `hang detected:` line in the job log"
+            lambda: any(e in run.job_log() for e in ends),
+            DETECT_WAIT_S,
+            "a `hang detected:` line in the job log",
         )
         self.bench.finish(trial, run, OVERRIDES, setup=NO_FAULT, nodes=NODES)
 

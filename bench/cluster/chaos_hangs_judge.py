@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 DETECTED = "hang detected:"
+MISMATCH = "Is there a distributed collective mismatch"  # gloo's error when a rank skipped a collective
 STAMP = re.compile(r"^\[[^\]]*\]\s*")  # `[relaytrain 2026-11-27T03:07:48] ` in front of a line
 SLOW = "slow rank:"
 DETECTION_TARGET_S = 60.0  # the issue's target for the debug config
@@ -137,6 +138,25 @@ def slow_lines(log: str, rank: int) -> list[str]:
     return [line[line.index(SLOW) :].strip() for line in log.splitlines() if named.search(line)]
 
 
+def _judge_backend_mismatch(trial: HangTrial, records: list[dict[str, Any]]) -> None:
+    """gloo pairs the skipper's next collective with the one the others wait in and fails both at once on
+    the size mismatch: a crash (the end-of-step decision restarts the step), not a hang to detect."""
+    restart = next(
+        (r for r in records if r.get("kind") == "event" and r.get("event") == "step_restart"), None
+    )
+    if restart is not None and trial.fault_time is not None:
+        trial.detection_s = round(float(restart["time"]) - trial.fault_time, 1)
+        trial.detection_source = "the backend's collective mismatch error (step_restart event)"
+    again = first_step_after_restart(records)
+    if again is not None and trial.fault_time is not None:
+        trial.restart_s = round(float(again["time"]) - trial.fault_time, 1)
+    trial.detail += "; gloo failed the mismatched collective at once (a crash, no hang)"
+    trial.checks["no hang detected"] = trial.detections == 0
+    trial.checks["the backend failed the mismatch, the step restarted in place"] = (
+        trial.step_restarts >= 1 and trial.restarts == 0 and trial.restart_s is not None
+    )
+
+
 def judge(trial: HangTrial, log: str, record: dict[str, Any], records: list[dict[str, Any]]) -> None:
     """Fill in what the finished trial measured and its checks (the bench filled in the fault and the
     run's end: evidence, fault_time, rank, node, bit_exact, final_status, ...)."""
@@ -144,7 +164,9 @@ def judge(trial: HangTrial, log: str, record: dict[str, Any], records: list[dict
     trial.detections = len(found)
     trial.step_restarts = step_restarts(records)
     trial.culprits = [c for c in record.get("culprits") or [] if isinstance(c, dict)]
-    if trial.kind in HANG_KINDS:
+    if trial.kind == "hang_skip_collective" and not found and MISMATCH in log:
+        _judge_backend_mismatch(trial, records)
+    elif trial.kind in HANG_KINDS:
         first = found[0] if found else None
         if first is not None and first.time is not None and trial.fault_time is not None:
             trial.detection_s = round(first.time - trial.fault_time, 1)

@@ -135,9 +135,10 @@ class HangFaults:
       from a dead mount does (the process cannot run Python meanwhile, its main thread at least).
     - ``RELAYTRAIN_FAULT_STALL_AT_STEP=N``: the data fetch of step N waits forever on an Event, as a
       deadlocked loader does (Python runs; its stack shows the wait).
-    - ``RELAYTRAIN_FAULT_SKIP_COLLECTIVE_AT_STEP=N``: the rank skips the stop agreement's all-reduce of
-      step N (``controller.agree_with`` returns what a quiet step returns: no stop, no NaN flag), so the
-      ranks' collectives no longer pair up: desynchronised.
+    - ``RELAYTRAIN_FAULT_SKIP_COLLECTIVE_AT_STEP=N``: the rank skips the all-reduce of the loss it logs
+      after step N (``model.reduce_mean`` of ``loss_mean`` returns its own loss), so the ranks' collectives
+      no longer pair up: desynchronised. (The stop agreement is not skipped: gloo pairs the skipper's next
+      all-reduce on that group with it and fails at once on the size mismatch, a crash, not a hang.)
     - ``RELAYTRAIN_FAULT_SLOW_FACTOR=F`` with ``RELAYTRAIN_FAULT_SLOW_FROM_STEP=N``: from step N, the rank
       sleeps (F - 1) x its own step time after each step (from its data fetch to the ``watchdog.beat`` that
       ends the step, the step delay fault's sleep included), so it runs F times slower but keeps moving.
@@ -161,18 +162,13 @@ class HangFaults:
         self.first_job_step = env.get(STEP_RESTARTS_ENV, "").strip() in ("", "0")
 
     def attach(self, trainer, say) -> None:
-        """Wrap this trainer's ``loader.next_batch``, ``controller.agree_with`` and ``watchdog.beat`` (its
+        """Wrap this trainer's ``loader.next_batch``, ``model.reduce_mean`` and ``watchdog.beat`` (its
         instance attributes) on the faulted rank, for the faults asked for."""
         rank = trainer.env.rank
         target = trainer.env.world_size - 1 if self.rank is None else self.rank
         if rank != target or not self.first_job_step:
             return
-        state, loader, controller, watchdog = (
-            trainer.state,
-            trainer.loader,
-            trainer.controller,
-            trainer.watchdog,
-        )
+        state, loader, watchdog = trainer.state, trainer.loader, trainer.watchdog
         blocking = {"fifo": self.fifo_at, "stall": self.stall_at}
         step_started = [None]  # when the rank's current step began (its data fetch); None: no step open
         next_batch = loader.next_batch
@@ -198,24 +194,22 @@ class HangFaults:
         if self.fifo_at is not None or self.stall_at is not None or self.slow_factor is not None:
             loader.next_batch = faulty_next_batch
         if self.skip_at is not None:
-            controller.agree_with = self._skipping(controller.agree_with, rank, say)
+            trainer.model.reduce_mean = self._skipping(trainer.model.reduce_mean, state, rank, say)
         if self.slow_factor is not None:
             watchdog.beat = self._slowing(watchdog.beat, step_started, rank, say)
 
-    def _skipping(self, agree_with, rank: int, say):
-        from relaytrain.resilience.codes import StopReason  # loaded with the trainer
-
+    def _skipping(self, reduce_mean, state, rank: int, say):
         skip = [self.skip_at]
 
-        @functools.wraps(agree_with)
-        def skipping_agree_with(step, save_estimate_s=0.0, flag=None):
-            if step != skip[0]:
-                return agree_with(step, save_estimate_s, flag)
+        @functools.wraps(reduce_mean)
+        def skipping_reduce_mean(value, board=None, name="mean"):
+            if name != "loss_mean" or state.step != skip[0]:
+                return reduce_mean(value, board, name)
             skip[0] = None
-            say(f"skipped the stop agreement collective at step {step} on rank {rank}")
-            return StopReason.NONE, False  # a quiet step's answer: no stop agreed, no rank's NaN flag
+            say(f"skipped the loss_mean collective at step {state.step} on rank {rank}")
+            return float(value)  # its own loss, not the mean; the other ranks wait in the all-reduce
 
-        return skipping_agree_with
+        return skipping_reduce_mean
 
     def _slowing(self, beat, step_started: list, rank: int, say):
         factor, first = self.slow_factor, self.slow_from
