@@ -219,7 +219,7 @@ def test_the_decisions_quote_of_the_hang_line_is_not_a_second_detection():
 
 def test_a_skipped_collective_that_gloo_fails_at_once_is_judged_as_the_crash_it_is():
     trial = HangTrial(4, "hang_skip_collective", rank=1, node="n2", fault_time=100.0)
-    log = "relaytrain-faults: landed: skipped ...\n" + "what(): ... Is there a distributed collective mismatch?"
+    log = "landed: skipped ...\nwhat(): ... Is there a distributed collective mismatch?"
     records = [
         {"kind": "train", "step": 5, "time": 99.0},
         {"kind": "event", "event": "step_restart", "step": 4, "time": 101.5},
