@@ -392,3 +392,12 @@ def test_ranks_all_off_their_sequence_alike_are_no_desync():
     b = waiting(1, "memory_max", Phase.AFTER_STEP, entered=24, expected_collective="stop_agreement")
     verdict = assess([view(a), view(b)], POLICY, 2)
     assert all("desynchronised" not in c.why for c in verdict.culprits), verdict
+
+
+def test_the_first_evaluation_unmeasured_and_unannounced_waits_the_cap():
+    """It may compile its graph first: no median and no budget yet, so no floor-sized limit either."""
+    first = record(0, Phase.EVALUATION, medians={k: v for k, v in MEDIANS.items()})
+    limit, why = phase_limit(view(first), POLICY)
+    assert limit == POLICY.cap_s and "the first one" in why
+    measured = record(0, Phase.EVALUATION, medians={**MEDIANS, Phase.EVALUATION: 2.0})
+    assert phase_limit(view(measured), POLICY)[0] == POLICY.floor_s

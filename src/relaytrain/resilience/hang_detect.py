@@ -95,8 +95,11 @@ def phase_limit(view: RankView, policy: HangPolicy) -> tuple[float, str]:
     if record.phase not in TRAINING_PHASES and record.phase not in BUDGETED_PHASES:
         # start-up holds the first step and its compilation; done may still finish an asynchronous save
         return policy.cap_s, f"{record.phase.label}: {cap_name}"
-    candidates = [(policy.floor_s, "the floor resilience.hang_floor_s")]
     median = record.medians.get(record.phase)
+    if record.phase in BUDGETED_PHASES and median is None and record.budget_s <= 0:
+        # Its first time, unmeasured and unannounced (the first evaluation compiles its graph): the cap.
+        return policy.cap_s, f"{record.phase.label}, the first one (not measured yet): {cap_name}"
+    candidates = [(policy.floor_s, "the floor resilience.hang_floor_s")]
     if median is not None:
         candidates.append((policy.multiple * median, f"{policy.multiple:g} x its median {seconds(median)}"))
     if record.phase in BUDGETED_PHASES and record.budget_s > 0:
