@@ -4,6 +4,7 @@ are read and judged, and how its section is written, on synthetic runs (fast, no
 from __future__ import annotations
 
 import json
+import tomllib
 from dataclasses import asdict
 from datetime import datetime
 
@@ -11,6 +12,14 @@ import pytest
 
 from bench.cluster import chaos
 from bench.cluster.chaos_hangs import HANG_ALLOWED, draw, fault_landed, first_run_setup, watched_rank
+from bench.cluster.chaos_hangs_clean import (
+    CLEAN_VARIANTS,
+    CONFIGS,
+    VariantBenches,
+    clean_variant,
+    parse_variants,
+    write_clean_config,
+)
 from bench.cluster.chaos_hangs_judge import (
     HangTrial,
     culprit_correct,
@@ -22,7 +31,9 @@ from bench.cluster.chaos_hangs_judge import (
 )
 from bench.cluster.chaos_hangs_page import render_hangs_section
 from bench.cluster.chaos_page import results_data
+from bench.cluster.chaos_run import STEPS, Bench
 from bench.cluster.harness import RunFiles
+from bench.report import REPO
 
 FAULT = datetime(2026, 11, 27, 3, 10, 0).timestamp()
 DETECTED = "hang detected: rank 1 on n2 in data at step 12 (state S); 41 s without progress; report logs/x.md"
@@ -219,7 +230,7 @@ def test_the_decisions_quote_of_the_hang_line_is_not_a_second_detection():
 
 def test_a_skipped_collective_that_gloo_fails_at_once_is_judged_as_the_crash_it_is():
     trial = HangTrial(4, "hang_skip_collective", rank=1, node="n2", fault_time=100.0)
-    log = "relaytrain-faults: landed: skipped ...\nwhat(): ... Is there a distributed collective mismatch in your code?"
+    log = "landed: skipped ...\nwhat(): ... Is there a distributed collective mismatch?"
     records = [
         {"kind": "train", "step": 5, "time": 99.0},
         {"kind": "event", "event": "step_restart", "step": 4, "time": 101.5},
@@ -231,3 +242,94 @@ def test_a_skipped_collective_that_gloo_fails_at_once_is_judged_as_the_crash_it_
         "no hang detected": True,
         "the backend failed the mismatch, the step restarted in place": True,
     }
+
+
+def test_clean_variants_cycle_by_trial_index_with_both_checkpoint_modes():
+    pairs = [clean_variant(i) for i in range(8)]
+    assert sorted(pairs) == sorted((v, m) for v in CLEAN_VARIANTS for m in ("async", "sync"))
+    assert pairs[:4] == [("debug", "async"), ("wide", "async"), ("compile", "async"), ("restart", "async")]
+    picked = parse_variants("wide, compile,restart")
+    assert [clean_variant(i, picked) for i in (0, 1, 2, 3)] == [
+        ("wide", "async"), ("compile", "async"), ("restart", "async"), ("wide", "sync")]  # fmt: skip
+    with pytest.raises(ValueError, match="no clean variant huge; the variants: debug, wide"):
+        parse_variants("wide,huge")
+    with pytest.raises(ValueError, match=r"no clean variant \(none\)"):
+        parse_variants(" , ")
+
+
+def test_each_clean_config_is_a_valid_config_of_its_model_steps_and_compile(tmp_path):
+    from relaytrain.config.loader import load_config
+    from relaytrain.model.flops import count_parameters
+
+    debug = tomllib.loads((REPO / "configs" / "debug.toml").read_text())
+    for variant in CLEAN_VARIANTS:
+        (tmp_path / variant).mkdir()
+        bench = Bench(tmp_path / variant, None)
+        write_clean_config(bench, CONFIGS[variant])
+        cfg = load_config(bench.config)
+        assert cfg.parallel.compile == (variant == "compile")
+        assert cfg.train.seq_len == debug["train"]["seq_len"] and cfg.checkpoint.mode == "async"
+        state_gb = 12 * count_parameters(cfg.model) / 1e9  # fp32 weights and AdamW's two moments
+        if variant == "wide":
+            assert (cfg.train.max_steps, cfg.checkpoint.interval, cfg.train.eval_every) == (6, 2, 3)
+            assert 1.1 < state_gb < 1.3
+        else:
+            assert (cfg.model.dim, cfg.model.n_layers) == (debug["model"]["dim"], debug["model"]["n_layers"])
+            assert cfg.train.max_steps == STEPS and state_gb < 0.1
+
+
+def test_a_variant_that_changes_the_losses_gets_its_own_reference_run(tmp_path, monkeypatch):
+    made = []
+    monkeypatch.setattr(Bench, "run_reference", lambda self: made.append(self.base.name))
+    debug = Bench(tmp_path, "cluster")
+    benches = VariantBenches(debug)
+    assert benches("debug") is debug and benches("restart") is debug and made == []
+    wide = benches("wide")
+    assert wide is not debug and wide.cluster == "cluster" and benches("wide") is wide
+    assert benches("compile").config.parent == tmp_path / "compile"
+    assert made == ["wide", "compile"]  # once each
+    assert "n_layers = 9" in wide.config.read_text() and "compile = true" not in wide.config.read_text()
+
+
+def clean_trial(variant: str, **fields) -> HangTrial:
+    return hang_trial(kind="clean", variant=variant, mode="sync", **fields)
+
+
+KILLED = ["SIGKILL pid 4242 (rank 1): gone", "pid 4242 from hang/nodes"]
+RESTART = {"job_id": "7", "step": 12, "action": "restart", "why": "exit code 1"}
+
+
+def test_a_clean_restart_passes_only_with_the_kill_landed_restarted_in_place_and_no_hang_line():
+    trial = clean_trial("restart", hit=KILLED)
+    judge(trial, log(), {}, records(), [RESTART])
+    assert trial.checks == {"no hang detected": True, "the killed rank's process gone": True,
+                            "restarted in place for the kill": True} and trial.ok  # fmt: skip
+    assert trial.restart_s == 50.0
+    hung = clean_trial("restart", hit=KILLED)
+    judge(hung, log(DETECTED), hang_record(), records(), [RESTART])
+    assert not hung.checks["no hang detected"] and not hung.ok
+    alive = clean_trial("restart", hit=["SIGKILL pid 4242 (rank 1): still running 10 s later"])
+    judge(alive, log(), {}, records(), [RESTART])
+    assert not alive.checks["the killed rank's process gone"] and not alive.ok
+    for crashes in ([], [RESTART | {"action": "requeue"}], [RESTART | {"hang": {"culprits": [CULPRIT]}}]):
+        unrecorded = clean_trial("restart", hit=KILLED)
+        judge(unrecorded, log(), {}, records(), crashes)
+        assert not unrecorded.checks["restarted in place for the kill"] and not unrecorded.ok
+    requeued = clean_trial("restart", hit=KILLED, restarts=1)
+    judge(requeued, log(), {}, records(), [RESTART])
+    assert not requeued.ok
+
+
+def test_the_other_clean_variants_fail_on_a_crash_and_show_their_variant_on_the_page(tmp_path):
+    no_restart = [r for r in records() if not r.get("step_restart")]
+    wide = clean_trial("wide", rank=-1, node="", detail="wide, checkpoint.mode=sync, 6 steps")
+    judge(wide, log(), {}, no_restart, [])
+    assert wide.ok and wide.checks == {"no hang detected": True, "no restart": True}
+    crashed = clean_trial("compile", rank=-1, node="")
+    judge(crashed, log(), {}, no_restart, [RESTART])
+    assert not crashed.checks["no restart"] and not crashed.ok
+    data = results_data("c", "2026-11-27", 7, {"cpu": "cpu", "cores": 2}, "", [wide])
+    kept = tmp_path / "hangs-seed7.json"
+    kept.write_text(json.dumps(data))
+    row = "| 0 | clean (wide) | – | wide, checkpoint.mode=sync, 6 steps |"
+    assert row in render_hangs_section([str(kept)])

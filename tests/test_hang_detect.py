@@ -372,3 +372,32 @@ def test_a_rank_still_after_its_step_is_behind_ranks_already_in_the_next_one():
     saving = view(record(2, Phase.CHECKPOINT_SAVE, step=12))
     assert progress_key(after) < progress_key(saving) < progress_key(next_step)
     assert progress_key(view(record(3, Phase.OPTIMIZER, step=12))) > progress_key(saving)
+
+
+def test_a_rank_waiting_in_another_collective_than_its_sequence_says_skipped_one():
+    """The skip seen on the cluster: after step 6 rank 0 skipped loss_mean and went on to memory_max;
+    rank 1 waits in loss_mean, where both ranks' step before had it. Same counts, same step, same phase."""
+    skipper = waiting(0, "memory_max", Phase.AFTER_STEP, entered=24, expected_collective="loss_mean")
+    waiter = waiting(1, "loss_mean", Phase.AFTER_STEP, entered=24, expected_collective="loss_mean")
+    verdict = assess([view(skipper), view(waiter)], POLICY, 2)
+    assert [c.rank for c in verdict.culprits] == [0], verdict
+    assert (
+        "skipped it (desynchronised)" in verdict.culprits[0].why and "rank 1 waits" in verdict.culprits[0].why
+    )
+
+
+def test_ranks_all_off_their_sequence_alike_are_no_desync():
+    """A log or save step enters collectives the step before did not: every rank alike, no one skipped."""
+    a = waiting(0, "memory_max", Phase.AFTER_STEP, entered=24, expected_collective="stop_agreement")
+    b = waiting(1, "memory_max", Phase.AFTER_STEP, entered=24, expected_collective="stop_agreement")
+    verdict = assess([view(a), view(b)], POLICY, 2)
+    assert all("desynchronised" not in c.why for c in verdict.culprits), verdict
+
+
+def test_the_first_evaluation_unmeasured_and_unannounced_waits_the_cap():
+    """It may compile its graph first: no median and no budget yet, so no floor-sized limit either."""
+    first = record(0, Phase.EVALUATION, medians={k: v for k, v in MEDIANS.items()})
+    limit, why = phase_limit(view(first), POLICY)
+    assert limit == POLICY.cap_s and "the first one" in why
+    measured = record(0, Phase.EVALUATION, medians={**MEDIANS, Phase.EVALUATION: 2.0})
+    assert phase_limit(view(measured), POLICY)[0] == POLICY.floor_s

@@ -218,3 +218,18 @@ def test_a_running_trainer_writes_its_stacks_on_the_signal_and_finishes(tmp_path
     # The first step (compilation, first allocations) is start-up; training phases come after it.
     assert not {p for s, p in seen if s == 0} & TRAINING, seen
     assert (1, Phase.OPTIMIZER) in seen, seen  # step 2 sleeps in the fault's delay after its optimizer
+
+
+def test_each_collective_names_the_one_entered_at_its_place_in_the_step_before(tmp_path):
+    board = ProgressBoard(tmp_path, rank=0, local_rank=0)
+    for name in ("stop_agreement", "loss_mean"):
+        with board.collective(name):
+            pass
+    board.step_done(1)
+    with board.collective("memory_max"):
+        (record,) = read_board(tmp_path)
+        assert (record.collective, record.expected_collective) == ("memory_max", "stop_agreement")
+    with board.collective("loss_mean"):
+        assert read_board(tmp_path)[0].expected_collective == "loss_mean"
+    with board.collective("checkpoint_flag"):
+        assert read_board(tmp_path)[0].expected_collective == ""  # the step before entered only two

@@ -11,6 +11,7 @@ docs/benchmarks.md (`python -m bench.chaos`, `python -m bench.goodput`), not `py
     chaos_snapshots.py        the targeted trials of the peer replica (2 nodes, a node's memory wiped)
     chaos_hangs.py            `--hangs`: hangs injected (SIGSTOP, FIFO, stalled loader, skipped collective),
                               a slow rank, clean runs; detection time, culprit, restart
+    chaos_hangs_clean.py      the clean runs' variants (debug, 1.2 GB wide, compile, restart), their configs
     chaos_hangs_judge.py      one hang trial's figures and checks, from its job log, metrics, hang record
     chaos_hangs_page.py       the hangs section from kept results
     goodput.py                `python -m bench.goodput`: the runs, preempted and time-limited

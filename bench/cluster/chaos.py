@@ -39,6 +39,7 @@ from pathlib import Path
 
 from bench import kept
 from bench.cluster import chaos_hangs
+from bench.cluster.chaos_hangs_clean import CLEAN_VARIANTS, parse_variants
 from bench.cluster.chaos_hangs_page import SECTION as HANGS
 from bench.cluster.chaos_hangs_page import render_hangs_section
 from bench.cluster.chaos_kinds import SPECIAL_KINDS, SpecialTrial, SpecialTrials
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds = ",".join(chaos_hangs.KINDS)
     hangs_help = f"hang trials only (chaos_hangs.py): all, or of {kinds}; writes the {HANGS!r} section"
     parser.add_argument("--hangs", metavar="KIND[,KIND]", help=hangs_help)
+    variants = ",".join(CLEAN_VARIANTS)
+    parser.add_argument("--clean-variants", default=variants, help=f"--hangs clean: of {variants}, in turn")
     parser.add_argument("--kill-saves", type=int, default=10, help="SIGKILL-during-save trials")
     parser.add_argument("--kill-save-modes", default="async,sync", help="checkpoint.mode of those, in turn")
     parser.add_argument("--special", default="", help=f"only these of {','.join(SPECIAL_KINDS)}")
@@ -106,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.hangs:
         if args.hangs != "all" and not set(args.hangs.split(",")) <= set(chaos_hangs.KINDS):
             parser.error(f"--hangs: choose from all, {', '.join(chaos_hangs.KINDS)}")
+        try:
+            parse_variants(args.clean_variants)
+        except ValueError as err:
+            parser.error(f"--clean-variants: {err}")
         return chaos_hangs.main(args, command)
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     trials = draw(2 if args.quick else args.trials, seed)

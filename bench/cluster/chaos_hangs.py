@@ -20,8 +20,11 @@ hang monitor, with its default floor and multiple, is what acts. The kinds
   gloo its next collective is paired with the one the others wait in and gloo fails both at once (size
   mismatch): a crash, restarted in place, which the trial records as such (no hang to detect).
 * ``slow_rank``: the rank runs 5x slower from step 3, still moving: a `slow rank:` line, no restart.
-* ``clean``: no fault, with checkpoint.mode async and sync in turn, evaluations, and a CPU-bound process
-  beside the run the whole time: any `hang detected:` line is a false detection.
+* ``clean``: no hang, with checkpoint.mode async and sync in turn, evaluations, and a CPU-bound process
+  beside the run the whole time: any `hang detected:` line is a false detection. Its variants, by trial
+  index (bench/cluster/chaos_hangs_clean.py; `--clean-variants` picks some): ``debug``; ``wide`` (about
+  1.2 GB of model and AdamW state, 6 steps, its own reference run); ``compile`` (`parallel.compile=true`:
+  a long first step); ``restart`` (one rank SIGKILLed mid-run: the step restarts in place, and must).
 
 The faulted rank alternates (trial index mod 2) for the injected kinds. Per trial: the fault's time, the
 detection's, the culprit named in hang/last.json against the faulted rank and its node, the time from the
@@ -41,19 +44,27 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
+from relaytrain.resilience.crash import RESTARTED
+
 import faults
 from bench import kept
+from bench.cluster.chaos_hangs_clean import (
+    CLEAN_VARIANTS,
+    DEBUG,
+    VariantBenches,
+    clean_variant,
+    parse_variants,
+    write_clean_config,
+)
 from bench.cluster.chaos_hangs_judge import KINDS, MISMATCH, HangTrial, judge
 from bench.cluster.chaos_hangs_page import SECTION, render_hangs_section
 from bench.cluster.chaos_page import results_data
-from bench.cluster.chaos_run import ALLOWED, STEPS, Bench
+from bench.cluster.chaos_run import ALLOWED, STEPS, Bench, kill_pids
 from bench.cluster.harness import (
-    TINY_TOML,
     RunFiles,
     cluster_lock,
     load_averages,
@@ -62,10 +73,9 @@ from bench.cluster.harness import (
     start_cluster,
     wait,
 )
-from bench.report import REPO, machine_info, write_page
+from bench.report import machine_info, write_page
 
 NODES = 2
-DEBUG_CONFIG = REPO / "configs" / "debug.toml"
 CAP_S = 600  # resilience.hang_timeout_s: far above the monitor's floor, so the monitor acts first
 OVERRIDES = ("--checkpoint.snapshot_every=2", f"--resilience.hang_timeout_s={CAP_S}")
 DETECT_WAIT_S = 240  # no `hang detected:` line this long after the fault: the trial fails
@@ -73,17 +83,6 @@ SLOW_FACTOR, SLOW_FROM_STEP = 5, 3
 NO_FAULT = "true"  # the setup of a resubmitted run: full speed, no fault
 # The hang monitor's and the node watchers' files are part of a run that had a hang
 HANG_ALLOWED = re.compile(rf"^(hang/.*|{ALLOWED.pattern[1:-1]})$")
-
-
-def debug_model_toml() -> str:
-    """The debug config's [model] and batch, in place of the chaos runs' tiny ones (harness.CONFIG)."""
-    debug = tomllib.loads(DEBUG_CONFIG.read_text())
-    batch = {k: debug["train"][k] for k in ("seq_len", "global_batch_size", "micro_batch_size")}
-
-    def table(name: str, values: dict) -> str:
-        return f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
-
-    return table("model", debug["model"]) + "\n" + table("train", batch)
 
 
 def proc_state(pid: int) -> str:
@@ -152,24 +151,34 @@ def locate(run: RunFiles, job: str, rank: int) -> tuple[int, str, str]:
 class HangTrials:
     """Runs hang trials on a chaos_run.Bench (its reference run, launch, finish and loss check)."""
 
-    def __init__(self, bench: Bench):
-        self.bench = bench
+    def __init__(self, bench: Bench, variants: tuple[str, ...] = CLEAN_VARIANTS):
+        self.bench, self.variants = bench, variants
+        self.benches = VariantBenches(bench)  # a clean variant's config and reference run
 
     def run(self, trial: HangTrial, rng) -> None:
+        bench = self.bench
+        if trial.kind == "clean":
+            trial.variant, trial.mode = clean_variant(trial.index, self.variants)
+            try:
+                bench = self.benches(trial.variant)  # its reference run first, outside the trial's time
+            except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+                trial.error = f"the {trial.variant} reference run: {err}"[:300]
+                return
         start = time.monotonic()
-        run = self.bench.run_files(f"hangs-{trial.index}-{trial.kind.replace('_', '-')}")
+        name = "-".join(filter(None, ("hangs", str(trial.index), trial.kind, trial.variant)))
+        run = bench.run_files(name.replace("_", "-"))
         evidence: list[str] = []
         try:
             if trial.kind.startswith("hang_stop_rank"):
                 self.stop(trial, run, rng, evidence)
             elif trial.kind == "clean":
-                self.clean(trial, run, evidence)
+                self.clean(bench, trial, run, rng, evidence)
             else:
                 self.injected(trial, run, rng, evidence)
-            self.bench.check(trial, run)
+            bench.check(trial, run)
             trial.leftovers = run.leftovers(HANG_ALLOWED)
             trial.evidence = evidence
-            judge(trial, run.job_log(), run.hang_record(), run.records())
+            judge(trial, run.job_log(), run.hang_record(), run.records(), run.crashes())
         except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError, KeyError, ValueError) as err:
             trial.error = str(err)[:300]
             trial.evidence = evidence
@@ -238,24 +247,41 @@ class HangTrials:
             if trial.kind == "hang_fifo":
                 remove_fifo(text)
 
-    def clean(self, trial: HangTrial, run: RunFiles, evidence: list[str]) -> None:
-        mode = ("async", "sync")[trial.index % 2]
-        overrides = (*OVERRIDES, f"--checkpoint.mode={mode}")
+    def clean(self, bench: Bench, trial: HangTrial, run: RunFiles, rng, evidence: list[str]) -> None:
+        """A run without a hang beside a CPU-bound process, of the trial's variant (chaos_hangs_clean.py);
+        the restart variant SIGKILLs one rank at a random step."""
+        overrides = (*OVERRIDES, f"--checkpoint.mode={trial.mode}")
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a CPU-bound neighbour
         try:
-            trial.job = self.bench.launch(run.name, *overrides, setup=first_run_setup(), nodes=NODES)
-            self.bench.finish(trial, run, overrides, setup=NO_FAULT, nodes=NODES)
+            trial.job = bench.launch(run.name, *overrides, setup=first_run_setup(), nodes=NODES)
+            if trial.variant == "restart":
+                self.kill_one(trial, run, rng, evidence)
+            bench.finish(trial, run, overrides, setup=NO_FAULT, nodes=NODES)
             alive = hog.poll() is None
         finally:
             hog.kill()
             hog.wait()
-        evals = len(run.records("eval"))
-        latest = run.latest()
-        trial.detail = (
-            f"checkpoint.mode={mode}, {evals} evaluations, latest checkpoint {latest and latest.name}"
-        )
+        evals, train = len(run.records("eval")), run.records("train")
+        saves = sorted({r["step"] for r in train if r.get("time_checkpoint_s", 0) > 0})
+        first = f"{train[0]['time_step_s']:.1f} s" if train else "none"
+        trial.detail = (f"{trial.variant}, checkpoint.mode={trial.mode}, {len(train)} steps (the first "
+                        f"{first}), {evals} evaluations, saves after steps {saves}")  # fmt: skip
+        if trial.variant == "restart":
+            trial.detail += f"; SIGKILL rank {trial.rank} on {trial.node} after step {trial.at_step}"
         if alive and evals:
             evidence.append(f"CPU-bound process pid {hog.pid} ran beside the whole run; {evals} evaluations")
+
+    def kill_one(self, trial: HangTrial, run: RunFiles, rng, evidence: list[str]) -> None:
+        """SIGKILL rank index % 2 after a random step, then wait for the step to restart in place."""
+        trial.rank, trial.at_step = trial.index % 2, rng.randint(5, DEBUG.steps - 15)
+        wait(lambda: self._last_step(run) >= trial.at_step, 240, f"step {trial.at_step}")
+        pid, trial.node, source = locate(run, trial.job, trial.rank)
+        trial.at_step = self._last_step(run)
+        trial.fault_time = time.time()
+        trial.hit += [*kill_pids(trial.job, [pid], trial.rank), f"pid {pid} from {source}"]
+        entry = wait(lambda: [c for c in run.crashes() if c.get("action") == RESTARTED], 120,
+                     "a crashes.jsonl entry with action restart")  # fmt: skip
+        evidence.append(f"crashes.jsonl: action {entry[0]['action']} at step {entry[0].get('step', '?')}")
 
 
 def draw(kinds: list[str], trials: int, start: int = 0) -> list[HangTrial]:
@@ -279,9 +305,9 @@ def main(args, command: str) -> int:
     base.mkdir(parents=True, exist_ok=True)
     rng, load = random.Random(seed), [os.getloadavg()]
     bench = Bench(base, start_cluster(lock=not args.no_lock))
-    bench.config.write_text(bench.config.read_text().replace(TINY_TOML, debug_model_toml()))
+    write_clean_config(bench, DEBUG)
     bench.run_reference()
-    runner = HangTrials(bench)
+    runner = HangTrials(bench, parse_variants(args.clean_variants))
     now = datetime.now(UTC)
     keep = f"hangs-seed{seed}-{now:%Y-%m-%d-%H%M}.json"  # in bench/results/, unless --quick
 

@@ -5,16 +5,21 @@ The times: the fault's (the bench's SIGSTOP, or the Unix time on the fault's lan
 (hang/last.json's `detected_at` when its line is the job log's `hang detected:` line, else the line's own
 stamp: `[relaytrain 2026-11-27T03:10:08]` from the batch driver, or a rank log's `2026-11-27 03:10:08`
 prefix, whole seconds), and the first step after the restart (the `time` of the first train record that
-carries `step_restart`). Pure functions of text and records: tests/test_bench_chaos_hangs.py feeds them
-synthetic logs.
+carries `step_restart`). A clean trial passes with no `hang detected:` line and no restart; its
+``restart`` variant (one rank SIGKILLed by the bench) instead with the killed process gone and a
+restart in place that crashes.jsonl records (action restart, cause not a hang). Pure functions of text
+and records: tests/test_bench_chaos_hangs.py feeds them synthetic logs.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
+
+from relaytrain.resilience.crash import RESTARTED
 
 DETECTED = "hang detected:"
 MISMATCH = "Is there a distributed collective mismatch"  # gloo's error when a rank skipped a collective
@@ -34,6 +39,8 @@ class HangTrial:
     index: int
     kind: str
     seed: str = ""
+    variant: str = ""  # a clean trial's (chaos_hangs_clean.py)
+    mode: str = ""  # a clean trial's checkpoint.mode
     rank: int = -1  # the faulted rank (-1: none, a clean run)
     node: str = ""  # its node
     at_step: int = -1  # the step the fault was aimed at
@@ -157,12 +164,26 @@ def _judge_backend_mismatch(trial: HangTrial, records: list[dict[str, Any]]) -> 
     )
 
 
-def judge(trial: HangTrial, log: str, record: dict[str, Any], records: list[dict[str, Any]]) -> None:
+def restarted_for_the_kill(crashes: Sequence[dict[str, Any]]) -> bool:
+    """crashes.jsonl holds a restart in place whose cause is not a hang (the killed rank's crash)."""
+    return any(c.get("action") == RESTARTED and not c.get("hang") for c in crashes)
+
+
+def judge(
+    trial: HangTrial,
+    log: str,
+    record: dict[str, Any],
+    records: list[dict[str, Any]],
+    crashes: Sequence[dict[str, Any]] = (),
+) -> None:
     """Fill in what the finished trial measured and its checks (the bench filled in the fault and the
     run's end: evidence, fault_time, rank, node, bit_exact, final_status, ...)."""
     found = detections(log, record)
     trial.detections = len(found)
     trial.step_restarts = step_restarts(records)
+    again = first_step_after_restart(records)
+    if again is not None and trial.fault_time is not None:
+        trial.restart_s = round(float(again["time"]) - trial.fault_time, 1)
     trial.culprits = [c for c in record.get("culprits") or [] if isinstance(c, dict)]
     if trial.kind == "hang_skip_collective" and not found and MISMATCH in log:
         _judge_backend_mismatch(trial, records)
@@ -172,9 +193,6 @@ def judge(trial: HangTrial, log: str, record: dict[str, Any], records: list[dict
             trial.detection_s = round(first.time - trial.fault_time, 1)
             trial.detection_source = first.source
         trial.culprit_correct = culprit_correct(record, trial.rank, trial.node)
-        again = first_step_after_restart(records)
-        if again is not None and trial.fault_time is not None:
-            trial.restart_s = round(float(again["time"]) - trial.fault_time, 1)
         trial.checks["hang detected once"] = trial.detections == 1
         detected = trial.detection_s is not None and 0 <= trial.detection_s <= DETECTION_TARGET_S
         trial.checks[f"detected within {DETECTION_TARGET_S:g} s"] = detected
@@ -186,8 +204,13 @@ def judge(trial: HangTrial, log: str, record: dict[str, Any], records: list[dict
         trial.checks["reported as slow, naming the rank"] = bool(trial.slow_lines)
         trial.checks["no hang detected"] = trial.detections == 0
         trial.checks["no restart"] = trial.step_restarts == 0 and trial.restarts == 0
+    elif trial.kind == "clean" and trial.variant == "restart":
+        trial.checks["no hang detected"] = trial.detections == 0
+        trial.checks["the killed rank's process gone"] = any(h.endswith(": gone") for h in trial.hit)
+        in_place = trial.step_restarts >= 1 and trial.restarts == 0 and trial.resubmits == 0
+        trial.checks["restarted in place for the kill"] = in_place and restarted_for_the_kill(crashes)
     elif trial.kind == "clean":
         trial.checks["no hang detected"] = trial.detections == 0
-        trial.checks["no restart"] = trial.step_restarts == 0 and trial.restarts == 0
+        trial.checks["no restart"] = trial.step_restarts == 0 and trial.restarts == 0 and not crashes
     else:
         raise ValueError(f"no hang trial kind {trial.kind!r}; the kinds: {', '.join(KINDS)}")

@@ -57,7 +57,8 @@ def _yes(value: bool) -> str:
 
 def rows_table(trials: list[HangTrial]) -> str:
     rows = [
-        (t.index, t.kind, "–" if t.rank < 0 else f"{t.rank} on {t.node or '?'}", t.detail or "–",
+        (t.index, f"{t.kind} ({t.variant})" if t.variant else t.kind,
+         "–" if t.rank < 0 else f"{t.rank} on {t.node or '?'}", t.detail or "–",
          "; ".join(t.evidence) or "**none recorded**", _s(t.detection_s), t.detections,
          _yes(t.culprit_correct) if t.kind in HANG_KINDS else "–", _s(t.restart_s), t.step_restarts,
          t.steps_replayed, _yes(t.bit_exact), "; ".join(t.slow_lines) or "–",
@@ -131,7 +132,11 @@ def render_hangs_section(paths: list[str]) -> str:
         f"A run of the debug config's model and batch per trial ({STEPS} steps, checkpoints every "
         f"{INTERVAL}, evaluations every {EVAL_EVERY}, snapshots every 2 steps, "
         "`resilience.hang_timeout_s=600` so that the hang monitor with its default floor and multiple "
-        "acts), compared with one uninterrupted reference run. "
+        "acts), compared with one uninterrupted reference run of the same config. Clean runs, by variant "
+        "(bench/cluster/chaos_hangs_clean.py): debug; wide (about 1.2 GB of model and AdamW state, 6 steps, "
+        "checkpoints every 2, evaluations every 3); compile (`parallel.compile=true`); restart (one rank "
+        "SIGKILLed, the step restarted in place); checkpoint.mode async and sync in turn, a CPU-bound "
+        "process beside each. "
         "Fault time: the benchmark's SIGSTOP, or the time on the fault's landed line; detection time: "
         "`detected_at` of hang/last.json, else the job log's stamp on the `hang detected:` line. A trial "
         f"counts only with evidence that its fault landed. How each figure is read: `{JUDGE_SOURCE}`.\n\n"

@@ -35,7 +35,7 @@ PROGRESS_DIR_ENV = "RELAYTRAIN_PROGRESS_DIR"
 # program) is not harmed by it.
 STACK_SIGNAL = signal.SIGURG
 MAGIC = b"RTPB"
-VERSION = 1
+VERSION = 2
 RECENT = 16  # phase lengths kept per phase for its median
 
 
@@ -75,9 +75,10 @@ PHASE_LABELS = {
 }
 NAME_BYTES = 24
 # magic, version, seq | rank, local_rank, pid | step, phase, phase_started, updated, budget |
-# entered, left, name | step_collectives, last_step_collectives, usual_step_collectives | medians
+# entered, left, name, expected name | step_collectives, last_step_collectives, usual_step_collectives |
+# medians
 _HEAD = struct.Struct("<4sHxxQ")
-_BODY = struct.Struct(f"<iiiqBdddQQ{NAME_BYTES}sIII{len(Phase)}d")
+_BODY = struct.Struct(f"<iiiqBdddQQ{NAME_BYTES}s{NAME_BYTES}sIII{len(Phase)}d")
 SIZE = _HEAD.size + _BODY.size
 
 
@@ -100,6 +101,9 @@ class ProgressRecord:
     last_step_collectives: int  # entered during the last finished step
     usual_step_collectives: int  # entered during most recent steps (0: not known yet)
     medians: dict[Phase, float]  # recent median length of each phase, seconds (absent: not measured)
+    # the collective the rank entered at the same place in the step before (its n-th since that step
+    # ended): "" when that step had fewer. Ranks that agree on it and differ in `collective` desynchronised.
+    expected_collective: str = ""
 
     @property
     def in_collective(self) -> bool:
@@ -124,6 +128,9 @@ class ProgressBoard:
         self._budget = 0.0
         self._entered = self._left = 0
         self._name = b""
+        self._expected = b""
+        self._names: list[bytes] = []  # entered since the last step ended, in order
+        self._last_names: list[bytes] = []  # entered during the step before
         self._step_collectives = self._last_step_collectives = 0
         self._per_step: deque[int] = deque(maxlen=RECENT)
         self._usual = 0
@@ -175,6 +182,7 @@ class ProgressBoard:
             return
         self._step = step
         self._last_step_collectives, self._step_collectives = self._step_collectives, 0
+        self._last_names, self._names = self._names, []
         self._enter(Phase.AFTER_STEP, time.time())
         self._per_step.append(self._last_step_collectives)
         earlier = list(self._per_step)[:-1]  # the last step is the one compared with the usual
@@ -190,6 +198,9 @@ class ProgressBoard:
         self._entered += 1
         self._step_collectives += 1
         self._name = name.encode()[:NAME_BYTES]
+        index = len(self._names)
+        self._expected = self._last_names[index] if index < len(self._last_names) else b""
+        self._names.append(self._name)
         self._write()
         try:
             yield
@@ -212,7 +223,8 @@ class ProgressBoard:
         medians = [self._medians.get(p, 0.0) for p in Phase]
         _BODY.pack_into(m, _HEAD.size, self.rank, self.local_rank, os.getpid(), self._step, int(self._phase),
                         self._phase_started, time.time() if now is None else now, self._budget, self._entered,
-                        self._left, self._name, self._step_collectives, self._last_step_collectives,
+                        self._left, self._name, self._expected, self._step_collectives,
+                        self._last_step_collectives,
                         self._usual, *medians)  # fmt: skip
         self._seq += 1
         _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
@@ -262,8 +274,8 @@ def read_board(directory: Path) -> list[ProgressRecord]:
 
 
 def _record(body: tuple) -> ProgressRecord:
-    (rank, local_rank, pid, step, phase, started, updated, budget, entered, left, name, step_coll,
-     last_coll, usual, *medians) = body  # fmt: skip
+    (rank, local_rank, pid, step, phase, started, updated, budget, entered, left, name, expected,
+     step_coll, last_coll, usual, *medians) = body  # fmt: skip
     return ProgressRecord(
         rank=rank,
         local_rank=local_rank,
@@ -276,6 +288,7 @@ def _record(body: tuple) -> ProgressRecord:
         collectives_entered=entered,
         collectives_left=left,
         collective=name.rstrip(b"\0").decode(errors="replace"),
+        expected_collective=expected.rstrip(b"\0").decode(errors="replace"),
         step_collectives=step_coll,
         last_step_collectives=last_coll,
         usual_step_collectives=usual,

@@ -95,8 +95,11 @@ def phase_limit(view: RankView, policy: HangPolicy) -> tuple[float, str]:
     if record.phase not in TRAINING_PHASES and record.phase not in BUDGETED_PHASES:
         # start-up holds the first step and its compilation; done may still finish an asynchronous save
         return policy.cap_s, f"{record.phase.label}: {cap_name}"
-    candidates = [(policy.floor_s, "the floor resilience.hang_floor_s")]
     median = record.medians.get(record.phase)
+    if record.phase in BUDGETED_PHASES and median is None and record.budget_s <= 0:
+        # Its first time, unmeasured and unannounced (the first evaluation compiles its graph): the cap.
+        return policy.cap_s, f"{record.phase.label}, the first one (not measured yet): {cap_name}"
+    candidates = [(policy.floor_s, "the floor resilience.hang_floor_s")]
     if median is not None:
         candidates.append((policy.multiple * median, f"{policy.multiple:g} x its median {seconds(median)}"))
     if record.phase in BUDGETED_PHASES and record.budget_s > 0:
@@ -148,6 +151,9 @@ def _culprits(views: list[RankView]) -> list[tuple[RankView, str]]:
         names = ", ".join(sorted({v.record.collective or "a collective" for v in waiters if v.record}))
         others = f"{ranks([v.rank for v in waiters])} {'wait' if len(waiters) > 1 else 'waits'} in {names}"
         return [(v, f"{_outside_why(v)}, while {others}{_kernel(v)}") for v in outside]
+    off_sequence = _off_sequence(waiters)
+    if off_sequence:
+        return off_sequence
     desynced = [(v, why) for v in views if (why := _desync(v))]
     # Every rank off its usual count is a step unlike the others (an evaluation's), not one rank's skip.
     if desynced and len(desynced) < len(views):
@@ -173,6 +179,26 @@ def _outside_why(view: RankView) -> str:
     if view.record is None:
         return "never published its progress (start-up)"
     return "not in a collective"
+
+
+def _off_sequence(waiters: list[RankView]) -> list[tuple[RankView, str]]:
+    """Ranks waiting in a collective other than the one they entered at this place in the step before,
+    while other ranks wait in that one: they skipped it (desynchronised). Every rank off its sequence
+    alike is a step unlike the one before (a log or save step), not one rank's skip."""
+    records = [v for v in waiters if v.record is not None and v.record.expected_collective]
+    off = [v for v in records if v.record.collective != v.record.expected_collective]
+    on = {v.record.collective for v in records if v.record.collective == v.record.expected_collective}
+    culprits = [v for v in off if v.record.expected_collective in on]
+    return [
+        (v, f"waits in {v.record.collective} where the step before entered {v.record.expected_collective}, "
+            f"in which {_who_waits(records, v.record.expected_collective)}: it skipped it (desynchronised)")
+        for v in culprits
+    ]  # fmt: skip
+
+
+def _who_waits(views: list[RankView], name: str) -> str:
+    waiting = [v.rank for v in views if v.record is not None and v.record.collective == name]
+    return f"{ranks(waiting)} {'wait' if len(waiting) > 1 else 'waits'}"
 
 
 def _desync(view: RankView) -> str:

@@ -56,6 +56,7 @@ def rank_view(fields: dict[str, Any], node: str, age_s: float) -> RankView:
         collectives_entered=int(fields["collectives_entered"]),
         collectives_left=int(fields["collectives_left"]),
         collective=str(fields["collective"]),
+        expected_collective=str(fields.get("expected_collective", "")),
         step_collectives=int(fields["step_collectives"]),
         last_step_collectives=int(fields["last_step_collectives"]),
         usual_step_collectives=int(fields["usual_step_collectives"]),
