@@ -191,7 +191,7 @@ def test_a_blocking_hang_fault_holds_its_rank_at_its_step_until_the_watchdog_end
     run_dir = tmp_path / "run"
     before = time.time()
     chosen = {"rank": rank} if rank == 0 else {}  # rank 1: the default, the last rank
-    rc, out = torchrun(run_dir, 30, "--resilience.hang_timeout_s=20", **{fault: 4}, **chosen)
+    rc, out = torchrun(run_dir, 30, "--resilience.hang_timeout_s=10", **{fault: 4}, **chosen)
     landed = faults.landed_at(out)
     assert len(landed) == 1 and landed[0][0].startswith(BLOCKING[fault].format(rank=rank)), out[-3000:]
     if fault == "fifo_at_step":
