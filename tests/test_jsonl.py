@@ -15,7 +15,13 @@ OWNER = "job/jsonl.py"
 # Reads documents a user gives to prepare-data, not a run's files.
 NOT_A_RUN_FILE = {"data/readers.py"}
 # Files appended to that are not JSON Lines: GPU samples (CSV), rank logs and stack dumps (text), a lock.
-TEXT_APPENDERS = {"monitor/gpu_monitor.py", "monitor/logs.py", "resilience/watchdog.py", "data/sources.py"}
+TEXT_APPENDERS = {
+    "monitor/gpu_monitor.py",
+    "monitor/logs.py",
+    "resilience/watchdog.py",
+    "resilience/stack_signal.py",  # faulthandler's stacks, plain text
+    "data/sources.py",
+}
 
 
 def test_append_writes_whole_lines_and_read_gives_them_back(tmp_path):
