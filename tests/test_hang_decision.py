@@ -230,3 +230,14 @@ def test_status_shows_the_last_crash_and_its_culprit(run, capsys):
 )
 def test_a_damaged_crash_line_is_described_without_a_traceback(entry):
     assert describe_crash(entry)
+
+
+def test_status_prints_a_recorded_error_with_brackets_as_it_is(tmp_path, capsys):
+    """gloo's errors start with `[/__w/pytorch/...pair.cc:553]`, which rich would read as a closing tag."""
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    RunStateFile(run).write(RunState.of("failed", "crash", 3))
+    why = "the run failed (error): RuntimeError('[/__w/pytorch/gloo/pair.cc:553] Connection closed')"
+    CrashLog(run).append({"job_id": "7", "action": "restart", "step": 3, "why": why})
+    assert main(["status", str(run.root)]) == 0
+    assert "[/__w/pytorch/gloo/pair.cc:553]" in capsys.readouterr().out.replace("\n", "")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
@@ -78,7 +79,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     facts.add_column("what")
     facts.add_column("value", overflow="fold")
     for name, value in run_rows(run):
-        facts.add_row(name, value)
+        facts.add_row(name, Text(value))  # literal: a recorded error may hold [brackets] rich reads as markup
     console.print(facts)
     if run.slurm.is_dir():
         from relaytrain.slurm.submit import read_jobs, submission_line
