@@ -1,7 +1,7 @@
 """Hangs on the real local Slurm cluster: found in well under a minute, named, and restarted in place.
 
 Four jobs of 2 nodes x 1 task run at once (one module fixture), each with in-memory snapshots every 5
-steps and a hang floor of 15 s (``resilience.hang_floor_s``), the first run slowed by a step delay:
+steps and a hang floor of 10 s (``resilience.hang_floor_s``), the first run slowed by a step delay:
 
 * rank 1, then (another job) rank 0, is stopped with SIGSTOP from outside the job (rank 0 also hosts
   the rendezvous store): the node watchers see it in state T, the monitor names it and its node in one
@@ -9,7 +9,7 @@ steps and a hang floor of 15 s (``resilience.hang_floor_s``), the first run slow
   ended and restarted in place from the snapshot, and the run ends with the uninterrupted run's losses;
 * rank 1 blocks opening a FIFO that no one writes (a dead mount's stand-in) in its data phase
   (``RELAYTRAIN_FAULT_FIFO_AT_STEP``): named with the data phase;
-* rank 1 runs 5x slower from step 8 (``RELAYTRAIN_FAULT_SLOW_FACTOR``): reported as ``slow rank:``, never
+* rank 1 runs 5x slower from step 4 (``RELAYTRAIN_FAULT_SLOW_FACTOR``): reported as ``slow rank:``, never
   as a hang, no restart.
 """
 
@@ -44,14 +44,14 @@ from slurm_fixtures import wait_for, wait_job_finished
 
 pytestmark = pytest.mark.slurm
 
-STEPS = 40
+STEPS = 24
 CONFIG = """
 [checkpoint]
 interval = 1000
 snapshot_every = 5
 
 [resilience]
-hang_floor_s = 15
+hang_floor_s = 10
 """
 NODES = ("--nodes", "2", "--tasks-per-node", "1")
 
@@ -84,11 +84,11 @@ def hangs(slurm_cluster, tmp_path_factory):
     try:
         for name in ("stop1", "stop0"):
             jobs[name] = launch(str(cfg), "--name", name, *NODES, slowed())
-        jobs["fifo"] = launch(str(cfg), "--name", "fifo", *NODES, slowed(fifo_at_step=12, rank=1))
-        slow = slowed(slow_factor=5, slow_from_step=8, rank=1)
+        jobs["fifo"] = launch(str(cfg), "--name", "fifo", *NODES, slowed(fifo_at_step=8, rank=1))
+        slow = slowed(slow_factor=5, slow_from_step=4, rank=1)
         jobs["slow"] = launch(str(cfg), "--name", "slow", *NODES, slow)
         for name, rank in (("stop1", 1), ("stop0", 0)):
-            stopped[name] = stop_rank_at(runs / name, jobs[name], rank, 12)
+            stopped[name] = stop_rank_at(runs / name, jobs[name], rank, 8)
         fields = {name: wait_job_finished(int(job), timeout=600) for name, job in jobs.items()}
         out, _ = reference.communicate(timeout=300)
         assert reference.returncode == 0, out[-3000:]
