@@ -42,8 +42,7 @@ END_WAIT_S = 30.0  # how long the ranks get to die after the watchers were told,
 
 def rank_view(fields: dict[str, Any], node: str, age_s: float) -> RankView:
     """One rank of a node file; raises KeyError/TypeError/ValueError on a damaged one."""
-    medians = {Phase(code): float(fields["medians"][p.label]) for code, p in enumerate(Phase)
-               if p.label in fields["medians"]}  # fmt: skip
+    medians = {p: float(fields["medians"][p.label]) for p in Phase if p.label in fields["medians"]}
     record = ProgressRecord(
         rank=int(fields["rank"]),
         local_rank=int(fields["local_rank"]),

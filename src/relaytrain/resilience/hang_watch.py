@@ -33,12 +33,16 @@ from relaytrain.resilience.hang_stacks import describe_rank, process_state
 INTERVAL_S = 1.0
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
+def replace_file(path: Path, text: str) -> None:
     """Whole-file replace: a reader on another node never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    replace_file(path, json.dumps(data))
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -122,11 +126,7 @@ class NodeWatcher:
         if not self._records:
             sections.append("(no rank of this node published its progress)")
         with contextlib.suppress(OSError):
-            path = self.run.hang_stacks(self.node)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text("\n".join(sections) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
+            replace_file(self.run.hang_stacks(self.node), "\n".join(sections) + "\n")
 
     def end_ranks(self) -> None:
         """SIGKILL the node's ranks, this watcher's parent last (its death ends this process too)."""
