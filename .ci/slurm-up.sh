@@ -14,4 +14,4 @@ for program in slurmctld slurmd sbatch munged ip nsenter; do
   fi
 done
 
-relaytrain cluster up --nodes 2 --cpus-per-node 4 "$@"
+relaytrain cluster up --nodes 3 --cpus-per-node 4 "$@"

@@ -25,6 +25,9 @@ from relaytrain.localcluster.daemons import install_command, is_root, missing_pa
 
 import needs
 
+# The suite's cluster: 3 nodes, so a 2-node job has a spare (tests/test_spare_slurm.py).
+CLUSTER_NODES = 3
+CLUSTER_CPUS_PER_NODE = 4
 FINISHED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
 
 
@@ -49,17 +52,22 @@ def slurm_cluster():
     """A running local cluster (ClusterInfo), with SLURM_CONF exported for the whole session."""
     info = local_cluster.running_cluster()
     started_here = False
-    if info is not None and not local_cluster.has_node_memory(info.base_dir):
-        # Nodes without private /dev/shm (an older relaytrain started them): restarted in place, under
-        # the Slurm test lock like every use of the cluster, and left up like the one it replaces.
-        info = local_cluster.cluster_up(nodes=len(info.nodes), cpus_per_node=info.cpus_per_node)
+    if info is not None and (
+        not local_cluster.has_node_memory(info.base_dir) or len(info.nodes) < CLUSTER_NODES
+    ):
+        # Nodes without private /dev/shm (an older relaytrain started them), or fewer nodes than the
+        # suite needs: restarted in place, under the Slurm test lock like every use of the cluster, and
+        # left up like the one it replaces.
+        nodes = max(len(info.nodes), CLUSTER_NODES)
+        local_cluster.cluster_down(info.base_dir)
+        info = local_cluster.cluster_up(nodes=nodes, cpus_per_node=info.cpus_per_node)
     if info is None:
         reason = _why_slurm_cannot_start()
         if reason:
             _give_up(reason)
         try:
             # cluster_up waits for a start already in progress (another process) and reuses it.
-            info = local_cluster.cluster_up(nodes=2, cpus_per_node=4)
+            info = local_cluster.cluster_up(nodes=CLUSTER_NODES, cpus_per_node=CLUSTER_CPUS_PER_NODE)
         except (UserError, RuntimeError, OSError, subprocess.SubprocessError) as error:
             pytest.fail(f"could not start the local Slurm cluster: {error}", pytrace=False)
         started_here = info.started
