@@ -32,6 +32,9 @@ PRE_TIMEOUT_SIGNAL_ENV = "RELAYTRAIN_SLURM_SIGNAL"
 # Set by relaytrain's batch script: how many times it has started the job step again inside this
 # allocation after a crash (restart in place). 0 or absent: the first step of this run of the job.
 STEP_RESTARTS_ENV = "RELAYTRAIN_STEP_RESTARTS"
+# Set by the batch job's driver before each job step: the job's spare nodes (`slurm.spare_nodes`) that
+# are idle and usable now, comma-separated. Absent or empty: no spare to replace a node with.
+SPARE_NODES_ENV = "RELAYTRAIN_SPARE_NODES"
 _END_TIME_VARIABLES = (FAKE_END_TIME_ENV, "SLURM_JOB_END_TIME")
 
 
@@ -66,6 +69,7 @@ class JobFacts:
     unreadable_end_time: str = ""  # `NAME='value'` of an end-time variable that is not unix seconds
     pre_timeout_signal: str = ""  # RELAYTRAIN_SLURM_SIGNAL: `SIGUSR2`, `none`, or "" (not known)
     step_restarts: int = 0  # RELAYTRAIN_STEP_RESTARTS: job steps started again in this allocation
+    spare_nodes: tuple[str, ...] = ()  # RELAYTRAIN_SPARE_NODES: idle spares the job holds now
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> JobFacts:
@@ -93,6 +97,7 @@ class JobFacts:
             unreadable_end_time=unreadable,
             pre_timeout_signal=_signal_name(environ.get(PRE_TIMEOUT_SIGNAL_ENV, "")),
             step_restarts=_int(environ.get(STEP_RESTARTS_ENV)),
+            spare_nodes=tuple(n for n in environ.get(SPARE_NODES_ENV, "").split(",") if n.strip()),
         )
 
     @property

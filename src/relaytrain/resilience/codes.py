@@ -20,6 +20,9 @@ EXIT_RESTART_STEP = 76
 EXIT_HANG = 86  # the hang watchdog fired: no step finished within resilience.hang_timeout_s
 EXIT_DEADLINE = 87  # the hard deadline passed after a stop request (the emergency save hung)
 EXIT_NONFINITE = 88  # NaN/Inf loss or grad norm and the NaN policy said stop
+# every rank stopped after a snapshot to have a straggler's node replaced by a spare or dropped
+# (resilience.straggler_action): the batch job's driver starts the step again in place without it
+EXIT_STRAGGLER = 89
 EXIT_DOUBLE_INTERRUPT = 130  # a second Ctrl-C: exit at once, no save (128 + SIGINT, the shell convention)
 
 
@@ -46,6 +49,9 @@ class StopReason(enum.IntEnum):
     # the run has checkpoints (or run_state.json records a resume) but none loads: never started over
     # without checkpoint.start_over_if_damaged, never requeued (the same files would fail again)
     DAMAGED_CHECKPOINT = 12
+    # a straggler's node is to be replaced by a spare or dropped (resilience.straggler_action): every rank
+    # reaches the verdict from the same gathered timings, stops after a snapshot and exits EXIT_STRAGGLER
+    STRAGGLER = 13
 
     @property
     def label(self) -> str:
