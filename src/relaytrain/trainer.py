@@ -27,7 +27,7 @@ from relaytrain.checkpoint import (
     UnloadableCheckpoints,
 )
 from relaytrain.config import Config, config_hash, config_to_toml
-from relaytrain.data import build_train_loader, build_val_loader, to_device
+from relaytrain.data import SampleRecorder, build_train_loader, build_val_loader, to_device
 from relaytrain.errors import UserError
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.progress import Phase, ProgressBoard
@@ -36,7 +36,7 @@ from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer, window_me
 from relaytrain.monitor.logs import setup_logging
 from relaytrain.optim import build_optimizer, lr_at, schedule_fit_warning, set_lr
 from relaytrain.parallel import parallelize
-from relaytrain.parallel.distributed import DistEnv, init_distributed, shutdown_distributed
+from relaytrain.parallel.distributed import DistEnv, init_distributed, rank0_token, shutdown_distributed
 from relaytrain.parallel.layout import validate_layout
 from relaytrain.parallel.resize import resize_fields
 from relaytrain.resilience import (
@@ -108,6 +108,7 @@ class Trainer:
             seed=cfg.run.seed,
             vocab_size=vocab_size,
             runs_dir=runs_dir,
+            recorder=SampleRecorder(self.run_dir, env.rank, rank0_token(), self.model.dp_rank, dims.dp),
         )
         self.val_loader = (
             build_val_loader(
@@ -232,7 +233,7 @@ class Trainer:
             lr = lr_at(cfg.optim, step, train.max_steps) * state.lr_scale
             set_lr(self.optimizers, lr)
             with self._section("data", Phase.DATA):
-                inputs, targets = (to_device(t, self.env.device) for t in self.loader.next_batch())
+                inputs, targets = (to_device(t, self.env.device) for t in self.loader.next_batch(step))
             with self._section("forward_backward", Phase.FORWARD_BACKWARD):
                 loss = self.model.train_step(inputs, targets)
             with self._section("optimizer", Phase.OPTIMIZER):

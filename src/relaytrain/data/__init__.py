@@ -15,6 +15,7 @@ _EXPORTS = {
     "prepare_dataset": "relaytrain.data.prepare",
     "PreparedDataset": "relaytrain.data.shards",
     "resolve_sources": "relaytrain.data.sources",
+    "SampleRecorder": "relaytrain.data.consumption",
     "TrainLoader": "relaytrain.data.loader",
     "ValLoader": "relaytrain.data.loader",
     "build_train_loader": "relaytrain.data.loader",

@@ -18,6 +18,14 @@ import numpy as np
 import torch
 
 from relaytrain.config.schema import DataConfig
+from relaytrain.data.consumption import (
+    CHAIN_START,
+    CHAIN_UNKNOWN,
+    Consumed,
+    SampleRecorder,
+    chain_next,
+    range_digest,
+)
 from relaytrain.data.sampler import Mixture, WindowOrder
 from relaytrain.data.shards import PreparedDataset, TokenStream
 from relaytrain.data.sources import resolve_sources
@@ -63,13 +71,14 @@ class TrainLoader:
         seed: int,
         shuffle: bool,
         tokenizer=None,
+        recorder: SampleRecorder | None = None,
     ) -> None:
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
         self.datasets, self.seq_len, self.shuffle = datasets, seq_len, shuffle
         self.local_batch_size, self.dp_rank, self.dp_size = local_batch_size, dp_rank, dp_size
         self.global_batch_size = local_batch_size * dp_size
-        self.tokenizer = tokenizer
+        self.tokenizer, self.recorder = tokenizer, recorder
         self._streams = [d.split("train") for d in datasets]
         self._windows = []
         for d, stream in zip(datasets, self._streams, strict=True):
@@ -84,6 +93,7 @@ class TrainLoader:
         self.mixture = Mixture(self.weights)
         self.num_tokens = sum(s.num_tokens for s in self._streams)
         self.samples_consumed = 0
+        self.sample_chain = CHAIN_START  # over every step's global range so far (data/consumption.py)
         self._set_seed(seed)
 
     def _set_seed(self, seed: int) -> None:
@@ -104,11 +114,20 @@ class TrainLoader:
             starts[where] = order.windows(local[where]) * self.seq_len
         return _read_samples(self._streams, source, starts, self.seq_len)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's ``[G/D, seq_len]`` inputs and targets for one optimizer step; advances by ``G``."""
+    def next_batch(self, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``[G/D, seq_len]`` inputs and targets for one optimizer step; advances by ``G``.
+
+        `step`: the optimizer step the batch is for; the recorder, when the loader has one, writes it
+        with the slice read (the trainer's sample record, data/consumption.py)."""
         first = self.samples_consumed + self.dp_rank * self.local_batch_size
-        batch = self.global_samples(first, self.local_batch_size)
+        count = self.local_batch_size
+        batch = self.global_samples(first, count)
+        chain = chain_next(self.sample_chain, self.samples_consumed, self.global_batch_size)
+        if self.recorder is not None and step is not None:
+            consumed = Consumed(first, count, range_digest(first, count), self.sample_chain, chain)
+            self.recorder.record(step, consumed)
         self.samples_consumed += self.global_batch_size
+        self.sample_chain = chain
         return batch
 
     def _fingerprint(self) -> list[dict[str, Any]]:
@@ -120,6 +139,7 @@ class TrainLoader:
     def state_dict(self) -> dict[str, Any]:
         return {
             "samples_consumed": self.samples_consumed,
+            "sample_chain": self.sample_chain,
             "seed": self.seed,
             "seq_len": self.seq_len,
             "global_batch_size": self.global_batch_size,
@@ -131,6 +151,7 @@ class TrainLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved global sequence: its sample count and seed win over the config's seed."""
         self.samples_consumed = int(state["samples_consumed"])
+        self.sample_chain = str(state.get("sample_chain", CHAIN_UNKNOWN))  # older checkpoints lack it
         if int(state["seed"]) != self.seed:
             self._set_seed(int(state["seed"]))
         changed = [
@@ -216,10 +237,12 @@ def build_train_loader(
     seed: int,
     vocab_size: int,
     runs_dir: str | Path,
+    recorder: SampleRecorder | None = None,
 ) -> TrainLoader:
     """`dp_size`, `local_batch_size`: ParallelDims.dp and .local_batch_size of the validated layout.
 
     `seq_len`, `seed`, `vocab_size`, `runs_dir`: train.seq_len, run.seed, model.vocab_size and run.dir.
+    `recorder`: where each step's consumed slice is recorded (the trainer's sample record).
     """
     datasets, weights = _open(data, vocab_size, runs_dir)
     tokenizer = build_tokenizer(data.tokenizer)
@@ -233,6 +256,7 @@ def build_train_loader(
         seed=seed,
         shuffle=data.shuffle,
         tokenizer=tokenizer,
+        recorder=recorder,
     )
 
 

@@ -137,6 +137,21 @@ class RunDir:
         """Where a rank writes its Python stacks when the node's hang watcher asks (a signal)."""
         return self.logs / f"stacks_rank{rank}.txt"
 
+    # -- what each rank's train loader consumed (relaytrain.data.consumption, `relaytrain verify`) ------
+    @property
+    def sample_records(self) -> Path:
+        return self.root / "samples"
+
+    def sample_record(self, rank: int) -> Path:
+        """One line per step (and per start) of what this rank's train loader consumed."""
+        return self.sample_records / f"rank_{rank}.jsonl"
+
+    def record_rank(self, path: Path) -> int:
+        """The rank whose sample record `path` is; -1 when it is none."""
+        stem = path.name.removeprefix("rank_").removesuffix(".jsonl")
+        ok = path.parent == self.sample_records and path.name == f"rank_{stem}.jsonl" and stem.isdigit()
+        return int(stem) if ok else -1
+
     # -- hang detection: the node watchers and the job's hang monitor meet here ------------------------
     @property
     def hang(self) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -144,6 +145,14 @@ def _health_failure(env: DistEnv, timeout_s: float, detail: object) -> str:
         "(set slurm.network_interface / NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME), a wrong InfiniBand GID "
         "index (slurm.nccl_ib_gid_index), or MASTER_ADDR/MASTER_PORT unreachable from this node"
     )
+
+
+def rank0_token() -> str:
+    """A fresh random id chosen by rank 0, the same on every rank: one broadcast, for a start-up record."""
+    box = [uuid.uuid4().hex[:16]]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def shutdown_distributed() -> None:
