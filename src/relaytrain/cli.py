@@ -41,6 +41,7 @@ COMMAND_MODULES = [
     "relaytrain.slurm.commands",
     "relaytrain.localcluster.commands",
     "relaytrain.monitor.commands",
+    "relaytrain.slurm.verify",
 ]
 
 

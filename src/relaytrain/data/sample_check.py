@@ -162,7 +162,7 @@ def _step_problems(seg: Segment, step: int, global_batch: int) -> tuple[list[str
     problems, ranges = [], []
     for dp_rank in range(dp):
         views = {(r["first"], r["count"], r["digest"]) for r in records.values() if r["dp_rank"] == dp_rank}
-        who = f"step {step}, data-parallel rank {dp_rank} of {dp}"
+        who = f"step {step}, dp rank {dp_rank}/{dp}"
         if len(views) != 1:
             problems.append(f"{who}: " + ("no record" if not views else "its ranks read different samples"))
             continue

@@ -1,0 +1,105 @@
+"""`relaytrain verify RUN`: prove from a run directory's own files that no sample and no checkpoint was lost.
+
+Two checks, each a function of the run directory and its config that returns its violations and a
+summary line:
+
+- samples: along the run's surviving lineage across all its jobs and restarts, every global sample was
+  consumed exactly once, in the order of an uninterrupted run (relaytrain/data/sample_check.py);
+- checkpoints: every committed checkpoint matches its manifest's sizes and checksums, and `latest` names a
+  committed one (relaytrain/checkpoint/integrity.py).
+
+A further check is one more entry in `CHECKS`. The run's time ledger (where each second of the run went)
+is not recorded yet, so verify does not check it, and says nothing of it.
+
+Exit 0 when every check holds (one summary line per check), 1 with one line per violation, 2 when the run
+cannot be read (no such run, an unreadable config, damaged records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from relaytrain.config import Config
+from relaytrain.errors import UserError
+from relaytrain.job import RunDir
+
+MAX_LINES = 200  # a systematic fault breaks every step: the first lines say what, the count how often
+
+
+class Report(Protocol):
+    violations: list[str]
+
+    def summary(self) -> str: ...
+
+
+def _samples(run: RunDir, cfg: Config) -> Report:
+    from relaytrain.data.sample_check import check_samples
+
+    return check_samples(run, cfg.train.global_batch_size)
+
+
+def _checkpoints(run: RunDir, cfg: Config) -> Report:
+    from relaytrain.checkpoint.integrity import check_checkpoints
+
+    return check_checkpoints(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run.checkpoints)
+
+
+CHECKS: list[tuple[str, Callable[[RunDir, Config], Report]]] = [
+    ("samples", _samples),
+    ("checkpoints", _checkpoints),
+]
+
+
+def _run_config(run: RunDir) -> Config:
+    from relaytrain.config import load_config
+
+    if not run.config.is_file():
+        raise UserError(f"{run.root} has no {run.config.name}: the run never started training")
+    try:
+        return load_config(run.config)
+    except UserError as exc:
+        raise UserError(f"cannot read the run's config {run.config}: {exc}") from None
+
+
+def verify(run: RunDir) -> tuple[list[str], list[str]]:
+    """(violations, summaries) of every check, each line prefixed with its check's name."""
+    cfg = _run_config(run)
+    violations, summaries = [], []
+    for name, check in CHECKS:
+        report = check(run, cfg)
+        violations += [f"{name}: {line}" for line in report.violations]
+        summaries.append(f"{name}: {report.summary()}")
+    return violations, summaries
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from relaytrain.slurm.run_view import find_run
+
+    run = find_run(args.run, Path(args.runs))
+    if run is None:
+        raise UserError(f"no run {args.run!r} under {args.runs}/ or at that path")
+    violations, summaries = verify(run)
+    for line in violations[:MAX_LINES]:
+        print(line)
+    if len(violations) > MAX_LINES:
+        print(f"... and {len(violations) - MAX_LINES} more violations", file=sys.stderr)
+    if violations:
+        print(f"verify {run.root}: FAILED, {len(violations)} violation(s)", file=sys.stderr)
+        return 1
+    for line in summaries:
+        print(line)
+    print(f"verify {run.root}: OK")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "verify", help="prove from a run's files that each sample was read once and no checkpoint is damaged"
+    )
+    p.add_argument("run", metavar="RUN", help="a run name under --runs, or the path of a run directory")
+    p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
+    p.set_defaults(func=cmd_verify)

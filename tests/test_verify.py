@@ -1,0 +1,192 @@
+"""`relaytrain verify RUN`: every sample of a run consumed exactly once in order, its checkpoints intact.
+
+One real run (stopped at step 3, resumed to step 6) is verified as it is and after tampering with a copy:
+a skipped sample, a repeated sample, a damaged checkpoint file. The lineage rule (which of several
+attempts' records of a replayed step count) is tested on records written by `SampleRecorder` directly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from relaytrain.data.consumption import CHAIN_START, Consumed, SampleRecorder, chain_next, range_digest
+from relaytrain.data.sample_check import check_samples
+from relaytrain.job import RunDir
+
+from conftest import TINY, run_cli
+
+STEPS = ["--train.max_steps=6", "--checkpoint.interval=2"]
+
+
+@pytest.fixture(scope="module")
+def stopped_and_resumed(tmp_path_factory) -> Path:
+    """A tiny single-process run stopped at step 3 (saved there) and resumed to step 6."""
+    tmp = tmp_path_factory.mktemp("verify")
+    args = ["train", *TINY, f"--run.dir={tmp / 'runs'}", "--run.name=r", *STEPS]
+    for extra in (["--train.stop_at_step=3"], []):
+        proc = run_cli([*args, *extra], tmp)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp / "runs" / "r"
+
+
+def verify(run: Path) -> tuple[int, list[str], str]:
+    proc = run_cli(["verify", str(run)], run.parent)
+    return proc.returncode, proc.stdout.splitlines(), proc.stderr
+
+
+def copy(run: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(run, tmp_path / run.name, symlinks=True))
+
+
+def edit_records(run: Path, step: int, **changes: int) -> None:
+    """Rewrite rank 0's record of `step` (in every attempt that recorded it) as if the loader had read
+    another range: `first` and `count` changed, the digest that of the new range (a consistent record)."""
+    path = run / "samples" / "rank_0.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in records:
+        if r.get("step") == step:
+            r.update(changes)
+            r["digest"] = range_digest(r["first"], r["count"])
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_stopped_and_resumed_run_verifies(stopped_and_resumed):
+    code, out, err = verify(stopped_and_resumed)
+    assert code == 0, out + [err]
+    assert out[0].startswith("samples: steps 1-6: global samples [0, 48) each consumed once, in the order")
+    assert "(2 segment(s) in the lineage" in out[0]
+    assert out[1].startswith("checkpoints: ") and "latest -> step_6" in out[1]
+    assert out[-1].endswith(": OK")
+
+
+def test_a_skipped_sample_fails(stopped_and_resumed, tmp_path):
+    run = copy(stopped_and_resumed, tmp_path)
+    edit_records(run, 5, count=3)  # rank 0 read [32, 35) of [32, 36): sample 35 skipped
+    code, out, _ = verify(run)
+    assert code == 1
+    assert out == [
+        "samples: step 5, dp rank 0/1: read global samples [32, 35), an uninterrupted run "
+        "reads [32, 40)",
+        "samples: global samples [35, 40) were never consumed (skipped after step 5, dp rank 0/1)",
+    ]
+
+
+def test_a_repeated_sample_fails(stopped_and_resumed, tmp_path):
+    run = copy(stopped_and_resumed, tmp_path)
+    edit_records(run, 2, first=7)  # step 2 starts at sample 7, which step 1 read
+    code, out, _ = verify(run)
+    assert code == 1
+    assert (
+        "samples: global samples [7, 8) were consumed twice (step 1, dp rank 0/1, then step 2, "
+        "dp rank 0/1)" in out
+    )
+    assert "samples: global samples [15, 16) were never consumed" in out[-1]
+
+
+def test_a_damaged_checkpoint_file_fails(stopped_and_resumed, tmp_path):
+    run = copy(stopped_and_resumed, tmp_path)
+    shard = sorted((run / "checkpoints" / "step_4").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    code, out, _ = verify(run)
+    assert code == 1
+    assert out == [
+        f"checkpoints: checkpoint step_4: {shard.name} does not match its checksum (its content changed after "
+        "the save)"
+    ]
+
+
+def test_latest_naming_an_uncommitted_checkpoint_fails(stopped_and_resumed, tmp_path):
+    run = copy(stopped_and_resumed, tmp_path)
+    (run / "checkpoints" / "step_6" / "COMPLETE").unlink()
+    code, out, _ = verify(run)
+    assert code == 1
+    assert out == ["checkpoints: latest points to step_6, which is not a committed checkpoint"]
+
+
+def test_a_missing_run_or_damaged_records_are_one_line_and_exit_2(stopped_and_resumed, tmp_path):
+    code, out, err = verify(tmp_path / "nothing")
+    assert (code, out) == (2, [])
+    assert err.strip() == f"relaytrain: error: no run '{tmp_path / 'nothing'}' under runs/ or at that path"
+    run = copy(stopped_and_resumed, tmp_path)
+    path = run / "samples" / "rank_0.jsonl"
+    path.write_text(path.read_text().replace('"count": 8', '"count": "8"', 1))
+    code, out, err = verify(run)
+    assert (code, out) == (2, [])
+    assert err.strip() == (
+        "relaytrain: error: the sample record of rank 0 is damaged: 'count' missing or not int"
+    )
+
+
+# -- the lineage rule, on records written directly ------------------------------------------------------
+G = 4  # the global batch of the records below
+
+
+class Attempt:
+    """The records a run's attempt writes on `dp` ranks: it starts at `begin` with that step's chain."""
+
+    def __init__(self, run: RunDir, name: str, dp: int, begin: int, chain: str | None = None):
+        self.recorders = [SampleRecorder(run, rank, name, rank, dp) for rank in range(dp)]
+        self.dp, self.position, self.chain = dp, begin * G, chain or expected_chain(begin)
+
+    def train(self, steps: range, shift: dict[int, int] | None = None) -> None:
+        for step in steps:
+            share = G // self.dp
+            after = chain_next(self.chain, self.position, G)
+            for rank, recorder in enumerate(self.recorders):
+                first = self.position + rank * share + (shift or {}).get(step, 0)
+                recorder.record(step, Consumed(first, share, range_digest(first, share), self.chain, after))
+            self.position, self.chain = self.position + G, after
+
+
+def expected_chain(steps: int) -> str:
+    chain = CHAIN_START
+    for step in range(steps):
+        chain = chain_next(chain, step * G, G)
+    return chain
+
+
+def test_the_lineage_takes_each_replayed_step_from_the_attempt_that_survived(tmp_path):
+    run = RunDir(tmp_path)
+    Attempt(run, "a", 2, 0).train(range(1, 8), shift={6: 1})  # checkpoint at 4; steps 5-7 lost
+    Attempt(run, "b", 1, 4).train(range(5, 7))  # one rank, from step 4's checkpoint; lost at step 6
+    Attempt(run, "c", 2, 4).train(range(5, 11))  # from step 4 again, to the end
+    report = check_samples(run, G)
+    assert report.violations == []  # a's wrong step 6 did not survive
+    assert (report.steps, report.samples, report.segments, report.replayed) == (10, 40, 2, 5)
+
+
+def test_a_wrong_step_in_the_surviving_attempt_fails(tmp_path):
+    run = RunDir(tmp_path)
+    Attempt(run, "a", 2, 0).train(range(1, 8))
+    Attempt(run, "b", 1, 4).train(range(5, 9), shift={6: 1})
+    assert check_samples(run, G).violations == [
+        "step 6, dp rank 0/1: read global samples [21, 25), an uninterrupted run reads [20, 24)",
+        "global samples [20, 21) were never consumed (skipped after step 5, dp rank 0/1)",
+        "global samples [24, 25) were consumed twice (step 6, dp rank 0/1, then step 7, "
+        "dp rank 0/1)",
+    ]
+
+
+def test_a_resume_from_a_position_no_step_produced_fails(tmp_path):
+    run = RunDir(tmp_path)
+    Attempt(run, "a", 1, 0).train(range(1, 5))
+    Attempt(run, "b", 1, 4, chain=expected_chain(3)).train(range(5, 7))  # step 3's position, called step 4
+    (line,) = check_samples(run, G).violations
+    assert line.startswith("attempt b resumed at step 4 from a data position no recorded step produced")
+
+
+def test_a_rollback_inside_an_attempt_starts_a_new_segment(tmp_path):
+    run = RunDir(tmp_path)
+    attempt = Attempt(run, "a", 1, 0)
+    attempt.train(range(1, 6))  # a NaN at step 5: back to step 2's checkpoint
+    attempt.position, attempt.chain = 2 * G, expected_chain(2)
+    attempt.train(range(3, 9))
+    report = check_samples(run, G)
+    assert report.violations == []
+    assert (report.steps, report.segments, report.replayed) == (8, 2, 3)
