@@ -69,8 +69,7 @@ def test_a_skipped_sample_fails(stopped_and_resumed, tmp_path):
     code, out, _ = verify(run)
     assert code == 1
     assert out == [
-        "samples: step 5, dp rank 0/1: read global samples [32, 35), an uninterrupted run "
-        "reads [32, 40)",
+        "samples: step 5, dp rank 0/1: read global samples [32, 35), an uninterrupted run reads [32, 40)",
         "samples: global samples [35, 40) were never consumed (skipped after step 5, dp rank 0/1)",
     ]
 
@@ -95,10 +94,8 @@ def test_a_damaged_checkpoint_file_fails(stopped_and_resumed, tmp_path):
     shard.write_bytes(bytes(data))
     code, out, _ = verify(run)
     assert code == 1
-    assert out == [
-        f"checkpoints: checkpoint step_4: {shard.name} does not match its checksum (its content changed after "
-        "the save)"
-    ]
+    changed = "does not match its checksum (its content changed after the save)"
+    assert out == [f"checkpoints: checkpoint step_4: {shard.name} {changed}"]
 
 
 def test_latest_naming_an_uncommitted_checkpoint_fails(stopped_and_resumed, tmp_path):
@@ -168,8 +165,7 @@ def test_a_wrong_step_in_the_surviving_attempt_fails(tmp_path):
     assert check_samples(run, G).violations == [
         "step 6, dp rank 0/1: read global samples [21, 25), an uninterrupted run reads [20, 24)",
         "global samples [20, 21) were never consumed (skipped after step 5, dp rank 0/1)",
-        "global samples [24, 25) were consumed twice (step 6, dp rank 0/1, then step 7, "
-        "dp rank 0/1)",
+        "global samples [24, 25) were consumed twice (step 6, dp rank 0/1, then step 7, dp rank 0/1)",
     ]
 
 
