@@ -150,12 +150,12 @@ def expected_chain(steps: int) -> str:
 
 def test_the_lineage_takes_each_replayed_step_from_the_attempt_that_survived(tmp_path):
     run = RunDir(tmp_path)
-    Attempt(run, "a", 2, 0).train(range(1, 8), shift={6: 1})  # checkpoint at 4; steps 5-7 lost
-    Attempt(run, "b", 1, 4).train(range(5, 7))  # one rank, from step 4's checkpoint; lost at step 6
-    Attempt(run, "c", 2, 4).train(range(5, 11))  # from step 4 again, to the end
+    Attempt(run, "a", 2, 0).train(range(1, 8), shift={6: 1})  # checkpoints at 4 and 6; step 7 lost
+    Attempt(run, "b", 1, 4).train(range(5, 7))  # step 6's checkpoint was damaged: one rank, from step 4
+    Attempt(run, "c", 2, 6).train(range(7, 11))  # from b's checkpoint at step 6, to the end
     report = check_samples(run, G)
-    assert report.violations == []  # a's wrong step 6 did not survive
-    assert (report.steps, report.samples, report.segments, report.replayed) == (10, 40, 2, 5)
+    assert report.violations == []  # a's wrong step 6 did not survive: b trained step 6 again
+    assert (report.steps, report.samples, report.segments, report.replayed) == (10, 40, 3, 3)
 
 
 def test_a_wrong_step_in_the_surviving_attempt_fails(tmp_path):
