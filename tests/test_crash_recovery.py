@@ -214,6 +214,8 @@ def test_sigkill_of_one_rank_restarts_the_step_in_place_and_resumes_bit_exact(sl
     assert code == 0 and "1 in place" in out, out
     reference_losses = {r["step"]: r["loss"] for r in records(runs / "reference", "train")}
     assert_losses_match(run_dir, reference_losses)
+    code, out = cli("verify", str(run_dir))  # the replayed steps: each sample still once, in order
+    assert code == 0 and "(2 segment(s) in the lineage" in out, out
 
 
 @pytest.mark.slurm

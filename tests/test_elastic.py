@@ -62,6 +62,7 @@ def test_resume_on_fewer_or_more_ranks_matches_the_uninterrupted_run(tmp_path, t
 
     expected = losses_by_step(reference)
     expected_samples = samples_by_step(tmp_path, "ref")
+    assert run_cli(["verify", str(reference)], tmp_path).returncode == 0
     assert sorted(expected) == list(range(1, 7))
     # each step reads the global batch: 8 consecutive samples, 8*(step-1) onward
     assert expected_samples == {s: list(range(8 * (s - 1), 8 * s)) for s in range(1, 7)}
@@ -83,6 +84,9 @@ def test_resume_on_fewer_or_more_ranks_matches_the_uninterrupted_run(tmp_path, t
         assert (resize["from_micro_batch"], resize["from_grad_accum"]) == (2, 2)
         assert (resize["micro_batch"], resize["grad_accum"]) == split
         assert json.loads((run / "run_state.json").read_text())["status"] == "finished"
+        verified = run_cli(["verify", str(run)], tmp_path)  # from the run's own sample records
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+        assert "samples: steps 1-6: global samples [0, 48) each consumed once" in verified.stdout
     print(f"\nelastic resume: max relative loss difference after the resize {worst:.2e}")
 
 

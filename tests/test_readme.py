@@ -19,6 +19,7 @@ import pytest
 from relaytrain.cli import build_parser
 
 import needs
+from conftest import TINY, child_env, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -102,6 +103,19 @@ def test_usage_plan_runs():
         done = subprocess.run(["bash", "-c", line], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "verdict:" in done.stdout
+
+
+def test_usage_verify_runs(tmp_path):
+    """`relaytrain verify runs/8b` as written, in a directory whose runs/8b is a tiny run's."""
+    (line,) = [line for line in block(README, "Usage") if line.startswith("relaytrain verify ")]
+    target = Path(shlex.split(line, comments=True)[2])
+    train = ["train", *TINY, f"--run.dir={tmp_path / target.parent}", f"--run.name={target.name}"]
+    trained = run_cli([*train, "--train.max_steps=2"], tmp_path)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == f"verify {target}: OK"
 
 
 def test_torch_requirement_is_a_range_that_admits_the_on_disk_build():

@@ -1,8 +1,9 @@
 """The one way relaytrain writes and reads a run's JSON Lines files, and the event record.
 
-A run has three: `metrics.jsonl` (the trainer's metrics logger, `relaytrain.program`, the end-of-step
+A run has these: `metrics.jsonl` (the trainer's metrics logger, `relaytrain.program`, the end-of-step
 decision), `crashes.jsonl` (the end-of-step decision) and `slurm/jobs.jsonl` (`launch`, `sweep`,
-`chain`); `RunDir` names them. Several processes append to one file across jobs, so a record is one
+`chain`), and one sample record per rank (`samples/rank_<r>.jsonl`, data/consumption.py); `RunDir`
+names them. Several processes append to one file across jobs, so a record is one
 `os.write` of one whole line on a descriptor opened with O_APPEND: it lands after everything written
 before, in one piece, and is in the file (not in a buffer) once `append` returns. A process killed
 while writing can still leave a torn last line; readers skip lines that are not a JSON object and
