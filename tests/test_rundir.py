@@ -119,6 +119,7 @@ def test_the_layout_of_a_run_directory():
         "report": "report",
         "gpu": "gpu",
         "logs": "logs",
+        "sample_records": "samples",
         "slurm": "slurm",
         "slurm_config": "slurm/config.toml",
         "job_script": "slurm/job.sh",
@@ -140,6 +141,9 @@ def test_the_layout_of_a_run_directory():
     assert run.job_log("%A_%a") == run.root / "slurm" / "%A_%a.out"
     assert run.attach_log("$job_id") == run.root / "slurm" / "attach-$job_id.out"
     assert run.pip_freeze("12") == run.root / "slurm" / "pip-freeze-12.txt"
+    assert run.sample_record(3) == run.root / "samples" / "rank_3.jsonl"
+    assert run.record_rank(run.sample_record(3)) == 3
+    assert run.record_rank(run.root / "samples" / "rank_x.jsonl") == -1
 
 
 def _is_path(run: RunDir, name: str) -> bool:
