@@ -186,3 +186,19 @@ def test_a_rollback_inside_an_attempt_starts_a_new_segment(tmp_path):
     report = check_samples(run, G)
     assert report.violations == []
     assert (report.steps, report.segments, report.replayed) == (8, 2, 3)
+
+
+def test_the_lineage_ends_at_the_step_the_run_reached(tmp_path):
+    run = RunDir(tmp_path)
+    attempt = Attempt(run, "a", 2, 0)
+    attempt.train(range(1, 5))
+    attempt.recorders = attempt.recorders[:1]  # a crash: rank 1 died before it read step 5
+    attempt.train(range(5, 6))
+    assert check_samples(run, G, reached=4).violations == []
+    assert check_samples(run, G).violations == [
+        "step 5, dp rank 1/2: no record",
+        "global samples [18, 20) were never consumed (skipped after step 5, dp rank 0/2)",
+    ]
+    assert check_samples(run, G, reached=7).violations[0] == (
+        "the run reached step 7 but its sample records end at step 5"
+    )

@@ -116,13 +116,21 @@ def read_segments(run: RunDir) -> tuple[list[Segment], list[str]]:
     return [segments[key] for key in order], problems
 
 
-def lineage(segments: list[Segment]) -> tuple[list[tuple[Segment, int, int]], list[str]]:
-    """(segment, first step, last step) of the surviving lineage, oldest first; violations of the rule."""
+def lineage(
+    segments: list[Segment], reached: int | None = None
+) -> tuple[list[tuple[Segment, int, int]], list[str]]:
+    """(segment, first step, last step) of the surviving lineage, oldest first; violations of the rule.
+    `reached`: the step the run recorded it reached (run_state.json), where the lineage ends (a crash
+    can leave a record of the step that was being read when it struck)."""
     if not segments:
         return [], []
     index = len(segments) - 1
     parts, problems = [], []
     end = max(segments[index].steps, default=segments[index].begin)
+    if reached is not None and reached > end:
+        problems.append(f"the run reached step {reached} but its sample records end at step {end}")
+    elif reached is not None:
+        end = max(reached, segments[index].begin)
     while True:
         seg = segments[index]
         parts.append((seg, seg.begin + 1, end))
@@ -197,12 +205,13 @@ def _coverage(ranges: list[Range], start: int, total: int) -> list[str]:
     return problems
 
 
-def check_samples(run: RunDir, global_batch: int) -> SampleReport:
-    """Every violation of exactly-once, in-order consumption along the run's surviving lineage."""
+def check_samples(run: RunDir, global_batch: int, reached: int | None = None) -> SampleReport:
+    """Every violation of exactly-once, in-order consumption along the run's surviving lineage, which ends
+    at step `reached` when the run recorded one (see `lineage`)."""
     if not run.sample_records.is_dir():
         return SampleReport([f"no sample records in {run.sample_records} (the run never trained a step)"])
     segments, problems = read_segments(run)
-    parts, rule = lineage(segments)
+    parts, rule = lineage(segments, reached)
     problems += rule
     ranges: list[Range] = []
     start_step = parts[0][1] if parts else 1  # after step 1 when the lineage could not be followed back

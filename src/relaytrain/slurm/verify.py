@@ -38,8 +38,11 @@ class Report(Protocol):
 
 def _samples(run: RunDir, cfg: Config) -> Report:
     from relaytrain.data.sample_check import check_samples
+    from relaytrain.resilience.run_state import RunStateFile
 
-    return check_samples(run, cfg.train.global_batch_size)
+    state = RunStateFile(run).read()  # a damaged file: a UserError naming it
+    reached = state.step if state is not None and state.step >= 0 else None
+    return check_samples(run, cfg.train.global_batch_size, reached)
 
 
 def _checkpoints(run: RunDir, cfg: Config) -> Report:
