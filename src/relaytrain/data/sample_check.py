@@ -106,9 +106,8 @@ def read_segments(run: RunDir) -> tuple[list[Segment], list[str]]:
                                     f"at step {seg.begin} (or from another sample chain)")  # fmt: skip
                 continue
             if attempt not in begins:
-                raise UserError(
-                    f"the sample record of rank {rank} is damaged: a step of {attempt} before its begin"
-                )
+                damage = f"attempt {attempt} has a step before its begin line"
+                raise UserError(f"the sample record of rank {rank} is damaged: {damage}")
             seg = segments[(attempt, begins[attempt] - 1)]
             seg.steps.setdefault(record["step"], {})[rank] = record
     for key in segments.keys() - set(order):
