@@ -207,6 +207,9 @@ def test_killed_run_resumes_from_its_snapshot_bit_exact(tmp_path, tiny_args):
     records = [json.loads(x) for x in (tmp_path / "runs/cut/metrics.jsonl").read_text().splitlines()]
     assert any(r.get("snapshot_bytes", 0) > 0 and "snapshot_blocking_s" in r for r in records)
     assert not any(shm.iterdir())
+    verified = run_cli(["verify", str(tmp_path / "runs/cut")], tmp_path)  # steps after the snapshot replayed
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "(2 segment(s) in the lineage" in verified.stdout
 
 
 def test_cleanup_entry_point_removes_only_this_jobs_snapshots(tmp_path):
