@@ -8,7 +8,8 @@ an attempt (one start of the processes, its id shared by its ranks) from the ste
 started at, until its next `begin` (a NaN rollback reloaded the state) or its end. Segments are ordered
 as rank 0's record lists them (rank 0 exists in every attempt). The lineage is followed backwards:
 
-- it ends with the last segment, at the last step that segment recorded;
+- it ends with the last segment, at the step the run recorded it reached (run_state.json), else at the
+  last step that segment recorded;
 - a segment that began at step b > 0 from chain c continues the newest earlier segment that recorded
   step b with chain c: the state it resumed (checkpoint or snapshot) is the one that step produced;
 - it starts with a segment that began at step 0 from the start of the chain.
