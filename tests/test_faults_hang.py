@@ -37,8 +37,8 @@ class Recorder:
     def __init__(self):
         self.calls: list[tuple] = []
 
-    def next_batch(self):
-        self.calls.append(("next_batch",))
+    def next_batch(self, step):
+        self.calls.append(("next_batch", step))
         return "batch"
 
     def agree_with(self, step, save_estimate_s=0.0, flag=None):
@@ -114,11 +114,11 @@ def test_the_fault_rank_picks_the_rank_and_a_restarted_step_runs_clean():
 def test_a_stalled_fetch_blocks_after_its_landed_line(monkeypatch):
     t = trainer()
     said = attach(t, stall_at_step=2)
-    assert t.loader.next_batch() == "batch"  # step 1
+    assert t.loader.next_batch(1) == "batch"  # step 1
     t.state.step = 1
     waited = threading.Event()
     monkeypatch.setattr(threading.Event, "wait", lambda self, timeout=None: waited.set())
-    assert t.loader.next_batch() == "batch" and waited.is_set()  # the stand-in wait returns at once
+    assert t.loader.next_batch(2) == "batch" and waited.is_set()  # the stand-in wait returns at once
     assert said == ["data loader stall at step 2 on rank 1"]
 
 
@@ -128,7 +128,7 @@ def test_a_slow_rank_sleeps_its_own_step_time_times_the_factor_less_one(monkeypa
     slept: list[float] = []
     monkeypatch.setattr(relaytrain_faults.time, "sleep", slept.append)
     for step in (1, 2, 3):
-        t.loader.next_batch()
+        t.loader.next_batch(step)
         threading.Event().wait(0.05)  # the step's work (time.sleep is the fault's, recorded)
         t.watchdog.beat(step)
         t.watchdog.beat(step)  # a save's beat of the same step: no second sleep

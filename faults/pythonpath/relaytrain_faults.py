@@ -174,7 +174,7 @@ class HangFaults:
         next_batch = loader.next_batch
 
         @functools.wraps(next_batch)
-        def faulty_next_batch():
+        def faulty_next_batch(*args):  # the trainer passes the step
             step_started[0] = time.monotonic()
             step = state.step + 1
             if blocking["fifo"] == step:
@@ -189,7 +189,7 @@ class HangFaults:
                 blocking["stall"] = None
                 say(f"data loader stall at step {step} on rank {rank}")
                 threading.Event().wait()  # nothing sets it
-            return next_batch()
+            return next_batch(*args)
 
         if self.fifo_at is not None or self.stall_at is not None or self.slow_factor is not None:
             loader.next_batch = faulty_next_batch
