@@ -96,6 +96,18 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
 
 
+@pytest.fixture(scope="session")
+def stopped_and_resumed_run(tmp_path_factory) -> Path:
+    """A tiny single-process run stopped at step 3 (saved there) and resumed to step 6, checkpoints every
+    2 steps: for `relaytrain verify` (tests/test_verify.py, tests/test_readme.py). Copy it to change it."""
+    tmp = tmp_path_factory.mktemp("verify")
+    args = ["train", *TINY, f"--run.dir={tmp / 'runs'}", "--run.name=r", "--train.max_steps=6"]
+    for extra in (["--train.stop_at_step=3"], []):
+        proc = run_cli([*args, "--checkpoint.interval=2", *extra], tmp)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp / "runs" / "r"
+
+
 @pytest.fixture
 def tiny_args(tmp_path: Path) -> list[str]:
     return [*TINY, f"--run.dir={tmp_path / 'runs'}"]

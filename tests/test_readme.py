@@ -19,7 +19,7 @@ import pytest
 from relaytrain.cli import build_parser
 
 import needs
-from conftest import TINY, child_env, run_cli
+from conftest import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -105,13 +105,12 @@ def test_usage_plan_runs():
         assert "verdict:" in done.stdout
 
 
-def test_usage_verify_runs(tmp_path):
-    """`relaytrain verify runs/8b` as written, in a directory whose runs/8b is a tiny run's."""
+def test_usage_verify_runs(tmp_path, stopped_and_resumed_run):
+    """`relaytrain verify runs/8b` as written, in a directory whose runs/8b is a tiny stopped and resumed
+    run's."""
     (line,) = [line for line in block(README, "Usage") if line.startswith("relaytrain verify ")]
     target = Path(shlex.split(line, comments=True)[2])
-    train = ["train", *TINY, f"--run.dir={tmp_path / target.parent}", f"--run.name={target.name}"]
-    trained = run_cli([*train, "--train.max_steps=2"], tmp_path)
-    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    shutil.copytree(stopped_and_resumed_run, tmp_path / target, symlinks=True)
     done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

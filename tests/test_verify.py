@@ -7,35 +7,31 @@ attempts' records of a replayed step count) is tested on records written by `Sam
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
+from relaytrain.cli import main
 from relaytrain.data.consumption import CHAIN_START, Consumed, SampleRecorder, chain_next, range_digest
 from relaytrain.data.sample_check import check_samples
 from relaytrain.job import RunDir
 
-from conftest import TINY, run_cli
 
-STEPS = ["--train.max_steps=6", "--checkpoint.interval=2"]
-
-
-@pytest.fixture(scope="module")
-def stopped_and_resumed(tmp_path_factory) -> Path:
-    """A tiny single-process run stopped at step 3 (saved there) and resumed to step 6."""
-    tmp = tmp_path_factory.mktemp("verify")
-    args = ["train", *TINY, f"--run.dir={tmp / 'runs'}", "--run.name=r", *STEPS]
-    for extra in (["--train.stop_at_step=3"], []):
-        proc = run_cli([*args, *extra], tmp)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tmp / "runs" / "r"
+@pytest.fixture
+def stopped_and_resumed(stopped_and_resumed_run) -> Path:
+    return stopped_and_resumed_run
 
 
 def verify(run: Path) -> tuple[int, list[str], str]:
-    proc = run_cli(["verify", str(run)], run.parent)
-    return proc.returncode, proc.stdout.splitlines(), proc.stderr
+    """`relaytrain verify RUN` in this process (no second torch import): exit code, stdout lines, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["verify", str(run)])
+    return code, out.getvalue().splitlines(), err.getvalue()
 
 
 def copy(run: Path, tmp_path: Path) -> Path:
