@@ -176,10 +176,10 @@ class StragglerWatch:
 
     def _gather(self, mine: list[float]) -> list[list[float]]:
         local = torch.tensor(mine, dtype=torch.float64, device=self.device)
-        out = torch.empty(self.world_size, len(mine), dtype=torch.float64, device=self.device)
+        out = torch.empty(self.world_size * len(mine), dtype=torch.float64, device=self.device)
         with self.board.collective("straggler_times"):
             dist.all_gather_into_tensor(out, local)
-            return out.tolist()  # the window's one host read
+            return out.view(self.world_size, len(mine)).tolist()  # the window's one host read
 
 
 def _median(values: list[float]) -> float:
