@@ -17,8 +17,9 @@ all-reduce) make every rank leave it together, and the ranks that wait there loo
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 PHASES = ("data", "optimizer")  # the work a rank does alone, in the gathered vector's order
 # A phase whose reference median is below this share of the step is not compared: a phase of tens of
@@ -128,3 +129,24 @@ def choose_action(
             f"pace ({with_it:.2f} nodes' worth)"
         )
     return "drop", f"no spare node; {without} node(s) without it beat {nodes} at its pace ({with_it:.2f})"
+
+
+def describe_latest(records: Sequence[Mapping[str, Any]]) -> str | None:
+    """`relaytrain status`'s row for the run's latest straggler (metrics.jsonl records), or None."""
+    latest, cleared = None, None
+    for record in records:
+        if record.get("kind") != "event":
+            continue
+        if record.get("event") == "straggler":
+            latest, cleared = record, None
+        elif record.get("event") == "straggler_cleared" and latest is not None:
+            cleared = record
+    if latest is None:
+        return None
+    slower = 100 * float(latest.get("slower") or 0)
+    text = (
+        f"rank {latest.get('rank')} on {latest.get('node')} {slower:.0f}% slower in {latest.get('phase')} "
+        f"since step {latest.get('since_step')} (named at step {latest.get('step')}, "
+        f"action {latest.get('action')})"
+    )
+    return text + (f"; cleared at step {cleared.get('step')}" if cleared is not None else "")
