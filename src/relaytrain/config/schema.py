@@ -210,7 +210,7 @@ class ResilienceConfig(Section):
     # straggler_windows windows in a row is named a straggler (0: off)
     straggler_threshold: float = setting(0.15, in_range(0, 10))
     straggler_every: int = setting(10, at_least(1))  # steps per window: the ranks compare times this often
-    straggler_windows: int = setting(3, at_least(1))  # windows in a row a straggler must be slower in
+    straggler_windows: int = setting(4, at_least(1))  # windows in a row a straggler must be slower in
     # report: name it; replace: with an idle spare node, stop after the next snapshot for the driver to
     # replace its node (else report); auto: replace, else drop its node when the node range allows and
     # the job is faster without it (else report)
