@@ -96,8 +96,8 @@ def render(data: dict, source: str) -> str:
         f"{data['load']}), on the local Slurm cluster: 2 nodes x 1 task, a small model (dim 128, seq 64) "
         f"for {data['steps']} steps with the default straggler settings. After step {data['throttle_at']} "
         "rank 1's process gets a CPU quota of 1/factor of its one compute thread from outside the run (a "
-        "cgroup, 2 ms period: `python -m faults.throttle`); the clean runs throttle nothing, with or without a "
-        "busy-looping process on the machine. One trial each.",
+        "cgroup, 2 ms period: `python -m faults.throttle`); the clean runs throttle nothing, with or "
+        "without a busy-looping process on the machine. One trial each.",
         "",
         slow_table,
         "",
