@@ -24,7 +24,7 @@ from typing import Any
 PHASES = ("data", "optimizer")  # the work a rank does alone, in the gathered vector's order
 # A phase whose reference median is below this share of the step is not compared: a phase of tens of
 # microseconds in a step of tens of milliseconds varies by more than any threshold from scheduling alone.
-MIN_SHARE = 0.02
+MIN_SHARE = 0.01
 ACTIONS = ("report", "replace", "auto")
 
 
