@@ -9,7 +9,10 @@ The statistic, per window and phase: a rank's median against the median of the O
 (so the straggler does not pull its own reference up; with 2 ranks the reference is the other rank).
 Medians over a window shrug off the odd slow step a busy machine gives any rank; a rank is named only
 when one phase of it is slower than ``threshold`` in ``windows`` windows in a row, and a phase shorter
-than ``MIN_SHARE`` of the step is left out (its relative noise is too large to mean anything).
+than ``MIN_PHASE_S`` is left out: its relative noise (the clock, the interpreter, the scheduler) is too
+large to mean anything. The floor is absolute, not a share of the step: the step includes the waits
+for the slowest peer, which a straggler or a loaded machine stretches, and a share of it would hide the
+very phase that shows the straggler.
 Forward/backward is not compared: its collectives (FSDP's all-gathers and reduce-scatters, DDP's
 all-reduce) make every rank leave it together, and the ranks that wait there look slower, not faster.
 """
@@ -22,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 PHASES = ("data", "optimizer")  # the work a rank does alone, in the gathered vector's order
-# A phase whose reference median is below this share of the step is not compared: a phase of tens of
-# microseconds in a step of tens of milliseconds varies by more than any threshold from scheduling alone.
-MIN_SHARE = 0.01
+# A phase whose reference median is shorter than this is not compared: a phase of a few hundred
+# microseconds varies by more than any threshold from scheduling alone.
+MIN_PHASE_S = 0.001
 ACTIONS = ("report", "replace", "auto")
 
 
@@ -45,22 +48,20 @@ class Straggler:
         return 1.0 + self.slower
 
 
-def slower_by(times: Sequence[Sequence[float]], steps: Sequence[float]) -> dict[tuple[int, str], float]:
+def slower_by(times: Sequence[Sequence[float]]) -> dict[tuple[int, str], float]:
     """(rank, phase) -> how much slower than the other ranks' median, for every comparable phase.
 
-    ``times[rank][i]``: the rank's median seconds in ``PHASES[i]`` over the window; ``steps[rank]``: its
-    median step time. A phase is comparable when the others' median is at least ``MIN_SHARE`` of the
-    others' median step time."""
+    ``times[rank][i]``: the rank's median seconds in ``PHASES[i]`` over the window. A phase is
+    comparable when the others' median is at least ``MIN_PHASE_S``."""
     out: dict[tuple[int, str], float] = {}
     ranks = len(times)
     if ranks < 2:
         return out
     for rank in range(ranks):
         others = [r for r in range(ranks) if r != rank]
-        step = statistics.median(steps[r] for r in others)
         for i, phase in enumerate(PHASES):
             reference = statistics.median(times[r][i] for r in others)
-            if reference <= 0 or reference < MIN_SHARE * step:
+            if reference < MIN_PHASE_S:
                 continue
             out[(rank, phase)] = times[rank][i] / reference - 1.0
     return out
@@ -78,10 +79,10 @@ class StragglerJudge:
         self._clean = 0  # windows in a row without the named rank over the threshold
 
     def feed(
-        self, first_step: int, times: Sequence[Sequence[float]], steps: Sequence[float]
+        self, first_step: int, times: Sequence[Sequence[float]]
     ) -> tuple[Straggler | None, Straggler | None]:
         """One window (its first step, the gathered medians): (newly named, cleared), either None."""
-        over = {key: s for key, s in slower_by(times, steps).items() if s > self.threshold}
+        over = {key: s for key, s in slower_by(times).items() if s > self.threshold}
         for key in list(self._streaks):
             if key not in over:
                 del self._streaks[key]

@@ -116,7 +116,7 @@ class StragglerWatch:
             self.record(step, _times_record(matrix))
         if any(row[-1] <= 0 for row in matrix):
             return  # a window with no whole step on some rank (the first after a start): nothing to compare
-        named, cleared = self.judge.feed(first, [row[:-1] for row in matrix], [row[-1] for row in matrix])
+        named, cleared = self.judge.feed(first, [row[:-1] for row in matrix])
         if named is not None:
             self._named(named, step)
         if cleared is not None and self.rank == 0:
