@@ -357,3 +357,34 @@ def test_the_throttle_finds_a_jobs_rank_from_proc(tmp_path):
     proc(13, ["SLURM_JOB_ID=5", "RANK=1"], train)
     assert throttle.rank_pid("5", 1, tmp_path) == 13
     assert throttle.rank_pid("5", 2, tmp_path) is None
+
+
+# -- the trainer acts on a verdict ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("interval", "stop_step"), [(4, 4), (0, 1)])
+def test_the_trainer_stops_after_the_next_checkpoint_for_a_verdict_and_exits_89(
+    tmp_path, interval, stop_step
+):
+    """A replace verdict (as every rank reaches it from the gathered times) stops the loop at the first
+    step a checkpoint is saved (at once when the run saves none by itself), records it and exits 89."""
+    from relaytrain.config.loader import load_config
+    from relaytrain.parallel.distributed import init_distributed
+    from relaytrain.trainer import Trainer, prepare_run_dir
+
+    from conftest import TINY
+
+    cfg = load_config(None, [*TINY, f"--run.dir={tmp_path}", "--run.name=acts", "--train.max_steps=12",
+                             f"--checkpoint.interval={interval}", "--metrics.peak_flops=1e12"])  # fmt: skip
+    env = init_distributed(cfg)
+    prepare_run_dir(cfg, env.is_main)
+    trainer = Trainer(cfg, env)
+    verdict = {"rank": 1, "node": "n2", "phase": "optimizer", "slower": 0.5, "since_step": 1}
+    trainer.straggler.verdict = {**verdict, "action": "replace"}
+    assert trainer.run() == EXIT_STRAGGLER
+    run = RunDir(tmp_path / "acts")
+    raw = json.loads(run.run_state.read_text())
+    assert (raw["status"], raw["reason"], raw["step"]) == ("stopped", "straggler", stop_step)
+    assert raw["straggler"] == {**verdict, "action": "replace"}
+    saved = sorted(p.name for p in run.checkpoints.glob("step_*"))
+    assert saved == [f"step_{stop_step}"]  # the checkpoint the stop waited for, once
