@@ -4,8 +4,8 @@
     python -m bench.stragglers --page-from bench/results/stragglers.json   # the section from kept results
 
 On the local Slurm cluster (taken under its lock), one trial per slowdown factor (rank 1 throttled from
-outside the run, bench/cluster/stragglers.py), then clean trials without and with a busy-looping process
-beside the job; then, on this machine, one torchrun run that measures the detection's own cost beside its
+outside the run, bench/cluster/stragglers.py) and clean trials without and with a busy-looping process
+beside the job, two jobs at once (a slowed one beside a clean one); then, on this machine, one torchrun run that measures the detection's own cost beside its
 step time (bench/straggler_cost.py). The results go to bench/results/stragglers.json; `--page` (or
 `--page-from`) writes the "stragglers" section of docs/benchmarks.md from them.
 """
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from itertools import zip_longest
 from pathlib import Path
 
 from bench import kept
@@ -38,14 +40,18 @@ def measure(factors: list[float], clean: int, hog: int) -> dict:
     start_cluster()
     runs = OUT_ROOT / "stragglers" / time.strftime("%Y%m%d-%H%M%S") / "runs"
     runs.mkdir(parents=True)
-    plan = [Trial(f"slow{f:g}".replace(".", "_"), f, False) for f in factors]
-    plan += [Trial(f"clean{i}", 1.0, False) for i in range(clean)]
-    plan += [Trial(f"hog{i}", 1.0, True) for i in range(hog)]
+    slowed = [Trial(f"slow{f:g}".replace(".", "_"), f, False) for f in factors]
+    clean = [Trial(f"clean{i}", 1.0, False) for i in range(clean)]
+    clean += [Trial(f"hog{i}", 1.0, True) for i in range(hog)]
+    # Rounds of two jobs at once, a slowed one beside a clean one (the cluster's 3 nodes hold both): the
+    # clean job's CPU hog, when it has one, runs beside both.
+    rounds = [[t for t in pair if t is not None] for pair in zip_longest(slowed, clean)]
     trials = []
-    with cluster_lock():
-        for trial in plan:
-            trials.append(run_trial(trial, runs).as_json())
-            print(f"{trial.name}: {json.dumps(trials[-1]['named'])[:300]} {trial.error}", flush=True)
+    with cluster_lock(), ThreadPoolExecutor(2) as pool:
+        for pair in rounds:
+            for trial in pool.map(lambda t: run_trial(t, runs), pair):
+                trials.append(trial.as_json())
+                print(f"{trial.name}: {json.dumps(trial.named)[:300]} {trial.error}", flush=True)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return {"command": "python -m bench.stragglers", "date": date, "cpu": machine_info().get("cpu", "?"),
             "cores": os.cpu_count(), "load": str(load_average()), "steps": STEPS, "throttle_at": THROTTLE_AT,
@@ -97,7 +103,8 @@ def render(data: dict, source: str) -> str:
         f"for {data['steps']} steps with the default straggler settings. After step {data['throttle_at']} "
         "rank 1's process gets a CPU quota of 1/factor of its one compute thread from outside the run (a "
         "cgroup, 2 ms period: `python -m faults.throttle`); the clean runs throttle nothing, with or "
-        "without a busy-looping process on the machine. One trial each.",
+        "without a busy-looping process on the machine. Two jobs ran at once, each slowed run beside a "
+        "clean one (and its CPU hog, when it had one). One trial each.",
         "",
         slow_table,
         "",
