@@ -6,8 +6,9 @@
 On the local Slurm cluster (taken under its lock), one trial per slowdown factor (rank 1 throttled from
 outside the run, bench/cluster/stragglers.py) and clean trials without and with a busy-looping process
 beside the job, two jobs at once (a slowed one beside a clean one); then, on this machine, one torchrun
-run that measures the detection's own cost beside its step time (bench/straggler_cost.py). The results go to bench/results/stragglers.json; `--page` (or
-`--page-from`) writes the "stragglers" section of docs/benchmarks.md from them.
+run that measures the detection's own cost beside its step time (bench/straggler_cost.py). The results
+go to bench/results/stragglers.json; `--page` (or `--page-from`) writes the "stragglers" section of
+docs/benchmarks.md from them.
 """
 
 from __future__ import annotations
