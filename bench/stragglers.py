@@ -95,6 +95,7 @@ def render(data: dict, source: str) -> str:
     false_table = table(["run", "CPU hog beside it", "job", "false reports", "error"], false)
     cost = data["cost"]
     false_total = sum(len(t["named"]) for t in clean)
+    wrong = sum(1 for t in slowed if any(n["rank"] != t["rank"] for n in t["named"]))
     return "\n".join([
         "## Stragglers",
         "",
@@ -112,7 +113,8 @@ def render(data: dict, source: str) -> str:
         false_table,
         "",
         f"* Named within {NAMED_WITHIN} steps with the right rank and node: {sum(within)} of {len(within)} "
-        f"slowed runs; false reports on clean runs: {false_total} over {len(clean)} runs.",
+        f"slowed runs; a rank that was not throttled named in a slowed run: {wrong} of {len(slowed)}; false "
+        f"reports on clean runs: {false_total} over {len(clean)} runs.",
         f"* The detection's own cost, measured inside one {cost['steps']}-step torchrun run of 2 ranks on "
         f"this machine (bench/straggler_cost.py: the timing around the phases and every step's bookkeeping "
         f"and window gather, summed on the rank that spent most): {1e6 * cost['cost_per_step_s']:.0f} µs per "
