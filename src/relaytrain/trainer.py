@@ -55,6 +55,7 @@ from relaytrain.resilience import (
     stop_fields,
 )
 from relaytrain.resilience.run_lock import take_run_lock
+from relaytrain.resilience.straggler_watch import StragglerWatch
 
 log = logging.getLogger("relaytrain")
 
@@ -99,29 +100,15 @@ class Trainer:
         self.optimizers = [build_optimizer(cfg.optim, self.model.model_parts, env.device)]
         dims = self.model.dims
         seq_len, vocab_size, runs_dir = cfg.train.seq_len, cfg.model.vocab_size, cfg.run.dir
-        self.loader = build_train_loader(
-            cfg.data,
-            self.model.dp_rank,
-            dims.dp,
-            dims.local_batch_size,
-            seq_len=seq_len,
-            seed=cfg.run.seed,
-            vocab_size=vocab_size,
-            runs_dir=runs_dir,
-            recorder=SampleRecorder(self.run_dir, env.rank, rank0_token(), self.model.dp_rank, dims.dp),
-        )
-        self.val_loader = (
-            build_val_loader(
-                cfg.data,
-                self.model.dp_rank,
-                self.model.dp_size,
-                seq_len=seq_len,
-                vocab_size=vocab_size,
-                runs_dir=runs_dir,
-            )
-            if cfg.train.eval_every
-            else None
-        )
+        samples = SampleRecorder(self.run_dir, env.rank, rank0_token(), self.model.dp_rank, dims.dp)
+        self.loader = build_train_loader(cfg.data, self.model.dp_rank, dims.dp, dims.local_batch_size,
+                                         seq_len=seq_len, seed=cfg.run.seed, vocab_size=vocab_size,
+                                         runs_dir=runs_dir, recorder=samples)  # fmt: skip
+        self.val_loader = None  # built only when the run evaluates
+        if cfg.train.eval_every:
+            self.val_loader = build_val_loader(cfg.data, self.model.dp_rank, self.model.dp_size,
+                                               seq_len=seq_len, vocab_size=vocab_size,
+                                               runs_dir=runs_dir)  # fmt: skip
         self.state = TrainState(run_id=uuid.uuid4().hex[:12])
         # Everything a checkpoint or snapshot keeps: a new piece of state is one more component here.
         training = TrainingState(
@@ -165,6 +152,7 @@ class Trainer:
         self.nan_guard = NanGuard(cfg.resilience, env.device)
         self.profiler = StepProfiler(cfg.metrics, self.run_dir, env.rank, env.device)
         self.timer = StepTimer(env.device)
+        self.straggler = StragglerWatch(cfg.resilience, env, self.progress, self.metrics, cfg.slurm.min_nodes)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -232,7 +220,7 @@ class Trainer:
             step = state.step + 1
             lr = lr_at(cfg.optim, step, train.max_steps) * state.lr_scale
             set_lr(self.optimizers, lr)
-            with self._section("data", Phase.DATA):
+            with self._section("data", Phase.DATA), self.straggler.work("data"):
                 inputs, targets = (to_device(t, self.env.device) for t in self.loader.next_batch(step))
             with self._section("forward_backward", Phase.FORWARD_BACKWARD):
                 loss = self.model.train_step(inputs, targets)
@@ -243,11 +231,11 @@ class Trainer:
                     step, self.persistence.save_seconds_estimate(), self.nan_guard.flag(loss, grad_norm)
                 )
                 verdict = self.nan_guard.decide(bad)
-                if verdict == "ok":
-                    for opt in self.optimizers:
+                with self.straggler.work("optimizer"):  # the update alone: no collective inside
+                    for opt in self.optimizers if verdict == "ok" else ():
                         opt.step()
-                for opt in self.optimizers:
-                    opt.zero_grad(set_to_none=True)
+                    for opt in self.optimizers:
+                        opt.zero_grad(set_to_none=True)
             if verdict == "stop":
                 return self._stop(StopReason.NAN, step - 1)
             if verdict == "rollback":
@@ -262,6 +250,7 @@ class Trainer:
             # the every-step count (stop_agreement); only the step after one shows a higher last count.
             self.progress.step_done(step)
             self._stepped = True
+            self.straggler.step_done(step)  # every straggler_every steps: one all-gather of work times
             self.profiler.step(step)
             # Step 1 too: the loss curve starts at the initial loss, not log_every steps into it.
             if step % cfg.metrics.log_every == 0 or step in (1, train.max_steps):
@@ -283,6 +272,12 @@ class Trainer:
                 reason = max(reason, self.controller.agree(step, self.persistence.save_seconds_estimate()))
             if reason == StopReason.NONE and step == train.stop_at_step < train.max_steps:
                 reason = StopReason.STOP_AT_STEP
+            if (
+                reason == StopReason.NONE
+                and step < train.max_steps
+                and self.straggler.stop_due(step, self.persistence)
+            ):
+                reason = StopReason.STRAGGLER  # every rank: the same verdict from the same gathered times
             if reason != StopReason.NONE:
                 return self._stop(reason, step)
         self.persistence.wait()
@@ -294,12 +289,15 @@ class Trainer:
         """Save where every rank agreed to stop, then hand the decision to requeue to the marker file."""
         log.info("stopping at step %d: %s", step, reason.name.lower())
         self.progress.phase(Phase.STOP)
+        straggler = self.straggler.verdict if reason == StopReason.STRAGGLER else None
         if reason != StopReason.NAN:
             self.controller.start_hard_deadline()
             self.watchdog.beat()
-            self.persistence.save_now(step, reason.name.lower())
+            if straggler is None or not self.persistence.saves_by_itself:
+                self.persistence.save_now(step, reason.name.lower())
+            self.persistence.wait()  # a straggler's stop follows a snapshot or checkpoint just taken
         self.metrics.log_event("stop", step, **stop_fields(reason, self.cfg.checkpoint))
-        return self.controller.finish(reason, step)
+        return self.controller.finish(reason, step, facts={"straggler": straggler} if straggler else None)
 
     def _rollback(self) -> None:
         self.persistence.wait()

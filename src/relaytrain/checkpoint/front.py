@@ -72,6 +72,7 @@ class Persistence:
         if snapshots_on:
             self.snapshots = SnapshotTier(cfg, run, record.config_hash, state, self.collectives)
         self._resumed: int | None = None
+        self.saved_step = -1  # the last step after_step saved a checkpoint or took a snapshot at
 
     # -- the start ----------------------------------------------------------------------------------
 
@@ -109,10 +110,18 @@ class Persistence:
         if saved:
             with self._phase(Phase.CHECKPOINT_SAVE, self.save_seconds_estimate()):
                 self.checkpoints.save(step, reason="final" if is_last else "interval")
+            self.saved_step = step
         if self.snapshots is not None and not is_last and step % self.cfg.snapshot_every == 0:
             with self._phase(Phase.SNAPSHOT, self.snapshots.last.get("blocking_s", 0.0)):
                 self.snapshots.take(step)
+            self.saved_step = step
         return saved
+
+    @property
+    def saves_by_itself(self) -> bool:
+        """Whether the run takes snapshots or checkpoints on its own schedule (not only when it stops)."""
+        cfg = self.cfg
+        return self.snapshots is not None or (self.enabled and (cfg.interval > 0 or cfg.interval_minutes > 0))
 
     def save_seconds_estimate(self) -> float:
         return self.checkpoints.save_seconds_estimate()

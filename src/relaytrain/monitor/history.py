@@ -104,6 +104,8 @@ class History:
     events: list[dict[str, Any]]
     segments: list[Segment]
     skipped_lines: int = 0
+    # the straggler windows' per-rank medians (`rank_times` records: rank<R>_<phase>_s), one per step
+    rank_times: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def start_time(self) -> float:
@@ -176,7 +178,7 @@ def build_history(records: list[dict[str, Any]], skipped_lines: int = 0) -> Hist
             current = Segment(len(segments), key[0], key[1], step_restart=key[2], extends_finished=extends)
             segments.append(current)
         current.records.append(rec)
-    latest: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "eval": {}}
+    latest: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "eval": {}, "rank_times": {}}
     for rec in records:
         if rec["kind"] in latest:
             latest[rec["kind"]][int(rec["step"])] = rec  # file order: the later record wins
@@ -186,6 +188,7 @@ def build_history(records: list[dict[str, Any]], skipped_lines: int = 0) -> Hist
         events=[r for r in records if r["kind"] == "event"],
         segments=segments,
         skipped_lines=skipped_lines,
+        rank_times=[latest["rank_times"][s] for s in sorted(latest["rank_times"])],
     )
 
 

@@ -228,6 +228,12 @@ class MetricsLogger:
             )
             self._console.write_line(f"eval step {step}: {shown}")
 
+    def log_rank_times(self, step: int, values: dict[str, Any]) -> None:
+        """A straggler window's per-rank medians (``rank<R>_<phase>_s``): a `rank_times` record, and
+        TensorBoard scalars under ``rank_times/``; not on the console."""
+        if self.is_main:
+            self._emit(self._record("rank_times", step, values))
+
     def log_event(self, event: str, step: int, **fields: Any) -> None:
         if not self.is_main:
             return

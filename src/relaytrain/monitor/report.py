@@ -12,6 +12,7 @@ from relaytrain.errors import UserError
 from relaytrain.job.rundir import RunDir
 from relaytrain.monitor.history import History, load_history, read_gpu_csvs
 from relaytrain.monitor.plots import plot_all
+from relaytrain.monitor.rank_plot import plot_rank_times, straggler_lines
 
 
 def _mean(history: History, key: str) -> float | None:
@@ -112,6 +113,7 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
         cells = [r.get(key) for key in ("reason", "saved", "requeue_requested", "exit_code")]
         row = [job, str(r["step"]), r["event"], *("" if c is None else str(c) for c in cells)]
         lines.append("| " + " | ".join(row) + " |")
+    lines += straggler_lines(history)
     lines += [
         "",
         "Time lost to restarts: wall time between the last progress of one job and the next",
@@ -160,6 +162,8 @@ def write_report(run: RunDir, out_dir: Path | None = None) -> tuple[Path, list[P
     out_dir.mkdir(parents=True, exist_ok=True)
     gpus = read_gpu_csvs(run.gpu)
     images = plot_all(history, gpus, name, out_dir) if history.train or gpus else []
+    ranks = plot_rank_times(history, name, out_dir / "rank_times.png")
+    images += [ranks] if ranks is not None else []
     report = out_dir / "report.md"
     report.write_text(render_markdown(name, history, summarize(history), images), encoding="utf-8")
     return report, images

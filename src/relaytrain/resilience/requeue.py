@@ -26,6 +26,7 @@ from relaytrain.resilience.codes import (
     EXIT_INTERRUPTED,
     EXIT_NONFINITE,
     EXIT_RESUME,
+    EXIT_STRAGGLER,
     FAILURE_REASONS,
     REQUEUE_REASONS,
     TIME_LIMIT_REASONS,
@@ -67,6 +68,8 @@ def exit_code_for(reason: StopReason) -> int:
         return EXIT_INTERRUPTED
     if reason == StopReason.DAMAGED_CHECKPOINT:
         return USAGE_EXIT_CODE  # the CLI's exit for a UserError: the user must decide
+    if reason == StopReason.STRAGGLER:
+        return EXIT_STRAGGLER  # the batch job's driver replaces or drops the node and starts the step again
     return EXIT_RESUME
 
 
@@ -134,12 +137,13 @@ def handle_stop(
     message: str = "",
     user_error: str = "",
     env: Mapping[str, str] | None = None,
+    facts: Mapping[str, Any] | None = None,
 ) -> int:
     """Record why the run stopped (rank 0), requeue if the policy says so, return the exit code.
 
     Call it on every rank after the emergency checkpoint is complete (its commit is what the resumed
     job loads; ``scontrol requeue`` kills the job at once). ``saved=False`` when no checkpoint of
-    ``step`` was written (the run resumes from the previous one).
+    ``step`` was written (the run resumes from the previous one). ``facts``: more fields for the record.
     """
     code = exit_code_for(reason)
     if rank != 0:
@@ -150,9 +154,9 @@ def handle_stop(
     code = exit_code_for(reason)
     wanted = decide_requeue(reason, r.requeue, r.max_requeues, job.restart_count, job.in_slurm)
     status = RunStatus.FAILED if reason in FAILURE_REASONS else RunStatus.STOPPED
-    facts = {**job.identity(), "saved": saved, "exit_code": code}
+    record_facts = {**(facts or {}), **job.identity(), "saved": saved, "exit_code": code}
     message = (message or user_error)[:500]  # a user error is its own message unless one is given
-    record = RunState.of(status, reason.label, step, message=message, user_error=user_error, **facts)
+    record = RunState.of(status, reason.label, step, message=message, user_error=user_error, **record_facts)
     log.info(
         "run %s at step %d (%s%s), exit code %d, SLURM_RESTART_COUNT=%d",
         status,

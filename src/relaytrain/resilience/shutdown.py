@@ -13,6 +13,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -284,12 +286,20 @@ class ShutdownController:
 
     # -- the end of a stop ---------------------------------------------------------------------------
     def finish(
-        self, reason: StopReason, step: int, *, saved: bool = True, message: str = "", user_error: str = ""
+        self,
+        reason: StopReason,
+        step: int,
+        *,
+        saved: bool = True,
+        message: str = "",
+        user_error: str = "",
+        facts: Mapping[str, Any] | None = None,
     ) -> int:
         """Record the stop (rank 0: run_state.json and requeue), disarm the hard deadline, return the
         exit code. Call it on every rank once the stop's checkpoint is complete (or after an error).
 
         ``user_error``: the message of a UserError the run failed with (not retried by the end of the step).
+        ``facts``: more fields for run_state.json (a straggler stop's ``straggler``).
         Whatever teardown follows is no longer the stop's business: a hard deadline still armed would
         requeue a second time and mark the saved stop as not saved.
         """
@@ -303,6 +313,7 @@ class ShutdownController:
                 saved=saved,
                 message=message,
                 user_error=user_error,
+                facts=facts,
             )
             self._recorded = True
         self.deadline.cancel()

@@ -12,9 +12,10 @@ from typing import Any
 
 from relaytrain.checkpoint.files import read_latest
 from relaytrain.errors import UserError
-from relaytrain.job import RunDir
+from relaytrain.job import RunDir, jsonl
 from relaytrain.resilience.crash import RESTARTED, CrashLog, describe_crash
 from relaytrain.resilience.run_state import RUN_STATE_FILE, RunStateFile
+from relaytrain.resilience.straggler import describe_latest
 from relaytrain.slurm.jobs import entry_log, last_step
 from relaytrain.slurm.submit import read_jobs
 
@@ -88,6 +89,9 @@ def run_rows(run: RunDir) -> list[tuple[str, str]]:
         requeued = sum(1 for e in crashes if e.get("action", "requeue") == "requeue")
         rows.append(("crashes", f"{len(crashes)}: {in_place} in place, {requeued} requeued (crashes.jsonl)"))
         rows.append(("last crash", describe_crash(crashes[-1])))
+    straggler = describe_latest(jsonl.read(run.metrics).records) if run.metrics.is_file() else None
+    if straggler:
+        rows.append(("straggler", straggler))
     step = last_step(run)
     rows.append(("last logged step", "none yet" if step is None else str(step)))
     latest = read_latest(run.checkpoints)

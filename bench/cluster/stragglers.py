@@ -1,0 +1,119 @@
+"""The straggler trials on the local Slurm cluster (`python -m bench.stragglers` runs them).
+
+Each trial is one `relaytrain launch` of 2 nodes x 1 task training a small model for `STEPS` steps with
+the default straggler settings. A slowed trial waits until the run logged `THROTTLE_AT` steps, then puts
+rank 1's process under a CPU quota of 1/factor of its one compute thread from outside the job
+(`python -m faults.throttle`), and reads back what the run said: the first `straggler` event (the step it
+was named at, the rank, the node, how much slower) against the rank and node the throttle landed on. A
+clean trial throttles nothing, with or without a busy-looping process beside the job, and counts the
+`straggler` events: each one is a false report.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import faults
+import faults.throttle as throttle
+from bench.cluster.harness import PROFILE, relaytrain, wait, wait_job_end
+from bench.report import REPO
+
+sys.path.insert(0, str(REPO / "tests"))
+from tiny_config import TINY_TOML  # noqa: E402
+
+STEPS = 120
+THROTTLE_AT = 10
+MODEL = TINY_TOML.replace("dim = 64", "dim = 128").replace("seq_len = 32", "seq_len = 64")
+CONFIG = (
+    '[run]\nname = "{name}"\ndir = "{runs}"\n\n'
+    + MODEL
+    + f"""max_steps = {STEPS}
+eval_every = 0
+
+[optim]
+warmup_steps = 2
+
+[metrics]
+log_every = 1
+tensorboard = false
+
+[checkpoint]
+interval = 1000
+
+[slurm]
+profile = "{PROFILE}"
+"""
+)
+
+
+@dataclass
+class Trial:
+    name: str
+    factor: float  # the slowdown applied (1: none)
+    hog: bool  # a busy-looping process beside the job
+    job: str = ""
+    landed: str = ""  # the throttle's evidence line
+    throttled_at: int | None = None  # the last logged step when the throttle landed
+    rank: int | None = None  # the throttled rank and its node
+    node: str = ""
+    named: list[dict] = field(default_factory=list)  # the run's straggler events
+    state: str = ""
+    seconds: float = 0.0
+    error: str = ""
+
+    @property
+    def first(self) -> dict | None:
+        return self.named[0] if self.named else None
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    from relaytrain.job import jsonl
+
+    path = run_dir / "metrics.jsonl"
+    return [r for r in jsonl.read(path).records if r.get("kind") == kind] if path.exists() else []
+
+
+def _last_step(run_dir: Path) -> int:
+    return max((int(r["step"]) for r in _records(run_dir, "train")), default=0)
+
+
+def run_trial(trial: Trial, runs: Path) -> Trial:
+    start = time.time()
+    config = runs.parent / f"{trial.name}.toml"
+    config.write_text(CONFIG.format(name=trial.name, runs=runs))
+    out = relaytrain("launch", str(config), "--nodes", "2", "--tasks-per-node", "1")
+    trial.job = out.split("submitted job ", 1)[1].split()[0] if "submitted job " in out else ""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if trial.hog else None
+    pid = None
+    try:
+        run_dir = runs / trial.name
+        if trial.factor > 1:
+            pid = wait(lambda: _last_step(run_dir) >= THROTTLE_AT and throttle.rank_pid(trial.job, 1),
+                       180, f"job {trial.job} to reach step {THROTTLE_AT}", interval=0.2)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-m", "faults.throttle", "--pid", str(pid), "--factor", f"{trial.factor:g}"],
+                cwd=REPO, capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            trial.landed = "; ".join(faults.landed(done.stdout)) or done.stderr.strip()
+            trial.throttled_at, trial.rank = _last_step(run_dir), 1
+            trial.node = throttle._environ(pid).get("SLURMD_NODENAME", "")
+        trial.state = wait_job_end(trial.job, 600).get("JobState", "")
+        trial.named = [r for r in _records(run_dir, "event") if r.get("event") == "straggler"]
+    except (TimeoutError, RuntimeError, OSError) as err:
+        trial.error = str(err)[:300]
+    finally:
+        if hog is not None:
+            hog.kill()
+        if pid is not None:
+            throttle.release(pid)
+        if trial.job:
+            subprocess.run(["scancel", trial.job], capture_output=True, timeout=30)
+    trial.seconds = round(time.time() - start, 1)
+    return trial

@@ -1,0 +1,150 @@
+"""`python -m bench.stragglers`: is a slow rank named, how soon, how right, and at what cost?
+
+    python -m bench.stragglers [--factors 1.2,1.5,2] [--clean 2] [--hog 2] [--page]
+    python -m bench.stragglers --page-from bench/results/stragglers.json   # the section from kept results
+
+On the local Slurm cluster (taken under its lock), one trial per slowdown factor (rank 1 throttled from
+outside the run, bench/cluster/stragglers.py) and clean trials without and with a busy-looping process
+beside the job, two jobs at once (a slowed one beside a clean one); then, on this machine, one torchrun
+run that measures the detection's own cost beside its step time (bench/straggler_cost.py). The results
+go to bench/results/stragglers.json; `--page` (or `--page-from`) writes the "stragglers" section of
+docs/benchmarks.md from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from itertools import zip_longest
+from pathlib import Path
+
+from bench import kept
+from bench.report import REPO, load_average, machine_info, table, write_page
+
+SECTION = "stragglers"
+RESULTS = "stragglers.json"
+NAMED_WITHIN = 50  # steps from the slowdown to the `straggler:` line
+COST_TARGET = 0.01  # of the step time
+COST_STEPS = 300
+
+
+def measure(factors: list[float], clean: int, hog: int) -> dict:
+    from bench.cluster.harness import OUT_ROOT, cluster_lock, start_cluster
+    from bench.cluster.stragglers import STEPS, THROTTLE_AT, Trial, run_trial
+
+    start_cluster()
+    runs = OUT_ROOT / "stragglers" / time.strftime("%Y%m%d-%H%M%S") / "runs"
+    runs.mkdir(parents=True)
+    slowed = [Trial(f"slow{f:g}".replace(".", "_"), f, False) for f in factors]
+    clean = [Trial(f"clean{i}", 1.0, False) for i in range(clean)]
+    clean += [Trial(f"hog{i}", 1.0, True) for i in range(hog)]
+    # Rounds of two jobs at once, a slowed one beside a clean one (the cluster's 3 nodes hold both): the
+    # clean job's CPU hog, when it has one, runs beside both.
+    rounds = [[t for t in pair if t is not None] for pair in zip_longest(slowed, clean)]
+    trials = []
+    with cluster_lock(), ThreadPoolExecutor(2) as pool:
+        for pair in rounds:
+            for trial in pool.map(lambda t: run_trial(t, runs), pair):
+                trials.append(trial.as_json())
+                print(f"{trial.name}: {json.dumps(trial.named)[:300]} {trial.error}", flush=True)
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return {"command": "python -m bench.stragglers", "date": date, "cpu": machine_info().get("cpu", "?"),
+            "cores": os.cpu_count(), "load": str(load_average()), "steps": STEPS, "throttle_at": THROTTLE_AT,
+            "trials": trials, "cost": measure_cost()}  # fmt: skip
+
+
+def measure_cost() -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cost.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "bench.straggler_cost", str(out), str(COST_STEPS)]  # fmt: skip
+        subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, timeout=600, check=True)
+        return json.loads(out.read_text())
+
+
+def _yes(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def render(data: dict, source: str) -> str:
+    slowed = [t for t in data["trials"] if t["factor"] > 1]
+    clean = [t for t in data["trials"] if t["factor"] == 1]
+    rows, within = [], []
+    for t in slowed:
+        first = t["named"][0] if t["named"] else None
+        steps = None if first is None or t["throttled_at"] is None else first["step"] - t["throttled_at"]
+        right = first is not None and first["rank"] == t["rank"] and first["node"] == t["node"]
+        within.append(steps is not None and steps <= NAMED_WITHIN and right)
+        measured = "–" if first is None else f"{1 + first['slower']:.2f}x in {first['phase']}"
+        named = "none" if first is None else f"rank {first['rank']} on {first['node']}"
+        rows.append((f"{t['factor']:g}x", f"rank {t['rank']} on {t['node']}", t["throttled_at"],
+                     "–" if first is None else first["step"], "–" if steps is None else steps, named,
+                     _yes(right), measured, t["error"] or ""))  # fmt: skip
+    slow_table = table(["applied", "throttled", "at step", "named at step", "steps to the line", "named",
+                        "rank and node right", "measured", "error"], rows)  # fmt: skip
+    false = [
+        (t["name"], "yes" if t["hog"] else "no", t["state"], len(t["named"]), t["error"] or "") for t in clean
+    ]
+    false_table = table(["run", "CPU hog beside it", "job", "false reports", "error"], false)
+    cost = data["cost"]
+    false_total = sum(len(t["named"]) for t in clean)
+    wrong = sum(1 for t in slowed if any(n["rank"] != t["rank"] for n in t["named"]))
+    return "\n".join([
+        "## Stragglers",
+        "",
+        f"Rewritten from the kept results by `python -m bench.stragglers --page-from {source}`; measured by "
+        f"`python -m bench.stragglers` on {data['date']} ({data['cpu']}, {data['cores']} cores, load "
+        f"{data['load']}), on the local Slurm cluster: 2 nodes x 1 task, a small model (dim 128, seq 64) "
+        f"for {data['steps']} steps with the default straggler settings. After step {data['throttle_at']} "
+        "rank 1's process gets a CPU quota of 1/factor of its one compute thread from outside the run (a "
+        "cgroup, 2 ms period: `python -m faults.throttle`); the clean runs throttle nothing, with or "
+        "without a busy-looping process on the machine. Two jobs ran at once, each slowed run beside a "
+        "clean one (and its CPU hog, when it had one). One trial each.",
+        "",
+        slow_table,
+        "",
+        false_table,
+        "",
+        f"* Named within {NAMED_WITHIN} steps with the right rank and node: {sum(within)} of {len(within)} "
+        f"slowed runs; a rank that was not throttled named in a slowed run: {wrong} of {len(slowed)}; false "
+        f"reports on clean runs: {false_total} over {len(clean)} runs.",
+        f"* The detection's own cost, measured inside one {cost['steps']}-step torchrun run of 2 ranks on "
+        f"this machine (bench/straggler_cost.py: the timing around the phases and every step's bookkeeping "
+        f"and window gather, summed on the rank that spent most): {1e6 * cost['cost_per_step_s']:.0f} µs per "
+        f"step against a {1e3 * cost['mean_step_s']:.0f} ms step, {100 * cost['cost_share']:.2f} % "
+        f"(target < {100 * COST_TARGET:.0f} %).",
+        "* The slowdown measured is the throttled rank's optimizer phase against the other rank's: a CPU "
+        "quota bites in bursts (the kernel enforces it at its 4 ms tick), so short phases see more than the "
+        "mean slowdown, and on a machine whose cores are shared by other work a rank that got less than a "
+        "whole CPU to begin with is slowed by less.",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.stragglers", description=__doc__.split("\n")[0])
+    parser.add_argument("--factors", default="1.2,1.5,2")
+    parser.add_argument("--clean", type=int, default=2, help="clean runs without a CPU hog")
+    parser.add_argument("--hog", type=int, default=2, help="clean runs beside a CPU hog")
+    parser.add_argument("--page", action="store_true", help="write the section of docs/benchmarks.md")
+    parser.add_argument("--page-from", help="only write the section, from this kept results file")
+    args = parser.parse_args(argv)
+    if args.page_from:
+        write_page({SECTION: render(kept.load(args.page_from), kept.relative(args.page_from))})
+        return 0
+    data = measure([float(f) for f in args.factors.split(",")], args.clean, args.hog)
+    path = kept.save(RESULTS, data)
+    print(f"wrote {kept.relative(path)}")
+    if args.page:
+        write_page({SECTION: render(data, kept.relative(path))})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Which rank is a straggler, and what to do about it: the pure part (numbers in, a verdict out).
+
+Every rank times the work it does alone (``PHASES``: its data phase and its optimizer update, waits in
+collectives excluded) every step. Every ``straggler_every`` steps the ranks all-gather each phase's
+median over that window (``straggler_watch.py``), and every rank feeds the same matrix to its own
+``StragglerJudge``, so all reach the same verdict without a further collective.
+
+The statistic, per window and phase: a rank's median against the median of the OTHER ranks' medians
+(so the straggler does not pull its own reference up; with 2 ranks the reference is the other rank).
+Medians over a window shrug off the odd slow step a busy machine gives any rank; a rank is named only
+when one phase of it is slower than ``threshold`` in ``windows`` windows in a row, and a phase shorter
+than ``MIN_PHASE_S`` is left out: its relative noise (the clock, the interpreter, the scheduler) is too
+large to mean anything. The floor is absolute, not a share of the step: the step includes the waits
+for the slowest peer, which a straggler or a loaded machine stretches, and a share of it would hide the
+very phase that shows the straggler.
+Forward/backward is not compared: its collectives (FSDP's all-gathers and reduce-scatters, DDP's
+all-reduce) make every rank leave it together, and the ranks that wait there look slower, not faster.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PHASES = ("data", "optimizer")  # the work a rank does alone, in the gathered vector's order
+# A phase whose reference median is shorter than this is not compared: a phase of a few hundred
+# microseconds varies by more than any threshold from scheduling alone.
+MIN_PHASE_S = 0.001
+ACTIONS = ("report", "replace", "auto")
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A named straggler: ``slower`` is the fraction by which its phase took longer than the other ranks'
+    median (0.25: 25 % slower), the mean over the windows that named it; ``since_step``: the first step
+    of the first of them."""
+
+    rank: int
+    phase: str
+    slower: float
+    since_step: int
+
+    @property
+    def factor(self) -> float:
+        """How many times as long as its peers the rank takes in ``phase`` (1.25 for 25 % slower)."""
+        return 1.0 + self.slower
+
+
+def slower_by(times: Sequence[Sequence[float]]) -> dict[tuple[int, str], float]:
+    """(rank, phase) -> how much slower than the other ranks' median, for every comparable phase.
+
+    ``times[rank][i]``: the rank's median seconds in ``PHASES[i]`` over the window. A phase is
+    comparable when the others' median is at least ``MIN_PHASE_S``."""
+    out: dict[tuple[int, str], float] = {}
+    ranks = len(times)
+    if ranks < 2:
+        return out
+    for rank in range(ranks):
+        others = [r for r in range(ranks) if r != rank]
+        for i, phase in enumerate(PHASES):
+            reference = statistics.median(times[r][i] for r in others)
+            if reference < MIN_PHASE_S:
+                continue
+            out[(rank, phase)] = times[rank][i] / reference - 1.0
+    return out
+
+
+class StragglerJudge:
+    """The sustained-window rule, fed one window at a time; the same inputs give the same verdicts on
+    every rank. ``threshold``: the fraction slower that counts (0.2: 20 %); ``windows``: how many windows
+    in a row a rank's phase must exceed it to be named, and stay under it for the episode to clear."""
+
+    def __init__(self, threshold: float, windows: int):
+        self.threshold, self.windows = threshold, windows
+        self._streaks: dict[tuple[int, str], list[tuple[int, float]]] = {}  # (first step, slower) each window
+        self.named: Straggler | None = None  # the open episode
+        self._clean = 0  # windows in a row without the named rank over the threshold
+
+    def feed(
+        self, first_step: int, times: Sequence[Sequence[float]]
+    ) -> tuple[Straggler | None, Straggler | None]:
+        """One window (its first step, the gathered medians): (newly named, cleared), either None."""
+        over = {key: s for key, s in slower_by(times).items() if s > self.threshold}
+        for key in list(self._streaks):
+            if key not in over:
+                del self._streaks[key]
+        for key, s in over.items():
+            self._streaks.setdefault(key, []).append((first_step, s))
+        if self.named is not None:
+            still = any(rank == self.named.rank for rank, _phase in over)
+            self._clean = 0 if still else self._clean + 1
+            if self._clean >= self.windows:
+                cleared, self.named, self._clean = self.named, None, 0
+                return None, cleared
+            return None, None
+        sustained = [(key, streak) for key, streak in self._streaks.items() if len(streak) >= self.windows]
+        if not sustained:
+            return None, None
+        (rank, phase), streak = max(sustained, key=lambda item: statistics.fmean(s for _, s in item[1]))
+        recent = streak[-self.windows :]
+        self.named = Straggler(rank, phase, statistics.fmean(s for _, s in recent), streak[0][0])
+        self._clean = 0
+        return self.named, None
+
+
+def choose_action(
+    action: str, straggler: Straggler, spare_nodes: Sequence[str], nodes: int, min_nodes: int
+) -> tuple[str, str]:
+    """(what to do: "replace", "drop" or "report", why) for ``resilience.straggler_action``.
+
+    "report" names the rank only. "replace" replaces its node when the job has an idle spare node
+    (``spare_nodes``), else reports. "auto" replaces with a spare; without one it drops the node when the
+    run's node range allows (``min_nodes`` set and below ``nodes``) and the job runs faster without it:
+    synchronous ranks go at the straggler's pace, so N nodes give N / factor nodes' worth of work and
+    N - 1 healthy nodes give N - 1 (with 2 nodes only a rank more than 2x slower is worth dropping)."""
+    if action == "report":
+        return "report", "resilience.straggler_action is report"
+    if spare_nodes:
+        return "replace", f"spare node {spare_nodes[0]} is idle"
+    if action == "replace":
+        return "report", "no idle spare node to replace it with"
+    if not (0 < min_nodes < nodes):
+        return "report", f"no spare node, and the run may not shrink below {nodes} node(s) (slurm.min_nodes)"
+    with_it, without = nodes / straggler.factor, nodes - 1
+    if without <= with_it:
+        return "report", (
+            f"no spare node, and {without} node(s) without it would do less work than {nodes} at its "
+            f"pace ({with_it:.2f} nodes' worth)"
+        )
+    return "drop", f"no spare node; {without} node(s) without it beat {nodes} at its pace ({with_it:.2f})"
+
+
+def describe_latest(records: Sequence[Mapping[str, Any]]) -> str | None:
+    """`relaytrain status`'s row for the run's latest straggler (metrics.jsonl records), or None."""
+    latest, cleared = None, None
+    for record in records:
+        if record.get("kind") != "event":
+            continue
+        if record.get("event") == "straggler":
+            latest, cleared = record, None
+        elif record.get("event") == "straggler_cleared" and latest is not None:
+            cleared = record
+    if latest is None:
+        return None
+    slower = 100 * float(latest.get("slower") or 0)
+    text = (
+        f"rank {latest.get('rank')} on {latest.get('node')} {slower:.0f}% slower in {latest.get('phase')} "
+        f"since step {latest.get('since_step')} (named at step {latest.get('step')}, "
+        f"action {latest.get('action')})"
+    )
+    return text + (f"; cleared at step {cleared.get('step')}" if cleared is not None else "")

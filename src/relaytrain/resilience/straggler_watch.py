@@ -1,0 +1,195 @@
+"""The rank's side of straggler detection: time its own work every step, compare every few steps.
+
+``work(phase)`` times what a rank does alone (``straggler.PHASES``): wall clock on CPU, a pair of CUDA
+events on GPU (no wait for the device: a window reads only the events that have completed, the rest
+count in the next window). Every ``resilience.straggler_every`` steps every rank all-gathers its window's
+medians (one small tensor, the named collective ``straggler_times`` on the progress board) and feeds the
+same matrix to its ``StragglerJudge``: every rank reaches the same verdict at the same step. Rank 0
+logs the ``straggler:`` line and the ``straggler`` event; a verdict to replace or drop the node makes
+every rank stop after the next snapshot or checkpoint (``stop_due``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from relaytrain.config.schema import ResilienceConfig
+from relaytrain.job import JobFacts
+from relaytrain.job.progress import ProgressBoard
+from relaytrain.resilience.straggler import PHASES, Straggler, StragglerJudge, choose_action
+
+log = logging.getLogger("relaytrain")
+
+
+class Metrics(Protocol):
+    """Where rank 0's straggler events and per-rank times go (monitor.MetricsLogger)."""
+
+    def log_event(self, event: str, step: int, **fields: Any) -> None: ...
+
+    def log_rank_times(self, step: int, values: dict[str, Any]) -> None: ...
+
+
+class Ranks(Protocol):
+    """This process's place in the job (parallel.DistEnv)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    node: str
+    num_nodes: int
+
+
+class Saves(Protocol):
+    """The run's persistence (checkpoint.Persistence): does it save by itself, and when it last did."""
+
+    saves_by_itself: bool
+    saved_step: int
+
+
+class StragglerWatch:
+    """One rank's timer and judge. Off (every call a no-op) with one rank or ``straggler_threshold`` 0.
+
+    ``min_nodes``: slurm.min_nodes (0: the node count is fixed); ``metrics``: where rank 0's events and
+    per-rank times go."""
+
+    def __init__(
+        self, resilience: ResilienceConfig, env: Ranks, board: ProgressBoard, metrics: Metrics, min_nodes: int
+    ):
+        self.enabled = resilience.straggler_threshold > 0 and env.world_size > 1
+        self.every, self.action = resilience.straggler_every, resilience.straggler_action
+        self.rank, self.world_size, self.device = env.rank, env.world_size, torch.device(env.device)
+        self.node, self.nodes, self.min_nodes, self.board = env.node, env.num_nodes, min_nodes, board
+        self.report, self.record = metrics.log_event, metrics.log_rank_times
+        self.judge = StragglerJudge(resilience.straggler_threshold, resilience.straggler_windows)
+        self._events = self.device.type == "cuda"
+        self._times: dict[str, list[float]] = {p: [] for p in PHASES}
+        self._pending: list[tuple[str, Any, Any]] = []  # CUDA: (phase, start event, end event)
+        self._steps: list[float] = []
+        self._last_step_end: float | None = None
+        self._window_start = 1
+        self._node_names: list[str] | None = None
+        self.verdict: dict[str, Any] | None = None  # the straggler fields of a stop to act on, once due
+
+    @contextlib.contextmanager
+    def work(self, phase: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        if self._events:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            yield
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((phase, begin, end))
+            return
+        start = time.perf_counter()
+        yield
+        self._times[phase].append(time.perf_counter() - start)
+
+    def step_done(self, step: int) -> None:
+        """After every step, on every rank: at a window's end, gather, judge and report."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            self._steps.append(now - self._last_step_end)
+        self._last_step_end = now
+        if step % self.every:
+            return
+        self._resolve_events()
+        mine = [_median(self._times[p]) for p in PHASES] + [_median(self._steps)]
+        matrix = self._gather(mine)
+        first = self._window_start
+        self._window_start = step + 1
+        self._times = {p: [] for p in PHASES}
+        self._steps = []
+        if self.rank == 0:
+            self.record(step, _times_record(matrix))
+        if any(row[-1] <= 0 for row in matrix):
+            return  # a window with no whole step on some rank (the first after a start): nothing to compare
+        named, cleared = self.judge.feed(first, [row[:-1] for row in matrix])
+        if named is not None:
+            self._named(named, step)
+        if cleared is not None and self.rank == 0:
+            node = self._node(cleared.rank)
+            log.info("straggler cleared: rank %d on %s at step %d", cleared.rank, node, step)
+            self.report("straggler_cleared", step, rank=cleared.rank, node=node)
+        self._last_step_end = time.perf_counter()  # the gather's wait is no step's time
+
+    def stop_due(self, step: int, saves: Saves) -> bool:
+        """Whether every rank stops now for a replace/drop verdict: once a snapshot or checkpoint of this
+        step is taken, or at once when the run takes neither by itself (the stop then saves)."""
+        return self.verdict is not None and (saves.saved_step == step or not saves.saves_by_itself)
+
+    def _named(self, straggler: Straggler, step: int) -> None:
+        names = self._all_node_names()  # a collective: every rank reaches this with the same verdict
+        node = names[straggler.rank]
+        facts = JobFacts.from_env()
+        action, why = choose_action(self.action, straggler, facts.spare_nodes, self.nodes, self.min_nodes)
+        fields = {
+            "rank": straggler.rank,
+            "node": node,
+            "phase": straggler.phase,
+            "slower": round(straggler.slower, 4),
+            "since_step": straggler.since_step,
+            "action": action,
+        }
+        if action != "report":
+            self.verdict = fields
+        if self.rank == 0:
+            log.warning(
+                "straggler: rank %d on %s %.0f%% slower in %s since step %d (at step %d; action %s: %s)",
+                straggler.rank, node, 100 * straggler.slower, straggler.phase, straggler.since_step, step,
+                action, why,
+            )  # fmt: skip
+            self.report("straggler", step, **fields, why=why)
+
+    def _node(self, rank: int) -> str:
+        return self._node_names[rank] if self._node_names else "?"
+
+    def _all_node_names(self) -> list[str]:
+        if self._node_names is None:
+            names: list[Any] = [None] * self.world_size
+            with self.board.collective("straggler_nodes"):
+                dist.all_gather_object(names, self.node)
+            self._node_names = [str(n) for n in names]
+        return self._node_names
+
+    def _resolve_events(self) -> None:
+        """Completed CUDA events into the window's times; those still queued on the device wait."""
+        waiting = []
+        for phase, begin, end in self._pending:
+            if end.query():
+                self._times[phase].append(begin.elapsed_time(end) / 1000.0)
+            else:
+                waiting.append((phase, begin, end))
+        self._pending = waiting
+
+    def _gather(self, mine: list[float]) -> list[list[float]]:
+        local = torch.tensor(mine, dtype=torch.float64, device=self.device)
+        out = torch.empty(self.world_size * len(mine), dtype=torch.float64, device=self.device)
+        with self.board.collective("straggler_times"):
+            dist.all_gather_into_tensor(out, local)
+            return out.view(self.world_size, len(mine)).tolist()  # the window's one host read
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _times_record(matrix: list[list[float]]) -> dict[str, Any]:
+    """The `rank_times` record: each rank's median seconds per phase and per step over the window."""
+    out: dict[str, Any] = {}
+    for rank, row in enumerate(matrix):
+        for phase, value in zip((*PHASES, "step"), row, strict=True):
+            out[f"rank{rank}_{phase}_s"] = value
+    return out

@@ -1,0 +1,390 @@
+"""Straggler detection without a cluster: the statistic, the sustained-window verdict, the action rules,
+the rank's watch (timing, gathering, stopping), the stop record and its exit, the status row, the report
+plot and the throttle fault's arithmetic."""
+
+from __future__ import annotations
+
+import json
+import time
+import types
+
+import pytest
+import torch
+
+from relaytrain.config.schema import ResilienceConfig
+from relaytrain.job import JobFacts, RunDir
+from relaytrain.job.progress import ProgressBoard
+from relaytrain.monitor.history import build_history
+from relaytrain.monitor.rank_plot import plot_rank_times, straggler_lines, work_by_rank
+from relaytrain.resilience.codes import EXIT_STRAGGLER, StopReason
+from relaytrain.resilience.requeue import exit_code_for, handle_stop
+from relaytrain.resilience.run_state import RunStateFile, RunStatus
+from relaytrain.resilience.step_decision import Action, RunFacts, decide
+from relaytrain.resilience.straggler import (
+    MIN_PHASE_S,
+    Straggler,
+    StragglerJudge,
+    choose_action,
+    describe_latest,
+    slower_by,
+)
+from relaytrain.resilience.straggler_watch import StragglerWatch
+
+import faults.throttle as throttle
+
+
+# phases: data 5 ms, optimizer 20 ms
+def window(slow_rank: int | None = None, factor: float = 1.0, ranks: int = 2) -> list[list[float]]:
+    return [[0.005, 0.020 * (factor if r == slow_rank else 1.0)] for r in range(ranks)]
+
+
+def feed(judge: StragglerJudge, windows: list[list[list[float]]], every: int = 10):
+    out = []
+    for i, times in enumerate(windows):
+        out.append(judge.feed(1 + i * every, times))
+    return out
+
+
+# -- the statistic ----------------------------------------------------------------------------------
+
+
+def test_each_rank_is_compared_with_the_median_of_the_others():
+    times = [[0.005, 0.020], [0.005, 0.020], [0.005, 0.030], [0.005, 0.021]]
+    slower = slower_by(times)
+    assert slower[(2, "optimizer")] == pytest.approx(0.5)  # 30 ms against the others' median of 20
+    assert slower[(0, "optimizer")] == pytest.approx(-0.0476, abs=1e-3)  # 20 against 21: faster
+    assert abs(slower[(1, "data")]) < 1e-9
+
+
+def test_a_phase_shorter_than_the_floor_is_not_compared_however_short_the_step():
+    short = MIN_PHASE_S / 2
+    slower = slower_by([[short, 0.002], [3 * short, 0.002]])
+    assert (1, "data") not in slower and slower[(1, "optimizer")] == 0.0
+
+
+def test_one_rank_has_nothing_to_compare_with():
+    assert slower_by([[0.1, 0.1]]) == {}
+
+
+# -- the verdict --------------------------------------------------------------------------------------
+
+
+def test_a_slow_rank_is_named_after_the_sustained_windows_with_its_phase_and_first_step():
+    judge = StragglerJudge(threshold=0.15, windows=3)
+    verdicts = feed(judge, [window(), window(1, 1.3), window(1, 1.3), window(1, 1.3)])
+    assert [v[0] for v in verdicts[:3]] == [None, None, None]
+    named = verdicts[3][0]
+    assert named == Straggler(rank=1, phase="optimizer", slower=pytest.approx(0.3), since_step=11)
+    assert named.factor == pytest.approx(1.3)
+
+
+def test_noise_that_does_not_last_is_never_named():
+    judge = StragglerJudge(threshold=0.15, windows=3)
+    noisy = [window(0, 2.0), window(1, 2.0), window(), window(0, 1.5), window(0, 1.5), window(1, 3.0)]
+    assert all(named is None for named, _ in feed(judge, noisy * 3))
+
+
+def test_a_rank_below_the_threshold_is_not_named():
+    judge = StragglerJudge(threshold=0.15, windows=3)
+    assert all(named is None for named, _ in feed(judge, [window(1, 1.1)] * 10))
+
+
+def test_an_episode_is_named_once_and_clears_after_as_many_clean_windows():
+    judge = StragglerJudge(threshold=0.15, windows=2)
+    verdicts = feed(judge, [window(1, 1.5)] * 5 + [window()] * 2 + [window(1, 1.5)] * 2)
+    named = [i for i, (n, _) in enumerate(verdicts) if n is not None]
+    cleared = [i for i, (_, c) in enumerate(verdicts) if c is not None]
+    assert named == [1, 8] and cleared == [6]
+
+
+def test_every_rank_reaches_the_same_verdict_from_the_same_numbers():
+    windows = [window(1, 1.4, ranks=4)] * 3
+    verdicts = [feed(StragglerJudge(0.15, 3), windows)[-1][0] for _ in range(4)]
+    assert len(set(verdicts)) == 1 and verdicts[0].rank == 1
+
+
+# -- the action ---------------------------------------------------------------------------------------
+
+
+def straggler(slower: float) -> Straggler:
+    return Straggler(rank=1, phase="optimizer", slower=slower, since_step=1)
+
+
+@pytest.mark.parametrize(
+    ("action", "spares", "nodes", "min_nodes", "slower", "expected"),
+    [
+        ("report", ("n3",), 4, 2, 3.0, "report"),
+        ("replace", ("n3",), 2, 0, 0.2, "replace"),
+        ("replace", (), 4, 2, 3.0, "report"),  # no spare: named only
+        ("auto", ("n3",), 2, 0, 0.2, "replace"),
+        ("auto", (), 2, 1, 0.2, "report"),  # 1 node < 2 nodes at 1/1.2 of the pace: kept
+        ("auto", (), 2, 1, 1.5, "drop"),  # 1 node > 2 nodes at 1/2.5 of the pace
+        ("auto", (), 2, 0, 1.5, "report"),  # a fixed node count never shrinks
+        ("auto", (), 2, 2, 1.5, "report"),  # already at the range's bottom
+        ("auto", (), 4, 2, 0.5, "drop"),  # 3 > 4 / 1.5
+        ("auto", (), 4, 2, 0.3, "report"),  # 3 < 4 / 1.3
+    ],
+)
+def test_the_action_pays_or_the_straggler_is_reported(action, spares, nodes, min_nodes, slower, expected):
+    chosen, why = choose_action(action, straggler(slower), spares, nodes, min_nodes)
+    assert chosen == expected and why
+
+
+# -- the rank's watch --------------------------------------------------------------------------------
+
+
+class FakeMetrics:
+    def __init__(self):
+        self.events: list[tuple[str, int, dict]] = []
+        self.times: list[tuple[int, dict]] = []
+
+    def log_event(self, event, step, **fields):
+        self.events.append((event, step, fields))
+
+    def log_rank_times(self, step, values):
+        self.times.append((step, values))
+
+
+def make_watch(monkeypatch, action="report", world=2, threshold=0.15, spares=""):
+    monkeypatch.setenv("RELAYTRAIN_SPARE_NODES", spares)
+    resilience = ResilienceConfig(
+        straggler_threshold=threshold, straggler_every=10, straggler_windows=3, straggler_action=action
+    )
+    cpu = torch.device("cpu")
+    ranks = types.SimpleNamespace(rank=0, world_size=world, device=cpu, node="n1", num_nodes=2)
+    metrics = FakeMetrics()
+    watch = StragglerWatch(resilience, ranks, ProgressBoard(None, 0, 0), metrics, 0)
+    return watch, metrics
+
+
+def run_steps(watch, steps, slow_from=None):
+    """Gathers answered with this rank's numbers and rank 1's, 1.5x slower from `slow_from`."""
+    step_box = [0]
+
+    def gather(mine):
+        other = list(mine)
+        if slow_from is not None and step_box[0] > slow_from:
+            other[1] *= 1.5
+        return [mine, other]
+
+    watch._gather = gather
+    watch._all_node_names = lambda: ["n1", "n2"]
+    for step in range(1, steps + 1):
+        step_box[0] = step
+        with watch.work("data"):
+            pass
+        with watch.work("optimizer"):
+            time.sleep(0.002)  # above the floor: compared
+        watch._steps.append(0.01)  # a whole step on both ranks: the window counts
+        watch.step_done(step)
+
+
+def test_the_watch_names_the_rank_logs_the_event_and_records_the_times(monkeypatch, caplog):
+    watch, metrics = make_watch(monkeypatch)
+    with caplog.at_level("WARNING", logger="relaytrain"):
+        run_steps(watch, 60, slow_from=10)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("straggler:")]
+    assert len(lines) == 1 and lines[0].startswith("straggler: rank 1 on n2 ")
+    assert "slower in optimizer since step 11" in lines[0]
+    events = [e for e in metrics.events if e[0] == "straggler"]
+    assert len(events) == 1
+    fields = events[0][2]
+    assert {k: fields[k] for k in ("rank", "node", "phase", "since_step", "action")} == {
+        "rank": 1, "node": "n2", "phase": "optimizer", "since_step": 11, "action": "report"
+    }  # fmt: skip
+    assert events[0][1] == 40 and fields["slower"] == pytest.approx(0.5, abs=0.01)
+    assert [s for s, _ in metrics.times] == [10, 20, 30, 40, 50, 60]
+    assert set(metrics.times[0][1]) == {
+        f"rank{r}_{p}_s" for r in (0, 1) for p in ("data", "optimizer", "step")
+    }
+    assert watch.verdict is None  # report: no stop
+
+
+def test_a_replace_verdict_stops_after_the_next_snapshot(monkeypatch):
+    watch, _ = make_watch(monkeypatch, "replace", spares="n3")
+    run_steps(watch, 40, slow_from=10)
+    assert watch.verdict is not None and watch.verdict["action"] == "replace"
+    assert set(watch.verdict) == {"rank", "node", "phase", "slower", "since_step", "action"}
+    saving = types.SimpleNamespace(saves_by_itself=True, saved_step=35)
+    assert not watch.stop_due(40, saving)  # waits for the snapshot
+    assert watch.stop_due(45, types.SimpleNamespace(saves_by_itself=True, saved_step=45))
+    assert watch.stop_due(41, types.SimpleNamespace(saves_by_itself=False, saved_step=-1))  # stop saves
+
+
+def test_replace_without_a_spare_only_reports(monkeypatch):
+    watch, metrics = make_watch(monkeypatch, "replace")
+    run_steps(watch, 40, slow_from=10)
+    assert watch.verdict is None
+    assert [e[2]["action"] for e in metrics.events if e[0] == "straggler"] == ["report"]
+
+
+@pytest.mark.parametrize(("world", "threshold"), [(1, 0.15), (2, 0.0)])
+def test_the_watch_is_off_for_one_rank_or_threshold_zero(monkeypatch, world, threshold):
+    watch, metrics = make_watch(monkeypatch, world=world, threshold=threshold)
+    watch._gather = lambda mine: pytest.fail("an off watch gathered")
+    for step in range(1, 31):
+        with watch.work("optimizer"):
+            pass
+        watch.step_done(step)
+    assert not watch.enabled and metrics.times == []
+
+
+class FakeEvent:
+    def __init__(self, enable_timing=False):
+        self.t = None
+        self.done = True
+
+    def record(self, stream=None):
+        self.t = FakeEvent.now
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1000.0
+
+
+def test_on_cuda_the_watch_reads_only_completed_events_and_never_waits(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("the watch waited for the device"))
+    watch, _ = make_watch(monkeypatch)
+    watch._events = True
+    FakeEvent.now = 0.0
+    with watch.work("optimizer"):
+        FakeEvent.now += 0.25
+    with watch.work("optimizer"):
+        FakeEvent.now += 0.5
+    watch._pending[-1][2].done = False  # still queued on the device
+    watch._resolve_events()
+    assert watch._times["optimizer"] == [0.25] and len(watch._pending) == 1
+
+
+# -- the stop record, its exit, and the decision after the step -------------------------------------------
+
+
+SLURM_ENV = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"}
+
+
+def test_a_straggler_stop_records_its_fields_and_exits_89(tmp_path):
+    run = RunDir(tmp_path)
+    fields = {
+        "rank": 1,
+        "node": "n2",
+        "phase": "optimizer",
+        "slower": 0.5,
+        "since_step": 11,
+        "action": "replace",
+    }
+    code = handle_stop(
+        ResilienceConfig(), run, StopReason.STRAGGLER, 40, 0, env=SLURM_ENV, facts={"straggler": fields}
+    )
+    assert code == EXIT_STRAGGLER == exit_code_for(StopReason.STRAGGLER) == 89
+    raw = json.loads(run.run_state.read_text())
+    assert raw["status"] == "stopped" and raw["reason"] == "straggler" and raw["straggler"] == fields
+    assert raw["requeue_requested"] is False  # the batch job's driver acts, not a requeue
+    state = RunStateFile(run).read()
+    assert state.status is RunStatus.STOPPED
+    # Until the driver acts on it, the step's end takes the stop as the run's own: no crash, no failure.
+    decision = decide(89, RunFacts(state, 0, ""), ResilienceConfig(), JobFacts.from_env(SLURM_ENV))
+    assert decision.action is Action.FINISHED and decision.crash is None
+
+
+# -- what the user sees ------------------------------------------------------------------------------
+
+
+def records_with_a_straggler() -> list[dict]:
+    base = {"time": 1.0, "job_id": None, "restart": 0}
+    out = [{"kind": "event", "step": 0, "event": "start", **base}]
+    for step in (10, 20, 30, 40):
+        slow = 1.5 if step > 10 else 1.0
+        times = {"rank0_data_s": 0.001, "rank0_optimizer_s": 0.01, "rank0_step_s": 0.1}
+        times |= {"rank1_data_s": 0.001, "rank1_optimizer_s": 0.01 * slow, "rank1_step_s": 0.1}
+        out.append({"kind": "rank_times", "step": step, **base, **times})
+        out.append({"kind": "train", "step": step, "loss": 1.0, **base})
+    fields = {
+        "rank": 1,
+        "node": "n2",
+        "phase": "optimizer",
+        "slower": 0.5,
+        "since_step": 11,
+        "action": "report",
+    }
+    out.append({"kind": "event", "step": 40, "event": "straggler", **fields, **base})
+    return out
+
+
+def test_status_shows_the_latest_straggler_and_when_it_cleared():
+    records = records_with_a_straggler()
+    text = describe_latest(records)
+    assert text == "rank 1 on n2 50% slower in optimizer since step 11 (named at step 40, action report)"
+    cleared = {"kind": "event", "step": 70, "event": "straggler_cleared", "rank": 1}
+    assert describe_latest([*records, cleared]).endswith("; cleared at step 70")
+    assert describe_latest(records[:-1]) is None
+
+
+def test_the_report_plots_each_rank_and_lists_the_straggler(tmp_path):
+    history = build_history(records_with_a_straggler())
+    series = work_by_rank(history)
+    assert series[1][0] == [10, 20, 30, 40] and series[1][1][-1] == pytest.approx(16.0)
+    assert plot_rank_times(history, "run", tmp_path / "rank_times.png").stat().st_size > 0
+    lines = straggler_lines(history)
+    assert "## Stragglers" in lines and any(
+        "| 40 | 1 | n2 | optimizer | 50 % | 11 | report |" in x for x in lines
+    )
+
+
+# -- the throttle fault's arithmetic ---------------------------------------------------------------------
+
+
+def test_the_throttle_quota_makes_the_compute_threads_factor_times_slower():
+    assert throttle.quota_us(2.0, 1, 2000) == 1000
+    assert throttle.quota_us(1.25, 2, 2000) == 3200
+    with pytest.raises(ValueError):
+        throttle.quota_us(0.5, 1)
+
+
+def test_the_throttle_finds_a_jobs_rank_from_proc(tmp_path):
+    def proc(pid, env, cmd):
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "environ").write_bytes(b"\0".join(e.encode() for e in env))
+        (d / "cmdline").write_bytes(b"\0".join(c.encode() for c in cmd))
+
+    train = ["python", "-m", "relaytrain.cli", "train", "cfg.toml"]
+    proc(10, ["SLURM_JOB_ID=5", "RANK=1"], ["python", "-m", "relaytrain.job.torchrun", *train])
+    proc(11, ["SLURM_JOB_ID=5", "RANK=0"], train)
+    proc(12, ["SLURM_JOB_ID=6", "RANK=1"], train)
+    proc(13, ["SLURM_JOB_ID=5", "RANK=1"], train)
+    assert throttle.rank_pid("5", 1, tmp_path) == 13
+    assert throttle.rank_pid("5", 2, tmp_path) is None
+
+
+# -- the trainer acts on a verdict ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("interval", "stop_step"), [(4, 4), (0, 1)])
+def test_the_trainer_stops_after_the_next_checkpoint_for_a_verdict_and_exits_89(
+    tmp_path, interval, stop_step
+):
+    """A replace verdict (as every rank reaches it from the gathered times) stops the loop at the first
+    step a checkpoint is saved (at once when the run saves none by itself), records it and exits 89."""
+    from relaytrain.config.loader import load_config
+    from relaytrain.parallel.distributed import init_distributed
+    from relaytrain.trainer import Trainer, prepare_run_dir
+
+    from conftest import TINY
+
+    cfg = load_config(None, [*TINY, f"--run.dir={tmp_path}", "--run.name=acts", "--train.max_steps=12",
+                             f"--checkpoint.interval={interval}", "--metrics.peak_flops=1e12"])  # fmt: skip
+    env = init_distributed(cfg)
+    prepare_run_dir(cfg, env.is_main)
+    trainer = Trainer(cfg, env)
+    verdict = {"rank": 1, "node": "n2", "phase": "optimizer", "slower": 0.5, "since_step": 1}
+    trainer.straggler.verdict = {**verdict, "action": "replace"}
+    assert trainer.run() == EXIT_STRAGGLER
+    run = RunDir(tmp_path / "acts")
+    raw = json.loads(run.run_state.read_text())
+    assert (raw["status"], raw["reason"], raw["step"]) == ("stopped", "straggler", stop_step)
+    assert raw["straggler"] == {**verdict, "action": "replace"}
+    saved = sorted(p.name for p in run.checkpoints.glob("step_*"))
+    assert saved == [f"step_{stop_step}"]  # the checkpoint the stop waited for, once

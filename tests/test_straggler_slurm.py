@@ -1,0 +1,124 @@
+"""Stragglers on the real local Slurm cluster: a rank slowed from outside the run is named, a clean run
+beside a CPU hog is not.
+
+Two jobs of 2 nodes x 1 task run at once (one module fixture), each training a small model for
+``STEPS`` steps with the default straggler settings:
+
+* in the first, rank 1's process gets a CPU quota of half its one compute thread once the run has
+  logged a few steps (``python -m faults.throttle``, from outside the job): one ``straggler:`` line names
+  rank 1 and its node within 50 steps, a ``straggler`` event is in metrics.jsonl and
+  ``relaytrain status`` shows it;
+* the second runs clean while a busy-looping process competes for the machine's CPUs: no straggler.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from e2e_slurm_jobs import cli, job_output, launch, records
+from tiny_config import TINY_TOML
+
+import faults
+import faults.throttle as throttle
+from conftest import REPO
+from slurm_fixtures import wait_for, wait_job_finished
+
+pytestmark = pytest.mark.slurm
+
+STEPS = 100
+FACTOR = 2.0
+THROTTLE_AT_STEP = 10
+NODES = ("--nodes", "2", "--tasks-per-node", "1")
+# A small model whose optimizer update is a few milliseconds: its work is long enough to time
+MODEL = TINY_TOML.replace("dim = 64", "dim = 128").replace("seq_len = 32", "seq_len = 64")
+CONFIG = (
+    '[run]\nname = "{name}"\ndir = "{runs}"\n\n'
+    + MODEL
+    + """max_steps = {steps}
+eval_every = 0
+
+[optim]
+warmup_steps = 2
+
+[metrics]
+log_every = 1
+tensorboard = false
+
+[checkpoint]
+interval = 1000
+
+[slurm]
+profile = "{profile}"
+"""
+)
+
+
+def straggler_lines(run_dir: Path, job: str) -> list[str]:
+    return [line for line in job_output(run_dir, job).splitlines() if "straggler: " in line]
+
+
+@pytest.fixture(scope="module")
+def stragglers(slurm_cluster, tmp_path_factory):
+    base = tmp_path_factory.mktemp("stragglers")
+    runs = base / "runs"
+    profile = REPO / "configs" / "clusters" / "local.toml"
+    jobs: dict[str, str] = {}
+    hog = None
+    pid = None
+    try:
+        for name in ("slow", "clean"):
+            cfg = base / f"{name}.toml"
+            cfg.write_text(CONFIG.format(name=name, runs=runs, steps=STEPS, profile=profile))
+            jobs[name] = launch(str(cfg), *NODES)
+        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+        def reached():
+            step = max((r["step"] for r in records(runs / "slow", "train")), default=0)
+            return step >= THROTTLE_AT_STEP and throttle.rank_pid(jobs["slow"], 1)
+
+        pid = wait_for(reached, 120, f"job {jobs['slow']} to reach step {THROTTLE_AT_STEP}", interval=0.2)
+        done = subprocess.run(
+            [sys.executable, "-m", "faults.throttle", "--pid", str(pid), "--factor", str(FACTOR)],
+            cwd=REPO, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        throttled_at = max(r["step"] for r in records(runs / "slow", "train"))
+        node = throttle._environ(pid)["SLURMD_NODENAME"]
+        fields = {name: wait_job_finished(int(job), timeout=300) for name, job in jobs.items()}
+        yield {"runs": runs, "jobs": jobs, "fields": fields, "landed": done.stdout, "node": node,
+               "throttled_at": throttled_at, "time": time.time()}  # fmt: skip
+    finally:
+        if hog is not None:
+            hog.kill()
+        if pid is not None:
+            throttle.release(pid)
+        subprocess.run(["scancel", *jobs.values()], capture_output=True, timeout=30)
+
+
+def test_a_throttled_rank_is_named_with_its_node_within_50_steps(stragglers):
+    runs, job, node = stragglers["runs"], stragglers["jobs"]["slow"], stragglers["node"]
+    assert faults.landed(stragglers["landed"]), stragglers["landed"]
+    assert stragglers["fields"]["slow"]["JobState"] == "COMPLETED"
+    lines = straggler_lines(runs / "slow", job)
+    assert lines, job_output(runs / "slow", job)[-4000:]
+    assert f"straggler: rank 1 on {node} " in lines[0] and "% slower in optimizer since step " in lines[0]
+    events = [r for r in records(runs / "slow", "event") if r.get("event") == "straggler"]
+    assert events and events[0]["rank"] == 1 and events[0]["node"] == node, events
+    assert events[0]["step"] - stragglers["throttled_at"] <= 50, (events, stragglers["throttled_at"])
+    assert events[0]["slower"] > 0.15 and events[0]["action"] == "report"
+    assert records(runs / "slow", "rank_times"), "no per-rank times recorded"
+    code, out = cli("status", str(runs / "slow"))
+    assert code == 0 and f"rank 1 on {node}" in out, out
+
+
+def test_a_clean_run_beside_a_cpu_hog_names_no_straggler(stragglers):
+    runs, job = stragglers["runs"], stragglers["jobs"]["clean"]
+    assert stragglers["fields"]["clean"]["JobState"] == "COMPLETED"
+    assert straggler_lines(runs / "clean", job) == []
+    assert not [r for r in records(runs / "clean", "event") if r.get("event") == "straggler"]
+    assert records(runs / "clean", "rank_times"), "the clean run compared no times"
