@@ -94,11 +94,11 @@ def test_a_deterministic_crash_stops_after_one_reproduction_with_its_cause_named
     assert first.action is (Action.RESTART if can_restart else Action.REQUEUE)
     assert last.action is Action.FAIL
     assert last.record.reason == repeat.REASON and last.crash["action"] == "fail" and last.crash["repeated"]
-    where = "at step 7" if name.startswith("shape") else "at start-up"
+    where = "after step 7" if name.startswith("shape") else "at start-up"
     named = (
         "shapes cannot be multiplied" if name.startswith("shape") else "No module named 'relaytrain_plugin'"
     )
-    assert f"the same error {where} twice: " in last.reason and named in last.reason
+    assert f"the same error twice {where}: " in last.reason and named in last.reason
     assert "not restarted: a deterministic fault in the program, data or config" in last.say[0]
 
 

@@ -65,7 +65,8 @@ class Signature:
         return cls(where, error, step)
 
     def place(self) -> str:
-        return f"at step {self.step}" if self.where == "step" else "at start-up"
+        # run_state.json's step: the last one the run finished (the error came while it computed the next)
+        return f"after step {self.step}" if self.where == "step" else "at start-up"
 
 
 def normalized(text: str) -> str:
@@ -134,6 +135,6 @@ def repeated(signature: Signature | None, previous: Mapping[str, Any] | None) ->
 def stop_message(signature: Signature) -> str:
     """The job log's line and run_state.json's message: the cause named, and why it was not restarted."""
     return (
-        f"the same error {signature.place()} twice: {signature.error}; not restarted: a deterministic "
+        f"the same error twice {signature.place()}: {signature.error}; not restarted: a deterministic "
         "fault in the program, data or config; fix it and submit the run again"
     )
