@@ -1,0 +1,87 @@
+"""The "fault-matrix" section of docs/benchmarks.md, from a kept results file
+(bench/results/fault-matrix-*.json) and nothing else, so that
+`python -m bench.fault_matrix --page-from FILE` rewrites it byte for byte."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from bench import kept
+from bench.cluster.fault_matrix_judge import (
+    INFRA,
+    KINDS,
+    MAX_REPRODUCTIONS,
+    MAX_STEPS_LOST,
+    MatrixTrial,
+    summary,
+)
+from bench.report import REPO, table
+
+SECTION = "fault-matrix"
+COMMAND = "python -m bench.fault_matrix"
+
+
+def load_trials(data: dict[str, Any], name: str = "") -> list[MatrixTrial]:
+    names = {f.name for f in fields(MatrixTrial)}
+    try:
+        return [MatrixTrial(**{k: v for k, v in row.items() if k in names}) for row in data.get("trials", [])]
+    except TypeError as err:
+        raise ValueError(f"{name or 'the results'} hold no fault matrix trials ({err})") from None
+
+
+def _n(value: float | int | None) -> str:
+    return "–" if value is None else f"{value:g}"
+
+
+def rows_table(trials: list[MatrixTrial]) -> str:
+    rows = []
+    for t in trials:
+        kind = KINDS[t.kind]
+        cls = "machines" if kind.cls == INFRA else "user"
+        decisions = " → ".join(t.decisions) or t.decision or "–"
+        rows.append((
+            f"`{t.kind}`", cls, kind.fault, f"**{t.decision or '–'}**", decisions, t.restarts, t.requeues,
+            _n(t.reproductions), _n(t.seconds_to_decision), _n(t.steps_lost),
+            "right" if t.right else f"**wrong**: {t.why}",
+        ))  # fmt: skip
+    header = ("kind", "fault of", "the fault", "decision", "decisions in order", "restarts", "requeues",
+              "reproductions", "fault → decision (s)", "steps lost", "verdict")  # fmt: skip
+    return table(header, rows)
+
+
+def causes(trials: list[MatrixTrial]) -> str:
+    """What each user fault's stop said: the cause named, as the job log and run_state.json have it."""
+    repo = str(REPO.resolve())  # the page names no path outside the repository
+    lines = [f"- `{t.kind}`: {t.message.replace(repo, '.').replace('|', '/')}"
+             for t in trials if KINDS[t.kind].cls != INFRA]  # fmt: skip
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def render_section(path: str) -> str:
+    data = kept.load(path)
+    trials = load_trials(data, kept.relative(path))
+    s = summary(trials)
+    met = s["right"] == s["trials"] and not s["false_stops"] and s["user_within_reproductions"] == s["user"]
+    return (
+        "## Fault matrix: restart or stop, decided right\n\n"
+        f"Rewritten from the kept results by `{COMMAND} --page-from {kept.relative(path)}`; measured by "
+        f"`{data.get('command', COMMAND)}` on {data.get('date', '?')} ({data.get('cpu', '?')}, "
+        f"{data.get('cores', '?')} cores, load {data.get('load', '?')}), on the local Slurm cluster: 2-node "
+        "jobs (1 rank a node) of the tiny config, `checkpoint.snapshot_every=1`, one trial a fault kind.\n\n"
+        "A fault of the machines is right when the job was restarted in place, requeued or went on, was "
+        f"never stopped, finished, and replayed at most {MAX_STEPS_LOST} step. A fault of the user is right "
+        f"when the job stopped with its cause named after at most {MAX_REPRODUCTIONS} reproduction (each "
+        "restart or requeue runs the fault again) and was not requeued. *fault → decision*: from the fault's "
+        "landed line (or the benchmark's own action) to the decision's record (crashes.jsonl, the stop "
+        "event, run_state.json). The judge: bench/cluster/fault_matrix_judge.py.\n\n"
+        + rows_table(trials)
+        + "\n"
+        + f"Verdicts right: **{s['right']}/{s['trials']}**; false stops: **{s['false_stops']}**; user faults "
+        f"stopped after <= {MAX_REPRODUCTIONS} reproduction: "
+        f"**{s['user_within_reproductions']}/{s['user']}** "
+        f"(most: {s['max_reproductions']}); most steps lost by a fault of the machines: "
+        f"{s['max_steps_lost']}. Targets (every verdict right, 0 false stops, user faults stopped after <= 1 "
+        f"reproduction): **{'met' if met else 'missed'}**.\n\n"
+        "The causes the user faults' stops named:\n\n" + causes(trials)
+    )
