@@ -43,7 +43,7 @@ KINDS = {
         Kind("node_lost", INFRA, "rank 1's node killed (its slurmd and every process on it), back later"),
         Kind("slurmd_killed", INFRA, "SIGKILL rank 1's node's slurmd only, started again 20 s later"),
         Kind("hang", INFRA, "rank 1's data loader stalls (RELAYTRAIN_FAULT_STALL_AT_STEP)"),
-        Kind("disk_full", INFRA, "rank 1's node's snapshot directory filled from outside (ENOSPC)"),
+        Kind("disk_full", INFRA, "rank 1's node's snapshot directory (a tmpfs) filled from outside: ENOSPC"),
         Kind(
             "preemption",
             INFRA,
@@ -69,7 +69,7 @@ KINDS = {
             "the only checkpoint damaged (a shard deleted), then resubmitted",
             "damaged",
         ),
-        Kind("impossible_config", USER, "`--parallel.tp=4` on 2 ranks: no layout fits", "no valid layout"),
+        Kind("impossible_config", USER, "`--parallel.tp=4` on 2 ranks: no layout fits", "tp=4"),
     )  # fmt: skip
 }
 

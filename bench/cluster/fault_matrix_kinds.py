@@ -40,6 +40,7 @@ SNAPSHOTS = "--checkpoint.snapshot_every=1"
 EXCLUSIVE = ("node_lost", "slurmd_killed", "disk_full")
 BROKEN_MODULE = "relaytrain_user_plugin"
 FILL = "relaytrain-fault-fill"
+SMALL_FS, SMALL_FS_SIZE = "relaytrain-fault-snapshots", "8m"  # a snapshot of the tiny model: ~1 MB a rank
 JOB_TIMEOUT_S = 600
 
 
@@ -54,7 +55,7 @@ def stop_agreed_at(run: RunFiles) -> float | None:
     """When rank 0 logged its first `stop agreed` line (its log's local time), None when it did not."""
     for line in run.rank_log(0).splitlines():
         if "stop agreed by all ranks" in line:
-            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            return datetime.strptime(line[:19], "%Y-%m-%d %H:%M:%S").timestamp()  # to the second
     return None
 
 
@@ -117,7 +118,10 @@ class FaultMatrix:
         self.acted(trial, f"node {node} killed (slurmd and every process on it)")
         local_cluster.kill_node(node, self.cluster.base_dir)
         try:
-            wait(lambda: run.crashes() or run.state().get("status") != "running", 240, "the decision")
+            # down until the decision is recorded (a rank's own `failed` record comes before it)
+            ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PENDING")
+            over = lambda: scontrol_job(trial.job).get("JobState") in ended  # noqa: E731
+            wait(lambda: run.crashes() or over(), 300, "the decision after the lost node")
         finally:
             local_cluster.restart_node(node, self.cluster.base_dir)
         return self.end(trial)
@@ -143,23 +147,34 @@ class FaultMatrix:
         return requeues
 
     def disk_full(self, trial, run: RunFiles) -> int:
-        from relaytrain.localcluster import cluster as local_cluster
-
-        self.start(trial, run)
-        self.after_step(run, FIRE_AFTER - 3)
-        node = self._rank1_node(trial)
-        fill = f"dd if=/dev/zero of=/dev/shm/{FILL} bs=1M 2>&1 | tail -1; df -h /dev/shm | tail -1"
-        self.acted(trial, f"/dev/shm of {node} filled")
-        done = local_cluster.on_node(node, ["sh", "-c", fill], self.cluster.base_dir)
-        trial.landed += f" ({' '.join(done.stdout.split()[-6:])})"
+        """The snapshots go to a small tmpfs of its own in each node's memory (mounted inside the node,
+        where its processes see it); rank 1's node's is filled from outside mid-run."""
+        small = f"/dev/shm/{SMALL_FS}"
+        mount = f"mkdir -p {small} && mount -t tmpfs -o size={SMALL_FS_SIZE} {SMALL_FS} {small}"
+        for node in self.cluster.nodes:
+            self._on_node(node, mount)
         try:
-            self.after_step(run, FIRE_AFTER + 3)  # snapshots fail meanwhile; training goes on
+            self.start(trial, run, f"--checkpoint.snapshot_dir={small}")
+            self.after_step(run, FIRE_AFTER - 3)
+            node = self._rank1_node(trial)
+            self.acted(trial, f"{small} of {node} filled")
+            full = self._on_node(node, f"dd if=/dev/zero of={small}/{FILL} bs=64k 2>&1 | tail -1; df {small}")
+            trial.landed += f" ({' '.join(full.split()[-5:])})"
+            requeues = self.end(trial)
         finally:
-            local_cluster.on_node(node, ["rm", "-f", f"/dev/shm/{FILL}"], self.cluster.base_dir)
-        requeues = self.end(trial)
+            for node in self.cluster.nodes:
+                self._on_node(node, f"umount -l {small}; rmdir {small}", check=False)
         if "No space left on device" not in run.rank_log(1):
             trial.error = "no snapshot failed with ENOSPC on rank 1: the fault did not reach the run"
         return requeues
+
+    def _on_node(self, node: str, command: str, check: bool = True) -> str:
+        from relaytrain.localcluster import cluster as local_cluster
+
+        done = local_cluster.on_node(node, ["sh", "-c", command], self.cluster.base_dir)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"on {node}: {command} exited {done.returncode}: {done.stderr[-300:]}")
+        return done.stdout
 
     def preemption(self, trial, run: RunFiles) -> int:
         self.start(trial, run)
