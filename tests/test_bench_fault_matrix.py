@@ -149,7 +149,7 @@ def test_no_landed_evidence_or_a_failed_trial_is_never_right():
 
 def test_a_config_refused_at_submission_is_a_stop_before_any_reproduction():
     trial = MatrixTrial("impossible_config", landed_at=T0, final_status=REFUSED)
-    trial.message = "relaytrain launch exited 2: relaytrain: error: no valid layout for 2 rank(s)"
+    trial.message = "relaytrain launch exited 2: plan refused (world size 2 is not divisible by ... tp=4 ...)"
     judge(trial, [], [], [], {})
     assert (trial.decision, trial.reproductions, trial.right) == (STOP, 0, True), trial.why
 
