@@ -3,7 +3,7 @@ requeued or stopped, as it should be.
 
     python -m bench.fault_matrix                         # every kind; writes the "fault-matrix" section
     python -m bench.fault_matrix --kinds shape_error,rank_killed --no-write
-    python -m bench.fault_matrix --page-from bench/results/fault-matrix-2026-11-27-0700.json
+    python -m bench.fault_matrix --page-from A.json B.json   # the section from kept results, in run order
 
 The faults of the machines (a rank killed, a node lost, its slurmd killed, a hang, a full snapshot
 directory, a preemption, the time limit) must cost a restart in place or a requeue (or nothing) and at
@@ -60,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="keep the results, leave the page alone")
     parser.add_argument("--no-lock", action="store_true", help="the caller holds the cluster lock already")
     parser.add_argument("--out", default=str(OUT))
-    parser.add_argument("--page-from", metavar="KEPT_JSON", help="write the section from a kept results file")
+    parser.add_argument(
+        "--page-from",
+        nargs="+",
+        metavar="KEPT_JSON",
+        help="write the section from kept results files, in run order (a kind's last trial counts)",
+    )
     args = parser.parse_args(argv)
     if args.page_from:
         try:

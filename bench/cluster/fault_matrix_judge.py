@@ -54,7 +54,7 @@ KINDS = {
             "import_error",
             USER,
             "a broken module on PYTHONPATH (slurm.setup) imported at start-up",
-            "ImportError: cannot import name",
+            "No module named 'relaytrain_user_helpers'",
         ),
         Kind(
             "shape_error",

@@ -40,6 +40,7 @@ SNAPSHOTS = "--checkpoint.snapshot_every=1"
 EXCLUSIVE = ("node_lost", "slurmd_killed", "disk_full")
 BROKEN_MODULE = "relaytrain_user_plugin"
 FILL = "relaytrain-fault-fill"
+FILL_S = 8  # how long the filler keeps rank 1's snapshot directory full
 SMALL_FS, SMALL_FS_SIZE = "relaytrain-fault-snapshots", "8m"  # a snapshot of the tiny model: ~1 MB a rank
 JOB_TIMEOUT_S = 600
 
@@ -158,8 +159,13 @@ class FaultMatrix:
             self.after_step(run, FIRE_AFTER - 3)
             node = self._rank1_node(trial)
             self.acted(trial, f"{small} of {node} filled")
-            full = self._on_node(node, f"dd if=/dev/zero of={small}/{FILL} bs=64k 2>&1 | tail -1; df {small}")
-            trial.landed += f" ({' '.join(full.split()[-5:])})"
+            # Each snapshot first deletes the one before last: a single fill would leave room for the next.
+            # The filler takes whatever space comes free, for FILL_S seconds (a log writer gone wild).
+            filler = (f"end=$(($(date +%s) + {FILL_S})); i=0; while [ $(date +%s) -lt $end ]; do "
+                      f"dd if=/dev/zero of={small}/{FILL}.$i bs=64k 2>/dev/null; i=$((i + 1)); sleep 0.02; "
+                      f"done; df {small} | tail -1; rm -f {small}/{FILL}.*")  # fmt: skip
+            full = self._on_node(node, filler)
+            trial.landed += f" for {FILL_S} s ({' '.join(full.split()[-5:])} at its end)"
             requeues = self.end(trial)
         finally:
             for node in self.cluster.nodes:

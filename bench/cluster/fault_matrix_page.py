@@ -58,17 +58,32 @@ def causes(trials: list[MatrixTrial]) -> str:
     return "\n".join(lines) + "\n" if lines else ""
 
 
-def render_section(path: str) -> str:
-    data = kept.load(path)
-    trials = load_trials(data, kept.relative(path))
+def merged(paths: list[str]) -> tuple[list[MatrixTrial], list[dict[str, Any]]]:
+    """Each kind's trial from the last kept file that has it (in run order), and each file's data."""
+    datas = [kept.load(path) for path in paths]
+    by_kind: dict[str, MatrixTrial] = {}
+    for path, data in zip(paths, datas, strict=True):
+        by_kind |= {t.kind: t for t in load_trials(data, kept.relative(path))}
+    order = list(KINDS)
+    return sorted(by_kind.values(), key=lambda t: order.index(t.kind)), datas
+
+
+def render_section(paths: str | list[str]) -> str:
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    trials, datas = merged(paths)
     s = summary(trials)
     met = s["right"] == s["trials"] and not s["false_stops"] and s["user_within_reproductions"] == s["user"]
+    files = " ".join(kept.relative(p) for p in paths)
+    runs = "; ".join(
+        f"`{d.get('command', COMMAND)}` on {d.get('date', '?')} ({d.get('cpu', '?')}, {d.get('cores', '?')} "
+        f"cores, load {d.get('load', '?')}: {', '.join(t['kind'] for t in d.get('trials', []))})"
+        for d in datas
+    )
     return (
         "## Fault matrix: restart or stop, decided right\n\n"
-        f"Rewritten from the kept results by `{COMMAND} --page-from {kept.relative(path)}`; measured by "
-        f"`{data.get('command', COMMAND)}` on {data.get('date', '?')} ({data.get('cpu', '?')}, "
-        f"{data.get('cores', '?')} cores, load {data.get('load', '?')}), on the local Slurm cluster: 2-node "
-        "jobs (1 rank a node) of the tiny config, `checkpoint.snapshot_every=1`, one trial a fault kind.\n\n"
+        f"Rewritten from the kept results by `{COMMAND} --page-from {files}`; measured by {runs}; on the "
+        "local Slurm cluster: 2-node jobs (1 rank a node) of the tiny config, `checkpoint.snapshot_every=1`, "
+        "one trial a fault kind (from the last run that has it).\n\n"
         "A fault of the machines is right when the job was restarted in place, requeued or went on, was "
         f"never stopped, finished, and replayed at most {MAX_STEPS_LOST} step. A fault of the user is right "
         f"when the job stopped with its cause named after at most {MAX_REPRODUCTIONS} reproduction (each "
