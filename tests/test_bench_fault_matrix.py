@@ -196,3 +196,18 @@ def test_the_command_line_names_the_kinds_and_refuses_unknown_ones(capsys):
     with pytest.raises(SystemExit):
         fault_matrix.main(["--kinds", "nan,meteor"])
     assert "no fault kind meteor" in capsys.readouterr().err
+
+
+def test_a_later_run_s_trial_of_a_kind_replaces_the_earlier_one_on_the_page(tmp_path):
+    wrong = judged("disk_full", landed=None)  # no evidence: wrong
+    right = judged("disk_full")
+    files = []
+    for name, trial in (("a", wrong), ("b", right)):
+        data = {"command": f"python -m bench.fault_matrix --kinds disk_full # {name}", "date": "2026-11-27",
+                "trials": [asdict(trial), asdict(judged("nan", state=failed("nan")))]}  # fmt: skip
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+        files.append(str(tmp_path / f"{name}.json"))
+    section = render_section(files)
+    assert section.count("| `disk_full` |") == 1 and "Verdicts right: **2/2**" in section
+    assert "# a` on 2026-11-27" in section and "# b` on 2026-11-27" in section
+    assert "Verdicts right: **1/2**" in render_section(files[::-1])
