@@ -53,19 +53,22 @@ def rows_table(trials: list[MatrixTrial]) -> str:
 def causes(trials: list[MatrixTrial]) -> str:
     """What each user fault's stop said: the cause named, as the job log and run_state.json have it."""
     repo = str(REPO.resolve())  # the page names no path outside the repository
-    lines = [f"- `{t.kind}`: {t.message.replace(repo, '.').replace('|', '/')}"
+    lines = [f"- `{t.kind}`: {' '.join(t.message.replace(repo, '.').replace('|', '/').split())}"
              for t in trials if KINDS[t.kind].cls != INFRA]  # fmt: skip
     return "\n".join(lines) + "\n" if lines else ""
 
 
-def merged(paths: list[str]) -> tuple[list[MatrixTrial], list[dict[str, Any]]]:
-    """Each kind's trial from the last kept file that has it (in run order), and each file's data."""
+def merged(paths: list[str]) -> tuple[list[MatrixTrial], list[tuple[dict[str, Any], list[str]]]]:
+    """Each kind's trial from the last kept file that has it (in run order), and each file's data with the
+    kinds it gave."""
     datas = [kept.load(path) for path in paths]
-    by_kind: dict[str, MatrixTrial] = {}
-    for path, data in zip(paths, datas, strict=True):
-        by_kind |= {t.kind: t for t in load_trials(data, kept.relative(path))}
+    by_kind: dict[str, tuple[int, MatrixTrial]] = {}
+    for i, (path, data) in enumerate(zip(paths, datas, strict=True)):
+        by_kind |= {t.kind: (i, t) for t in load_trials(data, kept.relative(path))}
     order = list(KINDS)
-    return sorted(by_kind.values(), key=lambda t: order.index(t.kind)), datas
+    trials = sorted((t for _, t in by_kind.values()), key=lambda t: order.index(t.kind))
+    gave = [[k for k in order if k in by_kind and by_kind[k][0] == i] for i in range(len(datas))]
+    return trials, list(zip(datas, gave, strict=True))
 
 
 def render_section(paths: str | list[str]) -> str:
@@ -76,8 +79,8 @@ def render_section(paths: str | list[str]) -> str:
     files = " ".join(kept.relative(p) for p in paths)
     runs = "; ".join(
         f"`{d.get('command', COMMAND)}` on {d.get('date', '?')} ({d.get('cpu', '?')}, {d.get('cores', '?')} "
-        f"cores, load {d.get('load', '?')}: {', '.join(t['kind'] for t in d.get('trials', []))})"
-        for d in datas
+        f"cores, load {d.get('load', '?')}; its trials shown: {', '.join(kinds) or 'none'})"
+        for d, kinds in datas
     )
     return (
         "## Fault matrix: restart or stop, decided right\n\n"
