@@ -17,9 +17,11 @@ from pathlib import Path
 from faults.pythonpath.relaytrain_faults import (
     FAULT_RANK_ENV,
     FIFO_AT_STEP_ENV,
+    IMPORT_MODULE_ENV,
     LANDED,
     NAN_AT_STEPS_ENV,
     NAN_RANK_ENV,
+    SHAPE_ERROR_AT_STEP_ENV,
     SKIP_COLLECTIVE_AT_STEP_ENV,
     SLOW_FACTOR_ENV,
     SLOW_FROM_STEP_ENV,
@@ -42,7 +44,12 @@ HANG_FAULTS = {
 
 
 def variables(
-    nan_at_steps: tuple[int, ...] = (), nan_rank: int | None = None, step_delay_s: float = 0.0, **hang
+    nan_at_steps: tuple[int, ...] = (),
+    nan_rank: int | None = None,
+    step_delay_s: float = 0.0,
+    shape_error_at_step: int | None = None,
+    import_module: str = "",
+    **hang,
 ) -> dict[str, str]:
     """The fault variables alone (empty when no fault is asked for); `hang`: HANG_FAULTS' keywords."""
     unknown = sorted(set(hang) - set(HANG_FAULTS))
@@ -55,6 +62,10 @@ def variables(
         out[NAN_RANK_ENV] = str(nan_rank)
     if step_delay_s:
         out[STEP_DELAY_ENV] = f"{step_delay_s:g}"
+    if shape_error_at_step is not None:
+        out[SHAPE_ERROR_AT_STEP_ENV] = str(shape_error_at_step)
+    if import_module:
+        out[IMPORT_MODULE_ENV] = import_module
     out |= {HANG_FAULTS[k]: f"{v:g}" for k, v in hang.items() if v is not None}
     return out
 

@@ -87,3 +87,22 @@ def test_step_delay_fault_lands_after_every_step(tmp_path):
     rows = train_rows(tmp_path / "run")
     seconds = {step: TOKENS_PER_STEP / row["tokens_per_s"] for step, row in rows.items()}
     assert all(s >= delay for s in seconds.values()), f"a step took less than the {delay} s delay: {seconds}"
+
+
+def test_user_faults_land_as_real_errors_every_time(tmp_path):
+    """The deterministic faults of the fault matrix (bench/fault_matrix.py): a shape error at step k from
+    torch itself (recorded by the run), an import error at start-up (before run_state.json)."""
+    args = ["train", *TINY, "--train.max_steps=4", f"--run.dir={tmp_path}", "--run.name=run"]
+    proc = run_cli(args, cwd=tmp_path, **faults.env(shape_error_at_step=2))
+    out = proc.stdout + proc.stderr
+    assert faults.landed(out) == ["shape error at step 2 on rank 0"], out[-3000:]
+    assert proc.returncode == 1 and "RuntimeError: mat1 and mat2 shapes cannot be multiplied" in out
+    state = json.loads((tmp_path / "run" / "run_state.json").read_text())
+    assert (state["status"], state["reason"], state["step"]) == ("failed", "error", 1), state
+    assert "shapes cannot be multiplied" in state["message"]
+    args[-1] = "--run.name=other"
+    proc = run_cli(args, cwd=tmp_path, **faults.env(import_module="relaytrain_missing_plugin"))
+    out = proc.stdout + proc.stderr
+    assert faults.landed(out) == ["importing relaytrain_missing_plugin with relaytrain.trainer"], out[-3000:]
+    assert proc.returncode == 1 and "ModuleNotFoundError: No module named 'relaytrain_missing_plugin'" in out
+    assert not (tmp_path / "other").exists()  # it died before the run directory was made

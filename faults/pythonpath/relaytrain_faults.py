@@ -11,6 +11,12 @@ wrapped, and each Trainer it builds gets its faults on two public seams of its o
 - ``RELAYTRAIN_FAULT_STEP_DELAY_S=0.4``: every rank sleeps this long after each finished step (after the
   first ``watchdog.beat(step)`` that follows a ``train_step``), so that a tiny model's run lasts long
   enough for a real scheduler to signal, preempt or kill it mid-training without using CPU.
+- ``RELAYTRAIN_FAULT_SHAPE_ERROR_AT_STEP=N``: every rank's ``model.train_step`` of step N multiplies two
+  matrices whose shapes do not fit, a real ``RuntimeError`` from torch, in every process (a restarted or
+  requeued run meets it again at the same step, as it would a bug in the model code or a bad config).
+- ``RELAYTRAIN_FAULT_IMPORT_MODULE=name``: importing ``relaytrain.trainer`` first imports the module
+  ``name`` (a module that is missing or broken on PYTHONPATH fails the start-up of every process with
+  its real ImportError, as a user's plugin would).
 - The hang faults (``HangFaults`` below: a FIFO read, a stalled loader, a skipped collective, a
   slow rank) on one rank (``RELAYTRAIN_FAULT_RANK``) at one step.
 
@@ -32,6 +38,8 @@ import time
 NAN_AT_STEPS_ENV = "RELAYTRAIN_FAULT_NAN_AT_STEPS"
 NAN_RANK_ENV = "RELAYTRAIN_FAULT_NAN_RANK"
 STEP_DELAY_ENV = "RELAYTRAIN_FAULT_STEP_DELAY_S"
+SHAPE_ERROR_AT_STEP_ENV = "RELAYTRAIN_FAULT_SHAPE_ERROR_AT_STEP"
+IMPORT_MODULE_ENV = "RELAYTRAIN_FAULT_IMPORT_MODULE"
 ENV_PREFIX = "RELAYTRAIN_FAULT_"
 LANDED = "relaytrain-faults: landed:"
 TARGET = "relaytrain.trainer"
@@ -72,7 +80,8 @@ class Faults:
     """The faults asked for by the environment, for one process."""
 
     def __init__(self, env=os.environ):
-        known = (NAN_AT_STEPS_ENV, NAN_RANK_ENV, STEP_DELAY_ENV, *HANG_KNOWN)
+        known = (NAN_AT_STEPS_ENV, NAN_RANK_ENV, STEP_DELAY_ENV, SHAPE_ERROR_AT_STEP_ENV, IMPORT_MODULE_ENV,
+                 *HANG_KNOWN)  # fmt: skip
         unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
         if unknown:  # a misspelt fault would otherwise arm nothing, and a test would pass without it
             raise SystemExit(f"relaytrain-faults: unknown {', '.join(unknown)}; known: {', '.join(known)}")
@@ -84,6 +93,9 @@ class Faults:
         self.nan_rank = number(NAN_RANK_ENV, rank, int) if rank else self.hang.rank
         delay = env.get(STEP_DELAY_ENV, "").strip()
         self.step_delay_s = number(STEP_DELAY_ENV, delay, float) if delay else 0.0
+        shape = env.get(SHAPE_ERROR_AT_STEP_ENV, "").strip()
+        self.shape_error_at = number(SHAPE_ERROR_AT_STEP_ENV, shape, int) if shape else None
+        self.import_module = env.get(IMPORT_MODULE_ENV, "").strip()
 
     def attach(self, trainer) -> None:
         """Wrap this trainer's ``model.train_step`` and ``watchdog.beat`` (instance attributes only)."""
@@ -97,6 +109,11 @@ class Faults:
 
         @functools.wraps(train_step)
         def faulty_train_step(*args, **kwargs):
+            if trainer.state.step + 1 == self.shape_error_at:
+                import torch
+
+                say(f"shape error at step {self.shape_error_at} on rank {rank}")
+                torch.zeros(4, 64) @ torch.zeros(32, 64)  # RuntimeError: shapes cannot be multiplied
             loss = train_step(*args, **kwargs)
             step_open[0] = True
             step = trainer.state.step + 1
@@ -119,7 +136,7 @@ class Faults:
                 say(f"{delay:g} s step delay after step {step} on rank {rank}")
             time.sleep(delay)
 
-        if self.nan_steps or delay:
+        if self.nan_steps or delay or self.shape_error_at is not None:
             trainer.model.train_step = faulty_train_step
         if delay:
             trainer.watchdog.beat = slow_beat
@@ -262,6 +279,11 @@ class _AfterImport:
         exec_module = spec.loader.exec_module
 
         def exec_then_patch(module):
+            if self.faults.import_module:
+                import importlib
+
+                say(f"importing {self.faults.import_module} with {TARGET}")
+                importlib.import_module(self.faults.import_module)  # its ImportError ends the start-up
             exec_module(module)
             _patch_trainer(module, self.faults)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts, RunDir
+from relaytrain.resilience import repeat
 from relaytrain.resilience.codes import EXIT_RESTART_STEP, EXIT_RESUME, StopReason
 from relaytrain.resilience.crash import (
     CRASH_LOG_FILE,
@@ -47,6 +48,7 @@ class RunFacts:
     earlier_restarts: int = 0  # crashes of this job in crashes.jsonl restarted in place
     hang: HangRecord | None = None  # the hang the job's hang monitor detected in this step
     earlier_hang_nodes: tuple[str, ...] = ()  # culprit nodes of this job's earlier hangs, once per hang
+    previous_crash: Mapping[str, Any] | None = None  # this job's last crashes.jsonl line (repeat.py)
 
     @classmethod
     def read(cls, run: RunDir, job: JobFacts, job_log_tail: str = "") -> RunFacts:
@@ -64,6 +66,7 @@ class RunFacts:
             crashes.count(job.job_id, restarts=True),
             HangRecordFile(run).for_step(job),
             tuple(crashes.hang_culprit_nodes(job.job_id)),
+            repeat.previous_crash(crashes.entries(), job.job_id),
         )
 
 
@@ -134,6 +137,12 @@ def _after_crash(
     step = state.step if state is not None else 0
     cause = cause_of(exit_code, why, state, run.job_log_tail, run.hang)
     why = cause["why"]  # a hang's: the monitor's `hang detected: ...` line
+    written = state is not None and state.written_by(job)
+    signature = repeat.signature_of(cause, state, written, run.job_log_tail)  # None: a fault of the machines
+    if signature is not None:
+        cause = {**cause, repeat.SIGNATURE_FIELD: signature.as_dict()}
+        if repeat.repeated(signature, run.previous_crash):  # a deterministic fault: stopped, never requeued
+            return _stop_repeated(exit_code, signature, cause, step, job)
     plan, not_in_place = plan_restart(
         restartable.step,
         run.earlier_restarts,
@@ -180,6 +189,21 @@ def _after_crash(
         RunState.of(RunStatus.FAILED, reason, step, message=message[:500], **facts),
         crash={**job.identity(), "step": step, **cause, "action": "requeue" if allowed else "fail"},
         requeue_why="after the crash",
+    )
+
+
+def _stop_repeated(
+    exit_code: int, signature: repeat.Signature, cause: dict[str, Any], step: int, job: JobFacts
+) -> Decision:
+    message = repeat.stop_message(signature)
+    facts = {**job.identity(), "saved": False, "exit_code": exit_code, "crash": cause, "repeated": True}
+    record = RunState.of(RunStatus.FAILED, repeat.REASON, step, message=message[:500], **facts)
+    return Decision(
+        Action.FAIL,
+        message,
+        (message,),
+        record,
+        crash={**job.identity(), "step": step, **cause, "action": "fail", "repeated": True},
     )
 
 

@@ -8,6 +8,9 @@ the job log) and says:
 
 * **fail**, nothing touched: the step was refused because another run holds the run directory
   (``run.lock``; its output says so);
+* **fail** at once after a crash that repeats the job's previous crash (the same exception and message
+  at the same step, or the same error at start-up: ``repeat.py``), its cause named: a deterministic
+  fault of the program, data or config is not restarted nor requeued;
 * **restart** the job step in place after a crash of relaytrain's trainer (``crash.classify``) or a
   program's exit 76, when ``step_restart.plan_restart`` allows (the script can, fewer than
   ``resilience.max_step_restarts`` restarts in place, on the nodes left after a node failure, without
