@@ -15,7 +15,7 @@ import pytest
 
 from relaytrain.job import RunDir
 from relaytrain.job.facts import STEP_RESTARTS_ENV
-from relaytrain.job.ports import choose_port, has_no_listener
+from relaytrain.job.ports import base_port, choose_port, has_no_listener
 from relaytrain.resilience import job_driver
 from relaytrain.resilience.crash import CrashLog
 from relaytrain.resilience.job_driver import JobPlan, StepLaunch, requeue_state
@@ -56,12 +56,14 @@ def test_a_restart_in_place_overlaps_once_and_narrows_the_step_to_the_nodes_left
     env = {"SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NTASKS": "4", "MASTER_ADDR": "node1"}
     launch.restart((), "123", env)  # the same nodes
     assert launch.argv() == ["srun", "--nodes=2", "--ntasks-per-node=2", "--overlap", "python", "x.py"]
-    assert env["MASTER_PORT"] == str(choose_port(124, has_no_listener)) and env["MASTER_ADDR"] == "node1"
+    assert env["MASTER_PORT"] == str(choose_port("123+1", has_no_listener)) and env["MASTER_ADDR"] == "node1"
+    # not the next job's own first port: two jobs sharing a first node joined each other's rendezvous
+    assert base_port("123+1") not in (base_port(124), base_port(123))
     launch.restart(("node2",), "123", env)
     assert launch.argv()[3:] == ["--overlap", "--nodes=1", "--nodelist=node2", "--ntasks=2", "python", "x.py"]
     assert (env["SLURM_JOB_NODELIST"], env["SLURM_JOB_NUM_NODES"]) == ("node2", "1")
     assert env["MASTER_ADDR"] == "node2"
-    assert "SLURM_NTASKS" not in env and env["MASTER_PORT"] == str(choose_port(125, has_no_listener))
+    assert "SLURM_NTASKS" not in env and env["MASTER_PORT"] == str(choose_port("123+2", has_no_listener))
 
 
 def test_only_a_listener_takes_a_port():

@@ -2,7 +2,8 @@
 
 The generated script runs the same rule in bash (`pick_port`) on the first node, where rank 0 listens,
 and exports the result, so all ranks share it; the batch job's driver picks the port of a job step
-restarted in place with ``choose_port(job_id + restarts, has_no_listener)``.
+restarted in place with ``choose_port(f"{job_id}+{restarts}", has_no_listener)``: hashed, so it is not
+another job's first port.
 """
 
 from __future__ import annotations

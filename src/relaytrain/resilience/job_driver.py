@@ -79,8 +79,9 @@ class StepLaunch:
             count, tasks = len(self.nodes), len(self.nodes) * self.tasks_per_node
             self.extra += [f"--nodes={count}", f"--nodelist={','.join(self.nodes)}", f"--ntasks={tasks}"]
             environ["MASTER_ADDR"] = self.nodes[0]
-        base = int(job_id) + self.restarts if job_id.isdigit() else f"{job_id}+{self.restarts}"
-        environ["MASTER_PORT"] = str(choose_port(base, has_no_listener))
+        # Hashed, not job id + restarts: that is the next job's own first port, and two jobs sharing a first
+        # node then joined each other's rendezvous.
+        environ["MASTER_PORT"] = str(choose_port(f"{job_id}+{self.restarts}", has_no_listener))
 
 
 class RequeueState(NamedTuple):
