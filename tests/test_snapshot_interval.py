@@ -128,6 +128,8 @@ def test_auto_measures_at_its_first_snapshot_then_takes_one_at_the_chosen_interv
     assert fields["overhead"] == pytest.approx(0.02) and fields["budget"] == 0.02  # 0.3 / (15 * 1.0)
     assert not pacing.measuring and pacing.next_step == first + 15
     assert not pacing.due(first + 14) and pacing.due(first + 15)
+    pacing.taken(first + 15, None)  # the next snapshot settles nothing (the first was settled at once)
+    assert pacing.next_step == first + 30 and len(events) == 2
 
 
 def test_the_config_takes_auto_beside_intervals_and_refuses_other_words():

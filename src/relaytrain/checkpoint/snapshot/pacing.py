@@ -112,7 +112,9 @@ class SnapshotPacing:
         """Snapshot `step` was taken; `settled`: the figures of the one before (or, `measured`, of this
         one, waited for at once), agreed over ranks. Records it and, automatic, chooses the next step."""
         self.times.snapshot_taken()
-        if settled is None:
+        if settled is None:  # nothing to learn from (the one before was settled already): same interval
+            if self.auto and self.chooser.every is not None:
+                self.next_step = step + self.chooser.every
             return
         slowdown = settled["slowdown_s"]
         record = {key: settled[key] for key in ("blocking_s", "waited_s", "background_s")}
