@@ -41,6 +41,7 @@ from bench import kept
 from bench.report import REPO, machine_info, write_page
 
 SECTION = "snapshot-budget"
+ORDER = [SECTION, "torchtitan"]  # after the page's "In-memory snapshots", before the next block
 PARTS = ("one", "nodes")
 EVERY = {"off": 0, "every step": 1, "auto": "auto"}
 STEADY_FROM = FIRST_AUTO_STEP + 2
@@ -227,7 +228,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.page_from:
         data = {**kept.load(args.page_from), "kept": args.page_from}
-        print(f"wrote {write_page({SECTION: render(data)})}")
+        print(f"wrote {write_page({SECTION: render(data)}, ORDER)}")
         return
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
@@ -245,7 +246,7 @@ def main() -> None:
         path = kept.save(name, data)  # after each part: a later part's failure keeps the earlier's
     print(render({**data, "kept": path}))
     if not args.no_write:
-        print(f"wrote {write_page({SECTION: render({**data, 'kept': name})})}")
+        print(f"wrote {write_page({SECTION: render({**data, 'kept': name})}, ORDER)}")
 
 
 if __name__ == "__main__":
