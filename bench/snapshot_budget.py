@@ -190,7 +190,7 @@ def render(data: dict) -> str:
         "seconds plus the slowdown of the steps their background work overlapped, over the same steps "
         "without snapshots.",
         "",
-        "| run | step (mean) | snapshots | measured overhead | ledger |",
+        "| run | step (mean) | `snapshot` events | measured overhead | ledger |",
         "| --- | --- | --- | --- | --- |",
     ]
     parts = data["parts"]
@@ -250,4 +250,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

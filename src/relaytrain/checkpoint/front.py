@@ -123,6 +123,8 @@ class Persistence:
                 if measured:  # the job's first automatic snapshot: what one costs, its work waited for
                     settled = snapshots.settle(self.pacing.times.figures())
             self.pacing.taken(step, settled, measured)
+        elif snapshots is not None and is_last:  # the run's last snapshot: its cost recorded too
+            self.pacing.record(snapshots.settle(self.pacing.times.figures()))
         self.pacing.resumed(snapshots is not None and snapshots.background_running)
         return saved
 

@@ -11,8 +11,8 @@ Automatic: the job's FIRST_AUTO_STEP-th step takes the first snapshot and waits 
 (once per job: that snapshot measures what one costs); each later snapshot's agreement (`SnapshotTier.
 take`) brings the previous one's figures, the maximum over ranks, so every rank chooses the same next step.
 
-Every snapshot, fixed or automatic, is recorded once settled as a `snapshot` event in metrics.jsonl: what
-it cost the run, for a time ledger to sum.
+Every snapshot, fixed or automatic, is recorded once settled (by the next snapshot, or at the run's last
+step) as a `snapshot` event in metrics.jsonl: what it cost the run, for a time ledger to sum.
 """
 
 from __future__ import annotations
@@ -116,6 +116,25 @@ class SnapshotPacing:
             if self.auto and self.chooser.every is not None:
                 self.next_step = step + self.chooser.every
             return
+        self.record(settled, measured)
+        if not self.auto:
+            return
+        costs = Costs(
+            blocking_s=settled["blocking_s"] - settled["waited_s"],  # the copy and the agreement
+            background_s=settled["background_s"],
+            slowdown_s=max(0.0, settled["slowdown_s"]),
+            step_s=settled["step_s"],
+            waited_s=0.0 if measured else settled["overran_s"],
+        )
+        previous = self.chooser.every
+        if self.chooser.update(costs):
+            self._chose(step, previous)
+        self.next_step = step + self.chooser.every
+
+    def record(self, settled: dict[str, float] | None, measured: bool = False) -> None:
+        """The `snapshot` event of a settled snapshot (nothing for None)."""
+        if settled is None:
+            return
         slowdown = settled["slowdown_s"]
         record = {key: settled[key] for key in ("blocking_s", "waited_s", "background_s")}
         record |= {key: settled[key] for key in ("replicate_s", "write_s")}
@@ -124,19 +143,6 @@ class SnapshotPacing:
             record["blocking_s"] += settled["overran_s"]
             record["waited_s"] += settled["overran_s"]
         self._emit("snapshot", int(settled["step"]), **record)
-        if not self.auto:
-            return
-        costs = Costs(
-            blocking_s=settled["blocking_s"] - settled["waited_s"],  # the copy and the agreement
-            background_s=settled["background_s"],
-            slowdown_s=max(0.0, slowdown),
-            step_s=settled["step_s"],
-            waited_s=0.0 if measured else settled["overran_s"],
-        )
-        previous = self.chooser.every
-        if self.chooser.update(costs):
-            self._chose(step, previous)
-        self.next_step = step + self.chooser.every
 
     def _chose(self, step: int, previous: int | None) -> None:
         chooser, costs = self.chooser, self.chooser.chosen_on
