@@ -5,9 +5,9 @@ The DCP tier (`manager.py`: checkpoints on the shared file system, resharded on 
 on peer nodes, at the steps `snapshot/pacing.py` picks) both persist the one `TrainingState`, over the
 one set of gloo groups created here (`collectives.py`). The front owns the decisions between them: a
 start restores a snapshot newer than the newest checkpoint before DCP is looked at; a step's snapshot is
-taken after its checkpoint decision, none at the last step; the end commits a pending save before the
-snapshot tier closes and both before the groups go. `checkpoint.enabled` is read here once for every
-persistence decision (outside: the config
+taken after its checkpoint decision, none at the last step (the newest one is settled there, so its
+cost is recorded); the end commits a pending save before the snapshot tier closes and both before the
+groups go. `checkpoint.enabled` is read here once for every persistence decision (outside: the config
 check before a start, `choose.check_resume`; the plan; the stop event's `saved` field, resilience/).
 
 Every method is called by every rank at the same point of the loop. While it loads, saves or snapshots,
@@ -124,7 +124,8 @@ class Persistence:
                     settled = snapshots.settle(self.pacing.times.figures())
             self.pacing.taken(step, settled, measured)
         elif snapshots is not None and is_last:  # the run's last snapshot: its cost recorded too
-            self.pacing.record(snapshots.settle(self.pacing.times.figures()))
+            with self._phase(Phase.SNAPSHOT, snapshots.last.get("blocking_s", 0.0)):
+                self.pacing.record(snapshots.settle(self.pacing.times.figures()))
         self.pacing.resumed(snapshots is not None and snapshots.background_running)
         return saved
 
