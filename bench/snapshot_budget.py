@@ -188,7 +188,10 @@ def render(data: dict) -> str:
         "the automatic run's start-up snapshot, which waits once for its own background work to measure "
         "it); the whole run's (from step 2) in brackets. Ledger: the run's `snapshot` events, blocking "
         "seconds plus the slowdown of the steps their background work overlapped, over the same steps "
-        "without snapshots.",
+        "without snapshots. Where the machine's other load changes during the runs (this page's machine is "
+        "shared), the measured overhead carries that noise, of the order of a few percent (a run with "
+        "snapshots can measure faster than the run without); the ledger, from each snapshot's own "
+        "measurements, does not.",
         "",
         "| run | step (mean) | `snapshot` events | measured overhead | ledger |",
         "| --- | --- | --- | --- | --- |",
