@@ -126,6 +126,7 @@ class Trainer:
             parallel_dims=vars(self.model.dims) | {"nodes": env.num_nodes},
             # run_state.json then knows the run has this checkpoint even if the directory is lost later
             on_commit=RunStateFile(self.run_dir).note_checkpoint,
+            on_event=lambda *event, **fields: self.metrics.log_event(*event, **fields),  # logger: below
             board=self.progress,
         )
         self.metrics = MetricsLogger(

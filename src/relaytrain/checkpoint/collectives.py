@@ -66,6 +66,15 @@ class Collectives:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
         return bool(t.item())
 
+    def max_of(self, values: list[float]) -> list[float]:
+        """Each value's maximum over ranks (one all-reduce; a snapshot's agreement and its figures)."""
+        if not self.dist:
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        with self.board.collective("checkpoint_any"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
+        return t.tolist()
+
     def barrier(self) -> None:
         if self.dist:
             with self.board.collective("checkpoint_barrier"):

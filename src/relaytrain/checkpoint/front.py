@@ -2,10 +2,11 @@
 
 The DCP tier (`manager.py`: checkpoints on the shared file system, resharded on load) and, with
 `checkpoint.snapshot_every`, the snapshot tier (`snapshot/tier.py`: each rank's state in node memory and
-on peer nodes) both persist the one `TrainingState`, over the one set of gloo groups created here
-(`collectives.py`). The front owns the decisions between them: a start restores a snapshot newer than the
-newest checkpoint before DCP is looked at; a step's snapshot is taken after its checkpoint decision, none
-at the last step; the end commits a pending save before the snapshot tier closes and both before the
+on peer nodes, at the steps `snapshot/pacing.py` picks) both persist the one `TrainingState`, over the
+one set of gloo groups created here (`collectives.py`). The front owns the decisions between them: a
+start restores a snapshot newer than the newest checkpoint before DCP is looked at; a step's snapshot is
+taken after its checkpoint decision, none at the last step (the newest one is settled there, so its
+cost is recorded); the end commits a pending save before the snapshot tier closes and both before the
 groups go. `checkpoint.enabled` is read here once for every persistence decision (outside: the config
 check before a start, `choose.check_resume`; the plan; the stop event's `saved` field, resilience/).
 
@@ -25,6 +26,7 @@ from typing import Any
 from relaytrain.checkpoint.collectives import Collectives
 from relaytrain.checkpoint.manager import CheckpointManager
 from relaytrain.checkpoint.record import RunRecord
+from relaytrain.checkpoint.snapshot.pacing import EventSink, SnapshotPacing
 from relaytrain.checkpoint.snapshot.tier import SnapshotTier
 from relaytrain.checkpoint.training_state import TrainingState
 from relaytrain.config.schema import CheckpointConfig
@@ -49,11 +51,12 @@ class Persistence:
         parallel_dims: dict,
         on_commit: Callable[[int], None] | None = None,
         board: ProgressBoard | None = None,
+        on_event: EventSink | None = None,
     ):
         self.cfg = cfg
         self.board = board if board is not None else ProgressBoard(None, rank, 0)
         self.enabled = cfg.enabled  # off: nothing is saved, no snapshot is taken, no own checkpoint resumed
-        snapshots_on = self.enabled and cfg.snapshot_every > 0
+        snapshots_on = self.enabled and bool(cfg.snapshot_every)  # an interval, or "auto"
         self.collectives = Collectives(rank, world_size, replicas=snapshots_on, board=self.board)
         ckpt_dir = Path(cfg.dir) if cfg.dir else run.checkpoints
         # The DCP tier exists when saving is off too: init_from loads through it, and the loop's stop
@@ -71,6 +74,8 @@ class Persistence:
         self.snapshots: SnapshotTier | None = None
         if snapshots_on:
             self.snapshots = SnapshotTier(cfg, run, record.config_hash, state, self.collectives)
+        # `on_event`: (event, step, **fields) into metrics.jsonl, the snapshots' costs and intervals
+        self.pacing = SnapshotPacing(cfg, rank, on_event)
         self._resumed: int | None = None
         self.saved_step = -1  # the last step after_step saved a checkpoint or took a snapshot at
 
@@ -105,16 +110,26 @@ class Persistence:
     def after_step(self, step: int, is_last: bool) -> bool:
         """Commit a finished async save, save when due, then take the step's snapshot (none at the last
         step: the run ends there). Whether a save started (it took time the loop may account for)."""
+        self.pacing.step_ended()
         self.checkpoints.poll()
         saved = self.enabled and self.checkpoints.should_save(step, is_last)
         if saved:
             with self._phase(Phase.CHECKPOINT_SAVE, self.save_seconds_estimate()):
                 self.checkpoints.save(step, reason="final" if is_last else "interval")
             self.saved_step = step
-        if self.snapshots is not None and not is_last and step % self.cfg.snapshot_every == 0:
-            with self._phase(Phase.SNAPSHOT, self.snapshots.last.get("blocking_s", 0.0)):
-                self.snapshots.take(step)
+        snapshots = self.snapshots
+        if snapshots is not None and not is_last and self.pacing.due(step):
+            measured = self.pacing.measuring
+            with self._phase(Phase.SNAPSHOT, snapshots.last.get("blocking_s", 0.0)):
+                settled = snapshots.take(step, self.pacing.times.figures())
+                if measured:  # the job's first automatic snapshot: what one costs, its work waited for
+                    settled = snapshots.settle(self.pacing.times.figures())
+            self.pacing.taken(step, settled, measured)
             self.saved_step = step
+        elif snapshots is not None and is_last:  # the run's last snapshot: its cost recorded too
+            with self._phase(Phase.SNAPSHOT, snapshots.last.get("blocking_s", 0.0)):
+                self.pacing.record(snapshots.settle(self.pacing.times.figures()))
+        self.pacing.resumed(snapshots is not None and snapshots.background_running)
         return saved
 
     @property

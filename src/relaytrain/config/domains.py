@@ -80,6 +80,11 @@ def zero_or_in_range(lo: float, hi: float) -> Domain:
     return Domain(f"0 or in [{_num(lo)}, {_num(hi)}]", lambda v: v == 0 or lo <= v <= hi)
 
 
+def zero_or_more_or(name: str) -> Domain:
+    """An int >= 0, or the one name `name` (a mode beside the numbers, like "auto")."""
+    return Domain(f">= 0 or {name!r}", lambda v: v == name if isinstance(v, str) else v >= 0)
+
+
 def seconds(*, zero_ok: bool = True) -> Domain:
     """A duration: 0 (when it means off) up to MAX_SECONDS."""
     return in_range(0, MAX_SECONDS, lo_open=not zero_ok)

@@ -8,6 +8,7 @@ import difflib
 import hashlib
 import json
 import tomllib
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ def _quote(text: str) -> str:
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin is list:
@@ -46,7 +49,14 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Return `value` checked against `tp`, or raise a ConfigError naming key, type and value."""
     origin = typing.get_origin(tp)
     ok = True
-    if origin is typing.Literal:
+    if origin in (typing.Union, types.UnionType):  # the first alternative that takes the value
+        for alternative in typing.get_args(tp):
+            try:
+                return _coerce(key, value, alternative)
+            except ConfigError:
+                continue
+        ok = False
+    elif origin is typing.Literal:
         # `True == 1`: a literal matches only a value of its own type
         ok = any(value == a and type(value) is type(a) for a in typing.get_args(tp))
     elif origin is list:

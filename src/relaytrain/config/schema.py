@@ -29,6 +29,7 @@ from relaytrain.config.domains import (
     slurm_time,
     with_lengths,
     zero_or_in_range,
+    zero_or_more_or,
 )
 
 # What the derived collective timeout adds to the hang monitor's cap: the monitor's own polling, the
@@ -164,8 +165,12 @@ class CheckpointConfig(Section):
     # with an error; the damaged ones stay on disk, never deleted or overwritten
     start_over_if_damaged: bool = False
     # copy the training state into node-local memory (and a peer node's) every N steps (0: off); a crash
-    # then resumes from it instead of the last checkpoint (see docs/checkpointing.md, "Snapshots")
-    snapshot_every: int = setting(0, at_least(0))
+    # then resumes from it instead of the last checkpoint (see docs/checkpointing.md, "Snapshots"); "auto":
+    # the shortest interval whose measured cost stays within snapshot_max_overhead
+    snapshot_every: int | Literal["auto"] = setting(0, zero_or_more_or("auto"))
+    # with snapshot_every = "auto": the share of step time snapshots may cost (blocking copy and the
+    # slowdown from their background work)
+    snapshot_max_overhead: float = setting(0.02, in_range(0, 1, lo_open=True))
     # node-local directory for snapshots, on a tmpfs (memory); each job uses its own folder in it
     snapshot_dir: str = setting("/dev/shm", absolute_path())
     # copies of each rank's snapshot on other nodes (a ring over nodes; clipped to nodes - 1)

@@ -280,7 +280,7 @@ def render_script(spec: JobSpec) -> str:
         "torchrun_signals": ",".join(signals),
         "shutdown_timeout_s": math.ceil(r.hard_deadline_s + SHUTDOWN_MARGIN_S),
         "command": spec.command,
-        "snapshots": spec.cfg.checkpoint.snapshot_every > 0,
+        "snapshots": bool(spec.cfg.checkpoint.snapshot_every),  # an interval, or "auto"
     }
     if spec.attach_jobid and not spec.attach_jobid.replace("_", "").isdigit():
         raise UserError(f"--jobid {spec.attach_jobid!r} is not a Slurm job id")

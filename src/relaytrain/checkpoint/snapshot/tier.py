@@ -1,12 +1,16 @@
 """SnapshotTier: the persistence front's in-memory tier (take, restore, clean up); `front.py` decides
 when each runs, beside the DCP tier.
 
-Every `checkpoint.snapshot_every` steps each rank copies its training state (the `TrainingState`'s tree:
-model and optimizer shards, train state, data position, RNG) into a reused host buffer; that copy is
-all the step waits for. A background thread then sends it to the rank's peers on other nodes (`peers.py`)
-and writes it, and the peers' copies, into the node's snapshot folder (`store.py`). The next snapshot
-first waits for that thread; the ranks then agree that the previous step was written everywhere, and
-only then is the one before it deleted, so the newest step every rank finished always survives.
+At each snapshot step (the front's `SnapshotPacing` picks them) each rank copies its training state (the
+`TrainingState`'s tree: model and optimizer shards, train state, data position, RNG) into a reused host
+buffer; that copy is all the step waits for. A background thread then sends it to the rank's peers on
+other nodes (`peers.py`) and writes it, and the peers' copies, into the node's snapshot folder
+(`store.py`). The next snapshot first waits for that thread; the ranks then agree that the previous step
+was written everywhere, and only then is the one before it deleted, so the newest step every rank
+finished always survives. That one agreement (an all-reduce of the maximum) also carries the previous
+snapshot's measured figures, its blocking copy, background work and the wait for it, and the pacing's
+step figures: every rank gets the same numbers, and an automatic interval chosen from them is the same on
+every rank.
 """
 
 from __future__ import annotations
@@ -49,14 +53,16 @@ class SnapshotTier:
         collectives: Collectives,
     ):
         self.cfg = cfg
-        self.every = cfg.snapshot_every
+        self.on = True  # until `close`
         self.config_hash = config_hash
         self.state = state
         self._coll = collectives
         rank, world_size = collectives.rank, collectives.world_size
         self.rank, self.world_size = rank, world_size
         self.last: dict[str, float] = {}  # the newest snapshot: blocking_s, bytes (rank 0 logs them)
-        self.written: dict[str, float] = {}  # its write, once done: replicate_s, replicated_bytes, write_s
+        self._waited = 0.0  # of its blocking_s, the wait for the previous snapshot's background work
+        # its write, once done: replicate_s, replicated_bytes, write_s, background_s
+        self.written: dict[str, float] = {}
         job = JobFacts.from_env()
         self.root = store.job_root(cfg.snapshot_dir, run.root, job)
         self.ring = Ring.of(all_gather(job.host(), self._coll.ctrl, world_size), cfg.snapshot_replicas)
@@ -74,8 +80,8 @@ class SnapshotTier:
                 else ""
             )
             log.info(
-                "snapshots every %d step(s) in %s on each node, %d replica(s) on other nodes%s",
-                self.every,
+                "snapshots %s in %s on each node, %d replica(s) on other nodes%s",
+                _pace(cfg),
                 self.root,
                 self.ring.degree,
                 clipped,
@@ -87,11 +93,11 @@ class SnapshotTier:
 
     # -- taking snapshots ---------------------------------------------------------------------------
 
-    def take(self, step: int) -> None:
-        if not self.every or step % self.every:
-            return
+    def take(self, step: int, figures: dict[str, float] | None = None) -> dict[str, float] | None:
+        """Snapshot `step` (every rank, at the same step); the previous snapshot's settled figures
+        (`settle`), `figures` (the pacing's) agreed with them, or None when none was pending."""
         started = time.perf_counter()
-        prune = self._settle()
+        prune, settled = self._settle(figures)
         if step <= self._taken and self.ring.is_node_leader(self.rank):
             forget_after(self.node_dir, step - 1)  # a rollback went back: those steps are another line
         self._taken = step
@@ -99,8 +105,10 @@ class SnapshotTier:
         meta = {"format": FORMAT, "step": step, "world_size": self.world_size}
         meta["config_hash"] = self.config_hash
         staged = self._staging.stage(tree, meta)
+        self.written = {}
         self._pending = (step, self._writer.submit(self._write, step, staged, meta, prune))
         self.last = {"blocking_s": time.perf_counter() - started, "bytes": float(staged.size)}
+        self._waited = settled["overran_s"] if settled else 0.0
         if self.rank == 0:
             log.info(
                 "snapshot step %d: training blocked %.3fs, %.1f MB per rank",
@@ -108,25 +116,41 @@ class SnapshotTier:
                 self.last["blocking_s"],
                 staged.size / 1e6,
             )
+        return settled
 
-    def _settle(self) -> int:
-        """Wait for the previous snapshot's write; when every rank finished it, the step before which this
-        node's snapshots may go (0: none may)."""
+    @property
+    def background_running(self) -> bool:
+        """Whether the newest snapshot's background work (replication, writes) is still running."""
+        return self._pending is not None and not self._pending[1].done()
+
+    def _settle(self, figures: dict[str, float] | None = None) -> tuple[int, dict[str, float] | None]:
+        """Wait for the previous snapshot's write. (When every rank finished it, the step before which this
+        node's snapshots may go (0: none may); its figures and `figures`, the maximum over ranks: `step`,
+        blocking_s and waited_s (of its take), background_s, replicate_s, write_s, overran_s (this wait
+        for it), or None when none was pending.)"""
         if self._pending is None:
-            return 0
+            return 0, None
         step, future = self._pending
         self._pending = None
         failed = None
+        waiting, overran = time.perf_counter(), not future.done()  # done: the work fit, no wait
         try:
             future.result()
         except Exception as exc:  # a full tmpfs costs this snapshot, never the training run
             failed = exc
             log.error("snapshot step %d failed on rank %d: %s", step, self.rank, exc)
-        return step if not self._coll.any(failed is not None) and self.ring.is_node_leader(self.rank) else 0
+        mine = {"failed": float(failed is not None), "blocking_s": self.last.get("blocking_s", 0.0)}
+        mine |= {"waited_s": self._waited, "overran_s": time.perf_counter() - waiting if overran else 0.0}
+        mine |= {key: self.written.get(key, 0.0) for key in ("background_s", "replicate_s", "write_s")}
+        mine |= figures or {}
+        agreed = dict(zip(mine, self._coll.max_of(list(mine.values())), strict=True))
+        prune = step if not agreed.pop("failed") and self.ring.is_node_leader(self.rank) else 0
+        return prune, {"step": float(step), **agreed}
 
     def _write(self, step: int, staged: Staged, meta: dict[str, Any], prune: int) -> None:
         """On the writer thread: delete what `_settle` allows, send to the peers (before writing: a failed
         local write never leaves a peer waiting), then write this rank's file and the replicas it got."""
+        began = time.perf_counter()
         if prune:
             store.keep_from(self.node_dir, prune)
         chunks = staged.chunks()
@@ -152,15 +176,22 @@ class SnapshotTier:
             "replicate_s": replicated - started,  # sending to the peers and receiving theirs, both ways
             "replicated_bytes": float(staged.size * len(self.targets)),
             "write_s": time.perf_counter() - replicated,  # this rank's file and the replicas it received
+            "background_s": time.perf_counter() - began,  # all of it, the pruning of old steps too
         }
 
-    def wait(self) -> dict[str, float]:
+    def settle(self, figures: dict[str, float] | None = None) -> dict[str, float] | None:
         """Every rank: wait until the newest snapshot is written here and on the peers (as the next `take`
-        would, a collective); its write's timings (`written`)."""
-        if self.every:
-            prune = self._settle()
-            if prune:
-                store.keep_from(self.node_dir, prune)
+        would, a collective); its figures agreed with `figures` (see `_settle`)."""
+        if not self.on:
+            return None
+        prune, settled = self._settle(figures)
+        if prune:
+            store.keep_from(self.node_dir, prune)
+        return settled
+
+    def wait(self) -> dict[str, float]:
+        """`settle`; this rank's timings of the write (`written`)."""
+        self.settle()
         return dict(self.written)
 
     # -- restoring ------------------------------------------------------------------------------------
@@ -168,7 +199,7 @@ class SnapshotTier:
     def restore(self, ckpt_dir: Path) -> int | None:
         """Load the newest snapshot every shard of which is on some node, when it is newer than the newest
         complete checkpoint in `ckpt_dir` and from this world size; its step, or None (then: DCP)."""
-        if not self.every or self.cfg.resume != "auto":
+        if not self.on or self.cfg.resume != "auto":
             return None
         leader = self.ring.is_node_leader(self.rank)
         return restore_snapshot(self.state, self._coll, self.node_dir, leader, ckpt_dir, self.config_hash)
@@ -177,7 +208,7 @@ class SnapshotTier:
 
     def close(self, finished: bool) -> None:
         """Wait for the pending write; when the run finished, delete this node's snapshots."""
-        if not self.every:
+        if not self.on:
             return
         if self._pending is not None:
             try:
@@ -190,7 +221,13 @@ class SnapshotTier:
             shutil.rmtree(self.node_dir, ignore_errors=True)
             with contextlib.suppress(OSError):  # the last node folder of a shared file system takes it
                 self.root.rmdir()
-        self.every = 0
+        self.on = False
+
+
+def _pace(cfg: CheckpointConfig) -> str:
+    if cfg.snapshot_every == "auto":
+        return f"at an automatic interval (at most {cfg.snapshot_max_overhead:.1%} of step time)"
+    return f"every {cfg.snapshot_every} step(s)"
 
 
 def _checksum(chunks) -> str:

@@ -1,0 +1,256 @@
+"""Snapshots within a budget: the automatic interval (`checkpoint.snapshot_every = "auto"`) against a
+snapshot every step and against no snapshots, side by side in one invocation.
+
+    python -m bench.snapshot_budget [--steps 10] [--state-gb 1.2] [--budget 0.02] [--parts one,nodes]
+                                    [--no-lock] [--no-write]
+    python -m bench.snapshot_budget --page-from bench/results/snapshot-budget-<date>.json
+
+`one`: the debug config widened to about `--state-gb` GB of model and AdamW state (bench/snapshot.py's
+wide model) in one process; `nodes`: the same model on 2 nodes x 1 task of the local Slurm cluster (each
+node its own /dev/shm, each rank's snapshot replicated to the other node), under the cluster's lock. Each
+part trains `--steps` steps three times, the three runs at the same time (the machine's other load
+then weighs on all three alike; on 2 nodes, three jobs sharing the cluster's nodes): without snapshots,
+with `snapshot_every = 1`, with `snapshot_every = "auto"` and `snapshot_max_overhead = --budget`. From each
+run's metrics.jsonl: the wall time of its steps (`time_step_s`, one record per step), its `snapshot`
+events (each snapshot's blocking and background seconds and the slowdown of the steps its background work
+overlapped) and its `snapshot_interval` events.
+
+The measured overhead of a run is its steps' time over the run without snapshots', minus 1, over the
+steady steps: from step FIRST_AUTO_STEP + 2 on, after the automatic run's start-up snapshot (which waits
+for its own background work once, to measure it) and the step that pays for it; the whole run's figure
+(from step 2) is given beside it. Writes the `snapshot-budget` section of docs/benchmarks.md and keeps the
+figures in bench/results/snapshot-budget-<UTC date and time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from relaytrain.checkpoint.snapshot.pacing import FIRST_AUTO_STEP
+
+from bench import kept
+from bench.report import REPO, machine_info, write_page
+
+SECTION = "snapshot-budget"
+ORDER = [SECTION, "torchtitan"]  # after the page's "In-memory snapshots", before the next block
+PARTS = ("one", "nodes")
+EVERY = {"off": 0, "every step": 1, "auto": "auto"}
+STEADY_FROM = FIRST_AUTO_STEP + 2
+NODES_DIM, PARAMS_PER_LAYER = 1024, 11.6e6  # bench/snapshot.py's wide model
+
+
+def wide_model(state_gb: float) -> list[str]:
+    layers = max(1, round(state_gb * 1e9 / 12 / PARAMS_PER_LAYER))
+    return [f"--model.dim={NODES_DIM}", f"--model.n_layers={layers}"]
+
+
+def overrides(name: str, every, budget: float, steps: int, run_dir: Path, shm: Path | None) -> list[str]:
+    args = [f"--run.dir={run_dir}", f"--run.name={name}", f"--train.max_steps={steps}"]
+    args += ["--train.eval_every=0"]
+    args += ["--checkpoint.interval=0", "--checkpoint.save_initial=false", "--metrics.log_every=1"]
+    args += ["--metrics.tensorboard=false", f"--checkpoint.snapshot_every={every}"]
+    args += [f"--checkpoint.snapshot_max_overhead={budget}"]
+    return args + ([f"--checkpoint.snapshot_dir={shm}"] if shm else [])
+
+
+def summarize(records: list[dict]) -> dict:
+    """One run's figures from its metrics.jsonl records."""
+    train = [r for r in records if r.get("kind") == "train" and r["step"] >= 2]
+    snaps = [r for r in records if r.get("event") == "snapshot"]
+    steady = [r for r in train if r["step"] >= STEADY_FROM]
+    steady_snaps = [r for r in snaps if r["step"] >= STEADY_FROM - 1]  # its cost lands in the next step
+    return {
+        "step_times": {str(r["step"]): r["time_step_s"] for r in train},
+        "total_s": sum(r["time_step_s"] for r in train),
+        "steady_s": sum(r["time_step_s"] for r in steady),
+        "steady_steps": len(steady),
+        "snapshots": [
+            {k: r.get(k) for k in ("step", "blocking_s", "waited_s", "background_s", "slowdown_s")}
+            for r in snaps
+        ],  # fmt: skip
+        "ledger_steady_s": sum(r["blocking_s"] + (r["slowdown_s"] or 0.0) for r in steady_snaps),
+        "intervals": [
+            {
+                k: r.get(k)
+                for k in ("step", "every", "blocking_s", "background_s", "slowdown_s", "step_s", "overhead")
+            }
+            for r in records
+            if r.get("event") == "snapshot_interval"
+        ],  # fmt: skip
+        "snapshot_bytes": max((r.get("snapshot_bytes", 0.0) for r in train), default=0.0),
+    }
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def one_process(steps: int, state_gb: float, budget: float) -> dict[str, dict]:
+    """The three runs at once, one process each: whatever else loads the machine loads all three alike."""
+    runs, procs = {}, {}
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        work = Path(tmp)  # the snapshots in memory, as on a cluster's node
+        for name, every in EVERY.items():
+            run = name.replace(" ", "-")
+            args = [sys.executable, "-m", "relaytrain.cli", "train", str(REPO / "configs/debug.toml")]
+            args += [*wide_model(state_gb), *overrides(run, every, budget, steps, work, Path(shm))]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            log = open(work / f"{run}.log", "w")  # noqa: SIM115 (closed with the process below)
+            procs[name] = (run, log, subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
+        for name, (run, log, proc) in procs.items():
+            code = proc.wait()
+            log.close()
+            if code:
+                raise RuntimeError(f"{name}: exited {code}\n{(work / f'{run}.log').read_text()[-3000:]}")
+            runs[name] = summarize(_metrics(work / run / "metrics.jsonl"))
+            print(f"one process, {name}: {runs[name]['steady_s']:.1f} s over the steady steps", flush=True)
+    return runs
+
+
+def two_nodes(steps: int, state_gb: float, budget: float, lock: bool) -> dict[str, dict]:
+    """The three runs on 2 nodes x 1 task, one job after the other."""
+    from bench.cluster.harness import OUT_ROOT, PROFILE, cluster_lock, relaytrain, start_cluster, wait_job_end
+
+    base = OUT_ROOT / "snapshot-budget" / f"nodes-{int(time.time())}"
+    base.mkdir(parents=True)
+    runs = {}
+    start_cluster(lock=lock)
+    try:
+        with cluster_lock(lock):
+            for name, every in EVERY.items():
+                run = name.replace(" ", "-")
+                args = [*wide_model(state_gb), *overrides(run, every, budget, steps, base, None)]
+                submitted = relaytrain("launch", str(REPO / "configs/debug.toml"), "--nodes", "2",
+                                       "--tasks-per-node", "1", f"--slurm.profile={PROFILE}",
+                                       *args)  # fmt: skip
+                job = re.search(r"submitted job (\d+)", submitted)
+                if not job:
+                    raise RuntimeError(f"no job id in: {submitted}")
+                fields = wait_job_end(job.group(1), 3600)
+                metrics = base / run / "metrics.jsonl"
+                if fields.get("JobState") != "COMPLETED" or not metrics.is_file():
+                    logs = "\n".join(p.read_text()[-3000:] for p in (base / run).rglob("*.out"))
+                    raise RuntimeError(f"job {job.group(1)} ended {fields.get('JobState')}:\n{logs}")
+                runs[name] = summarize(_metrics(metrics))
+                print(f"2 nodes, {name}: {runs[name]['steady_s']:.1f} s over the steady steps", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return runs
+
+
+def overhead(runs: dict[str, dict], name: str, key: str = "steady_s") -> float:
+    return runs[name][key] / runs["off"][key] - 1
+
+
+def _chosen(run: dict) -> str:
+    chosen = [f"every {i['every']} from step {i['step']}" for i in run["intervals"]]
+    return "; ".join(chosen) or "none"
+
+
+def part_rows(what: str, runs: dict[str, dict], budget: float) -> list[str]:
+    off = runs["off"]
+    rows = [f"| {what}: without snapshots | {off['steady_s'] / off['steady_steps']:.3f} s | | | |"]
+    for name in ("every step", "auto"):
+        run = runs[name]
+        ledger = run["ledger_steady_s"] / off["steady_s"]
+        within = " (within the budget)" if overhead(runs, name) <= budget else " (over the budget)"
+        rows.append(
+            f"| {what}: `snapshot_every = {EVERY[name]!r}`".replace("'", '"')
+            + f" | {run['steady_s'] / run['steady_steps']:.3f} s | {len(run['snapshots'])} "
+            f"| {overhead(runs, name):+.1%}{within if name == 'auto' else ''} "
+            f"(whole run {overhead(runs, name, 'total_s'):+.1%}) | {ledger:.1%} |"
+        )
+    return rows
+
+
+def render(data: dict) -> str:
+    a = data["args"]
+    budget = a["budget"]
+    lines = [
+        "## Snapshots within a budget: the automatic interval",
+        "",
+        f"Measured on {data['date']} ({data['cpu']}; load average {data['load']}), commit "
+        f"{data['commit']}, with "
+        f"`{data['command']}`, one invocation: the debug config widened to {a['state_gb']} GB of model and "
+        f"AdamW state, {a['steps']} steps without snapshots, with `snapshot_every = 1` and with "
+        f'`snapshot_every = "auto"` (`snapshot_max_overhead = {budget}`), the three runs at the same time '
+        "(the machine's other load weighs on all three alike). Overhead: "
+        f"the steps' wall time over the run without snapshots', minus 1, from step {STEADY_FROM} on (after "
+        "the automatic run's start-up snapshot, which waits once for its own background work to measure "
+        "it); the whole run's (from step 2) in brackets. Ledger: the run's `snapshot` events, blocking "
+        "seconds plus the slowdown of the steps their background work overlapped, over the same steps "
+        "without snapshots. Where the machine's other load changes during the runs (this page's machine is "
+        "shared), the measured overhead carries that noise, of the order of a few percent (a run with "
+        "snapshots can measure faster than the run without); the ledger, from each snapshot's own "
+        "measurements, does not.",
+        "",
+        "| run | step (mean) | `snapshot` events | measured overhead | ledger |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    parts = data["parts"]
+    if "one" in parts:
+        lines += part_rows("one process", parts["one"], budget)
+    if "nodes" in parts:
+        lines += part_rows("2 nodes x 1 rank", parts["nodes"], budget)
+    lines.append("")
+    for key, what in (("one", "One process"), ("nodes", "2 nodes")):
+        if key in parts:
+            auto = parts[key]["auto"]
+            lines.append(f"{what}, intervals chosen: {_chosen(auto)}.")
+            blocking = [s["blocking_s"] for s in parts[key]["every step"]["snapshots"]]
+            background = [s["background_s"] for s in parts[key]["every step"]["snapshots"]]
+            if blocking:
+                lines.append(
+                    f"{what}, `snapshot_every = 1`: {blocking and max(blocking):.3f} s blocking at most, "
+                    f"{max(background):.3f} s of background work at most per snapshot."
+                )
+    name = kept.relative(data["kept"])
+    lines += ["", f"Results: `{name}`. Rewritten from the kept results by "
+                  f"`python -m bench.snapshot_budget --page-from {name}`."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--state-gb", type=float, default=1.2)
+    parser.add_argument("--budget", type=float, default=0.02)
+    parser.add_argument("--parts", default="one", help=f"which of {','.join(PARTS)} to run")
+    parser.add_argument("--no-lock", action="store_true", help="the caller holds the cluster's lock already")
+    parser.add_argument("--no-write", action="store_true", help="leave docs/benchmarks.md alone")
+    parser.add_argument("--page-from", help="rewrite the section from this kept results file only")
+    args = parser.parse_args()
+    if args.page_from:
+        data = {**kept.load(args.page_from), "kept": args.page_from}
+        print(f"wrote {write_page({SECTION: render(data)}, ORDER)}")
+        return
+    parts = args.parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {','.join(PARTS)}")
+    info = machine_info()
+    name = f"snapshot-budget-{time.strftime('%Y-%m-%d-%H%M', time.gmtime())}.json"
+    data = {"command": " ".join(["python -m bench.snapshot_budget", *sys.argv[1:]]), "date": info["date"],
+            "commit": info["commit"], "cpu": info["cpu"], "args": vars(args), "parts": {}}  # fmt: skip
+    for part in parts:
+        if part == "one":
+            data["parts"]["one"] = one_process(args.steps, args.state_gb, args.budget)
+        else:
+            data["parts"]["nodes"] = two_nodes(args.steps, args.state_gb, args.budget, lock=not args.no_lock)
+        data["load"] = f"{info['load_start']} -> {[round(x, 2) for x in os.getloadavg()]}"
+        path = kept.save(name, data)  # after each part: a later part's failure keeps the earlier's
+    print(render({**data, "kept": path}))
+    if not args.no_write:
+        print(f"wrote {write_page({SECTION: render({**data, 'kept': name})}, ORDER)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

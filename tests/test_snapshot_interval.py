@@ -1,0 +1,166 @@
+"""The automatic snapshot interval (`checkpoint.snapshot_every = "auto"`): the chooser (pure), the pacing
+that times steps and picks snapshot steps, the config key, and one short run that chooses and takes them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from relaytrain.checkpoint.snapshot import interval as iv
+from relaytrain.checkpoint.snapshot.interval import Costs, IntervalChooser, fits, overhead, shortest_interval
+from relaytrain.checkpoint.snapshot.pacing import FIRST_AUTO_STEP, SnapshotPacing, StepTimes
+from relaytrain.config import load_config
+from relaytrain.errors import ConfigError
+
+import faults
+from conftest import run_cli
+
+CASES = [
+    Costs(blocking_s=0.16, background_s=9.0, slowdown_s=0.0, step_s=10.0),  # 7B-like: the fit decides
+    Costs(blocking_s=0.16, background_s=2.0, slowdown_s=1.5, step_s=16.0),  # the budget decides
+    Costs(blocking_s=0.013, background_s=0.05, slowdown_s=0.0, step_s=0.63),
+    Costs(blocking_s=0.2, background_s=0.0, slowdown_s=0.0, step_s=10.0),  # exactly 2 %: every step
+    Costs(blocking_s=0.0, background_s=0.0, slowdown_s=0.0, step_s=0.0),
+]
+
+
+@pytest.mark.parametrize("costs", CASES)
+@pytest.mark.parametrize("budget", [0.01, 0.02, 0.1])
+def test_the_interval_is_the_shortest_within_the_budget_whose_background_work_fits(costs, budget):
+    every = shortest_interval(costs, budget)
+    assert every >= 1
+    assert overhead(costs, every) <= budget + 1e-12 and fits(costs, every)
+    if every > 1:  # one step shorter breaks the budget or lets a snapshot wait for the previous one
+        assert overhead(costs, every - 1) > budget or not fits(costs, every - 1)
+
+
+def test_figures_at_the_limits():
+    assert shortest_interval(CASES[3], 0.02) == 1  # 0.2 / (0.02 * 10) is 1, not 2 by rounding
+    assert shortest_interval(CASES[0], 0.02) == 2  # 9 s of work * 1.25 > one 10 s step
+    assert shortest_interval(CASES[1], 0.02) == 6  # (0.16 + 1.5) / (0.02 * 16) = 5.2
+    # background work never outlasts the interval, whatever the budget allows
+    slow_write = Costs(blocking_s=0.0, background_s=30.0, slowdown_s=0.0, step_s=1.0)
+    assert shortest_interval(slow_write, 1.0) == 38 and fits(slow_write, 38) and not fits(slow_write, 37)
+
+
+def test_the_interval_is_chosen_again_only_when_a_figure_moves_or_a_snapshot_waited():
+    chooser = IntervalChooser(0.02)
+    base = Costs(blocking_s=0.16, background_s=2.0, slowdown_s=1.5, step_s=16.0)
+    assert chooser.update(base) and chooser.every == 6
+    noisy = Costs(blocking_s=0.17, background_s=2.1, slowdown_s=1.6, step_s=15.0)  # within HYSTERESIS
+    assert not chooser.update(noisy) and chooser.every == 6
+    waited = Costs(blocking_s=0.16, background_s=2.0, slowdown_s=1.5, step_s=16.0, waited_s=0.5)
+    assert chooser.update(waited)  # a snapshot waited for the previous one: chosen again at once
+    faster = Costs(blocking_s=0.16, background_s=2.0, slowdown_s=1.5, step_s=4.0)
+    for _ in range(iv.RECENT // 2):  # one faster step time among the recent medians does not move them
+        assert not chooser.update(faster) or chooser.every == 6
+    assert chooser.update(faster) and chooser.every == shortest_interval(faster, 0.02) == 21
+    assert "every 21 steps (blocking 0.160 s, background 2.000 s, step 4.000 s, overhead 1." in (
+        chooser.describe()
+    )
+    assert chooser.describe().endswith("<= budget 2.00%)")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_step_times_split_clean_steps_from_those_background_work_slowed():
+    clock = Clock()
+    times = StepTimes(clock)
+    times.step_ended()  # the job's first step is not timed
+    for took, overlapping in [(1.0, False), (1.0, False), (1.5, True), (1.25, True), (1.0, False)]:
+        times.resumed(overlapping)
+        clock.now += took
+        times.step_ended()
+    assert list(times.clean) == [1.0, 1.0, 1.0] and times.figures() == {"step_s": 1.0, "slowdown_s": 0.75}
+    times.snapshot_taken()
+    assert times.figures()["slowdown_s"] == 0.0
+    every_step = StepTimes(clock)  # no clean step yet: the slowdown is unknown, not 0
+    every_step.resumed(True)
+    clock.now += 2.0
+    every_step.step_ended()
+    assert every_step.figures() == {"step_s": 2.0, "slowdown_s": -1.0}
+
+
+def _cfg(every, budget=0.02):
+    return load_config(
+        None, [f"--checkpoint.snapshot_every={every}", f"--checkpoint.snapshot_max_overhead={budget}"]
+    )
+
+
+def _settled(step, **figures):
+    base = {"step": float(step), "blocking_s": 0.1, "waited_s": 0.0, "background_s": 0.5, "replicate_s": 0.2}
+    return base | {"write_s": 0.3, "overran_s": 0.0, "step_s": 1.0, "slowdown_s": 0.2} | figures
+
+
+def test_a_fixed_interval_keeps_its_steps_and_records_each_snapshots_cost():
+    events = []
+    pacing = SnapshotPacing(_cfg(3).checkpoint, 0, lambda event, step, **f: events.append((event, step, f)))
+    assert pacing.chooser is None
+    assert [s for s in range(1, 13) if pacing.due(s)] == [3, 6, 9, 12]
+    pacing.taken(6, _settled(3, background_s=50.0, overran_s=40.0))  # however slow: still every 3
+    assert [s for s in range(7, 13) if pacing.due(s)] == [9, 12]
+    assert events == [("snapshot", 3, {"blocking_s": 0.1, "waited_s": 0.0, "background_s": 50.0,
+                                       "replicate_s": 0.2, "write_s": 0.3, "slowdown_s": 0.2})]  # fmt: skip
+
+
+def test_auto_measures_at_its_first_snapshot_then_takes_one_at_the_chosen_interval():
+    events = []
+    pacing = SnapshotPacing(
+        _cfg("auto").checkpoint, 0, lambda event, step, **f: events.append((event, step, f))
+    )
+    due = []
+    for step in range(11, 11 + FIRST_AUTO_STEP):  # counted in this job's steps: a resumed run measures too
+        pacing.step_ended()
+        due.append(pacing.due(step))
+    assert due == [False] * (FIRST_AUTO_STEP - 1) + [True] and pacing.measuring
+    first = 10 + FIRST_AUTO_STEP
+    pacing.taken(first, _settled(first, overran_s=0.5), measured=True)  # its own work, waited for
+    (snap, snap_step, record), (chose, chose_step, fields) = events
+    assert (snap, snap_step, record["blocking_s"], record["waited_s"]) == ("snapshot", first, 0.6, 0.5)
+    assert (chose, chose_step, fields["every"], fields["previous"]) == ("snapshot_interval", first, 15, None)
+    assert fields["overhead"] == pytest.approx(0.02) and fields["budget"] == 0.02  # 0.3 / (15 * 1.0)
+    assert not pacing.measuring and pacing.next_step == first + 15
+    assert not pacing.due(first + 14) and pacing.due(first + 15)
+    pacing.taken(first + 15, None)  # the next snapshot settles nothing (the first was settled at once)
+    assert pacing.next_step == first + 30 and len(events) == 2
+
+
+def test_the_config_takes_auto_beside_intervals_and_refuses_other_words():
+    assert _cfg("auto").checkpoint.snapshot_every == "auto" and _cfg(4).checkpoint.snapshot_every == 4
+    assert load_config(None, []).checkpoint.snapshot_max_overhead == 0.02
+    with pytest.raises(ConfigError, match="expects int or one of 'auto', got 'often'"):
+        _cfg("often")
+    with pytest.raises(ConfigError, match="snapshot_every=-1 is not allowed: must be >= 0 or 'auto'"):
+        _cfg(-1)
+    with pytest.raises(ConfigError, match="snapshot_max_overhead=0.0 is not allowed"):
+        _cfg("auto", 0)
+
+
+def test_a_run_with_auto_chooses_an_interval_and_takes_its_snapshots_there(tmp_path, tiny_args):
+    """A short run (each step lengthened to 0.2 s): the start-up snapshot at the job's 3rd step, the
+    interval chosen from its figures, the snapshots after it at that interval, each one's cost recorded."""
+    shm = tmp_path / "shm"
+    args = ["train", *tiny_args, "--run.name=auto", "--train.max_steps=10", "--checkpoint.interval=0"]
+    args += ["--checkpoint.snapshot_every=auto", "--checkpoint.snapshot_max_overhead=0.5"]
+    done = run_cli([*args, f"--checkpoint.snapshot_dir={shm}"], tmp_path, **faults.env(step_delay_s=0.2))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (tmp_path / "runs/auto/metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines]
+    chosen = [r for r in records if r.get("event") == "snapshot_interval"]
+    taken = [r["step"] for r in records if r.get("event") == "snapshot"]
+    assert chosen and chosen[0]["step"] == FIRST_AUTO_STEP and taken[0] == FIRST_AUTO_STEP, records
+    assert all(c["overhead"] <= c["budget"] == 0.5 for c in chosen), chosen
+    every = {c["step"]: c["every"] for c in chosen}
+    # each snapshot at the interval in force after the one before
+    for before, after in zip(taken, taken[1:], strict=False):
+        assert after == before + every[max(s for s in every if s <= before)], (taken, every)
+    assert len(taken) >= 2 and taken[-1] + every[max(every)] >= 10  # the last one's cost recorded too
+    assert "snapshot interval: every " in done.stdout + done.stderr
+    assert all(r["background_s"] > 0 and r["blocking_s"] > 0 for r in records if r.get("event") == "snapshot")
