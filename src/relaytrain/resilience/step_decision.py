@@ -7,22 +7,22 @@ decision out. See ``step_end.py`` for the whole list of outcomes.
 from __future__ import annotations
 
 import enum
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience.codes import EXIT_RESTART_STEP, EXIT_RESUME, StopReason
-from relaytrain.resilience.crash import (
-    CRASH_LOG_FILE,
-    CULPRIT_TWICE,
-    RESTARTED,
-    CrashLog,
-    cause_of,
-    classify,
+from relaytrain.resilience.bad_nodes import (
+    IMPLICATED,
+    Exclusion,
+    exclusions,
+    implicated_nodes,
+    job_implicated,
 )
+from relaytrain.resilience.bad_nodes import why_of as excluded_why
+from relaytrain.resilience.codes import EXIT_RESTART_STEP, EXIT_RESUME, StopReason
+from relaytrain.resilience.crash import CRASH_LOG_FILE, RESTARTED, STRAGGLER, CrashLog, cause_of, classify
 from relaytrain.resilience.hang_record import HangRecord, HangRecordFile
 from relaytrain.resilience.requeue import decide_requeue
 from relaytrain.resilience.run_lock import is_busy_refusal
@@ -47,6 +47,7 @@ class RunFacts:
     earlier_restarts: int = 0  # crashes of this job in crashes.jsonl restarted in place
     hang: HangRecord | None = None  # the hang the job's hang monitor detected in this step
     earlier_hang_nodes: tuple[str, ...] = ()  # culprit nodes of this job's earlier hangs, once per hang
+    earlier_implicated: tuple[str, ...] = ()  # nodes this job's earlier failures implicated (bad_nodes.py)
 
     @classmethod
     def read(cls, run: RunDir, job: JobFacts, job_log_tail: str = "") -> RunFacts:
@@ -64,6 +65,7 @@ class RunFacts:
             crashes.count(job.job_id, restarts=True),
             HangRecordFile(run).for_step(job),
             tuple(crashes.hang_culprit_nodes(job.job_id)),
+            job_implicated(crashes.entries(), job.job_id),
         )
 
 
@@ -83,6 +85,7 @@ class Decision:
     program_stop: bool = False  # a program's stop: also a `stop` event in metrics.jsonl
     restart: RestartPlan | None = None  # RESTART: where the batch script starts the step again
     requeue_why: str = "the job"  # completes "could not requeue ..." when scontrol fails
+    exclude: tuple[str, ...] = ()  # REQUEUE: nodes the next allocation excludes (bad_nodes.py)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,12 @@ class Restartable:
     step: StepFacts = field(default_factory=StepFacts)
     min_nodes: int = 1  # the fewest nodes the run may continue on
     usable_nodes: list[str] | None = None  # the job's nodes that can run a step now (None: unknown)
+    spares: tuple[str, ...] = ()  # the job's idle spare nodes that can run a step now
+
+    def lost(self) -> tuple[str, ...]:
+        """The step's nodes Slurm no longer gives the job (none when it could not say)."""
+        usable = self.usable_nodes
+        return () if usable is None else tuple(n for n in self.step.nodes if n not in usable)
 
 
 def decide(
@@ -110,6 +119,9 @@ def decide(
         # The run directory belongs to another job or process: its files are not this job's to touch.
         why = "the run directory was in use by another run; nothing to recover"
         return Decision(Action.FAIL, why, (f"step exit code {exit_code}: {why}",))
+    verdict = None if program else straggler_of(run.state, job)
+    if verdict is not None:
+        return _after_straggler(exit_code, verdict, run, resilience, job, restartable)
     if program and exit_code == EXIT_RESTART_STEP:
         why = f"the program exited {EXIT_RESTART_STEP}: it asks for its step to be started again"
         return _after_crash(exit_code, why, run, resilience, job, restartable)
@@ -134,16 +146,9 @@ def _after_crash(
     step = state.step if state is not None else 0
     cause = cause_of(exit_code, why, state, run.job_log_tail, run.hang)
     why = cause["why"]  # a hang's: the monitor's `hang detected: ...` line
-    plan, not_in_place = plan_restart(
-        restartable.step,
-        run.earlier_restarts,
-        r,
-        job,
-        min_nodes=restartable.min_nodes,
-        usable_nodes=restartable.usable_nodes,
-        excluded=culprits_named_twice(run),
-        excluded_why=CULPRIT_TWICE,
-    )
+    cause[IMPLICATED] = list(implicated_nodes(cause, restartable.lost()))
+    bad = exclusions((*run.earlier_implicated, *cause[IMPLICATED]), r.exclude_node_after)
+    plan, not_in_place = _plan(run, r, job, restartable, bad)
     if plan is not None:
         return _restart_in_place(exit_code, why, step, cause, plan, run, r, job)
     if restartable.step.can_restart and r.max_step_restarts:
@@ -180,7 +185,29 @@ def _after_crash(
         RunState.of(RunStatus.FAILED, reason, step, message=message[:500], **facts),
         crash={**job.identity(), "step": step, **cause, "action": "requeue" if allowed else "fail"},
         requeue_why="after the crash",
+        exclude=tuple(bad),
     )
+
+
+def _plan(
+    run: RunFacts, r: ResilienceConfig, job: JobFacts, restartable: Restartable, bad: Mapping[str, Exclusion]
+) -> tuple[RestartPlan | None, str]:
+    """The restart in place without the excluded nodes; none when one of them would have to stay (no
+    spare and the node range does not allow leaving it out): the requeue's allocation excludes it."""
+    plan, not_in_place = plan_restart(
+        restartable.step,
+        run.earlier_restarts,
+        r,
+        job,
+        min_nodes=restartable.min_nodes,
+        usable_nodes=restartable.usable_nodes,
+        excluded=set(bad),
+        excluded_why=excluded_why(bad),
+        spares=restartable.spares,
+    )
+    if plan is not None and plan.kept:
+        return None, f"excluded node(s) cannot be left out: {plan.kept}"
+    return plan, not_in_place
 
 
 def _restart_in_place(
@@ -207,7 +234,12 @@ def _restart_in_place(
         "max_step_restarts": cap,
     }
     lost = list(plan.lost)
-    left_out = {"nodes_left_out": list(plan.left_out), **({"nodes_kept": plan.kept} if plan.kept else {})}
+    left_out = {
+        "nodes_left_out": list(plan.left_out),
+        **({"nodes_left_out_why": plan.left_out_why} if plan.left_out else {}),
+        **({"nodes_kept": plan.kept} if plan.kept else {}),
+        **({"nodes_replaced": [list(pair) for pair in plan.replaced]} if plan.replaced else {}),
+    }
     return Decision(
         Action.RESTART,
         message,
@@ -226,13 +258,75 @@ def _restart_in_place(
     )
 
 
-def culprits_named_twice(run: RunFacts) -> set[str]:
-    """The culprit nodes of this step's hang that an earlier hang of this job named too: left out of the
-    restart in place where the node range allows (a node that hangs the job twice is likely to again)."""
-    if run.hang is None:
-        return set()
-    named = Counter(run.earlier_hang_nodes) + Counter(run.hang.culprit_nodes)
-    return {node for node in run.hang.culprit_nodes if named[node] >= 2}
+def straggler_of(state: RunState | None, job: JobFacts) -> dict[str, Any] | None:
+    """The trainer's straggler verdict when this step stopped for one (run_state.json: status stopped,
+    reason ``straggler``, ``straggler`` = {rank, node, phase, slower, since_step, action}); torchrun
+    rewrites the exit code (EXIT_STRAGGLER), so the record decides."""
+    if state is None or not state.written_by(job) or state.status is not RunStatus.STOPPED:
+        return None
+    verdict = state.fact("straggler")
+    if state.reason != StopReason.STRAGGLER.label or not isinstance(verdict, dict):
+        return None
+    node, action = verdict.get("node"), verdict.get("action")
+    return verdict if isinstance(node, str) and node and action in ("replace", "drop") else None
+
+
+def _after_straggler(
+    exit_code: int,
+    verdict: dict[str, Any],
+    run: RunFacts,
+    r: ResilienceConfig,
+    job: JobFacts,
+    restartable: Restartable,
+) -> Decision:
+    """The run stopped after a snapshot to lose a straggler: restart in place with a spare in its node's
+    place (``replace``) or without it where the node range allows (``drop``). Not a crash: it counts as a
+    restart in place, never as a crash requeue. Without a spare or range the step restarts on the same
+    nodes once; a second verdict on the node excludes it (bad_nodes.py), and then the job is requeued
+    with the node excluded from its next allocation rather than loop."""
+    node, action, step = verdict["node"], verdict["action"], run.state.step if run.state else 0
+    slow = f"rank {verdict.get('rank', '?')} on {node} {verdict.get('slower', '?')}x slower"
+    why = f"a straggler ({slow} in {verdict.get('phase', '?')})"
+    bad = exclusions((*run.earlier_implicated, node), r.exclude_node_after)
+    s = restartable.step
+    plan, not_in_place = plan_restart(
+        s, run.earlier_restarts, r, job,
+        min_nodes=restartable.min_nodes if action == "drop" else len(s.nodes),
+        usable_nodes=restartable.usable_nodes, excluded={node, *bad}, excluded_why=why,
+        spares=restartable.spares if action == "replace" else (),
+    )  # fmt: skip
+    if plan is not None and plan.kept and node in bad:
+        plan, not_in_place = None, f"{node} is excluded ({bad[node].why}) and no spare or range is left"
+    facts = {**job.identity(), "saved": True, "exit_code": exit_code, "straggler": verdict}
+    entry = {**job.identity(), "step": step, "kind": STRAGGLER, "straggler": verdict, "why": why,
+             IMPLICATED: [node]}  # fmt: skip
+    if plan is None:
+        allowed = r.requeue and job.in_slurm
+        message = f"{why}: no restart in place ({not_in_place}); " + (
+            "requeuing from the snapshot or checkpoint" if allowed else "not requeued: resubmit the job"
+        )
+        return Decision(
+            Action.REQUEUE if allowed else Action.FAIL, message, (message,),
+            RunState.of(RunStatus.STOPPED, STRAGGLER, step, message=message[:500], **facts),
+            crash={**entry, "action": "requeue" if allowed else "fail"},
+            requeue_why="after the straggler's stop", exclude=tuple(bad),
+        )  # fmt: skip
+    number, cap = run.earlier_restarts + 1, r.max_step_restarts
+    same = f"; no idle spare to replace {node}: {plan.kept}" if plan.kept else ""
+    message = (
+        f"{why}: restarting the job step in place {plan.describe()}{same}, from its snapshot "
+        f"(restart in place {number} of resilience.max_step_restarts={cap})"
+    )
+    placed = {
+        "nodes_lost": list(plan.lost), "nodes_left_out": list(plan.left_out),
+        **({"nodes_left_out_why": plan.left_out_why} if plan.left_out else {}),
+        **({"nodes_kept": plan.kept} if plan.kept else {}),
+        **({"nodes_replaced": [list(pair) for pair in plan.replaced]} if plan.replaced else {}),
+    }  # fmt: skip
+    record = RunState.of(RunStatus.STOPPED, STRAGGLER, step, message=message[:500], **facts,
+                         step_restart=number, max_step_restarts=cap)  # fmt: skip
+    crash = {**entry, "action": RESTARTED, "step_restart": number, **placed}
+    return Decision(Action.RESTART, message, (message,), record, crash=crash, restart=plan)
 
 
 def _after_program(exit_code: int, run: RunFacts, resilience: ResilienceConfig, job: JobFacts) -> Decision:

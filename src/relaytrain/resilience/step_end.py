@@ -73,7 +73,7 @@ def perform(decision: Decision, job: JobFacts, run: RunDir, restart_file: str = 
     run_state = RunStateFile(run)
     if decision.record is not None:
         if decision.action is Action.REQUEUE:
-            requeued = requeue(job, run_state, decision.record, decision.requeue_why)
+            requeued = requeue(job, run_state, decision.record, decision.requeue_why, decision.exclude)
         else:
             run_state.write(decision.record)  # a new record: no requeue asked for
     if decision.program_stop and decision.record is not None:
@@ -97,6 +97,7 @@ def _restart_event(decision: Decision) -> dict[str, Any]:
         "nodes": list(plan.nodes),
         # the nodes left out (a hang's culprit twice), or why they were kept: `left out: n2, named as ...`
         "nodes_left_out": list(plan.left_out),
+        **({"nodes_replaced": [list(pair) for pair in plan.replaced]} if plan.replaced else {}),
         **({"nodes_note": plan.exclusion()} if plan.exclusion() else {}),
         **({"hang_culprits": hang["culprits"]} if isinstance(hang, dict) else {}),
     }
@@ -136,10 +137,11 @@ def end_step(
     facts = RunFacts.read(run, job, job_log_tail)
     step = replace(step or StepFacts(), started=facts.state is not None and facts.state.written_by(job))
     usable = None
-    if exit_code != 0 and step.can_restart and job.in_slurm and len(step.nodes) > 1:
+    if exit_code != 0 and step.can_restart and job.in_slurm and (len(step.nodes) > 1 or job.spare_nodes):
         # a node that failed under `--no-kill`: Slurm drops it from the job and shows it down
         usable = usable_job_nodes(job.job_id)
-    restartable = Restartable(step, min_nodes, usable)
+    spares = tuple(node for node in job.spare_nodes if usable is None or node in usable)
+    restartable = Restartable(step, min_nodes, usable, spares)
     decision = decide(exit_code, facts, resilience, job, program=program, restartable=restartable)
     perform(decision, job, run, restart_file)
     return decision
