@@ -23,7 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-IMPLICATED = "nodes_implicated"  # the crashes.jsonl field
+IMPLICATED = "nodes_implicated"  # the crashes.jsonl field: the nodes one failure implicates
+EXCLUDED = "nodes_excluded"  # the crashes.jsonl field: {node: why} excluded from the job after it
 
 
 def implicated_nodes(cause: Mapping[str, Any], lost: Sequence[str] = ()) -> tuple[str, ...]:
@@ -80,14 +81,21 @@ def job_implicated(entries: Iterable[Mapping[str, Any]], job_id: str) -> tuple[s
     return tuple(out)
 
 
-def excluded_in_run(entries: list[Mapping[str, Any]], after: int) -> list[tuple[str, str, str]]:
-    """(job id, node, why) for each node excluded from a job of the run, for `relaytrain status`."""
-    jobs = dict.fromkeys(str(e.get("job_id")) for e in entries if e.get("job_id"))
-    return [
-        (job, node, excluded.why)
-        for job in jobs
-        for node, excluded in exclusions(job_implicated(entries, job), after).items()
-    ]
+def excluded_in_run(entries: list[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
+    """(job id, node, why) for each node excluded from a job of the run (the ``nodes_excluded`` the
+    decision recorded with each failure; the newest says why), for `relaytrain status`."""
+    found: dict[tuple[str, str], str] = {}
+    for entry in entries:
+        excluded = entry.get(EXCLUDED)
+        if isinstance(excluded, dict):
+            for node, why in excluded.items():
+                found[(str(entry.get("job_id", "")), str(node))] = str(why)
+    return [(job, node, why) for (job, node), why in found.items()]
+
+
+def recorded(excluded: Mapping[str, Exclusion]) -> dict[str, Any]:
+    """The crashes.jsonl field for the nodes excluded after a failure ({} when none)."""
+    return {EXCLUDED: {node: e.why for node, e in excluded.items()}} if excluded else {}
 
 
 def why_of(excluded: Mapping[str, Exclusion]) -> str:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.job.env import narrow_to_nodes
+from relaytrain.job.env import narrow_to_nodes, place_by_hostfile
 from relaytrain.job.facts import SPARE_NODES_ENV, STEP_RESTARTS_ENV
 from relaytrain.job.ports import choose_port, has_no_listener
 from relaytrain.resilience.hang_detect import HangPolicy
@@ -98,9 +98,9 @@ class StepLaunch:
             # srun orders tasks by Slurm's node order; a spare in a lower node's position needs a host file
             lines = [node for node in nodes for _ in range(self.tasks_per_node)]
             self.hostfile.write_text("\n".join(lines) + "\n", encoding="utf-8")
-            environ["SLURM_HOSTFILE"] = str(self.hostfile)
+            place_by_hostfile(environ, str(self.hostfile))
             self.extra.append("--distribution=arbitrary")
-        elif environ.pop("SLURM_HOSTFILE", None) is not None:
+        elif place_by_hostfile(environ, None):
             self.extra.append("--distribution=block")
         environ["MASTER_ADDR"] = self.nodes[0]
 
@@ -194,7 +194,7 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
     exit status."""
     environ = os.environ  # each step and the decision after it read the job's variables from here
     if launch.spares:
-        launch.hostfile = plan.run.slurm / f"hosts-{environ.get('SLURM_JOB_ID', 'local')}"
+        launch.hostfile = plan.run.slurm / f"hosts-{JobFacts.from_env().job_id or 'local'}"
         launch.place(launch.nodes, environ)  # the training nodes alone; the spares wait
     while True:
         environ[SPARE_NODES_ENV] = ",".join(launch.spares)

@@ -139,7 +139,7 @@ def requeue(
     Slurm ends the job at once after a successful call: the record is written before it.
     """
     run_state.write(replace(record, requeue_requested=True, requeue_pending=True, requeued=False))
-    done, how = scontrol_requeue(job.requeue_id, exclude)
+    done, how = scontrol_requeue(job.requeue_id, exclude) if exclude else scontrol_requeue(job.requeue_id)
     if not done:
         log.warning("could not requeue %s: %s", why, how)
         return False

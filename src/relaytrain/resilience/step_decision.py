@@ -19,6 +19,7 @@ from relaytrain.resilience.bad_nodes import (
     exclusions,
     implicated_nodes,
     job_implicated,
+    recorded,
 )
 from relaytrain.resilience.bad_nodes import why_of as excluded_why
 from relaytrain.resilience.codes import EXIT_RESTART_STEP, EXIT_RESUME, StopReason
@@ -148,6 +149,7 @@ def _after_crash(
     why = cause["why"]  # a hang's: the monitor's `hang detected: ...` line
     cause[IMPLICATED] = list(implicated_nodes(cause, restartable.lost()))
     bad = exclusions((*run.earlier_implicated, *cause[IMPLICATED]), r.exclude_node_after)
+    cause.update(recorded(bad))
     plan, not_in_place = _plan(run, r, job, restartable, bad)
     if plan is not None:
         return _restart_in_place(exit_code, why, step, cause, plan, run, r, job)
@@ -299,7 +301,7 @@ def _after_straggler(
         plan, not_in_place = None, f"{node} is excluded ({bad[node].why}) and no spare or range is left"
     facts = {**job.identity(), "saved": True, "exit_code": exit_code, "straggler": verdict}
     entry = {**job.identity(), "step": step, "kind": STRAGGLER, "straggler": verdict, "why": why,
-             IMPLICATED: [node]}  # fmt: skip
+             IMPLICATED: [node], **recorded(bad)}  # fmt: skip
     if plan is None:
         allowed = r.requeue and job.in_slurm
         message = f"{why}: no restart in place ({not_in_place}); " + (

@@ -12,6 +12,7 @@ from relaytrain.slurm.status_commands import _console, cmd_logs, cmd_status
 
 _SLURM_FLAGS = {  # CLI flag -> (SlurmConfig key, type)
     "nodes": ("nodes", int),
+    "spare_nodes": ("spare_nodes", int),
     "gpus_per_node": ("gpus_per_node", int),
     "tasks_per_node": ("tasks_per_node", int),
     "cpus_per_task": ("cpus_per_task", int),
@@ -43,6 +44,13 @@ def _add_slurm_flags(p: argparse.ArgumentParser) -> None:
         type=_node_range,
         help="number of nodes, or MIN-MAX (e.g. 2-4): Slurm may start the job, and each requeue of it, on "
         "any count in the range",
+    )
+    p.add_argument(
+        "--spare-nodes",
+        type=int,
+        metavar="K",
+        help="also allocate K idle spare nodes: a failed, excluded or straggling node's place goes to one "
+        "(same world size, no requeue; slurm.spare_nodes, docs/elastic.md)",
     )
     p.add_argument(
         "--gpus-per-node", type=int, help="GPUs per node (0: CPU-only nodes, set --tasks-per-node)"

@@ -13,6 +13,7 @@ from typing import Any
 from relaytrain.checkpoint.files import read_latest
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
+from relaytrain.resilience.bad_nodes import excluded_in_run
 from relaytrain.resilience.crash import RESTARTED, CrashLog, describe_crash
 from relaytrain.resilience.run_state import RUN_STATE_FILE, RunStateFile
 from relaytrain.slurm.jobs import entry_log, last_step
@@ -88,6 +89,8 @@ def run_rows(run: RunDir) -> list[tuple[str, str]]:
         requeued = sum(1 for e in crashes if e.get("action", "requeue") == "requeue")
         rows.append(("crashes", f"{len(crashes)}: {in_place} in place, {requeued} requeued (crashes.jsonl)"))
         rows.append(("last crash", describe_crash(crashes[-1])))
+        for job, node, why in excluded_in_run(crashes):
+            rows.append(("excluded node", f"{node} from job {job}: {why}"))
     step = last_step(run)
     rows.append(("last logged step", "none yet" if step is None else str(step)))
     latest = read_latest(run.checkpoints)
