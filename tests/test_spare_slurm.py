@@ -69,12 +69,13 @@ def spares(slurm_cluster, tmp_path_factory):
     config = write_config(base / "spares.toml", runs, "spare", STEPS)
     config.write_text(config.read_text() + SNAPSHOTS)
     reference = start_reference(runs / "reference", config)
-    replace = launch(str(config), "--nodes", "2", "--spare-nodes", "1", "--tasks-per-node", "1", SLOW)
-    exclude = launch(str(config), "--name", "exclude", "--nodes", "1", "--spare-nodes", "2",
-                     "--tasks-per-node", "1", "--train.max_steps=80", SLOW)  # fmt: skip
+    replace = exclude = ""
     killed = None
-    out = {"runs": runs, "replace": replace, "exclude": exclude}
     try:
+        replace = launch(str(config), "--nodes", "2", "--spare-nodes", "1", "--tasks-per-node", "1", SLOW)
+        exclude = launch(str(config), "--name", "exclude", "--nodes", "1", "--spare-nodes", "2",
+                         "--tasks-per-node", "1", "--train.max_steps=80", SLOW)  # fmt: skip
+        out = {"runs": runs, "replace": replace, "exclude": exclude}
         wait_step(runs / "spare", replace, 6)
         fields = job_fields(int(replace))
         nodes = expand_nodelist(fields["NodeList"])
@@ -88,7 +89,7 @@ def spares(slurm_cluster, tmp_path_factory):
         out["exclude_fields"] = wait_job_finished(int(exclude), timeout=240)
         out["reference_out"], _ = reference.communicate(timeout=120)
     finally:
-        for job in (replace, exclude):
+        for job in filter(None, (replace, exclude)):
             subprocess.run(["scancel", job], capture_output=True, timeout=30)
         if reference.poll() is None:
             reference.kill()

@@ -172,7 +172,7 @@ def test_spares_allocate_n_plus_k_nodes_keep_the_job_on_a_node_failure_and_the_s
     [
         (["--slurm.nodes=2", "--slurm.min_nodes=1"], "", "node range"),
         (["--slurm.nodes=2"], "77", "--jobid 77"),
-        (["--slurm.nodes=1", "--slurm.spare_nodes=2"], "", "more than the 1 training node"),
+        (["--slurm.nodes=1", "--slurm.spare_nodes=3"], "", "at most 2 spare"),
         (["--slurm.nodes=2", "--slurm.no_kill=false"], "", "slurm.no_kill=false"),
     ],
 )
@@ -202,8 +202,9 @@ def test_the_launch_flag_sets_the_spares(tmp_path, monkeypatch, capsys):
     from relaytrain.cli import main
 
     monkeypatch.chdir(tmp_path)
-    args = ["launch", str(REPO / "configs" / "debug.toml"), "--nodes", "2", "--spare-nodes", "1",
-            "--gpus-per-node", "0", "--tasks-per-node", "1", "--dry-run", f"--run.dir={tmp_path}/runs"]  # fmt: skip
+    config = str(REPO / "configs" / "debug.toml")
+    args = ["launch", config, "--nodes", "2", "--spare-nodes", "1", "--gpus-per-node", "0",
+            "--tasks-per-node", "1", "--dry-run", f"--run.dir={tmp_path}/runs"]  # fmt: skip
     assert main(args) == 0
     assert "#SBATCH --nodes=3" in capsys.readouterr().out
     assert "spare_nodes = 1" in (tmp_path / "runs" / "debug" / "slurm" / "config.toml").read_text()

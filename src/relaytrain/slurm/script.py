@@ -91,8 +91,10 @@ def allocated_nodes(s: SlurmConfig) -> str:
     return str(s.nodes + s.spare_nodes) if s.spare_nodes else node_range(s)
 
 
-# More spares than training nodes would idle more than half the allocation.
-MAX_SPARES_PER_NODE = 1
+# More spares than this idle more of the allocation than a failure costs.
+def max_spares(nodes: int) -> int:
+    """At most as many spares as training nodes, and 2 for a run of 1 or 2 nodes."""
+    return max(nodes, 2)
 
 
 def check_spares(spec: JobSpec) -> None:
@@ -110,10 +112,11 @@ def check_spares(spec: JobSpec) -> None:
             f"--spare-nodes {s.spare_nodes} with the node range --nodes {node_range(s)}: a range shrinks "
             "the run when a node fails, spares keep its size; pass one of them (docs/elastic.md)"
         )
-    if s.spare_nodes > MAX_SPARES_PER_NODE * s.nodes:
+    if s.spare_nodes > max_spares(s.nodes):
         raise UserError(
-            f"slurm.spare_nodes={s.spare_nodes} is more than the {s.nodes} training node(s): at most "
-            f"{MAX_SPARES_PER_NODE * s.nodes} spare(s), or the idle nodes cost more than the run"
+            f"slurm.spare_nodes={s.spare_nodes} for {s.nodes} training node(s): at most "
+            f"{max_spares(s.nodes)} spare(s) (as many as training nodes, 2 for 1 or 2), or the idle nodes "
+            "cost more than the failures they absorb"
         )
     if s.no_kill is False:
         raise UserError(
