@@ -208,3 +208,17 @@ def test_the_launch_flag_sets_the_spares(tmp_path, monkeypatch, capsys):
     assert main(args) == 0
     assert "#SBATCH --nodes=3" in capsys.readouterr().out
     assert "spare_nodes = 1" in (tmp_path / "runs" / "debug" / "slurm" / "config.toml").read_text()
+
+
+def test_plan_shows_the_spares_and_their_cost():
+    from relaytrain.plan.spares import spare_cost, spare_rows
+
+    cfg = load_config(None, ["--slurm.nodes=2", "--slurm.spare_nodes=1", "--slurm.time=24:00:00"])
+    assert spare_cost(cfg.slurm) == {"spare_nodes": 1, "allocated_nodes": 3, "idle_node_hours": 24.0,
+                                     "share": 0.3333}  # fmt: skip
+    (row,) = spare_rows(cfg.slurm)
+    assert (
+        row[1]
+        == "1 idle beside 2 training (sbatch --nodes=3): 24 idle node-hours per job, 33.3 % of the allocation"
+    )
+    assert spare_rows(load_config(None, ["--slurm.nodes=2"]).slurm) == []

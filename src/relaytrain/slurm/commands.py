@@ -155,6 +155,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _print_plan(cfg, plans, console: Console, notes: list[str]) -> None:
     from relaytrain.plan.checks import plan_rows, range_rows
+    from relaytrain.plan.spares import spare_rows
 
     plan = plans[-1]
     if len(plans) > 1:  # --nodes MIN-MAX: each count Slurm may start a job of the chain on
@@ -171,7 +172,7 @@ def _print_plan(cfg, plans, console: Console, notes: list[str]) -> None:
     facts = Table(title=f"relaytrain plan: {cfg.run.name}", show_header=False)
     facts.add_column("what")
     facts.add_column("value")
-    for name, value in plan_rows(plan):
+    for name, value in plan_rows(plan) + spare_rows(cfg.slurm):
         facts.add_row(name, value)
     console.print(facts)
     checks = Table(show_header=True)
