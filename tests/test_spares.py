@@ -10,7 +10,7 @@ from relaytrain.config import load_config
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.errors import UserError
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience import bad_nodes, step_end
+from relaytrain.resilience import bad_nodes, requeue, step_end
 from relaytrain.resilience.crash import CrashLog, describe_crash
 from relaytrain.resilience.job_driver import StepLaunch
 from relaytrain.resilience.run_state import RunState, RunStateFile
@@ -129,14 +129,22 @@ def test_a_straggler_to_drop_restarts_on_the_nodes_left_where_the_range_allows(r
     assert kept.action is Action.RESTART and kept.restart.nodes == () and "kept: n2" in kept.reason
 
 
-def test_a_second_straggler_verdict_without_a_spare_requeues_excluding_the_node_instead_of_looping(run):
+def test_a_second_straggler_verdict_without_a_spare_requeues_excluding_the_node_instead_of_looping(
+    run, monkeypatch
+):
     stopped_for_straggler(run, "replace")
     first = straggler_decision(run, spares=())
     assert first.action is Action.RESTART and "no idle spare to replace n2" in first.reason
     step_end.perform(first, JOB, run)
     again = straggler_decision(run, spares=())
     assert again.action is Action.REQUEUE and again.exclude == ("n2",), again
-    assert CrashLog(run).count("41") == 0  # not a crash requeue
+    asked = []
+    monkeypatch.setattr(
+        requeue, "scontrol_requeue", lambda job_id, exclude=(): asked.append(exclude) or (True, "")
+    )
+    step_end.perform(again, JOB, run)
+    assert asked == [("n2",)] and CrashLog(run).entries()[-1]["action"] == "requeue"
+    assert CrashLog(run).count("41") == 0  # not a crash requeue: max_crash_requeues is untouched
 
 
 def test_a_verdict_of_another_step_or_shape_is_not_a_straggler_stop(run):
