@@ -24,6 +24,7 @@ from e2e_slurm_jobs import (
     cli,
     events,
     job_log,
+    job_output,
     launch,
     records,
     setup_override,
@@ -42,7 +43,7 @@ from slurm_fixtures import job_fields, wait_for, wait_job_finished
 
 pytestmark = pytest.mark.slurm
 
-STEPS = 40
+STEPS = 30
 SNAPSHOTS = "\n[checkpoint]\ninterval = 10\nsnapshot_every = 1\n"
 SLOW = setup_override(faults.setup_line(step_delay_s=0.5))
 
@@ -74,7 +75,7 @@ def spares(slurm_cluster, tmp_path_factory):
     try:
         replace = launch(str(config), "--nodes", "2", "--spare-nodes", "1", "--tasks-per-node", "1", SLOW)
         exclude = launch(str(config), "--name", "exclude", "--nodes", "1", "--spare-nodes", "2",
-                         "--tasks-per-node", "1", "--train.max_steps=80", SLOW)  # fmt: skip
+                         "--tasks-per-node", "1", "--train.max_steps=60", SLOW)  # fmt: skip
         out = {"runs": runs, "replace": replace, "exclude": exclude}
         wait_step(runs / "spare", replace, 6)
         fields = job_fields(int(replace))
@@ -84,7 +85,7 @@ def spares(slurm_cluster, tmp_path_factory):
         out["killed_at"] = time.time()
         local_cluster.kill_node(killed, slurm_cluster.base_dir)
         kill_rank_once_running(runs / "exclude", exclude, 0, 4)
-        kill_rank_once_running(runs / "exclude", exclude, 1, 22)
+        kill_rank_once_running(runs / "exclude", exclude, 1, 16)
         out["replace_fields"] = wait_job_finished(int(replace), timeout=240)
         out["exclude_fields"] = wait_job_finished(int(exclude), timeout=240)
         out["reference_out"], _ = reference.communicate(timeout=120)
@@ -115,7 +116,8 @@ def test_a_spare_replaces_a_killed_node_in_place_bit_exact(spares):
     assert_losses_match(
         run_dir, {r["step"]: r["loss"] for r in records(spares["runs"] / "reference", "train")}
     )
-    assert "spare " + spares["spare"] + " in place of " + spares["killed"] in job_log(run_dir, job)
+    assert f"spare {spares['spare']} in place of {spares['killed']}" in job_output(run_dir, job)
+    assert "1 of 2 rank file(s) from a peer node" in job_output(run_dir, job)  # the snapshot's replica
 
 
 def test_a_node_implicated_twice_is_excluded_and_the_third_step_runs_without_it(spares):

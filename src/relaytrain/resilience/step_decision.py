@@ -6,102 +6,33 @@ decision out. See ``step_end.py`` for the whole list of outcomes.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.job import JobFacts, RunDir
+from relaytrain.job import JobFacts
 from relaytrain.resilience.bad_nodes import (
     IMPLICATED,
     Exclusion,
     exclusions,
     implicated_nodes,
-    job_implicated,
     recorded,
 )
 from relaytrain.resilience.bad_nodes import why_of as excluded_why
 from relaytrain.resilience.codes import EXIT_RESTART_STEP, EXIT_RESUME, StopReason
-from relaytrain.resilience.crash import CRASH_LOG_FILE, RESTARTED, STRAGGLER, CrashLog, cause_of, classify
-from relaytrain.resilience.hang_record import HangRecord, HangRecordFile
+from relaytrain.resilience.crash import CRASH_LOG_FILE, RESTARTED, cause_of, classify
+from relaytrain.resilience.decision_facts import (  # noqa: F401  (the decision's names, for callers)
+    Action,
+    Decision,
+    Restartable,
+    RunFacts,
+    step_marker,
+)
+from relaytrain.resilience.replace_node import after_straggler, straggler_of
 from relaytrain.resilience.requeue import decide_requeue
 from relaytrain.resilience.run_lock import is_busy_refusal
-from relaytrain.resilience.run_state import RunState, RunStateFile, RunStatus
-from relaytrain.resilience.step_restart import RestartPlan, StepFacts, plan_restart
-
-
-class Action(enum.Enum):
-    FINISHED = "finished"  # nothing left to do: the step ended well, or the run's own stop decided
-    REQUEUE = "requeue"  # requeue the job: it resumes from the last complete checkpoint
-    FAIL = "fail"  # the job ends here and is not requeued
-    RESTART = "restart"  # the batch script starts the job step again inside this allocation
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What the run directory and the job's output say about the step that ended."""
-
-    state: RunState | None  # run_state.json as the step left it (None: none, or damaged)
-    earlier_crashes: int  # crashes of this job in crashes.jsonl that requeued it (or ended it)
-    job_log_tail: str  # this step's part of the job's output
-    earlier_restarts: int = 0  # crashes of this job in crashes.jsonl restarted in place
-    hang: HangRecord | None = None  # the hang the job's hang monitor detected in this step
-    earlier_hang_nodes: tuple[str, ...] = ()  # culprit nodes of this job's earlier hangs, once per hang
-    earlier_implicated: tuple[str, ...] = ()  # nodes this job's earlier failures implicated (bad_nodes.py)
-
-    @classmethod
-    def read(cls, run: RunDir, job: JobFacts, job_log_tail: str = "") -> RunFacts:
-        # The output file holds every run of the job (--open-mode=append) and every step of a run:
-        # keep only this step's part (the batch job's driver logs the marker before each launch).
-        start = job_log_tail.rfind(step_marker(job.restart_count, job.step_restarts))
-        if start < 0:
-            start = job_log_tail.rfind(f"restart count {job.restart_count},")
-        tail = job_log_tail[start:] if start >= 0 else job_log_tail
-        crashes = CrashLog(run)
-        return cls(
-            RunStateFile(run).read(),
-            crashes.count(job.job_id),
-            tail,
-            crashes.count(job.job_id, restarts=True),
-            HangRecordFile(run).for_step(job),
-            tuple(crashes.hang_culprit_nodes(job.job_id)),
-            job_implicated(crashes.entries(), job.job_id),
-        )
-
-
-def step_marker(restart_count: int, step_restarts: int) -> str:
-    """The job-log line before each launch of a step: the batch job's driver (``job_driver.py``) writes
-    it, the decision after the step finds the step's part of the job log by it."""
-    return f"job step of restart count {restart_count}, step restart {step_restarts}:"
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: Action
-    reason: str  # why, for a human
-    say: tuple[str, ...] = ()  # the job log's lines about it
-    record: RunState | None = None  # what run_state.json is to say (None: it stays as the step left it)
-    crash: Mapping[str, Any] | None = None  # the crashes.jsonl entry to append
-    program_stop: bool = False  # a program's stop: also a `stop` event in metrics.jsonl
-    restart: RestartPlan | None = None  # RESTART: where the batch script starts the step again
-    requeue_why: str = "the job"  # completes "could not requeue ..." when scontrol fails
-    exclude: tuple[str, ...] = ()  # REQUEUE: nodes the next allocation excludes (bad_nodes.py)
-
-
-@dataclass(frozen=True)
-class Restartable:
-    """What a restart in place needs to know beyond the run's files (``step_restart.plan_restart``)."""
-
-    step: StepFacts = field(default_factory=StepFacts)
-    min_nodes: int = 1  # the fewest nodes the run may continue on
-    usable_nodes: list[str] | None = None  # the job's nodes that can run a step now (None: unknown)
-    spares: tuple[str, ...] = ()  # the job's idle spare nodes that can run a step now
-
-    def lost(self) -> tuple[str, ...]:
-        """The step's nodes Slurm no longer gives the job (none when it could not say)."""
-        usable = self.usable_nodes
-        return () if usable is None else tuple(n for n in self.step.nodes if n not in usable)
+from relaytrain.resilience.run_state import RunState, RunStatus
+from relaytrain.resilience.step_restart import RestartPlan, plan_restart
 
 
 def decide(
@@ -122,7 +53,7 @@ def decide(
         return Decision(Action.FAIL, why, (f"step exit code {exit_code}: {why}",))
     verdict = None if program else straggler_of(run.state, job)
     if verdict is not None:
-        return _after_straggler(exit_code, verdict, run, resilience, job, restartable)
+        return after_straggler(exit_code, verdict, run, resilience, job, restartable)
     if program and exit_code == EXIT_RESTART_STEP:
         why = f"the program exited {EXIT_RESTART_STEP}: it asks for its step to be started again"
         return _after_crash(exit_code, why, run, resilience, job, restartable)
@@ -258,77 +189,6 @@ def _restart_in_place(
         },  # fmt: skip
         restart=plan,
     )
-
-
-def straggler_of(state: RunState | None, job: JobFacts) -> dict[str, Any] | None:
-    """The trainer's straggler verdict when this step stopped for one (run_state.json: status stopped,
-    reason ``straggler``, ``straggler`` = {rank, node, phase, slower, since_step, action}); torchrun
-    rewrites the exit code (EXIT_STRAGGLER), so the record decides."""
-    if state is None or not state.written_by(job) or state.status is not RunStatus.STOPPED:
-        return None
-    verdict = state.fact("straggler")
-    if state.reason != StopReason.STRAGGLER.label or not isinstance(verdict, dict):
-        return None
-    node, action = verdict.get("node"), verdict.get("action")
-    return verdict if isinstance(node, str) and node and action in ("replace", "drop") else None
-
-
-def _after_straggler(
-    exit_code: int,
-    verdict: dict[str, Any],
-    run: RunFacts,
-    r: ResilienceConfig,
-    job: JobFacts,
-    restartable: Restartable,
-) -> Decision:
-    """The run stopped after a snapshot to lose a straggler: restart in place with a spare in its node's
-    place (``replace``) or without it where the node range allows (``drop``). Not a crash: it counts as a
-    restart in place, never as a crash requeue. Without a spare or range the step restarts on the same
-    nodes once; a second verdict on the node excludes it (bad_nodes.py), and then the job is requeued
-    with the node excluded from its next allocation rather than loop."""
-    node, action, step = verdict["node"], verdict["action"], run.state.step if run.state else 0
-    slow = f"rank {verdict.get('rank', '?')} on {node} {verdict.get('slower', '?')}x slower"
-    why = f"a straggler ({slow} in {verdict.get('phase', '?')})"
-    bad = exclusions((*run.earlier_implicated, node), r.exclude_node_after)
-    s = restartable.step
-    plan, not_in_place = plan_restart(
-        s, run.earlier_restarts, r, job,
-        min_nodes=restartable.min_nodes if action == "drop" else len(s.nodes),
-        usable_nodes=restartable.usable_nodes, excluded={node, *bad}, excluded_why=why,
-        spares=restartable.spares if action == "replace" else (),
-    )  # fmt: skip
-    if plan is not None and plan.kept and node in bad:
-        plan, not_in_place = None, f"{node} is excluded ({bad[node].why}) and no spare or range is left"
-    facts = {**job.identity(), "saved": True, "exit_code": exit_code, "straggler": verdict}
-    entry = {**job.identity(), "step": step, "kind": STRAGGLER, "straggler": verdict, "why": why,
-             IMPLICATED: [node], **recorded(bad)}  # fmt: skip
-    if plan is None:
-        allowed = r.requeue and job.in_slurm
-        message = f"{why}: no restart in place ({not_in_place}); " + (
-            "requeuing from the snapshot or checkpoint" if allowed else "not requeued: resubmit the job"
-        )
-        return Decision(
-            Action.REQUEUE if allowed else Action.FAIL, message, (message,),
-            RunState.of(RunStatus.STOPPED, STRAGGLER, step, message=message[:500], **facts),
-            crash={**entry, "action": "requeue" if allowed else "fail"},
-            requeue_why="after the straggler's stop", exclude=tuple(bad),
-        )  # fmt: skip
-    number, cap = run.earlier_restarts + 1, r.max_step_restarts
-    same = f"; no idle spare to replace {node}: {plan.kept}" if plan.kept else ""
-    message = (
-        f"{why}: restarting the job step in place {plan.describe()}{same}, from its snapshot "
-        f"(restart in place {number} of resilience.max_step_restarts={cap})"
-    )
-    placed = {
-        "nodes_lost": list(plan.lost), "nodes_left_out": list(plan.left_out),
-        **({"nodes_left_out_why": plan.left_out_why} if plan.left_out else {}),
-        **({"nodes_kept": plan.kept} if plan.kept else {}),
-        **({"nodes_replaced": [list(pair) for pair in plan.replaced]} if plan.replaced else {}),
-    }  # fmt: skip
-    record = RunState.of(RunStatus.STOPPED, STRAGGLER, step, message=message[:500], **facts,
-                         step_restart=number, max_step_restarts=cap)  # fmt: skip
-    crash = {**entry, "action": RESTARTED, "step_restart": number, **placed}
-    return Decision(Action.RESTART, message, (message,), record, crash=crash, restart=plan)
 
 
 def _after_program(exit_code: int, run: RunFacts, resilience: ResilienceConfig, job: JobFacts) -> Decision:
