@@ -10,13 +10,17 @@ the job log) and says:
   (``run.lock``; its output says so);
 * **restart** the job step in place after a crash of relaytrain's trainer (``crash.classify``) or a
   program's exit 76, when ``step_restart.plan_restart`` allows (the script can, fewer than
-  ``resilience.max_step_restarts`` restarts in place, on the nodes left after a node failure, without
-  a node named as a hang's culprit twice in this job where the node range allows); a crash of a step
+  ``resilience.max_step_restarts`` restarts in place, with an idle spare node in the place of a lost or
+  excluded one, else on the nodes left where the node range allows; a node implicated in failures of this
+  job ``resilience.exclude_node_after`` times is excluded, ``bad_nodes.py``); a crash of a step
   the job's hang monitor found hung (``hang_record``: ``hang/last.json`` of this step) is recorded as
   the hang, with its culprit rank(s) and node(s);
-* else **requeue** or **fail** after such a crash: requeued from the last complete checkpoint while
-  the job had fewer than ``resilience.max_crash_requeues`` crash requeues, else recorded as
-  ``crash_loop`` (or ``crash`` when requeueing is off or outside Slurm);
+* **restart** in place after a straggler's stop (``replace_node.py``: a spare in its node's place, or
+  without it), not counted as a crash;
+* else **requeue** (the next allocation excluding the excluded nodes) or **fail** after such a crash:
+  requeued from the last complete checkpoint while the job had fewer than
+  ``resilience.max_crash_requeues`` crash requeues, else recorded as ``crash_loop`` (or ``crash`` when
+  requeueing is off or outside Slurm);
 * **requeue** or **fail** after a ``--command`` program exited 75 without recording its stop through
   ``relaytrain.program``: its request to continue (``program_exit``), capped by ``resilience.max_requeues``;
 * **requeue** when ``run_state.json`` says ``requeue_pending``: the run asked for a requeue it could not do
