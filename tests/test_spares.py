@@ -230,3 +230,15 @@ def test_plan_shows_the_spares_and_their_cost():
         == "1 idle beside 2 training (sbatch --nodes=3): 24 idle node-hours per job, 33.3 % of the allocation"
     )
     assert spare_rows(load_config(None, ["--slurm.nodes=2"]).slurm) == []
+
+
+def test_a_requeue_excluding_nodes_holds_updates_and_releases_the_job(monkeypatch):
+    """A running job's ExcNodeList cannot be changed (`Job is no longer pending execution`): requeued held,
+    its ExcNodeList (what it had, and the nodes) updated, then released."""
+    calls = []
+    monkeypatch.setattr(requeue.shutil, "which", lambda name: "/usr/bin/scontrol")
+    monkeypatch.setattr(requeue, "_scontrol", lambda *args: calls.append(args) or (True, " ".join(args)))
+    monkeypatch.setattr(requeue, "scontrol_job_field", lambda job, field: "n9")
+    monkeypatch.setattr(requeue, "expand_nodelist", lambda text: text.split(",") if text else [])
+    assert requeue.scontrol_requeue("41", ("n2",))[0]
+    assert calls == [("requeuehold", "41"), ("update", "JobId=41", "ExcNodeList=n9,n2"), ("release", "41")]
