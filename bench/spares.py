@@ -53,6 +53,7 @@ def trial(base: Path) -> dict[str, Any]:
     from faults import setup_line
 
     runs = base / "runs"
+    base.mkdir(parents=True, exist_ok=True)
     config = harness.write_config(base / "spares.toml", "spare", runs, STEPS, 0, 10)
     ref = reference(runs / "reference", config)
     slow = f"--slurm.setup=['{setup_line(step_delay_s=STEP_DELAY_S)}']"
