@@ -114,10 +114,10 @@ def render(data: dict[str, Any], path: str) -> str:
     return (
         "## Spare nodes: a killed node replaced in place\n\n"
         f"Measured by {code(data['command'])} ({data['date']}) on the local Slurm cluster: a `--nodes 2 "
-        f"--spare-nodes 1` job of the debug-sized model (1 rank per node, snapshots every step, "
-        f"{STEP_DELAY_S} s per step), its second training node killed after step {KILL_AT}. Most of the "
-        "time to the decision is Slurm noticing the node (the surviving rank's collective fails, srun "
-        "waits for the lost node's task); the restart itself is start-up and the restore.\n\n"
+        f"--spare-nodes 1` job of the tests' tiny model (1 rank per node, snapshots every step, "
+        f"{STEP_DELAY_S} s per step), its second training node killed after step {KILL_AT}. Kill → decision "
+        "is the step ending after the kill (the surviving rank's collective fails, srun reports the node "
+        "failure) and the decision; decision → resume is the restarted step's start-up and restore.\n\n"
         + table(header, body)
         + f"\nResults: `{path}`. Rewritten from the kept results by "
         f"`python -m bench.spares --page-from {path}`.\n"
