@@ -42,13 +42,20 @@ from slurm_fixtures import wait_for, wait_job_finished
 JOB = {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "2"}
 
 
+calls_excluded: dict[int, list[tuple[str, ...]]] = {}  # each fake's ExcNodeList per requeue
+
+
 @pytest.fixture
 def requeues(monkeypatch):
     calls: list[str] = []
 
-    def fake(requeue_id: str) -> tuple[bool, str]:
+    def fake(requeue_id: str, exclude=()) -> tuple[bool, str]:
         calls.append(requeue_id)
+        excluded.append(tuple(exclude))
         return True, f"scontrol requeue {requeue_id}"
+
+    excluded: list[tuple[str, ...]] = []
+    calls_excluded[id(calls)] = excluded
 
     monkeypatch.setattr(requeue, "scontrol_requeue", fake)
     return calls
@@ -114,6 +121,8 @@ def test_crash_requeues_until_the_cap_then_records_a_crash_loop(tmp_path, requeu
             assert "max_crash_requeues=2" in state["message"]
         assert state["crash"]["signal"] == "SIGKILL" and state["crash"]["nodes"] == ["node2"]
         assert state["crash_count"] == attempt + 1
+    # node2's task died first both times: the second requeue's allocation excludes it
+    assert calls_excluded[id(requeues)] == [(), ("node2",)]
     entries = [json.loads(line) for line in (tmp_path / crash.CRASH_LOG_FILE).read_text().splitlines()]
     assert [e["job_id"] for e in entries] == ["41"] * 3
     # A job resubmitted by hand starts with a fresh allowance.

@@ -41,6 +41,7 @@ RECORD = HangRecord(
     line=LINE,
     report="logs/hang-step12.md",
 )
+TWICE = "implicated in 2 failures of this job (resilience.exclude_node_after=2)"
 TWO_NODES = StepFacts(can_restart=True, seconds=300.0, nodes=("n1", "n2"), started=True)
 
 
@@ -173,25 +174,52 @@ def test_a_node_named_culprit_twice_is_left_out_when_the_node_range_allows(run):
     decision = after(run, min_nodes=1)
     assert decision.action is Action.RESTART and decision.restart.nodes == ("n1",), decision
     assert decision.restart.left_out == ("n2",) and decision.crash["nodes_left_out"] == ["n2"]
-    assert "on the 1 node(s) left (n1); left out: n2, named as a hang's culprit twice" in decision.reason
+    assert f"on the 1 node(s) left (n1); left out: n2, {TWICE}" in decision.reason
     step_end.perform(decision, JOB, run)
     (event,) = [json.loads(x) for x in run.metrics.read_text().splitlines()]
     assert (event["nodes"], event["nodes_left_out"]) == (["n1"], ["n2"])
-    assert event["nodes_note"] == "left out: n2, named as a hang's culprit twice"
-    assert "without n2 (named as a hang's culprit twice)" in dict(run_rows(run))["last crash"]
+    assert (
+        event["nodes_note"]
+        == "left out: n2, implicated in 2 failures of this job (resilience.exclude_node_after=2)"
+    )
+    rows = run_rows(run)
+    assert (
+        "without n2 (implicated in 2 failures of this job (resilience.exclude_node_after=2))"
+        in dict(rows)["last crash"]
+    )
+    assert (
+        "excluded node",
+        "n2 from job 41: implicated in 2 failures of this job (resilience.exclude_node_after=2)",
+    ) in rows
 
 
-def test_a_node_named_culprit_twice_is_kept_and_said_when_the_range_does_not_allow(run):
+def test_a_node_named_culprit_twice_is_excluded_by_a_requeue_when_the_range_does_not_allow(run):
+    """No spare, no node range: the node cannot be left out in place; the requeue's allocation excludes it."""
     earlier_hang(run, "n2")
     HangRecordFile(run).write(RECORD)
     decision = after(run, min_nodes=2)
-    assert decision.action is Action.RESTART and decision.restart.nodes == (), decision
-    kept = (
-        "kept: n2, named as a hang's culprit twice: without it 1 node(s) would be left, fewer than the run "
-        "needs (every node of the job)"
-    )
-    assert decision.restart.left_out == () and decision.crash["nodes_kept"] == kept
-    assert f"on the same nodes; {kept}" in decision.reason
+    assert decision.action is Action.REQUEUE and decision.exclude == ("n2",), decision
+    assert decision.crash["nodes_excluded"] == {
+        "n2": "implicated in 2 failures of this job (resilience.exclude_node_after=2)"
+    }
+    assert "excluded node(s) cannot be left out: kept: n2" in decision.crash["not_restarted_in_place"]
+
+
+def test_a_spare_takes_the_place_of_a_node_named_culprit_twice(run):
+    earlier_hang(run, "n2")
+    HangRecordFile(run).write(RECORD)
+    restartable = Restartable(TWO_NODES, 2, ["n1", "n2", "n3"], ("n3",))
+    decision = decide(137, RunFacts.read(run, JOB), ResilienceConfig(), JOB, restartable=restartable)
+    assert decision.action is Action.RESTART and decision.restart.nodes == ("n1", "n3"), decision
+    assert decision.crash["nodes_replaced"] == [["n2", "n3"]]
+    assert "on 2 node(s) (n1,n3): spare n3 in place of n2" in decision.reason
+
+
+def test_exclusion_after_zero_never_excludes(run):
+    earlier_hang(run, "n2")
+    HangRecordFile(run).write(RECORD)
+    decision = after(run, min_nodes=1, exclude_node_after=0)
+    assert decision.restart.nodes == () and decision.restart.left_out == (), decision
 
 
 @pytest.mark.parametrize(

@@ -195,6 +195,10 @@ class ResilienceConfig(Section):
     # after a crash, start the job step again inside the same allocation (no trip through the queue) up
     # to this many times per SLURM job before crashes requeue; 0: every crash requeues
     max_step_restarts: int = setting(3, at_least(0))
+    # a node implicated in this many failures of one SLURM job (a hang's culprit, a lost node, the node
+    # whose task failed first, a straggler) is kept out of the job's later steps and its next allocation
+    # (sbatch --exclude after a requeue); 0: never
+    exclude_node_after: int = setting(2, at_least(0))
     # process-group init and the first health all-reduce
     init_timeout_s: float = setting(300.0, seconds(zero_ok=False))
     # every process group's timeout; 0: derived, max(hang_timeout_s, hang_floor_s) + 120, so the hang
@@ -242,6 +246,9 @@ class SlurmConfig(Section):
     # sbatch --no-kill: a failed node does not end the job, the step restarts on the nodes left (when
     # min_nodes allows) or the job is requeued; auto: on for node ranges (min_nodes), off for fixed counts
     no_kill: Literal["auto", True, False] = "auto"
+    # idle nodes the job holds beside `nodes` (sbatch --nodes=nodes+spare_nodes): a failed, excluded or
+    # straggling node's place goes to one, same world size and layout, no requeue (docs/elastic.md)
+    spare_nodes: int = setting(0, in_range(0, MAX_NODES))
     # -1: from the profile, else 8; 0: CPU-only nodes (set tasks_per_node)
     gpus_per_node: int = setting(-1, in_range(-1, MAX_PER_NODE))
     gpu_type: str = ""  # h100, h200, a100, mi250x, ... (relaytrain plan); mi*: AMD ROCm/RCCL

@@ -120,3 +120,12 @@ def narrow_to_nodes(environ: MutableMapping[str, str], nodes: list[str]) -> None
     )
     for name in ("SLURM_NTASKS", "SLURM_NPROCS"):
         environ.pop(name, None)
+
+
+def place_by_hostfile(environ: MutableMapping[str, str], hostfile: str | None) -> bool:
+    """Have the next `srun --distribution=arbitrary` place its tasks by ``hostfile`` (one node per task,
+    in rank order), or (None) by Slurm's node order again; returns whether a host file was in use."""
+    if hostfile is not None:
+        environ["SLURM_HOSTFILE"] = hostfile
+        return True
+    return environ.pop("SLURM_HOSTFILE", None) is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from relaytrain.plan.checks import GIB, Plan
+from relaytrain.plan.spares import spare_cost
 
 # Plan's categories and the simulated ones each stands for.
 GROUPS = (
@@ -290,7 +291,8 @@ def report(cfg, plans: list[Plan], console, simulate: bool, json_out: bool, prin
     micro = simulated_micro_batches(cfg.parallel, plan.dims) if plan.dims is not None else 0
     impossible = any(p.verdict == "impossible" for p in plans)
     if json_out:
-        print(json.dumps({**as_json(plan, sims, micro, warning), "reshard": reshard}, indent=2))
+        spares = {"spares": spare_cost(cfg.slurm)} if cfg.slurm.spare_nodes else {}
+        print(json.dumps({**as_json(plan, sims, micro, warning), "reshard": reshard, **spares}, indent=2))
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     else:

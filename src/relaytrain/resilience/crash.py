@@ -42,7 +42,8 @@ USAGE_ERROR_EXIT = 2  # relaytrain's CLI exits 2 on a UserError/ConfigError: ret
 NEVER_REQUEUED_REASONS = frozenset({"nan", "damaged_checkpoint"})
 CRASH_REASONS = frozenset({"error", "hang"})
 RESTARTED = "restart"  # a crashes.jsonl line's action when the step was started again in place
-CULPRIT_TWICE = "named as a hang's culprit twice"  # why a node is left out of a restart in place
+CULPRIT_TWICE = "named as a hang's culprit twice"  # why earlier versions left a node out of a restart
+STRAGGLER = "straggler"  # a crashes.jsonl line's kind for a straggler's stop (its node replaced or dropped)
 HANG_LINE_START = "hang detected: "  # the monitor's job-log line starts so, and a hang crash's `why`
 # srun reports each task that died: `srun: error: node2: task 1: Killed` (or `... Exited with exit code 3`)
 _SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
@@ -113,7 +114,9 @@ class CrashLog:
         return sum(
             1
             for e in self.entries()
-            if str(e.get("job_id")) == job_id and (e.get("action") == RESTARTED) == restarts
+            if str(e.get("job_id")) == job_id
+            and (e.get("action") == RESTARTED) == restarts
+            and (restarts or e.get("kind") != STRAGGLER)  # a straggler's stop is no crash to requeue
         )
 
     def hang_culprit_nodes(self, job_id: str) -> list[str]:
@@ -140,7 +143,14 @@ def describe_crash(entry: Mapping[str, Any]) -> str:
     """One line for a crashes.jsonl entry (`relaytrain status`): a hang's step, culprit(s) and report, or
     another crash's step and why; then what followed. The entry may hold anything: odd fields are left out."""
     hang = entry.get("hang") if isinstance(entry.get("hang"), dict) else None
-    if hang is not None:
+    straggler = entry.get("straggler") if isinstance(entry.get("straggler"), dict) else None
+    if straggler is not None:
+        s = straggler
+        parts = [
+            f"straggler at step {entry.get('step', '?')}: rank {s.get('rank', '?')} on {s.get('node', '?')} "
+            f"{s.get('slower', '?')}x slower in {s.get('phase', '?')} ({s.get('action', '?')})"
+        ]
+    elif hang is not None:
         culprits = [c for c in hang.get("culprits") or () if isinstance(c, dict)]
         named = "; ".join(
             f"rank {c.get('rank', '?')} on {c.get('node', '?')} in {c.get('phase', '?')}"
@@ -155,7 +165,12 @@ def describe_crash(entry: Mapping[str, Any]) -> str:
     action = _ACTIONS.get(str(entry.get("action", "requeue")), str(entry.get("action")))
     left_out = entry.get("nodes_left_out")
     if isinstance(left_out, list) and left_out:
-        action += f" without {','.join(map(str, left_out))} ({CULPRIT_TWICE})"
+        why = entry.get("nodes_left_out_why", CULPRIT_TWICE)
+        action += f" without {','.join(map(str, left_out))} ({why})"
+    replaced = entry.get("nodes_replaced")
+    if isinstance(replaced, list) and replaced:
+        pairs = [p for p in replaced if isinstance(p, list) and len(p) == 2]
+        action += "; " + ", ".join(f"spare {spare} in place of {node}" for node, spare in pairs)
     return "; ".join([*parts, action])
 
 

@@ -10,6 +10,10 @@
 * after each step the end-of-step decision (``step_end.after_step``): finished, requeued, failed, or
   started again in place, on the nodes it names (the step's ``srun`` then gets ``--overlap``, the narrower
   node set, and a fresh rendezvous port);
+* with spare nodes (``slurm.spare_nodes``): the step runs on the training nodes alone (``--nodelist``, the
+  job's node variables narrowed to them), the idle spares are named to the decision
+  (``RELAYTRAIN_SPARE_NODES``), and a spare that takes a node's place takes its position: where that
+  order is not Slurm's, the step's tasks are placed by a host file (``--distribution=arbitrary``);
 * when that decision itself failed, the requeue the run asked for and could not do (``requeue_pending``);
 * at the job's end for good (not requeued), the in-memory snapshots freed on every node of the job.
 
@@ -35,8 +39,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.job.env import narrow_to_nodes
-from relaytrain.job.facts import STEP_RESTARTS_ENV
+from relaytrain.job.env import narrow_to_nodes, place_by_hostfile
+from relaytrain.job.facts import SPARE_NODES_ENV, STEP_RESTARTS_ENV
 from relaytrain.job.ports import choose_port, has_no_listener
 from relaytrain.resilience.hang_detect import HangPolicy
 from relaytrain.resilience.hang_monitor import HangMonitor
@@ -60,6 +64,9 @@ class StepLaunch:
     tasks_per_node: int  # srun tasks per node (1 for torchrun, which starts the workers itself)
     restarts: int = 0  # how often it was started again in place in this allocation
     extra: list[str] = field(default_factory=list)  # options a restart in place added
+    spares: list[str] = field(default_factory=list)  # the job's spare nodes not used yet, in order
+    hostfile: Path | None = None  # where a placement out of Slurm's node order is written
+    order: list[str] = field(default_factory=list)  # the job's nodes in Slurm's order (the script's)
 
     def argv(self) -> list[str]:
         # After the script's own options: a later srun option wins over an earlier one (--nodes).
@@ -74,14 +81,29 @@ class StepLaunch:
             # shares those CPUs (the old step's processes are gone).
             self.extra.append("--overlap")
         if nodes and list(nodes) != self.nodes:
-            self.nodes = list(nodes)
-            narrow_to_nodes(environ, self.nodes)
-            count, tasks = len(self.nodes), len(self.nodes) * self.tasks_per_node
-            self.extra += [f"--nodes={count}", f"--nodelist={','.join(self.nodes)}", f"--ntasks={tasks}"]
-            environ["MASTER_ADDR"] = self.nodes[0]
+            self.spares = [spare for spare in self.spares if spare not in nodes]
+            self.place(list(nodes), environ)
         # Hashed, not job id + restarts: that is the next job's own first port, and two jobs sharing a first
         # node then joined each other's rendezvous.
         environ["MASTER_PORT"] = str(choose_port(f"{job_id}+{self.restarts}", has_no_listener))
+
+    def place(self, nodes: list[str], environ: MutableMapping[str, str]) -> None:
+        """Run the step on ``nodes``, rank blocks in that order, the first node hosting rank 0."""
+        order = self.order or self.nodes + self.spares
+        self.nodes = nodes
+        narrow_to_nodes(environ, self.nodes)
+        count, tasks = len(self.nodes), len(self.nodes) * self.tasks_per_node
+        self.extra += [f"--nodes={count}", f"--nodelist={','.join(self.nodes)}", f"--ntasks={tasks}"]
+        in_order = sorted(nodes, key=lambda n: order.index(n) if n in order else len(order))
+        if nodes != in_order and self.hostfile is not None:
+            # srun orders tasks by Slurm's node order; a spare in a lower node's position needs a host file
+            lines = [node for node in nodes for _ in range(self.tasks_per_node)]
+            self.hostfile.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            place_by_hostfile(environ, str(self.hostfile))
+            self.extra.append("--distribution=arbitrary")
+        elif place_by_hostfile(environ, None):
+            self.extra.append("--distribution=block")
+        environ["MASTER_ADDR"] = self.nodes[0]
 
 
 class RequeueState(NamedTuple):
@@ -172,7 +194,11 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
     """Run the job's steps until the decision after one says the job is done here; the last step's
     exit status."""
     environ = os.environ  # each step and the decision after it read the job's variables from here
+    if launch.spares:
+        launch.hostfile = plan.run.slurm / f"hosts-{JobFacts.from_env().job_id or 'local'}"
+        launch.place(launch.nodes, environ)  # the training nodes alone; the spares wait
     while True:
+        environ[SPARE_NODES_ENV] = ",".join(launch.spares)
         job = JobFacts.from_env()
         environ[STEP_RESTARTS_ENV] = str(launch.restarts)
         log(f"{step_marker(job.restart_count, launch.restarts)} on {','.join(launch.nodes)}")
@@ -209,6 +235,7 @@ def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalFor
     parser.add_argument("--free-snapshots", action="store_true", help="free the nodes' snapshots at the end")
     parser.add_argument("--python", default="python", help="how a node runs python (shell words)")
     parser.add_argument("--nodes", default="", help="the nodes the step runs on, comma-separated")
+    parser.add_argument("--spare-nodes", default="", help="the job's spare nodes, comma-separated")
     parser.add_argument("--tasks-per-node", type=int, default=1, help="srun tasks per node")
     parser.add_argument("--srun-option", action="append", default=[], help="an option of the step's srun")
     parser.add_argument("--signal", default="", help="Slurm's pre-timeout signal to forward (USR2)")
@@ -224,6 +251,8 @@ def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalFor
                    args.heartbeat_s, hang_policy(args.config, args.program))  # fmt: skip
     nodes = [n for n in args.nodes.split(",") if n]
     launch = StepLaunch(list(args.srun_option), command, nodes, args.tasks_per_node)
+    launch.spares = [n for n in args.spare_nodes.split(",") if n and n not in nodes]
+    launch.order = nodes + launch.spares
     return plan, launch, SignalForwarder(args.signal, args.pending_signal)
 
 

@@ -14,13 +14,15 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from relaytrain.config.schema import CheckpointConfig, ResilienceConfig
 from relaytrain.errors import USAGE_EXIT_CODE
 from relaytrain.job import JobFacts, RunDir
+from relaytrain.job.env import expand_nodelist
+from relaytrain.job.slurmctld import scontrol_job_field
 from relaytrain.resilience.codes import (
     EXIT_HANG,
     EXIT_INTERRUPTED,
@@ -80,13 +82,17 @@ def stop_fields(reason: StopReason, checkpoint: CheckpointConfig) -> dict[str, A
     return {"reason": reason.name.lower(), "saved": saved, "exit_code": exit_code_for(reason)}
 
 
-def scontrol_requeue(requeue_id: str) -> tuple[bool, str]:
-    """(done, message). ``scontrol`` missing (inside a container) or failing gives (False, why)."""
+def scontrol_requeue(requeue_id: str, exclude: Sequence[str] = ()) -> tuple[bool, str]:
+    """(done, message). ``scontrol`` missing (inside a container) or failing gives (False, why).
+    ``exclude``: nodes the next allocation must not use (bad_nodes.py): a running job's ExcNodeList
+    cannot be changed, so the job is requeued held, updated, and released."""
     if shutil.which("scontrol") is None:
         return False, (
             "scontrol is not on PATH (inside a container?): the batch script requeues the job "
             "when run_state.json says requeue_pending (see docs/resilience.md)"
         )
+    if exclude:
+        return _requeue_excluding(requeue_id, exclude)
     cmd = ["scontrol", "requeue", requeue_id]
     try:
         proc = subprocess.run(
@@ -99,7 +105,36 @@ def scontrol_requeue(requeue_id: str) -> tuple[bool, str]:
     return True, " ".join(cmd)
 
 
-def requeue(job: JobFacts, run_state: RunStateFile, record: RunState, why: str) -> bool:
+def _scontrol(*args: str) -> tuple[bool, str]:
+    cmd = ["scontrol", *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SCONTROL_REQUEUE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return False, f"{' '.join(cmd)} failed: {err}"
+    if proc.returncode != 0:
+        return False, f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()[:300]}"
+    return True, " ".join(cmd)
+
+
+def _requeue_excluding(requeue_id: str, exclude: Sequence[str]) -> tuple[bool, str]:
+    """requeuehold, add ``exclude`` to the job's ExcNodeList, release: the next allocation avoids them."""
+    done, how = _scontrol("requeuehold", requeue_id)
+    if not done:
+        return done, how
+    earlier = scontrol_job_field(requeue_id, "ExcNodeList") or ""
+    nodes = dict.fromkeys([*expand_nodelist(earlier if earlier != "(null)" else ""), *exclude])
+    updated, update = _scontrol("update", f"JobId={requeue_id}", f"ExcNodeList={','.join(nodes)}")
+    if not updated:
+        log.warning("the requeued job's next allocation does not exclude %s: %s", ",".join(exclude), update)
+    released, release = _scontrol("release", requeue_id)
+    if not released:
+        return False, f"requeued held, but {release}"
+    return True, f"{how}; {update}; {release}"
+
+
+def requeue(
+    job: JobFacts, run_state: RunStateFile, record: RunState, why: str, exclude: Sequence[str] = ()
+) -> bool:
     """Write the record with the requeue pending, ``scontrol requeue`` the job, record it requeued.
 
     ``why`` completes the warning when it fails ("could not requeue {why}: ..."); the record then says
@@ -107,7 +142,7 @@ def requeue(job: JobFacts, run_state: RunStateFile, record: RunState, why: str) 
     Slurm ends the job at once after a successful call: the record is written before it.
     """
     run_state.write(replace(record, requeue_requested=True, requeue_pending=True, requeued=False))
-    done, how = scontrol_requeue(job.requeue_id)
+    done, how = scontrol_requeue(job.requeue_id, exclude) if exclude else scontrol_requeue(job.requeue_id)
     if not done:
         log.warning("could not requeue %s: %s", why, how)
         return False

@@ -6,95 +6,34 @@ decision out. See ``step_end.py`` for the whole list of outcomes.
 
 from __future__ import annotations
 
-import enum
-from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.job import JobFacts, RunDir
+from relaytrain.job import JobFacts
 from relaytrain.resilience import repeat
-from relaytrain.resilience.codes import EXIT_RESTART_STEP, EXIT_RESUME, StopReason
-from relaytrain.resilience.crash import (
-    CRASH_LOG_FILE,
-    CULPRIT_TWICE,
-    RESTARTED,
-    CrashLog,
-    cause_of,
-    classify,
+from relaytrain.resilience.bad_nodes import (
+    IMPLICATED,
+    Exclusion,
+    exclusions,
+    implicated_nodes,
+    recorded,
 )
-from relaytrain.resilience.hang_record import HangRecord, HangRecordFile
+from relaytrain.resilience.bad_nodes import why_of as excluded_why
+from relaytrain.resilience.codes import EXIT_RESTART_STEP, EXIT_RESUME, StopReason
+from relaytrain.resilience.crash import CRASH_LOG_FILE, RESTARTED, cause_of, classify
+from relaytrain.resilience.decision_facts import (  # noqa: F401  (the decision's names, for callers)
+    Action,
+    Decision,
+    Restartable,
+    RunFacts,
+    step_marker,
+)
+from relaytrain.resilience.replace_node import after_straggler, straggler_of
 from relaytrain.resilience.requeue import decide_requeue
 from relaytrain.resilience.run_lock import is_busy_refusal
-from relaytrain.resilience.run_state import RunState, RunStateFile, RunStatus
-from relaytrain.resilience.step_restart import RestartPlan, StepFacts, plan_restart
-
-
-class Action(enum.Enum):
-    FINISHED = "finished"  # nothing left to do: the step ended well, or the run's own stop decided
-    REQUEUE = "requeue"  # requeue the job: it resumes from the last complete checkpoint
-    FAIL = "fail"  # the job ends here and is not requeued
-    RESTART = "restart"  # the batch script starts the job step again inside this allocation
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What the run directory and the job's output say about the step that ended."""
-
-    state: RunState | None  # run_state.json as the step left it (None: none, or damaged)
-    earlier_crashes: int  # crashes of this job in crashes.jsonl that requeued it (or ended it)
-    job_log_tail: str  # this step's part of the job's output
-    earlier_restarts: int = 0  # crashes of this job in crashes.jsonl restarted in place
-    hang: HangRecord | None = None  # the hang the job's hang monitor detected in this step
-    earlier_hang_nodes: tuple[str, ...] = ()  # culprit nodes of this job's earlier hangs, once per hang
-    previous_crash: Mapping[str, Any] | None = None  # this job's last crashes.jsonl line (repeat.py)
-
-    @classmethod
-    def read(cls, run: RunDir, job: JobFacts, job_log_tail: str = "") -> RunFacts:
-        # The output file holds every run of the job (--open-mode=append) and every step of a run:
-        # keep only this step's part (the batch job's driver logs the marker before each launch).
-        start = job_log_tail.rfind(step_marker(job.restart_count, job.step_restarts))
-        if start < 0:
-            start = job_log_tail.rfind(f"restart count {job.restart_count},")
-        tail = job_log_tail[start:] if start >= 0 else job_log_tail
-        crashes = CrashLog(run)
-        return cls(
-            RunStateFile(run).read(),
-            crashes.count(job.job_id),
-            tail,
-            crashes.count(job.job_id, restarts=True),
-            HangRecordFile(run).for_step(job),
-            tuple(crashes.hang_culprit_nodes(job.job_id)),
-            repeat.previous_crash(crashes.entries(), job.job_id),
-        )
-
-
-def step_marker(restart_count: int, step_restarts: int) -> str:
-    """The job-log line before each launch of a step: the batch job's driver (``job_driver.py``) writes
-    it, the decision after the step finds the step's part of the job log by it."""
-    return f"job step of restart count {restart_count}, step restart {step_restarts}:"
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: Action
-    reason: str  # why, for a human
-    say: tuple[str, ...] = ()  # the job log's lines about it
-    record: RunState | None = None  # what run_state.json is to say (None: it stays as the step left it)
-    crash: Mapping[str, Any] | None = None  # the crashes.jsonl entry to append
-    program_stop: bool = False  # a program's stop: also a `stop` event in metrics.jsonl
-    restart: RestartPlan | None = None  # RESTART: where the batch script starts the step again
-    requeue_why: str = "the job"  # completes "could not requeue ..." when scontrol fails
-
-
-@dataclass(frozen=True)
-class Restartable:
-    """What a restart in place needs to know beyond the run's files (``step_restart.plan_restart``)."""
-
-    step: StepFacts = field(default_factory=StepFacts)
-    min_nodes: int = 1  # the fewest nodes the run may continue on
-    usable_nodes: list[str] | None = None  # the job's nodes that can run a step now (None: unknown)
+from relaytrain.resilience.run_state import RunState, RunStatus
+from relaytrain.resilience.step_restart import RestartPlan, plan_restart
 
 
 def decide(
@@ -113,6 +52,9 @@ def decide(
         # The run directory belongs to another job or process: its files are not this job's to touch.
         why = "the run directory was in use by another run; nothing to recover"
         return Decision(Action.FAIL, why, (f"step exit code {exit_code}: {why}",))
+    verdict = None if program else straggler_of(run.state, job)
+    if verdict is not None:
+        return after_straggler(exit_code, verdict, run, resilience, job, restartable)
     if program and exit_code == EXIT_RESTART_STEP:
         why = f"the program exited {EXIT_RESTART_STEP}: it asks for its step to be started again"
         return _after_crash(exit_code, why, run, resilience, job, restartable)
@@ -143,16 +85,10 @@ def _after_crash(
         cause = {**cause, repeat.SIGNATURE_FIELD: signature.as_dict()}
         if repeat.repeated(signature, run.previous_crash):  # a deterministic fault: stopped, never requeued
             return _stop_repeated(exit_code, signature, cause, step, job)
-    plan, not_in_place = plan_restart(
-        restartable.step,
-        run.earlier_restarts,
-        r,
-        job,
-        min_nodes=restartable.min_nodes,
-        usable_nodes=restartable.usable_nodes,
-        excluded=culprits_named_twice(run),
-        excluded_why=CULPRIT_TWICE,
-    )
+    cause[IMPLICATED] = list(implicated_nodes(cause, restartable.lost()))
+    bad = exclusions((*run.earlier_implicated, *cause[IMPLICATED]), r.exclude_node_after)
+    cause.update(recorded(bad))
+    plan, not_in_place = _plan(run, r, job, restartable, bad)
     if plan is not None:
         return _restart_in_place(exit_code, why, step, cause, plan, run, r, job)
     if restartable.step.can_restart and r.max_step_restarts:
@@ -189,6 +125,7 @@ def _after_crash(
         RunState.of(RunStatus.FAILED, reason, step, message=message[:500], **facts),
         crash={**job.identity(), "step": step, **cause, "action": "requeue" if allowed else "fail"},
         requeue_why="after the crash",
+        exclude=tuple(bad),
     )
 
 
@@ -205,6 +142,27 @@ def _stop_repeated(
         record,
         crash={**job.identity(), "step": step, **cause, "action": "fail", "repeated": True},
     )
+
+
+def _plan(
+    run: RunFacts, r: ResilienceConfig, job: JobFacts, restartable: Restartable, bad: Mapping[str, Exclusion]
+) -> tuple[RestartPlan | None, str]:
+    """The restart in place without the excluded nodes; none when one of them would have to stay (no
+    spare and the node range does not allow leaving it out): the requeue's allocation excludes it."""
+    plan, not_in_place = plan_restart(
+        restartable.step,
+        run.earlier_restarts,
+        r,
+        job,
+        min_nodes=restartable.min_nodes,
+        usable_nodes=restartable.usable_nodes,
+        excluded=set(bad),
+        excluded_why=excluded_why(bad),
+        spares=restartable.spares,
+    )
+    if plan is not None and plan.kept:
+        return None, f"excluded node(s) cannot be left out: {plan.kept}"
+    return plan, not_in_place
 
 
 def _restart_in_place(
@@ -231,7 +189,12 @@ def _restart_in_place(
         "max_step_restarts": cap,
     }
     lost = list(plan.lost)
-    left_out = {"nodes_left_out": list(plan.left_out), **({"nodes_kept": plan.kept} if plan.kept else {})}
+    left_out = {
+        "nodes_left_out": list(plan.left_out),
+        **({"nodes_left_out_why": plan.left_out_why} if plan.left_out else {}),
+        **({"nodes_kept": plan.kept} if plan.kept else {}),
+        **({"nodes_replaced": [list(pair) for pair in plan.replaced]} if plan.replaced else {}),
+    }
     return Decision(
         Action.RESTART,
         message,
@@ -248,15 +211,6 @@ def _restart_in_place(
         },  # fmt: skip
         restart=plan,
     )
-
-
-def culprits_named_twice(run: RunFacts) -> set[str]:
-    """The culprit nodes of this step's hang that an earlier hang of this job named too: left out of the
-    restart in place where the node range allows (a node that hangs the job twice is likely to again)."""
-    if run.hang is None:
-        return set()
-    named = Counter(run.earlier_hang_nodes) + Counter(run.hang.culprit_nodes)
-    return {node for node in run.hang.culprit_nodes if named[node] >= 2}
 
 
 def _after_program(exit_code: int, run: RunFacts, resilience: ResilienceConfig, job: JobFacts) -> Decision:

@@ -13,13 +13,17 @@ the job log) and says:
   fault of the program, data or config is not restarted nor requeued;
 * **restart** the job step in place after a crash of relaytrain's trainer (``crash.classify``) or a
   program's exit 76, when ``step_restart.plan_restart`` allows (the script can, fewer than
-  ``resilience.max_step_restarts`` restarts in place, on the nodes left after a node failure, without
-  a node named as a hang's culprit twice in this job where the node range allows); a crash of a step
+  ``resilience.max_step_restarts`` restarts in place, with an idle spare node in the place of a lost or
+  excluded one, else on the nodes left where the node range allows; a node implicated in failures of this
+  job ``resilience.exclude_node_after`` times is excluded, ``bad_nodes.py``); a crash of a step
   the job's hang monitor found hung (``hang_record``: ``hang/last.json`` of this step) is recorded as
   the hang, with its culprit rank(s) and node(s);
-* else **requeue** or **fail** after such a crash: requeued from the last complete checkpoint while
-  the job had fewer than ``resilience.max_crash_requeues`` crash requeues, else recorded as
-  ``crash_loop`` (or ``crash`` when requeueing is off or outside Slurm);
+* **restart** in place after a straggler's stop (``replace_node.py``: a spare in its node's place, or
+  without it), not counted as a crash;
+* else **requeue** (the next allocation excluding the excluded nodes) or **fail** after such a crash:
+  requeued from the last complete checkpoint while the job had fewer than
+  ``resilience.max_crash_requeues`` crash requeues, else recorded as ``crash_loop`` (or ``crash`` when
+  requeueing is off or outside Slurm);
 * **requeue** or **fail** after a ``--command`` program exited 75 without recording its stop through
   ``relaytrain.program``: its request to continue (``program_exit``), capped by ``resilience.max_requeues``;
 * **requeue** when ``run_state.json`` says ``requeue_pending``: the run asked for a requeue it could not do
@@ -76,7 +80,7 @@ def perform(decision: Decision, job: JobFacts, run: RunDir, restart_file: str = 
     run_state = RunStateFile(run)
     if decision.record is not None:
         if decision.action is Action.REQUEUE:
-            requeued = requeue(job, run_state, decision.record, decision.requeue_why)
+            requeued = requeue(job, run_state, decision.record, decision.requeue_why, decision.exclude)
         else:
             run_state.write(decision.record)  # a new record: no requeue asked for
     if decision.program_stop and decision.record is not None:
@@ -100,6 +104,7 @@ def _restart_event(decision: Decision) -> dict[str, Any]:
         "nodes": list(plan.nodes),
         # the nodes left out (a hang's culprit twice), or why they were kept: `left out: n2, named as ...`
         "nodes_left_out": list(plan.left_out),
+        **({"nodes_replaced": [list(pair) for pair in plan.replaced]} if plan.replaced else {}),
         **({"nodes_note": plan.exclusion()} if plan.exclusion() else {}),
         **({"hang_culprits": hang["culprits"]} if isinstance(hang, dict) else {}),
     }
@@ -139,10 +144,11 @@ def end_step(
     facts = RunFacts.read(run, job, job_log_tail)
     step = replace(step or StepFacts(), started=facts.state is not None and facts.state.written_by(job))
     usable = None
-    if exit_code != 0 and step.can_restart and job.in_slurm and len(step.nodes) > 1:
+    if exit_code != 0 and step.can_restart and job.in_slurm and (len(step.nodes) > 1 or job.spare_nodes):
         # a node that failed under `--no-kill`: Slurm drops it from the job and shows it down
         usable = usable_job_nodes(job.job_id)
-    restartable = Restartable(step, min_nodes, usable)
+    spares = tuple(node for node in job.spare_nodes if usable is None or node in usable)
+    restartable = Restartable(step, min_nodes, usable, spares)
     decision = decide(exit_code, facts, resilience, job, program=program, restartable=restartable)
     perform(decision, job, run, restart_file)
     return decision

@@ -17,14 +17,17 @@ where to start the step again, or why not, and the crash then goes the requeue w
   node fails; ``sinfo`` shows it down) are left out: the step restarts on the nodes left when the run's
   node range allows (``slurm.min_nodes``; the elastic path of docs/elastic.md re-plans the layout at
   start), else the job is requeued;
-* nodes the decision asks to leave out (``excluded``: a node named as a hang's culprit twice in this
-  job) are left out the same way when the node range allows; when it does not, the step restarts on
-  the same nodes and the plan says why they were kept (a hang is not a reason to give the job up).
+* nodes the decision asks to leave out (``excluded``: a node implicated in failures of this job too
+  often, ``bad_nodes.py``, or a straggler) are left out the same way when the node range allows; when it
+  does not, the plan keeps them and says why (the caller decides whether that is good enough);
+* with spare nodes (``slurm.spare_nodes``: the idle, usable ones in ``spares``), a lost or left-out node's
+  place goes to a spare first, in the node's position: the same node count, world size and layout (no
+  resize); only the nodes no spare is left for take the node-range way above.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from relaytrain.config.schema import ResilienceConfig
@@ -53,6 +56,7 @@ class RestartPlan:
     left_out: tuple[str, ...] = ()  # usable nodes the decision asked to leave out, left out
     left_out_why: str = ""  # why they were asked to be left out ("named as a hang's culprit twice")
     kept: str = ""  # the nodes asked to be left out but kept, and why (the node range does not allow it)
+    replaced: tuple[tuple[str, str], ...] = ()  # (node, the spare in its place), in the step's order
 
     def exclusion(self) -> str:
         """`left out: n2, named as ...` or the kept sentence; "" when no node was asked to be left out."""
@@ -63,6 +67,9 @@ class RestartPlan:
 
     def describe(self) -> str:
         where = f"on the {len(self.nodes)} node(s) left ({','.join(self.nodes)})" if self.nodes else ""
+        if self.replaced:
+            swaps = ", ".join(f"spare {spare} in place of {node}" for node, spare in self.replaced)
+            where = f"on {len(self.nodes)} node(s) ({','.join(self.nodes)}): {swaps}"
         parts = [where or "on the same nodes"]
         if self.lost:
             parts.append(f"lost: {','.join(self.lost)}")
@@ -81,11 +88,13 @@ def plan_restart(
     usable_nodes: list[str] | None,
     excluded: Collection[str] = (),
     excluded_why: str = "",
+    spares: Sequence[str] = (),
 ) -> tuple[RestartPlan | None, str]:
     """(where to restart the step, or None; why not). ``restarts_so_far``: this job's restarts in
     place; ``min_nodes``: the fewest nodes the run may continue on (its node range, else all of them);
     ``usable_nodes``: the nodes the job holds that can run a step now (None: Slurm could not say);
-    ``excluded``: nodes to leave out when the range allows, for ``excluded_why``."""
+    ``excluded``: nodes to leave out, for ``excluded_why``; ``spares``: idle usable spare nodes, in the
+    order they are to be used."""
     cap = resilience.max_step_restarts
     if not step.can_restart or not job.in_slurm:
         return None, "this job's batch script cannot start a step again"
@@ -100,14 +109,22 @@ def plan_restart(
     if not step.nodes:
         return RestartPlan(()), ""
     usable = step.nodes if usable_nodes is None else usable_nodes  # unknown: the same nodes as far as known
-    left = tuple(node for node in step.nodes if node in usable)
     lost = tuple(node for node in step.nodes if node not in usable)
+    asked = tuple(node for node in step.nodes if node in usable and node in excluded)
+    # A spare takes each lost or left-out node's position, as far as there are spares.
+    idle = [spare for spare in spares if spare not in step.nodes and spare not in excluded]
+    replaced = tuple(zip([n for n in step.nodes if n in lost or n in asked], idle, strict=False))
+    swap = dict(replaced)
+    current = tuple(swap.get(node, node) for node in step.nodes)
+    left = tuple(node for node in current if node not in lost)
     need = max(min_nodes, 1)
     needed = f"slurm.min_nodes={min_nodes}" if min_nodes < len(step.nodes) else "every node of the job"
-    if lost and len(left) < need:
+    unreplaced = [node for node in lost if node not in swap]
+    if unreplaced and len(left) < need:
         few = f"{len(left)} left, fewer than the run needs ({needed})"
-        return None, f"node(s) {','.join(lost)} lost and {few}"
-    out = tuple(node for node in left if node in excluded)
+        spare = ", no idle spare left" if spares or job.spare_nodes else ""
+        return None, f"node(s) {','.join(unreplaced)} lost{spare} and {few}"
+    out = tuple(node for node in asked if node not in swap)
     kept = ""
     if out and len(left) - len(out) < need:
         why = f", {excluded_why}" if excluded_why else ""
@@ -116,7 +133,8 @@ def plan_restart(
             f"{len(left) - len(out)} node(s) would be left, fewer than the run needs ({needed})"
         )
         out = ()
-    if not lost and not out:
+    left_out = tuple(node for node in asked if node in swap or node in out)
+    if not lost and not left_out:
         return RestartPlan((), kept=kept), ""
     rest = tuple(node for node in left if node not in out)
-    return RestartPlan(rest, lost, out, excluded_why if out else "", kept), ""
+    return RestartPlan(rest, lost, left_out, excluded_why if left_out else "", kept, replaced), ""

@@ -12,6 +12,7 @@ from relaytrain.slurm.status_commands import _console, cmd_logs, cmd_status
 
 _SLURM_FLAGS = {  # CLI flag -> (SlurmConfig key, type)
     "nodes": ("nodes", int),
+    "spare_nodes": ("spare_nodes", int),
     "gpus_per_node": ("gpus_per_node", int),
     "tasks_per_node": ("tasks_per_node", int),
     "cpus_per_task": ("cpus_per_task", int),
@@ -43,6 +44,13 @@ def _add_slurm_flags(p: argparse.ArgumentParser) -> None:
         type=_node_range,
         help="number of nodes, or MIN-MAX (e.g. 2-4): Slurm may start the job, and each requeue of it, on "
         "any count in the range",
+    )
+    p.add_argument(
+        "--spare-nodes",
+        type=int,
+        metavar="K",
+        help="also allocate K idle spare nodes: a failed, excluded or straggling node's place goes to one "
+        "(same world size, no requeue; slurm.spare_nodes, docs/elastic.md)",
     )
     p.add_argument(
         "--gpus-per-node", type=int, help="GPUs per node (0: CPU-only nodes, set --tasks-per-node)"
@@ -147,6 +155,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _print_plan(cfg, plans, console: Console, notes: list[str]) -> None:
     from relaytrain.plan.checks import plan_rows, range_rows
+    from relaytrain.plan.spares import spare_rows
 
     plan = plans[-1]
     if len(plans) > 1:  # --nodes MIN-MAX: each count Slurm may start a job of the chain on
@@ -163,7 +172,7 @@ def _print_plan(cfg, plans, console: Console, notes: list[str]) -> None:
     facts = Table(title=f"relaytrain plan: {cfg.run.name}", show_header=False)
     facts.add_column("what")
     facts.add_column("value")
-    for name, value in plan_rows(plan):
+    for name, value in plan_rows(plan) + spare_rows(cfg.slurm):
         facts.add_row(name, value)
     console.print(facts)
     checks = Table(show_header=True)

@@ -13,6 +13,7 @@ from typing import Any
 from relaytrain.checkpoint.files import read_latest
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir, jsonl
+from relaytrain.resilience.bad_nodes import excluded_in_run
 from relaytrain.resilience.crash import RESTARTED, CrashLog, describe_crash
 from relaytrain.resilience.run_state import RUN_STATE_FILE, RunStateFile
 from relaytrain.resilience.straggler import describe_latest
@@ -92,6 +93,8 @@ def run_rows(run: RunDir) -> list[tuple[str, str]]:
     straggler = describe_latest(jsonl.read(run.metrics).records) if run.metrics.is_file() else None
     if straggler:
         rows.append(("straggler", straggler))
+        for job, node, why in excluded_in_run(crashes):
+            rows.append(("excluded node", f"{node} from job {job}: {why}"))
     step = last_step(run)
     rows.append(("last logged step", "none yet" if step is None else str(step)))
     latest = read_latest(run.checkpoints)

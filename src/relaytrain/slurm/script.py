@@ -86,9 +86,51 @@ def node_range(s: SlurmConfig) -> str:
     return f"{s.min_nodes}-{s.nodes}" if s.min_nodes and s.min_nodes != s.nodes else str(s.nodes)
 
 
+def allocated_nodes(s: SlurmConfig) -> str:
+    """`sbatch --nodes`: the node range, or the training nodes plus the spares (`slurm.spare_nodes`)."""
+    return str(s.nodes + s.spare_nodes) if s.spare_nodes else node_range(s)
+
+
+# More spares than this idle more of the allocation than a failure costs.
+def max_spares(nodes: int) -> int:
+    """At most as many spares as training nodes, and 2 for a run of 1 or 2 nodes."""
+    return max(nodes, 2)
+
+
+def check_spares(spec: JobSpec) -> None:
+    """One clear refusal for spare nodes the job cannot use (docs/launching.md)."""
+    s = spec.slurm
+    if not s.spare_nodes:
+        return
+    if spec.attach_jobid:
+        raise UserError(
+            f"--spare-nodes {s.spare_nodes} with --jobid {spec.attach_jobid}: an existing allocation has "
+            "the nodes it has; spares are allocated by a job of its own (drop --jobid or the spares)"
+        )
+    if s.min_nodes and s.min_nodes != s.nodes:
+        raise UserError(
+            f"--spare-nodes {s.spare_nodes} with the node range --nodes {node_range(s)}: a range shrinks "
+            "the run when a node fails, spares keep its size; pass one of them (docs/elastic.md)"
+        )
+    if s.spare_nodes > max_spares(s.nodes):
+        raise UserError(
+            f"slurm.spare_nodes={s.spare_nodes} for {s.nodes} training node(s): at most "
+            f"{max_spares(s.nodes)} spare(s) (as many as training nodes, 2 for 1 or 2), or the idle nodes "
+            "cost more than the failures they absorb"
+        )
+    if s.no_kill is False:
+        raise UserError(
+            "slurm.no_kill=false with spare nodes: a failed node would end the job, and its spare with it; "
+            "drop slurm.no_kill (spares turn --no-kill on)"
+        )
+
+
 def keeps_job_on_node_failure(s: SlurmConfig) -> bool:
     """`sbatch --no-kill`: slurm.no_kill, where `auto` is on for node ranges (the run can go on with
-    fewer nodes) and off for fixed counts (Slurm's own requeue of a NODE_FAIL job does as well)."""
+    fewer nodes) and jobs with spares (a spare takes the failed node's place), and off for fixed counts
+    (Slurm's own requeue of a NODE_FAIL job does as well)."""
+    if s.spare_nodes:
+        return True
     if s.nodes < 2:
         return False
     return "-" in node_range(s) if s.no_kill == "auto" else bool(s.no_kill)
@@ -114,6 +156,7 @@ def signal_short(name: str) -> str:
 
 def check_layout(spec: JobSpec) -> None:
     s = spec.slurm
+    check_spares(spec)
     if spec.kind == "train" and s.gpus_per_node > 0 and s.tasks_per_node not in (0, s.gpus_per_node):
         raise UserError(
             f"slurm.tasks_per_node={s.tasks_per_node} must equal slurm.gpus_per_node={s.gpus_per_node} "
@@ -131,7 +174,7 @@ def sbatch_options(spec: JobSpec) -> list[str]:
         tasks, cpus = 1, s.cpus_per_task * spec.tasks_per_node
     out = [
         f"--job-name={sbatch_value(spec.job_name or job_name_for(spec.cfg.run.name))}",
-        f"--nodes={node_range(s)}",
+        f"--nodes={allocated_nodes(s)}",
     ]
     if "-" in node_range(s):
         # Slurm 22.05 sets a job's task count to nodes x --ntasks-per-node at each start and keeps it
@@ -257,6 +300,7 @@ def render_script(spec: JobSpec) -> str:
         "config_file": str(spec.config_file),
         "array": spec.array,
         "nodes": s.nodes,
+        "spare_nodes": s.spare_nodes,
         "tasks_per_node": spec.tasks_per_node,
         "gpus_per_node": s.gpus_per_node,
         "flight_recorder_entries": FLIGHT_RECORDER_ENTRIES,
