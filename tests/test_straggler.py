@@ -19,7 +19,8 @@ from relaytrain.monitor.rank_plot import plot_rank_times, straggler_lines, work_
 from relaytrain.resilience.codes import EXIT_STRAGGLER, StopReason
 from relaytrain.resilience.requeue import exit_code_for, handle_stop
 from relaytrain.resilience.run_state import RunStateFile, RunStatus
-from relaytrain.resilience.step_decision import Action, RunFacts, decide
+from relaytrain.resilience.step_decision import Action, Restartable, RunFacts, decide
+from relaytrain.resilience.step_restart import StepFacts
 from relaytrain.resilience.straggler import (
     MIN_PHASE_S,
     Straggler,
@@ -284,9 +285,14 @@ def test_a_straggler_stop_records_its_fields_and_exits_89(tmp_path):
     assert raw["requeue_requested"] is False  # the batch job's driver acts, not a requeue
     state = RunStateFile(run).read()
     assert state.status is RunStatus.STOPPED
-    # Until the driver acts on it, the step's end takes the stop as the run's own: no crash, no failure.
-    decision = decide(89, RunFacts(state, 0, ""), ResilienceConfig(), JobFacts.from_env(SLURM_ENV))
-    assert decision.action is Action.FINISHED and decision.crash is None
+    # The step's end reads the record (not the exit code, which torchrun may rewrite): a spare takes the
+    # straggler's node's place in a restart in place, recorded as a straggler, not a crash.
+    step = StepFacts(can_restart=True, seconds=60.0, nodes=("n1", "n2"))
+    restartable = Restartable(step, min_nodes=2, usable_nodes=["n1", "n2"], spares=("n3",))
+    job = JobFacts.from_env(SLURM_ENV)
+    decision = decide(1, RunFacts(state, 0, ""), ResilienceConfig(), job, restartable=restartable)
+    assert decision.action is Action.RESTART and decision.restart.replaced == (("n2", "n3"),)
+    assert decision.crash["kind"] == "straggler"
 
 
 # -- what the user sees ------------------------------------------------------------------------------

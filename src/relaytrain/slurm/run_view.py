@@ -90,11 +90,11 @@ def run_rows(run: RunDir) -> list[tuple[str, str]]:
         requeued = sum(1 for e in crashes if e.get("action", "requeue") == "requeue")
         rows.append(("crashes", f"{len(crashes)}: {in_place} in place, {requeued} requeued (crashes.jsonl)"))
         rows.append(("last crash", describe_crash(crashes[-1])))
+        for job, node, why in excluded_in_run(crashes):
+            rows.append(("excluded node", f"{node} from job {job}: {why}"))
     straggler = describe_latest(jsonl.read(run.metrics).records) if run.metrics.is_file() else None
     if straggler:
         rows.append(("straggler", straggler))
-        for job, node, why in excluded_in_run(crashes):
-            rows.append(("excluded node", f"{node} from job {job}: {why}"))
     step = last_step(run)
     rows.append(("last logged step", "none yet" if step is None else str(step)))
     latest = read_latest(run.checkpoints)
