@@ -229,27 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     load = [os.getloadavg()]
     info = start_cluster(lock=not args.no_lock)
     runner = Runner(base, info, steps)
-    if args.quick and len(info.nodes) > 1:
-        # A check of the harness, not a figure: the runs go side by side (their steps are mostly the step
-        # delay's sleep), the reference on a node of its own, since a preemption takes a whole node.
-        own = info.nodes[-1]
+    for r in results:  # one hold of the shared cluster's lock a run
         with cluster_lock(not args.no_lock):
-            threads = [
-                threading.Thread(
-                    target=run_one, args=(runner, r, steps, f"--slurm.extra_sbatch=['--{how}={own}']")
-                )
-                for r in results
-                for how in ["nodelist" if r.name == "uninterrupted" else "exclude"]
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-        saved.load = load_averages([*load, os.getloadavg()])
-        save_results(base / "results.json", saved)
-    for r in [] if args.quick and len(info.nodes) > 1 else results:  # one hold of the cluster's lock a run
-        with cluster_lock(not args.no_lock):
-            run_one(runner, r, steps)
+            print(f"bench.goodput: {r.name} ...", flush=True)
+            if r.name.startswith("preempt"):
+                runner.run(r, float(r.name.removeprefix("preempt-").removesuffix("s")))
+            elif r.name == "time-limit":
+                runner.run(r, 0.0, *time_limit_overrides(steps))
+            else:
+                runner.run(r)
+        print(f"bench.goodput: {json.dumps(asdict(r))}", flush=True)
         load_now = [*load, os.getloadavg()]
         saved.load = load_averages(load_now)
         save_results(base / "results.json", saved)
@@ -262,18 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.quick or args.no_write or args.only):
         write_page({"goodput": section})
     return 0 if not any(r.error for r in results) else 1
-
-
-def run_one(runner: Runner, r: RunResult, steps: int, *overrides: str) -> None:
-    """One planned run, by its kind (its name), into `r`."""
-    print(f"bench.goodput: {r.name} ...", flush=True)
-    if r.name.startswith("preempt"):
-        runner.run(r, float(r.name.removeprefix("preempt-").removesuffix("s")), *overrides)
-    elif r.name == "time-limit":
-        runner.run(r, 0.0, *time_limit_overrides(steps), *overrides)
-    else:
-        runner.run(r, 0.0, *overrides)
-    print(f"bench.goodput: {json.dumps(asdict(r))}", flush=True)
 
 
 def crash_comparison(args: argparse.Namespace, command: str) -> int:
