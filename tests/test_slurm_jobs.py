@@ -193,7 +193,10 @@ def test_plan_verdicts_on_the_presets(preset, overrides, nodes, gpus, verdict, r
     assert reason in " ".join(detail for _, _, detail in plan.checks)
 
 
-def test_plan_cli_exit_codes(capsys):
+def test_plan_cli_exit_codes(capsys, monkeypatch):
+    # No cluster to ask: a worker that ran the Slurm tests has the local cluster's SLURM_CONF, whose
+    # partition's small node memory would fail the host-memory check of an 8-GPU plan.
+    monkeypatch.setenv("SLURM_CONF", "/nonexistent/slurm.conf")
     assert (
         main(["plan", str(REPO / "configs/7b.toml"), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100"])
         == 0
