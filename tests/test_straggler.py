@@ -88,11 +88,11 @@ def test_one_noisy_window_neither_names_nor_restarts_the_count():
     assert named[0][1].slower == pytest.approx(0.3)  # the median: neither the spike nor the 1.9x window
 
 
-def test_with_the_defaults_a_20_percent_straggler_missed_once_in_five_windows_is_named_within_50_steps():
+def test_with_the_defaults_a_20_percent_straggler_missed_in_one_window_is_named_within_50_steps():
     defaults = ResilienceConfig()
     judge = StragglerJudge(defaults.straggler_threshold, defaults.straggler_windows)
     every = defaults.straggler_every
-    windows = [window() if i % 5 == 2 else window(1, 1.2) for i in range(20)]  # every fifth one missed
+    windows = [window() if i == 2 else window(1, 1.2) for i in range(20)]  # one noisy window hides it
     named = next(
         (i + 1) * every
         for i, (n, _) in enumerate(feed(judge, windows, every))
@@ -212,7 +212,8 @@ def run_steps(watch, steps, slow_from=None):
     def gather(mine):
         other = list(mine)
         if slow_from is not None and step_box[0] > slow_from:
-            other[1] *= 1.5
+            other[1] *= 1.5  # the optimizer's median (recorded) and fastest time (judged)
+            other[4] *= 1.5
         return [mine, other]
 
     watch._gather = gather

@@ -217,7 +217,7 @@ class ResilienceConfig(Section):
     straggler_every: int = setting(5, at_least(1))  # steps per window: the ranks compare times this often
     # recent windows weighed: a straggler is slower in all but one of them (all when 2 or fewer), and
     # clears when slower in at most one
-    straggler_windows: int = setting(5, at_least(1))
+    straggler_windows: int = setting(6, at_least(1))
     # report: name it; replace: with an idle spare node, stop after the next snapshot for the driver to
     # replace its node (else report); auto: replace, else drop its node when the node range allows and
     # the job is faster without it (else report)

@@ -2,21 +2,23 @@
 
 Every rank times the work it does alone (``PHASES``: its data phase and its optimizer update, waits in
 collectives excluded) every step. Every ``straggler_every`` steps the ranks all-gather each phase's
-median over that window (``straggler_watch.py``), and every rank feeds the same matrix to its own
+fastest time over that window (``straggler_watch.py``), and every rank feeds the same matrix to its own
 ``StragglerJudge``, so all reach the same verdict without a further collective.
 
-The statistic, per window and phase: a rank's median against the median of the OTHER ranks' medians
-(so the straggler does not pull its own reference up; with 2 ranks the reference is the other rank).
-Medians over a window shrug off the odd slow step a busy machine gives any rank. A rank is named when
-one phase of it is slower than ``threshold`` in all but one of the last ``windows`` windows (all of them
-when ``windows`` is 2 or less): one noisy window neither names a rank nor restarts the count, as a
-streak rule's would, and the median of the phase's slowdowns over those windows (the magnitude
-reported) is then over the threshold too. The episode clears by the mirror rule: the rank over the
-threshold (in any phase) in at most one of the last ``windows`` windows. A phase shorter
-than ``MIN_PHASE_S`` is left out: its relative noise (the clock, the interpreter, the scheduler) is too
-large to mean anything. The floor is absolute, not a share of the step: the step includes the waits
-for the slowest peer, which a straggler or a loaded machine stretches, and a share of it would hide the
-very phase that shows the straggler.
+The statistic, per window and phase: a rank's fastest time against the median of the OTHER ranks'
+fastest times (so the straggler does not pull its own reference up; with 2 ranks the reference is the
+other rank). The fastest of a window's steps, not their median: a persistent slowdown (a slower GPU, a
+CPU quota) slows every step, so even the rank's fastest one, while a CPU shared with other work slows
+the steps it happens to preempt, for seconds at a time, and the window's median with them.
+A rank is named when one phase of it is slower than ``threshold`` in all but one of the last
+``windows`` windows (all of them when ``windows`` is 2 or less): one noisy window neither names a rank
+nor restarts the count, as a streak rule's would, and the median of the phase's slowdowns over those
+windows (the magnitude reported) is then over the threshold too. The episode clears by the mirror
+rule: the rank over the threshold (in any phase) in at most one of the last ``windows`` windows.
+A phase shorter than ``MIN_PHASE_S`` is left out: its relative noise (the clock, the interpreter, the
+scheduler) is too large to mean anything. The floor is absolute, not a share of the step: the step
+includes the waits for the slowest peer, which a straggler or a loaded machine stretches, and a share of
+it would hide the very phase that shows the straggler.
 Forward/backward is not compared: its collectives (FSDP's all-gathers and reduce-scatters, DDP's
 all-reduce) make every rank leave it together, and the ranks that wait there look slower, not faster.
 """
@@ -56,7 +58,7 @@ class Straggler:
 def slower_by(times: Sequence[Sequence[float]]) -> dict[tuple[int, str], float]:
     """(rank, phase) -> how much slower than the other ranks' median, for every comparable phase.
 
-    ``times[rank][i]``: the rank's median seconds in ``PHASES[i]`` over the window. A phase is
+    ``times[rank][i]``: the rank's fastest seconds in ``PHASES[i]`` over the window. A phase is
     comparable when the others' median is at least ``MIN_PHASE_S``."""
     out: dict[tuple[int, str], float] = {}
     ranks = len(times)
@@ -90,7 +92,7 @@ class StragglerJudge:
     def feed(
         self, first_step: int, times: Sequence[Sequence[float]]
     ) -> tuple[Straggler | None, Straggler | None]:
-        """One window (its first step, the gathered medians): (newly named, cleared), either None."""
+        """One window (its first step, the gathered fastest times): (newly named, cleared), either None."""
         self._recent.append((first_step, slower_by(times)))
         if self.named is not None:
             rank = self.named.rank
