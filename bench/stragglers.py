@@ -5,8 +5,10 @@
 
 On the local Slurm cluster (taken under its lock), one trial per slowdown factor (rank 1 throttled from
 outside the run, bench/cluster/stragglers.py) and clean trials without and with a busy-looping process
-beside the job, two jobs at once (a slowed one beside a clean one); then, on this machine, one torchrun
-run that measures the detection's own cost beside its step time (bench/straggler_cost.py). The results
+beside the job, in rounds (`rounds`): each slowed trial alone, so that nothing but the throttle slows
+one of its ranks; the clean trials without a hog two at once; each clean trial with a hog alone. Then,
+on this machine, one torchrun run that measures the detection's own cost beside its step time
+(bench/straggler_cost.py). The results
 go to bench/results/stragglers.json; `--page` (or `--page-from`) writes the "stragglers" section of
 docs/benchmarks.md from them.
 """
@@ -21,7 +23,6 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from itertools import zip_longest
 from pathlib import Path
 
 from bench import kept
@@ -44,9 +45,12 @@ def measure(factors: list[float], clean: int, hog: int) -> dict:
     slowed = [Trial(f"slow{f:g}".replace(".", "_"), f, False) for f in factors]
     clean = [Trial(f"clean{i}", 1.0, False) for i in range(clean)]
     clean += [Trial(f"hog{i}", 1.0, True) for i in range(hog)]
-    # Rounds of two jobs at once, a slowed one beside a clean one (the cluster's 3 nodes hold both): the
-    # clean job's CPU hog, when it has one, runs beside both.
-    rounds = [[t for t in pair if t is not None] for pair in zip_longest(slowed, clean)]
+    # The cluster's nodes share this machine's cores: a job beside a slowed one, or a CPU hog, would slow
+    # its un-throttled rank too, so each slowed trial runs alone, and each hog's trial alone (its false
+    # reports are its own). The clean trials without a hog run two at once: each is the other's noise.
+    quiet, hogged = [t for t in clean if not t.hog], [t for t in clean if t.hog]
+    pairs = [quiet[i : i + 2] for i in range(0, len(quiet), 2)]
+    rounds = [[t] for t in slowed] + pairs + [[t] for t in hogged]
     trials = []
     with cluster_lock(), ThreadPoolExecutor(2) as pool:
         for pair in rounds:
@@ -56,7 +60,8 @@ def measure(factors: list[float], clean: int, hog: int) -> dict:
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return {"command": "python -m bench.stragglers", "date": date, "cpu": machine_info().get("cpu", "?"),
             "cores": os.cpu_count(), "load": str(load_average()), "steps": STEPS, "throttle_at": THROTTLE_AT,
-            "trials": trials, "cost": measure_cost()}  # fmt: skip
+            "settings": _settings(), "rounds": [[t.name for t in r] for r in rounds], "trials": trials,
+            "cost": measure_cost()}  # fmt: skip
 
 
 def measure_cost() -> dict:
@@ -71,6 +76,28 @@ def measure_cost() -> dict:
 
 def _yes(ok: bool) -> str:
     return "yes" if ok else "**no**"
+
+
+def _settings() -> dict:
+    from relaytrain.config.schema import ResilienceConfig
+
+    r = ResilienceConfig()
+    return {"threshold": r.straggler_threshold, "every": r.straggler_every, "windows": r.straggler_windows}
+
+
+def _described(settings: dict | None) -> str:
+    if settings is None:  # results kept before the settings were recorded
+        return "the default straggler settings"
+    return (f"the default straggler settings (threshold {settings['threshold']:g}, windows of "
+            f"{settings['every']} steps, {settings['windows']} windows weighed)")  # fmt: skip
+
+
+def _arrangement(data: dict) -> str:
+    """How the trials shared the machine: the rounds of jobs run at once."""
+    if "rounds" not in data:  # results kept before the rounds were recorded
+        return "Two jobs ran at once, each slowed run beside a clean one (and its CPU hog, when it had one)."
+    rounds = "; ".join(" beside ".join(r) if len(r) > 1 else f"{r[0]} alone" for r in data["rounds"])
+    return f"The jobs ran in rounds, one round at a time: {rounds}."
 
 
 def render(data: dict, source: str) -> str:
@@ -102,11 +129,11 @@ def render(data: dict, source: str) -> str:
         f"Rewritten from the kept results by `python -m bench.stragglers --page-from {source}`; measured by "
         f"`python -m bench.stragglers` on {data['date']} ({data['cpu']}, {data['cores']} cores, load "
         f"{data['load']}), on the local Slurm cluster: 2 nodes x 1 task, a small model (dim 128, seq 64) "
-        f"for {data['steps']} steps with the default straggler settings. After step {data['throttle_at']} "
-        "rank 1's process gets a CPU quota of 1/factor of its one compute thread from outside the run (a "
-        "cgroup, 2 ms period: `python -m faults.throttle`); the clean runs throttle nothing, with or "
-        "without a busy-looping process on the machine. Two jobs ran at once, each slowed run beside a "
-        "clean one (and its CPU hog, when it had one). One trial each.",
+        f"for {data['steps']} steps with {_described(data.get('settings'))}. After step "
+        f"{data['throttle_at']} rank 1's process gets a CPU quota of 1/factor of its one compute thread "
+        "from outside the run (a cgroup, 2 ms period: `python -m faults.throttle`); the clean runs "
+        "throttle nothing, with or without a busy-looping process on the machine. "
+        f"{_arrangement(data)} One trial each.",
         "",
         slow_table,
         "",

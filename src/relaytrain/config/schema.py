@@ -215,11 +215,13 @@ class ResilienceConfig(Section):
     nan_max_consecutive: int = setting(3, at_least(1))
     # rollback: multiply the LR by this after reloading
     nan_rollback_lr_scale: float = setting(1.0, in_range(0, 1, lo_open=True))
-    # a rank whose data or optimizer work is this fraction slower than the other ranks' median for
-    # straggler_windows windows in a row is named a straggler (0: off)
+    # a rank whose data or optimizer work is this fraction slower than the other ranks' median in all but
+    # one of the last straggler_windows windows is named a straggler (0: off)
     straggler_threshold: float = setting(0.15, in_range(0, 10))
-    straggler_every: int = setting(10, at_least(1))  # steps per window: the ranks compare times this often
-    straggler_windows: int = setting(4, at_least(1))  # windows in a row a straggler must be slower in
+    straggler_every: int = setting(5, at_least(1))  # steps per window: the ranks compare times this often
+    # recent windows weighed: a straggler is slower in all but one of them (all when 2 or fewer), and
+    # clears when slower in at most one
+    straggler_windows: int = setting(6, at_least(1))
     # report: name it; replace: with an idle spare node, stop after the next snapshot for the driver to
     # replace its node (else report); auto: replace, else drop its node when the node range allows and
     # the job is faster without it (else report)

@@ -2,17 +2,23 @@
 
 Every rank times the work it does alone (``PHASES``: its data phase and its optimizer update, waits in
 collectives excluded) every step. Every ``straggler_every`` steps the ranks all-gather each phase's
-median over that window (``straggler_watch.py``), and every rank feeds the same matrix to its own
+fastest time over that window (``straggler_watch.py``), and every rank feeds the same matrix to its own
 ``StragglerJudge``, so all reach the same verdict without a further collective.
 
-The statistic, per window and phase: a rank's median against the median of the OTHER ranks' medians
-(so the straggler does not pull its own reference up; with 2 ranks the reference is the other rank).
-Medians over a window shrug off the odd slow step a busy machine gives any rank; a rank is named only
-when one phase of it is slower than ``threshold`` in ``windows`` windows in a row, and a phase shorter
-than ``MIN_PHASE_S`` is left out: its relative noise (the clock, the interpreter, the scheduler) is too
-large to mean anything. The floor is absolute, not a share of the step: the step includes the waits
-for the slowest peer, which a straggler or a loaded machine stretches, and a share of it would hide the
-very phase that shows the straggler.
+The statistic, per window and phase: a rank's fastest time against the median of the OTHER ranks'
+fastest times (so the straggler does not pull its own reference up; with 2 ranks the reference is the
+other rank). The fastest of a window's steps, not their median: a persistent slowdown (a slower GPU, a
+CPU quota) slows every step, so even the rank's fastest one, while a CPU shared with other work slows
+the steps it happens to preempt, for seconds at a time, and the window's median with them.
+A rank is named when one phase of it is slower than ``threshold`` in all but one of the last
+``windows`` windows (all of them when ``windows`` is 2 or less): one noisy window neither names a rank
+nor restarts the count, as a streak rule's would, and the median of the phase's slowdowns over those
+windows (the magnitude reported) is then over the threshold too. The episode clears by the mirror
+rule: the rank over the threshold (in any phase) in at most one of the last ``windows`` windows.
+A phase shorter than ``MIN_PHASE_S`` is left out: its relative noise (the clock, the interpreter, the
+scheduler) is too large to mean anything. The floor is absolute, not a share of the step: the step
+includes the waits for the slowest peer, which a straggler or a loaded machine stretches, and a share of
+it would hide the very phase that shows the straggler.
 Forward/backward is not compared: its collectives (FSDP's all-gathers and reduce-scatters, DDP's
 all-reduce) make every rank leave it together, and the ranks that wait there look slower, not faster.
 """
@@ -20,6 +26,7 @@ all-reduce) make every rank leave it together, and the ranks that wait there loo
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +41,8 @@ ACTIONS = ("report", "replace", "auto")
 @dataclass(frozen=True)
 class Straggler:
     """A named straggler: ``slower`` is the fraction by which its phase took longer than the other ranks'
-    median (0.25: 25 % slower), the mean over the windows that named it; ``since_step``: the first step
-    of the first of them."""
+    median (0.25: 25 % slower), the median over the windows that named it; ``since_step``: the first
+    step of the first of them over the threshold."""
 
     rank: int
     phase: str
@@ -51,7 +58,7 @@ class Straggler:
 def slower_by(times: Sequence[Sequence[float]]) -> dict[tuple[int, str], float]:
     """(rank, phase) -> how much slower than the other ranks' median, for every comparable phase.
 
-    ``times[rank][i]``: the rank's median seconds in ``PHASES[i]`` over the window. A phase is
+    ``times[rank][i]``: the rank's fastest seconds in ``PHASES[i]`` over the window. A phase is
     comparable when the others' median is at least ``MIN_PHASE_S``."""
     out: dict[tuple[int, str], float] = {}
     ranks = len(times)
@@ -68,41 +75,46 @@ def slower_by(times: Sequence[Sequence[float]]) -> dict[tuple[int, str], float]:
 
 
 class StragglerJudge:
-    """The sustained-window rule, fed one window at a time; the same inputs give the same verdicts on
-    every rank. ``threshold``: the fraction slower that counts (0.2: 20 %); ``windows``: how many windows
-    in a row a rank's phase must exceed it to be named, and stay under it for the episode to clear."""
+    """The sustained rule, fed one window at a time; the same inputs give the same verdicts on every rank.
+
+    ``threshold``: the fraction slower that counts (0.2: 20 %); ``windows`` (K): how many recent windows
+    are weighed. A (rank, phase) over the threshold in at least ``needed`` of the last K windows is named
+    (K - 1 of K; K itself for K <= 2), ``slower`` the median of its slowdowns over them; the named rank
+    clears once it is over the threshold in at most K - ``needed`` of the last K."""
 
     def __init__(self, threshold: float, windows: int):
         self.threshold, self.windows = threshold, windows
-        self._streaks: dict[tuple[int, str], list[tuple[int, float]]] = {}  # (first step, slower) each window
+        self.needed = windows - 1 if windows > 2 else windows
+        # the last K windows: (first step, {(rank, phase): slower}) with every comparable pair
+        self._recent: deque[tuple[int, dict[tuple[int, str], float]]] = deque(maxlen=windows)
         self.named: Straggler | None = None  # the open episode
-        self._clean = 0  # windows in a row without the named rank over the threshold
 
     def feed(
         self, first_step: int, times: Sequence[Sequence[float]]
     ) -> tuple[Straggler | None, Straggler | None]:
-        """One window (its first step, the gathered medians): (newly named, cleared), either None."""
-        over = {key: s for key, s in slower_by(times).items() if s > self.threshold}
-        for key in list(self._streaks):
-            if key not in over:
-                del self._streaks[key]
-        for key, s in over.items():
-            self._streaks.setdefault(key, []).append((first_step, s))
+        """One window (its first step, the gathered fastest times): (newly named, cleared), either None."""
+        self._recent.append((first_step, slower_by(times)))
         if self.named is not None:
-            still = any(rank == self.named.rank for rank, _phase in over)
-            self._clean = 0 if still else self._clean + 1
-            if self._clean >= self.windows:
-                cleared, self.named, self._clean = self.named, None, 0
+            rank = self.named.rank
+            over = sum(1 for _, slower in self._recent if any(self._over(slower, (rank, p)) for p in PHASES))
+            if over <= self.windows - self.needed:
+                cleared, self.named = self.named, None
                 return None, cleared
             return None, None
-        sustained = [(key, streak) for key, streak in self._streaks.items() if len(streak) >= self.windows]
-        if not sustained:
+        candidates = []
+        for key in {key for _, slower in self._recent for key in slower}:
+            over_at = [step for step, slower in self._recent if self._over(slower, key)]
+            if len(over_at) >= self.needed:
+                median = statistics.median(slower[key] for _, slower in self._recent if key in slower)
+                candidates.append((median, key, over_at[0]))
+        if not candidates:
             return None, None
-        (rank, phase), streak = max(sustained, key=lambda item: statistics.fmean(s for _, s in item[1]))
-        recent = streak[-self.windows :]
-        self.named = Straggler(rank, phase, statistics.fmean(s for _, s in recent), streak[0][0])
-        self._clean = 0
+        median, (rank, phase), since = max(candidates)
+        self.named = Straggler(rank, phase, median, since)
         return self.named, None
+
+    def _over(self, slower: Mapping[tuple[int, str], float], key: tuple[int, str]) -> bool:
+        return slower.get(key, 0.0) > self.threshold
 
 
 def choose_action(

@@ -3,8 +3,9 @@
 ``work(phase)`` times what a rank does alone (``straggler.PHASES``): wall clock on CPU, a pair of CUDA
 events on GPU (no wait for the device: a window reads only the events that have completed, the rest
 count in the next window). Every ``resilience.straggler_every`` steps every rank all-gathers its window's
-medians (one small tensor, the named collective ``straggler_times`` on the progress board) and feeds the
-same matrix to its ``StragglerJudge``: every rank reaches the same verdict at the same step. Rank 0
+medians (recorded) and fastest times per phase (judged; ``straggler.py`` says why) in one small tensor
+(the named collective ``straggler_times`` on the progress board) and feeds the same matrix to its
+``StragglerJudge``: every rank reaches the same verdict at the same step. Rank 0
 logs the ``straggler:`` line and the ``straggler`` event; a verdict to replace or drop the node makes
 every rank stop after the next snapshot or checkpoint (``stop_due``).
 """
@@ -106,17 +107,18 @@ class StragglerWatch:
         if step % self.every:
             return
         self._resolve_events()
-        mine = [_median(self._times[p]) for p in PHASES] + [_median(self._steps)]
-        matrix = self._gather(mine)
+        recorded = [_median(self._times[p]) for p in PHASES] + [_median(self._steps)]
+        matrix = self._gather(recorded + [min(self._times[p], default=0.0) for p in PHASES])
+        steps_column = len(PHASES)  # then, after the step's median, the fastest time per phase
         first = self._window_start
         self._window_start = step + 1
         self._times = {p: [] for p in PHASES}
         self._steps = []
         if self.rank == 0:
-            self.record(step, _times_record(matrix))
-        if any(row[-1] <= 0 for row in matrix):
+            self.record(step, _times_record([row[: steps_column + 1] for row in matrix]))
+        if any(row[steps_column] <= 0 for row in matrix):
             return  # a window with no whole step on some rank (the first after a start): nothing to compare
-        named, cleared = self.judge.feed(first, [row[:-1] for row in matrix])
+        named, cleared = self.judge.feed(first, [row[steps_column + 1 :] for row in matrix])
         if named is not None:
             self._named(named, step)
         if cleared is not None and self.rank == 0:
