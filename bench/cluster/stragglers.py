@@ -19,7 +19,7 @@ from pathlib import Path
 
 import faults
 import faults.throttle as throttle
-from bench.cluster.harness import PROFILE, relaytrain, wait, wait_job_end
+from bench.cluster.harness import PROFILE, RunFiles, relaytrain, wait, wait_job_end
 from bench.report import REPO
 
 sys.path.insert(0, str(REPO / "tests"))
@@ -74,10 +74,7 @@ class Trial:
 
 
 def _records(run_dir: Path, kind: str) -> list[dict]:
-    from relaytrain.job import jsonl
-
-    path = run_dir / "metrics.jsonl"
-    return [r for r in jsonl.read(path).records if r.get("kind") == kind] if path.exists() else []
+    return RunFiles(run_dir).records(kind)
 
 
 def _last_step(run_dir: Path) -> int:
