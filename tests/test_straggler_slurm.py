@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from e2e_slurm_jobs import cli, job_output, launch, records
-from tiny_config import TINY_TOML
 
 import faults
 import faults.throttle as throttle
+from bench.cluster.stragglers import straggler_config
 from conftest import REPO
 from slurm_fixtures import wait_for, wait_job_finished
 
@@ -34,28 +34,6 @@ STEPS = 100
 FACTOR = 4.0  # a quarter of a CPU: it bites even when the suite loads the 2 shared cores
 THROTTLE_AT_STEP = 10
 NODES = ("--nodes", "2", "--tasks-per-node", "1")
-# A small model whose optimizer update is a few milliseconds: its work is long enough to time
-MODEL = TINY_TOML.replace("dim = 64", "dim = 128").replace("seq_len = 32", "seq_len = 64")
-CONFIG = (
-    '[run]\nname = "{name}"\ndir = "{runs}"\n\n'
-    + MODEL
-    + """max_steps = {steps}
-eval_every = 0
-
-[optim]
-warmup_steps = 2
-
-[metrics]
-log_every = 1
-tensorboard = false
-
-[checkpoint]
-interval = 1000
-
-[slurm]
-profile = "{profile}"
-"""
-)
 
 
 def straggler_lines(run_dir: Path, job: str) -> list[str]:
@@ -66,14 +44,13 @@ def straggler_lines(run_dir: Path, job: str) -> list[str]:
 def stragglers(slurm_cluster, tmp_path_factory):
     base = tmp_path_factory.mktemp("stragglers")
     runs = base / "runs"
-    profile = REPO / "configs" / "clusters" / "local.toml"
     jobs: dict[str, str] = {}
     hog = None
     pid = None
     try:
         for name in ("slow", "clean"):
             cfg = base / f"{name}.toml"
-            cfg.write_text(CONFIG.format(name=name, runs=runs, steps=STEPS, profile=profile))
+            cfg.write_text(straggler_config(name, runs, STEPS))
             jobs[name] = launch(str(cfg), *NODES)
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
 

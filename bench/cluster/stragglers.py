@@ -28,10 +28,15 @@ from tiny_config import TINY_TOML  # noqa: E402
 STEPS = 120
 THROTTLE_AT = 10
 MODEL = TINY_TOML.replace("dim = 64", "dim = 128").replace("seq_len = 32", "seq_len = 64")
-CONFIG = (
-    '[run]\nname = "{name}"\ndir = "{runs}"\n\n'
-    + MODEL
-    + f"""max_steps = {STEPS}
+
+
+def straggler_config(name: str, runs: Path, steps: int) -> str:
+    """The run of a straggler trial (and of tests/test_straggler_slurm.py): the small model, every step
+    logged, no evaluation, no checkpoint before its end, the local cluster's profile."""
+    return (
+        f'[run]\nname = "{name}"\ndir = "{runs}"\n\n'
+        + MODEL
+        + f"""max_steps = {steps}
 eval_every = 0
 
 [optim]
@@ -47,7 +52,7 @@ interval = 1000
 [slurm]
 profile = "{PROFILE}"
 """
-)
+    )
 
 
 @dataclass
@@ -84,7 +89,7 @@ def _last_step(run_dir: Path) -> int:
 def run_trial(trial: Trial, runs: Path) -> Trial:
     start = time.time()
     config = runs.parent / f"{trial.name}.toml"
-    config.write_text(CONFIG.format(name=trial.name, runs=runs))
+    config.write_text(straggler_config(trial.name, runs, STEPS))
     out = relaytrain("launch", str(config), "--nodes", "2", "--tasks-per-node", "1")
     trial.job = out.split("submitted job ", 1)[1].split()[0] if "submitted job " in out else ""
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if trial.hog else None
