@@ -7,10 +7,13 @@
 The rank's process (every thread: ``cgroup.procs`` moves them all) goes into a new cgroup of its own
 whose quota lets it run ``cpus / factor`` CPUs' worth per period, where ``cpus`` is the compute threads it
 runs (its ``OMP_NUM_THREADS``; the local cluster's ranks run one). A rank that would run its work at that
-many full CPUs then takes ``factor`` times as long; one that got less CPU to begin with (a busy machine)
-is slowed by less, which is why a benchmark compares the slowdown measured with the one applied. The
-period is short (10 ms) so that every phase of a step is slowed alike, not one in a hundred by a long
-stall. cgroup v1 (``cpu.cfs_quota_us``) and v2 (``cpu.max``) both work; it needs root.
+many full CPUs then takes ``factor`` times as long. A quota alone does not slow a rank that already gets
+less than it (a busy machine, where every process has a fraction of a CPU), so the cgroup's CPU weight is
+also cut to ``1/factor`` of a process's: when CPUs are contended, the rank gets ``factor`` times less of
+them than its peers. A benchmark still compares the slowdown measured with the one applied. The period is
+short (2 ms, longer only where the kernel's 1 ms minimum quota needs it) so that every phase of a step is
+slowed alike, not one in a hundred by a long stall. cgroup v1 (``cpu.cfs_quota_us``, ``cpu.shares``) and
+v2 (``cpu.max``, ``cpu.weight``) both work; it needs root.
 
 The rank is found through ``/proc``: the process whose environment has ``SLURM_JOB_ID=JOB`` and
 ``RANK=R`` and whose command line runs ``relaytrain.cli train`` (not the torchrun agent). On success it
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -31,6 +35,8 @@ from faults.pythonpath.relaytrain_faults import LANDED
 V1 = Path("/sys/fs/cgroup/cpu")
 V2 = Path("/sys/fs/cgroup")
 PERIOD_US = 2_000
+MIN_QUOTA_US = 1_000  # the kernel refuses a smaller CFS quota
+V1_SHARES, V2_WEIGHT = 1024, 100  # a process's CPU weight when nobody set one
 PREFIX = "relaytrain-throttle-"
 
 
@@ -66,11 +72,19 @@ def compute_threads(pid: int) -> int:
         return 1
 
 
-def quota_us(factor: float, cpus: int, period_us: int = PERIOD_US) -> int:
-    """The CPU time per period that makes `cpus` full-speed threads `factor` times slower."""
+def quota_us(factor: float, cpus: int, period_us: int = PERIOD_US) -> tuple[int, int]:
+    """(quota, period) in microseconds that make `cpus` full-speed threads `factor` times slower: the
+    period is widened where the quota would fall under the kernel's minimum, never the quota raised
+    (which would slow the rank by less than asked)."""
     if factor < 1:
         raise ValueError(f"a slowdown factor is at least 1, not {factor}")
-    return max(1000, round(cpus * period_us / factor))
+    period = max(period_us, math.ceil(MIN_QUOTA_US * factor / cpus))
+    return round(cpus * period / factor), period
+
+
+def weight(factor: float, default: int) -> int:
+    """The CPU weight that gives the cgroup `1/factor` of a default process's share of a busy CPU."""
+    return max(2, round(default / factor))
 
 
 def _cgroup_root() -> tuple[Path, str]:
@@ -85,19 +99,23 @@ def throttle(pid: int, factor: float, cpus: int, period_us: int = PERIOD_US) -> 
     root, version = _cgroup_root()
     group = root / f"{PREFIX}{pid}"
     group.mkdir(exist_ok=True)
-    quota = quota_us(factor, cpus, period_us)
+    quota, period = quota_us(factor, cpus, period_us)
     if version == "v1":
-        (group / "cpu.cfs_period_us").write_text(str(period_us))
+        shares = weight(factor, V1_SHARES)
+        (group / "cpu.cfs_period_us").write_text(str(period))
         (group / "cpu.cfs_quota_us").write_text(str(quota))
+        (group / "cpu.shares").write_text(str(shares))
     else:
+        shares = weight(factor, V2_WEIGHT)
         (root / "cgroup.subtree_control").write_text("+cpu")
-        (group / "cpu.max").write_text(f"{quota} {period_us}")
+        (group / "cpu.max").write_text(f"{quota} {period}")
+        (group / "cpu.weight").write_text(str(shares))
     (group / "cgroup.procs").write_text(str(pid))  # every thread of the process moves with it
     members = {int(p) for p in (group / "cgroup.procs").read_text().split()}
     if pid not in members:
         raise SystemExit(f"throttle: pid {pid} is not in {group} after moving it there")
-    return {"pid": pid, "factor": factor, "cpus": cpus, "quota_us": quota, "period_us": period_us,
-            "cgroup": str(group), "cgroup_version": version}  # fmt: skip
+    return {"pid": pid, "factor": factor, "cpus": cpus, "quota_us": quota, "period_us": period,
+            "weight": shares, "cgroup": str(group), "cgroup_version": version}  # fmt: skip
 
 
 def release(pid: int) -> None:

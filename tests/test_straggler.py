@@ -403,10 +403,18 @@ def test_the_report_plots_each_rank_and_lists_the_straggler(tmp_path):
 
 
 def test_the_throttle_quota_makes_the_compute_threads_factor_times_slower():
-    assert throttle.quota_us(2.0, 1, 2000) == 1000
-    assert throttle.quota_us(1.25, 2, 2000) == 3200
+    assert throttle.quota_us(2.0, 1, 2000) == (1000, 2000)
+    assert throttle.quota_us(1.25, 2, 2000) == (3200, 2000)
+    # a quarter of a CPU is 500 us of 2 ms, under the kernel's 1 ms minimum: the period widens instead
+    assert throttle.quota_us(4.0, 1, 2000) == (1000, 4000)
     with pytest.raises(ValueError):
         throttle.quota_us(0.5, 1)
+
+
+def test_the_throttle_weight_gives_the_rank_a_factor_smaller_share_of_a_busy_cpu():
+    assert throttle.weight(4.0, throttle.V1_SHARES) == 256
+    assert throttle.weight(2.0, throttle.V2_WEIGHT) == 50
+    assert throttle.weight(1000.0, throttle.V1_SHARES) == 2  # the kernel's smallest
 
 
 def test_the_throttle_finds_a_jobs_rank_from_proc(tmp_path):
