@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,13 +26,16 @@ from relaytrain.checkpoint import (
     UnloadableCheckpoints,
 )
 from relaytrain.config import Config, config_hash, config_to_toml
+from relaytrain.config.run_dir import prepare_run_dir
 from relaytrain.data import SampleRecorder, build_train_loader, build_val_loader, to_device
 from relaytrain.errors import UserError
 from relaytrain.job import JobFacts, RunDir
+from relaytrain.job.machine import process_start_time
 from relaytrain.job.progress import Phase, ProgressBoard
 from relaytrain.model import flops_per_token
 from relaytrain.monitor import MetricsLogger, StepProfiler, StepTimer, window_memory_stats
 from relaytrain.monitor.logs import setup_logging
+from relaytrain.monitor.time_ledger import LedgerWindows
 from relaytrain.optim import build_optimizer, lr_at, schedule_fit_warning, set_lr
 from relaytrain.parallel import parallelize
 from relaytrain.parallel.distributed import DistEnv, init_distributed, rank0_token, shutdown_distributed
@@ -58,22 +60,6 @@ from relaytrain.resilience.run_lock import take_run_lock
 from relaytrain.resilience.straggler_watch import StragglerWatch
 
 log = logging.getLogger("relaytrain")
-
-
-def prepare_run_dir(cfg: Config, is_main: bool) -> RunDir:
-    run = RunDir.of(cfg.run.dir, cfg.run.name)
-    if is_main:
-        try:
-            run.root.mkdir(parents=True, exist_ok=True)
-            tmp = run.config.with_name(f".{run.config.name}.tmp")
-            tmp.write_text(config_to_toml(cfg))
-            os.replace(tmp, run.config)
-        except OSError as exc:
-            where = run.root
-            raise UserError(
-                f"cannot write the run directory '{where}' ({exc.strerror}); set run.dir to a writable path"
-            ) from None
-    return run
 
 
 class Trainer:
@@ -154,6 +140,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.metrics, self.run_dir, env.rank, env.device)
         self.timer = StepTimer(env.device)
         self.straggler = StragglerWatch(cfg.resilience, env, self.progress, self.metrics, cfg.slurm.min_nodes)
+        self.ledger = LedgerWindows(self.metrics, self.run_dir, self.persistence.spent, process_start_time())
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -178,6 +165,7 @@ class Trainer:
         self.controller.install()
         finished = False
         try:
+            restore_start = time.time()
             resumed = self.persistence.restore(recorded_checkpoint_step(self.run_dir))
             mark_running(cfg.train.max_steps, self.run_dir, self.env.rank, state.step)
             self.metrics.log_event(
@@ -185,6 +173,7 @@ class Trainer:
                 state.step,
                 world_size=self.env.world_size,
                 nodes=self.env.num_nodes,
+                **self.ledger.begin(state.step, restore_start, self.persistence.restored_from),
             )
             resize = resize_fields(self.persistence.resumed_layout, self.model.dims, self.env.num_nodes)
             if resumed is not None and resize is not None:
@@ -265,6 +254,7 @@ class Trainer:
                 with self.timer.excluded():
                     self._evaluate(step)
                 window_start += time.perf_counter() - eval_start  # tokens/s counts training time only
+                self.ledger.add_eval(time.perf_counter() - eval_start)
             with self.timer.section("checkpoint"):
                 if self.persistence.after_step(step, step == train.max_steps):
                     self.watchdog.beat(step)  # a save is progress: the hang timeout is per unit of work
@@ -279,8 +269,11 @@ class Trainer:
                 and self.straggler.stop_due(step, self.persistence)
             ):
                 reason = StopReason.STRAGGLER  # every rank: the same verdict from the same gathered times
+            if step % cfg.metrics.log_every == 0:
+                self.ledger.close_window(step)
             if reason != StopReason.NONE:
                 return self._stop(reason, step)
+        self.ledger.close_window(state.step)
         self.persistence.wait()
         mark_finished(self.run_dir, self.env.rank, state.step)
         self.metrics.log_event("finished", state.step)
@@ -289,6 +282,7 @@ class Trainer:
     def _stop(self, reason: StopReason, step: int) -> int:
         """Save where every rank agreed to stop, then hand the decision to requeue to the marker file."""
         log.info("stopping at step %d: %s", step, reason.name.lower())
+        self.ledger.close_window(step)  # the save and the exit that follow are the stop's
         self.progress.phase(Phase.STOP)
         straggler = self.straggler.verdict if reason == StopReason.STRAGGLER else None
         if reason != StopReason.NAN:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,12 @@ from relaytrain.job.progress import Phase, ProgressBoard
 from relaytrain.job.rundir import RunDir
 
 log = logging.getLogger("relaytrain.checkpoint")
+
+_BLOCKED_BY = {
+    Phase.CHECKPOINT_SAVE: "checkpoint",
+    Phase.SNAPSHOT: "snapshot",
+    Phase.CHECKPOINT_LOAD: "restore",
+}
 
 
 class Persistence:
@@ -77,7 +84,10 @@ class Persistence:
         # `on_event`: (event, step, **fields) into metrics.jsonl, the snapshots' costs and intervals
         self.pacing = SnapshotPacing(cfg, rank, on_event)
         self._resumed: int | None = None
+        self.restored_from = ""  # after `restore`: the tier the state came from ("" when none was loaded)
         self.saved_step = -1  # the last step after_step saved a checkpoint or took a snapshot at
+        # Seconds the loop waited on each kind of persistence work, for the time ledger (monitor/ledger.py)
+        self._blocked = {"checkpoint": 0.0, "snapshot": 0.0, "restore": 0.0}
 
     # -- the start ----------------------------------------------------------------------------------
 
@@ -89,8 +99,10 @@ class Persistence:
             step = self.snapshots.restore(self.checkpoints.ckpt_dir) if self.snapshots is not None else None
             if step is not None:
                 self.checkpoints.continue_line_of_newest()  # e.g. the damaged dirs its line keeps
+                self.restored_from = self.snapshots.restored_from
             else:
                 step = self.checkpoints.load(recorded_step)
+                self.restored_from = "checkpoint" if step is not None else ""
         self._resumed = step
         return step
 
@@ -173,13 +185,22 @@ class Persistence:
             self.snapshots.close(finished)
         self.collectives.close()
 
+    def spent(self) -> dict[str, float]:
+        """Seconds so far, in this process, that the loop waited on checkpoint saves, snapshots' blocking
+        copies and restores, and that steps ran slower while a snapshot's background work ran."""
+        return {**self._blocked, "snapshot_slowdown": self.pacing.times.slowdown_total_s}
+
     @contextlib.contextmanager
     def _phase(self, phase: Phase, budget_s: float) -> Iterator[None]:
-        """Publish `phase` while it runs. Then back to start-up or stop, the spans it ran inside; after a
-        section of the loop it stays until the loop publishes the section it enters next (going back
-        would add a short second piece to that section's median)."""
+        """Publish `phase` while it runs, its seconds counted (`spent`). Then back to start-up or stop, the
+        spans it ran inside; after a section of the loop it stays until the loop publishes the section it
+        enters next (going back would add a short second piece to that section's median)."""
         before = self.board.phase_now
         self.board.phase(phase, budget_s=budget_s)
-        yield
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._blocked[_BLOCKED_BY[phase]] += time.perf_counter() - began
         if before in (Phase.STARTUP, Phase.STOP):
             self.board.phase(before)

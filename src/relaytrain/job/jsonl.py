@@ -137,6 +137,14 @@ def event_record(event: str, step: int, fields: Mapping[str, Any]) -> dict[str, 
     return metrics_record("event", step, {"event": event, **fields})
 
 
+def append_job_record(run: RunDir, event: str, **fields: Any) -> dict[str, Any]:
+    """Append a `job` record (``kind`` "job", ``event``, fields) to the run's `metrics.jsonl`: what the batch
+    job's driver did and when (its start and end, each job step's), for the time ledger. Raises OSError."""
+    record = metrics_record("job", 0, {"event": event, **fields})
+    append(run.metrics, record)
+    return record
+
+
 def append_event(run: RunDir, event: str, step: int, **fields: Any) -> dict[str, Any]:
     """Append an event to the run's `metrics.jsonl` (for writers without a metrics logger: a program, the
     end-of-step decision). Returns the record; raises OSError like `append`."""

@@ -170,6 +170,8 @@ def read_records(path: Path) -> tuple[list[dict[str, Any]], int]:
 def build_history(records: list[dict[str, Any]], skipped_lines: int = 0) -> History:
     segments: list[Segment] = []
     for rec in records:
+        if rec["kind"] == "job":  # the batch job's driver (the time ledger's): not a training segment
+            continue
         key = (rec.get("job_id"), int(rec.get("restart") or 0), int(rec.get("step_restart") or 0))
         starts = rec["kind"] == "event" and rec.get("event") in START_EVENTS
         current = segments[-1] if segments else None

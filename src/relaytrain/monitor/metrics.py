@@ -234,6 +234,12 @@ class MetricsLogger:
         if self.is_main:
             self._emit(self._record("rank_times", step, values))
 
+    def log_ledger(self, step: int, values: dict[str, Any]) -> None:
+        """A time-ledger window (monitor/time_ledger.py): a `ledger` record, its ``goodput`` a TensorBoard
+        scalar (``ledger/goodput``); not on the console."""
+        if self.is_main:
+            self._emit(self._record("ledger", step, values))
+
     def log_event(self, event: str, step: int, **fields: Any) -> None:
         if not self.is_main:
             return

@@ -15,7 +15,9 @@
   (``RELAYTRAIN_SPARE_NODES``), and a spare that takes a node's place takes its position: where that
   order is not Slurm's, the step's tasks are placed by a host file (``--distribution=arbitrary``);
 * when that decision itself failed, the requeue the run asked for and could not do (``requeue_pending``);
-* at the job's end for good (not requeued), the in-memory snapshots freed on every node of the job.
+* at the job's end for good (not requeued), the in-memory snapshots freed on every node of the job;
+* `job` records in metrics.jsonl: when the job, each step and the job's own work ended and began (a hang's
+  detection on the step it ended), what the time ledger (monitor/ledger.py) splits the allocation by.
 
 It exits with the last step's exit status. It lives in resilience/ (not job/, the bottom layer) because
 the decision after the step and the run's record are resilience's and read the run's config. Where the
@@ -41,9 +43,11 @@ from typing import NamedTuple
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.env import narrow_to_nodes, place_by_hostfile
 from relaytrain.job.facts import SPARE_NODES_ENV, STEP_RESTARTS_ENV
+from relaytrain.job.jsonl import append_job_record
 from relaytrain.job.ports import choose_port, has_no_listener
 from relaytrain.resilience.hang_detect import HangPolicy
 from relaytrain.resilience.hang_monitor import HangMonitor
+from relaytrain.resilience.hang_record import HangRecordFile
 from relaytrain.resilience.job_step import Heartbeat, SignalForwarder, job_log_path, log
 from relaytrain.resilience.requeue import scontrol_requeue
 from relaytrain.resilience.run_state import RunStateFile
@@ -190,10 +194,25 @@ def decide(plan: JobPlan, exit_code: int, launch: StepLaunch, seconds: float) ->
         return None
 
 
+def note(run: RunDir, event: str, **fields) -> None:
+    """A `job` record for the time ledger; a run directory that cannot take it costs the job nothing."""
+    try:
+        append_job_record(run, event, **fields)
+    except OSError as error:
+        log(f"could not record {event} in {run.metrics}: {error}")
+
+
+def hang_of_step(run: RunDir) -> dict[str, float] | None:
+    """When the step that just ended was found hung: the detection time and how long no rank had moved."""
+    record = HangRecordFile(run).for_step(JobFacts.from_env())
+    return None if record is None else {"detected_at": record.detected_at, "idle_s": record.idle_s}
+
+
 def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
     """Run the job's steps until the decision after one says the job is done here; the last step's
     exit status."""
     environ = os.environ  # each step and the decision after it read the job's variables from here
+    note(plan.run, "job_start", nodes=launch.nodes, spares=launch.spares)
     if launch.spares:
         launch.hostfile = plan.run.slurm / f"hosts-{JobFacts.from_env().job_id or 'local'}"
         launch.place(launch.nodes, environ)  # the training nodes alone; the spares wait
@@ -205,6 +224,7 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
         log(f"launching: {' '.join(launch.argv())}")
         started = time.monotonic()
         HangMonitor.forget_last(plan.run)
+        note(plan.run, "step_start", nodes=launch.nodes)
         monitor = None
         if plan.hang_policy is not None:
             monitor = HangMonitor(plan.run, plan.hang_policy, JobFacts.from_env(), forwarder.abort, log)
@@ -213,6 +233,8 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
         if monitor is not None:
             monitor.stop()  # before the decision: a hang it found is recorded by now
         log(f"job step finished with exit code {exit_code}")
+        hang = hang_of_step(plan.run) if monitor is not None else None
+        note(plan.run, "step_end", exit_code=exit_code, **({"hang": hang} if hang else {}))
         decision = decide(plan, exit_code, launch, time.monotonic() - started)
         if decision is None:
             requeue_if_pending(plan.run, JobFacts.from_env())
@@ -223,6 +245,7 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
             f"{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}")  # fmt: skip
     if plan.free_snapshots and not requeue_state(plan.run).asked:
         free_snapshots(plan.python, plan.config, launch.nodes)
+    note(plan.run, "job_end", exit_code=exit_code)
     return exit_code
 
 

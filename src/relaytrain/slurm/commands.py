@@ -280,6 +280,7 @@ def register(subparsers) -> None:
     p.add_argument("target", nargs="?", help="job id or run name/directory (default: your queued jobs)")
     p.add_argument("--all", action="store_true", help="every user's jobs")
     p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
+    p.add_argument("--json", action="store_true", help="a run's state and its time ledger as one JSON record")
     p.set_defaults(func=cmd_status)
 
     p = subparsers.add_parser("logs", help="print a job's or a run's output")

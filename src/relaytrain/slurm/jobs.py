@@ -159,6 +159,8 @@ def last_step(run: RunDir) -> int | None:
         step = recorded_step(run)
         return step if step is not None and step >= 0 else None
     for record in reversed(jsonl.tail(run.metrics)):
+        if record.get("kind") == "job":  # the batch job's own records carry no training step
+            continue
         step = record.get("step")
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
             return step  # -1: a stop whose step the batch script could not know (exit 75)

@@ -13,6 +13,8 @@ from typing import Any
 from relaytrain.checkpoint.files import read_latest
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir, jsonl
+from relaytrain.monitor.ledger import Ledger
+from relaytrain.monitor.run_ledger import run_ledger
 from relaytrain.resilience.bad_nodes import excluded_in_run
 from relaytrain.resilience.crash import RESTARTED, CrashLog, describe_crash
 from relaytrain.resilience.run_state import RUN_STATE_FILE, RunStateFile
@@ -100,4 +102,34 @@ def run_rows(run: RunDir) -> list[tuple[str, str]]:
     latest = read_latest(run.checkpoints)
     if latest is not None:
         rows.append(("latest checkpoint", str(latest)))
+    ledger = ledger_of(run)
+    if ledger is not None:
+        head, *rest = ledger.summary()
+        rows.append(("goodput", head))
+        rows += [("", line) for line in rest]
     return rows
+
+
+def ledger_of(run: RunDir) -> Ledger | None:
+    """The run's time ledger (Slurm's allocation times where accounting answers), None before its first
+    metrics record or when metrics.jsonl cannot be read (its own row says so)."""
+    if not run.metrics.is_file():
+        return None
+    try:
+        return run_ledger(run)
+    except (UserError, OSError):
+        return None
+
+
+def run_json(run: RunDir) -> dict[str, Any]:
+    """`relaytrain status RUN --json`: the run's record, last step, latest checkpoint and time ledger."""
+    record = RunStateFile(run).read()
+    latest = read_latest(run.checkpoints)
+    ledger = ledger_of(run)
+    return {
+        "run_dir": str(run.root),
+        "state": None if record is None else record.as_json(),
+        "last_step": last_step(run),
+        "latest_checkpoint": None if latest is None else str(latest),
+        "ledger": None if ledger is None else ledger.as_json(),
+    }

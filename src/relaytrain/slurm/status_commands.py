@@ -7,6 +7,7 @@ Slurm can be asked.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -50,6 +51,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     console = _console()
     runs = Path(args.runs)
+    if not args.target and getattr(args, "json", False):
+        raise UserError("--json describes a run: name one (relaytrain status RUN --json)")
     if not args.target:
         found = jobs.list_queue(user_only=not args.all)  # a UserError when Slurm cannot be asked
         for job in found:
@@ -60,9 +63,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     from relaytrain.resilience.run_state import RunStateFile
     from relaytrain.slurm.client import SlurmUnavailable
-    from relaytrain.slurm.run_view import find_run, run_rows
+    from relaytrain.slurm.run_view import find_run, run_json, run_rows
 
     run = find_run(args.target, runs)
+    if run is not None and getattr(args, "json", False):
+        print(json.dumps(run_json(run), indent=1))
+        return 1 if RunStateFile(run).damage() else 0
+    if run is None and getattr(args, "json", False):
+        raise UserError(f"--json describes a run: no run {args.target!r} under {args.runs}/ or at that path")
     if run is None:
         try:
             found = jobs.describe(args.target, runs)

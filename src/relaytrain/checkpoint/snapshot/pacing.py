@@ -45,6 +45,7 @@ class StepTimes:
         self.recent: deque[float] = deque(maxlen=WINDOW)
         self.slowdown_s = 0.0  # since the newest snapshot, beyond clean steps
         self.slowdown_known = True  # False: a step overlapped before any clean step was timed
+        self.slowdown_total_s = 0.0  # over the whole job, for the time ledger
 
     def step_ended(self) -> None:
         if self._mark is None:
@@ -54,7 +55,9 @@ class StepTimes:
         if not self._overlapping:
             self.clean.append(took)
         elif self.clean:
-            self.slowdown_s += max(0.0, took - statistics.median(self.clean))
+            slower = max(0.0, took - statistics.median(self.clean))
+            self.slowdown_s += slower
+            self.slowdown_total_s += slower
         else:
             self.slowdown_known = False
 

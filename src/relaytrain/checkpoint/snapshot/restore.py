@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +29,16 @@ from relaytrain.checkpoint.training_state import TrainingState
 log = logging.getLogger("relaytrain.checkpoint")
 
 
+class RestoredSnapshot(NamedTuple):
+    step: int
+    peer_files: int  # rank files fetched from a peer node (0: every rank's own node had its file)
+
+    @property
+    def tier(self) -> str:
+        """Where the state came from, as the time ledger names it."""
+        return "peer node" if self.peer_files else "node memory"
+
+
 def restore_snapshot(
     state: TrainingState,
     coll: Collectives,
@@ -36,9 +46,10 @@ def restore_snapshot(
     node_leader: bool,
     ckpt_dir: Path,
     config_hash: str,
-) -> int | None:
+) -> RestoredSnapshot | None:
     """Into `state`, from this rank's node folder `node_dir` (`node_leader`: this rank trims it) or a peer:
-    the step restored, or None when the run resumes from DCP (or fresh)."""
+    the step restored and how many rank files came from a peer node, or None when the run resumes from
+    DCP (or fresh)."""
     rank, world_size = coll.rank, coll.world_size
     reports = all_gather(store.holdings(node_dir), coll.ctrl, world_size)
     damaged: set[int] = set()
@@ -76,8 +87,10 @@ def restore_snapshot(
     coll.barrier()  # every rank read what it needed before the node folders are trimmed
     if node_leader:
         forget_after(node_dir, restored or 0)
-    if restored is not None and rank == 0:
-        fetched = sum(1 for dst, src in plan["sources"].items() if src != dst)
+    if restored is None:
+        return None
+    fetched = sum(1 for dst, src in plan["sources"].items() if src != dst)
+    if rank == 0:
         log.info(
             "resuming from the snapshot of step %d in node memory (%d of %d rank file(s) from a peer "
             "node): newer than the newest checkpoint",
@@ -85,7 +98,7 @@ def restore_snapshot(
             fetched,
             world_size,
         )
-    return restored
+    return RestoredSnapshot(restored, fetched)
 
 
 def _plan(reports: list[dict], ckpt_dir: Path, world_size: int, config_hash: str, damaged: set[int]):

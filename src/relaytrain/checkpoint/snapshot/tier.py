@@ -54,6 +54,7 @@ class SnapshotTier:
     ):
         self.cfg = cfg
         self.on = True  # until `close`
+        self.restored_from = ""  # after `restore`: "node memory" or "peer node" when a snapshot was loaded
         self.config_hash = config_hash
         self.state = state
         self._coll = collectives
@@ -202,7 +203,11 @@ class SnapshotTier:
         if not self.on or self.cfg.resume != "auto":
             return None
         leader = self.ring.is_node_leader(self.rank)
-        return restore_snapshot(self.state, self._coll, self.node_dir, leader, ckpt_dir, self.config_hash)
+        restored = restore_snapshot(self.state, self._coll, self.node_dir, leader, ckpt_dir, self.config_hash)
+        if restored is None:
+            return None
+        self.restored_from = restored.tier
+        return restored.step
 
     # -- the end ----------------------------------------------------------------------------------------
 

@@ -1,0 +1,238 @@
+"""Building a run's time ledger (monitor/ledger.py) from its records: each allocation cut into spans."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from relaytrain.monitor.ledger import WINDOW_PARTS, Allocation, JobTime, Ledger, Span
+
+
+def _key(record: dict[str, Any]) -> tuple[str | None, int]:
+    return record.get("job_id"), int(record.get("restart") or 0)
+
+
+def _num(record: dict[str, Any], key: str) -> float | None:
+    value = record.get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def record_allocations(records: Sequence[dict[str, Any]]) -> list[Allocation]:
+    """Allocations as the records alone bound them: a Slurm job run from its driver's ``job_start`` (else
+    its first record) to its last record; a process outside Slurm from its ``process_start`` to its last
+    record (a new ``start``/``resume`` event is a new process)."""
+    found: list[Allocation] = []
+    bounds: dict[tuple[str | None, int], list[float]] = {}
+    local_index = -1
+    for record in records:
+        key = _key(record)
+        time = _num(record, "time")
+        if time is None:
+            continue
+        if key[0] is None:
+            starts = record.get("kind") == "event" and record.get("event") in ("start", "resume")
+            if starts or local_index < 0:
+                local_index += 1
+                begin = _num(record, "process_start") if starts else None
+                bounds[(None, local_index)] = [min(begin or time, time), time]
+            bounds[(None, local_index)][1] = max(bounds[(None, local_index)][1], time)
+            continue
+        begin = _num(record, "process_start") or time
+        if key not in bounds:
+            bounds[key] = [min(begin, time), time]
+        else:
+            bounds[key][0] = min(bounds[key][0], begin)
+            bounds[key][1] = max(bounds[key][1], time)
+    for (job_id, restart), (start, end) in bounds.items():
+        found.append(Allocation(job_id, restart, start, end, "records"))
+    return sorted(found, key=lambda a: a.start)
+
+
+def merge_allocations(measured: Iterable[Allocation], records: Sequence[dict[str, Any]]) -> list[Allocation]:
+    """Slurm's Start..End where it has one for a job run the records know, else the records' bounds."""
+    by_key = {(a.job_id, a.restart): a for a in measured}
+    merged = [by_key.get((a.job_id, a.restart), a) for a in record_allocations(records)]
+    return sorted(merged, key=lambda a: a.start)
+
+
+def build_ledger(
+    records: Sequence[dict[str, Any]], allocations: Iterable[Allocation] | None = None
+) -> Ledger:
+    """The run's ledger: `records` are metrics.jsonl's in file order; `allocations` what Slurm measured
+    (sacct), merged with what the records bound (`merge_allocations`)."""
+    allocs = merge_allocations(allocations or (), records)
+    high_water = [0]  # the furthest step any earlier window ran
+    jobs: list[JobTime] = []
+    local = [r for r in records if r.get("job_id") is None]
+    local_groups = _local_processes(local)
+    for alloc in allocs:
+        if alloc.job_id is None:
+            own = local_groups.get(alloc.restart, [])
+            spans = _process_spans(own, alloc.start, "startup", high_water)
+        else:
+            own = [r for r in records if _key(r) == (alloc.job_id, alloc.restart)]
+            spans = _job_spans(own, alloc, high_water)
+        jobs.append(JobTime(alloc, _lay_out(spans, alloc)))
+    queue = sum(max(0.0, b.allocation.start - a.allocation.end) for a, b in zip(jobs, jobs[1:], strict=False))
+    return Ledger(jobs, queue)
+
+
+def _local_processes(records: Sequence[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    groups: dict[int, list[dict[str, Any]]] = {}
+    index = -1
+    for record in records:
+        if (record.get("kind") == "event" and record.get("event") in ("start", "resume")) or index < 0:
+            index += 1
+        groups.setdefault(index, []).append(record)
+    return groups
+
+
+def _job_spans(records: list[dict[str, Any]], alloc: Allocation, high_water: list[int]) -> list[Span]:
+    """A Slurm job run: the driver's steps, each with the trainer's records of that step."""
+    driver = [r for r in records if r.get("kind") == "job"]
+    job_start = next((_num(r, "time") for r in driver if r.get("event") == "job_start"), None)
+    spans: list[Span] = []
+    cursor = alloc.start
+    if job_start is not None:
+        spans.append(Span(alloc.start, job_start, "startup", "batch script"))
+        cursor = job_start
+    steps = sorted({int(r.get("step_restart") or 0) for r in records})
+    last_ended_well = False
+    for k in steps:
+        own = [r for r in records if int(r.get("step_restart") or 0) == k and r.get("kind") != "job"]
+        mine = [r for r in driver if int(r.get("step_restart") or 0) == k]
+        began = next((_num(r, "time") for r in mine if r.get("event") == "step_start"), None)
+        end_rec = next((r for r in mine if r.get("event") == "step_end"), None)
+        ended = _num(end_rec, "time") if end_rec else None
+        before = "startup" if k == 0 else "restart"
+        if began is not None:
+            spans.append(Span(cursor, began, before, "between job steps" if k else "driver"))
+            cursor = began
+        step_spans = _process_spans(own, cursor, before, high_water)
+        spans += step_spans
+        last = max((s.end for s in step_spans), default=cursor)
+        outcome = _outcome(own)
+        if ended is not None:
+            if outcome:
+                spans.append(Span(last, ended, "stop", "exit"))
+            elif own or (end_rec or {}).get("exit_code") not in (0, None):
+                spans += _failure_tail(last, ended, end_rec or {}, bool(own), before)
+            cursor = ended
+        else:
+            cursor = last
+        last_ended_well = bool(outcome)
+    job_end = next((_num(r, "time") for r in driver if r.get("event") == "job_end"), None)
+    tail = "stop" if last_ended_well else "restart"
+    if job_end is not None:
+        spans.append(Span(cursor, job_end, tail, "after the last job step"))
+        cursor = job_end
+    if alloc.source == "sacct" and (driver or last_ended_well):
+        spans.append(Span(cursor, alloc.end, tail, "job end"))
+    return spans
+
+
+def _outcome(records: list[dict[str, Any]]) -> str:
+    """`stop` or `finished` when the trainer ended the step itself, else ""."""
+    for record in reversed(records):
+        if record.get("kind") == "event" and record.get("event") in ("stop", "finished"):
+            return str(record["event"])
+    return ""
+
+
+def _failure_tail(
+    last: float, ended: float, end_rec: dict[str, Any], trained: bool, before: str
+) -> list[Span]:
+    hang = end_rec.get("hang") if isinstance(end_rec.get("hang"), dict) else None
+    if not trained:  # it failed before its trainer recorded anything: start-up that came to nothing
+        return [Span(last, ended, before, "failed start-up")]
+    if hang is not None and _num(hang, "detected_at") is not None:
+        detected = float(hang["detected_at"])
+        idle = max(0.0, _num(hang, "idle_s") or 0.0)
+        progress = max(last, detected - idle)
+        return [
+            Span(last, progress, "lost", "steps after the last record"),
+            Span(progress, detected, "hang", "last progress to detection"),
+            Span(detected, ended, "restart", "ending the hung step"),
+        ]
+    return [Span(last, ended, "lost", "after the last record: steps not kept, the failure's detection")]
+
+
+def _process_spans(
+    records: list[dict[str, Any]], cursor: float, before: str, high_water: list[int]
+) -> list[Span]:
+    """One trainer process: start-up, restore, its ledger windows, its stop."""
+    spans: list[Span] = []
+    start = next(
+        (r for r in records if r.get("kind") == "event" and r.get("event") in ("start", "resume")), None
+    )
+    if start is not None:
+        restored_at = _num(start, "time") or cursor
+        restore_start = _num(start, "restore_start") or restored_at
+        tier = str(start.get("restored_from") or "")
+        spans.append(Span(cursor, restore_start, before, "launch, imports, process group, model"))
+        spans.append(Span(restore_start, restored_at, "restore" if tier else before, tier or "no state"))
+        cursor = restored_at
+    for record in records:
+        if record.get("kind") != "ledger":
+            continue
+        spans += _window(record, high_water)
+        cursor = max(cursor, _num(record, "time") or cursor)
+    end = next(
+        (
+            r
+            for r in reversed(records)
+            if r.get("kind") == "event" and r.get("event") in ("stop", "finished") and r is not start
+        ),
+        None,
+    )
+    if end is not None and (_num(end, "time") or 0) > cursor:
+        spans.append(Span(cursor, float(end["time"]), "stop", str(end.get("reason") or end["event"])))
+    return spans
+
+
+def _window(record: dict[str, Any], high_water: list[int]) -> list[Span]:
+    """A ledger window's seconds as spans laid end to end from its `since` (positions approximate within
+    the window, seconds exact)."""
+    seconds = record.get("seconds") if isinstance(record.get("seconds"), dict) else {}
+    window = record.get("window") if isinstance(record.get("window"), dict) else {}
+    end = _num(record, "time")
+    since = _num(window, "since")
+    if end is None or since is None:
+        return []
+    first, last = int(window.get("from_step") or record["step"]), int(record["step"])
+    count = max(1, last - first + 1)
+    replays = min(count, max(0, high_water[0] - first + 1)) if last >= first else 0
+    high_water[0] = max(high_water[0], last)
+    parts = {name: max(0.0, _num(seconds, name) or 0.0) for name in WINDOW_PARTS}
+    steps = max(0.0, (end - since) - sum(parts.values()))
+    order = [
+        ("replayed", steps * replays / count, f"steps {first}-{first + replays - 1}"),
+        ("productive", steps * (count - replays) / count, f"steps {first + replays}-{last}"),
+        ("snapshot", parts["snapshot_slowdown"], "steps slowed by background work"),
+        ("snapshot", parts["snapshot"], "blocking copy"),
+        ("checkpoint", parts["checkpoint"], "blocking save"),
+        ("eval", parts["eval"], ""),
+    ]
+    spans, at = [], since
+    for bucket, secs, detail in order:
+        if secs > 0:
+            spans.append(Span(at, at + secs, bucket, detail))
+            at += secs
+    return spans
+
+
+def _lay_out(spans: list[Span], alloc: Allocation) -> list[Span]:
+    """The spans clipped to the allocation and to each other, in time order, the gaps as unaccounted."""
+    out: list[Span] = []
+    at = alloc.start
+    for span in spans:
+        start, end = max(span.start, at), min(span.end, alloc.end)
+        if end <= start:
+            continue
+        if start > at:
+            out.append(Span(at, start, "unaccounted"))
+        out.append(Span(start, end, span.bucket, span.detail))
+        at = end
+    if alloc.end > at:
+        out.append(Span(at, alloc.end, "unaccounted"))
+    return out
