@@ -323,3 +323,35 @@ print("exit code", code)
     assert "relaytrain: requeued (scontrol requeue 41)" in done.stdout and "exit code 0" in done.stdout
     state = RunStateFile(RunDir(run_dir)).read().as_json()
     assert state is not None and state["requeued"] is True
+
+
+def test_a_failed_first_all_reduce_is_a_crash_the_job_step_retries(monkeypatch, capsys):
+    """A peer that resets the first all-reduce is the cluster's failure, not the user's: one line, exit 1
+    (not the config error's 2), so the end of the step restarts or requeues it as a crash."""
+    import types
+
+    from relaytrain import cli
+    from relaytrain.errors import InfrastructureError
+    from relaytrain.parallel import distributed
+
+    class ResetWork:
+        def wait(self, timeout=None):
+            raise RuntimeError("Connection reset by peer")
+
+    monkeypatch.setattr(distributed.dist, "all_reduce", lambda *a, **k: ResetWork())
+    env = types.SimpleNamespace(rank=1, world_size=2, local_rank=0, node="n2", device="cpu", backend="gloo",
+                                is_main=False, num_nodes=2)  # fmt: skip
+    with pytest.raises(InfrastructureError) as failed:
+        distributed.health_check(env, 5.0)
+    assert "Connection reset by peer" in str(failed.value)
+
+    def train(cfg):
+        distributed.health_check(env, 5.0)
+
+    monkeypatch.setattr("relaytrain.trainer.train", train)
+    code = cli.main(["train", "--train.max_steps=1"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "first all-reduce did not finish" in err, (code, err)
+    # the step died before the run wrote its record: exit 1 is a crash, retried
+    got, why = crash.classify(None, JobFacts.from_env(JOB), code)
+    assert got is True, why

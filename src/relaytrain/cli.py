@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except UserError as exc:
         print(f"relaytrain: error: {exc}", file=sys.stderr)
-        return USAGE_EXIT_CODE
+        return getattr(exc, "exit_code", USAGE_EXIT_CODE)
     except KeyboardInterrupt:
         print("relaytrain: interrupted", file=sys.stderr)
         return 130

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from relaytrain.config.schema import Config
-from relaytrain.errors import UserError
+from relaytrain.errors import InfrastructureError, UserError
 from relaytrain.job import JobFacts, apply_slurm_env
 
 log = logging.getLogger("relaytrain")
@@ -126,9 +126,9 @@ def health_check(env: DistEnv, timeout_s: float) -> None:
     try:
         finished = work.wait(timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # gloo raises on timeout, NCCL may abort
-        raise UserError(_health_failure(env, timeout_s, exc)) from None
+        raise InfrastructureError(_health_failure(env, timeout_s, exc)) from None
     if finished is False or int(probe.item()) != env.world_size:
-        raise UserError(_health_failure(env, timeout_s, f"sum {probe.item()} != {env.world_size}"))
+        raise InfrastructureError(_health_failure(env, timeout_s, f"sum {probe.item()} != {env.world_size}"))
     if env.is_main:
         log.info(
             "health check passed: world size %d on %d node(s) in %.2f s",
