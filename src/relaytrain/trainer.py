@@ -269,7 +269,7 @@ class Trainer:
                 and self.straggler.stop_due(step, self.persistence)
             ):
                 reason = StopReason.STRAGGLER  # every rank: the same verdict from the same gathered times
-            if step % cfg.metrics.log_every == 0:
+            if self.ledger.due(step, cfg.metrics.log_every):
                 self.ledger.close_window(step)
             if reason != StopReason.NONE:
                 return self._stop(reason, step)

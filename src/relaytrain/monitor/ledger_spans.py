@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -172,10 +173,10 @@ def _process_spans(
         spans.append(Span(cursor, restore_start, before, "launch, imports, process group, model"))
         spans.append(Span(restore_start, restored_at, "restore" if tier else before, tier or "no state"))
         cursor = restored_at
-    for record in records:
-        if record.get("kind") != "ledger":
-            continue
-        spans += _window(record, high_water)
+    windows = [r for r in records if r.get("kind") == "ledger"]
+    typical = _typical_step_s(windows)
+    for record in windows:
+        spans += _window(record, high_water, typical)
         cursor = max(cursor, _num(record, "time") or cursor)
     end = next(
         (
@@ -190,9 +191,25 @@ def _process_spans(
     return spans
 
 
-def _window(record: dict[str, Any], high_water: list[int]) -> list[Span]:
+def _typical_step_s(windows: list[dict[str, Any]]) -> float | None:
+    """The median step time of a process's windows other than its first step's (None: no other)."""
+    per_step = []
+    for record in windows:
+        window, seconds = record.get("window") or {}, record.get("seconds") or {}
+        if not isinstance(window, dict) or not isinstance(seconds, dict) or window.get("first_step"):
+            continue
+        since, end = _num(window, "since"), _num(record, "time")
+        if since is None or end is None:
+            continue
+        count = max(1, int(record["step"]) - int(window.get("from_step") or record["step"]) + 1)
+        parts = sum(max(0.0, _num(seconds, name) or 0.0) for name in WINDOW_PARTS)
+        per_step.append(max(0.0, end - since - parts) / count)
+    return statistics.median(per_step) if per_step else None
+
+
+def _window(record: dict[str, Any], high_water: list[int], typical: float | None = None) -> list[Span]:
     """A ledger window's seconds as spans laid end to end from its `since` (positions approximate within
-    the window, seconds exact)."""
+    the window, seconds exact). The process's first step beyond a `typical` step is start-up."""
     seconds = record.get("seconds") if isinstance(record.get("seconds"), dict) else {}
     window = record.get("window") if isinstance(record.get("window"), dict) else {}
     end = _num(record, "time")
@@ -205,7 +222,12 @@ def _window(record: dict[str, Any], high_water: list[int]) -> list[Span]:
     high_water[0] = max(high_water[0], last)
     parts = {name: max(0.0, _num(seconds, name) or 0.0) for name in WINDOW_PARTS}
     steps = max(0.0, (end - since) - sum(parts.values()))
+    warmup = 0.0
+    if window.get("first_step") and typical is not None and count == 1:
+        warmup = max(0.0, steps - typical)
+        steps -= warmup
     order = [
+        ("startup", warmup, "first step beyond a typical one: compilation, first allocations"),
         ("replayed", steps * replays / count, f"steps {first}-{first + replays - 1}"),
         ("productive", steps * (count - replays) / count, f"steps {first + replays}-{last}"),
         ("snapshot", parts["snapshot_slowdown"], "steps slowed by background work"),

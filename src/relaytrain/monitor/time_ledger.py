@@ -1,9 +1,11 @@
 """The trainer's side of the time ledger (monitor/ledger.py): its ``ledger`` windows in metrics.jsonl.
 
 A window runs from the end of the previous one (the first: the end of restoring) to a log step, a stop
-or the end of the loop, and records, on rank 0, the steps it covers and its seconds split into what the
-persistence front blocked or slowed (checkpoint saves, snapshots' blocking copies, steps slowed by a
-snapshot's background work: `Persistence.spent`) and evaluation; the rest of the window is step time.
+or the end of the loop; the process's first step is a window of its own, marked ``first_step`` (its
+time beyond a typical step, compilation and first allocations, is start-up to the ledger). Each records,
+on rank 0, the steps it covers and its seconds split into what the persistence front blocked or slowed
+(checkpoint saves, snapshots' blocking copies, steps slowed by a snapshot's background work:
+`Persistence.spent`) and evaluation; the rest of the window is step time.
 Each window also carries ``goodput``, the run's goodput as its records tell so far (earlier allocations
 bounded by their own records, this process from its start to now), which TensorBoard shows as
 ``ledger/goodput``; `relaytrain status` gives the exact figure with Slurm's allocation times.
@@ -40,6 +42,7 @@ class LedgerWindows:
         self._prior_productive = self._prior_allocated = 0.0
         self._high_water = 0
         self._productive = 0.0
+        self._first_step: int | None = None  # the first step this process runs, until its window closed
 
     def begin(self, step: int, restore_start: float, restored_from: str) -> dict[str, Any]:
         """Windows start now, after `step` (the state is restored). Returns the start event's fields for
@@ -52,6 +55,7 @@ class LedgerWindows:
             steps = [int(r["step"]) for r in earlier if r.get("kind") == "ledger"]
             self._high_water = max(steps, default=0)
         self._open(step)
+        self._first_step = step + 1
         return {"process_start": round(self.process_start, 4), "restore_start": round(restore_start, 4),
                 "restored_from": restored_from}  # fmt: skip
 
@@ -63,6 +67,10 @@ class LedgerWindows:
             return read_records(self.run.metrics)[0]
         except (UserError, OSError):
             return ()
+
+    def due(self, step: int, log_every: int) -> bool:
+        """Whether a window closes after `step`: at log steps, and after the process's first step."""
+        return step % log_every == 0 or step == self._first_step
 
     def add_eval(self, seconds: float) -> None:
         self._eval += seconds
@@ -82,6 +90,9 @@ class LedgerWindows:
         allocated = self._prior_allocated + (now - self.process_start)
         goodput = (self._prior_productive + self._productive) / allocated if allocated > 0 else 0.0
         window = {"from_step": self.from_step, "since": round(self.since, 4)}
+        if self._first_step is not None:
+            window["first_step"] = True
+            self._first_step = None
         rounded = {name: round(value, 4) for name, value in seconds.items()}
         self.metrics.log_ledger(step, {"window": window, "seconds": rounded, "goodput": round(goodput, 5)})
         self._open(step, now, spent)  # windows meet: writing this record is the next window's time
