@@ -147,7 +147,7 @@ def _draw_queue(ax: Any, ledger: Ledger, origin: float, scale: float, width: flo
         x0, x1 = (before.allocation.end - origin) / scale, (after.allocation.start - origin) / scale
         ax.plot([x0, x1], [lane, lane], linestyle=":", color=QUEUE_COLOR, linewidth=1.5)
         if (x1 - x0) > 0.12 * width:
-            ax.text((x0 + x1) / 2, lane - 0.45, f"queued {duration(gap)}", ha="center", va="bottom",
+            ax.text((x0 + x1) / 2, lane - 0.06, f"queued {duration(gap)}", ha="center", va="bottom",
                     fontsize=8, color=QUEUE_COLOR)  # fmt: skip
     return any_gap
 
