@@ -15,7 +15,7 @@ import test_monitor_report
 from relaytrain.cli import main
 from relaytrain.job import RunDir
 from relaytrain.job.allocations import JobRun
-from relaytrain.monitor.ledger import BUCKETS
+from relaytrain.monitor.ledger import BUCKET_MEANING, BUCKETS
 from relaytrain.monitor.ledger_plot import BUCKET_COLORS
 from relaytrain.monitor.report import make_report
 from test_ledger import T0, _crashed_step, _trained, begin, driver, end, ident, window
@@ -105,3 +105,9 @@ def test_a_run_without_ledger_records_says_so_and_draws_no_timeline(tmp_path):
 
 def test_every_bucket_has_its_colour():
     assert set(BUCKET_COLORS) == set(BUCKETS)
+
+
+def test_the_docs_name_every_bucket_with_its_meaning():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "monitoring.md").read_text()
+    for name, meaning in BUCKET_MEANING.items():
+        assert f"| `{name}` | {meaning} |" in doc, name
