@@ -64,10 +64,11 @@ def ledger_lines(ledger: Ledger | None) -> list[str]:
     allocated, buckets = ledger.allocated_s, ledger.buckets
     goodput = "n/a" if ledger.goodput is None else f"{ledger.goodput:.1%}"
     count = len(ledger.jobs)
+    drawn = " ledger.png draws the timeline." if allocated > 0 else ""  # as `plot_ledger` draws it
     lines += [
         f"Goodput {goodput}: productive steps' share of {duration(allocated)} allocated in {count} "
         f"allocation{'s' * (count != 1)}. Queue time between allocations ({duration(ledger.queue_s)}) is "
-        "wall-clock, not allocated: it is in no share. See ledger.png for the timeline.",
+        f"wall-clock, not allocated: it is in no share.{drawn}",
         "",
         "| bucket | seconds | share of allocated | what |",
         "| --- | ---: | ---: | --- |",
