@@ -7,6 +7,7 @@ at run time, so a changed command is what the test runs.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import shutil
@@ -115,6 +116,23 @@ def test_usage_verify_runs(tmp_path, stopped_and_resumed_run):
                           timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[-1] == f"verify {target}: OK"
+
+
+def test_usage_status_json_and_report_run(tmp_path, stopped_and_resumed_run):
+    """`relaytrain status runs/8b --json` and `relaytrain report runs/8b` as written, on a copy of a tiny
+    stopped and resumed run: the state and the time ledger as JSON, the report with its ledger plot."""
+    usage = block(README, "Usage")
+    (status,) = [line for line in usage if line.startswith("relaytrain status ") and "--json" in line]
+    (report,) = [line for line in usage if line.startswith("relaytrain report ")]
+    target = Path(shlex.split(report, comments=True)[2])
+    assert shlex.split(status, comments=True)[2] == str(target)
+    shutil.copytree(stopped_and_resumed_run, tmp_path / target, symlinks=True)
+    run = {"cwd": tmp_path, "env": child_env(), "capture_output": True, "text": True, "timeout": 120}
+    done = [subprocess.run(["bash", "-c", line], **run) for line in (status, report)]
+    assert all(d.returncode == 0 for d in done), [d.stdout + d.stderr for d in done]
+    ledger = json.loads(done[0].stdout)["ledger"]
+    assert ledger["allocated_s"] > 0 and 0 < ledger["goodput"] < 1 and "unaccounted" in ledger["buckets"]
+    assert "ledger.png" in done[1].stdout and (tmp_path / target / "report" / "ledger.png").is_file()
 
 
 def test_torch_requirement_is_a_range_that_admits_the_on_disk_build():

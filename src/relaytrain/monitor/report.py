@@ -11,8 +11,11 @@ from typing import Any
 from relaytrain.errors import UserError
 from relaytrain.job.rundir import RunDir
 from relaytrain.monitor.history import History, load_history, read_gpu_csvs
+from relaytrain.monitor.ledger import Ledger
+from relaytrain.monitor.ledger_plot import ledger_lines, plot_ledger, recorded_ledger
 from relaytrain.monitor.plots import plot_all
 from relaytrain.monitor.rank_plot import plot_rank_times, straggler_lines
+from relaytrain.monitor.run_ledger import run_ledger
 
 
 def _mean(history: History, key: str) -> float | None:
@@ -59,7 +62,10 @@ def summarize(history: History) -> dict[str, Any]:
     }
 
 
-def render_markdown(name: str, history: History, summary: dict[str, Any], images: list[Path]) -> str:
+def render_markdown(
+    name: str, history: History, summary: dict[str, Any], images: list[Path], ledger: Ledger | None = None
+) -> str:
+    """report.md; `ledger` None: the run recorded no time ledger (its section says so)."""
     s = summary
     started = datetime.datetime.fromtimestamp(history.start_time).isoformat(sep=" ", timespec="seconds")
     best = "n/a" if s["best_val_loss"] is None else f"{s['best_val_loss']:.4f} (step {s['best_val_step']})"
@@ -123,6 +129,7 @@ def render_markdown(name: str, history: History, summary: dict[str, Any], images
         "replace earlier ones.",
         "",
     ]
+    lines += [*ledger_lines(ledger), ""]
     if history.skipped_lines:
         lines += [f"{history.skipped_lines} unreadable line(s) of metrics.jsonl were skipped.", ""]
     lines += ["## Plots", ""]
@@ -164,6 +171,10 @@ def write_report(run: RunDir, out_dir: Path | None = None) -> tuple[Path, list[P
     images = plot_all(history, gpus, name, out_dir) if history.train or gpus else []
     ranks = plot_rank_times(history, name, out_dir / "rank_times.png")
     images += [ranks] if ranks is not None else []
+    # Slurm's Start..End of each job where accounting answers, else the run's own records bound them.
+    ledger = run_ledger(run) if recorded_ledger(history) else None
+    timeline = plot_ledger(ledger, name, out_dir / "ledger.png") if ledger is not None else None
+    images += [timeline] if timeline is not None else []
     report = out_dir / "report.md"
-    report.write_text(render_markdown(name, history, summarize(history), images), encoding="utf-8")
+    report.write_text(render_markdown(name, history, summarize(history), images, ledger), encoding="utf-8")
     return report, images
