@@ -140,10 +140,10 @@ class Ledger:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "allocated_s": round(self.allocated_s, 3),
+            "allocated_s": round(self.allocated_s, 6),
             "queue_s": round(self.queue_s, 3),
             "goodput": None if self.goodput is None else round(self.goodput, 5),
-            "buckets": {name: round(s, 3) for name, s in self.buckets.items()},
+            "buckets": {name: round(s, 6) for name, s in self.buckets.items()},
             "jobs": [
                 {
                     "label": job.label,
@@ -152,7 +152,7 @@ class Ledger:
                     "start": job.allocation.start,
                     "end": job.allocation.end,
                     "source": job.allocation.source,
-                    "buckets": {name: round(s, 3) for name, s in job.buckets().items() if s > 0},
+                    "buckets": {name: round(s, 6) for name, s in job.buckets().items() if s > 0},
                 }
                 for job in self.jobs
             ],
