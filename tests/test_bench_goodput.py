@@ -8,6 +8,8 @@ from datetime import datetime
 
 import pytest
 
+from relaytrain.job.allocations import JobRun
+
 from bench import kept
 from bench.cluster import goodput
 from bench.cluster.goodput_crash_extrapolation import SNAPSHOT_RUNS, CrashExtrapolation
@@ -28,6 +30,7 @@ from bench.cluster.goodput_results import (
     save_seconds,
 )
 from bench.cluster.harness import RunFiles
+from bench.cluster.ledger_figures import adds_up
 
 
 def log_line(t: float, message: str) -> str:
@@ -35,26 +38,39 @@ def log_line(t: float, message: str) -> str:
     return f"{stamp} [rank 0 node1 local 0] INFO relaytrain.checkpoint: {message}"
 
 
-def test_goodput_and_the_split_of_one_preemption(tmp_path):
+def test_goodput_and_the_split_of_one_preemption(tmp_path, monkeypatch):
     t0 = 1_000_000.0
-    rows = [{"kind": "event", "event": "start", "step": 0, "time": t0}]
-    rows += [{"kind": "train", "step": s, "time": t0 + s, "time_step_s": 0.5, "restart": 0}
-             for s in range(1, 7)]  # fmt: skip
-    rows += [{"kind": "event", "event": "stop", "step": 6, "time": t0 + 6.6}]  # logged after the save
-    rows += [{"kind": "event", "event": "resume", "step": 4, "time": t0 + 30}]
-    rows += [{"kind": "train", "step": s, "time": t0 + 27 + s, "time_step_s": 0.5, "restart": 1}
+    first, second = {"job_id": "5", "restart": 0}, {"job_id": "5", "restart": 1}
+    rows = [{"kind": "event", "event": "start", "step": 0, "time": t0, **first}]
+    rows += [{"kind": "train", "step": s, "time": t0 + s, "time_step_s": 0.5, **first} for s in range(1, 7)]
+    rows += [{"kind": "event", "event": "stop", "step": 6, "time": t0 + 6.6, **first}]  # after the save
+    rows += [{"kind": "event", "event": "resume", "step": 4, "time": t0 + 30, **second}]
+    rows += [{"kind": "train", "step": s, "time": t0 + 27 + s, "time_step_s": 0.5, **second}
              for s in range(5, 11)]  # fmt: skip
+    # the trainer's ledger windows: 0.6 s a step (the step's time_step_s, 0.5 s, is not all of it)
+    rows += [{"kind": "ledger", "step": r["step"], "time": r["time"], "job_id": "5", "restart": r["restart"],
+              "window": {"from_step": r["step"], "since": r["time"] - 0.6}, "seconds": {}}
+             for r in rows if r["kind"] == "train"]  # fmt: skip
+    rows.sort(key=lambda r: r["time"])
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     log = "\n".join([
         log_line(t0 + 6.5, "checkpoint step 6 (preemption) committed: /x/s6 (write 0.50s, blocking 0.50s)"),
         log_line(t0 + 29, "resuming from /x/step_6 (step 6): latest"),
     ])  # fmt: skip
+    runs = [(t0 - 1, t0 + 9), (t0 + 20, t0 + 40)]
+    sacct = [JobRun("5", i, start, end, running=False) for i, (start, end) in enumerate(runs)]
+    monkeypatch.setattr("relaytrain.monitor.run_ledger.job_runs", lambda jobs: sacct)  # what sacct answers
     result = RunResult("preempt-60s", "preempted")
-    analyse(result, RunFiles(tmp_path), [(t0 - 1, t0 + 9), (t0 + 20, t0 + 40)], log)
+    analyse(result, RunFiles(tmp_path), runs, log)
 
     assert (result.steps, result.replayed, result.interruptions) == (10, 2, 1)
-    assert result.productive_s == pytest.approx(5.0) and result.allocated_s == pytest.approx(30.0)
-    assert result.goodput == pytest.approx(5.0 / 30.0)
+    # from the ledger: steps 1-10 once at 0.6 s (steps 5 and 6 run twice: replayed), sacct's 30 s
+    assert result.productive_s == pytest.approx(6.0) and result.allocated_s == pytest.approx(30.0)
+    assert result.goodput == pytest.approx(6.0 / 30.0)
+    ledger = result.ledger
+    assert ledger["buckets"]["replayed"] == pytest.approx(1.2) and ledger["goodput"] == pytest.approx(0.2)
+    assert (ledger["allocations"], ledger["sacct_s"], ledger["vs_sacct"]) == (2, 30.0, 0.0)
+    assert sum(ledger["buckets"].values()) == pytest.approx(30.0)
     (s2e,) = result.signal_to_exit
     assert s2e == pytest.approx({"total": 3.0, "save": 0.6, "exit": 2.4, "write": 0.5})
     (r2s,) = result.requeue_to_step
@@ -212,6 +228,10 @@ def test_quick_goodput_run_on_the_local_cluster(slurm_cluster, tmp_path, capsys)
     assert preempted.replayed <= preempted.interruptions  # at most 1 step lost per interruption
     assert len(preempted.signal_to_exit) == preempted.interruptions
     assert 0 < preempted.goodput <= 1
+    # the figures are the run's time ledger's, and it adds up to sacct's elapsed time of the job's runs
+    ledger = preempted.ledger
+    assert preempted.goodput == pytest.approx(ledger["goodput"], abs=1e-4), ledger
+    assert ledger["allocations"] >= preempted.interruptions + 1 and adds_up(ledger), ledger
 
 
 def test_a_crash_costs_a_restore_and_a_step_with_snapshots_against_a_load_and_half_an_interval():
