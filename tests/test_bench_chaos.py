@@ -319,6 +319,10 @@ def test_a_trial_counts_only_when_verify_passes_and_the_ledger_adds_up_to_sacct(
     assert not SpecialTrial(0, "hang", evidence=LANDED, verify_exit=1, ledger=within, **DONE).ok
     # kept before the benchmark ran verify: judged as it was then
     assert Trial(0, "mid_step", "usr2", evidence=LANDED, **DONE).ok
+    page = render([trial, replace(trial, index=1, ledger={**within, "vs_sacct": 0.02})])
+    assert "in **1 of 2** trials (column `verify exit; ledger − sacct; unaccounted`)" in page
+    assert "| 0; -0.4%; 0.2% |" in page and "| **0; +2.0%; 0.2%** |" in page
+    assert "ledger" not in render([Trial(0, "mid_step", "usr2", evidence=LANDED, **DONE)])
 
 
 @pytest.mark.slurm

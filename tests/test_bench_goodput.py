@@ -158,6 +158,13 @@ def test_the_section_names_each_measuring_command_once_and_keeps_notes_separate(
         assert section.count(note) == 1 and f"\n\n{note}\n" in section
     assert section.index("| uninterrupted |") < section.index("| time-limit |") < section.index(notes[0])
     assert "| finished |" in section and "| the run did not finish |" in section
+    assert "time ledger" not in section  # results kept before the benchmark read the ledger
+    figures = {"allocated_s": 30.0, "goodput": 0.2, "vs_sacct": 0.0,
+               "buckets": {"productive": 6.0, "startup": 20.0, "eval": 0.0, "unaccounted": 4.0}}  # fmt: skip
+    preempt.runs[0].ledger = figures
+    section = render(merge_results([preempt, limit]), {"cpu": "CPU", "cores": 2}, notes)
+    assert "| run | allocated s | productive | startup | unaccounted | goodput | ledger − sacct |" in section
+    assert "| uninterrupted | 30.0 | 6.0 | 20.0 | 4.0 | 20.0% | +0.0% |" in section
 
 
 def test_page_from_merges_several_files_and_writes_only_the_goodput_section(tmp_path, monkeypatch):

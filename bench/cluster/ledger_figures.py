@@ -11,6 +11,8 @@ from typing import Any
 
 from relaytrain.monitor.run_ledger import RunTime
 
+from bench.report import table
+
 WITHIN = 0.01  # the issue's bound: the buckets add up to sacct's elapsed, and at most this unaccounted
 
 
@@ -47,3 +49,54 @@ def time_adds_up(trial: Any) -> bool | None:
     if trial.verify_exit is None:
         return None
     return trial.verify_exit == 0 and adds_up(trial.ledger)
+
+
+# -- on the page: only for results that carry the ledger (older kept files render as they did) ----------
+
+
+def ledger_cell(trial: Any) -> str:
+    """A chaos trial's `verify` exit code; the ledger's Slurm allocations against sacct's elapsed time;
+    its unaccounted share."""
+    if trial.verify_exit is None:
+        return "–"
+    figures = trial.ledger
+    vs, unaccounted = figures.get("vs_sacct"), figures.get("unaccounted_share")
+    against = "no sacct" if vs is None else f"{100 * vs:+.1f}%"
+    share = "–" if unaccounted is None else f"{100 * unaccounted:.1f}%"
+    text = f"{trial.verify_exit}; {against}; {share}"
+    return text if time_adds_up(trial) else f"**{text}**"
+
+
+LEDGER_COLUMN = "verify exit; ledger − sacct; unaccounted"
+
+
+def ledger_sentence(trials: list[Any]) -> str:
+    """How many of the trials that recorded it ended with `relaytrain verify` exiting 0 and a ledger
+    that adds up; "" when none recorded it."""
+    measured = [t for t in trials if t.verify_exit is not None]
+    if not measured:
+        return ""
+    held = sum(bool(time_adds_up(t)) for t in measured)
+    return (
+        f" `relaytrain verify RUN` exited 0 and the run's time ledger added up to sacct's elapsed time of "
+        f"its jobs within {WITHIN:.0%}, at most {WITHIN:.0%} unaccounted, in **{held} of {len(measured)}** "
+        f"trials (column `{LEDGER_COLUMN}`)."
+    )
+
+
+def bucket_table(runs: list[tuple[str, dict[str, Any]]]) -> str:
+    """Seconds per ledger bucket of each named run that has a ledger, the buckets no run used left out;
+    "" when none has one."""
+    shown = [(name, figures) for name, figures in runs if figures]
+    if not shown:
+        return ""
+    names = list(shown[0][1]["buckets"])
+    used = [b for b in names if any(f["buckets"].get(b, 0) > 0 for _, f in shown)]
+    header = ["run", "allocated s", *used, "goodput", "ledger − sacct"]
+    rows = [
+        (name, f"{f['allocated_s']:.1f}", *(f"{f['buckets'].get(b, 0.0):.1f}" for b in used),
+         "–" if f.get("goodput") is None else f"{100 * f['goodput']:.1f}%",
+         "–" if f.get("vs_sacct") is None else f"{100 * f['vs_sacct']:+.1f}%")
+        for name, f in shown
+    ]  # fmt: skip
+    return table(header, rows)
