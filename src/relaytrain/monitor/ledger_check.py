@@ -2,8 +2,9 @@
 
 - the buckets, `unaccounted` among them, add up to the allocated time (they do by construction: this is
   the guard on that construction);
-- no two ledger windows of one trainer process claim the same seconds (they meet end to end as the
-  trainer writes them; an overlap would be time counted twice, which the ledger's layout clips silently);
+- ledger windows of one trainer process claim at most `MAX_TWICE` of the allocated time twice (they
+  meet end to end as the trainer writes them, but for the milliseconds each record takes to be written;
+  more would be time counted twice, which the ledger's layout clips silently);
 - at most `MAX_UNACCOUNTED` of the allocated time is time no record covers (allocations still running
   left out: their end is "now", past the last record);
 - where Slurm's accounting answered, the ledger's Slurm allocations add up to sacct's elapsed time of
@@ -26,8 +27,8 @@ from relaytrain.monitor.ledger import Ledger, duration
 SUM_TOLERANCE = 1e-6  # relative: float sums of spans that tile the allocation
 MAX_UNACCOUNTED = 0.01  # of the allocated time
 SACCT_TOLERANCE = 0.01  # relative
-MIN_GAP_S = 0.05  # a gap a violation names
-OVERLAP_TOLERANCE_S = 1e-3  # a window's `since` is written rounded to 0.1 ms
+MIN_GAP_S = 0.05  # a gap or overlap a violation names
+MAX_TWICE = 0.01  # of the allocated time, claimed by two windows
 
 
 @dataclass
@@ -55,7 +56,7 @@ def check_ledger(
     total = sum(buckets.values())
     if abs(total - allocated) > SUM_TOLERANCE * max(allocated, 1.0):
         report.violations.append(f"the buckets add up to {total:.3f} s, the allocations to {allocated:.3f} s")
-    report.violations += overlapping_windows(records)
+    report.violations += overlapping_windows(records, allocated)
     running = {(r.job_id, r.restart) for r in slurm_runs or () if r.running}
     ended = [j for j in ledger.jobs if (j.allocation.job_id, j.allocation.restart) not in running]
     ended_s = sum(j.seconds for j in ended)
@@ -112,11 +113,14 @@ def _against_sacct(
     return "the Slurm allocations do not match sacct"
 
 
-def overlapping_windows(records: Sequence[dict[str, Any]]) -> list[str]:
-    """One line per ledger window that begins before the previous window of its process ended, or ends
-    before it begins. A process: one job step of one job run (or outside Slurm, one start of the
-    trainer); its `start` or `resume` event begins the next."""
+def overlapping_windows(records: Sequence[dict[str, Any]], allocated_s: float) -> list[str]:
+    """A line when the ledger windows that begin before the previous window of their process ended claim
+    more than `MAX_TWICE` of `allocated_s` twice (a window's record is stamped as it is written, just
+    after the next window began: milliseconds a window), and one per window that ends before it begins.
+    A process: one job step of one job run (outside Slurm, one start of the trainer); its `start` or
+    `resume` event begins the next."""
     found: list[str] = []
+    overlaps: list[tuple[float, str]] = []
     last_end: dict[tuple, tuple[float, int]] = {}
     for record in records:
         key = (record.get("job_id"), int(record.get("restart") or 0), int(record.get("step_restart") or 0))
@@ -131,13 +135,19 @@ def overlapping_windows(records: Sequence[dict[str, Any]]) -> list[str]:
             continue
         steps = f"the ledger window of steps {window.get('from_step', step)}-{step}"
         where = f" (job {key[0]})" if key[0] else ""
-        if end < since - OVERLAP_TOLERANCE_S:
+        if end < since:
             found.append(f"{steps}{where} ends {since - end:.3f} s before it begins")
         previous = last_end.get(key)
-        if previous is not None and since < previous[0] - OVERLAP_TOLERANCE_S:
-            found.append(
-                f"{steps}{where} begins {previous[0] - since:.3f} s before the window of step {previous[1]} "
-                "ended: those seconds are counted twice"
-            )
+        if previous is not None and since < previous[0]:
+            overlaps.append((previous[0] - since, f"{steps}{where} begins {previous[0] - since:.3f} s before "
+                                                  f"the window of step {previous[1]} ended"))  # fmt: skip
         last_end[key] = (float(end), step)
+    twice = sum(seconds for seconds, _ in overlaps)
+    if allocated_s > 0 and twice > MAX_TWICE * allocated_s:
+        named = sorted((item for item in overlaps if item[0] >= MIN_GAP_S), key=lambda item: -item[0])
+        largest = "; ".join(line for _, line in named[:3]) or f"each under {MIN_GAP_S} s"
+        found.append(
+            f"{twice:.3f} s ({twice / allocated_s:.1%} of the allocated time) is claimed by two ledger "
+            f"windows, more than {MAX_TWICE:.0%}: {largest}"
+        )
     return found
