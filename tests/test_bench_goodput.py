@@ -77,6 +77,12 @@ def test_goodput_and_the_split_of_one_preemption(tmp_path, monkeypatch):
     assert r2s == pytest.approx({"total": 22.5, "queue": 11.0, "startup": 9.0, "load": 1.0})
 
 
+def test_a_run_that_recorded_nothing_is_an_error_not_a_crash_of_the_benchmark(tmp_path):
+    result = RunResult("crash-in-place-30s", "kill")
+    analyse(result, RunFiles(tmp_path / "never-started"), [], "")
+    assert result.error.startswith("no time ledger: no metrics file at ") and result.ledger == {}
+
+
 def test_the_7b_extrapolation_formula():
     x = Extrapolation(params=7e9, write_gbps=2.0, startup_s=60, exit_s=5, step_s=10, lost_steps=1)
     assert x.save_s == pytest.approx(42.0)  # 7e9 x 12 B / 2 GB/s

@@ -80,7 +80,11 @@ def log_times(text: str, what: str) -> list[float]:
 def analyse(result: RunResult, run: RunFiles, runs: list[tuple[float, float]], log_text: str) -> None:
     """Fill `result` from the run's time ledger (productive and allocated seconds, as `relaytrain status`
     gives them), its metrics.jsonl, its job log and sacct's per-run Start/End (the other figures)."""
-    measured = run.time_ledger()
+    try:
+        measured = run.time_ledger()
+    except RuntimeError as err:  # the run recorded nothing: no figure to take
+        result.error = result.error or str(err)[:300]
+        return
     result.productive_s = measured.ledger.buckets["productive"]
     result.allocated_s = measured.ledger.allocated_s
     result.ledger = ledger_figures(measured)
