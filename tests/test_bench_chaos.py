@@ -7,6 +7,7 @@ Like every `slurm` test the quick run goes under `flock /tmp/relaytrain-slurm.lo
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -297,10 +298,31 @@ def test_a_finished_trial_is_checked_against_the_reference_run(tmp_path):
     bench.check(trial, run)
     assert trial.bit_exact and trial.steps_replayed == 1
 
+    # `relaytrain verify` ran on the run (no config.toml here: exit 2, its line kept) and its ledger was read
+    assert trial.verify_exit == 2 and "has no config.toml" in trial.verify[-1], trial.verify
+    assert trial.ledger["allocations"] == 1 and trial.ledger["sacct_s"] == 0
+
     rows[2] = {"kind": "train", "step": 2, "loss": 2.0000001}  # the replayed step came out different
     write_metrics(run.path, rows)
     bench.check(trial, run)
     assert not trial.bit_exact
+
+
+def test_a_trial_counts_only_when_verify_passes_and_the_ledger_adds_up_to_sacct():
+    within = {"vs_sacct": -0.004, "unaccounted_share": 0.002}
+    trial = Trial(0, "mid_step", "usr2", evidence=LANDED, verify_exit=0, ledger=within, **DONE)
+    assert trial.ok
+    assert not replace(trial, verify_exit=1).ok
+    assert not replace(trial, ledger={**within, "vs_sacct": 0.02}).ok  # 2 % off sacct's elapsed
+    assert not replace(trial, ledger={**within, "unaccounted_share": 0.015}).ok
+    assert not replace(trial, ledger={**within, "vs_sacct": None}).ok  # sacct did not answer
+    assert not SpecialTrial(0, "hang", evidence=LANDED, verify_exit=1, ledger=within, **DONE).ok
+    # kept before the benchmark ran verify: judged as it was then
+    assert Trial(0, "mid_step", "usr2", evidence=LANDED, **DONE).ok
+    page = render([trial, replace(trial, index=1, ledger={**within, "vs_sacct": 0.02})])
+    assert "in **1 of 2** trials (column `verify exit; ledger − sacct; unaccounted`)" in page
+    assert "| 0; -0.4%; 0.2% |" in page and "| **0; +2.0%; 0.2%** |" in page
+    assert "ledger" not in render([Trial(0, "mid_step", "usr2", evidence=LANDED, **DONE)])
 
 
 @pytest.mark.slurm
@@ -318,6 +340,11 @@ def test_quick_chaos_run_loses_no_work(slurm_cluster, tmp_path, capsys):
     assert any(e.startswith("stop events: ") for e in usr2["evidence"]), usr2
     assert kill["hit"] and all(h.endswith(": gone") for h in kill["hit"]), kill
     assert any(e.startswith("crashes.jsonl: ") for e in kill["evidence"]), kill
+    for r in results:  # `relaytrain verify RUN` exits 0, and the ledger adds up to sacct's elapsed time
+        ledger = r["ledger"]
+        assert r["verify_exit"] == 0, r["verify"]
+        assert abs(sum(ledger["buckets"].values()) - ledger["sacct_s"]) <= 0.01 * ledger["sacct_s"], ledger
+        assert ledger["unaccounted_share"] <= 0.01, ledger
 
 
 def test_the_peer_trials_kill_past_the_first_checkpoint_and_wipe_through_the_store(tmp_path, capsys):

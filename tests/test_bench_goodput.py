@@ -8,6 +8,8 @@ from datetime import datetime
 
 import pytest
 
+from relaytrain.job.allocations import JobRun
+
 from bench import kept
 from bench.cluster import goodput
 from bench.cluster.goodput_crash_extrapolation import SNAPSHOT_RUNS, CrashExtrapolation
@@ -28,6 +30,7 @@ from bench.cluster.goodput_results import (
     save_seconds,
 )
 from bench.cluster.harness import RunFiles
+from bench.cluster.ledger_figures import adds_up
 
 
 def log_line(t: float, message: str) -> str:
@@ -35,30 +38,49 @@ def log_line(t: float, message: str) -> str:
     return f"{stamp} [rank 0 node1 local 0] INFO relaytrain.checkpoint: {message}"
 
 
-def test_goodput_and_the_split_of_one_preemption(tmp_path):
+def test_goodput_and_the_split_of_one_preemption(tmp_path, monkeypatch):
     t0 = 1_000_000.0
-    rows = [{"kind": "event", "event": "start", "step": 0, "time": t0}]
-    rows += [{"kind": "train", "step": s, "time": t0 + s, "time_step_s": 0.5, "restart": 0}
-             for s in range(1, 7)]  # fmt: skip
-    rows += [{"kind": "event", "event": "stop", "step": 6, "time": t0 + 6.6}]  # logged after the save
-    rows += [{"kind": "event", "event": "resume", "step": 4, "time": t0 + 30}]
-    rows += [{"kind": "train", "step": s, "time": t0 + 27 + s, "time_step_s": 0.5, "restart": 1}
+    first, second = {"job_id": "5", "restart": 0}, {"job_id": "5", "restart": 1}
+    rows = [{"kind": "event", "event": "start", "step": 0, "time": t0, **first}]
+    rows += [{"kind": "train", "step": s, "time": t0 + s, "time_step_s": 0.5, **first} for s in range(1, 7)]
+    rows += [{"kind": "event", "event": "stop", "step": 6, "time": t0 + 6.6, **first}]  # after the save
+    rows += [{"kind": "event", "event": "resume", "step": 4, "time": t0 + 30, **second}]
+    rows += [{"kind": "train", "step": s, "time": t0 + 27 + s, "time_step_s": 0.5, **second}
              for s in range(5, 11)]  # fmt: skip
+    # the trainer's ledger windows: 0.6 s a step (the step's time_step_s, 0.5 s, is not all of it)
+    rows += [{"kind": "ledger", "step": r["step"], "time": r["time"], "job_id": "5", "restart": r["restart"],
+              "window": {"from_step": r["step"], "since": r["time"] - 0.6}, "seconds": {}}
+             for r in rows if r["kind"] == "train"]  # fmt: skip
+    rows.sort(key=lambda r: r["time"])
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     log = "\n".join([
         log_line(t0 + 6.5, "checkpoint step 6 (preemption) committed: /x/s6 (write 0.50s, blocking 0.50s)"),
         log_line(t0 + 29, "resuming from /x/step_6 (step 6): latest"),
     ])  # fmt: skip
+    runs = [(t0 - 1, t0 + 9), (t0 + 20, t0 + 40)]
+    sacct = [JobRun("5", i, start, end, running=False) for i, (start, end) in enumerate(runs)]
+    monkeypatch.setattr("relaytrain.monitor.run_ledger.job_runs", lambda jobs: sacct)  # what sacct answers
     result = RunResult("preempt-60s", "preempted")
-    analyse(result, RunFiles(tmp_path), [(t0 - 1, t0 + 9), (t0 + 20, t0 + 40)], log)
+    analyse(result, RunFiles(tmp_path), runs, log)
 
     assert (result.steps, result.replayed, result.interruptions) == (10, 2, 1)
-    assert result.productive_s == pytest.approx(5.0) and result.allocated_s == pytest.approx(30.0)
-    assert result.goodput == pytest.approx(5.0 / 30.0)
+    # from the ledger: steps 1-10 once at 0.6 s (steps 5 and 6 run twice: replayed), sacct's 30 s
+    assert result.productive_s == pytest.approx(6.0) and result.allocated_s == pytest.approx(30.0)
+    assert result.goodput == pytest.approx(6.0 / 30.0)
+    ledger = result.ledger
+    assert ledger["buckets"]["replayed"] == pytest.approx(1.2) and ledger["goodput"] == pytest.approx(0.2)
+    assert (ledger["allocations"], ledger["sacct_s"], ledger["vs_sacct"]) == (2, 30.0, 0.0)
+    assert sum(ledger["buckets"].values()) == pytest.approx(30.0)
     (s2e,) = result.signal_to_exit
     assert s2e == pytest.approx({"total": 3.0, "save": 0.6, "exit": 2.4, "write": 0.5})
     (r2s,) = result.requeue_to_step
     assert r2s == pytest.approx({"total": 22.5, "queue": 11.0, "startup": 9.0, "load": 1.0})
+
+
+def test_a_run_that_recorded_nothing_is_an_error_not_a_crash_of_the_benchmark(tmp_path):
+    result = RunResult("crash-in-place-30s", "kill")
+    analyse(result, RunFiles(tmp_path / "never-started"), [], "")
+    assert result.error.startswith("no time ledger: no metrics file at ") and result.ledger == {}
 
 
 def test_the_7b_extrapolation_formula():
@@ -142,6 +164,13 @@ def test_the_section_names_each_measuring_command_once_and_keeps_notes_separate(
         assert section.count(note) == 1 and f"\n\n{note}\n" in section
     assert section.index("| uninterrupted |") < section.index("| time-limit |") < section.index(notes[0])
     assert "| finished |" in section and "| the run did not finish |" in section
+    assert "time ledger" not in section  # results kept before the benchmark read the ledger
+    figures = {"allocated_s": 30.0, "goodput": 0.2, "vs_sacct": 0.0,
+               "buckets": {"productive": 6.0, "startup": 20.0, "eval": 0.0, "unaccounted": 4.0}}  # fmt: skip
+    preempt.runs[0].ledger = figures
+    section = render(merge_results([preempt, limit]), {"cpu": "CPU", "cores": 2}, notes)
+    assert "| run | allocated s | productive | startup | unaccounted | goodput | ledger − sacct |" in section
+    assert "| uninterrupted | 30.0 | 6.0 | 20.0 | 4.0 | 20.0% | +0.0% |" in section
 
 
 def test_page_from_merges_several_files_and_writes_only_the_goodput_section(tmp_path, monkeypatch):
@@ -212,6 +241,10 @@ def test_quick_goodput_run_on_the_local_cluster(slurm_cluster, tmp_path, capsys)
     assert preempted.replayed <= preempted.interruptions  # at most 1 step lost per interruption
     assert len(preempted.signal_to_exit) == preempted.interruptions
     assert 0 < preempted.goodput <= 1
+    # the figures are the run's time ledger's, and it adds up to sacct's elapsed time of the job's runs
+    ledger = preempted.ledger
+    assert preempted.goodput == pytest.approx(ledger["goodput"], abs=1e-4), ledger
+    assert ledger["allocations"] >= preempted.interruptions + 1 and adds_up(ledger), ledger
 
 
 def test_a_crash_costs_a_restore_and_a_step_with_snapshots_against_a_load_and_half_an_interval():

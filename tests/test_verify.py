@@ -1,7 +1,10 @@
-"""`relaytrain verify RUN`: every sample of a run consumed exactly once in order, its checkpoints intact.
+"""`relaytrain verify RUN`: every sample of a run consumed exactly once in order, its checkpoints intact,
+its time ledger adding up.
 
 One real run (stopped at step 3, resumed to step 6) is verified as it is and after tampering with a copy:
-a skipped sample, a repeated sample, a damaged checkpoint file. The lineage rule (which of several
+a skipped sample, a repeated sample, a damaged checkpoint file, a ledger window deleted or moved back
+over the one before it. The ledger against Slurm's elapsed time is checked on records written here
+(the Slurm runs: tests/test_bench_chaos.py). The lineage rule (which of several
 attempts' records of a replayed step count) is tested on records written by `SampleRecorder` directly.
 """
 
@@ -19,6 +22,9 @@ from relaytrain.cli import main
 from relaytrain.data.consumption import CHAIN_START, Consumed, SampleRecorder, chain_next, range_digest
 from relaytrain.data.sample_check import check_samples
 from relaytrain.job import RunDir
+from relaytrain.job.allocations import JobRun
+from relaytrain.monitor.ledger_check import check_ledger
+from relaytrain.monitor.ledger_spans import build_ledger
 
 
 @pytest.fixture
@@ -56,6 +62,7 @@ def test_a_stopped_and_resumed_run_verifies(stopped_and_resumed):
     assert out[0].startswith("samples: steps 1-6: global samples [0, 48) each consumed once, in the order")
     assert "(2 segment(s) in the lineage" in out[0]
     assert out[1].startswith("checkpoints: ") and "latest -> step_6" in out[1]
+    assert out[2].startswith("ledger: ") and "in 2 allocations, the buckets add up, unaccounted" in out[2]
     assert out[-1].endswith(": OK")
 
 
@@ -100,6 +107,101 @@ def test_latest_naming_an_uncommitted_checkpoint_fails(stopped_and_resumed, tmp_
     code, out, _ = verify(run)
     assert code == 1
     assert out == ["checkpoints: latest points to step_6, which is not a committed checkpoint"]
+
+
+def edit_metrics(run: Path, change) -> None:
+    """metrics.jsonl with each record passed through `change` (None drops it)."""
+    path = run / "metrics.jsonl"
+    records = [change(json.loads(line)) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records if r is not None))
+
+
+def test_a_deleted_record_leaves_its_time_unaccounted_and_fails(stopped_and_resumed, tmp_path):
+    run = copy(stopped_and_resumed, tmp_path)
+    # without the resume event, nothing records the second process's start-up and restore (seconds,
+    # where the tiny run's steps take milliseconds)
+    edit_metrics(run, lambda r: None if r.get("event") == "resume" else r)
+    code, out, _ = verify(run)
+    assert code == 1
+    (line,) = out
+    assert line.startswith("ledger: ") and "is unaccounted (no record covers it), more than 1%" in line
+    assert "; largest gaps: process at +" in line
+
+
+def test_a_ledger_window_moved_back_over_the_one_before_fails(stopped_and_resumed, tmp_path):
+    run = copy(stopped_and_resumed, tmp_path)
+
+    def earlier(r: dict) -> dict:
+        if r["kind"] == "ledger" and r["step"] == 3:
+            r["window"]["since"] -= 0.5
+        return r
+
+    edit_metrics(run, earlier)
+    code, out, _ = verify(run)
+    assert code == 1
+    (line,) = out
+    assert line.startswith("ledger: 0.500 s (") and line.endswith(
+        " of the allocated time) is claimed by two ledger windows, more than 1%: the ledger window of "
+        "steps 3-3 begins 0.500 s before the window of step 2 ended"
+    )
+
+
+def test_a_run_without_ledger_windows_is_not_checked_and_says_so(stopped_and_resumed, tmp_path):
+    run = copy(stopped_and_resumed, tmp_path)
+    edit_metrics(run, lambda r: None if r["kind"] == "ledger" else r)  # as written before the ledger
+    code, out, _ = verify(run)
+    assert code == 0, out
+    assert (
+        "ledger: no ledger windows in the run's records (written before the time ledger): not checked" in out
+    )
+
+
+def slurm_job(job: str, start: float, steps: int) -> list[dict]:
+    """One job run's records as the driver and a trainer write them: a second a step."""
+    base = {"job_id": job, "restart": 0, "step_restart": 0}
+    rows = [{"kind": "job", "event": "job_start", "step": 0, "time": start + 1},
+            {"kind": "job", "event": "step_start", "step": 0, "time": start + 2},
+            {"kind": "event", "event": "start", "step": 0, "time": start + 5, "process_start": start + 3,
+             "restore_start": start + 5, "restored_from": ""}]  # fmt: skip
+    rows += [{"kind": "ledger", "step": s, "time": start + 5 + s, "seconds": {},
+              "window": {"from_step": s, "since": start + 4 + s}} for s in range(1, steps + 1)]  # fmt: skip
+    end = start + 5 + steps
+    rows += [{"kind": "event", "event": "finished", "step": steps, "time": end + 0.5},
+             {"kind": "job", "event": "step_end", "step": steps, "time": end + 1, "exit_code": 0},
+             {"kind": "job", "event": "job_end", "step": steps, "time": end + 1.5}]  # fmt: skip
+    return [{**base, **row} for row in rows]
+
+
+def test_the_slurm_allocations_must_add_up_to_saccts_elapsed_time():
+    records = slurm_job("7", 1000.0, 20)
+    run = JobRun("7", 0, 1000.0, 1027.0, running=False)
+    report = check_ledger(build_ledger(records, [ledger_run(run)]), records, [run])
+    assert report.violations == []
+    assert "the Slurm allocations match sacct's elapsed time of 1 job run(s) (27.0s)" in report.summary()
+    # a requeue Slurm ran that recorded nothing: the ledger lacks its 40 s
+    requeue = JobRun("7", 1, 1040.0, 1080.0, running=False)
+    report = check_ledger(build_ledger(records, [ledger_run(run)]), records, [run, requeue])
+    assert report.violations == [
+        "the ledger's Slurm allocations add up to 27.0 s, sacct's elapsed time of the jobs' 2 run(s) to "
+        "67.0 s (59.7% apart, more than 1%); sacct's runs the ledger lacks: job 7 run 1 (40.0 s)"
+    ]
+    assert "Slurm's accounting did not answer" in check_ledger(build_ledger(records), records, None).summary()
+
+
+def test_a_running_allocations_tail_past_its_last_record_is_not_unaccounted_yet():
+    # the trainer's records alone (the driver's would put a job's tail in a bucket), still training
+    records = [r for r in slurm_job("8", 1000.0, 20) if r["kind"] != "job"][:-1]
+    running = JobRun("8", 0, 1000.0, 1100.0, running=True)  # sacct: not ended, `end` is now
+    assert check_ledger(build_ledger(records, [ledger_run(running)]), records, [running]).violations == []
+    ended = running._replace(running=False)
+    (line,) = check_ledger(build_ledger(records, [ledger_run(ended)]), records, [ended]).violations
+    assert "is unaccounted (no record covers it)" in line and "job 8 at +25.0 s for 75.0 s" in line
+
+
+def ledger_run(run: JobRun):
+    from relaytrain.monitor.ledger import Allocation
+
+    return Allocation(run.job_id, run.restart, run.start, run.end, "sacct")
 
 
 def test_a_missing_run_or_damaged_records_are_one_line_and_exit_2(stopped_and_resumed, tmp_path):

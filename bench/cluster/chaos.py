@@ -19,7 +19,10 @@ the same config: every logged loss bit-identical, the set of steps the same (rep
 `checkpoints/latest` naming a complete checkpoint, no files beyond the documented set, the last
 `run_state.json` saying `finished`, and evidence that the fault landed (chaos_run.fault_evidence: a
 crashes.jsonl line, a stop or resume event, a requeue or resubmission, the killed process gone): a trial
-whose fault reached nothing proves nothing and does not count.
+whose fault reached nothing proves nothing and does not count. Each finished run must also pass
+`relaytrain verify RUN` (exit 0), and its time ledger add up to sacct's elapsed time of its jobs within
+1 %, at most 1 % unaccounted (bench/cluster/ledger_figures.py); each trial keeps both (`verify_exit`,
+`ledger`: the ledger's seconds per bucket).
 
 The benchmark holds /tmp/relaytrain-slurm.lock (the cluster is shared) for chunks of `--chunk` trials.
 The random trials are in chaos_run.py, the targeted ones in chaos_kinds.py, the page in chaos_page.py.

@@ -21,6 +21,8 @@ from typing import Any
 
 from relaytrain.resilience.crash import RESTARTED
 
+from bench.cluster.ledger_figures import time_adds_up
+
 DETECTED = "hang detected:"
 MISMATCH = "Is there a distributed collective mismatch"  # gloo's error when a rank skipped a collective
 STAMP = re.compile(r"^\[[^\]]*\]\s*")  # `[relaytrain 2026-11-27T03:07:48] ` in front of a line
@@ -67,6 +69,9 @@ class HangTrial:
     error: str = ""
     hit: list[str] = field(default_factory=list)  # what the bench's own fault reached (the SIGSTOP)
     evidence: list[str] = field(default_factory=list)  # what shows the fault landed (or the clean run's load)
+    verify_exit: int | None = None  # as chaos_run.Trial's
+    verify: list[str] = field(default_factory=list)
+    ledger: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -77,6 +82,7 @@ class HangTrial:
             and self.latest_complete
             and not self.leftovers
             and self.final_status == "finished"
+            and time_adds_up(self) is not False
             and all(self.checks.values())
         )
 

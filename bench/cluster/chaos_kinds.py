@@ -40,6 +40,7 @@ import faults
 from bench.cluster.chaos_run import INTERVAL, STEPS, Bench, kill_pids, kill_ranks
 from bench.cluster.chaos_snapshots import SnapshotTrials
 from bench.cluster.harness import RunFiles, rank_pids, tree_bytes, wait
+from bench.cluster.ledger_figures import time_adds_up
 
 SPECIAL_KINDS = (
     "time_limit_cap",
@@ -82,6 +83,9 @@ class SpecialTrial:
     seed: str = ""  # the run it came from, set when several runs' results are merged for the page
     hit: list[str] = field(default_factory=list)  # what the trial's fault reached (chaos_run.kill_pids)
     evidence: list[str] = field(default_factory=list)  # what shows that it landed (chaos_run.fault_evidence)
+    verify_exit: int | None = None  # as chaos_run.Trial's
+    verify: list[str] = field(default_factory=list)
+    ledger: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -92,6 +96,7 @@ class SpecialTrial:
             and not self.leftovers
             and self.final_status == "finished"
             and all(self.checks.values())
+            and time_adds_up(self) is not False
         )
 
 

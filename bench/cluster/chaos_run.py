@@ -26,6 +26,7 @@ from bench.cluster.harness import (
     wait_job_end,
     write_config,
 )
+from bench.cluster.ledger_figures import ledger_figures, time_adds_up
 
 STEPS = 40
 INTERVAL = 10
@@ -59,6 +60,9 @@ class Trial:
     error: str = ""
     hit: list[str] = field(default_factory=list)  # what each fire() reached: the pids it signalled, ...
     evidence: list[str] = field(default_factory=list)  # what shows that the fault landed (fault_evidence)
+    verify_exit: int | None = None  # `relaytrain verify RUN`'s (None: results kept before it was run)
+    verify: list[str] = field(default_factory=list)  # its output when it did not exit 0
+    ledger: dict = field(default_factory=dict)  # the run's time ledger (ledger_figures)
 
     @property
     def ok(self) -> bool:
@@ -69,6 +73,7 @@ class Trial:
             and self.latest_complete
             and not self.leftovers
             and self.final_status == "finished"
+            and time_adds_up(self) is not False
         )
 
 
@@ -307,3 +312,6 @@ class Bench:
         trial.latest_complete = run.latest_complete()
         trial.leftovers = run.leftovers(ALLOWED)
         trial.evidence = fault_evidence(trial, run)
+        code, lines = run.verify()
+        trial.verify_exit, trial.verify = code, lines[-12:] if code else []
+        trial.ledger = ledger_figures(run.time_ledger())

@@ -17,8 +17,10 @@ On the local Slurm cluster (`relaytrain cluster up`) a tiny 2-rank run (steps sl
 run lasts minutes) runs uninterrupted, preempted every T seconds (a job on the `high` partition takes its
 node; PreemptMode=REQUEUE), and cut by `--time=1` limits (USR2 30 s ahead; see TIME_LIMIT). Per run:
 
-* goodput = productive step time / allocated time. Productive: the step times (`time_step_s`) of the steps
-  that count (a replayed step counts once); allocated: the sum of each job run's Start..End (sacct -c).
+* goodput = productive time / allocated time, both the run's time ledger's (`relaytrain status RUN
+  --json`): productive its `productive` bucket (each step's time counted once, a replayed step's in
+  `replayed`), allocated the sum of each job run's Start..End from sacct. The ledger's seconds per bucket
+  are kept per run (`ledger`) and shown under the table.
 * steps lost per interruption: the replayed steps (train records beyond one per step) / interruptions.
 * signal -> exit: the first step boundary after the signal (the stop step's train record) to the run's End
   (sacct: whole seconds), split into the save (up to the `stop` event, which the trainer logs after its

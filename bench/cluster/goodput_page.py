@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from bench.cluster.goodput_results import ResultsFile, RunResult
+from bench.cluster.ledger_figures import bucket_table
 from bench.report import code, fmt, pct, table
 
 STEP_DELAY_S = 0.5  # each step of a goodput run is slowed to this, so that a run lasts minutes
@@ -76,5 +77,19 @@ def render(sources: list[tuple[ResultsFile, list[RunResult]]], info: dict, notes
         " `import torch` on 2 shared cores; the saves and loads are of a 2 MB checkpoint. Goodput on this"
         " page is therefore a lower bound driven by fixed local costs over minute-long intervals; the "
         "extrapolation below replaces them.\n"
+        + ledger_part(runs)
         + "".join(f"\n{note}\n" for note in notes)
     )  # fmt: skip
+
+
+def ledger_part(runs: list[RunResult]) -> str:
+    """Where each run's allocated time went, from the runs' time ledgers (results kept before the
+    benchmark read the ledger have none, and their section shows no such table)."""
+    buckets = bucket_table([(r.name, r.ledger) for r in runs])
+    if not buckets:
+        return ""
+    return (
+        "\nWhere the allocated time went: each run's time ledger (`relaytrain status RUN --json`), whose "
+        "productive and allocated seconds are the table's above; seconds per bucket, and the ledger's "
+        "Slurm allocations against sacct's elapsed time of the job's runs.\n\n" + buckets
+    )

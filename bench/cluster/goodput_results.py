@@ -1,6 +1,6 @@
-"""The goodput benchmark's measurements: one run's figures from its metrics, job log and sacct's job
-runs (`analyse`), and the results files each invocation saves (`python -m bench.goodput --page-from`
-reads them back). What each figure means: bench/cluster/goodput.py."""
+"""The goodput benchmark's measurements: one run's figures from its time ledger, metrics, job log and
+sacct's job runs (`analyse`), and the results files each invocation saves (`python -m bench.goodput
+--page-from` reads them back). What each figure means: bench/cluster/goodput.py."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.cluster.harness import RunFiles
+from bench.cluster.ledger_figures import ledger_figures
 
 
 @dataclass
@@ -31,6 +32,7 @@ class RunResult:
     job_runs: list[list[float]] = field(default_factory=list)  # sacct Start, End of each job run
     final: str = ""  # run_state.json at the end: status (reason) at step N
     error: str = ""
+    ledger: dict = field(default_factory=dict)  # the run's time ledger (ledger_figures); none in old files
 
     @property
     def goodput(self) -> float:
@@ -76,14 +78,21 @@ def log_times(text: str, what: str) -> list[float]:
 
 
 def analyse(result: RunResult, run: RunFiles, runs: list[tuple[float, float]], log_text: str) -> None:
-    """Fill `result` from the run's metrics.jsonl, its job log and sacct's per-run Start/End."""
+    """Fill `result` from the run's time ledger (productive and allocated seconds, as `relaytrain status`
+    gives them), its metrics.jsonl, its job log and sacct's per-run Start/End (the other figures)."""
+    try:
+        measured = run.time_ledger()
+    except RuntimeError as err:  # the run recorded nothing: no figure to take
+        result.error = result.error or str(err)[:300]
+        return
+    result.productive_s = measured.ledger.buckets["productive"]
+    result.allocated_s = measured.ledger.allocated_s
+    result.ledger = ledger_figures(measured)
     train = run.records("train")  # every record, a replayed step's too
     history = run.history()  # one train record per step, the last one logged
     events = history.events
     result.steps = len(history.train)
     result.replayed = len(train) - len(history.train)
-    result.productive_s = sum(r["time_step_s"] for r in history.train)
-    result.allocated_s = sum(end - start for start, end in runs)
     result.wall_s = runs[-1][1] - runs[0][0] if runs else 0.0
     result.job_runs = [[start, end] for start, end in runs]
     stops = [e for e in events if e.get("event") == "stop"]

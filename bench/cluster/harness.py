@@ -3,8 +3,9 @@
 The local Slurm cluster and its lock, the tiny trial config, launching a run with `relaytrain launch`,
 waiting for jobs and rank processes, preempting a node, and `RunFiles`: the one place that reads a run
 directory's files, at the paths relaytrain's `RunDir` names, each through the relaytrain module that
-owns it (metrics through `relaytrain.monitor.history`, run_state.json through `RunStateFile`,
-crashes.jsonl through `CrashLog`, checkpoints through `relaytrain.checkpoint.files`).
+owns it (metrics through `relaytrain.monitor.history`, the time ledger through
+`relaytrain.monitor.run_ledger`, run_state.json through `RunStateFile`, crashes.jsonl through `CrashLog`,
+checkpoints through `relaytrain.checkpoint.files`), and the run checked by `relaytrain verify`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from relaytrain.checkpoint import files as checkpoint_files
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
 from relaytrain.monitor.history import History, build_history, read_records
+from relaytrain.monitor.run_ledger import RunTime, run_time
 from relaytrain.resilience.crash import CrashLog
 from relaytrain.resilience.run_state import RunStateFile
 
@@ -264,6 +266,20 @@ class RunFiles:
     def history(self) -> History:
         """The run stitched over its jobs: one train record per step (the last one logged), all events."""
         return build_history(self.records())
+
+    def time_ledger(self) -> RunTime:
+        """The run's time ledger, with Slurm's Start..End of its jobs' runs where sacct answers, and what
+        it was built from; RuntimeError (a trial's error) before the first record."""
+        try:
+            return run_time(self.dir)
+        except UserError as err:
+            raise RuntimeError(f"no time ledger: {err}") from None
+
+    def verify(self) -> tuple[int, list[str]]:
+        """`relaytrain verify RUN`'s exit code and its output lines (stdout, then stderr)."""
+        done = subprocess.run([sys.executable, "-m", "relaytrain.cli", "verify", str(self.path)],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        return done.returncode, (done.stdout + done.stderr).splitlines()
 
     def state(self) -> dict[str, Any]:
         """The last run_state.json as its JSON object, {} when there is none yet (or it is damaged)."""

@@ -3,18 +3,36 @@ runs where accounting can be asked (`relaytrain status`, `report` and `verify` s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from relaytrain.job import RunDir
-from relaytrain.job.allocations import job_runs
+from relaytrain.job.allocations import JobRun, job_runs
 from relaytrain.monitor.history import read_records
 from relaytrain.monitor.ledger import Allocation, Ledger
 from relaytrain.monitor.ledger_spans import build_ledger
 
 
+@dataclass
+class RunTime:
+    """The ledger with what it was built from: the records, and Slurm's runs of the run's jobs (None when
+    accounting was not asked or did not answer; [] when the run has no Slurm job)."""
+
+    ledger: Ledger
+    records: list[dict[str, Any]]
+    slurm_runs: list[JobRun] | None
+
+
+def run_time(run: RunDir, ask_slurm: bool = True) -> RunTime:
+    """`run_ledger` and its inputs (`relaytrain verify` checks the ledger against them)."""
+    records, _skipped = read_records(run.metrics)
+    jobs = sorted({str(r["job_id"]) for r in records if r.get("job_id")})
+    measured = (job_runs(jobs) if ask_slurm else None) if jobs else []
+    allocations = [Allocation(r.job_id, r.restart, r.start, r.end, "sacct") for r in measured or []]
+    return RunTime(build_ledger(records, allocations), records, measured)
+
+
 def run_ledger(run: RunDir, ask_slurm: bool = True) -> Ledger:
     """The ledger of `run` (a UserError when it has no metrics yet). Without Slurm, or with `ask_slurm`
     False, each allocation is bounded by the run's own records of it."""
-    records, _skipped = read_records(run.metrics)
-    jobs = sorted({str(r["job_id"]) for r in records if r.get("job_id")})
-    measured = (job_runs(jobs) or []) if ask_slurm and jobs else []
-    allocations = [Allocation(r.job_id, r.restart, r.start, r.end, "sacct") for r in measured]
-    return build_ledger(records, allocations)
+    return run_time(run, ask_slurm).ledger

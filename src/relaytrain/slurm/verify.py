@@ -6,10 +6,12 @@ summary line:
 - samples: along the run's surviving lineage across all its jobs and restarts, every global sample was
   consumed exactly once, in the order of an uninterrupted run (relaytrain/data/sample_check.py);
 - checkpoints: every committed checkpoint matches its manifest's sizes and checksums, and `latest` names a
-  committed one (relaytrain/checkpoint/integrity.py).
+  committed one (relaytrain/checkpoint/integrity.py);
+- ledger: the run's time ledger adds up: its buckets to the allocated time, no second counted twice, at
+  most 1 % unaccounted, and the Slurm allocations to sacct's elapsed time of the jobs' runs within 1 %
+  (relaytrain/monitor/ledger_check.py).
 
-A further check is one more entry in `CHECKS`. The run's time ledger (where each second of the run went)
-is not recorded yet, so verify does not check it, and says nothing of it.
+A further check is one more entry in `CHECKS`.
 
 Exit 0 when every check holds (one summary line per check), 1 with one line per violation, 2 when the run
 cannot be read (no such run, an unreadable config, damaged records).
@@ -51,9 +53,20 @@ def _checkpoints(run: RunDir, cfg: Config) -> Report:
     return check_checkpoints(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run.checkpoints)
 
 
+def _ledger(run: RunDir, cfg: Config) -> Report:
+    from relaytrain.monitor.ledger_check import LedgerReport, check_ledger
+    from relaytrain.monitor.run_ledger import run_time
+
+    if not run.metrics.is_file():
+        return LedgerReport(notes=[f"no {run.metrics.name}: no time recorded"])
+    measured = run_time(run)
+    return check_ledger(measured.ledger, measured.records, measured.slurm_runs)
+
+
 CHECKS: list[tuple[str, Callable[[RunDir, Config], Report]]] = [
     ("samples", _samples),
     ("checkpoints", _checkpoints),
+    ("ledger", _ledger),
 ]
 
 

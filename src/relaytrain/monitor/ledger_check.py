@@ -1,0 +1,153 @@
+"""What `relaytrain verify` checks of a run's time ledger (monitor/ledger.py): that it adds up.
+
+- the buckets, `unaccounted` among them, add up to the allocated time (they do by construction: this is
+  the guard on that construction);
+- ledger windows of one trainer process claim at most `MAX_TWICE` of the allocated time twice (they
+  meet end to end as the trainer writes them, but for the milliseconds each record takes to be written;
+  more would be time counted twice, which the ledger's layout clips silently);
+- at most `MAX_UNACCOUNTED` of the allocated time is time no record covers (allocations still running
+  left out: their end is "now", past the last record);
+- where Slurm's accounting answered, the ledger's Slurm allocations add up to sacct's elapsed time of
+  every run of the run's jobs within `SACCT_TOLERANCE` (a job run that recorded nothing, or that the
+  records number differently from sacct, is missing from the ledger).
+
+A run whose records hold no `ledger` window (written before the trainer recorded them) is not checked;
+its summary says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from relaytrain.job.allocations import JobRun
+from relaytrain.monitor.ledger import Ledger, duration
+
+SUM_TOLERANCE = 1e-6  # relative: float sums of spans that tile the allocation
+MAX_UNACCOUNTED = 0.01  # of the allocated time
+SACCT_TOLERANCE = 0.01  # relative
+MIN_GAP_S = 0.05  # a gap or overlap a violation names
+MAX_TWICE = 0.01  # of the allocated time, claimed by two windows
+
+
+@dataclass
+class LedgerReport:
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return "; ".join(self.notes)
+
+
+def check_ledger(
+    ledger: Ledger, records: Sequence[dict[str, Any]], slurm_runs: Sequence[JobRun] | None
+) -> LedgerReport:
+    """The violations of `ledger` built from `records` and `slurm_runs` (None: accounting not asked or
+    not answering), and the summary of what was checked."""
+    report = LedgerReport()
+    if not any(r.get("kind") == "ledger" for r in records):
+        report.notes.append(
+            "no ledger windows in the run's records (written before the time ledger): not checked"
+        )
+        return report
+    allocated = ledger.allocated_s
+    buckets = ledger.buckets
+    total = sum(buckets.values())
+    if abs(total - allocated) > SUM_TOLERANCE * max(allocated, 1.0):
+        report.violations.append(f"the buckets add up to {total:.3f} s, the allocations to {allocated:.3f} s")
+    report.violations += overlapping_windows(records, allocated)
+    running = {(r.job_id, r.restart) for r in slurm_runs or () if r.running}
+    ended = [j for j in ledger.jobs if (j.allocation.job_id, j.allocation.restart) not in running]
+    ended_s = sum(j.seconds for j in ended)
+    unaccounted = sum(j.buckets()["unaccounted"] for j in ended)
+    if ended_s > 0 and unaccounted > MAX_UNACCOUNTED * ended_s:
+        gaps = sorted(
+            ((span.seconds, job, span) for job in ended for span in job.spans
+             if span.bucket == "unaccounted" and span.seconds >= MIN_GAP_S),
+            key=lambda item: -item[0],
+        )[:3]  # fmt: skip
+        where = ", ".join(f"{job.label} at +{span.start - job.allocation.start:.1f} s for {secs:.1f} s"
+                          for secs, job, span in gaps)  # fmt: skip
+        report.violations.append(
+            f"{duration(unaccounted)} of {duration(ended_s)} allocated ({unaccounted / ended_s:.1%}) is "
+            f"unaccounted (no record covers it), more than {MAX_UNACCOUNTED:.0%}; largest gaps: {where}"
+        )
+    jobs, lost = len(ledger.jobs), buckets["unaccounted"]
+    report.notes.append(
+        f"{duration(allocated)} allocated in {jobs} allocation{'s' * (jobs != 1)}, the buckets add up, "
+        f"unaccounted {duration(lost)} ({lost / allocated if allocated else 0.0:.1%})"
+    )
+    report.notes.append(_against_sacct(ledger, slurm_runs, report.violations, records))
+    return report
+
+
+def _against_sacct(
+    ledger: Ledger, slurm_runs: Sequence[JobRun] | None, violations: list[str], records: Sequence[dict]
+) -> str:
+    """The note on Slurm's elapsed time; a violation appended when the ledger's Slurm allocations differ."""
+    if not any(r.get("job_id") for r in records):
+        return "outside Slurm: each allocation bounded by its process's own records"
+    if slurm_runs is None:
+        return "Slurm's accounting did not answer: each allocation bounded by the run's own records"
+    sacct_s = sum(r.end - r.start for r in slurm_runs)
+    slurm_jobs = [j for j in ledger.jobs if j.allocation.job_id is not None]
+    ledger_s = sum(j.seconds for j in slurm_jobs)
+    if abs(ledger_s - sacct_s) <= SACCT_TOLERANCE * sacct_s:
+        runs = len(slurm_runs)
+        return f"the Slurm allocations match sacct's elapsed time of {runs} job run(s) ({duration(sacct_s)})"
+    known = {
+        (j.allocation.job_id, j.allocation.restart) for j in slurm_jobs if j.allocation.source == "sacct"
+    }
+    missing = [f"job {r.job_id} run {r.restart} ({r.end - r.start:.1f} s)" for r in slurm_runs
+               if (r.job_id, r.restart) not in known]  # fmt: skip
+    unmatched = [j.label for j in slurm_jobs if j.allocation.source != "sacct"]
+    apart = abs(ledger_s - sacct_s) / sacct_s if sacct_s > 0 else float("inf")
+    line = (
+        f"the ledger's Slurm allocations add up to {ledger_s:.1f} s, sacct's elapsed time of the jobs' "
+        f"{len(slurm_runs)} run(s) to {sacct_s:.1f} s ({apart:.1%} apart, more than {SACCT_TOLERANCE:.0%})"
+    )
+    line += f"; sacct's runs the ledger lacks: {', '.join(missing)}" if missing else ""
+    line += f"; bounded by records, sacct has no such run: {', '.join(unmatched)}" if unmatched else ""
+    violations.append(line)
+    return "the Slurm allocations do not match sacct"
+
+
+def overlapping_windows(records: Sequence[dict[str, Any]], allocated_s: float) -> list[str]:
+    """A line when the ledger windows that begin before the previous window of their process ended claim
+    more than `MAX_TWICE` of `allocated_s` twice (a window's record is stamped as it is written, just
+    after the next window began: milliseconds a window), and one per window that ends before it begins.
+    A process: one job step of one job run (outside Slurm, one start of the trainer); its `start` or
+    `resume` event begins the next."""
+    found: list[str] = []
+    overlaps: list[tuple[float, str]] = []
+    last_end: dict[tuple, tuple[float, int]] = {}
+    for record in records:
+        key = (record.get("job_id"), int(record.get("restart") or 0), int(record.get("step_restart") or 0))
+        if record.get("kind") == "event" and record.get("event") in ("start", "resume"):
+            last_end.pop(key, None)
+            continue
+        window = record.get("window")
+        if record.get("kind") != "ledger" or not isinstance(window, dict):
+            continue
+        since, end, step = window.get("since"), record.get("time"), int(record["step"])
+        if not isinstance(since, int | float) or not isinstance(end, int | float):
+            continue
+        steps = f"the ledger window of steps {window.get('from_step', step)}-{step}"
+        where = f" (job {key[0]})" if key[0] else ""
+        if end < since:
+            found.append(f"{steps}{where} ends {since - end:.3f} s before it begins")
+        previous = last_end.get(key)
+        if previous is not None and since < previous[0]:
+            overlaps.append((previous[0] - since, f"{steps}{where} begins {previous[0] - since:.3f} s before "
+                                                  f"the window of step {previous[1]} ended"))  # fmt: skip
+        last_end[key] = (float(end), step)
+    twice = sum(seconds for seconds, _ in overlaps)
+    if allocated_s > 0 and twice > MAX_TWICE * allocated_s:
+        named = sorted((item for item in overlaps if item[0] >= MIN_GAP_S), key=lambda item: -item[0])
+        largest = "; ".join(line for _, line in named[:3]) or f"each under {MIN_GAP_S} s"
+        found.append(
+            f"{twice:.3f} s ({twice / allocated_s:.1%} of the allocated time) is claimed by two ledger "
+            f"windows, more than {MAX_TWICE:.0%}: {largest}"
+        )
+    return found
