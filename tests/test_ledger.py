@@ -240,3 +240,27 @@ def test_the_buckets_always_add_up_to_the_allocated_time(seed):
     assert set(ledger.buckets) == set(BUCKETS)
     buckets_of(ledger)  # every allocation covered by its spans exactly, so the sum is the allocated time
     assert ledger.queue_s >= 0
+
+
+def test_a_job_that_ended_inside_a_step_loses_the_steps_since_its_last_record():
+    """The driver was killed with its node (or the job cancelled): no step_end, no job_end. The time from
+    the last window to Slurm's End is the step's unkept work, not restart overhead; while the job still
+    runs, that time stays open (unaccounted), not guessed."""
+    job = ident("7")
+    records = _crashed_step(job)[:-1]  # no step_end: the step never ended as the driver saw it
+    ended = build_ledger(records, [sacct("7", 0.0, 40.0)])
+    assert buckets_of(ended) == {"productive": 20.0, "startup": 3.0, "lost": 17.0}
+    running = build_ledger(records, [Allocation("7", 0, T0, T0 + 40.0, "sacct", running=True)])
+    assert buckets_of(running) == {"productive": 20.0, "startup": 3.0, "unaccounted": 17.0}
+
+
+def test_a_window_ends_when_it_was_closed_not_when_its_record_was_written():
+    """`until` is the window's end; the record's own time comes a little later (the write)."""
+    local = ident(None)
+    late = window(1, 10, 0.0, 10.5, local)
+    late["window"]["until"] = T0 + 10.0
+    records = [begin(0.0, 0, 0.0, 0.0, "", local), late, window(11, 20, 10.0, 20.0, local)]
+    ledger = build_ledger(records)
+    first = [s for s in ledger.jobs[0].spans if s.detail == "steps 1-10"]
+    assert [(s.start - T0, s.end - T0) for s in first] == [(0.0, 10.0)]
+    assert buckets_of(ledger) == {"productive": 20.0}

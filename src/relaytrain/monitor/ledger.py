@@ -72,6 +72,7 @@ class Allocation:
     start: float
     end: float
     source: str  # "sacct" or "records"
+    running: bool = False  # not ended yet: `end` is when it was asked, the time since the last record open
 
 
 @dataclass

@@ -130,7 +130,7 @@ def overlapping_windows(records: Sequence[dict[str, Any]], allocated_s: float) -
         window = record.get("window")
         if record.get("kind") != "ledger" or not isinstance(window, dict):
             continue
-        since, end, step = window.get("since"), record.get("time"), int(record["step"])
+        since, end, step = window.get("since"), window.get("until", record.get("time")), int(record["step"])
         if not isinstance(since, int | float) or not isinstance(end, int | float):
             continue
         steps = f"the ledger window of steps {window.get('from_step', step)}-{step}"

@@ -98,7 +98,7 @@ def _job_spans(records: list[dict[str, Any]], alloc: Allocation, high_water: lis
         spans.append(Span(alloc.start, job_start, "startup", "batch script"))
         cursor = job_start
     steps = sorted({int(r.get("step_restart") or 0) for r in records})
-    last_ended_well = False
+    last_ended_well, last_closed = False, True
     for k in steps:
         own = [r for r in records if int(r.get("step_restart") or 0) == k and r.get("kind") != "job"]
         mine = [r for r in driver if int(r.get("step_restart") or 0) == k]
@@ -121,15 +121,26 @@ def _job_spans(records: list[dict[str, Any]], alloc: Allocation, high_water: lis
             cursor = ended
         else:
             cursor = last
-        last_ended_well = bool(outcome)
+        last_ended_well, last_closed = bool(outcome), ended is not None or not driver
     job_end = next((_num(r, "time") for r in driver if r.get("event") == "job_end"), None)
-    tail = "stop" if last_ended_well else "restart"
     if job_end is not None:
-        spans.append(Span(cursor, job_end, tail, "after the last job step"))
+        after = "stop" if last_ended_well else "restart"
+        spans.append(Span(cursor, job_end, after, "after the last job step"))
         cursor = job_end
-    if alloc.source == "sacct" and (driver or last_ended_well):
-        spans.append(Span(cursor, alloc.end, tail, "job end"))
+    if alloc.source == "sacct" and not alloc.running and (driver or last_ended_well):
+        spans.append(Span(cursor, alloc.end, *_allocation_tail(last_ended_well, last_closed)))
     return spans
+
+
+def _allocation_tail(ended_well: bool, step_closed: bool) -> tuple[str, str]:
+    """What the time from the job's last record to Slurm's End was: the exit after a stop; the decision
+    and requeue after a failed step; or, when the step never ended (the driver was killed with its node,
+    or the job cancelled), the step's work since its last record, lost."""
+    if ended_well:
+        return "stop", "job end"
+    if step_closed:
+        return "restart", "job end after a failed step"
+    return "lost", "the job ended inside a step: its work since the last record"
 
 
 def _outcome(records: list[dict[str, Any]]) -> str:
@@ -177,7 +188,7 @@ def _process_spans(
     typical = _typical_step_s(windows)
     for record in windows:
         spans += _window(record, high_water, typical)
-        cursor = max(cursor, _num(record, "time") or cursor)
+        cursor = max(cursor, _num(record.get("window") or {}, "until") or _num(record, "time") or cursor)
     end = next(
         (
             r
@@ -198,7 +209,7 @@ def _typical_step_s(windows: list[dict[str, Any]]) -> float | None:
         window, seconds = record.get("window") or {}, record.get("seconds") or {}
         if not isinstance(window, dict) or not isinstance(seconds, dict) or window.get("first_step"):
             continue
-        since, end = _num(window, "since"), _num(record, "time")
+        since, end = _num(window, "since"), _num(window, "until") or _num(record, "time")
         if since is None or end is None:
             continue
         count = max(1, int(record["step"]) - int(window.get("from_step") or record["step"]) + 1)
@@ -212,7 +223,7 @@ def _window(record: dict[str, Any], high_water: list[int], typical: float | None
     the window, seconds exact). The process's first step beyond a `typical` step is start-up."""
     seconds = record.get("seconds") if isinstance(record.get("seconds"), dict) else {}
     window = record.get("window") if isinstance(record.get("window"), dict) else {}
-    end = _num(record, "time")
+    end = _num(window, "until") or _num(record, "time")  # `until`: the window's end, before its write
     since = _num(window, "since")
     if end is None or since is None:
         return []

@@ -89,7 +89,7 @@ class LedgerWindows:
         self._high_water = max(self._high_water, step)
         allocated = self._prior_allocated + (now - self.process_start)
         goodput = (self._prior_productive + self._productive) / allocated if allocated > 0 else 0.0
-        window = {"from_step": self.from_step, "since": round(self.since, 4)}
+        window = {"from_step": self.from_step, "since": round(self.since, 4), "until": round(now, 4)}
         if self._first_step is not None:
             window["first_step"] = True
             self._first_step = None
