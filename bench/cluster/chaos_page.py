@@ -64,6 +64,15 @@ SECTIONS = {
         "and `no snapshot newer than the checkpoints is complete: resuming from the checkpoint`, and the "
         "run replays from the interval checkpoint.",
     ),
+    "chaos-ledger": Section(
+        "Chaos with the time ledger and `relaytrain verify`",
+        "The same kinds of trials as above (at random phases: Slurm's USR2 time-limit signal, a preemption, "
+        "a rank SIGKILLed, a node killed; a time limit; a kill with snapshots; a node's snapshots wiped), "
+        "each also judged by the run's own accounts: `relaytrain verify RUN` must exit 0 (every sample "
+        "read exactly once and in order across the interruptions, every checkpoint intact, the time "
+        "ledger adding up), and the ledger's allocations must add up to sacct's elapsed time of the run's "
+        "jobs within 1 %, with at most 1 % of it unaccounted.",
+    ),
 }
 
 
