@@ -240,3 +240,18 @@ def test_a_stop_signal_during_the_wrappers_start_reaches_the_trainers_early_capt
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["['SIGTERM', 'SIGUSR2']", "None"]  # replayed, then consumed
+
+
+def test_a_step_placed_by_a_host_file_gets_the_node_rank_of_its_rank_block(tmp_path):
+    """A spare (gpu09) in gpu07's place: the host file puts ranks 0-3 on gpu09 and 4-7 on gpu08, while
+    Slurm numbers the step's nodes in its own order (gpu08 is node 0). NODE_RANK follows the ranks, as a
+    --command program (Lightning, accelerate) needs it."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("gpu09\n" * 4 + "gpu08\n" * 4)
+    step = {**SRUN_TASK_ENV, "SLURM_NODEID": "0", "SLURM_HOSTFILE": str(hosts)}
+    placed = dict(step)
+    assert apply_slurm_env(placed) and placed["NODE_RANK"] == "1"
+    spare = dict(step, SLURMD_NODENAME="gpu09", SLURM_NODEID="1", SLURM_PROCID="1", SLURM_LOCALID="1")
+    assert apply_slurm_env(spare) and spare["NODE_RANK"] == "0"
+    unreadable = dict(step, SLURM_HOSTFILE=str(tmp_path / "gone"))
+    assert apply_slurm_env(unreadable) and unreadable["NODE_RANK"] == "0"  # Slurm's own number then

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import subprocess
 from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 
 from relaytrain.job.ports import base_port
 
@@ -92,7 +93,7 @@ def apply_slurm_env(environ: MutableMapping[str, str]) -> bool:
     environ["LOCAL_RANK"] = environ.get("SLURM_LOCALID", "0")
     environ["WORLD_SIZE"] = world
     environ["LOCAL_WORLD_SIZE"] = str(local_world)
-    environ["NODE_RANK"] = str(node_id)
+    environ["NODE_RANK"] = str(node_rank(environ, node_id))
     if not environ.get("MASTER_ADDR"):
         nodelist = (
             environ.get("SLURM_STEP_NODELIST")
@@ -105,6 +106,21 @@ def apply_slurm_env(environ: MutableMapping[str, str]) -> bool:
         environ["MASTER_PORT"] = str(base_port(environ.get("SLURM_JOB_ID", "0")))
     normalize_amd_visibility(environ)
     return True
+
+
+def node_rank(environ: Mapping[str, str], node_id: int) -> int:
+    """This node's place among the step's nodes in rank order: SLURM_NODEID, except in a step placed by a
+    host file (a spare in a lower node's place), whose ranks follow the file's node order, not Slurm's
+    (the node id follows Slurm's): then the node's first line in the file, counting each node once."""
+    hostfile, me = environ.get("SLURM_HOSTFILE"), environ.get("SLURMD_NODENAME")
+    if not hostfile or not me:
+        return node_id
+    try:
+        lines = Path(hostfile).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return node_id
+    order = list(dict.fromkeys(line.strip() for line in lines if line.strip()))
+    return order.index(me) if me in order else node_id
 
 
 def narrow_to_nodes(environ: MutableMapping[str, str], nodes: list[str]) -> None:
