@@ -160,3 +160,25 @@ def test_the_decision_reads_only_its_own_steps_part_of_the_job_log(job, tmp_path
     assert done.returncode == 0, log_file.read_text()
     (crash,) = [json.loads(line) for line in (tmp_path / "run" / "crashes.jsonl").read_text().splitlines()]
     assert crash["nodes"] == ["node2"] and crash["action"] == "restart", crash
+
+
+def test_a_job_that_replaced_a_node_frees_its_snapshots_too_and_records_its_steps(job):
+    """The spare node3 trains in node2's place; at the end the snapshots go from the nodes that trained
+    last and, in a cleanup of its own, from node2 (a node that failed may be gone). The driver's `job` records say when the job
+    and each step began and ended (the time ledger's)."""
+    fake_tool(job / "bin", "srun",
+         'if [[ $* == *snapshot* ]]; then echo "$*" >> "$FAKE_LOG.cleanup"; exit 0; fi\n'
+         '[[ $RELAYTRAIN_STEP_RESTARTS == 0 ]] && exit 137; exit 0\n')  # fmt: skip
+    launch = StepLaunch(["--ntasks-per-node=1"], ["python", "t.py"], ["node1", "node3"], 1)
+    launch.order = ["node1", "node2", "node3"]  # the spare node3 took node2's place before the job ends
+    assert launch.replaced == ["node2"]
+    run_dir = job / "run"
+    job_driver.drive(plan(run_dir, snapshots=True), launch, SignalForwarder(""))
+    cleanups = (job / "fake.cleanup").read_text().splitlines()
+    assert [c.split("--nodelist=")[1].split()[0] for c in cleanups] == ["node1,node3", "node2"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        (r["event"], r.get("step_restart", 0), r.get("exit_code")) for r in records if r["kind"] == "job"
+    ]
+    assert steps == [("job_start", 0, None), ("step_start", 0, None), ("step_end", 0, 137),
+                     ("step_start", 1, None), ("step_end", 1, 0), ("job_end", 1, 0)]  # fmt: skip

@@ -72,6 +72,11 @@ class StepLaunch:
     hostfile: Path | None = None  # where a placement out of Slurm's node order is written
     order: list[str] = field(default_factory=list)  # the job's nodes in Slurm's order (the script's)
 
+    @property
+    def replaced(self) -> list[str]:
+        """The job's nodes a restart left out (a failed or slow node a spare took the place of)."""
+        return [node for node in self.order if node not in self.nodes and node not in self.spares]
+
     def argv(self) -> list[str]:
         # After the script's own options: a later srun option wins over an earlier one (--nodes).
         return ["srun", *self.srun_options, *self.extra, *self.command]
@@ -135,9 +140,9 @@ def requeue_if_pending(run: RunDir, job: JobFacts) -> None:
         print(f"relaytrain: scontrol requeue {job.requeue_id} failed: {how}", file=sys.stderr, flush=True)
 
 
-def free_snapshots(python: list[str], config: str, nodes: list[str]) -> None:
-    """The job ends for good: free the in-memory snapshots on every node of the job
-    (docs/checkpointing.md); one task per node runs the cleanup."""
+def free_snapshots(python: list[str], config: str, nodes: list[str], what: str = "the nodes'") -> None:
+    """The job ends for good: free the in-memory snapshots on `nodes` (docs/checkpointing.md); one task
+    per node runs the cleanup."""
     count = str(len(nodes))
     argv = ["srun", "--overlap", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
             f"--nodelist={','.join(nodes)}", *python, "-m", "relaytrain.checkpoint.snapshot", "cleanup",
@@ -147,7 +152,7 @@ def free_snapshots(python: list[str], config: str, nodes: list[str]) -> None:
     except OSError:
         done = False
     if not done:
-        log("could not remove the job's snapshots from the nodes' memory")
+        log(f"could not remove the job's snapshots from {what} memory ({','.join(nodes)})")
 
 
 @dataclass(frozen=True)
@@ -245,6 +250,8 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
             f"{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}")  # fmt: skip
     if plan.free_snapshots and not requeue_state(plan.run).asked:
         free_snapshots(plan.python, plan.config, launch.nodes)
+        if launch.replaced:  # alone: a node that failed may be gone, and must not fail the others' cleanup
+            free_snapshots(plan.python, plan.config, launch.replaced, "the replaced nodes'")
     note(plan.run, "job_end", exit_code=exit_code)
     return exit_code
 
