@@ -207,7 +207,7 @@ def trial(base: Path) -> dict[str, Any]:
 HEADER = ["trial", "job end", "requeues", "throttled", "named at step (after)", "named right",
           "spare in its place", "world size", "healthy step s", "slowed step s", "after: 1st interval s",
           "after: rest s", "named → stop", "stop → resume s", "resume → back s", "named → back s",
-          "budget s", "back within budget", "ledger stop + restart s"]  # fmt: skip
+          "budget s", "back within budget", "ledger: stop s", "ledger: restart s"]  # fmt: skip
 
 
 def row(i: int, t: dict[str, Any]) -> tuple:
@@ -217,28 +217,35 @@ def row(i: int, t: dict[str, Any]) -> tuple:
         f"{t['named_to_stop_steps']} steps, {fmt(t['named_to_stop_s'])} s" if t["stopped_at_step"] else "–"
     )
     world = ",".join(map(str, t["world_sizes"])) + (" (resized)" if t["resized"] else "")
+    throttled = f"rank {thr['rank']} on {thr['node']} ×{thr['factor']:g} after step {t['throttled_at_step']}"
     return (
-        i, t["state"], t["requeues"], f"rank {thr['rank']} on {thr['node']} ×{thr['factor']:g}", named,
+        i, t["state"], t["requeues"], throttled, named,
         "yes" if t["named_right"] else "**no**", t["spare"] or "**none**", world,
         *(fmt(steps[k]) for k in ("healthy", "slowed", "after_first_interval", "after_rest")), stopped,
         *(fmt(t[k]) for k in ("stop_to_resume_s", "resume_to_back_s", "named_to_back_s", "budget_s")),
-        "yes" if t["back_within_budget"] else "**no**", fmt(ledger["stop"] + ledger["restart"]),
+        "yes" if t["back_within_budget"] else "**no**", fmt(ledger["stop"]), fmt(ledger["restart"]),
     )  # fmt: skip
 
 
+SETUP = (
+    "Measured by {command} ({date}) on the local Slurm cluster: a `--nodes 2 --spare-nodes 1` job of a "
+    "small model (1 rank per node, {steps} steps, snapshots every {snapshot_every} steps, "
+    '`resilience.straggler_action = "replace"`), rank 1 throttled {factor:g}× from outside the job '
+    "(`python -m faults.throttle`, a CPU quota) once the run logged step {throttle_at} (the table: the last "
+    "step logged when it landed). Step times are medians of the logged `time_step_s`: healthy before the "
+    "throttle, slowed from the throttle to the stop, after the resume over its first snapshot interval and "
+    "over the rest. Throughput is back at the first {window} steps in a row whose median step time is at "
+    "most the healthy one / {back:g}; the budget, counted from the `straggler` line, is one snapshot "
+    "interval at the slowed step time plus the restart (stop → resume). The time ledger's view "
+    "(`relaytrain status`): its stop bucket holds the straggler's stop (to the job step's end) and the "
+    "job's own end, its restart bucket the restarted step's start-up."
+)
+
+
 def render(trials: list[dict[str, Any]], command: str, date: str) -> str:
-    setup = trials[0]["setup"]
     return (
         "### A straggler's node replaced by the spare\n\n"
-        f"Measured by {code(command)} ({date}) on the local Slurm cluster: a `--nodes 2 --spare-nodes 1` "
-        f"job of a small model (1 rank per node, {setup['steps']} steps, snapshots every "
-        f'{setup["snapshot_every"]} steps, `resilience.straggler_action = "replace"`), rank 1 throttled '
-        f"{setup['factor']:g}× from outside the job (`python -m faults.throttle`, a CPU quota) after step "
-        f"{setup['throttle_at']}. Step times are medians of the logged `time_step_s`: healthy before the "
-        "throttle, slowed from the throttle to the stop, after the resume over its first snapshot interval "
-        f"and over the rest. Throughput is back at the first {setup['window']} steps in a row whose median "
-        f"step time is at most the healthy one / {setup['back']:g}; the budget, counted from the "
-        "`straggler` line, is one snapshot interval at the slowed step time plus the restart (stop → "
-        "resume). The ledger's stop and restart buckets (`relaytrain status`) are the time the job spent "
-        "stopping and restarting.\n\n" + table(HEADER, [row(i + 1, t) for i, t in enumerate(trials)])
+        + SETUP.format(command=code(command), date=date, **trials[0]["setup"])
+        + "\n\n"
+        + table(HEADER, [row(i + 1, t) for i, t in enumerate(trials)])
     )

@@ -73,6 +73,14 @@ def test_a_replaced_straggler_is_read_from_the_records():
     assert got["throttled"] == THROTTLED
 
 
+def test_the_stop_and_resume_are_those_after_the_straggler_line():
+    records, events, throttled = run(SLOW_START)
+    earlier = [event("stop", 5, T0 + 0.5, reason="signal"), event("resume", 5, T0 + 0.55, world_size=2)]
+    got = analyse(records, events[:1] + earlier + events[1:], throttled, snapshot_every=10)
+    assert (got["stopped_at_step"], got["stop_reason"], got["stop_to_resume_s"]) == (50, "straggler", 30.0)
+    assert got["step_s"]["after_first_interval"] == 0.1 and got["back_after_steps"] == 2
+
+
 def test_throughput_back_too_late_or_never_misses_the_budget():
     late = analyse(*run([0.3] * 12 + [0.1] * 10), snapshot_every=10)  # 12 slow steps cost 3.6 s > 3 s
     assert late["back_after_steps"] == 10 and late["back_within_budget"] is False
@@ -90,6 +98,9 @@ def test_first_back_needs_a_whole_window_at_the_healthy_throughput():
     assert first_back(slow_every_other, healthy=0.1, window=3) == 1  # 0.1 0.5 0.1
     assert first_back(slow_every_other, healthy=0.1, window=4) is None  # median 0.3 in every window
     assert first_back(steps, healthy=0.094, window=5) is None  # 0.1 > 0.094 / 0.95
+    # back at 95 % of the healthy throughput, not 100 %: 0.104 s is within 0.1 / 0.95, 0.106 s is not
+    assert first_back([train(i, T0 + i, 0.104) for i in range(5)], healthy=0.1, window=5) == 0
+    assert first_back([train(i, T0 + i, 0.106) for i in range(5)], healthy=0.1, window=5) is None
 
 
 def test_a_wrong_rank_named_or_a_run_that_never_stopped_fails_the_trial():
@@ -142,9 +153,9 @@ def test_the_section_shows_a_straggler_table_after_the_kill_table(tmp_path, monk
     text = page.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 1 and rows[0].count(" | ") == len(spares_straggler.HEADER) - 1
-    cells = "| rank 1 on n2 ×4 | 45 (+25) | yes | n3 | 2 | 0.100 | 0.300 | 0.100 | 0.100 | 5 steps, 1.50 s |"
+    cells = "| rank 1 on n2 ×4 after step 20 | 45 (+25) | yes | n3 | 2 | 0.100 | 0.300 | 0.100 | 0.100 |"
     assert cells in rows[0]
-    assert rows[0].endswith("| 30.0 | 1.20 | 32.7 | 33.0 | yes | 30.0 |")
+    assert rows[0].endswith("| 30.0 | 1.20 | 32.7 | 33.0 | yes | 14.0 | 16.0 |")
     assert "## Spare nodes: a killed node replaced in place" not in text  # no kill trial kept
 
 
