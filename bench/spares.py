@@ -1,8 +1,8 @@
 """What a spare node buys on the local Slurm cluster, in two kinds of trial (`--kinds`, both by default).
 
-`kill`: a `--nodes 2 --spare-nodes 1` job (3 nodes, 1 rank
-on each training node, snapshots every step) loses its second training node (its slurmd and processes
-killed, as tests/test_elastic_slurm.py does); the step restarts in place with the spare in its place.
+`kill`: a `--nodes 2 --spare-nodes 1` job (3 nodes, 1 rank on each training node, snapshots every step)
+loses its second training node (its slurmd and processes killed, as tests/test_elastic_slurm.py does);
+the step restarts in place with the spare in its place.
 
 Measured from the run's own records: the kill to the decision's `step_restart` event (Slurm noticing the
 node and the step ending), to the `resume` event (start-up and restore), to the first step trained after
