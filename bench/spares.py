@@ -1,6 +1,8 @@
-"""What a spare node buys on the local Slurm cluster: a `--nodes 2 --spare-nodes 1` job (3 nodes, 1 rank
-on each training node, snapshots every step) loses its second training node (its slurmd and processes
-killed, as tests/test_elastic_slurm.py does); the step restarts in place with the spare in its place.
+"""What a spare node buys on the local Slurm cluster, in two kinds of trial (`--kinds`, both by default).
+
+`kill`: a `--nodes 2 --spare-nodes 1` job (3 nodes, 1 rank on each training node, snapshots every step)
+loses its second training node (its slurmd and processes killed, as tests/test_elastic_slurm.py does);
+the step restarts in place with the spare in its place.
 
 Measured from the run's own records: the kill to the decision's `step_restart` event (Slurm noticing the
 node and the step ending), to the `resume` event (start-up and restore), to the first step trained after
@@ -8,8 +10,18 @@ it; the steps lost (the last step logged before the kill less the step the run r
 resumed from (a snapshot, a replica from the peer node, or the checkpoint); and whether every logged loss
 equals an uninterrupted run's (torchrun, 2 ranks, same config, run alongside).
 
-    python -m bench.spares                      # one trial, results to bench/results/spares.json
+`straggler`: the same job with snapshots every 10 steps and `resilience.straggler_action = "replace"`, its
+rank 1 slowed from outside (a CPU quota): named, stopped after the next snapshot, restarted in place with
+the spare in the slow node's place; how soon, how right, and how soon throughput is back
+(bench/spares_straggler.py says what is measured and how).
+
+    python -m bench.spares                      # one trial of each kind, results to bench/results/spares.json
+    python -m bench.spares --kinds straggler    # the straggler trial alone (the file then holds only it)
     python -m bench.spares --page-from bench/results/spares.json   # the "spares" section of the page
+
+The results file keeps the kill trials under `trials` and the straggler trials under `straggler_trials`;
+the section shows a table for each kind the file holds. The exit code is 1 when a trial missed its
+targets (kill: bit-exact without a requeue; straggler: `bench.spares_straggler.passed`).
 """
 
 from __future__ import annotations
@@ -24,11 +36,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import kept
+from bench import kept, spares_straggler
 from bench.cluster import harness
 from bench.report import code, fmt, table, write_page
 
 SECTION = "spares"
+KINDS = ("kill", "straggler")
 STEPS, KILL_AT, STEP_DELAY_S = 40, 8, 0.5
 
 
@@ -46,7 +59,7 @@ def reference(run_dir: Path, config: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-def trial(base: Path) -> dict[str, Any]:
+def kill_trial(base: Path) -> dict[str, Any]:
     from relaytrain.job.env import expand_nodelist
     from relaytrain.localcluster import cluster as local_cluster
 
@@ -101,6 +114,17 @@ def trial(base: Path) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any], path: str) -> str:
+    kill = render_kill(data) if data["trials"] else "## Spare nodes: a slow node replaced in place\n\n"
+    straggler = data.get("straggler_trials")
+    return (
+        kill
+        + (spares_straggler.render(straggler, data["command"], data["date"]) + "\n" if straggler else "")
+        + f"Results: `{path}`. Rewritten from the kept results by "
+        f"`python -m bench.spares --page-from {path}`.\n"
+    )
+
+
+def render_kill(data: dict[str, Any]) -> str:
     header = ["trial", "job end", "requeues", "node killed → spare", "world size", "resize",
               "kill → decision s", "kill → resume s", "kill → first step s", "steps lost", "resumed from",
               "bit-exact"]  # fmt: skip
@@ -119,14 +143,22 @@ def render(data: dict[str, Any], path: str) -> str:
         "is the step ending after the kill (the surviving rank's collective fails, srun reports the node "
         "failure) and the decision; decision → resume is the restarted step's start-up and restore.\n\n"
         + table(header, body)
-        + f"\nResults: `{path}`. Rewritten from the kept results by "
-        f"`python -m bench.spares --page-from {path}`.\n"
+        + "\n"
     )
+
+
+def kinds_arg(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"kinds are {', '.join(KINDS)}, not {text!r}")
+    return [k for k in KINDS if k in kinds]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=1)
+    parser.add_argument("--trials", type=int, default=1, help="trials of each kind")
+    parser.add_argument("--kinds", type=kinds_arg, default=list(KINDS), help="kill,straggler (both)")
     parser.add_argument("--out", default="spares.json", help="the kept results file (bench/results/)")
     parser.add_argument("--no-lock", action="store_true", help="the caller holds the cluster's lock")
     parser.add_argument("--page-from", help="write the page's section from this kept results file")
@@ -136,13 +168,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     harness.start_cluster(lock=not args.no_lock)
     with harness.cluster_lock(not args.no_lock), tempfile.TemporaryDirectory(prefix="bench-spares-") as base:
-        trials = [trial(Path(base) / str(i)) for i in range(args.trials)]
-    data = {"command": "python -m bench.spares" + (f" --trials {args.trials}" if args.trials != 1 else ""),
-            "date": time.strftime("%Y-%m-%d"), "trials": trials}  # fmt: skip
+        trials = [kill_trial(Path(base) / f"kill{i}") for i in range(args.trials) if "kill" in args.kinds]
+        slowed = [spares_straggler.trial(Path(base) / f"straggler{i}") for i in range(args.trials)
+                  if "straggler" in args.kinds]  # fmt: skip
+    command = "python -m bench.spares" + (f" --trials {args.trials}" if args.trials != 1 else "")
+    command += f" --kinds {','.join(args.kinds)}" if args.kinds != list(KINDS) else ""
+    data = {"command": command, "date": time.strftime("%Y-%m-%d"), "trials": trials}
+    data |= {"straggler_trials": slowed} if slowed else {}
     path = kept.save(args.out, data)
     print(json.dumps(data, indent=1))
     write_page({SECTION: render(data, kept.relative(path))})
-    return 0 if all(t["bit_exact"] and t["requeues"] == 0 for t in trials) else 1
+    kill_ok = all(t["bit_exact"] and t["requeues"] == 0 for t in trials)
+    return 0 if kill_ok and all(map(spares_straggler.passed, slowed)) else 1
 
 
 if __name__ == "__main__":
