@@ -64,6 +64,8 @@ def test_a_restart_in_place_overlaps_once_and_narrows_the_step_to_the_nodes_left
     assert (env["SLURM_JOB_NODELIST"], env["SLURM_JOB_NUM_NODES"]) == ("node2", "1")
     assert env["MASTER_ADDR"] == "node2"
     assert "SLURM_NTASKS" not in env and env["MASTER_PORT"] == str(choose_port("123+2", has_no_listener))
+    launch.restart(("node1",), "123", env)  # a third start: its placement replaces the second's
+    assert launch.argv()[3:] == ["--overlap", "--nodes=1", "--nodelist=node1", "--ntasks=2", "python", "x.py"]
 
 
 def test_only_a_listener_takes_a_port():

@@ -56,6 +56,7 @@ from relaytrain.resilience.step_end import after_step
 from relaytrain.resilience.step_restart import StepFacts
 
 HEARTBEAT_S = 300.0
+_PLACEMENT = ("--nodes=", "--nodelist=", "--ntasks=", "--distribution=")  # what `StepLaunch.place` sets
 
 
 @dataclass
@@ -102,6 +103,8 @@ class StepLaunch:
         self.nodes = nodes
         narrow_to_nodes(environ, self.nodes)
         count, tasks = len(self.nodes), len(self.nodes) * self.tasks_per_node
+        # the placement replaces an earlier restart's (srun would take the last, but the log shows them all)
+        self.extra = [option for option in self.extra if not option.startswith(_PLACEMENT)]
         self.extra += [f"--nodes={count}", f"--nodelist={','.join(self.nodes)}", f"--ntasks={tasks}"]
         in_order = sorted(nodes, key=lambda n: order.index(n) if n in order else len(order))
         if nodes != in_order and self.hostfile is not None:
