@@ -166,8 +166,8 @@ def test_the_decision_reads_only_its_own_steps_part_of_the_job_log(job, tmp_path
 
 def test_a_job_that_replaced_a_node_frees_its_snapshots_too_and_records_its_steps(job):
     """The spare node3 trains in node2's place; at the end the snapshots go from the nodes that trained
-    last and, in a cleanup of its own, from node2 (a node that failed may be gone). The driver's `job` records say when the job
-    and each step began and ended (the time ledger's)."""
+    last and, in a cleanup of its own, from node2 (a node that failed may be gone). The driver's `job`
+    records say when the job and each step began and ended (the time ledger's)."""
     fake_tool(job / "bin", "srun",
          'if [[ $* == *snapshot* ]]; then echo "$*" >> "$FAKE_LOG.cleanup"; exit 0; fi\n'
          '[[ $RELAYTRAIN_STEP_RESTARTS == 0 ]] && exit 137; exit 0\n')  # fmt: skip
