@@ -15,7 +15,7 @@ from bench import kept
 from bench.cluster import chaos_kinds
 from bench.cluster.chaos_kinds import SPECIAL_KINDS, SpecialTrial
 from bench.cluster.chaos_run import EVAL_EVERY, INTERVAL, STEPS, Trial
-from bench.cluster.ledger_figures import LEDGER_COLUMN, ledger_cell, ledger_sentence
+from bench.cluster.ledger_figures import LEDGER_COLUMN, ledger_cell, ledger_sentence, time_adds_up
 from bench.report import REPO, table
 
 # Named on the page: the module that defines the targeted kinds.
@@ -315,6 +315,22 @@ def summary(trials: list[Trial], special: list[SpecialTrial]) -> str:
     return "\n### Against the issue's targets\n\n" + "\n".join(lines) + "\n" if lines else ""
 
 
+LEDGER_SECTION = "chaos-ledger"
+
+
+def ledger_targets(trials: list) -> str:
+    """The ledger section's own target: every trial ends with `relaytrain verify` exiting 0 and a ledger
+    within 1 % of sacct's elapsed time (the older sections' trial counts are not its targets)."""
+    measured = [t for t in trials if t.verify_exit is not None]
+    held = sum(bool(time_adds_up(t)) for t in measured)
+    met = "**met**" if measured and held == len(trials) else "**not met**"
+    return (
+        "\n### Against the issue's targets\n\n"
+        f"- Every chaos run ends with `relaytrain verify RUN` exiting 0 and a time ledger within 1 % of "
+        f"sacct's elapsed time: {met}: {held} of {len(trials)} trials.\n"
+    )
+
+
 def render_section(paths: list[str], section: str) -> str:
     """The section `section` from kept results files, in run order: what `--page-from` writes. One run's
     targeted trials keep their order and numbers; several runs' are merged (merge_special)."""
@@ -333,7 +349,11 @@ def render_section(paths: list[str], section: str) -> str:
         preamble(runs, section)
         + render(trials)
         + render_special(merged.trials, merged if several else None)
-        + summary(trials, merged.trials)
+        + (
+            ledger_targets(trials + merged.trials)
+            if section == LEDGER_SECTION
+            else summary(trials, merged.trials)
+        )
         + notes
         + transcribed
         + f"\nResults: {', '.join(f'`{r.path}`' for r in runs)}. Rewritten from the kept results by "
