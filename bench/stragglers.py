@@ -131,7 +131,8 @@ def render(data: dict, source: str) -> str:
         f"{data['load']}), on the local Slurm cluster: 2 nodes x 1 task, a small model (dim 128, seq 64) "
         f"for {data['steps']} steps with {_described(data.get('settings'))}. After step "
         f"{data['throttle_at']} rank 1's process gets a CPU quota of 1/factor of its one compute thread "
-        "from outside the run (a cgroup, 2 ms period: `python -m faults.throttle`); the clean runs "
+        "and 1/factor of a process's CPU weight from outside the run (a cgroup, 2 ms period: `python -m "
+        "faults.throttle`); the clean runs "
         "throttle nothing, with or without a busy-looping process on the machine. "
         f"{_arrangement(data)} One trial each.",
         "",
