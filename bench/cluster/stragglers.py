@@ -3,10 +3,10 @@
 Each trial is one `relaytrain launch` of 2 nodes x 1 task training a small model for `STEPS` steps with
 the default straggler settings. A slowed trial waits until the run logged `THROTTLE_AT` steps, then puts
 rank 1's process under a CPU quota of 1/factor of its one compute thread and 1/factor of a process's CPU
-weight from outside the job (`python -m faults.throttle`), and reads back what the run said: the first `straggler` event (the step it
-was named at, the rank, the node, how much slower) against the rank and node the throttle landed on. A
-clean trial throttles nothing, with or without a busy-looping process beside the job, and counts the
-`straggler` events: each one is a false report.
+weight from outside the job (`python -m faults.throttle`), and reads back what the run said: the first
+`straggler` event (the step it was named at, the rank, the node, how much slower) against the rank and
+node the throttle landed on. A clean trial throttles nothing, with or without a busy-looping process
+beside the job, and counts the `straggler` events: each one is a false report.
 """
 
 from __future__ import annotations
