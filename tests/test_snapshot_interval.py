@@ -124,12 +124,26 @@ def test_auto_measures_at_its_first_snapshot_then_takes_one_at_the_chosen_interv
     pacing.taken(first, _settled(first, overran_s=0.5), measured=True)  # its own work, waited for
     (snap, snap_step, record), (chose, chose_step, fields) = events
     assert (snap, snap_step, record["blocking_s"], record["waited_s"]) == ("snapshot", first, 0.6, 0.5)
-    assert (chose, chose_step, fields["every"], fields["previous"]) == ("snapshot_interval", first, 15, None)
-    assert fields["overhead"] == pytest.approx(0.02) and fields["budget"] == 0.02  # 0.3 / (15 * 1.0)
-    assert not pacing.measuring and pacing.next_step == first + 15
-    assert not pacing.due(first + 14) and pacing.due(first + 15)
-    pacing.taken(first + 15, None)  # the next snapshot settles nothing (the first was settled at once)
-    assert pacing.next_step == first + 30 and len(events) == 2
+    # no step overlapped its work: its slowdown is taken as all of it (0.5 s), so 0.1 + 0.5 s every 30 steps
+    assert (chose, chose_step, fields["every"], fields["previous"]) == ("snapshot_interval", first, 30, None)
+    assert fields["slowdown_s"] == 0.5 and fields["overhead"] == pytest.approx(0.02)
+    assert fields["budget"] == 0.02
+    assert not pacing.measuring and pacing.next_step == first + 30
+    assert not pacing.due(first + 29) and pacing.due(first + 30)
+    pacing.taken(first + 30, None)  # the next snapshot settles nothing (the first was settled at once)
+    assert pacing.next_step == first + 60 and len(events) == 2
+    pacing.taken(first + 60, _settled(first + 30, slowdown_s=0.2))  # measured: 0.1 + 0.2 s
+    assert events[-1][0] == "snapshot_interval" and events[-1][2]["every"] == 15
+    assert pacing.next_step == first + 75
+
+
+def test_the_first_snapshots_provisional_figures_give_way_to_the_next_measured_ones():
+    """The upper bound the first interval was chosen on leaves the median at once, not after RECENT more
+    snapshots (with it, the median slowdown of 0.5 and 0.2 s would keep the interval at 23)."""
+    chooser = IntervalChooser(0.02)
+    assert chooser.update(Costs(0.1, 0.5, 0.5, 1.0), provisional=True) and chooser.every == 30
+    assert chooser.update(Costs(0.1, 0.5, 0.2, 1.0)) and chooser.every == 15
+    assert not chooser.update(Costs(0.1, 0.5, 0.2, 1.0)) and chooser.every == 15
 
 
 def test_the_config_takes_auto_beside_intervals_and_refuses_other_words():

@@ -15,6 +15,11 @@ The interval is the smallest `k >= 1` that satisfies both. It is chosen again wh
 than HYSTERESIS from the ones it was chosen on, or at once when a snapshot had to wait for the previous
 one. The figures are the medians over the last RECENT snapshots: one noisy snapshot (a slow write, a step
 that an evaluation lengthened) does not make the interval flap.
+
+The job's first snapshot waits for its own background work to measure it, so no step overlapped it and
+its slowdown is unknown. Its figures are *provisional*: the slowdown is taken as the whole background
+time (the most it can cost when it competes with training for the same processors), so the first
+interval errs long, never over the budget; the next snapshot's measured figures replace them.
 """
 
 from __future__ import annotations
@@ -76,9 +81,14 @@ class IntervalChooser:
         self.every: int | None = None
         self.chosen_on: Costs | None = None
         self._recent: deque[Costs] = deque(maxlen=RECENT)
+        self._provisional = False  # the newest figures are an upper bound, replaced by the next ones
 
-    def update(self, measured: Costs) -> bool:
-        """Choose again when the median figures moved (or a snapshot waited); whether it chose."""
+    def update(self, measured: Costs, provisional: bool = False) -> bool:
+        """Choose again when the median figures moved (or a snapshot waited); whether it chose.
+        `provisional` figures (the first snapshot's: see above) are dropped at the next update."""
+        if self._provisional:
+            self._recent.pop()
+        self._provisional = provisional
         self._recent.append(measured)
         costs = Costs(
             **{f.name: statistics.median(getattr(c, f.name) for c in self._recent) for f in fields(Costs)}

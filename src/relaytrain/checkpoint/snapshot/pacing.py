@@ -125,12 +125,13 @@ class SnapshotPacing:
         costs = Costs(
             blocking_s=settled["blocking_s"] - settled["waited_s"],  # the copy and the agreement
             background_s=settled["background_s"],
-            slowdown_s=max(0.0, settled["slowdown_s"]),
+            # the measuring snapshot overlapped no step: its slowdown is at most its background work
+            slowdown_s=settled["background_s"] if measured else max(0.0, settled["slowdown_s"]),
             step_s=settled["step_s"],
             waited_s=0.0 if measured else settled["overran_s"],
         )
         previous = self.chooser.every
-        if self.chooser.update(costs):
+        if self.chooser.update(costs, provisional=measured):
             self._chose(step, previous)
         self.next_step = step + self.chooser.every
 
