@@ -179,7 +179,9 @@ def kill_rank_at(
         return max((r["step"] for r in rows()), default=0) >= step and rank_pids(job_id, rank)
 
     what = f"run {restart} (step restart {in_place}) of job {job_id} to reach step {step}"
-    wait_for(reached, 240, what, interval=0.5)
+    # A requeued run waits for a node: after two crashes on one node (resilience.exclude_node_after) it is
+    # kept off that node, and the suite's other Slurm tests may hold the rest of the cluster meanwhile.
+    wait_for(reached, 480 if restart else 240, what, interval=0.5)
     for pid in rank_pids(job_id, rank):
         os.kill(pid, signal.SIGKILL)
     return max(r["step"] for r in rows())
