@@ -23,6 +23,7 @@ from typing import Any
 
 from relaytrain.job.allocations import JobRun
 from relaytrain.monitor.ledger import Ledger, duration
+from relaytrain.monitor.ledger_spans import window_end
 
 SUM_TOLERANCE = 1e-6  # relative: float sums of spans that tile the allocation
 MAX_UNACCOUNTED = 0.01  # of the allocated time
@@ -130,7 +131,7 @@ def overlapping_windows(records: Sequence[dict[str, Any]], allocated_s: float) -
         window = record.get("window")
         if record.get("kind") != "ledger" or not isinstance(window, dict):
             continue
-        since, end, step = window.get("since"), window.get("until", record.get("time")), int(record["step"])
+        since, end, step = window.get("since"), window_end(record), int(record["step"])
         if not isinstance(since, int | float) or not isinstance(end, int | float):
             continue
         steps = f"the ledger window of steps {window.get('from_step', step)}-{step}"

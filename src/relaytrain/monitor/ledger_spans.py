@@ -18,34 +18,46 @@ def _num(record: dict[str, Any], key: str) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+def _processes(records: Sequence[dict[str, Any]]) -> dict[tuple[str | None, int], list[dict[str, Any]]]:
+    """The records of each allocation, in file order: a Slurm job run's by (job id, restart count); outside
+    Slurm a process's by (None, its index), a new ``start``/``resume`` event beginning the next one."""
+    groups: dict[tuple[str | None, int], list[dict[str, Any]]] = {}
+    local = -1
+    for record in records:
+        key = _key(record)
+        if key[0] is None:
+            starts = record.get("kind") == "event" and record.get("event") in ("start", "resume")
+            local += 1 if starts or local < 0 else 0
+            key = (None, local)
+        groups.setdefault(key, []).append(record)
+    return groups
+
+
+def _bounds(key: tuple[str | None, int], records: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """An allocation's start and end as its records tell: its first record's time, earlier by a trainer's
+    `process_start` (outside Slurm, only its own start event's), to its last record's time."""
+    timed = [(record, time) for record in records if (time := _num(record, "time")) is not None]
+    if not timed:
+        return None
+    times = [time for _, time in timed]
+    if key[0] is not None:
+        begins = [_num(record, "process_start") or time for record, time in timed]
+    else:
+        first = timed[0][0]
+        starts = first.get("kind") == "event" and first.get("event") in ("start", "resume")
+        begins = [_num(first, "process_start") or times[0]] if starts else []
+    return min([times[0], *begins]), max(times)
+
+
 def record_allocations(records: Sequence[dict[str, Any]]) -> list[Allocation]:
     """Allocations as the records alone bound them: a Slurm job run from its driver's ``job_start`` (else
     its first record) to its last record; a process outside Slurm from its ``process_start`` to its last
     record (a new ``start``/``resume`` event is a new process)."""
-    found: list[Allocation] = []
-    bounds: dict[tuple[str | None, int], list[float]] = {}
-    local_index = -1
-    for record in records:
-        key = _key(record)
-        time = _num(record, "time")
-        if time is None:
-            continue
-        if key[0] is None:
-            starts = record.get("kind") == "event" and record.get("event") in ("start", "resume")
-            if starts or local_index < 0:
-                local_index += 1
-                begin = _num(record, "process_start") if starts else None
-                bounds[(None, local_index)] = [min(begin or time, time), time]
-            bounds[(None, local_index)][1] = max(bounds[(None, local_index)][1], time)
-            continue
-        begin = _num(record, "process_start") or time
-        if key not in bounds:
-            bounds[key] = [min(begin, time), time]
-        else:
-            bounds[key][0] = min(bounds[key][0], begin)
-            bounds[key][1] = max(bounds[key][1], time)
-    for (job_id, restart), (start, end) in bounds.items():
-        found.append(Allocation(job_id, restart, start, end, "records"))
+    found = []
+    for key, own in _processes(records).items():
+        bounds = _bounds(key, own)
+        if bounds is not None:
+            found.append(Allocation(key[0], key[1], *bounds, "records"))
     return sorted(found, key=lambda a: a.start)
 
 
@@ -64,28 +76,16 @@ def build_ledger(
     allocs = merge_allocations(allocations or (), records)
     high_water = [0]  # the furthest step any earlier window ran
     jobs: list[JobTime] = []
-    local = [r for r in records if r.get("job_id") is None]
-    local_groups = _local_processes(local)
+    groups = _processes(records)
     for alloc in allocs:
+        own = groups.get((alloc.job_id, alloc.restart), [])
         if alloc.job_id is None:
-            own = local_groups.get(alloc.restart, [])
             spans = _process_spans(own, alloc.start, "startup", high_water)
         else:
-            own = [r for r in records if _key(r) == (alloc.job_id, alloc.restart)]
             spans = _job_spans(own, alloc, high_water)
         jobs.append(JobTime(alloc, _lay_out(spans, alloc)))
     queue = sum(max(0.0, b.allocation.start - a.allocation.end) for a, b in zip(jobs, jobs[1:], strict=False))
     return Ledger(jobs, queue)
-
-
-def _local_processes(records: Sequence[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    groups: dict[int, list[dict[str, Any]]] = {}
-    index = -1
-    for record in records:
-        if (record.get("kind") == "event" and record.get("event") in ("start", "resume")) or index < 0:
-            index += 1
-        groups.setdefault(index, []).append(record)
-    return groups
 
 
 def _job_spans(records: list[dict[str, Any]], alloc: Allocation, high_water: list[int]) -> list[Span]:
@@ -188,7 +188,7 @@ def _process_spans(
     typical = _typical_step_s(windows)
     for record in windows:
         spans += _window(record, high_water, typical)
-        cursor = max(cursor, _num(record.get("window") or {}, "until") or _num(record, "time") or cursor)
+        cursor = max(cursor, window_end(record) or cursor)
     end = next(
         (
             r
@@ -202,6 +202,12 @@ def _process_spans(
     return spans
 
 
+def window_end(record: dict[str, Any]) -> float | None:
+    """When a ledger window ended: its `until` (records before it: the record's own time, its write)."""
+    window = record.get("window") if isinstance(record.get("window"), dict) else {}
+    return _num(window, "until") or _num(record, "time")
+
+
 def _typical_step_s(windows: list[dict[str, Any]]) -> float | None:
     """The median step time of a process's windows other than its first step's (None: no other)."""
     per_step = []
@@ -209,7 +215,7 @@ def _typical_step_s(windows: list[dict[str, Any]]) -> float | None:
         window, seconds = record.get("window") or {}, record.get("seconds") or {}
         if not isinstance(window, dict) or not isinstance(seconds, dict) or window.get("first_step"):
             continue
-        since, end = _num(window, "since"), _num(window, "until") or _num(record, "time")
+        since, end = _num(window, "since"), window_end(record)
         if since is None or end is None:
             continue
         count = max(1, int(record["step"]) - int(window.get("from_step") or record["step"]) + 1)
@@ -223,7 +229,7 @@ def _window(record: dict[str, Any], high_water: list[int], typical: float | None
     the window, seconds exact). The process's first step beyond a `typical` step is start-up."""
     seconds = record.get("seconds") if isinstance(record.get("seconds"), dict) else {}
     window = record.get("window") if isinstance(record.get("window"), dict) else {}
-    end = _num(window, "until") or _num(record, "time")  # `until`: the window's end, before its write
+    end = window_end(record)
     since = _num(window, "since")
     if end is None or since is None:
         return []
