@@ -140,3 +140,13 @@ def test_one_device_throughput_is_one_visible_line_and_cpu_mfu_is_marked_an_esti
     ]
     title, ylabel, _ = drawn["mfu.png"]
     assert "estimate" in title and "estimate" in ylabel
+
+
+def test_status_json_without_a_run_is_one_line_and_exit_2(no_slurm, capsys):
+    """`--json` describes a run: the queue or a job id with it is refused in one line naming the fix."""
+    assert main(["status", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "relaytrain status RUN --json" in err
+    assert main(["status", "nosuchrun", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no run 'nosuchrun'" in err
