@@ -14,12 +14,13 @@ import argparse
 import json
 import shutil
 import sys
+import time
 
 import torch
 
 from bench.matmul_peak import time_matmul
 from bench.procs import WORK, read_metrics, relaytrain_argv, run, shown, train_records
-from bench.report import REPO, fmt, median, pct, table
+from bench.report import REPO, fmt, median, pct, table, write_page
 
 MODULE = "bench.gpu_mfu"
 CONFIG = REPO / "configs" / "1b.toml"
@@ -89,6 +90,7 @@ def measure(
         r["measured_peak_mfu"] = r["tokens_per_s"] * fpt / peak["best_flops"]
     return {
         "ran": True,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": f"python -m {MODULE} --steps {steps} --warmup {warmup} --batch {batch} --micro {micro} "
         f"--seq {seq}",
         "gpu": torch.cuda.get_device_name(0),
@@ -132,6 +134,7 @@ def render(result: dict) -> str:
         for r in result["runs"]
     ]
     peak = fmt(result["bf16_peak_flops"] / 1e12)
+    out += f"Date: {result.get('date', 'not recorded')}. "
     out += f"GPU: {result['gpu']}; measured bf16 matmul peak {peak} TFLOP/s.\n\n"
     out += table(
         [
@@ -160,12 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--write", action="store_true", help="also write the `gpu` section of docs/benchmarks.md"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.gpu_mfu: no CUDA GPU here; run it on a machine with one", file=sys.stderr)
         return 2
     result = measure(False, args.steps, args.warmup, args.batch, args.micro, args.seq, args.repeats)
     print(json.dumps(result) if args.json else render(result))
+    if args.write:
+        write_page({"gpu": render(result)})
     return 0
 
 

@@ -40,11 +40,12 @@ import json
 import re
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.procs import WORK, read_metrics, run, shown, train_records
-from bench.report import fmt, median, table
+from bench.report import fmt, median, table, write_page
 
 MODULE = "bench.torchtitan_gpu"
 # torchtitan's llama3 "debugmodel" flavour, as relaytrain overrides.
@@ -254,6 +255,7 @@ def measure(
     ours = median(r["tps"] for r in runs if r["side"] == "relaytrain")
     return {
         "ran": True,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": f"python -m {MODULE} --shape {shape} --gpus {gpus} --pairs {pairs} --steps {steps} "
         f"--warmup {warmup} --seq {seq} --batch {batch}",
         "shape": shape,
@@ -293,7 +295,8 @@ def render(result: dict) -> str:
     p = result["params"]
     out += f"Shape `{result.get('shape', 'debug')}`: {result.get('why', PRESETS['debug'].why)}.\n\n"
     out += (
-        f"GPU: {result['gpu']}. Parameters: relaytrain {p['relaytrain']:,}, torchtitan "
+        f"Date: {result.get('date', 'not recorded')}. GPU: {result['gpu']}. "
+        f"Parameters: relaytrain {p['relaytrain']:,}, torchtitan "
         f"{p['torchtitan'] if p['torchtitan'] is None else format(p['torchtitan'], ',')}.\n\n"
     )
     rows = [
@@ -328,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         "--prepare-only", type=Path, default=None, help="only write torchtitan's assets there"
     )
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--write", action="store_true", help="also write the `torchtitan` section of docs/benchmarks.md"
+    )
     args = parser.parse_args(argv)
     if args.prepare_only:
         print(prepare_assets(args.prepare_only))
@@ -342,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         args.gpus, args.pairs, args.steps, args.warmup, args.seq, args.batch, args.titan_arg, args.shape
     )
     print(json.dumps(result) if args.json else render(result))
+    if args.write:
+        write_page({"torchtitan": render(result)})
     return 0
 
 
