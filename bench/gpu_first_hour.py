@@ -39,7 +39,7 @@ import traceback
 import torch
 
 from bench.procs import WORK, read_metrics, relaytrain_argv, run, shown, train_records
-from bench.report import fmt, table, write_page
+from bench.report import REPO, fmt, table, write_page
 
 MODULE = "bench.gpu_first_hour"
 SECTION = "gpu-first-hour"
@@ -141,7 +141,7 @@ def snapshot() -> dict:
     from relaytrain.model import count_parameters
 
     args = [*WIDE, "--train.max_steps=10", "--train.global_batch_size=4", "--train.micro_batch_size=4"]
-    args += ["--checkpoint.enabled=false", "--train.eval_every=0", "--metrics.log_every=1"]
+    args += ["--checkpoint.interval=0", "--train.eval_every=0", "--metrics.log_every=1"]
     records, _ = _train("snapshot", [*args, "--checkpoint.snapshot_every=1"])
     kept = [r for r in records[3:] if r.get("snapshot_blocking_s") is not None]
     blocking = sorted(r["snapshot_blocking_s"] for r in kept)
@@ -223,10 +223,10 @@ def measure(only: list[str]) -> dict:
             result["steps"][step] = {"ok": True, "figures": figures}
         except Exception as exc:  # noqa: BLE001 - every other step still runs
             traceback.print_exc()
-            result["steps"][step] = {
-                "ok": False,
-                "error": str(exc).splitlines()[0][:300] if str(exc) else repr(exc),
-            }
+            error = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            # as a reader would type it: `relaytrain`, paths inside the repository relative to it
+            error = error.replace(f"{sys.executable} -m relaytrain.cli", "relaytrain")
+            result["steps"][step] = {"ok": False, "error": error.replace(f"{REPO}/", "")[:300]}
         result["steps"][step]["seconds"] = time.perf_counter() - started
         print(f"gpu_first_hour: {step}: {json.dumps(result['steps'][step])}", flush=True)
     result["device"] = result["steps"].get("versions", {}).get("figures", {}).get(

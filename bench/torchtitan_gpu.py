@@ -1,6 +1,6 @@
 """relaytrain against torchtitan (its PyPI release) on GPUs: same model shape, sequence length and batch.
 
-    pip install torchtitan==0.3.0 triton   # plus its declared dependencies; see docs/benchmarks.md
+    pip install torchtitan==0.3.0 triton   # plus its declared dependencies; 0.2.2 on torch 2.11
     python -m bench.torchtitan_gpu [--shape debug|8b] [--gpus N] [--pairs 3] [--steps 30] [--warmup 5]
                                    [--seq N] [--batch N]
 
@@ -22,8 +22,12 @@ bench.overhead`` with a larger model, which runs both of its sides on the GPU in
 
 Precision: on one GPU torchtitan applies no FSDP and trains in fp32, so relaytrain runs
 ``--parallel.param_dtype=float32`` too; with ``--gpus`` > 1 both use FSDP2 with bf16 parameters and fp32
-reduction. torchtitan's debug model uses flex attention with a per-document causal mask, relaytrain causal
-SDPA: the attention kernels differ, the matmul work is the same.
+reduction. torchtitan 0.3's debug model uses flex attention with a per-document causal mask (0.2's causal
+SDPA), relaytrain causal SDPA: the attention kernels may differ, the matmul work is the same.
+
+torchtitan 0.3.0 imports `torch.distributed.fsdp.DataParallelMeshDims`, which torch 2.11 lacks; with a
+torchtitan 0.2.x installed the script passes that release's flags (`--model.flavor` instead of 0.3's
+`--module`/`--config`).
 
 torchtitan's config reads ``./tests/assets/tokenizer`` and the ``c4_test`` dataset from its repository,
 which the wheel does not ship; this script writes both into its work directory (a byte-level BPE with
@@ -146,8 +150,35 @@ def prepare_assets(workdir: Path, vocab_size: int = 2000) -> Path:
     return assets
 
 
+# torchtitan before 0.3 names a model by name and flavour (its config registry came with 0.3).
+LEGACY_FLAVOR = {"llama3_debugmodel": "debugmodel", "llama3_8b": "8B"}
+
+
+def titan_release() -> tuple[int, ...]:
+    """The installed torchtitan's version; 0.3.0 (the flags' own release) where none is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return tuple(int(part) for part in re.findall(r"\d+", version("torchtitan"))[:3])
+    except PackageNotFoundError:
+        return (0, 3, 0)
+
+
+def legacy_titan_argv(preset: Preset, gpus: int, steps: int, seq: int, batch: int) -> list[str]:
+    """torchtitan 0.2.x's flags (0.3.0 needs a torch newer than 2.11: `fsdp.DataParallelMeshDims`)."""
+    flavor = LEGACY_FLAVOR[preset.titan_config]
+    argv = ["-m", "torchtitan.train", "--model.name=llama3", f"--model.flavor={flavor}"]
+    argv += [f"--training.steps={steps}", f"--training.seq_len={seq}", f"--training.local_batch_size={batch}"]
+    argv += ["--metrics.log_freq=1", f"--activation_checkpoint.mode={preset.ac}"]
+    if gpus == 1:
+        return [*argv, "--training.mixed_precision_param=float32"]
+    return [*argv, f"--parallelism.data_parallel_shard_degree={gpus}"]
+
+
 def titan_argv(preset: Preset, gpus: int, steps: int, seq: int, batch: int, extra: list[str]) -> list[str]:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+    if titan_release() < (0, 3):
+        return [*argv, *legacy_titan_argv(preset, gpus, steps, seq, batch), *extra]
     argv += ["-m", "torchtitan.train", "--module", "llama3", "--config", preset.titan_config]
     argv += [
         f"--training.steps={steps}",

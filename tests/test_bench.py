@@ -315,6 +315,18 @@ def test_torchtitan_8b_preset_is_the_8b_shape_on_eight_gpus(tmp_path):
     assert "--parallelism.data_parallel_shard_degree=8" in titan
 
 
+def test_torchtitan_before_0_3_gets_its_own_flags(monkeypatch):
+    """0.3.0 needs a torch newer than 2.11; 0.2.x names the model by flavour and has no --config."""
+    monkeypatch.setattr(torchtitan_gpu, "titan_release", lambda: (0, 2, 2))
+    debug, big = torchtitan_gpu.PRESETS["debug"], torchtitan_gpu.PRESETS["8b"]
+    one = torchtitan_gpu.titan_argv(debug, 1, 30, 2048, 8, ["--x=1"])
+    assert "--config" not in one and "--model.flavor=debugmodel" in one and one[-1] == "--x=1"
+    assert {"--training.steps=30", "--training.mixed_precision_param=float32"} <= set(one)
+    eight = torchtitan_gpu.titan_argv(big, 8, 30, 8192, 1, [])
+    assert "--model.flavor=8B" in eight and "--activation_checkpoint.mode=selective" in eight
+    assert "--parallelism.data_parallel_shard_degree=8" in eight
+
+
 def test_step_ab_times_both_step_functions_in_one_process():
     from bench.step_ab import run
 

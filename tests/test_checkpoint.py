@@ -161,6 +161,40 @@ def test_async_save_snapshots_state_before_training_continues(tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("closes", [False, True], ids=["stager-kept", "stager-closed-after-stage"])
+def test_async_saves_of_state_off_the_host_copy_it_every_time(tmp_path, monkeypatch, closes):
+    """State off the host (a GPU's) is copied by DCP's stager at each async save. torch 2.11's stager
+    closes itself after every stage (torch 2.13's does not): a second save with it fails, so the manager
+    takes a new one. Forced here on CPU: the state claims to be off the host."""
+    from torch.distributed.checkpoint import staging
+
+    monkeypatch.setattr(TrainingState, "on_host", lambda self: False)
+    if closes:
+        stage = staging.DefaultStager._stage
+
+        def stage_then_close(self, state_dict, **kwargs):  # torch 2.11's DefaultStager._stage
+            staged = stage(self, state_dict, **kwargs)
+            self._state_dict_stager.close()
+            return staged
+
+        monkeypatch.setattr(staging.DefaultStager, "_stage", stage_then_close)
+    mgr, parts, opt, state = make(tmp_path, mode="async")
+    first = mgr._stager
+    saved = {}
+    for step in (1, 2, 3):
+        train_step(parts, opt, state, step - 1)
+        saved[step] = params(parts)
+        mgr.save(step)
+        mgr.wait()
+    assert (mgr._stager is first) is not closes  # kept where torch keeps it: its host buffers are reused
+    for step in (1, 2, 3):
+        front, parts2, _, _ = make_front(
+            tmp_path, seed=9, resume=str(tmp_path / f"run/checkpoints/step_{step}")
+        )
+        assert front.checkpoints.load() == step
+        assert all(torch.equal(saved[step][k], v) for k, v in params(parts2).items())
+
+
 def test_initial_save_keeps_optimizer_untouched(tmp_path):
     mgr, parts, opt, state = make(tmp_path, save_initial=True)
     assert mgr.should_save(0, False)

@@ -174,3 +174,12 @@ def test_derived_values_are_validated_with_the_config():
         load_config(None, [], {"resilience": {"requeue": "no"}})
     cfg = load_config(None, ["--slurm.nodes=2", "--slurm.env={A = '1'}"], {"slurm": {"nodes": 3}})
     assert cfg.slurm.nodes == 3 and cfg.slurm.env == {"A": "1"}
+
+
+def test_snapshots_with_checkpointing_off_are_refused_not_ignored():
+    for every in ("1", "auto"):
+        with pytest.raises(ConfigError, match=r"no snapshot while checkpoint.enabled=false.*interval=0"):
+            load_config(None, ["--checkpoint.enabled=false", f"--checkpoint.snapshot_every={every}"])
+    cfg = load_config(None, ["--checkpoint.interval=0", "--checkpoint.snapshot_every=1"])
+    assert cfg.checkpoint.enabled and cfg.checkpoint.snapshot_every == 1
+    assert not load_config(None, ["--checkpoint.enabled=false"]).checkpoint.snapshot_every

@@ -62,7 +62,7 @@ def test_a_snapshot_of_cuda_tensors_decodes_to_the_same_bytes():
     staging = Staging(DeviceCopy())
     staged = staging.stage({"model": values, "step": 7}, {"step": 7})
     for value in values.values():
-        value.add_(1)  # the staged copy was taken before: changing the source now must not reach it
+        value.zero_()  # the staged copy was taken before: changing the source now must not reach it
     meta, back = decode(bytearray(b"".join(bytes(c) for c in staged.chunks())))
     assert meta == {"step": 7} and back["step"] == 7
     for name, value in sample("cuda").items():
@@ -92,11 +92,12 @@ def test_memory_figures_come_from_the_allocator_per_window():
     window_memory_stats(device)
     block = torch.empty(512 << 20, dtype=torch.uint8, device=device)  # 0.5 GiB
     first = window_memory_stats(device)
-    del block
+    del block  # still held when the first window ended: the second window's peak includes it
     torch.cuda.empty_cache()
     second = window_memory_stats(device)
+    third = window_memory_stats(device)
     assert first["mem_peak_gib"] >= 0.5 and first["mem_alloc_retries"] == 0
-    assert second["mem_peak_gib"] < first["mem_peak_gib"], "the peak was not reset for the next window"
+    assert second["mem_peak_gib"] >= 0.5 > third["mem_peak_gib"], "the peak was not reset per window"
 
 
 def test_nvml_reads_every_visible_gpu(tmp_path):

@@ -135,7 +135,27 @@ def optimizer_step_dtype(is_fused: bool | None = None) -> torch.dtype:
     return _get_scalar_dtype(is_fused=is_fused)
 
 
+def stager_reusable(stager) -> bool:
+    """Whether DCP's `DefaultStager` can stage again: torch 2.11 closes its `StateDictStager` at the end of
+    every stage (`_deepcopy_dispatch` emptied, cached host buffers dropped), so a second async save with
+    the same stager fails; 2.13 keeps it. Checked: 2.11 (closes), 2.13 (keeps)."""
+    return bool(stager._state_dict_stager._deepcopy_dispatch)
+
+
 # -- the simulation (relaytrain.parallel.simulate and sim_*) ------------------------------------------
+
+
+def simulation_gaps() -> list[str]:
+    """The private names below that the installed torch lacks, for a clear refusal of `plan --simulate`
+    instead of an ImportError in its child process. Checked: 2.11 (both missing), 2.13 (none)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    gaps = [] if hasattr(ShardingPropagator, "_fake_mode_lock") else ["ShardingPropagator._fake_mode_lock"]
+    try:
+        from torch.distributed.pipelining._utils import InferenceMode  # noqa: F401
+    except ImportError:
+        gaps.append("torch.distributed.pipelining._utils.InferenceMode")
+    return gaps
 
 
 def fake_tensor_mode(**kwargs):

@@ -38,8 +38,23 @@ from relaytrain.checkpoint.storage import WRITER_THREADS, LiveStager, RawWriter
 from relaytrain.checkpoint.training_state import TrainingState
 from relaytrain.config.schema import CheckpointConfig
 from relaytrain.errors import UserError
+from relaytrain.torch_private import stager_reusable
 
 log = logging.getLogger("relaytrain.checkpoint")
+
+
+def _device_stager():
+    """DCP's stager for an async save of state off the host: host buffers for the snapshot, kept and reused
+    by every save (no fresh allocation and page faults each time); pinned on CUDA so the device-to-host
+    copy is fast. Only the copy blocks training. Non-blocking copies need an accelerator."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    options = StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+    )
+    return DefaultStager(options)
+
 
 _DEFAULT_WRITE_BYTES_PER_S = 100e6  # pessimistic disk speed for the estimate before the first save
 
@@ -94,28 +109,11 @@ class CheckpointManager:
         if self.ckpt.mode == "async":
             # Checksums of this rank's files are computed after its write, on this thread, not the loop's.
             self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-ckpt-checksum")
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
             on_host = state.on_host()
             # State already in host memory is written from the live tensors, with no copy: only the
             # optimizers change them in place, so their next step waits until this rank's write is done
-            # (the forward and backward passes in between overlap with the write).
-            # Off the host: host buffers for the snapshot, kept and reused by every save (no fresh
-            # allocation and page faults each time); pinned on CUDA so the device-to-host copy is fast.
-            # Only the copy blocks training. Non-blocking copies need an accelerator.
-            cuda = torch.cuda.is_available()
-            self._stager = (
-                LiveStager()
-                if on_host
-                else DefaultStager(
-                    StagingOptions(
-                        use_pinned_memory=cuda,
-                        use_shared_memory=False,
-                        use_async_staging=False,
-                        use_non_blocking_copy=cuda,
-                    )
-                )
-            )
+            # (the forward and backward passes in between overlap with the write). Off the host: a copy.
+            self._stager = LiveStager() if on_host else _device_stager()
         self._step_hooks = []
         if isinstance(self._stager, LiveStager):
             hook = self._before_optimizer_step
@@ -182,6 +180,8 @@ class CheckpointManager:
                 async_stager=self._stager,
                 no_dist=not self._coll.dist,
             )
+            if not isinstance(self._stager, LiveStager) and not stager_reusable(self._stager):
+                self._stager = _device_stager()  # this torch closed it after staging (torch_private)
             if isinstance(written, AsyncSaveResponse):
                 written = written.upload_completion
             pending.written = written

@@ -56,6 +56,13 @@ def validate(cfg: Config) -> None:
         f"resilience.slurm_signal={r.slurm_signal!r} must be in resilience.signals={r.signals}, "
         "or Slurm's time-limit signal kills the ranks without a checkpoint",
     )
+    c = cfg.checkpoint
+    _require(
+        c.enabled or not c.snapshot_every,
+        f"checkpoint.snapshot_every={c.snapshot_every!r} takes no snapshot while checkpoint.enabled=false "
+        "(nothing is saved at all); set checkpoint.snapshot_every=0, or checkpoint.enabled=true with "
+        "checkpoint.interval=0 for snapshots without periodic checkpoints",
+    )
     ps = cfg.metrics.profile_steps
     _require(
         not ps or ps[0] < ps[1],

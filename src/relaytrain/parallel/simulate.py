@@ -265,6 +265,17 @@ def simulate(
 
     Raises SimulationError with the op or reason when the fake step cannot run.
     """
+    import torch
+
+    from relaytrain.torch_private import simulation_gaps
+
+    gaps = simulation_gaps()
+    if gaps:
+        raise SimulationError(
+            f"this torch ({torch.__version__}) lacks private names the simulation uses "
+            f"({', '.join(gaps)}); it was checked on torch 2.13: install torch 2.13 to simulate, or run "
+            "`relaytrain plan` without --simulate"
+        )
     results = []
     # A pipeline's left-out micro batches still get their receive buffers (the rest need nothing).
     unrun = dims.grad_accum - simulated_micro_batches(cfg.parallel, dims) if dims.pp > 1 else 0
