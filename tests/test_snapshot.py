@@ -206,6 +206,8 @@ def test_killed_run_resumes_from_its_snapshot_bit_exact(tmp_path, tiny_args):
     assert losses_by_step(tmp_path / "runs/cut") == losses_by_step(tmp_path / "runs/ref")
     records = [json.loads(x) for x in (tmp_path / "runs/cut/metrics.jsonl").read_text().splitlines()]
     assert any(r.get("snapshot_bytes", 0) > 0 and "snapshot_blocking_s" in r for r in records)
+    snaps = [r for r in records if "snapshot_waited_s" in r]
+    assert snaps and all(0 <= r["snapshot_waited_s"] <= r["snapshot_blocking_s"] for r in snaps)
     assert not any(shm.iterdir())
     verified = run_cli(["verify", str(tmp_path / "runs/cut")], tmp_path)  # steps after the snapshot replayed
     assert verified.returncode == 0, verified.stdout + verified.stderr

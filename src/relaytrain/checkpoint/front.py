@@ -155,7 +155,7 @@ class Persistence:
 
     @property
     def last_snapshot(self) -> dict[str, float]:
-        """The newest snapshot's blocking_s and bytes (empty: none taken)."""
+        """The newest snapshot's blocking_s, waited_s (of it) and bytes (empty: none taken)."""
         return self.snapshots.last if self.snapshots is not None else {}
 
     # -- stops, rollbacks, the end ------------------------------------------------------------------

@@ -60,7 +60,7 @@ class SnapshotTier:
         self._coll = collectives
         rank, world_size = collectives.rank, collectives.world_size
         self.rank, self.world_size = rank, world_size
-        self.last: dict[str, float] = {}  # the newest snapshot: blocking_s, bytes (rank 0 logs them)
+        self.last: dict[str, float] = {}  # the newest snapshot: blocking_s, waited_s, bytes (rank 0 logs)
         self._waited = 0.0  # of its blocking_s, the wait for the previous snapshot's background work
         # its write, once done: replicate_s, replicated_bytes, write_s, background_s
         self.written: dict[str, float] = {}
@@ -99,6 +99,7 @@ class SnapshotTier:
         (`settle`), `figures` (the pacing's) agreed with them, or None when none was pending."""
         started = time.perf_counter()
         prune, settled = self._settle(figures)
+        waited = time.perf_counter() - started
         if step <= self._taken and self.ring.is_node_leader(self.rank):
             forget_after(self.node_dir, step - 1)  # a rollback went back: those steps are another line
         self._taken = step
@@ -108,7 +109,10 @@ class SnapshotTier:
         staged = self._staging.stage(tree, meta)
         self.written = {}
         self._pending = (step, self._writer.submit(self._write, step, staged, meta, prune))
-        self.last = {"blocking_s": time.perf_counter() - started, "bytes": float(staged.size)}
+        # waited_s: of blocking_s, the wait for the previous snapshot's background work (and the ranks'
+        # agreement on its figures); the rest is the copy of this one
+        blocking = time.perf_counter() - started
+        self.last = {"blocking_s": blocking, "waited_s": waited, "bytes": float(staged.size)}
         self._waited = settled["overran_s"] if settled else 0.0
         if self.rank == 0:
             log.info(
