@@ -38,6 +38,7 @@ COST_STEPS = 300
 def measure(factors: list[float], clean: int, hog: int) -> dict:
     from bench.cluster.harness import OUT_ROOT, cluster_lock, start_cluster
     from bench.cluster.stragglers import STEPS, THROTTLE_AT, Trial, run_trial
+    from bench.cluster.stragglers import TRIAL_VOCAB as VOCAB
 
     start_cluster()
     runs = OUT_ROOT / "stragglers" / time.strftime("%Y%m%d-%H%M%S") / "runs"
@@ -60,6 +61,7 @@ def measure(factors: list[float], clean: int, hog: int) -> dict:
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return {"command": "python -m bench.stragglers", "date": date, "cpu": machine_info().get("cpu", "?"),
             "cores": os.cpu_count(), "load": str(load_average()), "steps": STEPS, "throttle_at": THROTTLE_AT,
+            "vocab_size": VOCAB,
             "settings": _settings(), "rounds": [[t.name for t in r] for r in rounds], "trials": trials,
             "cost": measure_cost()}  # fmt: skip
 
@@ -92,6 +94,12 @@ def _described(settings: dict | None) -> str:
             f"{settings['every']} steps, {settings['windows']} windows weighed)")  # fmt: skip
 
 
+def _model(data: dict) -> str:
+    """The trials' model beyond dim 128 and seq 64 (results kept before it was recorded: vocabulary 320)."""
+    vocab = data.get("vocab_size", 320)
+    return f", vocabulary {vocab} (an optimizer phase of ~{20 if vocab >= 8192 else 4} ms on one core)"
+
+
 def _arrangement(data: dict) -> str:
     """How the trials shared the machine: the rounds of jobs run at once."""
     if "rounds" not in data:  # results kept before the rounds were recorded
@@ -110,12 +118,14 @@ def render(data: dict, source: str) -> str:
         right = first is not None and first["rank"] == t["rank"] and first["node"] == t["node"]
         within.append(steps is not None and steps <= NAMED_WITHIN and right)
         measured = "–" if first is None else f"{1 + first['slower']:.2f}x in {first['phase']}"
+        applied = "–" if t.get("applied") is None else f"{t['applied']:.2f}x"
         named = "none" if first is None else f"rank {first['rank']} on {first['node']}"
-        rows.append((f"{t['factor']:g}x", f"rank {t['rank']} on {t['node']}", t["throttled_at"],
+        rows.append((f"{t['factor']:g}x", applied, f"rank {t['rank']} on {t['node']}", t["throttled_at"],
                      "–" if first is None else first["step"], "–" if steps is None else steps, named,
                      _yes(right), measured, t["error"] or ""))  # fmt: skip
-    slow_table = table(["applied", "throttled", "at step", "named at step", "steps to the line", "named",
-                        "rank and node right", "measured", "error"], rows)  # fmt: skip
+    slow_table = table(["quota asked", "slowdown it caused", "throttled", "at step", "named at step",
+                        "steps to the line", "named", "rank and node right", "detector's measure", "error"],
+                       rows)  # fmt: skip
     false = [
         (t["name"], "yes" if t["hog"] else "no", t["state"], len(t["named"]), t["error"] or "") for t in clean
     ]
@@ -129,7 +139,8 @@ def render(data: dict, source: str) -> str:
         f"Rewritten from the kept results by `python -m bench.stragglers --page-from {source}`; measured by "
         f"`python -m bench.stragglers` on {data['date']} ({data['cpu']}, {data['cores']} cores, load "
         f"{data['load']}), on the local Slurm cluster: 2 nodes x 1 task, a small model (dim 128, seq 64) "
-        f"for {data['steps']} steps with {_described(data.get('settings'))}. After step "
+        f"for {data['steps']} steps with {_described(data.get('settings'))}"
+        f"{_model(data)}. After step "
         f"{data['throttle_at']} rank 1's process gets a CPU quota of 1/factor of its one compute thread "
         "and 1/factor of a process's CPU weight from outside the run (a cgroup, 2 ms period: `python -m "
         "faults.throttle`); the clean runs "
@@ -148,10 +159,15 @@ def render(data: dict, source: str) -> str:
         f"and window gather, summed on the rank that spent most): {1e6 * cost['cost_per_step_s']:.0f} µs per "
         f"step against a {1e3 * cost['mean_step_s']:.0f} ms step, {100 * cost['cost_share']:.2f} % "
         f"(target < {100 * COST_TARGET:.0f} %).",
-        "* The slowdown measured is the throttled rank's optimizer phase against the other rank's: a CPU "
-        "quota bites in bursts (the kernel enforces it at its 4 ms tick), so short phases see more than the "
-        "mean slowdown, and on a machine whose cores are shared by other work a rank that got less than a "
-        "whole CPU to begin with is slowed by less.",
+        "* \"Slowdown it caused\" is measured apart from the detector, from the run's `rank_times` records "
+        "(each rank's median optimizer phase per window): rank 1's against rank 0's over the windows after "
+        "the throttle, divided by the same before it. A CPU quota does not slow a phase by a set amount: "
+        "the kernel enforces it at its 4 ms tick, so a phase of a few ms may escape it or be held for a "
+        "whole period, and on a machine whose cores are shared by other work a rank that got less than a "
+        "whole CPU to begin with is slowed by less. \"Detector's measure\" is what the `straggler` event "
+        "reported: the median over its windows of the throttled rank's fastest phase against the other's "
+        "(the fastest: a burst of noise does not count), below the mean slowdown where the slowdown itself "
+        "comes in bursts.",
     ])  # fmt: skip
 
 

@@ -11,11 +11,14 @@ beside the job, and counts the `straggler` events: each one is a false report.
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from relaytrain.config.schema import ResilienceConfig
 
 import faults
 import faults.throttle as throttle
@@ -26,16 +29,21 @@ sys.path.insert(0, str(REPO / "tests"))
 from tiny_config import TINY_TOML  # noqa: E402
 
 STEPS = 120
-THROTTLE_AT = 10
+THROTTLE_AT = 30  # six windows before it: the ranks' own difference, taken out of the applied slowdown
 MODEL = TINY_TOML.replace("dim = 64", "dim = 128").replace("seq_len = 32", "seq_len = 64")
+# The trials' model: an 8192-entry vocabulary makes the optimizer phase (the one a rank does alone)
+# about 20 ms instead of 4 on one core, several periods of the throttle's quota and of the kernel's 4 ms
+# tick, so that a quota slows it by a steadier amount.
+TRIAL_VOCAB = 8192
+TRIAL_MODEL = MODEL.replace("vocab_size = 320", f"vocab_size = {TRIAL_VOCAB}")
 
 
-def straggler_config(name: str, runs: Path, steps: int) -> str:
+def straggler_config(name: str, runs: Path, steps: int, model: str = MODEL) -> str:
     """The run of a straggler trial (and of tests/test_straggler_slurm.py): the small model, every step
     logged, no evaluation, no checkpoint before its end, the local cluster's profile."""
     return (
         f'[run]\nname = "{name}"\ndir = "{runs}"\n\n'
-        + MODEL
+        + model
         + f"""max_steps = {steps}
 eval_every = 0
 
@@ -66,6 +74,7 @@ class Trial:
     rank: int | None = None  # the throttled rank and its node
     node: str = ""
     named: list[dict] = field(default_factory=list)  # the run's straggler events
+    applied: float | None = None  # the slowdown the throttle caused, measured (applied_slowdown)
     state: str = ""
     seconds: float = 0.0
     error: str = ""
@@ -76,6 +85,29 @@ class Trial:
 
     def as_json(self) -> dict:
         return asdict(self)
+
+
+def applied_slowdown(
+    windows: list[dict], throttled_at: int, every: int = 5, phase: str = "optimizer"
+) -> float | None:
+    """The slowdown the throttle caused in `phase`, measured apart from the detector from the run's
+    `rank_times` records (each rank's median time per window of `every` steps, the record at the window's
+    last step): the median over the windows after the throttle of rank 1's time against rank 0's, divided
+    by the same median before it (the ranks' own difference taken out). The window the throttle landed
+    in is left out."""
+    before, after = [], []
+    for window in windows:
+        slow, other = window.get(f"rank1_{phase}_s"), window.get(f"rank0_{phase}_s")
+        if not slow or not other:
+            continue
+        last = int(window["step"])
+        if last <= throttled_at:
+            before.append(slow / other)
+        elif last - every >= throttled_at:
+            after.append(slow / other)
+    if not before or not after:
+        return None
+    return statistics.median(after) / statistics.median(before)
 
 
 def _records(run_dir: Path, kind: str) -> list[dict]:
@@ -89,7 +121,7 @@ def _last_step(run_dir: Path) -> int:
 def run_trial(trial: Trial, runs: Path) -> Trial:
     start = time.time()
     config = runs.parent / f"{trial.name}.toml"
-    config.write_text(straggler_config(trial.name, runs, STEPS))
+    config.write_text(straggler_config(trial.name, runs, STEPS, TRIAL_MODEL))
     out = relaytrain("launch", str(config), "--nodes", "2", "--tasks-per-node", "1")
     trial.job = out.split("submitted job ", 1)[1].split()[0] if "submitted job " in out else ""
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if trial.hog else None
@@ -108,6 +140,9 @@ def run_trial(trial: Trial, runs: Path) -> Trial:
             trial.node = throttle._environ(pid).get("SLURMD_NODENAME", "")
         trial.state = wait_job_end(trial.job, 600).get("JobState", "")
         trial.named = [r for r in _records(run_dir, "event") if r.get("event") == "straggler"]
+        if trial.throttled_at is not None:
+            every = ResilienceConfig().straggler_every
+            trial.applied = applied_slowdown(_records(run_dir, "rank_times"), trial.throttled_at, every)
     except (TimeoutError, RuntimeError, OSError) as err:
         trial.error = str(err)[:300]
     finally:
