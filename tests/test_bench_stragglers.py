@@ -1,0 +1,42 @@
+"""bench.stragglers' own arithmetic: the slowdown a throttle caused, and the page's target count."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import stragglers
+from bench.cluster.stragglers import applied_slowdown
+
+
+def windows(ratios_before: list[float], ratios_after: list[float], every: int = 5) -> list[dict]:
+    """rank_times records at each window's last step: rank 0 takes 10 ms, rank 1 `ratio` times that."""
+    ratios = [*ratios_before, *ratios_after]
+    return [
+        {"step": every * (i + 1), "rank0_optimizer_s": 0.010, "rank1_optimizer_s": 0.010 * r}
+        for i, r in enumerate(ratios)
+    ]
+
+
+def test_the_slowdown_caused_takes_the_ranks_own_difference_out():
+    # rank 1 is 10 % slower than rank 0 before the throttle, 1.32x after: the throttle caused 1.2x
+    records = windows([1.1] * 6, [9.9] + [1.32] * 10)  # the window the throttle landed in is left out
+    assert applied_slowdown(records, throttled_at=30) == pytest.approx(1.2)
+    assert applied_slowdown(records[:6], throttled_at=30) is None  # nothing after it
+
+
+def test_the_target_counts_only_runs_slowed_by_at_least_a_fifth():
+    trial = {"rank": 1, "node": "n2", "throttled_at": 30, "error": "", "factor": 1.5, "hog": False}
+    named = {"step": 60, "rank": 1, "node": "n2", "slower": 0.3, "phase": "optimizer"}
+    data = {
+        "date": "d", "cpu": "c", "cores": 2, "load": "l", "steps": 120, "throttle_at": 30,
+        "cost": {"steps": 1, "cost_per_step_s": 1e-4, "mean_step_s": 0.1, "cost_share": 0.001},
+        "trials": [
+            {**trial, "applied": 1.25, "named": [named]},
+            {**trial, "applied": 1.4, "named": []},
+            {**trial, "applied": 1.05, "named": []},
+        ],
+    }  # fmt: skip
+    text = stragglers.render(data, "bench/results/stragglers.json")
+    assert "1 of 2 slowed runs whose throttle caused a slowdown of 1.2x or more" in text
+    assert "0 of 1 whose throttle caused less" in text
+    assert "| 1.5x | 1.25x | rank 1 on n2 | 30 | 60 | 30 |" in text
