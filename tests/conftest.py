@@ -99,6 +99,29 @@ def run_torchrun(nproc: int, args: list[str], cwd: Path, timeout: float = 600, *
     )
 
 
+def kill_after_snapshots(proc: subprocess.Popen, shm: Path, count: int = 2) -> Path:
+    """SIGKILL a local run (`proc`, snapshots in `shm`) once its node folder holds `count` finished
+    snapshots (stopped to look again: none is being replaced then); the node folder."""
+    import signal
+    import time
+
+    from relaytrain.checkpoint.snapshot import store
+
+    node = None
+    while proc.poll() is None:
+        node = node or next(shm.glob("relaytrain-local-*/*"), None)
+        if node is not None and len(store.holdings(node)) >= count:
+            proc.send_signal(signal.SIGSTOP)
+            if len(store.holdings(node)) >= count:
+                break
+            proc.send_signal(signal.SIGCONT)
+        time.sleep(0.01)
+    assert proc.poll() is None, f"the run ended before {count} snapshots were written"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return node
+
+
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.strip()]

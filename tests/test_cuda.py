@@ -11,22 +11,19 @@ tests/test_monitor.py); here nothing is faked.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from relaytrain.checkpoint.host import DeviceCopy, HostStage
-from relaytrain.checkpoint.snapshot import store
 from relaytrain.checkpoint.snapshot.format import Staging, decode
 from relaytrain.checkpoint.storage import RawReader, RawWriter
 
 import faults
-from conftest import child_env, losses_by_step, read_metrics, run_cli
+from conftest import TINY, child_env, kill_after_snapshots, losses_by_step, read_metrics, run_cli
 
 pytestmark = pytest.mark.cuda
 
@@ -120,21 +117,8 @@ def test_the_peak_flops_table_knows_this_gpu():
     assert peak.flops > 0, f"{torch.cuda.get_device_name(0)} is not in the peak table: MFU would read 0"
 
 
-TINY_CUDA = [
-    "--model.dim=128",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.vocab_size=320",
-    "--train.seq_len=64",
-    "--train.global_batch_size=8",
-    "--train.micro_batch_size=4",
-    "--optim.warmup_steps=2",
-    "--train.eval_every=0",
-    "--metrics.log_every=1",
-    "--metrics.tensorboard=false",
-    "--run.device=cuda",
-]
+# The tests' tiny model, a little wider and longer so that a step is not all kernel launches.
+TINY_CUDA = [*TINY, "--model.dim=128", "--train.seq_len=64", "--run.device=cuda"]
 
 
 def test_a_run_on_the_gpu_trains_and_reports_mfu_and_memory(tmp_path):
@@ -175,19 +159,7 @@ def test_a_killed_run_on_the_gpu_restores_its_snapshot_from_node_memory(tmp_path
     env = child_env(**faults.env(step_delay_s=0.3))
     with open(tmp_path / "cut.out", "w") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
-    node = None
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:
-        node = node or next(shm.glob("relaytrain-local-*/*"), None)
-        if node is not None and len(store.holdings(node)) >= 2:
-            proc.send_signal(signal.SIGSTOP)  # stopped to look again: the files are not being replaced
-            if len(store.holdings(node)) >= 2:
-                break
-            proc.send_signal(signal.SIGCONT)
-        time.sleep(0.01)
-    assert proc.poll() is None, "the run ended before two snapshots were written"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_after_snapshots(proc, shm, 2)
     again = run_cli([*args, "--run.name=cut"], tmp_path)
     out = again.stdout + again.stderr
     assert again.returncode == 0, out[-3000:]

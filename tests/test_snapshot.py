@@ -4,10 +4,8 @@ killed run that resumes from its snapshot bit for bit."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from relaytrain.checkpoint.snapshot.restore import _plan
 from relaytrain.job.facts import JobFacts
 
 import faults
-from conftest import child_env, losses_by_step, run_cli
+from conftest import child_env, kill_after_snapshots, losses_by_step, run_cli
 
 
 def _tree():
@@ -178,18 +176,7 @@ def test_killed_run_resumes_from_its_snapshot_bit_exact(tmp_path, tiny_args):
     env = child_env(**faults.env(step_delay_s=0.3))
     with open(tmp_path / "cut.out", "w") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
-    node = None
-    while proc.poll() is None:  # the kill comes once two snapshots are written (stopped to look again)
-        node = node or next(shm.glob("relaytrain-local-*/*"), None)
-        if node is not None and len(store.holdings(node)) >= 2:
-            proc.send_signal(signal.SIGSTOP)
-            if len(store.holdings(node)) >= 2:
-                break
-            proc.send_signal(signal.SIGCONT)
-        time.sleep(0.01)
-    assert proc.poll() is None, "the run ended before two snapshots were written"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    node = kill_after_snapshots(proc, shm, 2)
     steps = sorted(store.holdings(node))
     assert len(steps) >= 2 and not (tmp_path / "runs/cut/checkpoints").exists(), steps
     newest = store.snapshot_file(store.step_dir(node, steps[-1]), 0)
