@@ -8,9 +8,12 @@ snapshot every step and against no snapshots, side by side in one invocation.
 `one`: the debug config widened to about `--state-gb` GB of model and AdamW state (bench/snapshot.py's
 wide model) in one process; `nodes`: the same model on 2 nodes x 1 task of the local Slurm cluster (each
 node its own /dev/shm, each rank's snapshot replicated to the other node), under the cluster's lock. Each
-part trains `--steps` steps three times, the three runs at the same time (the machine's other load
-then weighs on all three alike; on 2 nodes, three jobs sharing the cluster's nodes): without snapshots,
-with `snapshot_every = 1`, with `snapshot_every = "auto"` and `snapshot_max_overhead = --budget`. From each
+part trains `--steps` steps without snapshots, with `snapshot_every = 1` and with `snapshot_every = "auto"`
+(`snapshot_max_overhead = --budget`). In one process the three runs train at the same time, so the
+machine's other load weighs on all three alike. On 2 nodes three jobs at once would not fit the machine's
+memory, so they run one after the other in mirrored order (off, every step, auto, auto, every step, off):
+each setting's figures are the sum over its two jobs, and a load that rises or falls steadily during the
+part weighs on the three alike. From each
 run's metrics.jsonl: the wall time of its steps (`time_step_s`, one record per step), its `snapshot`
 events (each snapshot's blocking and background seconds and the slowdown of the steps its background work
 overlapped) and its `snapshot_interval` events.
@@ -116,22 +119,39 @@ def one_process(steps: int, state_gb: float, budget: float) -> dict[str, dict]:
     return runs
 
 
+JOB_TIME = "02:00:00"  # each 2-node job runs in one allocation
+MIRRORED = [*EVERY, *reversed(EVERY)]  # 2 nodes: the jobs' order; a steady drift cancels over each pair
+
+
+def combined(jobs: list[dict]) -> dict:
+    """One setting's figures over its jobs: times, steps and events summed (`jobs`: how many)."""
+    total = {key: sum(job[key] for job in jobs) for key in ("total_s", "steady_s", "steady_steps")}
+    total["ledger_steady_s"] = sum(job["ledger_steady_s"] for job in jobs)
+    total["step_times"] = [job["step_times"] for job in jobs]
+    total["snapshots"] = [snap for job in jobs for snap in job["snapshots"]]
+    total["intervals"] = [interval for job in jobs for interval in job["intervals"]]
+    total["snapshot_bytes"] = max(job["snapshot_bytes"] for job in jobs)
+    return total | {"jobs": len(jobs)}
+
+
 def two_nodes(steps: int, state_gb: float, budget: float, lock: bool) -> dict[str, dict]:
-    """The three runs on 2 nodes x 1 task, one job after the other."""
+    """The three settings on 2 nodes x 1 task, one job after the other in MIRRORED order."""
     from bench.cluster.harness import OUT_ROOT, PROFILE, cluster_lock, relaytrain, start_cluster, wait_job_end
 
     base = OUT_ROOT / "snapshot-budget" / f"nodes-{int(time.time())}"
     base.mkdir(parents=True)
-    runs = {}
+    jobs: dict[str, list[dict]] = {name: [] for name in EVERY}
     start_cluster(lock=lock)
     try:
         with cluster_lock(lock):
-            for name, every in EVERY.items():
-                run = name.replace(" ", "-")
-                args = [*wide_model(state_gb), *overrides(run, every, budget, steps, base, None)]
+            for index, name in enumerate(MIRRORED):
+                run = f"{name.replace(' ', '-')}-{index}"
+                args = [*wide_model(state_gb), *overrides(run, EVERY[name], budget, steps, base, None)]
+                # the profile's 10 minutes would stop and requeue a long job: its second allocation's
+                # start-up and the queue would count as snapshot overhead
                 submitted = relaytrain("launch", str(REPO / "configs/debug.toml"), "--nodes", "2",
                                        "--tasks-per-node", "1", f"--slurm.profile={PROFILE}",
-                                       *args)  # fmt: skip
+                                       "--time", JOB_TIME, *args)  # fmt: skip
                 job = re.search(r"submitted job (\d+)", submitted)
                 if not job:
                     raise RuntimeError(f"no job id in: {submitted}")
@@ -140,11 +160,15 @@ def two_nodes(steps: int, state_gb: float, budget: float, lock: bool) -> dict[st
                 if fields.get("JobState") != "COMPLETED" or not metrics.is_file():
                     logs = "\n".join(p.read_text()[-3000:] for p in (base / run).rglob("*.out"))
                     raise RuntimeError(f"job {job.group(1)} ended {fields.get('JobState')}:\n{logs}")
-                runs[name] = summarize(_metrics(metrics))
-                print(f"2 nodes, {name}: {runs[name]['steady_s']:.1f} s over the steady steps", flush=True)
+                records = _metrics(metrics)
+                if stops := [r for r in records if r.get("event") == "stop"]:
+                    raise RuntimeError(f"job {job.group(1)} ({name}) stopped and was requeued: {stops}")
+                jobs[name].append(summarize(records))
+                steady = jobs[name][-1]["steady_s"]
+                print(f"2 nodes, {name}: {steady:.1f} s over the steady steps", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    return runs
+    return {name: combined(done) for name, done in jobs.items()}
 
 
 def overhead(runs: dict[str, dict], name: str, key: str = "steady_s") -> float:
@@ -172,6 +196,22 @@ def part_rows(what: str, runs: dict[str, dict], budget: float) -> list[str]:
     return rows
 
 
+def _order(parts: dict) -> str:
+    """How the part's runs shared the machine."""
+    together = "In one process the three runs trained at the same time (the machine's other load weighs "
+    together += "on all three alike)."
+    if "nodes" not in parts:
+        return together
+    if parts["nodes"]["off"].get("jobs", 1) == 1:  # results kept before the mirrored order
+        sequential = "On 2 nodes the three jobs ran one after the other."
+        return (together + " " if "one" in parts else "") + sequential
+    mirrored = " On 2 nodes (three jobs at once do not fit this machine's memory) the jobs ran one after "
+    mirrored += "the other in mirrored order, off, every step, auto, auto, every step, off, each setting's "
+    mirrored += "figures summed over its two jobs (a load that rises or falls steadily weighs on the three "
+    mirrored += "alike); its `snapshot` events are counted over both."
+    return (together if "one" in parts else "") + mirrored
+
+
 def render(data: dict) -> str:
     a = data["args"]
     budget = a["budget"]
@@ -182,8 +222,8 @@ def render(data: dict) -> str:
         f"{data['commit']}, with "
         f"`{data['command']}`, one invocation: the debug config widened to {a['state_gb']} GB of model and "
         f"AdamW state, {a['steps']} steps without snapshots, with `snapshot_every = 1` and with "
-        f'`snapshot_every = "auto"` (`snapshot_max_overhead = {budget}`), the three runs at the same time '
-        "(the machine's other load weighs on all three alike). Overhead: "
+        f'`snapshot_every = "auto"` (`snapshot_max_overhead = {budget}`). '
+        f"{_order(data['parts'])} Overhead: "
         f"the steps' wall time over the run without snapshots', minus 1, from step {STEADY_FROM} on (after "
         "the automatic run's start-up snapshot, which waits once for its own background work to measure "
         "it); the whole run's (from step 2) in brackets. Ledger: the run's `snapshot` events, blocking "

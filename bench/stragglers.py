@@ -1,12 +1,15 @@
 """`python -m bench.stragglers`: is a slow rank named, how soon, how right, and at what cost?
 
-    python -m bench.stragglers [--factors 1.2,1.5,2] [--clean 2] [--hog 2] [--page]
+    python -m bench.stragglers [--factors 1.2,1.5,2] [--clean 2] [--hog 2] [--load 0] [--page]
     python -m bench.stragglers --page-from bench/results/stragglers.json   # the section from kept results
 
 On the local Slurm cluster (taken under its lock), one trial per slowdown factor (rank 1 throttled from
-outside the run, bench/cluster/stragglers.py) and clean trials without and with a busy-looping process
-beside the job, in rounds (`rounds`): each slowed trial alone, so that nothing but the throttle slows
-one of its ranks; the clean trials without a hog two at once; each clean trial with a hog alone. Then,
+outside the run, bench/cluster/stragglers.py; a factor given twice is tried twice) and clean trials:
+without busy processes (`--clean`), beside one busy-looping process (`--hog`: the kernel runs it beside
+one rank or the other, a noisy neighbour of one node on this machine whose cores the cluster's nodes
+share) and beside one busy process per core (`--load`: both ranks loaded alike, a busy machine). In
+rounds (`rounds`): each slowed trial alone, so that nothing but the throttle slows one of its ranks; the
+clean trials without busy processes two at once; each trial with busy processes alone. Then,
 on this machine, one torchrun run that measures the detection's own cost beside its step time
 (bench/straggler_cost.py). The results
 go to bench/results/stragglers.json; `--page` (or `--page-from`) writes the "stragglers" section of
@@ -36,7 +39,7 @@ COST_TARGET = 0.01  # of the step time
 COST_STEPS = 300
 
 
-def measure(factors: list[float], clean: int, hog: int) -> dict:
+def measure(factors: list[float], clean: int, hog: int, load: int = 0) -> dict:
     from bench.cluster.harness import OUT_ROOT, cluster_lock, start_cluster
     from bench.cluster.stragglers import STEPS, THROTTLE_AT, Trial, run_trial
     from bench.cluster.stragglers import TRIAL_VOCAB as VOCAB
@@ -44,9 +47,12 @@ def measure(factors: list[float], clean: int, hog: int) -> dict:
     start_cluster()
     runs = OUT_ROOT / "stragglers" / time.strftime("%Y%m%d-%H%M%S") / "runs"
     runs.mkdir(parents=True)
-    slowed = [Trial(f"slow{f:g}".replace(".", "_"), f, False) for f in factors]
-    clean = [Trial(f"clean{i}", 1.0, False) for i in range(clean)]
-    clean += [Trial(f"hog{i}", 1.0, True) for i in range(hog)]
+    names = [f"slow{f:g}".replace(".", "_") for f in factors]
+    names = [n if names.count(n) == 1 else f"{n}_{names[:i].count(n)}" for i, n in enumerate(names)]
+    slowed = [Trial(name, f, 0) for name, f in zip(names, factors, strict=True)]
+    clean = [Trial(f"clean{i}", 1.0, 0) for i in range(clean)]
+    clean += [Trial(f"hog{i}", 1.0, 1) for i in range(hog)]
+    clean += [Trial(f"load{i}", 1.0, os.cpu_count() or 1) for i in range(load)]
     # The cluster's nodes share this machine's cores: a job beside a slowed one, or a CPU hog, would slow
     # its un-throttled rank too, so each slowed trial runs alone, and each hog's trial alone (its false
     # reports are its own). The clean trials without a hog run two at once: each is the other's noise.
@@ -75,6 +81,22 @@ def measure_cost() -> dict:
                "-m", "bench.straggler_cost", str(out), str(COST_STEPS)]  # fmt: skip
         subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, timeout=600, check=True)
         return json.loads(out.read_text())
+
+
+def _busy(hog: int | bool, cores: int) -> str:
+    """A clean trial's busy processes (results kept before the count: a bool, True for one)."""
+    count = int(hog)
+    return "none" if count == 0 else "one per core" if count == cores else str(count)
+
+
+def _false_reports(clean: list[dict], cores: int) -> str:
+    """False reports in all clean runs, then by the busy processes beside them."""
+    kinds: dict[str, list[int]] = {}
+    for t in clean:
+        kinds.setdefault(_busy(t["hog"], cores), []).append(len(t["named"]))
+    words = {"none": "without busy processes", "1": "beside one", "one per core": "beside one per core"}
+    parts = [f"{sum(n)} over {len(n)} {words.get(k, 'beside ' + k)}" for k, n in kinds.items()]
+    return f"{sum(len(t['named']) for t in clean)} over {len(clean)} runs ({'; '.join(parts)})"
 
 
 def _yes(ok: bool) -> str:
@@ -138,12 +160,10 @@ def render(data: dict, source: str) -> str:
     slow_table = table(["quota asked", "slowdown it caused", "throttled", "at step", "named at step",
                         "steps to the line", "named", "rank and node right", "detector's measure", "error"],
                        rows)  # fmt: skip
-    false = [
-        (t["name"], "yes" if t["hog"] else "no", t["state"], len(t["named"]), t["error"] or "") for t in clean
-    ]
-    false_table = table(["run", "CPU hog beside it", "job", "false reports", "error"], false)
+    false = [(t["name"], _busy(t["hog"], data["cores"]), t["state"], len(t["named"]), t["error"] or "")
+             for t in clean]  # fmt: skip
+    false_table = table(["run", "busy processes beside it", "job", "false reports", "error"], false)
     cost = data["cost"]
-    false_total = sum(len(t["named"]) for t in clean)
     wrong = sum(1 for t in slowed if any(n["rank"] != t["rank"] for n in t["named"]))
     return "\n".join([
         "## Stragglers",
@@ -156,7 +176,9 @@ def render(data: dict, source: str) -> str:
         f"{data['throttle_at']} rank 1's process gets a CPU quota of 1/factor of its one compute thread "
         "and 1/factor of a process's CPU weight from outside the run (a cgroup, 2 ms period: `python -m "
         "faults.throttle`); the clean runs "
-        "throttle nothing, with or without a busy-looping process on the machine. "
+        "throttle nothing, without busy processes, beside one busy-looping process (the cluster's nodes "
+        "share this machine's cores: the kernel runs it beside one rank or the other, a noisy neighbour of "
+        "one node), or beside one per core (both ranks loaded alike, a busy machine). "
         f"{_arrangement(data)} One trial each.",
         "",
         slow_table,
@@ -165,7 +187,7 @@ def render(data: dict, source: str) -> str:
         "",
         f"* Named within {NAMED_WITHIN} steps with the right rank and node: {_within(within)}; a rank "
         f"that was not throttled named in a slowed run: {wrong} of {len(slowed)}; false reports on clean "
-        f"runs: {false_total} over {len(clean)} runs.",
+        f"runs: {_false_reports(clean, data['cores'])}.",
         f"* The detection's own cost, measured inside one {cost['steps']}-step torchrun run of 2 ranks on "
         f"this machine (bench/straggler_cost.py: the timing around the phases and every step's bookkeeping "
         f"and window gather, summed on the rank that spent most): {1e6 * cost['cost_per_step_s']:.0f} µs per "
@@ -187,14 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.stragglers", description=__doc__.split("\n")[0])
     parser.add_argument("--factors", default="1.2,1.5,2")
     parser.add_argument("--clean", type=int, default=2, help="clean runs without a CPU hog")
-    parser.add_argument("--hog", type=int, default=2, help="clean runs beside a CPU hog")
+    parser.add_argument("--hog", type=int, default=2, help="clean runs beside one busy process")
+    parser.add_argument("--load", type=int, default=0, help="clean runs beside one busy process per core")
     parser.add_argument("--page", action="store_true", help="write the section of docs/benchmarks.md")
     parser.add_argument("--page-from", help="only write the section, from this kept results file")
     args = parser.parse_args(argv)
     if args.page_from:
         write_page({SECTION: render(kept.load(args.page_from), kept.relative(args.page_from))})
         return 0
-    data = measure([float(f) for f in args.factors.split(",")], args.clean, args.hog)
+    data = measure([float(f) for f in args.factors.split(",")], args.clean, args.hog, args.load)
     path = kept.save(RESULTS, data)
     print(f"wrote {kept.relative(path)}")
     if args.page:

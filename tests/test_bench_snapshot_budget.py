@@ -57,3 +57,17 @@ def test_the_section_names_its_command_and_its_kept_results():
         "Rewritten from the kept results by "
         "`python -m bench.snapshot_budget --page-from bench/results/snapshot-budget-x.json`."
     )
+
+
+def test_two_nodes_sum_each_settings_jobs_run_in_mirrored_order():
+    """On 2 nodes each setting runs twice, in the order off, every step, auto, auto, every step, off: a load
+    that rises steadily adds the same to each setting's sum."""
+    assert budget.MIRRORED == ["off", "every step", "auto", "auto", "every step", "off"]
+    drift = {name: [] for name in budget.EVERY}
+    for position, name in enumerate(budget.MIRRORED):  # every step 1 s slower per job than the one before
+        drift[name].append(budget.summarize(_records({s: 10.0 + position for s in range(1, 11)}, [])))
+    runs = {name: budget.combined(jobs) for name, jobs in drift.items()}
+    assert runs["off"]["jobs"] == 2 and runs["off"]["steady_steps"] == 12
+    assert budget.overhead(runs, "auto") == pytest.approx(0) and budget.overhead(runs, "every step") == 0
+    data = {"parts": {"nodes": runs}}
+    assert "mirrored order, off, every step, auto, auto, every step, off" in budget._order(data["parts"])

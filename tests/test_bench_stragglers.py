@@ -40,3 +40,13 @@ def test_the_target_counts_only_runs_slowed_by_at_least_a_fifth():
     assert "1 of 2 slowed runs whose throttle caused a slowdown of 1.2x or more" in text
     assert "0 of 1 whose throttle caused less" in text
     assert "| 1.5x | 1.25x | rank 1 on n2 | 30 | 60 | 30 |" in text
+
+
+def test_the_false_reports_are_told_apart_by_the_busy_processes_beside_the_run():
+    trials = [("clean0", 0, 0), ("hog0", True, 1), ("load0", 2, 0), ("load1", 2, 0)]  # name, busy, reports
+    clean = [{"name": n, "factor": 1.0, "hog": h, "named": [{}] * k, "state": "COMPLETED", "error": ""}
+             for n, h, k in trials]  # fmt: skip
+    assert [stragglers._busy(t["hog"], 2) for t in clean] == ["none", "1", "one per core", "one per core"]
+    assert stragglers._false_reports(clean, cores=2) == (
+        "1 over 4 runs (0 over 1 without busy processes; 1 over 1 beside one; 0 over 2 beside one per core)"
+    )

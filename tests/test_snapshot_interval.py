@@ -9,7 +9,7 @@ import pytest
 
 from relaytrain.checkpoint.snapshot import interval as iv
 from relaytrain.checkpoint.snapshot.interval import Costs, IntervalChooser, fits, overhead, shortest_interval
-from relaytrain.checkpoint.snapshot.pacing import FIRST_AUTO_STEP, SnapshotPacing, StepTimes
+from relaytrain.checkpoint.snapshot.pacing import CLEAN_STEPS, FIRST_AUTO_STEP, SnapshotPacing, StepTimes
 from relaytrain.config import load_config
 from relaytrain.errors import ConfigError
 
@@ -108,6 +108,56 @@ def test_a_fixed_interval_keeps_its_steps_and_records_each_snapshots_cost():
     assert [s for s in range(7, 13) if pacing.due(s)] == [9, 12]
     assert events == [("snapshot", 3, {"blocking_s": 0.1, "waited_s": 0.0, "background_s": 50.0,
                                        "replicate_s": 0.2, "write_s": 0.3, "slowdown_s": 0.2})]  # fmt: skip
+
+
+def test_a_fixed_interval_waits_for_its_snapshots_work_until_steps_ran_clean():
+    """With a snapshot every step, every step would overlap the previous snapshot's work: the first
+    snapshots wait for theirs until CLEAN_STEPS steps were timed clean; a longer interval never waits."""
+    clock = Clock()
+    every_step = SnapshotPacing(_cfg(1).checkpoint, 0)
+    every_step.times = StepTimes(clock)
+    waited = []
+    for _ in range(6):
+        every_step.step_ended()
+        waited.append(every_step.measuring)
+        every_step.resumed(background_running=not every_step.measuring)
+        clock.now += 1.0 if every_step.measuring else 1.5
+    assert waited == [True] * CLEAN_STEPS + [False] * (6 - CLEAN_STEPS)
+    assert every_step.times.figures()["slowdown_s"] > 0  # measured against the clean steps, not unknown
+    every_fourth = SnapshotPacing(_cfg(4).checkpoint, 0)
+    every_fourth.times = StepTimes(clock)
+    for _ in range(4):  # steps 2-4 timed clean before the first snapshot
+        every_fourth.step_ended()
+        every_fourth.resumed(False)
+        clock.now += 1.0
+    assert every_fourth.due(4) and not every_fourth.measuring
+
+
+def test_a_run_with_a_snapshot_every_step_measures_what_each_one_slowed(tmp_path, tiny_args):
+    """Every snapshot of a `snapshot_every = 1` run records a measured slowdown (not null), and the job's
+    first two snapshots include the wait for their own background work."""
+    shm = tmp_path / "shm"
+    args = ["train", *tiny_args, "--run.name=every", "--train.max_steps=8", "--checkpoint.interval=0"]
+    args += ["--checkpoint.snapshot_every=1", f"--checkpoint.snapshot_dir={shm}"]
+    done = run_cli(args, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (tmp_path / "runs/every/metrics.jsonl").read_text().splitlines()
+    snaps = [r for r in map(json.loads, lines) if r.get("event") == "snapshot"]
+    assert [r["step"] for r in snaps] == list(range(1, 8)), snaps
+    assert all(r["slowdown_s"] is not None for r in snaps), snaps
+
+
+def test_a_stopped_run_records_the_cost_of_the_snapshot_its_stop_settled(tmp_path, tiny_args):
+    """A stop (here at step 5) waits for the newest snapshot's work (step 4's): its event is written too,
+    not only those a next snapshot settled."""
+    shm = tmp_path / "shm"
+    args = ["train", *tiny_args, "--run.name=stop", "--train.max_steps=10", "--train.stop_at_step=5"]
+    args += ["--checkpoint.interval=0", "--checkpoint.snapshot_every=2", f"--checkpoint.snapshot_dir={shm}"]
+    done = run_cli(args, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(x) for x in (tmp_path / "runs/stop/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("event") == "stop"] == [5], records
+    assert [r["step"] for r in records if r.get("event") == "snapshot"] == [2, 4], records
 
 
 def test_auto_measures_at_its_first_snapshot_then_takes_one_at_the_chosen_interval():

@@ -5,8 +5,11 @@ the default straggler settings. A slowed trial waits until the run logged `THROT
 rank 1's process under a CPU quota of 1/factor of its one compute thread and 1/factor of a process's CPU
 weight from outside the job (`python -m faults.throttle`), and reads back what the run said: the first
 `straggler` event (the step it was named at, the rank, the node, how much slower) against the rank and
-node the throttle landed on. A clean trial throttles nothing, with or without a busy-looping process
-beside the job, and counts the `straggler` events: each one is a false report.
+node the throttle landed on. A clean trial throttles nothing, with or without busy-looping processes
+beside the job (`Trial.hog`: how many), and counts the `straggler` events: each one is a false report.
+The cluster's nodes share this machine's cores: one busy process is the neighbour of whichever rank the
+kernel runs it beside (a noisy neighbour on one node), one per core loads both ranks alike (a busy
+machine).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ profile = "{PROFILE}"
 class Trial:
     name: str
     factor: float  # the slowdown applied (1: none)
-    hog: bool  # a busy-looping process beside the job
+    hog: int  # busy-looping processes beside the job (results kept before: a bool, True for one)
     job: str = ""
     landed: str = ""  # the throttle's evidence line
     throttled_at: int | None = None  # the last logged step when the throttle landed
@@ -124,7 +127,7 @@ def run_trial(trial: Trial, runs: Path) -> Trial:
     config.write_text(straggler_config(trial.name, runs, STEPS, TRIAL_MODEL))
     out = relaytrain("launch", str(config), "--nodes", "2", "--tasks-per-node", "1")
     trial.job = out.split("submitted job ", 1)[1].split()[0] if "submitted job " in out else ""
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if trial.hog else None
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(int(trial.hog))]
     pid = None
     try:
         run_dir = runs / trial.name
@@ -146,7 +149,7 @@ def run_trial(trial: Trial, runs: Path) -> Trial:
     except (TimeoutError, RuntimeError, OSError) as err:
         trial.error = str(err)[:300]
     finally:
-        if hog is not None:
+        for hog in hogs:
             hog.kill()
         if pid is not None:
             throttle.release(pid)

@@ -134,7 +134,8 @@ class Persistence:
             measured = self.pacing.measuring
             with self._phase(Phase.SNAPSHOT, snapshots.last.get("blocking_s", 0.0)):
                 settled = snapshots.take(step, self.pacing.times.figures())
-                if measured:  # the job's first automatic snapshot: what one costs, its work waited for
+                if measured:  # its work waited for: what one costs, or clean steps to time (pacing.py)
+                    self.pacing.record(settled)  # the one before, if it was not settled yet
                     settled = snapshots.settle(self.pacing.times.figures())
             self.pacing.taken(step, settled, measured)
             self.saved_step = step
@@ -174,8 +175,11 @@ class Persistence:
             return self.checkpoints.load()
 
     def wait(self) -> None:
-        """Until a pending save is committed."""
+        """Until a pending save is committed and the newest snapshot's work is done, its cost recorded (a
+        stop's snapshot is settled here, not by a next one). Every rank calls it at the same step."""
         self.checkpoints.wait()
+        if self.snapshots is not None:
+            self.pacing.record(self.snapshots.settle(self.pacing.times.figures()))
 
     def close(self, finished: bool) -> None:
         """Commit a pending save (an error is logged: safe in a ``finally``), stop the snapshot tier (its

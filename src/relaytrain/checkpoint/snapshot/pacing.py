@@ -11,8 +11,12 @@ Automatic: the job's FIRST_AUTO_STEP-th step takes the first snapshot and waits 
 (once per job: that snapshot measures what one costs); each later snapshot's agreement (`SnapshotTier.
 take`) brings the previous one's figures, the maximum over ranks, so every rank chooses the same next step.
 
-Every snapshot, fixed or automatic, is recorded once settled (by the next snapshot, or at the run's last
-step) as a `snapshot` event in metrics.jsonl: what it cost the run, for a time ledger to sum.
+Fixed: a snapshot taken before CLEAN_STEPS steps of the job ran without background work waits for its own
+work too, so that the steps after it run clean. Without that, `snapshot_every = 1` would overlap every step
+with the work of the snapshot before it, leaving no clean step to measure the slowdown against.
+
+Every snapshot, fixed or automatic, is recorded once settled (by the next snapshot, at the run's last
+step, or at a stop) as a `snapshot` event in metrics.jsonl: what it cost the run, for a time ledger to sum.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ log = logging.getLogger("relaytrain.checkpoint")
 
 FIRST_AUTO_STEP = 3  # the job's first step warms up; its second and third give a clean step time
 WINDOW = 16  # the step times are medians of this many recent steps
+CLEAN_STEPS = 2  # a fixed interval's snapshots wait for their work until this many steps were timed clean
 
 EventSink = Callable[..., None]  # (event, step, **fields): the metrics logger's log_event
 
@@ -105,8 +110,11 @@ class SnapshotPacing:
 
     @property
     def measuring(self) -> bool:
-        """Whether the snapshot being taken is the job's first automatic one: it waits for its work."""
-        return self.auto and self.next_step is None
+        """Whether the snapshot being taken waits for its own work: the job's first automatic one (it
+        measures what one costs), or a fixed interval's while fewer than CLEAN_STEPS steps ran clean."""
+        if self.auto:
+            return self.next_step is None
+        return len(self.times.clean) < CLEAN_STEPS
 
     def resumed(self, background_running: bool) -> None:
         self.times.resumed(background_running)
