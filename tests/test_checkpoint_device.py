@@ -53,13 +53,15 @@ class FakeDevice(DeviceCopy):
         self.log.append("sync")
 
 
-def sample() -> dict[str, torch.Tensor]:
+def sample(big: int = 64) -> dict[str, torch.Tensor]:
+    """Tensors of every kind a state holds; "big" (big x big) larger than the buffers of the test using it
+    (tests/test_cuda.py moves them to the GPU)."""
     g = torch.Generator().manual_seed(0)
     return {
         "w": torch.randn(300, 70, generator=g),
         "half": torch.randn(33, 5, generator=g).to(torch.bfloat16),
         "ids": torch.arange(17, dtype=torch.int64),
-        "big": torch.randn(64, 64, generator=g),  # larger than the small buffers below
+        "big": torch.randn(big, big, generator=g),
         "flags": torch.tensor([True, False, True]),
         "empty": torch.empty(0, 4),
     }

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from relaytrain.checkpoint.host import DeviceCopy, HostStage
 from relaytrain.checkpoint.snapshot.format import Staging, decode
 from relaytrain.checkpoint.storage import RawReader, RawWriter
+from test_checkpoint_device import sample as host_sample
 
 import faults
 from conftest import TINY, child_env, kill_after_snapshots, losses_by_step, read_metrics, run_cli
@@ -29,16 +30,8 @@ pytestmark = pytest.mark.cuda
 
 
 def sample(device: str) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    values = {
-        "w": torch.randn(300, 70, generator=g),
-        "half": torch.randn(33, 5, generator=g).to(torch.bfloat16),
-        "ids": torch.arange(17, dtype=torch.int64),
-        "big": torch.randn(512, 512, generator=g),  # larger than the small stages below
-        "flags": torch.tensor([True, False, True]),
-        "empty": torch.empty(0, 4),
-    }
-    return {k: v.to(device) for k, v in values.items()}
+    """test_checkpoint_device's tensors on `device`, "big" larger than the small stages below."""
+    return {k: v.to(device) for k, v in host_sample(big=512).items()}
 
 
 def test_cuda_tensors_are_saved_and_loaded_through_pinned_host_stages(tmp_path):

@@ -117,3 +117,7 @@ def test_a_node_range_job_continues_in_place_on_fewer_nodes_then_grows_back(slur
     # the table wraps its nodes cell at 150 columns: "nsnode[1-2] (nodes per run:" / "2, 1, 2)"
     assert code == 0 and "nodes per run:" in out and "2, 1, 2" in out, out
     assert f"{1 + len(late)} in place" in out, out  # the lost node's restart, and any late cancellation
+    # across 2 -> 1 -> 2 nodes (data-parallel size 4 -> 2 -> 4): every sample once and in order, the
+    # checkpoints intact, the time ledger adding up to sacct's elapsed time of the job's runs within 1 %
+    code, out = cli("verify", str(run_dir))
+    assert code == 0 and ": OK" in out, out
