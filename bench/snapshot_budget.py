@@ -212,6 +212,19 @@ def _order(parts: dict) -> str:
     return (together if "one" in parts else "") + mirrored
 
 
+def _spread(runs: dict[str, dict]) -> str:
+    """The 2-node jobs of each setting apart: how far two jobs of one setting differ (the noise floor)."""
+    parts = []
+    for name, run in runs.items():
+        steady = [sum(t for s, t in times.items() if int(s) >= STEADY_FROM) for times in run["step_times"]]
+        apart = max(steady) / min(steady) - 1
+        parts.append(f"{name} {' / '.join(f'{s:.1f}' for s in steady)} s ({apart:.1%} apart)")
+    return (
+        f"2 nodes, each job's steady steps: {'; '.join(parts)}. Where two jobs of one setting differ by more "
+        "than the budget, the measured overhead of the sum cannot show the budget held; the ledger can."
+    )
+
+
 def render(data: dict) -> str:
     a = data["args"]
     budget = a["budget"]
@@ -253,6 +266,8 @@ def render(data: dict) -> str:
                     f"{what}, `snapshot_every = 1`: {blocking and max(blocking):.3f} s blocking at most, "
                     f"{max(background):.3f} s of background work at most per snapshot."
                 )
+    if "nodes" in parts and parts["nodes"]["off"].get("jobs", 1) > 1:
+        lines.append(_spread(parts["nodes"]))
     name = kept.relative(data["kept"])
     lines += ["", f"Results: `{name}`. Rewritten from the kept results by "
                   f"`python -m bench.snapshot_budget --page-from {name}`."]  # fmt: skip
