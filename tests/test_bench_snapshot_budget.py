@@ -72,4 +72,5 @@ def test_two_nodes_sum_each_settings_jobs_run_in_mirrored_order():
     data = {"parts": {"nodes": runs}}
     assert "mirrored order, off, every step, auto, auto, every step, off" in budget._order(data["parts"])
     # each setting's two jobs apart (steps 5-10: 6 steps of 10 + position s): the noise floor
-    assert budget._spread(runs).startswith("2 nodes, each job's steady steps: off 60.0 / 90.0 s (50.0% apart);")
+    spread = budget._spread(runs)
+    assert spread.startswith("2 nodes, each job's steady steps: off 60.0 / 90.0 s (50.0% apart);")

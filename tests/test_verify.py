@@ -188,6 +188,26 @@ def test_the_slurm_allocations_must_add_up_to_saccts_elapsed_time():
     assert "Slurm's accounting did not answer" in check_ledger(build_ledger(records), records, None).summary()
 
 
+def test_a_resized_job_is_one_run_and_overlapping_runs_are_left_to_the_records():
+    """sacct's lines of a job that lost a node and went on (RESIZING ends the first piece of the run), then
+    was requeued twice, as Slurm's job completion file writes them: every record after the resize starts
+    at the resize."""
+    from relaytrain.job.allocations import parse_runs
+
+    day = "9|2026-11-27T"
+    dbd = f"{day}16:11:05|2026-11-27T16:11:42|RESIZING\n{day}16:11:42|2026-11-27T16:11:48|REQUEUED\n"
+    dbd += f"{day}16:12:00|2026-11-27T16:12:32|REQUEUED\n"
+    runs = parse_runs("9", dbd, now=0.0)
+    assert [(r.restart, r.end - r.start, r.trusted) for r in runs] == [(0, 43.0, True), (1, 32.0, True)]
+    filetxt = f"{day}16:11:42|2026-11-27T16:11:42|RESIZING\n{day}16:11:42|2026-11-27T16:11:48|PENDING\n"
+    filetxt += f"{day}16:11:42|2026-11-27T16:12:32|PENDING\n{day}16:11:42|2026-11-27T16:13:23|COMPLETED\n"
+    runs = parse_runs("9", filetxt, now=0.0)
+    assert len(runs) == 3 and not any(r.trusted for r in runs)  # the later runs overlap the first
+    records = slurm_job("9", 1000.0, 20)
+    note = check_ledger(build_ledger(records), records, runs)
+    assert note.violations == [] and "job(s) 9 not checked: Slurm's job completion file" in note.summary()
+
+
 def test_a_running_allocations_tail_past_its_last_record_is_not_unaccounted_yet():
     # the trainer's records alone (the driver's would put a job's tail in a bucket), still training
     records = [r for r in slurm_job("8", 1000.0, 20) if r["kind"] != "job"][:-1]

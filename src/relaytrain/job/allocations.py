@@ -3,6 +3,12 @@
 ``sacct -D -X`` (every run of a requeued job, the allocation alone) where accounting storage runs, else
 ``sacct -c`` (the job completion file, one line per run). A run not finished yet ends now. Runs are
 numbered by their start, which is Slurm's restart count for a job that was requeued in place.
+
+A job that shrank (a node lost, the run going on with the nodes left) gets a `RESIZING` record that ends
+at the resize: the run goes on in the next record, so the two are one run. Slurm's job completion file
+then gives every later record of the job the resize's time as its start, so its runs overlap; such a
+job's runs are marked untrusted (`trusted`), and the time ledger bounds its allocations by the run's own
+records instead.
 """
 
 from __future__ import annotations
@@ -27,11 +33,12 @@ class JobRun(NamedTuple):
     start: float
     end: float
     running: bool  # not ended yet: `end` is when it was asked
+    trusted: bool = True  # False: the job's records overlap (a resize in the job completion file)
 
 
 def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
     """The runs of `job_id` in sacct's `JobID|Start|End|State` lines (steps and other jobs left out)."""
-    found: list[tuple[float, float, bool]] = []
+    found: list[tuple[float, float, bool, bool]] = []
     for line in text.splitlines():
         parts = line.split("|")
         if len(parts) < 3 or parts[0].strip() != job_id:
@@ -40,9 +47,21 @@ def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
         if start is None:  # never started (pending, or cancelled in the queue)
             continue
         end = parse_slurm_time(parts[2])
-        found.append((start, end if end is not None else now, end is None))
-    found = sorted(set(found))
-    return [JobRun(job_id, index, start, end, running) for index, (start, end, running) in enumerate(found)]
+        resizing = len(parts) > 3 and parts[3].strip().upper().startswith("RESIZING")
+        found.append((start, end if end is not None else now, end is None, resizing))
+    runs: list[tuple[float, float, bool]] = []
+    carried: float | None = None  # the start of a run whose RESIZING record came before this one
+    for start, end, running, resizing in sorted(set(found), key=lambda f: (f[0], f[1], f[3])):
+        if resizing:
+            carried = start if carried is None else carried
+            continue
+        runs.append((min(start, carried) if carried is not None else start, end, running))
+        carried = None
+    if carried is not None:  # the resize is the newest record: the run goes on
+        runs.append((carried, now, True))
+    trusted = all(later[0] >= earlier[1] for earlier, later in zip(runs, runs[1:], strict=False))
+    return [JobRun(job_id, index, start, end, running, trusted)
+            for index, (start, end, running) in enumerate(runs)]  # fmt: skip
 
 
 def job_runs(job_ids: Iterable[str], timeout: float = SLURM_QUERY_TIMEOUT_S) -> list[JobRun] | None:

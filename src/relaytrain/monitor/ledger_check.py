@@ -91,12 +91,26 @@ def _against_sacct(
         return "outside Slurm: each allocation bounded by its process's own records"
     if slurm_runs is None:
         return "Slurm's accounting did not answer: each allocation bounded by the run's own records"
+    untrusted = sorted({r.job_id for r in slurm_runs if not r.trusted})
+    unchecked = (
+        f"; job(s) {', '.join(untrusted)} not checked: Slurm's job completion file gives every run after a "
+        "resize the resize's time as its start, so their allocations are bounded by the run's own records"
+        if untrusted
+        else ""
+    )
+    slurm_runs = [r for r in slurm_runs if r.trusted]
+    if not slurm_runs:
+        return unchecked.removeprefix("; ")
     sacct_s = sum(r.end - r.start for r in slurm_runs)
-    slurm_jobs = [j for j in ledger.jobs if j.allocation.job_id is not None]
+    checked = {r.job_id for r in slurm_runs}
+    slurm_jobs = [j for j in ledger.jobs if j.allocation.job_id in checked]
     ledger_s = sum(j.seconds for j in slurm_jobs)
     if abs(ledger_s - sacct_s) <= SACCT_TOLERANCE * sacct_s:
         runs = len(slurm_runs)
-        return f"the Slurm allocations match sacct's elapsed time of {runs} job run(s) ({duration(sacct_s)})"
+        return (
+            f"the Slurm allocations match sacct's elapsed time of {runs} job run(s) ({duration(sacct_s)})"
+            + unchecked
+        )
     known = {
         (j.allocation.job_id, j.allocation.restart) for j in slurm_jobs if j.allocation.source == "sacct"
     }
@@ -111,7 +125,7 @@ def _against_sacct(
     line += f"; sacct's runs the ledger lacks: {', '.join(missing)}" if missing else ""
     line += f"; bounded by records, sacct has no such run: {', '.join(unmatched)}" if unmatched else ""
     violations.append(line)
-    return "the Slurm allocations do not match sacct"
+    return "the Slurm allocations do not match sacct" + unchecked
 
 
 def overlapping_windows(records: Sequence[dict[str, Any]], allocated_s: float) -> list[str]:

@@ -28,8 +28,10 @@ def run_time(run: RunDir, ask_slurm: bool = True) -> RunTime:
     records, _skipped = read_records(run.metrics)
     jobs = sorted({str(r["job_id"]) for r in records if r.get("job_id")})
     measured = (job_runs(jobs) if ask_slurm else None) if jobs else []
-    allocations = [
-        Allocation(r.job_id, r.restart, r.start, r.end, "sacct", r.running) for r in measured or []
+    allocations = [  # an untrusted job's allocations are bounded by the run's own records instead
+        Allocation(r.job_id, r.restart, r.start, r.end, "sacct", r.running)
+        for r in measured or []
+        if r.trusted
     ]
     return RunTime(build_ledger(records, allocations), records, measured)
 
