@@ -125,8 +125,8 @@ MIRRORED = [*EVERY, *reversed(EVERY)]  # 2 nodes: the jobs' order; a steady drif
 
 def combined(jobs: list[dict]) -> dict:
     """One setting's figures over its jobs: times, steps and events summed (`jobs`: how many)."""
-    total = {key: sum(job[key] for job in jobs) for key in ("total_s", "steady_s", "steady_steps")}
-    total["ledger_steady_s"] = sum(job["ledger_steady_s"] for job in jobs)
+    summed = ("total_s", "steady_s", "steady_steps", "ledger_steady_s")
+    total = {key: sum(job[key] for job in jobs) for key in summed}
     total["step_times"] = [job["step_times"] for job in jobs]
     total["snapshots"] = [snap for job in jobs for snap in job["snapshots"]]
     total["intervals"] = [interval for job in jobs for interval in job["intervals"]]

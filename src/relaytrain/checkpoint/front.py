@@ -134,8 +134,9 @@ class Persistence:
             measured = self.pacing.measuring
             with self._phase(Phase.SNAPSHOT, snapshots.last.get("blocking_s", 0.0)):
                 settled = snapshots.take(step, self.pacing.times.figures())
-                if measured:  # its work waited for: what one costs, or clean steps to time (pacing.py)
-                    self.pacing.record(settled)  # the one before, if it was not settled yet
+                # its work waited for: what one costs, or clean steps to time (pacing.py); every snapshot
+                # before such a one was waited for too, so `take` settled none
+                if measured:
                     settled = snapshots.settle(self.pacing.times.figures())
             self.pacing.taken(step, settled, measured)
             self.saved_step = step
