@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -92,9 +94,34 @@ def test_the_run_record_says_pending_and_asked(tmp_path):
 
 def test_a_signal_that_came_between_steps_goes_to_the_next_step():
     assert exit_status(-9) == 137 and exit_status(3) == 3
-    forwarder = SignalForwarder("USR2", pending="USR2")
-    assert forwarder.run(["sleep", "30"]) == 128 + 12  # killed by the SIGUSR2 it was handed
+    forwarder = SignalForwarder("USR2", pending="USR2", ready_timeout_s=0.5)
+    # `sleep` never takes SIGUSR2: after the timeout it gets it all the same, and dies of it
+    assert forwarder.run(["sleep", "30"]) == 128 + 12
     assert forwarder.pending == ""
+
+
+# A step that dies of SIGUSR2 for its first half second, as srun does before it blocks its signals,
+# then takes it: exit 0 on the signal, 1 without one.
+STARTS_SLOWLY = (
+    "import signal, sys, time; time.sleep(0.5); "
+    "signal.signal(signal.SIGUSR2, lambda *_: sys.exit(0)); time.sleep(30); sys.exit(1)"
+)
+
+
+def test_a_signal_is_held_until_the_starting_step_takes_it():
+    """Slurm's early signal as the step starts: handed over (pending) or arriving during its start-up."""
+    forwarder = SignalForwarder("USR2", pending="USR2")
+    assert forwarder.run([sys.executable, "-c", STARTS_SLOWLY]) == 0 and forwarder.pending == ""
+
+    forwarder = SignalForwarder("USR2")
+    previous = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    forwarder.install()
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR2)).start()  # while the step starts
+        assert forwarder.run([sys.executable, "-c", STARTS_SLOWLY]) == 0
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def test_a_crashed_step_restarts_in_place_then_the_job_frees_its_snapshots(job, capfd):

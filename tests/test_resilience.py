@@ -46,7 +46,8 @@ S = StopReason
 FAKE_SCONTROL = """#!/bin/sh
 echo "$@" >> "$FAKE_SCONTROL_LOG"
 case "$1 $2" in
-  "show job") echo "JobId=$4 JobState=${FAKE_JOB_STATE:-RUNNING} EndTime=${FAKE_END:-Unknown} Restarts=0";;
+  "show job") echo "JobId=$4 JobState=${FAKE_JOB_STATE:-RUNNING} EndTime=${FAKE_END:-Unknown}" \
+    "PreemptTime=${FAKE_PREEMPT:-None} Restarts=0";;
   "requeue "*) exit ${FAKE_REQUEUE_RC:-0};;
 esac
 """
@@ -304,6 +305,31 @@ def test_signal_classification(tmp_path, fake_slurm, monkeypatch, signum, slurm,
     overrides = ("--resilience.time_budget_margin_s=0",)
     c = controller(tmp_path, monkeypatch, end_in_s, *overrides, slurm=slurm)
     assert _signal_self_and_agree(c, signum) == expected
+
+
+def slurm_time(unix_s: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(unix_s))
+
+
+@pytest.mark.parametrize("preempting", [False, True])
+def test_a_job_that_slurm_began_to_preempt_stops_for_the_preemption(
+    tmp_path, fake_slurm, monkeypatch, preempting
+):
+    """Preempting a job, Slurm shortens its EndTime to PreemptTime + GraceTime: a run that read its end
+    time then (it started during the grace time) must not take the SIGTERM for the time limit."""
+    now = time.time()
+    monkeypatch.setenv("FAKE_END", slurm_time(now + 20))
+    if preempting:
+        monkeypatch.setenv("FAKE_PREEMPT", slurm_time(now - 1))
+    c = controller(tmp_path, monkeypatch, None, "--resilience.time_budget_margin_s=0", slurm=True)
+    assert (c.preempted_at is not None) == preempting
+    assert fake_slurm() == ["show job -o 1234"] * 2  # EndTime, then PreemptTime
+    expected = S.PREEMPTION if preempting else S.TIME_LIMIT_SIGNAL
+    assert _signal_self_and_agree(c, signal.SIGTERM) == expected
+    # no signal yet, the grace time's end inside the time budget: a preemption too
+    c = controller(tmp_path, monkeypatch, None, "--resilience.time_budget_margin_s=60", slurm=True)
+    assert c.agree(1) == (S.PREEMPTION if preempting else S.TIME_BUDGET)
+    c.uninstall()
 
 
 @pytest.mark.parametrize(

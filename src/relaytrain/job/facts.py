@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from relaytrain.job.env import expand_nodelist
-from relaytrain.job.slurmctld import queried_end_time, scontrol_job_field
+from relaytrain.job.slurmctld import queried_end_time, queried_preempt_time, scontrol_job_field
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,13 @@ class JobFacts:
         if not self.in_slurm:
             return None, "not a SLURM job"
         return queried_end_time(self.job_id)
+
+    def preempt_time(self, end_source: str) -> float | None:
+        """When Slurm began to preempt this job, or None; asks slurmctld, except for the testing hook's
+        end time (``end_source``), which no scheduler set."""
+        if not self.in_slurm or end_source == FAKE_END_TIME_ENV:
+            return None
+        return queried_preempt_time(self.job_id)
 
     def scheduler_state(self) -> str | None:
         """JobState as slurmctld sees it now (`RUNNING`, `CANCELLED by 1000`, ...), or None."""

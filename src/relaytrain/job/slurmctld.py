@@ -66,6 +66,15 @@ def queried_end_time(job_id: str) -> tuple[float | None, str]:
     return None, "scontrol/squeue gave no end time"
 
 
+def queried_preempt_time(job_id: str) -> float | None:
+    """When Slurm began to preempt this job (``scontrol show job``'s PreemptTime), or None.
+
+    From then on the job's EndTime is the preemption's end (PreemptTime + the partition's GraceTime), not
+    its time limit: an end time read then is no sign that the time limit is near.
+    """
+    return parse_slurm_time(scontrol_job_field(job_id, "PreemptTime") or "")
+
+
 # States after which a job never runs again (a requeued job is PENDING or REQUEUED*, not one of these).
 ENDED_STATES = frozenset(
     {

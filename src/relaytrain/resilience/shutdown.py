@@ -82,7 +82,7 @@ class ShutdownController:
         # The stop is recorded (run_state.json, requeue) once: by finish() or by the hard deadline.
         self._record_lock = threading.Lock()
         self._recorded = False
-        self.end_time, self.end_source = self._shared_end_time()
+        self.end_time, self.end_source, self.preempted_at = self._shared_end_time()
         self.deadline = HardDeadline(
             self.resilience.hard_deadline_s,
             rank,
@@ -92,17 +92,36 @@ class ShutdownController:
         )
 
     # -- the job's end time -------------------------------------------------------------------------
-    def _shared_end_time(self) -> tuple[float | None, str]:
-        end, source = self.job.end_time() if self.rank == 0 else (None, "")
+    def _shared_end_time(self) -> tuple[float | None, str, float | None]:
+        """(the job's end time, where it came from, when Slurm began to preempt the job), as rank 0
+        read them. The preemption is read after the end time: a preemption that begins between the two
+        reads still names the (then shortened) end time's cause."""
+        end, source, preempted = None, "", None
+        if self.rank == 0:
+            end, source = self.job.end_time()
+            preempted = self.job.preempt_time(source) if end is not None else None
         if _world(self.group) > 1:  # one scontrol query per job, not per rank
-            t = torch.tensor([end if end is not None else -1.0], dtype=torch.float64, device=self.device)
+            t = torch.tensor(
+                [end if end is not None else -1.0, preempted if preempted is not None else -1.0],
+                dtype=torch.float64,
+                device=self.device,
+            )
             with self.board.collective("job_end_time"):
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            end = float(t.item()) if t.item() > 0 else None
+            end = float(t[0].item()) if t[0].item() > 0 else None
+            preempted = float(t[1].item()) if t[1].item() > 0 else None
             source = source or "rank 0"
         if self.rank == 0:
             if end is None:
                 log.info("job end time unknown (%s): no time-budget stop", source)
+            elif preempted is not None:
+                log.warning(
+                    "the job is being preempted (since %s): Slurm ends it at %s, %.0f s from now; a "
+                    "stop now is a preemption",
+                    time.strftime("%H:%M:%S", time.localtime(preempted)),
+                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(end)),
+                    end - time.time(),
+                )
             else:
                 log.info(
                     "job ends at %s (%s, %.0f s from now): the run stops with a checkpoint when less "
@@ -119,7 +138,7 @@ class ShutdownController:
                         end - time.time(),
                         self.resilience.time_budget_margin_s,
                     )
-        return end, source
+        return end, source, preempted
 
     def time_left(self) -> float | None:
         return None if self.end_time is None else self.end_time - time.time()
@@ -223,6 +242,8 @@ class ShutdownController:
             return StopReason.TIME_LIMIT_SIGNAL
         if not self.in_slurm:
             return StopReason.SIGNAL
+        if self.preempted_at is not None:  # the end time near is the preemption's grace time
+            return StopReason.PREEMPTION
         if left is not None and left <= self.resilience.signal_lead_s + TIME_LIMIT_SLACK_S:
             return StopReason.TIME_LIMIT_SIGNAL
         return StopReason.PREEMPTION
@@ -232,7 +253,9 @@ class ShutdownController:
         reason = max((self.classify(s) for s in list(self._signals)), default=StopReason.NONE)
         left = self.time_left()
         if left is not None and left < save_estimate_s + self.resilience.time_budget_margin_s:
-            reason = max(reason, StopReason.TIME_BUDGET)
+            # A preempted job's time runs out at the grace time's end: that stop is the preemption's.
+            budget = StopReason.TIME_BUDGET if self.preempted_at is None else StopReason.PREEMPTION
+            reason = max(reason, budget)
         return StopReason(reason)
 
     # -- the one collective per step ----------------------------------------------------------------
