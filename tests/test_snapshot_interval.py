@@ -47,16 +47,16 @@ def test_figures_at_the_limits():
 def test_the_interval_is_chosen_again_only_when_a_figure_moves_or_a_snapshot_waited():
     chooser = IntervalChooser(0.02)
     base = Costs(blocking_s=0.16, background_s=2.0, slowdown_s=1.5, step_s=16.0)
-    assert chooser.update(base) and chooser.every == 6
+    assert chooser.update(base) and chooser.every == 7  # 1.66 / (0.8 * 0.02 * 16) = 6.5: HEADROOM
     noisy = Costs(blocking_s=0.17, background_s=2.1, slowdown_s=1.6, step_s=15.0)  # within HYSTERESIS
-    assert not chooser.update(noisy) and chooser.every == 6
+    assert not chooser.update(noisy) and chooser.every == 7
     waited = Costs(blocking_s=0.16, background_s=2.0, slowdown_s=1.5, step_s=16.0, waited_s=0.5)
     assert chooser.update(waited)  # a snapshot waited for the previous one: chosen again at once
     faster = Costs(blocking_s=0.16, background_s=2.0, slowdown_s=1.5, step_s=4.0)
     for _ in range(iv.RECENT // 2):  # one faster step time among the recent medians does not move them
-        assert not chooser.update(faster) or chooser.every == 6
-    assert chooser.update(faster) and chooser.every == shortest_interval(faster, 0.02) == 21
-    assert "every 21 steps (blocking 0.160 s, background 2.000 s, step 4.000 s, overhead 1." in (
+        assert not chooser.update(faster) or chooser.every == 7
+    assert chooser.update(faster) and chooser.every == shortest_interval(faster, iv.HEADROOM * 0.02) == 26
+    assert "every 26 steps (blocking 0.160 s, background 2.000 s, step 4.000 s, overhead 1.60%" in (
         chooser.describe()
     )
     assert chooser.describe().endswith("<= budget 2.00%)")
@@ -174,26 +174,42 @@ def test_auto_measures_at_its_first_snapshot_then_takes_one_at_the_chosen_interv
     pacing.taken(first, _settled(first, overran_s=0.5), measured=True)  # its own work, waited for
     (snap, snap_step, record), (chose, chose_step, fields) = events
     assert (snap, snap_step, record["blocking_s"], record["waited_s"]) == ("snapshot", first, 0.6, 0.5)
-    # no step overlapped its work: its slowdown is taken as all of it (0.5 s), so 0.1 + 0.5 s every 30 steps
-    assert (chose, chose_step, fields["every"], fields["previous"]) == ("snapshot_interval", first, 30, None)
-    assert fields["slowdown_s"] == 0.5 and fields["overhead"] == pytest.approx(0.02)
+    # no step overlapped its work: its slowdown is taken as all of it (0.5 s), so 0.1 + 0.5 s every 38
+    # steps (0.6 / (0.8 * 0.02) = 37.5 with the headroom)
+    assert (chose, chose_step, fields["every"], fields["previous"]) == ("snapshot_interval", first, 38, None)
+    assert fields["slowdown_s"] == 0.5 and fields["overhead"] == pytest.approx(0.6 / 38)
     assert fields["budget"] == 0.02
-    assert not pacing.measuring and pacing.next_step == first + 30
-    assert not pacing.due(first + 29) and pacing.due(first + 30)
-    pacing.taken(first + 30, None)  # the next snapshot settles nothing (the first was settled at once)
-    assert pacing.next_step == first + 60 and len(events) == 2
-    pacing.taken(first + 60, _settled(first + 30, slowdown_s=0.2))  # measured: 0.1 + 0.2 s
-    assert events[-1][0] == "snapshot_interval" and events[-1][2]["every"] == 15
-    assert pacing.next_step == first + 75
+    assert not pacing.measuring and pacing.next_step == first + 38
+    assert not pacing.due(first + 37) and pacing.due(first + 38)
+    pacing.taken(first + 38, None)  # the next snapshot settles nothing (the first was settled at once)
+    assert pacing.next_step == first + 76 and len(events) == 2
+    pacing.taken(first + 76, _settled(first + 38, slowdown_s=0.2))  # measured: 0.1 + 0.2 s
+    assert events[-1][0] == "snapshot_interval" and events[-1][2]["every"] == 19
+    assert pacing.next_step == first + 95
 
 
 def test_the_first_snapshots_provisional_figures_give_way_to_the_next_measured_ones():
     """The upper bound the first interval was chosen on leaves the median at once, not after RECENT more
-    snapshots (with it, the median slowdown of 0.5 and 0.2 s would keep the interval at 23)."""
+    snapshots (with it, the median slowdown of 0.5 and 0.2 s would keep the interval at 29)."""
     chooser = IntervalChooser(0.02)
-    assert chooser.update(Costs(0.1, 0.5, 0.5, 1.0), provisional=True) and chooser.every == 30
-    assert chooser.update(Costs(0.1, 0.5, 0.2, 1.0)) and chooser.every == 15
-    assert not chooser.update(Costs(0.1, 0.5, 0.2, 1.0)) and chooser.every == 15
+    assert chooser.update(Costs(0.1, 0.5, 0.5, 1.0), provisional=True) and chooser.every == 38
+    assert chooser.update(Costs(0.1, 0.5, 0.2, 1.0)) and chooser.every == 19
+    assert not chooser.update(Costs(0.1, 0.5, 0.2, 1.0)) and chooser.every == 19
+
+
+def test_the_headroom_absorbs_growing_figures_and_an_interval_over_the_budget_is_chosen_again_at_once():
+    """Chosen for 80 % of the budget, the interval holds while the figures grow by less than 25 %; figures
+    that each moved less than HYSTERESIS but together put it over the budget make it be chosen again."""
+    chooser = IntervalChooser(0.02)
+    assert chooser.update(Costs(0.1, 1.0, 0.5, 1.0)) and chooser.every == 38  # 0.6 / 0.016 = 37.5
+    for _ in range(iv.RECENT):  # the cost 18 % up: 0.71 / 38 = 1.87 %, still within the budget
+        assert not chooser.update(Costs(0.1, 1.0, 0.61, 1.0)) and chooser.every == 38
+    chooser = IntervalChooser(0.02)
+    assert chooser.update(Costs(0.1, 1.0, 0.5, 1.0)) and chooser.every == 38
+    worse = Costs(0.1, 1.0, 0.6, 0.85)  # cost +17 %, step -15 %: 0.7 / (38 * 0.85) = 2.17 % > 2 %
+    assert not chooser.update(worse)  # the medians halfway: 0.65 / (38 * 0.925) = 1.85 %
+    assert chooser.update(worse) and chooser.every == 52  # 0.7 / (0.016 * 0.85) = 51.5
+    assert overhead(worse, chooser.every) <= iv.HEADROOM * 0.02
 
 
 def test_the_config_takes_auto_beside_intervals_and_refuses_other_words():

@@ -11,10 +11,18 @@ of the step time. The background work must also be done before the next snapshot
 
     background * (1 + FIT_MARGIN) <= k * step
 
-The interval is the smallest `k >= 1` that satisfies both. It is chosen again when a figure moves by more
-than HYSTERESIS from the ones it was chosen on, or at once when a snapshot had to wait for the previous
-one. The figures are the medians over the last RECENT snapshots: one noisy snapshot (a slow write, a step
-that an evaluation lengthened) does not make the interval flap.
+The interval is the smallest `k >= 1` that satisfies both with the cost held to HEADROOM of the budget:
+
+    overhead(k) <= HEADROOM * budget
+
+A snapshot's cost is known only after it was taken, so an interval chosen at the budget's edge goes over
+it whenever the figures grow (a loaded host slows the background work, and with it the steps it
+overlaps) until the next snapshot measures them. The headroom lets the figures grow by 1 / HEADROOM - 1
+(25 %) before a snapshot costs more than the budget. The interval is chosen again at once when, on the
+newest figures, it no longer keeps to the budget (or its background work no longer fits) or a snapshot
+had to wait for the previous one; otherwise when a figure moves by more than HYSTERESIS from the ones it
+was chosen on. The figures are the medians over the last RECENT snapshots: one noisy snapshot (a slow
+write, a step that an evaluation lengthened) does not make the interval flap.
 
 The job's first snapshot waits for its own background work to measure it, so no step overlapped it and
 its slowdown is unknown. Its figures are *provisional*: the slowdown is taken as the whole background
@@ -31,6 +39,7 @@ from dataclasses import dataclass, fields
 
 FIT_MARGIN = 0.25  # background work gets this much more than its measured time before the next snapshot
 HYSTERESIS = 0.2  # a relative change of a figure that makes the interval be chosen again
+HEADROOM = 0.8  # the interval is chosen for this share of the budget (see above)
 RECENT = 5  # snapshots whose median figures the interval is chosen from
 _MIN_STEP_S = 1e-6  # a step time of 0 (a clock's resolution) would divide by zero
 
@@ -61,7 +70,8 @@ def fits(costs: Costs, every: int) -> bool:
 
 
 def shortest_interval(costs: Costs, budget: float) -> int:
-    """The smallest interval within `budget` (a share of step time) whose background work fits."""
+    """The smallest interval within `budget` (a share of step time) whose background work fits. The
+    chooser passes HEADROOM of its budget."""
     step = max(costs.step_s, _MIN_STEP_S)
     # The tolerance keeps an exact quotient (0.2 / (0.02 * 10) = 1.0000000000000002) from rounding up.
     by_budget = math.ceil(costs.cost_s / (budget * step) - 1e-9)
@@ -98,12 +108,14 @@ class IntervalChooser:
         again = (
             old is None
             or costs.waited_s > 0
+            or overhead(costs, self.every) > self.budget  # over the budget now: longer at once
+            or not fits(costs, self.every)
             or _moved(costs.step_s, old.step_s)
             or _moved(costs.background_s, old.background_s)
             or _moved(costs.cost_s, old.cost_s)
         )
         if again:
-            self.every = shortest_interval(costs, self.budget)
+            self.every = shortest_interval(costs, HEADROOM * self.budget)
             self.chosen_on = costs
         return again
 
