@@ -78,10 +78,17 @@ def test_every_worker_exiting_75_is_exit_75_in_one_line(tmp_path):
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr
     assert "FAILED" not in done.stderr and "failed (exitcode: 75)" not in done.stderr, done.stderr
     lines = [line for line in done.stderr.splitlines() if "relaytrain.job.torchrun" in line]
-    assert lines == [
+    # On a loaded machine one rank may still be exiting when torchrun sees the other's exit and ends it
+    # (the next test forces that): the same stop, said with that rank named apart.
+    assert len(lines) == 1 and lines[0] in (
         "relaytrain.job.torchrun: workers (rank 0,1) exited 75: stopped with a checkpoint, to be "
-        "continued; exit code 75"
-    ], done.stderr
+        "continued; exit code 75",
+        *(
+            f"relaytrain.job.torchrun: workers (rank {a}) exited 75 (rank {b} ended by torchrun while "
+            "exiting): stopped with a checkpoint, to be continued; exit code 75"
+            for a, b in ((0, 1), (1, 0))
+        ),
+    ), done.stderr
 
 
 @pytest.mark.slow

@@ -80,6 +80,14 @@ CASES = {
         True, 75, st("stopped", "time_limit_signal", **PENDING), 0, "", {}, JOB, REQ, "could not do",
         ("stopped", "time_limit_signal"),
     ),
+    # the requeue that the run before this one (restart 1) called pending happened after all: Slurm's SIGTERM
+    # to the requeued job killed scontrol before it reported it; not requeued again
+    "pending, then requeued after all": (
+        True, 0, st("stopped", "program_exit", restart=1, **PENDING), 0, "", {}, JOB, FIN, "exited 0", None,
+    ),
+    "trainer's pending, requeued after all": (
+        False, 0, st("stopped", "time_budget", restart=1, **PENDING), 0, "", {}, JOB, FIN, "exited 0", None,
+    ),
 }  # fmt: skip
 
 

@@ -123,18 +123,19 @@ class RequeueState(NamedTuple):
     asked: bool  # the job was requeued, or the run asked for a requeue
 
 
-def requeue_state(run: RunDir) -> RequeueState:
+def requeue_state(run: RunDir, job: JobFacts | None = None) -> RequeueState:
     """What run_state.json says about a requeue: the driver's one read of the run's record (a missing or
-    damaged record: none asked)."""
+    damaged record: none asked). With ``job``, a requeue that happened after all is not pending."""
     record = RunStateFile(run).read()
     if record is None:
         return RequeueState(False, False)
-    return RequeueState(record.requeue_pending, record.requeued or record.requeue_requested)
+    pending = record.requeue_pending if job is None else record.pending_for(job)
+    return RequeueState(pending, record.requeued or record.requeue_requested)
 
 
 def requeue_if_pending(run: RunDir, job: JobFacts) -> None:
     """The decision could not run: do the requeue the run asked for and could not do itself."""
-    if not requeue_state(run).pending:
+    if not requeue_state(run, job).pending:
         return
     print(f"relaytrain: the run asked for a requeue it could not do: scontrol requeue {job.requeue_id}",
           flush=True)  # fmt: skip

@@ -127,6 +127,20 @@ class RunState:
         """Whether this job step (job id, requeue count, restart in place) wrote the record."""
         return job.wrote(self.facts)
 
+    def pending_for(self, job: JobFacts) -> bool:
+        """Whether the requeue this record calls pending is still to do for ``job``. Not once the same job
+        runs again after a requeue (a higher SLURM_RESTART_COUNT): the requeue happened after all. That is
+        how `scontrol requeue` fails when Slurm's SIGTERM to the requeued job's processes kills scontrol
+        before it reports the requeue it asked for."""
+        if not self.requeue_pending:
+            return False
+        try:
+            written_in = int(self.facts.get("restart_count", -1))
+        except (TypeError, ValueError):
+            return True
+        same_job = str(self.facts.get("job_id", "")) == job.job_id and bool(job.job_id)
+        return not (same_job and 0 <= written_in < job.restart_count)
+
     def fact(self, key: str, default: Any = None) -> Any:
         return self.facts.get(key, default)
 
@@ -271,7 +285,7 @@ def requeue_pending(run: RunDir) -> bool:
     """Whether the run asked for a requeue it could not do (no `scontrol` in its container, or it failed):
     the batch script then requeues the job itself. A damaged record raises RunStateError."""
     record = RunStateFile(run).load()
-    return record is not None and record.requeue_pending
+    return record is not None and record.pending_for(JobFacts.from_env())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -255,7 +255,7 @@ def _after_program(exit_code: int, run: RunFacts, resilience: ResilienceConfig, 
 def _pending(run: RunFacts, job: JobFacts, say: tuple[str, ...] = ()) -> Decision | None:
     """A requeue the run asked for and could not do (no scontrol inside the container, or it failed)."""
     state = run.state
-    if not (state is not None and state.requeue_pending and job.in_slurm):
+    if not (state is not None and state.pending_for(job) and job.in_slurm):
         return None
     why = "the run asked for a requeue it could not do"
     record = state  # rewritten as it is, its time and host included, with the requeue's flags
