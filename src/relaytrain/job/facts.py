@@ -153,6 +153,17 @@ class JobFacts:
             return False
         return written == (self.job_id, self.restart_count, self.step_restarts)
 
+    def requeued_since(self, record: Mapping[str, object] | None) -> bool:
+        """Whether this job ran again after a requeue since ``record`` (a run_state.json as
+        :meth:`identity` fills it) was written: the same job id, a lower requeue count."""
+        if not record or not self.job_id:
+            return False
+        try:
+            written = int(record.get("restart_count", -1))  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            return False
+        return str(record.get("job_id", "")) == self.job_id and 0 <= written < self.restart_count
+
     def end_time(self) -> tuple[float | None, str]:
         """(the job's end time in unix seconds or None, where it came from). May ask slurmctld."""
         if self.unreadable_end_time:

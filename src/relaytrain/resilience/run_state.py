@@ -132,14 +132,7 @@ class RunState:
         runs again after a requeue (a higher SLURM_RESTART_COUNT): the requeue happened after all. That is
         how `scontrol requeue` fails when Slurm's SIGTERM to the requeued job's processes kills scontrol
         before it reports the requeue it asked for."""
-        if not self.requeue_pending:
-            return False
-        try:
-            written_in = int(self.facts.get("restart_count", -1))
-        except (TypeError, ValueError):
-            return True
-        same_job = str(self.facts.get("job_id", "")) == job.job_id and bool(job.job_id)
-        return not (same_job and 0 <= written_in < job.restart_count)
+        return self.requeue_pending and not job.requeued_since(self.facts)
 
     def fact(self, key: str, default: Any = None) -> Any:
         return self.facts.get(key, default)
