@@ -39,7 +39,7 @@ COST_TARGET = 0.01  # of the step time
 COST_STEPS = 300
 
 
-def measure(factors: list[float], clean: int, hog: int, load: int = 0) -> dict:
+def measure(factors: list[float], clean: int, hog: int, load: int = 0, command: str = "") -> dict:
     from bench.cluster.harness import OUT_ROOT, cluster_lock, start_cluster
     from bench.cluster.stragglers import STEPS, THROTTLE_AT, Trial, run_trial
     from bench.cluster.stragglers import TRIAL_VOCAB as VOCAB
@@ -66,9 +66,9 @@ def measure(factors: list[float], clean: int, hog: int, load: int = 0) -> dict:
                 trials.append(trial.as_json())
                 print(f"{trial.name}: {json.dumps(trial.named)[:300]} {trial.error}", flush=True)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    return {"command": "python -m bench.stragglers", "date": date, "cpu": machine_info().get("cpu", "?"),
-            "cores": os.cpu_count(), "load": str(load_average()), "steps": STEPS, "throttle_at": THROTTLE_AT,
-            "vocab_size": VOCAB,
+    return {"command": command or "python -m bench.stragglers", "date": date,
+            "cpu": machine_info().get("cpu", "?"), "cores": os.cpu_count(), "load": str(load_average()),
+            "steps": STEPS, "throttle_at": THROTTLE_AT, "vocab_size": VOCAB,
             "settings": _settings(), "rounds": [[t.name for t in r] for r in rounds], "trials": trials,
             "cost": measure_cost()}  # fmt: skip
 
@@ -142,6 +142,17 @@ def _arrangement(data: dict) -> str:
     return f"The jobs ran in rounds, one round at a time: {rounds}."
 
 
+def _trials(slowed: list[dict]) -> str:
+    """How many trials each quota asked had (a factor given twice is tried twice)."""
+    counts: dict[float, int] = {}
+    for t in slowed:
+        counts[t["factor"]] = counts.get(t["factor"], 0) + 1
+    if all(n == 1 for n in counts.values()):
+        return "One trial each."
+    each = ", ".join(f"{n} at {f:g}x" for f, n in counts.items())
+    return f"Slowed trials: {each}; one trial per row."
+
+
 def render(data: dict, source: str) -> str:
     slowed = [t for t in data["trials"] if t["factor"] > 1]
     clean = [t for t in data["trials"] if t["factor"] == 1]
@@ -169,7 +180,8 @@ def render(data: dict, source: str) -> str:
         "## Stragglers",
         "",
         f"Rewritten from the kept results by `python -m bench.stragglers --page-from {source}`; measured by "
-        f"`python -m bench.stragglers` on {data['date']} ({data['cpu']}, {data['cores']} cores, load "
+        f"`{data.get('command', 'python -m bench.stragglers')}` on {data['date']} ({data['cpu']}, "
+        f"{data['cores']} cores, load "
         f"{data['load']}), on the local Slurm cluster: 2 nodes x 1 task, a small model (dim 128, seq 64) "
         f"for {data['steps']} steps with {_described(data.get('settings'))}"
         f"{_model(data)}. After step "
@@ -179,7 +191,7 @@ def render(data: dict, source: str) -> str:
         "throttle nothing, without busy processes, beside one busy-looping process (the cluster's nodes "
         "share this machine's cores: the kernel runs it beside one rank or the other, a noisy neighbour of "
         "one node), or beside one per core (both ranks loaded alike, a busy machine). "
-        f"{_arrangement(data)} One trial each.",
+        f"{_arrangement(data)} {_trials(slowed)}",
         "",
         slow_table,
         "",
@@ -217,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.page_from:
         write_page({SECTION: render(kept.load(args.page_from), kept.relative(args.page_from))})
         return 0
-    data = measure([float(f) for f in args.factors.split(",")], args.clean, args.hog, args.load)
+    command = "python -m bench.stragglers " + " ".join(argv if argv is not None else sys.argv[1:])
+    factors = [float(f) for f in args.factors.split(",")]
+    data = measure(factors, args.clean, args.hog, args.load, command.strip())
     path = kept.save(RESULTS, data)
     print(f"wrote {kept.relative(path)}")
     if args.page:
