@@ -49,6 +49,7 @@ class RankView:
     idle_s: float  # seconds since the rank's progress token last changed, by the watcher's clock
     state: str  # /proc/<pid>/stat state letter; "X" when the process is gone
     wchan: str  # where in the kernel it sleeps ("" or "0" when running or unknown)
+    read_at: float  # time.time() when the node watcher read the record: it held from record.updated to then
 
 
 @dataclass(frozen=True)
@@ -310,11 +311,23 @@ def ranks(numbers: list[int] | set[int]) -> str:
     return f"{'ranks' if len(ordered) > 1 else 'rank'} {text}"
 
 
+def at_one_instant(views: list[RankView]) -> bool:
+    """Whether the ranks' records all held at one same instant: each held from its last write
+    (``record.updated``) until its watcher read it (``read_at``), and the node watchers read their boards
+    up to an interval apart. A fast rank read a second before a slow one that has since moved on looks
+    behind it; such a sample compares two moments and says nothing about which rank keeps the others
+    waiting."""
+    records = [(v.record.updated, v.read_at) for v in views if v.record is not None]
+    return max(updated for updated, _ in records) <= min(read for _, read in records)
+
+
 class SlowRankTracker:
     """Names a rank that keeps the others waiting while the job still moves (slow, not hung).
 
     Each ``sample`` marks the ranks whose progress key is below the furthest rank's as behind; a sample in
-    which no rank moved since the last one (a hang in the making, the monitor's business) is left out. A
+    which no rank moved since the last one (a hang in the making, the monitor's business) is left out, and
+    so is one whose records did not all hold at one instant (``at_one_instant``: the node files are read
+    at different times). A
     rank behind in at least ``share`` of the samples of the last ``window_s``, with at least ``min_samples``
     samples in which the ranks differed, is slow (a rank k times slower than the others waits for none
     of them and is behind (k - 1) / k of the time: 0.6 names one 2.5 times slower and up). The share
@@ -336,7 +349,7 @@ class SlowRankTracker:
         seen = {v.rank: v for v in views if v.record is not None}
         tokens = {rank: v.record.token() for rank, v in seen.items() if v.record is not None}
         moved, self._tokens, self._latest = tokens != self._tokens, tokens, seen
-        if moved and len(seen) > 1:
+        if moved and len(seen) > 1 and at_one_instant(list(seen.values())):
             keys = {rank: progress_key(v) for rank, v in seen.items()}
             top = max(keys.values())
             self._samples.append((now, frozenset(rank for rank, key in keys.items() if key < top)))

@@ -40,8 +40,9 @@ STACKS_WAIT_S = 20.0  # how long the watchers get to answer with their ranks' st
 END_WAIT_S = 30.0  # how long the ranks get to die after the watchers were told, before srun is told
 
 
-def rank_view(fields: dict[str, Any], node: str, age_s: float) -> RankView:
-    """One rank of a node file; raises KeyError/TypeError/ValueError on a damaged one."""
+def rank_view(fields: dict[str, Any], node: str, read_at: float, now: float) -> RankView:
+    """One rank of a node file its watcher wrote at ``read_at`` (time.time()), seen at ``now``; raises
+    KeyError/TypeError/ValueError on a damaged one."""
     medians = {p: float(fields["medians"][p.label]) for p in Phase if p.label in fields["medians"]}
     record = ProgressRecord(
         rank=int(fields["rank"]),
@@ -62,8 +63,8 @@ def rank_view(fields: dict[str, Any], node: str, age_s: float) -> RankView:
         medians=medians,
     )
     # The file is up to a watcher interval old: the rank has been idle at least that much longer.
-    idle = float(fields["idle_s"]) + max(age_s, 0.0)
-    return RankView(record.rank, node, record, idle, str(fields["state"]), str(fields["wchan"]))
+    idle = float(fields["idle_s"]) + max(now - read_at, 0.0)
+    return RankView(record.rank, node, record, idle, str(fields["state"]), str(fields["wchan"]), read_at)
 
 
 class HangMonitor:
@@ -119,8 +120,8 @@ class HangMonitor:
         now, views = time.time(), []
         for node, data in (self.nodes() if nodes is None else nodes).items():
             try:
-                age = now - float(data["time"])
-                views += [rank_view(fields, node, age) for fields in data["ranks"]]
+                read_at = float(data["time"])
+                views += [rank_view(fields, node, read_at, now) for fields in data["ranks"]]
             except (KeyError, TypeError, ValueError, AttributeError):
                 continue  # a damaged node file: that node's ranks count as not yet published
         return sorted(views, key=lambda v: v.rank)
