@@ -117,16 +117,27 @@ def _described(settings: dict | None) -> str:
             f"{settings['every']} steps, {settings['windows']} windows weighed)")  # fmt: skip
 
 
-def _within(within: list[tuple[float | None, bool]]) -> str:
-    """The target's count: the slowed runs whose caused slowdown reached TARGET_SLOWDOWN, then the rest."""
-    if all(applied is None for applied, _ in within):  # results kept before the slowdown was measured
-        return f"{sum(ok for _, ok in within)} of {len(within)} slowed runs"
-    target = [ok for applied, ok in within if applied is not None and applied >= TARGET_SLOWDOWN]
-    rest = [ok for applied, ok in within if applied is None or applied < TARGET_SLOWDOWN]
-    return (
-        f"{sum(target)} of {len(target)} slowed runs whose throttle caused a slowdown of "
-        f"{TARGET_SLOWDOWN:g}x or more (the target), {sum(rest)} of {len(rest)} whose throttle caused less"
+def _within(within: list[tuple[float | None, float | None, bool]]) -> str:
+    """The target's count: the slowed runs whose throttled rank ran TARGET_SLOWDOWN times as long as its
+    peer after the throttle (a rank that much slower than its peers, what the detector compares), then by
+    the slowdown the throttle caused against the ranks' own difference before it."""
+    if all(applied is None for applied, _, _ in within):  # results kept before the slowdown was measured
+        return f"{sum(ok for _, _, ok in within)} of {len(within)} slowed runs"
+    parts = []
+    if any(peer is not None for _, peer, _ in within):  # results kept before the peer ratio was recorded
+        target = [ok for _, peer, ok in within if peer is not None and peer >= TARGET_SLOWDOWN]
+        parts.append(
+            f"{sum(target)} of {len(target)} slowed runs whose throttled rank ran {TARGET_SLOWDOWN:g}x as "
+            "long as its peer or more after the throttle (the target: a rank that much slower than its peers)"
+        )
+    caused = [ok for applied, _, ok in within if applied is not None and applied >= TARGET_SLOWDOWN]
+    rest = [ok for applied, _, ok in within if applied is None or applied < TARGET_SLOWDOWN]
+    parts.append(
+        f"{sum(caused)} of {len(caused)} {'' if parts else 'slowed runs '}whose throttle caused a slowdown "
+        f"of {TARGET_SLOWDOWN:g}x or more"
+        f"{'' if parts else ' (the target)'}, {sum(rest)} of {len(rest)} whose throttle caused less"
     )
+    return "; ".join(parts)
 
 
 def _model(data: dict) -> str:
@@ -161,15 +172,20 @@ def render(data: dict, source: str) -> str:
         first = t["named"][0] if t["named"] else None
         steps = None if first is None or t["throttled_at"] is None else first["step"] - t["throttled_at"]
         right = first is not None and first["rank"] == t["rank"] and first["node"] == t["node"]
-        within.append((t.get("applied"), steps is not None and steps <= NAMED_WITHIN and right))
+        within.append(
+            (t.get("applied"), t.get("against_peer"), steps is not None and steps <= NAMED_WITHIN and right)
+        )
         measured = "–" if first is None else f"{1 + first['slower']:.2f}x in {first['phase']}"
         applied = "–" if t.get("applied") is None else f"{t['applied']:.2f}x"
+        peer = "–" if t.get("against_peer") is None else f"{t['against_peer']:.2f}x"
         named = "none" if first is None else f"rank {first['rank']} on {first['node']}"
-        rows.append((f"{t['factor']:g}x", applied, f"rank {t['rank']} on {t['node']}", t["throttled_at"],
-                     "–" if first is None else first["step"], "–" if steps is None else steps, named,
-                     _yes(right), measured, t["error"] or ""))  # fmt: skip
-    slow_table = table(["quota asked", "slowdown it caused", "throttled", "at step", "named at step",
-                        "steps to the line", "named", "rank and node right", "detector's measure", "error"],
+        rows.append((f"{t['factor']:g}x", applied, peer, f"rank {t['rank']} on {t['node']}",
+                     t["throttled_at"], "–" if first is None else first["step"],
+                     "–" if steps is None else steps, named, _yes(right), measured,
+                     t["error"] or ""))  # fmt: skip
+    slow_table = table(["quota asked", "slowdown it caused", "against its peer after", "throttled", "at step",
+                        "named at step", "steps to the line", "named", "rank and node right",
+                        "detector's measure", "error"],
                        rows)  # fmt: skip
     false = [(t["name"], _busy(t["hog"], data["cores"]), t["state"], len(t["named"]), t["error"] or "")
              for t in clean]  # fmt: skip
@@ -213,7 +229,9 @@ def render(data: dict, source: str) -> str:
         "whole CPU to begin with is slowed by less. \"Detector's measure\" is what the `straggler` event "
         "reported: the median over its windows of the throttled rank's fastest phase against the other's "
         "(the fastest: a burst of noise does not count), below the mean slowdown where the slowdown itself "
-        "comes in bursts.",
+        "comes in bursts. \"Against its peer after\" is rank 1's time against rank 0's over the windows "
+        "after the throttle, not divided by the ranks' difference before it: what the detector compares, and "
+        "below the slowdown caused where rank 1 was the faster rank before.",
     ])  # fmt: skip
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import stragglers
-from bench.cluster.stragglers import applied_slowdown
+from bench.cluster.stragglers import applied_slowdown, peer_slowdown
 
 
 def windows(ratios_before: list[float], ratios_after: list[float], every: int = 5) -> list[dict]:
@@ -39,7 +39,29 @@ def test_the_target_counts_only_runs_slowed_by_at_least_a_fifth():
     text = stragglers.render(data, "bench/results/stragglers.json")
     assert "1 of 2 slowed runs whose throttle caused a slowdown of 1.2x or more" in text
     assert "0 of 1 whose throttle caused less" in text
-    assert "| 1.5x | 1.25x | rank 1 on n2 | 30 | 60 | 30 |" in text
+    assert "| 1.5x | 1.25x | – | rank 1 on n2 | 30 | 60 | 30 |" in text
+
+
+def test_the_target_counts_runs_by_how_much_slower_than_its_peer_the_rank_ran():
+    # rank 1 was the faster rank before the throttle: it caused 1.36x, but rank 1 ran only 1.15x as long
+    # as its peer after it, and a rank 20 % slower than its peers is what the target names
+    trial = {"rank": 1, "node": "n2", "throttled_at": 30, "error": "", "factor": 1.25, "hog": 0}
+    named = {"step": 60, "rank": 1, "node": "n2", "slower": 0.3, "phase": "optimizer"}
+    data = {
+        "date": "d", "cpu": "c", "cores": 2, "load": "l", "steps": 120, "throttle_at": 30,
+        "cost": {"steps": 1, "cost_per_step_s": 1e-4, "mean_step_s": 0.1, "cost_share": 0.001},
+        "trials": [
+            {**trial, "applied": 1.36, "against_peer": 1.15, "named": []},
+            {**trial, "applied": 1.28, "against_peer": 1.23, "named": [named]},
+        ],
+    }  # fmt: skip
+    text = stragglers.render(data, "bench/results/stragglers.json")
+    assert "1 of 1 slowed runs whose throttled rank ran 1.2x as long as its peer or more" in text
+    assert "1 of 2 whose throttle caused a slowdown of 1.2x or more, 0 of 0 whose" in text
+    assert "| 1.25x | 1.36x | 1.15x | rank 1 on n2 | 30 | – |" in text
+    records = windows([0.86] * 6, [9.9] + [1.15] * 10)
+    assert peer_slowdown(records, throttled_at=30) == pytest.approx(1.15)
+    assert applied_slowdown(records, throttled_at=30) == pytest.approx(1.15 / 0.86)
 
 
 def test_the_false_reports_are_told_apart_by_the_busy_processes_beside_the_run():

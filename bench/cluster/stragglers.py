@@ -78,6 +78,7 @@ class Trial:
     node: str = ""
     named: list[dict] = field(default_factory=list)  # the run's straggler events
     applied: float | None = None  # the slowdown the throttle caused, measured (applied_slowdown)
+    against_peer: float | None = None  # rank 1's time against rank 0's after the throttle (peer_slowdown)
     state: str = ""
     seconds: float = 0.0
     error: str = ""
@@ -90,14 +91,10 @@ class Trial:
         return asdict(self)
 
 
-def applied_slowdown(
-    windows: list[dict], throttled_at: int, every: int = 5, phase: str = "optimizer"
-) -> float | None:
-    """The slowdown the throttle caused in `phase`, measured apart from the detector from the run's
-    `rank_times` records (each rank's median time per window of `every` steps, the record at the window's
-    last step): the median over the windows after the throttle of rank 1's time against rank 0's, divided
-    by the same median before it (the ranks' own difference taken out). The window the throttle landed
-    in is left out."""
+def _ratios(windows: list[dict], throttled_at: int, every: int, phase: str) -> tuple[list, list]:
+    """Rank 1's time in `phase` against rank 0's, per window (the `rank_times` records, each rank's median
+    over the window, at the window's last step): (the windows before the throttle, the windows after it).
+    The window the throttle landed in is in neither."""
     before, after = [], []
     for window in windows:
         slow, other = window.get(f"rank1_{phase}_s"), window.get(f"rank0_{phase}_s")
@@ -108,9 +105,29 @@ def applied_slowdown(
             before.append(slow / other)
         elif last - every >= throttled_at:
             after.append(slow / other)
+    return before, after
+
+
+def applied_slowdown(
+    windows: list[dict], throttled_at: int, every: int = 5, phase: str = "optimizer"
+) -> float | None:
+    """The slowdown the throttle caused in `phase`, measured apart from the detector from the run's
+    `rank_times` records: the median over the windows after the throttle of rank 1's time against rank 0's,
+    divided by the same median before it (the ranks' own difference taken out)."""
+    before, after = _ratios(windows, throttled_at, every, phase)
     if not before or not after:
         return None
     return statistics.median(after) / statistics.median(before)
+
+
+def peer_slowdown(
+    windows: list[dict], throttled_at: int, every: int = 5, phase: str = "optimizer"
+) -> float | None:
+    """How much slower than its peer the throttled rank ran after the throttle (what the detector weighs,
+    and what "a rank 20 % slower" means): the median over the windows after it of rank 1's time in `phase`
+    against rank 0's. Below `applied_slowdown` when rank 1 was the faster rank before."""
+    _, after = _ratios(windows, throttled_at, every, phase)
+    return statistics.median(after) if after else None
 
 
 def _records(run_dir: Path, kind: str) -> list[dict]:
@@ -145,7 +162,9 @@ def run_trial(trial: Trial, runs: Path) -> Trial:
         trial.named = [r for r in _records(run_dir, "event") if r.get("event") == "straggler"]
         if trial.throttled_at is not None:
             every = ResilienceConfig().straggler_every
-            trial.applied = applied_slowdown(_records(run_dir, "rank_times"), trial.throttled_at, every)
+            windows = _records(run_dir, "rank_times")
+            trial.applied = applied_slowdown(windows, trial.throttled_at, every)
+            trial.against_peer = peer_slowdown(windows, trial.throttled_at, every)
     except (TimeoutError, RuntimeError, OSError) as err:
         trial.error = str(err)[:300]
     finally:
