@@ -53,6 +53,21 @@ def _signal_name(text: str) -> str:
     return text if text.startswith("SIG") else f"SIG{text}"
 
 
+def _written_by(record: Mapping[str, object] | None) -> tuple[str, int, int] | None:
+    """(job id, requeue count, restart in place) of the job step that wrote ``record`` (a run_state.json
+    as :meth:`JobFacts.identity` fills it), or None for an empty or damaged one."""
+    if not record:
+        return None
+    try:
+        return (
+            str(record.get("job_id", "")),
+            int(record.get("restart_count", -1)),  # type: ignore[call-overload]
+            int(record.get("step_restarts", 0)),  # type: ignore[call-overload]
+        )
+    except (TypeError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class JobFacts:
     """What a process knows about its SLURM job. Build it with ``JobFacts.from_env()``."""
@@ -141,28 +156,17 @@ class JobFacts:
     def wrote(self, record: Mapping[str, object] | None) -> bool:
         """Whether this job step (job id, requeue count, restart in place) wrote ``record``, a
         run_state.json as :meth:`identity` fills it; False for an earlier step, run or job."""
-        if not record:
-            return False
-        try:
-            written = (
-                str(record.get("job_id", "")),
-                int(record.get("restart_count", -1)),  # type: ignore[call-overload]
-                int(record.get("step_restarts", 0)),  # type: ignore[call-overload]
-            )
-        except (TypeError, ValueError):
-            return False
-        return written == (self.job_id, self.restart_count, self.step_restarts)
+        written = _written_by(record)
+        return written is not None and written == (self.job_id, self.restart_count, self.step_restarts)
 
     def requeued_since(self, record: Mapping[str, object] | None) -> bool:
         """Whether this job ran again after a requeue since ``record`` (a run_state.json as
         :meth:`identity` fills it) was written: the same job id, a lower requeue count."""
-        if not record or not self.job_id:
+        written = _written_by(record)
+        if written is None or not self.job_id:
             return False
-        try:
-            written = int(record.get("restart_count", -1))  # type: ignore[call-overload]
-        except (TypeError, ValueError):
-            return False
-        return str(record.get("job_id", "")) == self.job_id and 0 <= written < self.restart_count
+        job_id, restart_count, _ = written
+        return job_id == self.job_id and 0 <= restart_count < self.restart_count
 
     def end_time(self) -> tuple[float | None, str]:
         """(the job's end time in unix seconds or None, where it came from). May ask slurmctld."""
