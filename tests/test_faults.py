@@ -54,6 +54,26 @@ def test_faults_armed_only_when_asked_and_a_shadowed_sitecustomize_still_runs(tm
     assert misspelt.returncode != 0 and "unknown RELAYTRAIN_FAULT_STEP_DELAY;" in misspelt.stderr
 
 
+def test_a_landed_line_reaches_stderr_in_one_write_with_its_newline(monkeypatch):
+    """Ranks share one pipe under torchrun and srun, unbuffered (PYTHONUNBUFFERED): a line written in two
+    pieces can have another rank's line land between them, and its landed text is read wrongly."""
+    from faults.pythonpath import relaytrain_faults
+
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    relaytrain_faults.say("FIFO read with no writer at step 4 on rank 1: /tmp/x/dead-mount")
+    (line,) = writes
+    assert line.endswith("\n") and faults.landed_at(line)[0][0].endswith(": /tmp/x/dead-mount")
+
+
 def test_a_slurm_setup_line_arms_the_faults_for_the_processes_the_script_starts():
     line = faults.setup_line(step_delay_s=0.4)
     assert "'" not in line  # it goes into a TOML literal string (slurm.setup)

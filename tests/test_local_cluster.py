@@ -34,10 +34,14 @@ def needs_two_nodes(info) -> None:
 
 @pytest.mark.slurm
 def test_up_is_idempotent_and_status_shows_the_cluster(slurm_cluster, capsys):
+    # On a healthy cluster: a node an earlier test killed, or one Slurm marked down while a loaded
+    # machine kept its slurmd from answering in time (SlurmdTimeout), is back in service first.
+    for name in slurm_cluster.nodes:
+        local_cluster.restart_node(name, slurm_cluster.base_dir)
     assert run_cli("cluster", "up", "--nodes", str(len(slurm_cluster.nodes)),
                    "--cpus-per-node", str(slurm_cluster.cpus_per_node)) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "already up" in out
+    assert "already up" in out, (out, local_cluster.node_states(slurm_cluster.base_dir))
     assert f"export SLURM_CONF={slurm_cluster.slurm_conf}" in out
     again = local_cluster.cluster_up(len(slurm_cluster.nodes), slurm_cluster.cpus_per_node)
     assert again.started is False and again.slurm_conf == slurm_cluster.slurm_conf

@@ -65,8 +65,11 @@ STEP_RESTARTS_ENV = "RELAYTRAIN_STEP_RESTARTS"
 
 
 def say(text: str) -> None:
-    """The landed line, flushed before whatever the fault does next (a hang fault blocks right after)."""
-    print(f"{LANDED} {text} [t={time.time():.3f}]", file=sys.stderr, flush=True)
+    """The landed line, flushed before whatever the fault does next (a hang fault blocks right after).
+    One write, newline included: under PYTHONUNBUFFERED, print() writes its text and its end apart, and
+    another rank's line on the same pipe can land between them."""
+    sys.stderr.write(f"{LANDED} {text} [t={time.time():.3f}]\n")
+    sys.stderr.flush()
 
 
 def number(name: str, text: str, kind):
