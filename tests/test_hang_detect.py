@@ -23,7 +23,9 @@ from relaytrain.resilience.hang_detect import (
     hang_line,
     phase_limit,
     progress_key,
+    sample_gap,
 )
+from relaytrain.resilience.hang_monitor import INTERVAL_S
 from relaytrain.resilience.hang_report import render_report
 
 POLICY = HangPolicy(floor_s=40.0, multiple=10.0, cap_s=1800.0)
@@ -273,17 +275,19 @@ def test_the_line_stays_one_line_and_short_with_many_culprits():
 # ---- slow ranks
 
 
-def simulate(durations: list[list[float]], seconds: float, every: float, seed: int = 0, lag: float = 0.0):
+def simulate(durations: list[list[float]], seconds: float, every: float, seed: int = 0, lag: float = 0.0,
+             spread: float = 0.2, watchers: tuple[float, ...] | None = None, gap=None):  # fmt: skip
     """Ranks in lockstep: each step is data, forward/backward, then a collective every rank must enter
     before any leaves, then the optimizer. ``durations[r]`` is rank r's (data, fwd/bwd, optimizer),
-    jittered by 20 %. Yields (time, views) every ``every`` seconds. Each rank is on a node of its own,
-    whose watcher read it up to ``lag`` seconds before (the node watchers are not in step)."""
+    jittered by ``spread`` (20 %). Yields (time, views) every ``every`` seconds, or after each ``gap()``.
+    Each rank is on a node of its own, whose watcher read it up to ``lag`` seconds before (the node
+    watchers are not in step), or, with ``watchers``, at its last whole second plus its node's phase."""
     rng = random.Random(seed)
     starts = [0.0] * len(durations)
     timeline: list[list[tuple[float, Phase, int, int, int]]] = [[] for _ in durations]  # (from, phase, ...)
     step = 0
     while min(starts) < seconds + 10:
-        took = [[d * rng.uniform(0.8, 1.2) for d in ds] for ds in durations]
+        took = [[d * rng.uniform(1 - spread, 1 + spread) for d in ds] for ds in durations]
         enters = [starts[r] + took[r][0] + took[r][1] for r in range(len(durations))]
         release = max(enters)
         for r in range(len(durations)):
@@ -299,7 +303,10 @@ def simulate(durations: list[list[float]], seconds: float, every: float, seed: i
     while t < seconds:
         views = []
         for r, events in enumerate(timeline):
-            read_at = max(t - rng.uniform(0, lag), 0.0)
+            if watchers is None:
+                read_at = max(t - rng.uniform(0, lag), 0.0)
+            else:  # each node's watcher reads its ranks once a second, at its own phase
+                read_at = max(math.floor(t - watchers[r]) + watchers[r], 0.0)
             since, phase, done, entered, left = [e for e in events if e[0] <= read_at][-1]
             medians = dict(
                 zip((Phase.DATA, Phase.FORWARD_BACKWARD, Phase.OPTIMIZER), durations[r], strict=True)
@@ -308,12 +315,12 @@ def simulate(durations: list[list[float]], seconds: float, every: float, seed: i
                          medians=medians, updated=since)  # fmt: skip
             views.append(view(rec, idle=0.1, read_at=read_at))
         yield t, views
-        t += every
+        t += every if gap is None else gap()
 
 
-def run_tracker(durations, seconds=240.0, every=1.0, seed=0, lag=0.0):
+def run_tracker(durations, seconds=240.0, every=1.0, seed=0, lag=0.0, **timing):
     tracker, lines = SlowRankTracker(), []
-    for t, views in simulate(durations, seconds, every, seed, lag):
+    for t, views in simulate(durations, seconds, every, seed, lag, **timing):
         tracker.sample(views, t)
         if (line := tracker.report(t)) is not None:
             lines.append((t, line))
@@ -339,6 +346,18 @@ def test_a_slow_rank_is_named_though_the_node_watchers_read_it_up_to_a_second_ap
     assert lines and lines[0][1].startswith("slow rank: rank 1 on n2 "), lines
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_slow_rank_whose_step_takes_the_monitors_interval_is_named_from_looks_spread_over_the_step(seed):
+    # A 5x slower rank steps every 2 s, the monitor's interval, as regularly as a sleep; each node's watcher
+    # reads once a second at a phase of its own. Looks a fixed 2 s apart see one moment of every step, the
+    # same for 50 s; looks spaced by sample_gap see every moment of it.
+    rng = random.Random(seed)
+    phases = (rng.random(), rng.random())
+    lines = run_tracker([[0.04, 0.3, 0.06], [0.2, 1.5, 0.3]], seconds=50.0, every=INTERVAL_S, seed=seed,
+                        spread=0.01, watchers=phases, gap=lambda: sample_gap(INTERVAL_S, rng))  # fmt: skip
+    assert lines and lines[0][1].startswith("slow rank: rank 1 on n2 "), (phases, lines)
+
+
 def test_records_that_did_not_hold_at_one_instant_compare_nothing():
     # rank 0 read at 1000.2 in step 12; rank 1 written at 1000.5 in step 13: rank 0 may be there too by now
     ahead, stale = record(1, step=13, updated=1000.5), record(0, step=12, updated=999.0)
@@ -356,6 +375,17 @@ def test_records_that_did_not_hold_at_one_instant_compare_nothing():
 @pytest.mark.parametrize("lag", [0.0, 1.0])
 def test_ranks_of_equal_speed_are_never_named(seed, every, lag):
     assert run_tracker([[0.02, 0.15, 0.03]] * 2, seconds=600.0, every=every, seed=seed, lag=lag) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("step_s", [0.2, 2.0])
+def test_ranks_of_equal_speed_are_never_named_from_looks_spread_over_the_step(seed, step_s):
+    rng = random.Random(seed)
+    durations = [[0.1 * step_s, 0.75 * step_s, 0.15 * step_s]] * 2
+    phases = (rng.random(), rng.random())
+    lines = run_tracker(durations, seconds=600.0, every=INTERVAL_S, seed=seed, spread=0.01,
+                        watchers=phases, gap=lambda: sample_gap(INTERVAL_S, rng))  # fmt: skip
+    assert lines == []
 
 
 def test_a_job_that_stopped_moving_is_not_slow_but_for_the_hang_monitor():

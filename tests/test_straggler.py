@@ -40,10 +40,11 @@ def window(slow_rank: int | None = None, factor: float = 1.0, ranks: int = 2) ->
     return [[0.005, 0.020 * (factor if r == slow_rank else 1.0)] for r in range(ranks)]
 
 
-def feed(judge: StragglerJudge, windows: list[list[list[float]]], every: int = 10):
+def feed(judge: StragglerJudge, windows: list[list[list[float]]], every: int = 10, typical=None):
+    """Each window's times as its fastest and, unless `typical` gives them apart, its median times."""
     out = []
     for i, times in enumerate(windows):
-        out.append(judge.feed(1 + i * every, times))
+        out.append(judge.feed(1 + i * every, times, times if typical is None else typical[i]))
     return out
 
 
@@ -123,8 +124,21 @@ def test_equal_ranks_under_seeded_noise_are_never_named_at_the_defaults(ranks):
         times = [
             [0.005 * rng.lognormvariate(0, 0.05), 0.020 * rng.lognormvariate(0, 0.05)] for _ in range(ranks)
         ]
-        named, _ = judge.feed(1 + i * defaults.straggler_every, times)
+        named, _ = judge.feed(1 + i * defaults.straggler_every, times, times)
         assert named is None, (i, named)
+
+
+def test_a_rank_slower_only_at_its_fastest_step_is_not_named_its_typical_step_must_agree():
+    """On shared cores one rank may catch an idle core now and then: its fastest step beats its peer's
+    while their typical steps are alike. Named only when the typical step is slower too."""
+    judge = StragglerJudge(threshold=0.15, windows=3)
+    fastest = [window(1, 1.25)] * 6
+    alike = [window(1, 1.02)] * 6
+    assert all(named is None for named, _ in feed(judge, fastest, typical=alike))
+    judge = StragglerJudge(threshold=0.15, windows=3)
+    typical = [window(1, 1.0), window(1, 1.2), window(1, 1.3)]  # over in the median of the three, not two
+    named = [n for n, _ in feed(judge, fastest[:3], typical=typical)]
+    assert named[:2] == [None, None] and named[2] == Straggler(1, "optimizer", pytest.approx(0.25), 1)
 
 
 def test_an_episode_is_named_once_and_clears_after_as_many_clean_windows():
@@ -259,6 +273,14 @@ def test_the_watch_judges_each_windows_fastest_time_not_its_median(monkeypatch):
     assert not [e for e in metrics.events if e[0] == "straggler"]
     last = metrics.times[-1][1]
     assert last["rank1_optimizer_s"] == pytest.approx(1.5 * last["rank0_optimizer_s"])
+
+
+def test_the_watch_names_no_rank_whose_fastest_step_alone_is_slow(monkeypatch):
+    """A rank whose fastest step is slow but whose median is not (its peer caught an idle core now and
+    then) is not named either: the median is the typical step the judge asks to agree."""
+    watch, metrics = make_watch(monkeypatch)
+    run_steps(watch, 80, slow_from=0, columns=(4,))
+    assert not [e for e in metrics.events if e[0] == "straggler"]
 
 
 def test_a_replace_verdict_stops_after_the_next_snapshot(monkeypatch):

@@ -16,6 +16,7 @@ is slower but still moving is no hang: ``SlowRankTracker`` reports it. The markd
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -309,6 +310,14 @@ def ranks(numbers: list[int] | set[int]) -> str:
             runs.append([n])
     text = ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
     return f"{'ranks' if len(ordered) > 1 else 'rank'} {text}"
+
+
+def sample_gap(interval_s: float, rng: random.Random) -> float:
+    """The wait before the monitor's next look: ``interval_s`` on average, drawn between half and one and
+    a half of it. Looks a fixed interval apart, at a job whose step takes about as long, fall on the same
+    moment of every step (the node watchers, a fixed second apart, too): the ranks' order at that one
+    moment, such as just after the slow rank set off on the next step, would stand for the whole step."""
+    return interval_s * rng.uniform(0.5, 1.5)
 
 
 def at_one_instant(views: list[RankView]) -> bool:

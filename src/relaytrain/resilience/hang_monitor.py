@@ -1,8 +1,9 @@
 """The job's hang monitor: a thread of the batch driver that watches every node's watcher while a step runs.
 
 It lives outside the training processes and survives any one of them (a stopped rank 0 that hosts the
-rendezvous store included). Every ``interval_s`` it reads the node files the node watchers rewrite
-(``RunDir.hang_node``), turns them into ``hang_detect.RankView`` s and asks ``hang_detect.assess``:
+rendezvous store included). Every ``interval_s`` or so (``hang_detect.sample_gap``) it reads the node
+files the node watchers rewrite (``RunDir.hang_node``), turns them into ``hang_detect.RankView`` s and
+asks ``hang_detect.assess``:
 
 * a job that still moves may have a slow rank: one ``slow rank:`` line in the job log (no restart);
 * a job where no rank moved for longer than its limit hangs. Before anything is killed the monitor asks
@@ -15,6 +16,7 @@ rendezvous store included). Every ``interval_s`` it reads the node files the nod
 from __future__ import annotations
 
 import contextlib
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from relaytrain.resilience.hang_detect import (
     Verdict,
     assess,
     hang_line,
+    sample_gap,
 )
 from relaytrain.resilience.hang_record import HangRecord, HangRecordFile
 from relaytrain.resilience.hang_report import render_report
@@ -78,6 +81,7 @@ class HangMonitor:
         self.verdict: Verdict | None = None
         self.longest = (0.0, 0.0)  # the longest time no rank moved without a hang, and the limit then
         self._stop = threading.Event()
+        self._gaps = random.Random()  # the looks' spacing (hang_detect.sample_gap)
         self._thread = threading.Thread(target=self._watch, name="hang-monitor", daemon=True)
 
     @staticmethod
@@ -143,7 +147,7 @@ class HangMonitor:
         return None
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(sample_gap(self.interval_s, self._gaps)):
             verdict = self.check()
             if verdict is not None:
                 self.verdict = verdict

@@ -13,8 +13,13 @@ the steps it happens to preempt, for seconds at a time, and the window's median 
 A rank is named when one phase of it is slower than ``threshold`` in all but one of the last
 ``windows`` windows (all of them when ``windows`` is 2 or less): one noisy window neither names a rank
 nor restarts the count, as a streak rule's would, and the median of the phase's slowdowns over those
-windows (the magnitude reported) is then over the threshold too. The episode clears by the mirror
-rule: the rank over the threshold (in any phase) in at most one of the last ``windows`` windows.
+windows (the magnitude reported) is then over the threshold too. The typical step must agree: the
+median over the same windows of the phase's slowdown in the windows' MEDIAN times is over the threshold
+as well. A persistent slowdown slows the typical step with the fastest; on a machine whose cores are
+shared, a rank that happens to catch an idle core now and then has a faster fastest step than its peer
+while their typical steps are alike, and the fastest times alone would name the peer.
+The episode clears by the mirror rule: the rank over the threshold (in any phase) in at most one of the
+last ``windows`` windows.
 A phase shorter than ``MIN_PHASE_S`` is left out: its relative noise (the clock, the interpreter, the
 scheduler) is too large to mean anything. The floor is absolute, not a share of the step: the step
 includes the waits for the slowest peer, which a straggler or a loaded machine stretches, and a share of
@@ -78,22 +83,27 @@ class StragglerJudge:
     """The sustained rule, fed one window at a time; the same inputs give the same verdicts on every rank.
 
     ``threshold``: the fraction slower that counts (0.2: 20 %); ``windows`` (K): how many recent windows
-    are weighed. A (rank, phase) over the threshold in at least ``needed`` of the last K windows is named
-    (K - 1 of K; K itself for K <= 2), ``slower`` the median of its slowdowns over them; the named rank
-    clears once it is over the threshold in at most K - ``needed`` of the last K."""
+    are weighed. A (rank, phase) over the threshold in at least ``needed`` of the last K windows by its
+    fastest times is named (K - 1 of K; K itself for K <= 2) when the median of its slowdowns by the
+    windows' median times over those windows is over the threshold too; ``slower`` is the median of its
+    slowdowns by the fastest times. The named rank clears once it is over the threshold in at most
+    K - ``needed`` of the last K."""
 
     def __init__(self, threshold: float, windows: int):
         self.threshold, self.windows = threshold, windows
         self.needed = windows - 1 if windows > 2 else windows
         # the last K windows: (first step, {(rank, phase): slower}) with every comparable pair
         self._recent: deque[tuple[int, dict[tuple[int, str], float]]] = deque(maxlen=windows)
+        self._typical: deque[dict[tuple[int, str], float]] = deque(maxlen=windows)  # by median times
         self.named: Straggler | None = None  # the open episode
 
     def feed(
-        self, first_step: int, times: Sequence[Sequence[float]]
+        self, first_step: int, fastest: Sequence[Sequence[float]], typical: Sequence[Sequence[float]]
     ) -> tuple[Straggler | None, Straggler | None]:
-        """One window (its first step, the gathered fastest times): (newly named, cleared), either None."""
-        self._recent.append((first_step, slower_by(times)))
+        """One window (its first step, the gathered fastest and median times per rank and phase):
+        (newly named, cleared), either None."""
+        self._recent.append((first_step, slower_by(fastest)))
+        self._typical.append(slower_by(typical))
         if self.named is not None:
             rank = self.named.rank
             over = sum(1 for _, slower in self._recent if any(self._over(slower, (rank, p)) for p in PHASES))
@@ -104,7 +114,8 @@ class StragglerJudge:
         candidates = []
         for key in {key for _, slower in self._recent for key in slower}:
             over_at = [step for step, slower in self._recent if self._over(slower, key)]
-            if len(over_at) >= self.needed:
+            typical = [slower[key] for slower in self._typical if key in slower]
+            if len(over_at) >= self.needed and typical and statistics.median(typical) > self.threshold:
                 median = statistics.median(slower[key] for _, slower in self._recent if key in slower)
                 candidates.append((median, key, over_at[0]))
         if not candidates:

@@ -3,7 +3,8 @@
 ``work(phase)`` times what a rank does alone (``straggler.PHASES``): wall clock on CPU, a pair of CUDA
 events on GPU (no wait for the device: a window reads only the events that have completed, the rest
 count in the next window). Every ``resilience.straggler_every`` steps every rank all-gathers its window's
-medians (recorded) and fastest times per phase (judged; ``straggler.py`` says why) in one small tensor
+medians (recorded, and judged as the typical step) and fastest times per phase (judged; ``straggler.py``
+says why) in one small tensor
 (the named collective ``straggler_times`` on the progress board) and feeds the same matrix to its
 ``StragglerJudge``: every rank reaches the same verdict at the same step. Rank 0
 logs the ``straggler:`` line and the ``straggler`` event; a verdict to replace or drop the node makes
@@ -118,7 +119,8 @@ class StragglerWatch:
             self.record(step, _times_record([row[: steps_column + 1] for row in matrix]))
         if any(row[steps_column] <= 0 for row in matrix):
             return  # a window with no whole step on some rank (the first after a start): nothing to compare
-        named, cleared = self.judge.feed(first, [row[steps_column + 1 :] for row in matrix])
+        fastest, typical = [row[steps_column + 1 :] for row in matrix], [row[:steps_column] for row in matrix]
+        named, cleared = self.judge.feed(first, fastest, typical)
         if named is not None:
             self._named(named, step)
         if cleared is not None and self.rank == 0:
