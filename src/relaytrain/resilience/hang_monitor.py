@@ -1,7 +1,7 @@
 """The job's hang monitor: a thread of the batch driver that watches every node's watcher while a step runs.
 
 It lives outside the training processes and survives any one of them (a stopped rank 0 that hosts the
-rendezvous store included). Every ``interval_s`` or so (``hang_detect.sample_gap``) it reads the node
+rendezvous store included). Every ``interval_s`` or so (``slow_ranks.sample_gap``) it reads the node
 files the node watchers rewrite (``RunDir.hang_node``), turns them into ``hang_detect.RankView`` s and
 asks ``hang_detect.assess``:
 
@@ -28,15 +28,14 @@ from relaytrain.job.progress import Phase, ProgressRecord
 from relaytrain.resilience.hang_detect import (
     HangPolicy,
     RankView,
-    SlowRankTracker,
     Verdict,
     assess,
     hang_line,
-    sample_gap,
 )
 from relaytrain.resilience.hang_record import HangRecord, HangRecordFile
 from relaytrain.resilience.hang_report import render_report
 from relaytrain.resilience.hang_watch import read_json, write_json
+from relaytrain.resilience.slow_ranks import SlowRankTracker, sample_gap
 
 INTERVAL_S = 2.0
 STACKS_WAIT_S = 20.0  # how long the watchers get to answer with their ranks' stacks
@@ -81,7 +80,7 @@ class HangMonitor:
         self.verdict: Verdict | None = None
         self.longest = (0.0, 0.0)  # the longest time no rank moved without a hang, and the limit then
         self._stop = threading.Event()
-        self._gaps = random.Random()  # the looks' spacing (hang_detect.sample_gap)
+        self._gaps = random.Random()  # the looks' spacing (slow_ranks.sample_gap)
         self._thread = threading.Thread(target=self._watch, name="hang-monitor", daemon=True)
 
     @staticmethod
