@@ -227,7 +227,7 @@ def test_a_stop_at_an_interval_step_is_matched_with_that_checkpoint_and_not_the_
 
 @pytest.mark.slurm
 def test_quick_goodput_run_on_the_local_cluster(slurm_cluster, tmp_path, capsys):
-    """`--quick`: the run preempted every 40 s alone, 100 steps (under `flock`, hence --no-lock)."""
+    """`--quick`: the run preempted every 40 s alone, 80 steps (under `flock`, hence --no-lock)."""
     code = goodput.main(["--quick", "--no-lock", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     saved = load_results(next(tmp_path.glob("run-*/results.json")))
@@ -235,7 +235,8 @@ def test_quick_goodput_run_on_the_local_cluster(slurm_cluster, tmp_path, capsys)
     assert code == 0, out[-4000:]
     assert saved.command == f"python -m bench.goodput --quick --no-lock --out {tmp_path}" and saved.load
     (preempted,) = saved.runs
-    assert preempted.name == "preempt-40s" and preempted.final == "finished (max_steps) at step 100"
+    assert preempted.name == "preempt-40s"
+    assert preempted.final == f"finished (max_steps) at step {goodput.QUICK_STEPS}"
     assert preempted.interruptions >= 1
     assert set(preempted.stop_reasons) == {"preemption"}
     assert preempted.replayed <= preempted.interruptions  # at most 1 step lost per interruption
