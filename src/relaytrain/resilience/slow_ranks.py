@@ -34,13 +34,12 @@ class SlowRankTracker:
     Each ``sample`` marks the ranks whose progress key is below the furthest rank's as behind; a sample in
     which no rank moved since the last one (a hang in the making, the monitor's business) is left out, and
     so is one whose records did not all hold at one instant (``at_one_instant``: the node files are read
-    at different times). A
-    rank behind in at least ``share`` of the samples of the last ``window_s``, with at least ``min_samples``
-    samples in which the ranks differed, is slow (a rank k times slower than the others waits for none
-    of them and is behind (k - 1) / k of the time: 0.6 names one 2.5 times slower and up). The share
-    counts every sample, not only those that
-    differ: ranks of equal speed rarely differ when sampled, and when they do, either may be behind, or
-    the same one by a hair (rank 0 logging), so they never come near it.
+    at different times). A rank behind in at least ``share`` of the samples of the last ``window_s``, with
+    at least ``min_samples`` samples in which the ranks differed, is slow (a rank k times slower than the
+    others waits for none of them and is behind (k - 1) / k of the time: 0.6 names one 2.5 times slower
+    and up). The share counts every sample, not only those that differ: ranks of equal speed rarely differ
+    when sampled, and when they do, either may be behind, or the same one by a hair (rank 0 logging), so
+    they never come near it.
     """
 
     def __init__(

@@ -114,8 +114,7 @@ class StragglerJudge:
         candidates = []
         for key in {key for _, slower in self._recent for key in slower}:
             over_at = [step for step, slower in self._recent if self._over(slower, key)]
-            typical = [slower[key] for slower in self._typical if key in slower]
-            if len(over_at) >= self.needed and typical and statistics.median(typical) > self.threshold:
+            if len(over_at) >= self.needed and self._typically_over(key):
                 median = statistics.median(slower[key] for _, slower in self._recent if key in slower)
                 candidates.append((median, key, over_at[0]))
         if not candidates:
@@ -126,6 +125,11 @@ class StragglerJudge:
 
     def _over(self, slower: Mapping[tuple[int, str], float], key: tuple[int, str]) -> bool:
         return slower.get(key, 0.0) > self.threshold
+
+    def _typically_over(self, key: tuple[int, str]) -> bool:
+        """Whether the median over the weighed windows of ``key``'s slowdown by median times is over."""
+        typical = [slower[key] for slower in self._typical if key in slower]
+        return bool(typical) and statistics.median(typical) > self.threshold
 
 
 def choose_action(
