@@ -49,8 +49,10 @@ def measure(factors: list[float], clean: int, hog: int, load: int = 0, command: 
     runs.mkdir(parents=True)
     names = [f"slow{f:g}".replace(".", "_") for f in factors]
     names = [n if names.count(n) == 1 else f"{n}_{names[:i].count(n)}" for i, n in enumerate(names)]
-    slowed = [Trial(name, f, 0) for name, f in zip(names, factors, strict=True)]
-    clean = [Trial(f"clean{i}", 1.0, 0) for i in range(clean)]
+    # A slowed trial gives each rank a core of its own (a quota of 1/factor of a CPU slows by the factor only
+    # a rank that had a whole CPU); the clean trials without busy processes are their control.
+    slowed = [Trial(name, f, 0, pinned=True) for name, f in zip(names, factors, strict=True)]
+    clean = [Trial(f"clean{i}", 1.0, 0, pinned=True) for i in range(clean)]
     clean += [Trial(f"hog{i}", 1.0, 1) for i in range(hog)]
     clean += [Trial(f"load{i}", 1.0, os.cpu_count() or 1) for i in range(load)]
     # The cluster's nodes share this machine's cores: a job beside a slowed one, or a CPU hog, would slow
@@ -117,27 +119,50 @@ def _described(settings: dict | None) -> str:
             f"{settings['every']} steps, {settings['windows']} windows weighed)")  # fmt: skip
 
 
-def _within(within: list[tuple[float | None, float | None, bool]]) -> str:
-    """The target's count: the slowed runs whose throttled rank ran TARGET_SLOWDOWN times as long as its
-    peer after the throttle (a rank that much slower than its peers, what the detector compares), then by
-    the slowdown the throttle caused against the ranks' own difference before it."""
-    if all(applied is None for applied, _, _ in within):  # results kept before the slowdown was measured
-        return f"{sum(ok for _, _, ok in within)} of {len(within)} slowed runs"
+def _within(slowed: list[dict], ok: list[bool]) -> str:
+    """The target's count: the slowed runs whose rank was slowed TARGET_SLOWDOWN times or more from outside
+    on a core of its own (a pinned trial: the quota asked is the slowdown it causes), then the runs by the
+    slowdown measured: the throttled rank's time against its peer's after the throttle (what the detector
+    compares), and the slowdown the throttle caused against the ranks' own difference before it."""
+    if all(t.get("applied") is None for t in slowed):  # results kept before the slowdown was measured
+        return f"{sum(ok)} of {len(ok)} slowed runs"
     parts = []
-    if any(peer is not None for _, peer, _ in within):  # results kept before the peer ratio was recorded
-        target = [ok for _, peer, ok in within if peer is not None and peer >= TARGET_SLOWDOWN]
+    if any(t.get("pinned") for t in slowed):  # results kept before the trials were pinned
+        target = [
+            k for t, k in zip(slowed, ok, strict=True) if t.get("pinned") and t["factor"] >= TARGET_SLOWDOWN
+        ]
         parts.append(
-            f"{sum(target)} of {len(target)} slowed runs whose throttled rank ran {TARGET_SLOWDOWN:g}x as "
-            "long as its peer or more after the throttle (the target: a rank that much slower than its peers)"
+            f"{sum(target)} of {len(target)} slowed runs whose rank got a quota of {TARGET_SLOWDOWN:g}x or "
+            "more on a core of its own (the target: a rank that much slower than its peers)"
         )
-    caused = [ok for applied, _, ok in within if applied is not None and applied >= TARGET_SLOWDOWN]
-    rest = [ok for applied, _, ok in within if applied is None or applied < TARGET_SLOWDOWN]
+    if any(t.get("against_peer") is not None for t in slowed):  # results kept before the peer ratio
+        peer = [k for t, k in zip(slowed, ok, strict=True) if (t.get("against_peer") or 0) >= TARGET_SLOWDOWN]
+        parts.append(
+            f"{sum(peer)} of {len(peer)} {'' if parts else 'slowed runs '}whose throttled rank ran "
+            f"{TARGET_SLOWDOWN:g}x as long as its peer or more after the throttle"
+            f"{'' if parts else ' (the target: a rank that much slower than its peers)'}"
+        )
+    caused = [k for t, k in zip(slowed, ok, strict=True) if (t.get("applied") or 0) >= TARGET_SLOWDOWN]
+    rest = [k for t, k in zip(slowed, ok, strict=True) if (t.get("applied") or 0) < TARGET_SLOWDOWN]
     parts.append(
         f"{sum(caused)} of {len(caused)} {'' if parts else 'slowed runs '}whose throttle caused a slowdown "
         f"of {TARGET_SLOWDOWN:g}x or more"
         f"{'' if parts else ' (the target)'}, {sum(rest)} of {len(rest)} whose throttle caused less"
     )
     return "; ".join(parts)
+
+
+def _pinning(trials: list[dict]) -> str:
+    """Which trials had each rank on a core of its own (results kept before pinning: none)."""
+    pinned = [t["name"] for t in trials if t.get("pinned")]
+    if not pinned:
+        return ""
+    return (
+        f" Pinned ({', '.join(pinned)}): from its first step each rank's threads run on a core of their own "
+        "(rank r on CPU r, set from outside the run), as a node has its own cores, so that a quota of "
+        "1/factor of a CPU slows the rank by the factor; the runs beside busy processes are not pinned (the "
+        "kernel places ranks and busy processes)."
+    )
 
 
 def _model(data: dict) -> str:
@@ -172,18 +197,18 @@ def render(data: dict, source: str) -> str:
         first = t["named"][0] if t["named"] else None
         steps = None if first is None or t["throttled_at"] is None else first["step"] - t["throttled_at"]
         right = first is not None and first["rank"] == t["rank"] and first["node"] == t["node"]
-        within.append(
-            (t.get("applied"), t.get("against_peer"), steps is not None and steps <= NAMED_WITHIN and right)
-        )
+        within.append(steps is not None and steps <= NAMED_WITHIN and right)
         measured = "–" if first is None else f"{1 + first['slower']:.2f}x in {first['phase']}"
         applied = "–" if t.get("applied") is None else f"{t['applied']:.2f}x"
         peer = "–" if t.get("against_peer") is None else f"{t['against_peer']:.2f}x"
+        job = "–" if t.get("step_slowdown") is None else f"{t['step_slowdown']:.2f}x"
         named = "none" if first is None else f"rank {first['rank']} on {first['node']}"
-        rows.append((f"{t['factor']:g}x", applied, peer, f"rank {t['rank']} on {t['node']}",
+        rows.append((f"{t['factor']:g}x", applied, peer, job, f"rank {t['rank']} on {t['node']}",
                      t["throttled_at"], "–" if first is None else first["step"],
                      "–" if steps is None else steps, named, _yes(right), measured,
                      t["error"] or ""))  # fmt: skip
-    slow_table = table(["quota asked", "slowdown it caused", "against its peer after", "throttled", "at step",
+    slow_table = table(["quota asked", "slowdown it caused", "against its peer after", "job's step after",
+                        "throttled", "at step",
                         "named at step", "steps to the line", "named", "rank and node right",
                         "detector's measure", "error"],
                        rows)  # fmt: skip
@@ -207,15 +232,15 @@ def render(data: dict, source: str) -> str:
         "throttle nothing, without busy processes, beside one busy-looping process (the cluster's nodes "
         "share this machine's cores: the kernel runs it beside one rank or the other, a noisy neighbour of "
         "one node), or beside one per core (both ranks loaded alike, a busy machine). "
-        f"{_arrangement(data)} {_trials(slowed)}",
+        f"{_arrangement(data)}{_pinning(data['trials'])} {_trials(slowed)}",
         "",
         slow_table,
         "",
         false_table,
         "",
-        f"* Named within {NAMED_WITHIN} steps with the right rank and node: {_within(within)}; a rank "
-        f"that was not throttled named in a slowed run: {wrong} of {len(slowed)}; false reports on clean "
-        f"runs: {_false_reports(clean, data['cores'])}.",
+        f"* Named within {NAMED_WITHIN} steps with the right rank and node: {_within(slowed, within)}; "
+        f"a rank that was not throttled named in a slowed run: {wrong} of {len(slowed)}; false reports on "
+        f"clean runs: {_false_reports(clean, data['cores'])}.",
         f"* The detection's own cost, measured inside one {cost['steps']}-step torchrun run of 2 ranks on "
         f"this machine (bench/straggler_cost.py: the timing around the phases and every step's bookkeeping "
         f"and window gather, summed on the rank that spent most): {1e6 * cost['cost_per_step_s']:.0f} µs per "
@@ -231,7 +256,9 @@ def render(data: dict, source: str) -> str:
         "(the fastest: a burst of noise does not count), below the mean slowdown where the slowdown itself "
         "comes in bursts. \"Against its peer after\" is rank 1's time against rank 0's over the windows "
         "after the throttle, not divided by the ranks' difference before it: what the detector compares, and "
-        "below the slowdown caused where rank 1 was the faster rank before.",
+        "below the slowdown caused where rank 1 was the faster rank before. \"Job's step after\" is the "
+        "job's median step time over the windows after the throttle against before it: a synchronous job "
+        "runs at its slowest rank's pace, and the optimizer phase is a small part of a step.",
     ])  # fmt: skip
 
 

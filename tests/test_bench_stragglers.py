@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import stragglers
-from bench.cluster.stragglers import applied_slowdown, peer_slowdown
+from bench.cluster.stragglers import applied_slowdown, peer_slowdown, step_slowdown
 
 
 def windows(ratios_before: list[float], ratios_after: list[float], every: int = 5) -> list[dict]:
@@ -39,7 +39,7 @@ def test_the_target_counts_only_runs_slowed_by_at_least_a_fifth():
     text = stragglers.render(data, "bench/results/stragglers.json")
     assert "1 of 2 slowed runs whose throttle caused a slowdown of 1.2x or more" in text
     assert "0 of 1 whose throttle caused less" in text
-    assert "| 1.5x | 1.25x | – | rank 1 on n2 | 30 | 60 | 30 |" in text
+    assert "| 1.5x | 1.25x | – | – | rank 1 on n2 | 30 | 60 | 30 |" in text
 
 
 def test_the_target_counts_runs_by_how_much_slower_than_its_peer_the_rank_ran():
@@ -58,10 +58,40 @@ def test_the_target_counts_runs_by_how_much_slower_than_its_peer_the_rank_ran():
     text = stragglers.render(data, "bench/results/stragglers.json")
     assert "1 of 1 slowed runs whose throttled rank ran 1.2x as long as its peer or more" in text
     assert "1 of 2 whose throttle caused a slowdown of 1.2x or more, 0 of 0 whose" in text
-    assert "| 1.25x | 1.36x | 1.15x | rank 1 on n2 | 30 | – |" in text
+    assert "| 1.25x | 1.36x | 1.15x | – | rank 1 on n2 | 30 | – |" in text
     records = windows([0.86] * 6, [9.9] + [1.15] * 10)
     assert peer_slowdown(records, throttled_at=30) == pytest.approx(1.15)
     assert applied_slowdown(records, throttled_at=30) == pytest.approx(1.15 / 0.86)
+
+
+def test_pinned_runs_count_for_the_target_by_the_quota_asked():
+    # on a core of its own a rank is slowed by the quota asked: a pinned 1.2x trial counts for the target
+    # even where the noisy optimizer phase measured less; an unpinned one only by what was measured
+    trial = {"rank": 1, "node": "n2", "throttled_at": 30, "error": "", "hog": 0, "applied": 1.12}
+    named = {"step": 60, "rank": 1, "node": "n2", "slower": 0.26, "phase": "optimizer"}
+    data = {
+        "date": "d", "cpu": "c", "cores": 2, "load": "l", "steps": 120, "throttle_at": 30,
+        "cost": {"steps": 1, "cost_per_step_s": 1e-4, "mean_step_s": 0.1, "cost_share": 0.001},
+        "trials": [
+            {**trial, "name": "slow1_2", "factor": 1.2, "pinned": True, "against_peer": 1.16,
+             "step_slowdown": 1.21, "named": [named]},
+            {**trial, "name": "slow1_2_1", "factor": 1.2, "pinned": True, "against_peer": 1.1, "named": []},
+            {**trial, "name": "slow1_5", "factor": 1.5, "pinned": False, "against_peer": 1.1, "named": []},
+        ],
+    }  # fmt: skip
+    text = stragglers.render(data, "bench/results/stragglers.json")
+    assert (
+        "1 of 2 slowed runs whose rank got a quota of 1.2x or more on a core of its own (the target" in text
+    )
+    assert "; 0 of 0 whose throttled rank ran 1.2x as long as its peer or more" in text
+    assert "| 1.2x | 1.12x | 1.16x | 1.21x | rank 1 on n2 | 30 | 60 | 30 |" in text
+    assert "Pinned (slow1_2, slow1_2_1): " in text
+
+
+def test_the_job_slowdown_is_its_step_time_after_the_throttle_against_before():
+    records = [{"step": 5 * (i + 1), "rank1_step_s": s} for i, s in enumerate([0.2] * 6 + [9.9] + [0.25] * 6)]
+    assert step_slowdown(records, throttled_at=30) == pytest.approx(1.25)  # the window it landed in left out
+    assert step_slowdown(records[:6], throttled_at=30) is None
 
 
 def test_the_false_reports_are_told_apart_by_the_busy_processes_beside_the_run():

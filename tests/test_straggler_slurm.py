@@ -2,8 +2,8 @@
 beside a CPU hog is not.
 
 Two jobs of 2 nodes x 1 task run at once (one module fixture), each training the benchmark's small model
-(bench/cluster/stragglers.py's TRIAL_MODEL, whose optimizer phase of about 20 ms spans several of the
-kernel's 4 ms ticks: the 4 ms phase of a smaller vocabulary moves by a third with the scheduling of a
+(bench/cluster/stragglers.py's QUICK_TRIAL_MODEL, whose 8192-entry vocabulary makes the optimizer phase
+about 7 ms: the phase of a few ms of a smaller vocabulary moves by a third with the scheduling of a
 loaded machine alone) for ``STEPS`` steps with the default straggler settings:
 
 * in the first, rank 1's process gets a CPU quota of a quarter of its one compute thread once the run
@@ -32,7 +32,7 @@ from e2e_slurm_jobs import cli, job_output, launch, records
 
 import faults
 import faults.throttle as throttle
-from bench.cluster.stragglers import TRIAL_MODEL, straggler_config
+from bench.cluster.stragglers import QUICK_TRIAL_MODEL, straggler_config
 from conftest import REPO
 from slurm_fixtures import wait_for, wait_job_finished
 
@@ -58,7 +58,7 @@ def stragglers(slurm_cluster, tmp_path_factory):
     try:
         for name in ("slow", "clean"):
             cfg = base / f"{name}.toml"
-            cfg.write_text(straggler_config(name, runs, STEPS, TRIAL_MODEL))
+            cfg.write_text(straggler_config(name, runs, STEPS, QUICK_TRIAL_MODEL))
             jobs[name] = launch(str(cfg), *NODES)
         hogs += [
             subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)

@@ -1,19 +1,23 @@
 """The straggler trials on the local Slurm cluster (`python -m bench.stragglers` runs them).
 
 Each trial is one `relaytrain launch` of 2 nodes x 1 task training a small model for `STEPS` steps with
-the default straggler settings. A slowed trial waits until the run logged `THROTTLE_AT` steps, then puts
-rank 1's process under a CPU quota of 1/factor of its one compute thread and 1/factor of a process's CPU
-weight from outside the job (`python -m faults.throttle`), and reads back what the run said: the first
-`straggler` event (the step it was named at, the rank, the node, how much slower) against the rank and
-node the throttle landed on. A clean trial throttles nothing, with or without busy-looping processes
-beside the job (`Trial.hog`: how many), and counts the `straggler` events: each one is a false report.
-The cluster's nodes share this machine's cores: one busy process is the neighbour of whichever rank the
-kernel runs it beside (a noisy neighbour on one node), one per core loads both ranks alike (a busy
-machine).
+the default straggler settings. The cluster's nodes share this machine's cores; a pinned trial
+(`Trial.pinned`) gives each rank a core of its own from its first step, as a real node has
+(`pin_ranks`). A slowed trial (pinned) waits until the run logged `THROTTLE_AT` steps, then puts rank
+1's process under a CPU quota of 1/factor of its one compute thread and 1/factor of a process's CPU weight
+from outside the job (`python -m faults.throttle`): on a core of its own the rank had a whole CPU, so the
+quota slows it by the factor asked. It reads back what the run said: the first `straggler` event (the step
+it was named at, the rank, the node, how much slower) against the rank and node the throttle landed on.
+A clean trial throttles nothing, pinned without busy processes (the slowed trials' control), or not
+pinned beside busy-looping processes (`Trial.hog`: how many), and counts the `straggler` events: each one
+is a false report. One busy process is the neighbour of whichever rank the kernel runs it beside (a noisy
+neighbour on one node), one per core loads both ranks alike (a busy machine).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -34,11 +38,14 @@ from tiny_config import TINY_TOML  # noqa: E402
 STEPS = 120
 THROTTLE_AT = 30  # six windows before it: the ranks' own difference, taken out of the applied slowdown
 MODEL = TINY_TOML.replace("dim = 64", "dim = 128").replace("seq_len = 32", "seq_len = 64")
-# The trials' model: an 8192-entry vocabulary makes the optimizer phase (the one a rank does alone)
-# about 20 ms instead of 4 on one core, several periods of the throttle's quota and of the kernel's 4 ms
-# tick, so that a quota slows it by a steadier amount.
-TRIAL_VOCAB = 8192
+# The trials' model: a 32768-entry vocabulary makes the optimizer phase (the one a rank does alone) about
+# 20 ms on a core of its own, five of the kernel's 4 ms ticks, at which it enforces a CPU quota: a phase of
+# a tick or two may escape the quota or be held for a whole period, so a quota slows a longer phase by a
+# steadier amount. QUICK_TRIAL_MODEL (8192 entries: a 7 ms phase, a step 3x shorter) is for checks that
+# slow a rank by far more than the threshold (tests/test_straggler_slurm.py).
+TRIAL_VOCAB = 32768
 TRIAL_MODEL = MODEL.replace("vocab_size = 320", f"vocab_size = {TRIAL_VOCAB}")
+QUICK_TRIAL_MODEL = MODEL.replace("vocab_size = 320", "vocab_size = 8192")
 
 
 def straggler_config(name: str, runs: Path, steps: int, model: str = MODEL) -> str:
@@ -71,6 +78,7 @@ class Trial:
     name: str
     factor: float  # the slowdown applied (1: none)
     hog: int  # busy-looping processes beside the job (results kept before: a bool, True for one)
+    pinned: bool = False  # each rank's threads on a core of its own from its first step (pin_ranks)
     job: str = ""
     landed: str = ""  # the throttle's evidence line
     throttled_at: int | None = None  # the last logged step when the throttle landed
@@ -79,6 +87,7 @@ class Trial:
     named: list[dict] = field(default_factory=list)  # the run's straggler events
     applied: float | None = None  # the slowdown the throttle caused, measured (applied_slowdown)
     against_peer: float | None = None  # rank 1's time against rank 0's after the throttle (peer_slowdown)
+    step_slowdown: float | None = None  # the job's step time after the throttle against before it
     state: str = ""
     seconds: float = 0.0
     error: str = ""
@@ -130,12 +139,37 @@ def peer_slowdown(
     return statistics.median(after) if after else None
 
 
+def step_slowdown(windows: list[dict], throttled_at: int, every: int = 5) -> float | None:
+    """How much the throttle slowed the whole job (a synchronous job runs at its slowest rank's pace):
+    the median over the windows after the throttle of rank 1's step time, divided by the same before it."""
+    before = [w["rank1_step_s"] for w in windows if w.get("rank1_step_s") and int(w["step"]) <= throttled_at]
+    after = [w["rank1_step_s"] for w in windows
+             if w.get("rank1_step_s") and int(w["step"]) - every >= throttled_at]  # fmt: skip
+    if not before or not after:
+        return None
+    return statistics.median(after) / statistics.median(before)
+
+
 def _records(run_dir: Path, kind: str) -> list[dict]:
     return RunFiles(run_dir).records(kind)
 
 
 def _last_step(run_dir: Path) -> int:
     return max((int(r["step"]) for r in _records(run_dir, "train")), default=0)
+
+
+def pin_ranks(job: str, run_dir: Path, ranks: int = 2) -> dict[int, int]:
+    """Every thread of rank r's process onto CPU r (of this machine's), from outside the run, once the
+    run logged its first step (its threads are started): each node of the cluster then has a core of its
+    own, as a real node does, so a quota of 1/factor of a CPU slows the rank by factor. {rank: pid}."""
+    pids = wait(lambda: _last_step(run_dir) >= 1 and all(throttle.rank_pid(job, r) for r in range(ranks))
+                and {r: throttle.rank_pid(job, r) for r in range(ranks)},
+                180, f"job {job}'s ranks to start", interval=0.2)  # fmt: skip
+    for rank, pid in pids.items():
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(task.name), {rank % (os.cpu_count() or 1)})
+    return pids
 
 
 def run_trial(trial: Trial, runs: Path) -> Trial:
@@ -148,6 +182,8 @@ def run_trial(trial: Trial, runs: Path) -> Trial:
     pid = None
     try:
         run_dir = runs / trial.name
+        if trial.pinned:
+            pin_ranks(trial.job, run_dir)
         if trial.factor > 1:
             pid = wait(lambda: _last_step(run_dir) >= THROTTLE_AT and throttle.rank_pid(trial.job, 1),
                        180, f"job {trial.job} to reach step {THROTTLE_AT}", interval=0.2)  # fmt: skip
@@ -165,6 +201,7 @@ def run_trial(trial: Trial, runs: Path) -> Trial:
             windows = _records(run_dir, "rank_times")
             trial.applied = applied_slowdown(windows, trial.throttled_at, every)
             trial.against_peer = peer_slowdown(windows, trial.throttled_at, every)
+            trial.step_slowdown = step_slowdown(windows, trial.throttled_at, every)
     except (TimeoutError, RuntimeError, OSError) as err:
         trial.error = str(err)[:300]
     finally:
