@@ -157,11 +157,22 @@ def _pinning(trials: list[dict]) -> str:
     pinned = [t["name"] for t in trials if t.get("pinned")]
     if not pinned:
         return ""
+    read_back = [t for t in trials if t.get("pinned_to")]  # results kept before the read-back: none
+    evidence = (
+        f"; read back from every rank's threads after pinning in {len(read_back)} of {len(pinned)}: "
+        + ", ".join(
+            sorted(
+                {" and ".join(f"rank {r} on CPU {c}" for r, c in t["pinned_to"].items()) for t in read_back}
+            )
+        )  # fmt: skip
+        if read_back
+        else ""
+    )
     return (
-        f" Pinned ({', '.join(pinned)}): from its first step each rank's threads run on a core of their own "
-        "(rank r on CPU r, set from outside the run), as a node has its own cores, so that a quota of "
-        "1/factor of a CPU slows the rank by the factor; the runs beside busy processes are not pinned (the "
-        "kernel places ranks and busy processes)."
+        f" Pinned ({', '.join(pinned)}{evidence}): from its first step each rank's threads run on a core of "
+        "their own (rank r on CPU r, set from outside the run), as a node has its own cores, so that a quota "
+        "of 1/factor of a CPU slows the rank by the factor; the runs beside busy processes are not pinned "
+        "(the kernel places ranks and busy processes)."
     )
 
 

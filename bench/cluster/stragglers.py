@@ -79,6 +79,7 @@ class Trial:
     factor: float  # the slowdown applied (1: none)
     hog: int  # busy-looping processes beside the job (results kept before: a bool, True for one)
     pinned: bool = False  # each rank's threads on a core of its own from its first step (pin_ranks)
+    pinned_to: dict[str, list[int]] = field(default_factory=dict)  # the CPUs read back, by rank
     job: str = ""
     landed: str = ""  # the throttle's evidence line
     throttled_at: int | None = None  # the last logged step when the throttle landed
@@ -158,18 +159,28 @@ def _last_step(run_dir: Path) -> int:
     return max((int(r["step"]) for r in _records(run_dir, "train")), default=0)
 
 
-def pin_ranks(job: str, run_dir: Path, ranks: int = 2) -> dict[int, int]:
+def pin_ranks(job: str, run_dir: Path, ranks: int = 2) -> dict[str, list[int]]:
     """Every thread of rank r's process onto CPU r (of this machine's), from outside the run, once the
     run logged its first step (its threads are started): each node of the cluster then has a core of its
-    own, as a real node does, so a quota of 1/factor of a CPU slows the rank by factor. {rank: pid}."""
+    own, as a real node does, so a quota of 1/factor of a CPU slows the rank by factor. The evidence it
+    landed: {rank: the CPUs its threads were read back on}; RuntimeError where one is elsewhere."""
     pids = wait(lambda: _last_step(run_dir) >= 1 and all(throttle.rank_pid(job, r) for r in range(ranks))
                 and {r: throttle.rank_pid(job, r) for r in range(ranks)},
                 180, f"job {job}'s ranks to start", interval=0.2)  # fmt: skip
+    landed = {}
     for rank, pid in pids.items():
+        cpu = rank % (os.cpu_count() or 1)
+        on: set[int] = set()
         for task in Path(f"/proc/{pid}/task").iterdir():
             with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                os.sched_setaffinity(int(task.name), {rank % (os.cpu_count() or 1)})
-    return pids
+                os.sched_setaffinity(int(task.name), {cpu})
+                on |= os.sched_getaffinity(int(task.name))
+        if on != {cpu}:
+            raise RuntimeError(
+                f"rank {rank}'s threads (pid {pid}) are on CPUs {sorted(on)} after pinning to {cpu}"
+            )
+        landed[str(rank)] = sorted(on)
+    return landed
 
 
 def run_trial(trial: Trial, runs: Path) -> Trial:
@@ -183,7 +194,7 @@ def run_trial(trial: Trial, runs: Path) -> Trial:
     try:
         run_dir = runs / trial.name
         if trial.pinned:
-            pin_ranks(trial.job, run_dir)
+            trial.pinned_to = pin_ranks(trial.job, run_dir)
         if trial.factor > 1:
             pid = wait(lambda: _last_step(run_dir) >= THROTTLE_AT and throttle.rank_pid(trial.job, 1),
                        180, f"job {trial.job} to reach step {THROTTLE_AT}", interval=0.2)  # fmt: skip
