@@ -8,8 +8,8 @@ outside the run, bench/cluster/stragglers.py; a factor given twice is tried twic
 without busy processes (`--clean`), beside one busy-looping process (`--hog`: the kernel runs it beside
 one rank or the other, a noisy neighbour of one node on this machine whose cores the cluster's nodes
 share) and beside one busy process per core (`--load`: both ranks loaded alike, a busy machine). In
-rounds (`rounds`): each slowed trial alone, so that nothing but the throttle slows one of its ranks; the
-clean trials without busy processes two at once; each trial with busy processes alone. Then,
+rounds (`rounds`), each trial alone: nothing but the throttle slows one rank of a slowed trial, and a
+clean trial's false reports are its own. Then,
 on this machine, one torchrun run that measures the detection's own cost beside its step time
 (bench/straggler_cost.py). The results
 go to bench/results/stragglers.json; `--page` (or `--page-from`) writes the "stragglers" section of
@@ -56,11 +56,11 @@ def measure(factors: list[float], clean: int, hog: int, load: int = 0, command: 
     clean += [Trial(f"hog{i}", 1.0, 1) for i in range(hog)]
     clean += [Trial(f"load{i}", 1.0, os.cpu_count() or 1) for i in range(load)]
     # The cluster's nodes share this machine's cores: a job beside a slowed one, or a CPU hog, would slow
-    # its un-throttled rank too, so each slowed trial runs alone, and each hog's trial alone (its false
-    # reports are its own). The clean trials without a hog run two at once: each is the other's noise.
-    quiet, hogged = [t for t in clean if not t.hog], [t for t in clean if t.hog]
-    pairs = [quiet[i : i + 2] for i in range(0, len(quiet), 2)]
-    rounds = [[t] for t in slowed] + pairs + [[t] for t in hogged]
+    # its un-throttled rank too, so every trial runs alone. Two pinned jobs at once would put both jobs'
+    # rank 1 on one core: where their steps fall into step with each other, each job's rank 1 waits for the
+    # other's for windows on end while the rank 0s do not (measured: a report at step 120), a noisy
+    # neighbour of one node that no real node has.
+    rounds = [[t] for t in [*slowed, *clean]]
     trials = []
     with cluster_lock(), ThreadPoolExecutor(2) as pool:
         for pair in rounds:
@@ -162,7 +162,12 @@ def _pinning(trials: list[dict]) -> str:
         f"; read back from every rank's threads after pinning in {len(read_back)} of {len(pinned)}: "
         + ", ".join(
             sorted(
-                {" and ".join(f"rank {r} on CPU {c}" for r, c in t["pinned_to"].items()) for t in read_back}
+                {
+                    " and ".join(
+                        f"rank {r} on CPU {', '.join(map(str, c))}" for r, c in t["pinned_to"].items()
+                    )
+                    for t in read_back
+                }
             )
         )  # fmt: skip
         if read_back
