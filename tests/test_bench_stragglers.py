@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from bench import stragglers
-from bench.cluster.stragglers import applied_slowdown, peer_slowdown, step_slowdown
+from bench.cluster.stragglers import applied_slowdown, peer_slowdown, pin_threads, step_slowdown
 
 
 def windows(ratios_before: list[float], ratios_after: list[float], every: int = 5) -> list[dict]:
@@ -102,3 +107,21 @@ def test_the_false_reports_are_told_apart_by_the_busy_processes_beside_the_run()
     assert stragglers._false_reports(clean, cores=2) == (
         "1 over 4 runs (0 over 1 without busy processes; 1 over 1 beside one; 0 over 2 beside one per core)"
     )
+
+
+def test_pinning_moves_every_thread_of_a_running_process_and_reads_it_back():
+    # a process with a second thread, started on every CPU: after pinning, each thread is on the one asked
+    code = (
+        "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+        "print(1, flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "1"  # both threads started
+        cpu = (os.cpu_count() or 1) - 1
+        assert pin_threads(proc.pid, cpu) == {cpu}
+        tasks = [int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()]
+        assert len(tasks) >= 2 and all(os.sched_getaffinity(t) == {cpu} for t in tasks)
+    finally:
+        proc.kill()
+        proc.wait()

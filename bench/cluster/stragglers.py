@@ -170,17 +170,23 @@ def pin_ranks(job: str, run_dir: Path, ranks: int = 2) -> dict[str, list[int]]:
     landed = {}
     for rank, pid in pids.items():
         cpu = rank % (os.cpu_count() or 1)
-        on: set[int] = set()
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                os.sched_setaffinity(int(task.name), {cpu})
-                on |= os.sched_getaffinity(int(task.name))
+        on = pin_threads(pid, cpu)
         if on != {cpu}:
             raise RuntimeError(
                 f"rank {rank}'s threads (pid {pid}) are on CPUs {sorted(on)} after pinning to {cpu}"
             )
         landed[str(rank)] = sorted(on)
     return landed
+
+
+def pin_threads(pid: int, cpu: int) -> set[int]:
+    """Every thread of process `pid` onto `cpu`; the CPUs its threads are allowed on, read back after."""
+    on: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), {cpu})
+            on |= os.sched_getaffinity(int(task.name))
+    return on
 
 
 def run_trial(trial: Trial, runs: Path) -> Trial:
