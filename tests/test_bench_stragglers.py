@@ -22,6 +22,16 @@ def windows(ratios_before: list[float], ratios_after: list[float], every: int = 
     ]
 
 
+def page(*trials: dict) -> str:
+    """The section rendered from results holding `trials` (and a measured cost)."""
+    data = {
+        "date": "d", "cpu": "c", "cores": 2, "load": "l", "steps": 120, "throttle_at": 30,
+        "cost": {"steps": 1, "cost_per_step_s": 1e-4, "mean_step_s": 0.1, "cost_share": 0.001},
+        "trials": list(trials),
+    }  # fmt: skip
+    return stragglers.render(data, "bench/results/stragglers.json")
+
+
 def test_the_slowdown_caused_takes_the_ranks_own_difference_out():
     # rank 1 is 10 % slower than rank 0 before the throttle, 1.32x after: the throttle caused 1.2x
     records = windows([1.1] * 6, [9.9] + [1.32] * 10)  # the window the throttle landed in is left out
@@ -32,16 +42,11 @@ def test_the_slowdown_caused_takes_the_ranks_own_difference_out():
 def test_the_target_counts_only_runs_slowed_by_at_least_a_fifth():
     trial = {"rank": 1, "node": "n2", "throttled_at": 30, "error": "", "factor": 1.5, "hog": False}
     named = {"step": 60, "rank": 1, "node": "n2", "slower": 0.3, "phase": "optimizer"}
-    data = {
-        "date": "d", "cpu": "c", "cores": 2, "load": "l", "steps": 120, "throttle_at": 30,
-        "cost": {"steps": 1, "cost_per_step_s": 1e-4, "mean_step_s": 0.1, "cost_share": 0.001},
-        "trials": [
-            {**trial, "applied": 1.25, "named": [named]},
-            {**trial, "applied": 1.4, "named": []},
-            {**trial, "applied": 1.05, "named": []},
-        ],
-    }  # fmt: skip
-    text = stragglers.render(data, "bench/results/stragglers.json")
+    text = page(
+        {**trial, "applied": 1.25, "named": [named]},
+        {**trial, "applied": 1.4, "named": []},
+        {**trial, "applied": 1.05, "named": []},
+    )
     assert "1 of 2 slowed runs whose throttle caused a slowdown of 1.2x or more" in text
     assert "0 of 1 whose throttle caused less" in text
     assert "| 1.5x | 1.25x | – | – | rank 1 on n2 | 30 | 60 | 30 |" in text
@@ -52,15 +57,10 @@ def test_the_target_counts_runs_by_how_much_slower_than_its_peer_the_rank_ran():
     # as its peer after it, and a rank 20 % slower than its peers is what the target names
     trial = {"rank": 1, "node": "n2", "throttled_at": 30, "error": "", "factor": 1.25, "hog": 0}
     named = {"step": 60, "rank": 1, "node": "n2", "slower": 0.3, "phase": "optimizer"}
-    data = {
-        "date": "d", "cpu": "c", "cores": 2, "load": "l", "steps": 120, "throttle_at": 30,
-        "cost": {"steps": 1, "cost_per_step_s": 1e-4, "mean_step_s": 0.1, "cost_share": 0.001},
-        "trials": [
-            {**trial, "applied": 1.36, "against_peer": 1.15, "named": []},
-            {**trial, "applied": 1.28, "against_peer": 1.23, "named": [named]},
-        ],
-    }  # fmt: skip
-    text = stragglers.render(data, "bench/results/stragglers.json")
+    text = page(
+        {**trial, "applied": 1.36, "against_peer": 1.15, "named": []},
+        {**trial, "applied": 1.28, "against_peer": 1.23, "named": [named]},
+    )
     assert "1 of 1 slowed runs whose throttled rank ran 1.2x as long as its peer or more" in text
     assert "1 of 2 whose throttle caused a slowdown of 1.2x or more, 0 of 0 whose" in text
     assert "| 1.25x | 1.36x | 1.15x | – | rank 1 on n2 | 30 | – |" in text
@@ -74,17 +74,19 @@ def test_pinned_runs_count_for_the_target_by_the_quota_asked():
     # even where the noisy optimizer phase measured less; an unpinned one only by what was measured
     trial = {"rank": 1, "node": "n2", "throttled_at": 30, "error": "", "hog": 0, "applied": 1.12}
     named = {"step": 60, "rank": 1, "node": "n2", "slower": 0.26, "phase": "optimizer"}
-    data = {
-        "date": "d", "cpu": "c", "cores": 2, "load": "l", "steps": 120, "throttle_at": 30,
-        "cost": {"steps": 1, "cost_per_step_s": 1e-4, "mean_step_s": 0.1, "cost_share": 0.001},
-        "trials": [
-            {**trial, "name": "slow1_2", "factor": 1.2, "pinned": True, "against_peer": 1.16,
-             "step_slowdown": 1.21, "named": [named]},
-            {**trial, "name": "slow1_2_1", "factor": 1.2, "pinned": True, "against_peer": 1.1, "named": []},
-            {**trial, "name": "slow1_5", "factor": 1.5, "pinned": False, "against_peer": 1.1, "named": []},
-        ],
-    }  # fmt: skip
-    text = stragglers.render(data, "bench/results/stragglers.json")
+    text = page(
+        {
+            **trial,
+            "name": "slow1_2",
+            "factor": 1.2,
+            "pinned": True,
+            "against_peer": 1.16,
+            "step_slowdown": 1.21,
+            "named": [named],
+        },
+        {**trial, "name": "slow1_2_1", "factor": 1.2, "pinned": True, "against_peer": 1.1, "named": []},
+        {**trial, "name": "slow1_5", "factor": 1.5, "pinned": False, "against_peer": 1.1, "named": []},
+    )
     assert (
         "1 of 2 slowed runs whose rank got a quota of 1.2x or more on a core of its own (the target" in text
     )
