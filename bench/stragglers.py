@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import kept
@@ -62,11 +61,10 @@ def measure(factors: list[float], clean: int, hog: int, load: int = 0, command: 
     # neighbour of one node that no real node has.
     rounds = [[t] for t in [*slowed, *clean]]
     trials = []
-    with cluster_lock(), ThreadPoolExecutor(2) as pool:
-        for pair in rounds:
-            for trial in pool.map(lambda t: run_trial(t, runs), pair):
-                trials.append(trial.as_json())
-                print(f"{trial.name}: {json.dumps(trial.named)[:300]} {trial.error}", flush=True)
+    with cluster_lock():
+        for (trial,) in rounds:
+            trials.append(run_trial(trial, runs).as_json())
+            print(f"{trial.name}: {json.dumps(trial.named)[:300]} {trial.error}", flush=True)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return {"command": command or "python -m bench.stragglers", "date": date,
             "cpu": machine_info().get("cpu", "?"), "cores": os.cpu_count(), "load": str(load_average()),
