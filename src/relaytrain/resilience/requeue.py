@@ -105,10 +105,19 @@ def scontrol_requeue(requeue_id: str, exclude: Sequence[str] = ()) -> tuple[bool
     return True, " ".join(cmd)
 
 
+# `requeuehold` ends the running job at once: Slurm sends SIGTERM to every process of the batch step,
+# the `scontrol update` and `scontrol release` that follow it included, which then die half-way and leave
+# the job held for good. They run with SIGTERM ignored (inherited through exec); SIGKILL after KillWait
+# still ends them, and each takes a fraction of a second.
+SIGTERM_IGNORED = ("sh", "-c", 'trap "" TERM; exec "$@"', "sh")
+
+
 def _scontrol(*args: str) -> tuple[bool, str]:
     cmd = ["scontrol", *args]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SCONTROL_REQUEUE_TIMEOUT_S)
+        proc = subprocess.run(
+            [*SIGTERM_IGNORED, *cmd], capture_output=True, text=True, timeout=SCONTROL_REQUEUE_TIMEOUT_S
+        )
     except (OSError, subprocess.TimeoutExpired) as err:
         return False, f"{' '.join(cmd)} failed: {err}"
     if proc.returncode != 0:
@@ -118,10 +127,10 @@ def _scontrol(*args: str) -> tuple[bool, str]:
 
 def _requeue_excluding(requeue_id: str, exclude: Sequence[str]) -> tuple[bool, str]:
     """requeuehold, add ``exclude`` to the job's ExcNodeList, release: the next allocation avoids them."""
+    earlier = scontrol_job_field(requeue_id, "ExcNodeList") or ""  # read while the job still runs
     done, how = _scontrol("requeuehold", requeue_id)
     if not done:
         return done, how
-    earlier = scontrol_job_field(requeue_id, "ExcNodeList") or ""
     nodes = dict.fromkeys([*expand_nodelist(earlier if earlier != "(null)" else ""), *exclude])
     updated, update = _scontrol("update", f"JobId={requeue_id}", f"ExcNodeList={','.join(nodes)}")
     if not updated:
