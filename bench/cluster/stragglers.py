@@ -101,21 +101,31 @@ class Trial:
         return asdict(self)
 
 
-def _ratios(windows: list[dict], throttled_at: int, every: int, phase: str) -> tuple[list, list]:
-    """Rank 1's time in `phase` against rank 0's, per window (the `rank_times` records, each rank's median
-    over the window, at the window's last step): (the windows before the throttle, the windows after it).
-    The window the throttle landed in is in neither."""
+def _split(windows: list[dict], throttled_at: int, every: int, value) -> tuple[list, list]:
+    """`value` of each `rank_times` record (at the window's last step; None: left out), split into (the
+    windows before the throttle, the windows after it). The window the throttle landed in is in neither."""
     before, after = [], []
     for window in windows:
-        slow, other = window.get(f"rank1_{phase}_s"), window.get(f"rank0_{phase}_s")
-        if not slow or not other:
+        got = value(window)
+        if got is None:
             continue
         last = int(window["step"])
         if last <= throttled_at:
-            before.append(slow / other)
+            before.append(got)
         elif last - every >= throttled_at:
-            after.append(slow / other)
+            after.append(got)
     return before, after
+
+
+def _ratios(windows: list[dict], throttled_at: int, every: int, phase: str) -> tuple[list, list]:
+    """Rank 1's time in `phase` against rank 0's, per window (each rank's median over the window):
+    (the windows before the throttle, the windows after it)."""
+
+    def ratio(window: dict) -> float | None:
+        slow, other = window.get(f"rank1_{phase}_s"), window.get(f"rank0_{phase}_s")
+        return slow / other if slow and other else None
+
+    return _split(windows, throttled_at, every, ratio)
 
 
 def applied_slowdown(
@@ -143,9 +153,7 @@ def peer_slowdown(
 def step_slowdown(windows: list[dict], throttled_at: int, every: int = 5) -> float | None:
     """How much the throttle slowed the whole job (a synchronous job runs at its slowest rank's pace):
     the median over the windows after the throttle of rank 1's step time, divided by the same before it."""
-    before = [w["rank1_step_s"] for w in windows if w.get("rank1_step_s") and int(w["step"]) <= throttled_at]
-    after = [w["rank1_step_s"] for w in windows
-             if w.get("rank1_step_s") and int(w["step"]) - every >= throttled_at]  # fmt: skip
+    before, after = _split(windows, throttled_at, every, lambda w: w.get("rank1_step_s") or None)
     if not before or not after:
         return None
     return statistics.median(after) / statistics.median(before)
@@ -164,9 +172,12 @@ def pin_ranks(job: str, run_dir: Path, ranks: int = 2) -> dict[str, list[int]]:
     run logged its first step (its threads are started): each node of the cluster then has a core of its
     own, as a real node does, so a quota of 1/factor of a CPU slows the rank by factor. The evidence it
     landed: {rank: the CPUs its threads were read back on}; RuntimeError where one is elsewhere."""
-    pids = wait(lambda: _last_step(run_dir) >= 1 and all(throttle.rank_pid(job, r) for r in range(ranks))
-                and {r: throttle.rank_pid(job, r) for r in range(ranks)},
-                180, f"job {job}'s ranks to start", interval=0.2)  # fmt: skip
+
+    def started() -> dict[int, int] | None:
+        pids = {r: throttle.rank_pid(job, r) for r in range(ranks)} if _last_step(run_dir) >= 1 else {}
+        return pids if pids and all(pids.values()) else None  # type: ignore[return-value]
+
+    pids = wait(started, 180, f"job {job}'s ranks to start", interval=0.2)
     landed = {}
     for rank, pid in pids.items():
         cpu = rank % (os.cpu_count() or 1)
