@@ -260,8 +260,13 @@ def test_the_watch_names_the_rank_logs_the_event_and_records_the_times(monkeypat
     assert events[0][1] == 40 and fields["slower"] == pytest.approx(0.5, abs=0.01)
     assert [s for s, _ in metrics.times] == [10, 20, 30, 40, 50, 60]
     assert set(metrics.times[0][1]) == {
-        f"rank{r}_{p}_s" for r in (0, 1) for p in ("data", "optimizer", "step")
+        f"rank{r}_{p}_s"
+        for r in (0, 1)
+        for p in ("data", "optimizer", "step", "data_fastest", "optimizer_fastest")
     }
+    last = metrics.times[-1][1]  # the fastest time is recorded as judged: rank 1's 1.5x rank 0's
+    assert last["rank1_optimizer_fastest_s"] == pytest.approx(1.5 * last["rank0_optimizer_fastest_s"])
+    assert last["rank0_optimizer_fastest_s"] <= last["rank0_optimizer_s"]
     assert watch.verdict is None  # report: no stop
 
 
@@ -387,6 +392,7 @@ def records_with_a_straggler() -> list[dict]:
         slow = 1.5 if step > 10 else 1.0
         times = {"rank0_data_s": 0.001, "rank0_optimizer_s": 0.01, "rank0_step_s": 0.1}
         times |= {"rank1_data_s": 0.001, "rank1_optimizer_s": 0.01 * slow, "rank1_step_s": 0.1}
+        times |= {f"rank{r}_optimizer_fastest_s": 0.009 for r in (0, 1)}  # the plot sums medians only
         out.append({"kind": "rank_times", "step": step, **base, **times})
         out.append({"kind": "train", "step": step, "loss": 1.0, **base})
     fields = {

@@ -89,6 +89,7 @@ class Trial:
     applied: float | None = None  # the slowdown the throttle caused, measured (applied_slowdown)
     against_peer: float | None = None  # rank 1's time against rank 0's after the throttle (peer_slowdown)
     step_slowdown: float | None = None  # the job's step time after the throttle against before it
+    windows: list[dict] = field(default_factory=list)  # the run's rank_times records (kept_windows)
     state: str = ""
     seconds: float = 0.0
     error: str = ""
@@ -159,6 +160,15 @@ def step_slowdown(windows: list[dict], throttled_at: int, every: int = 5) -> flo
     return statistics.median(after) / statistics.median(before)
 
 
+def kept_windows(records: list[dict]) -> list[dict]:
+    """The `rank_times` records as a trial keeps them: the step and each rank's times (to the
+    microsecond), so the judge's verdicts can be replayed from the results (bench.straggler_rules)."""
+    return [
+        {"step": r["step"]} | {k: round(v, 6) for k, v in r.items() if k.startswith("rank") and v is not None}
+        for r in records
+    ]
+
+
 def _records(run_dir: Path, kind: str) -> list[dict]:
     return RunFiles(run_dir).records(kind)
 
@@ -224,9 +234,10 @@ def run_trial(trial: Trial, runs: Path) -> Trial:
             trial.node = throttle._environ(pid).get("SLURMD_NODENAME", "")
         trial.state = wait_job_end(trial.job, 600).get("JobState", "")
         trial.named = [r for r in _records(run_dir, "event") if r.get("event") == "straggler"]
+        windows = _records(run_dir, "rank_times")
+        trial.windows = kept_windows(windows)
         if trial.throttled_at is not None:
             every = ResilienceConfig().straggler_every
-            windows = _records(run_dir, "rank_times")
             trial.applied = applied_slowdown(windows, trial.throttled_at, every)
             trial.against_peer = peer_slowdown(windows, trial.throttled_at, every)
             trial.step_slowdown = step_slowdown(windows, trial.throttled_at, every)

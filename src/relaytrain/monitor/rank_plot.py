@@ -14,7 +14,7 @@ from typing import Any
 from relaytrain.monitor.history import History
 from relaytrain.monitor.plots import _figure, _headroom, _save
 
-KEY = re.compile(r"^rank(\d+)_(\w+)_s$")
+KEY = re.compile(r"^rank(\d+)_([a-z]+)_s$")  # the medians: not rank<R>_<phase>_fastest_s
 STRAGGLER_COLOR = "tab:red"
 
 

@@ -116,7 +116,7 @@ class StragglerWatch:
         self._times = {p: [] for p in PHASES}
         self._steps = []
         if self.rank == 0:
-            self.record(step, _times_record([row[: steps_column + 1] for row in matrix]))
+            self.record(step, _times_record(matrix))
         if any(row[steps_column] <= 0 for row in matrix):
             return  # a window with no whole step on some rank (the first after a start): nothing to compare
         fastest, typical = [row[steps_column + 1 :] for row in matrix], [row[:steps_column] for row in matrix]
@@ -190,10 +190,16 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
+# the gathered row's columns, by their `rank_times` names: the medians, the step's median, the fastest
+RECORD_COLUMNS = (*PHASES, "step", *(f"{phase}_fastest" for phase in PHASES))
+
+
 def _times_record(matrix: list[list[float]]) -> dict[str, Any]:
-    """The `rank_times` record: each rank's median seconds per phase and per step over the window."""
+    """The `rank_times` record: each rank's median seconds per phase and per step over the window
+    (``rank<R>_<phase>_s``) and its fastest seconds per phase (``rank<R>_<phase>_fastest_s``: what the
+    judge compares, kept so that a run's verdicts can be replayed from its records)."""
     out: dict[str, Any] = {}
     for rank, row in enumerate(matrix):
-        for phase, value in zip((*PHASES, "step"), row, strict=True):
-            out[f"rank{rank}_{phase}_s"] = value
+        for column, value in zip(RECORD_COLUMNS, row, strict=True):
+            out[f"rank{rank}_{column}_s"] = value
     return out
