@@ -1,7 +1,7 @@
 """`python -m bench.stragglers`: is a slow rank named, how soon, how right, and at what cost?
 
     python -m bench.stragglers [--factors 1.2,1.5,2] [--clean 2] [--hog 2] [--load 0] [--page]
-    python -m bench.stragglers --page-from bench/results/stragglers.json   # the section from kept results
+    python -m bench.stragglers --page-from bench/results/stragglers-<date>.json  # the section, from them
 
 On the local Slurm cluster (taken under its lock), one trial per slowdown factor (rank 1 throttled from
 outside the run, bench/cluster/stragglers.py; a factor given twice is tried twice) and clean trials:
@@ -12,7 +12,7 @@ rounds (`rounds`), each trial alone: nothing but the throttle slows one rank of 
 clean trial's false reports are its own. Then,
 on this machine, one torchrun run that measures the detection's own cost beside its step time
 (bench/straggler_cost.py). The results
-go to bench/results/stragglers.json; `--page` (or `--page-from`) writes the "stragglers" section of
+go to bench/results/stragglers-<date>.json; `--page` (or `--page-from`) writes the "stragglers" section of
 docs/benchmarks.md from them.
 """
 
@@ -31,7 +31,13 @@ from bench import kept
 from bench.report import REPO, load_average, machine_info, table, write_page
 
 SECTION = "stragglers"
-RESULTS = "stragglers.json"
+
+
+def results_name() -> str:
+    """Each invocation's results keep their own file (bench.straggler_rules replays them all)."""
+    return time.strftime("stragglers-%Y-%m-%d-%H%M.json", time.gmtime())
+
+
 NAMED_WITHIN = 50  # steps from the slowdown to the `straggler:` line
 TARGET_SLOWDOWN = 1.2  # a rank this much slower (or more) is to be named within NAMED_WITHIN steps
 COST_TARGET = 0.01  # of the step time
@@ -105,16 +111,21 @@ def _yes(ok: bool) -> str:
 
 def _settings() -> dict:
     from relaytrain.config.schema import ResilienceConfig
+    from relaytrain.resilience.straggler import needed_windows
 
     r = ResilienceConfig()
-    return {"threshold": r.straggler_threshold, "every": r.straggler_every, "windows": r.straggler_windows}
+    return {"threshold": r.straggler_threshold, "every": r.straggler_every, "windows": r.straggler_windows,
+            "needed": needed_windows(r.straggler_windows)}  # fmt: skip
 
 
 def _described(settings: dict | None) -> str:
     if settings is None:  # results kept before the settings were recorded
         return "the default straggler settings"
+    # results kept before `needed` was recorded: all but one of the windows weighed
+    needed = settings.get("needed", settings["windows"] - 1)
     return (f"the default straggler settings (threshold {settings['threshold']:g}, windows of "
-            f"{settings['every']} steps, {settings['windows']} windows weighed)")  # fmt: skip
+            f"{settings['every']} steps, over it in {needed} of the last {settings['windows']} "
+            "windows)")  # fmt: skip
 
 
 def _within(slowed: list[dict], ok: list[bool]) -> str:
@@ -291,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.stragglers " + " ".join(argv if argv is not None else sys.argv[1:])
     factors = [float(f) for f in args.factors.split(",")]
     data = measure(factors, args.clean, args.hog, args.load, command.strip())
-    path = kept.save(RESULTS, data)
+    path = kept.save(results_name(), data)
     print(f"wrote {kept.relative(path)}")
     if args.page:
         write_page({SECTION: render(data, kept.relative(path))})

@@ -81,6 +81,14 @@ def test_a_slow_rank_is_named_after_the_sustained_windows_with_its_phase_and_fir
     assert named.factor == pytest.approx(1.3)
 
 
+def test_how_many_windows_must_be_over_can_be_set_apart_from_k():
+    judge = StragglerJudge(threshold=0.15, windows=4, needed=2)
+    verdicts = feed(judge, [window(), window(), window(1, 1.5), window(1, 1.5)])
+    assert [v[0] is not None for v in verdicts] == [False, False, False, True]
+    with pytest.raises(ValueError, match="needed must be 1..4 windows, not 5"):
+        StragglerJudge(threshold=0.15, windows=4, needed=5)
+
+
 def test_one_noisy_window_neither_names_nor_restarts_the_count():
     judge = StragglerJudge(threshold=0.15, windows=5)
     slow, spike = window(1, 1.3), window(0, 2.0)  # the spike: rank 0 slow for one window, rank 1 not
@@ -101,6 +109,21 @@ def test_with_the_defaults_a_20_percent_straggler_missed_in_one_window_is_named_
         if n is not None and n.rank == 1
     )
     assert named <= 50 - every  # the slowdown began up to a window before the first slow one
+
+
+@pytest.mark.parametrize("misses", [0, 1, 2])
+def test_with_the_defaults_a_20_percent_straggler_is_named_by_s_plus_23_plus_5_per_missed_window(misses):
+    """docs/resilience.md's bound: slowed from step S = 32 (the worst place in a window: its window, steps
+    31-35, not over), every later window over but `misses` of them, named by S + 23 + 5 per miss."""
+    defaults = ResilienceConfig()
+    judge, every = StragglerJudge(defaults.straggler_threshold, defaults.straggler_windows), 5
+    slow = [window(1, 1.2)] * 10
+    for i in range(misses):
+        slow[1 + 2 * i] = window()  # misses spread out: none restarts the count
+    verdicts = feed(judge, [window()] * 7 + slow, every)
+    named = next((i + 1) * every for i, (n, _) in enumerate(verdicts) if n is not None)
+    assert named - 32 <= 23 + 5 * misses
+    assert verdicts[next(i for i, (n, _) in enumerate(verdicts) if n)][0].rank == 1
 
 
 def test_noise_that_does_not_last_is_never_named():

@@ -1,0 +1,222 @@
+"""Straggler rules replayed over the straggler trials' kept windows: which rule names a slowed rank
+soonest with no false report.
+
+    python -m bench.straggler_rules                 # every kept bench/results/stragglers-*.json
+    python -m bench.straggler_rules --results bench/results/stragglers-2026-11-28-0530.json --page
+
+Every trial of `python -m bench.stragglers` keeps its run's `rank_times` records: each window's median and
+fastest seconds per rank and phase, the judge's whole input. This module feeds them, window by window, to
+`StragglerJudge` with other settings (the threshold; K, the windows weighed; how many of them must be
+over) and counts what each rule would have said: the slowed trials named within `NAMED_WITHIN` steps of
+their throttle (the right rank), and the false reports (a clean trial with a report, a slowed trial's
+report before its throttle, or a report of its other rank). The window length (`straggler_every`) is the
+runs' own and is not replayed. Replayed with the settings the runs had, the rule must give the runs' own
+verdicts (`agrees`): the replay is checked against what was measured before it is trusted.
+`--page` writes the "straggler-rules" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from relaytrain.config.schema import ResilienceConfig
+from relaytrain.resilience.straggler import PHASES, StragglerJudge, needed_windows
+
+from bench import kept
+from bench.report import table, write_page
+
+SECTION = "straggler-rules"
+NAMED_WITHIN = 50  # issue target: a rank >= 20 % slower named within this many steps of its slowdown
+THRESHOLDS = (0.10, 0.15, 0.20)
+WINDOWS = range(3, 9)
+SHOWN = 8  # rules listed besides the shipped one
+RULE = "rule"  # a loaded trial's key: the rule its run judged by (run_rule)
+
+
+@dataclass(frozen=True, order=True)
+class Rule:
+    threshold: float
+    windows: int
+    needed: int
+
+    def judge(self) -> StragglerJudge:
+        return StragglerJudge(self.threshold, self.windows, self.needed)
+
+    @property
+    def label(self) -> str:
+        return f"{100 * self.threshold:.0f} % in {self.needed} of {self.windows} windows"
+
+
+def shipped_rule() -> Rule:
+    r = ResilienceConfig()
+    return Rule(r.straggler_threshold, r.straggler_windows, needed_windows(r.straggler_windows))
+
+
+def run_rule(settings: dict[str, Any]) -> Rule:
+    """The rule a kept run judged by (its `settings`); results kept before `needed` was recorded were
+    judged by the rule of that time: all but one of K windows (all of them for K <= 2)."""
+    windows = int(settings["windows"])
+    needed = settings.get("needed", windows - 1 if windows > 2 else windows)
+    return Rule(float(settings["threshold"]), windows, int(needed))
+
+
+def all_rules() -> list[Rule]:
+    return [Rule(t, k, n) for t in THRESHOLDS for k in WINDOWS for n in range(k // 2 + 1, k + 1)]
+
+
+def judge_input(window: dict[str, Any], ranks: int) -> tuple[list[list[float]], list[list[float]]] | None:
+    """(fastest, median) seconds per rank and phase of one kept window, as the run's judge was fed them;
+    None for a window the run did not judge (a rank with no whole step in it)."""
+    if any(not window.get(f"rank{r}_step_s") for r in range(ranks)):
+        return None
+    try:
+        fastest = [[float(window[f"rank{r}_{p}_fastest_s"]) for p in PHASES] for r in range(ranks)]
+    except KeyError as err:
+        raise ValueError(f"a window at step {window.get('step')} records no {err.args[0]} (results kept "
+                         "before the fastest times were recorded cannot be replayed)") from None  # fmt: skip
+    return fastest, [[float(window[f"rank{r}_{p}_s"]) for p in PHASES] for r in range(ranks)]
+
+
+def replay(rule: Rule, windows: list[dict[str, Any]], every: int, ranks: int = 2) -> list[tuple[int, int]]:
+    """(the step it was named at, the rank) for each straggler the rule names over a run's windows."""
+    judge, named = rule.judge(), []
+    for window in windows:
+        fed = judge_input(window, ranks)
+        if fed is None:
+            continue
+        straggler, _ = judge.feed(int(window["step"]) - every + 1, *fed)
+        if straggler is not None:
+            named.append((int(window["step"]), straggler.rank))
+    return named
+
+
+@dataclass
+class Outcome:
+    rule: Rule
+    steps: list[int | None] = field(default_factory=list)  # per slowed trial: steps to its naming
+    false: list[str] = field(default_factory=list)  # the trials with a false report
+
+    @property
+    def within(self) -> int:
+        return sum(1 for s in self.steps if s is not None and s <= NAMED_WITHIN)
+
+    def key(self) -> tuple:
+        late = [s if s is not None else 10**6 for s in self.steps]
+        return (len(self.false), -self.within, statistics.median(late) if late else 0, self.rule)
+
+
+def judge_trials(rule: Rule, trials: list[dict[str, Any]], every: int) -> Outcome:
+    out = Outcome(rule)
+    for trial in trials:
+        named = replay(rule, trial["windows"], every)
+        at = trial.get("throttled_at")
+        if at is None:
+            if named:
+                out.false.append(trial["name"])
+            continue
+        if any(step <= at or rank != trial["rank"] for step, rank in named):
+            out.false.append(trial["name"])
+        right = [step - at for step, rank in named if step > at and rank == trial["rank"]]
+        out.steps.append(right[0] if right else None)
+    return out
+
+
+def agrees(trials: list[dict[str, Any]], every: int) -> tuple[int, list[str]]:
+    """How many trials the replay of the rule their run judged by (`RULE`) gives the run's own first
+    verdict (step and rank), and the names of those where it does not."""
+    wrong = []
+    for trial in trials:
+        named = replay(trial[RULE], trial["windows"], every)
+        measured = [(int(n["step"]), int(n["rank"])) for n in trial["named"]]
+        if named[:1] != measured[:1]:
+            wrong.append(trial["name"])
+    return len(trials) - len(wrong), wrong
+
+
+def load_trials(paths: list[str]) -> tuple[list[dict[str, Any]], int, list[str]]:
+    """(the replayable trials of every kept file, their window length, the files' commands)."""
+    trials, every, commands = [], set(), []
+    for path in paths:
+        data = kept.load(path)
+        usable = [t for t in data.get("trials", []) if t.get("windows") and not t.get("error")]
+        if not usable or "settings" not in data:
+            raise ValueError(f"kept results {kept.relative(path)} keep no trial's windows to replay")
+        every.add(int(data["settings"]["every"]))
+        rule = run_rule(data["settings"])
+        usable = [{**t, RULE: rule} for t in usable]
+        trials += usable
+        commands.append(f"`{data.get('command', '?')}` ({data.get('date', '?')}, {kept.relative(path)})")
+    if len(every) != 1:
+        raise ValueError(f"the kept runs judged windows of different lengths ({sorted(every)} steps)")
+    return trials, every.pop(), commands
+
+
+def default_results() -> list[str]:
+    return [kept.relative(p) for p in sorted(kept.RESULTS_DIR.glob("stragglers-*.json"))]
+
+
+def render(paths: list[str]) -> str:
+    trials, every, commands = load_trials(paths)
+    outcomes = sorted((judge_trials(rule, trials, every) for rule in all_rules()), key=Outcome.key)
+    shipped = judge_trials(shipped_rule(), trials, every)
+    same, differ = agrees(trials, every)
+    slowed = len(shipped.steps)
+    clean = len(trials) - slowed
+
+    def row(o: Outcome, note: str = "") -> list[object]:
+        steps = ", ".join("never" if s is None else str(s) for s in o.steps)
+        return [o.rule.label + note, f"{o.within} of {slowed}", steps, f"{len(o.false)} of {len(trials)}",
+                ", ".join(o.false) or "-"]  # fmt: skip
+
+    rows = [row(shipped, " (shipped)")] + [row(o) for o in outcomes[:SHOWN] if o.rule != shipped.rule]
+    return "\n".join([
+        "## Straggler rules, replayed",
+        "",
+        f"Written by `python -m bench.straggler_rules --page --results {' '.join(paths)}`: the straggler "
+        f"trials' kept windows (each window's median and fastest phase times per rank, {every} steps each) "
+        f"replayed through the straggler judge with {len(all_rules())} rules: thresholds "
+        f"{', '.join(f'{100 * t:.0f} %' for t in THRESHOLDS)}; K = {WINDOWS.start}..{WINDOWS.stop - 1} "
+        "windows weighed; over the threshold (by the fastest times) in more than half of them up to all "
+        "of them; the typical (median) step agreeing, as shipped. The trials: "
+        + "; ".join(commands) + ".",
+        "",
+        f"* The replay is faithful: with the settings the runs had it gives {same} of {len(trials)} trials "
+        f"the runs' own first verdict (step and rank){': not ' + ', '.join(differ) if differ else ''}.",
+        f"* {slowed} slowed trials, {clean} clean ones. A false report: a clean trial named a straggler, or "
+        "a slowed trial named one before its throttle or named its other rank. Ranked by false reports, "
+        f"then by slowed trials named within {NAMED_WITHIN} steps, then by the median steps to the line.",
+        "",
+        table(["rule", f"named within {NAMED_WITHIN} steps", "steps from throttle to the line",
+               "trials with a false report", "false reports in"], rows),  # fmt: skip
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.straggler_rules", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--results", nargs="+", help="kept bench.stragglers results (default: all kept)")
+    parser.add_argument("--page", action="store_true", help="write the section of docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    paths = args.results or default_results()
+    if not paths:
+        print("error: no kept straggler results (bench/results/stragglers-*.json): run python -m "
+              "bench.stragglers first", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        text = render([kept.relative(p) for p in paths])
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(text)
+    if args.page:
+        write_page({SECTION: text}, order=("stragglers", SECTION))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

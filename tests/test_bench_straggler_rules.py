@@ -1,0 +1,119 @@
+"""bench.straggler_rules: the straggler judge replayed over kept windows, and what it counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import straggler_rules as rules
+from bench.straggler_rules import Rule
+
+EVERY = 5
+SETTINGS = {"threshold": 0.15, "every": EVERY, "windows": 6, "needed": 4}
+
+
+def windows(rank1: list[float], fastest: list[float] | None = None) -> list[dict]:
+    """Kept rank_times windows: rank 0's optimizer takes 20 ms (fastest 18 ms); rank 1's median is
+    `rank1[i]` times that, its fastest `fastest[i]` times (default: the same)."""
+    fastest = fastest or rank1
+    out = []
+    for i, (typical, quick) in enumerate(zip(rank1, fastest, strict=True)):
+        window = {"step": EVERY * (i + 1)}
+        for rank, (m, f) in enumerate([(1.0, 1.0), (typical, quick)]):
+            window |= {f"rank{rank}_data_s": 0.0005, f"rank{rank}_data_fastest_s": 0.0004}
+            window |= {f"rank{rank}_optimizer_s": 0.020 * m, f"rank{rank}_optimizer_fastest_s": 0.018 * f}
+            window |= {f"rank{rank}_step_s": 0.1}
+        out.append(window)
+    return out
+
+
+def slowed(name: str, after: list[float], named: list[tuple[int, int]] = ()) -> dict:
+    """A slowed trial throttled at step 30 (6 windows level, then `after`), with the run's verdicts."""
+    return {"name": name, "factor": 1.2, "hog": 0, "rank": 1, "throttled_at": 30, "error": "",
+            "windows": windows([1.0] * 6 + after),
+            "named": [{"step": s, "rank": r} for s, r in named]}  # fmt: skip
+
+
+def clean(name: str, rank1: list[float], fastest: list[float] | None = None) -> dict:
+    return {"name": name, "factor": 1.0, "hog": 1, "rank": None, "throttled_at": None, "error": "",
+            "windows": windows(rank1, fastest), "named": []}  # fmt: skip
+
+
+def test_the_replay_names_a_slowed_rank_as_the_judge_does():
+    # 1.3x from step 35 on: over 15 % in 5 of 6 windows first at the window ending at step 55
+    trial = slowed("s", [1.3] * 18)
+    assert rules.replay(Rule(0.15, 6, 5), trial["windows"], EVERY) == [(55, 1)]
+    assert rules.replay(Rule(0.15, 6, 4), trial["windows"], EVERY) == [(50, 1)]
+    assert rules.replay(Rule(0.35, 6, 4), trial["windows"], EVERY) == []
+
+
+def test_a_window_without_a_whole_step_on_a_rank_is_not_judged():
+    trial = slowed("s", [1.3] * 18)
+    for window in trial["windows"][6:9]:
+        window["rank0_step_s"] = 0.0  # as the run skips it
+    assert rules.replay(Rule(0.15, 6, 5), trial["windows"], EVERY) == [(70, 1)]
+
+
+def test_outcomes_count_detection_steps_and_every_kind_of_false_report():
+    trials = [
+        slowed("fast", [1.3] * 18),
+        slowed("never", [1.05] * 18),
+        clean("quiet", [1.0] * 24),
+        clean("noisy", [1.0] * 10 + [1.5] * 14),  # a clean run named: a false report
+        {**slowed("early", [1.3] * 18), "windows": windows([1.5] * 24)},  # named before its throttle
+    ]
+    out = rules.judge_trials(Rule(0.15, 6, 5), trials, EVERY)
+    assert out.steps == [25, None, None] and out.within == 1
+    assert out.false == ["noisy", "early"]
+    # the rank the throttle did not touch named: a false report too
+    other = slowed("other", [1.0] * 18)
+    for window in other["windows"][6:]:
+        window["rank0_optimizer_s"] *= 1.5
+        window["rank0_optimizer_fastest_s"] *= 1.5
+    assert rules.judge_trials(Rule(0.15, 6, 5), [other], EVERY).false == ["other"]
+
+
+def test_the_typical_step_must_agree_in_every_replayed_rule():
+    # rank 1's fastest step is 1.5x slow, its median is level: no rule names it
+    trial = clean("peer-caught-idle-cores", [1.0] * 24, fastest=[1.5] * 24)
+    assert all(not rules.replay(rule, trial["windows"], EVERY) for rule in rules.all_rules())
+
+
+def test_the_replay_is_checked_against_the_runs_own_verdicts():
+    shipped = rules.shipped_rule()
+    good = slowed("good", [1.3] * 18)
+    good["named"] = [{"step": s, "rank": r} for s, r in rules.replay(shipped, good["windows"], EVERY)]
+    assert good["named"], "the shipped rule names a 1.3x rank"
+    bad = slowed("bad", [1.3] * 18, named=[(115, 1)])
+    judged = [{**t, rules.RULE: shipped} for t in (good, bad)]
+    assert rules.agrees(judged, EVERY) == (1, ["bad"])
+    # a run kept before its rule's `needed` was recorded judged by all but one of K windows
+    assert rules.run_rule({"threshold": 0.15, "windows": 6}) == Rule(0.15, 6, 5)
+    assert rules.run_rule(SETTINGS) == Rule(0.15, 6, 4)
+
+
+def test_results_kept_before_the_fastest_times_were_recorded_are_refused_clearly(tmp_path):
+    trial = slowed("s", [1.3] * 18)
+    for window in trial["windows"]:
+        del window["rank1_optimizer_fastest_s"]
+    path = tmp_path / "stragglers-old.json"
+    path.write_text(json.dumps({"command": "c", "date": "d", "settings": SETTINGS, "trials": [trial]}))
+    with pytest.raises(ValueError, match="records no rank1_optimizer_fastest_s"):
+        rules.render([str(path)])
+    assert rules.main(["--results", str(path)]) == 2
+
+
+def test_the_section_lists_the_shipped_rule_the_best_ones_and_the_replays_faithfulness(tmp_path):
+    shipped = rules.shipped_rule()
+    trials = [slowed(f"s{i}", [1.3] * 18) for i in range(2)] + [clean("c", [1.0] * 24)]
+    for trial in trials:
+        trial["named"] = [{"step": s, "rank": r} for s, r in rules.replay(shipped, trial["windows"], EVERY)]
+    path = tmp_path / "stragglers-x.json"
+    path.write_text(json.dumps({"command": "python -m bench.stragglers", "date": "d",
+                                "settings": SETTINGS, "trials": trials}))  # fmt: skip
+    text = rules.render([str(path)])
+    assert text.startswith("## Straggler rules, replayed")
+    assert "it gives 3 of 3 trials the runs' own first verdict" in text
+    assert f"| {shipped.label} (shipped) | 2 of 2 |" in text
+    assert "| 10 % in 2 of 3 windows | 2 of 2 | 10, 10 | 0 of 3 | - |" in text  # the best first
