@@ -35,6 +35,7 @@ THRESHOLDS = (0.10, 0.15, 0.20)
 WINDOWS = range(3, 9)
 SHOWN = 8  # rules listed besides the shipped one
 RULE = "rule"  # a loaded trial's key: the rule its run judged by (run_rule)
+SOURCE = "source"  # and the kept file it came from
 
 
 @dataclass(frozen=True, order=True)
@@ -147,7 +148,7 @@ def load_trials(paths: list[str]) -> tuple[list[dict[str, Any]], int, list[str]]
             raise ValueError(f"kept results {kept.relative(path)} keep no trial's windows to replay")
         every.add(int(data["settings"]["every"]))
         rule = run_rule(data["settings"])
-        usable = [{**t, RULE: rule} for t in usable]
+        usable = [{**t, RULE: rule, SOURCE: kept.relative(path)} for t in usable]
         trials += usable
         commands.append(f"`{data.get('command', '?')}` ({data.get('date', '?')}, {kept.relative(path)})")
     if len(every) != 1:
@@ -173,10 +174,17 @@ def render(paths: list[str]) -> str:
                 ", ".join(o.false) or "-"]  # fmt: skip
 
     rows = [row(shipped, " (shipped)")] + [row(o) for o in outcomes[:SHOWN] if o.rule != shipped.rule]
+    by_run = []
+    for path in paths:
+        mine = [t for t in trials if t[SOURCE] == kept.relative(path)]
+        o = judge_trials(shipped.rule, mine, every)
+        by_run.append(f"{path} (judged by {mine[0][RULE].label}): {o.within} of {len(o.steps)} named within "
+                      f"{NAMED_WITHIN} steps, {len(o.false)} of {len(mine)} with a false report")  # fmt: skip
     return "\n".join([
         "## Straggler rules, replayed",
         "",
-        f"Written by `python -m bench.straggler_rules --page --results {' '.join(paths)}`: the straggler "
+        f"Rewritten from the kept results by `python -m bench.straggler_rules --page --results "
+        f"{' '.join(paths)}`: the straggler "
         f"trials' kept windows (each window's median and fastest phase times per rank, {every} steps each) "
         f"replayed through the straggler judge with {len(all_rules())} rules: thresholds "
         f"{', '.join(f'{100 * t:.0f} %' for t in THRESHOLDS)}; K = {WINDOWS.start}..{WINDOWS.stop - 1} "
@@ -189,6 +197,7 @@ def render(paths: list[str]) -> str:
         f"* {slowed} slowed trials, {clean} clean ones. A false report: a clean trial named a straggler, or "
         "a slowed trial named one before its throttle or named its other rank. Ranked by false reports, "
         f"then by slowed trials named within {NAMED_WITHIN} steps, then by the median steps to the line.",
+        f"* The shipped rule ({shipped.rule.label}) replayed on each kept run: " + "; ".join(by_run) + ".",
         "",
         table(["rule", f"named within {NAMED_WITHIN} steps", "steps from throttle to the line",
                "trials with a false report", "false reports in"], rows),  # fmt: skip

@@ -15,8 +15,9 @@ last ``windows`` windows (``needed_windows``: 4 of 6): a noisy window neither na
 the count, as a streak rule's would, and the median of the phase's slowdowns over those windows (the
 magnitude reported) is then over the threshold too. Two thirds, not all but one: a slowdown enforced in
 bursts (a CPU quota at the scheduler's tick) lets a 20 % slower rank's fastest step fall under the
-threshold now and then, and all but one window named such a rank late; barely more than half (3 of 5,
-4 of 7) named clean runs beside busy processes (docs/benchmarks.md, "Straggler rules, replayed").
+threshold now and then, and a rule waiting for all windows but one named such a rank late; barely more
+than half (3 of 5, 4 of 7) named clean runs beside busy processes (docs/benchmarks.md, "Straggler
+rules, replayed").
 The typical step must agree: the median over the same windows of the phase's slowdown in the windows'
 MEDIAN times is over the threshold as well. A persistent slowdown slows the typical step with the
 fastest; on a machine whose cores are shared, a rank that happens to catch an idle core now and then has

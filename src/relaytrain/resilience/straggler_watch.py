@@ -3,11 +3,10 @@
 ``work(phase)`` times what a rank does alone (``straggler.PHASES``): wall clock on CPU, a pair of CUDA
 events on GPU (no wait for the device: a window reads only the events that have completed, the rest
 count in the next window). Every ``resilience.straggler_every`` steps every rank all-gathers its window's
-medians (recorded, and judged as the typical step) and fastest times per phase (judged; ``straggler.py``
-says why) in one small tensor
-(the named collective ``straggler_times`` on the progress board) and feeds the same matrix to its
-``StragglerJudge``: every rank reaches the same verdict at the same step. Rank 0
-logs the ``straggler:`` line and the ``straggler`` event; a verdict to replace or drop the node makes
+medians (recorded, and judged as the typical step) and fastest times per phase (recorded, and judged;
+``straggler.py`` says why) in one small tensor (the named collective ``straggler_times`` on the progress
+board) and feeds the same matrix to its ``StragglerJudge``: every rank reaches the same verdict at the
+same step. Rank 0 logs the ``straggler:`` line and the ``straggler`` event; a verdict to replace or drop the node makes
 every rank stop after the next snapshot or checkpoint (``stop_due``).
 """
 
