@@ -6,8 +6,8 @@ count in the next window). Every ``resilience.straggler_every`` steps every rank
 medians (recorded, and judged as the typical step) and fastest times per phase (recorded, and judged;
 ``straggler.py`` says why) in one small tensor (the named collective ``straggler_times`` on the progress
 board) and feeds the same matrix to its ``StragglerJudge``: every rank reaches the same verdict at the
-same step. Rank 0 logs the ``straggler:`` line and the ``straggler`` event; a verdict to replace or drop the node makes
-every rank stop after the next snapshot or checkpoint (``stop_due``).
+same step. Rank 0 logs the ``straggler:`` line and the ``straggler`` event; a verdict to replace or drop
+the node makes every rank stop after the next snapshot or checkpoint (``stop_due``).
 """
 
 from __future__ import annotations
