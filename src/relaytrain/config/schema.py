@@ -215,13 +215,13 @@ class ResilienceConfig(Section):
     nan_max_consecutive: int = setting(3, at_least(1))
     # rollback: multiply the LR by this after reloading
     nan_rollback_lr_scale: float = setting(1.0, in_range(0, 1, lo_open=True))
-    # a rank whose data or optimizer work is this fraction slower than the other ranks' median in two
-    # thirds (rounded up) of the last straggler_windows windows is named a straggler (0: off)
-    straggler_threshold: float = setting(0.15, in_range(0, 10))
+    # a rank whose data or optimizer work is this fraction slower than the other ranks' median in all but
+    # one of the last straggler_windows windows is named a straggler (0: off)
+    straggler_threshold: float = setting(0.1, in_range(0, 10))
     straggler_every: int = setting(5, at_least(1))  # steps per window: the ranks compare times this often
-    # recent windows weighed: a straggler is slower in two thirds of them, rounded up (4 of 6), and
-    # clears when slower in at most the rest (2 of 6)
-    straggler_windows: int = setting(6, at_least(1))
+    # recent windows weighed: a straggler is slower in all but one of them (all when 2 or fewer), and
+    # clears when slower in at most one
+    straggler_windows: int = setting(7, at_least(1))
     # report: name it; replace: with an idle spare node, stop after the next snapshot for the driver to
     # replace its node (else report); auto: replace, else drop its node when the node range allows and
     # the job is faster without it (else report)
