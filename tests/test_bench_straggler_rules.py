@@ -110,11 +110,14 @@ def test_the_section_lists_the_shipped_rule_the_best_ones_and_the_replays_faithf
     for trial in trials:
         trial["named"] = [{"step": s, "rank": r} for s, r in rules.replay(shipped, trial["windows"], EVERY)]
     path = tmp_path / "stragglers-x.json"
+    settings = {"threshold": shipped.threshold, "every": EVERY, "windows": shipped.windows,
+                "needed": shipped.needed}  # fmt: skip
     path.write_text(json.dumps({"command": "python -m bench.stragglers", "date": "d",
-                                "settings": SETTINGS, "trials": trials}))  # fmt: skip
+                                "settings": settings, "trials": trials}))  # fmt: skip
     text = rules.render([str(path)])
     assert text.startswith("## Straggler rules, replayed")
     assert "it gives 3 of 3 trials the runs' own first verdict" in text
-    assert "(judged by 15 % in 4 of 6 windows): 2 of 2 named within 50 steps, 0 of 3 with a false" in text
+    assert f"* The shipped rule ({shipped.label}) replayed on each kept run: " in text
+    assert f"(judged by {shipped.label}): 2 of 2 named within 50 steps, 0 of 3 with a false report" in text
     assert f"| {shipped.label} (shipped) | 2 of 2 |" in text
     assert "| 10 % in 2 of 3 windows | 2 of 2 | 10, 10 | 0 of 3 | - |" in text  # the best first

