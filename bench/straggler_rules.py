@@ -198,10 +198,24 @@ def render(paths: list[str]) -> str:
         "a slowed trial named one before its throttle or named its other rank. Ranked by false reports, "
         f"then by slowed trials named within {NAMED_WITHIN} steps, then by the median steps to the line.",
         f"* The shipped rule ({shipped.rule.label}) replayed on each kept run: " + "; ".join(by_run) + ".",
+        f"* {_best(outcomes, slowed)}",
         "",
         table(["rule", f"named within {NAMED_WITHIN} steps", "steps from throttle to the line",
                "trials with a false report", "false reports in"], rows),  # fmt: skip
     ])  # fmt: skip
+
+
+def _best(outcomes: list[Outcome], slowed: int) -> str:
+    """What the best rules without a false report reach (`outcomes` ranked by Outcome.key)."""
+    clean = [o for o in outcomes if not o.false]
+    if not clean:
+        return "Every rule replayed made a false report."
+    best = clean[0].within
+    reaching = sum(o.within == best for o in clean)
+    if best == slowed:
+        return f"{reaching} rules name every slowed trial within {NAMED_WITHIN} steps without a false report."
+    return (f"No rule replayed names every slowed trial within {NAMED_WITHIN} steps without a false report: "
+            f"the best name {best} of {slowed} ({reaching} rule{'s' * (reaching != 1)}).")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

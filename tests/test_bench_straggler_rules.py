@@ -66,6 +66,9 @@ def test_outcomes_count_detection_steps_and_every_kind_of_false_report():
     out = rules.judge_trials(Rule(0.15, 6, 5), trials, EVERY)
     assert out.steps == [25, None, None] and out.within == 1
     assert out.false == ["noisy", "early"]
+    ranked = sorted([out, rules.judge_trials(Rule(0.15, 6, 4), trials[:3], EVERY)], key=rules.Outcome.key)
+    assert rules._best(ranked, 2).startswith("No rule replayed names every slowed trial within 50 steps")
+    assert rules._best(ranked, 2).endswith("the best name 1 of 2 (1 rule).")
     # the rank the throttle did not touch named: a false report too
     other = slowed("other", [1.0] * 18)
     for window in other["windows"][6:]:
@@ -118,6 +121,7 @@ def test_the_section_lists_the_shipped_rule_the_best_ones_and_the_replays_faithf
     assert text.startswith("## Straggler rules, replayed")
     assert "it gives 3 of 3 trials the runs' own first verdict" in text
     assert f"* The shipped rule ({shipped.label}) replayed on each kept run: " in text
+    assert "rules name every slowed trial within 50 steps without a false report." in text
     assert f"(judged by {shipped.label}): 2 of 2 named within 50 steps, 0 of 3 with a false report" in text
     assert f"| {shipped.label} (shipped) | 2 of 2 |" in text
     assert "| 10 % in 2 of 3 windows | 2 of 2 | 10, 10 | 0 of 3 | - |" in text  # the best first
