@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.resilience.straggler import PHASES, StragglerJudge, needed_windows
+from relaytrain.resilience.straggler import StragglerJudge, needed_windows
+from relaytrain.resilience.straggler_watch import judged_times, matrix_from_record
 
 from bench import kept
 from bench.report import table, write_page
@@ -59,10 +60,9 @@ def shipped_rule() -> Rule:
 
 def run_rule(settings: dict[str, Any]) -> Rule:
     """The rule a kept run judged by (its `settings`); results kept before `needed` was recorded were
-    judged by the rule of that time: all but one of K windows (all of them for K <= 2)."""
+    judged by all but one of K windows, the rule `needed_windows` gives again."""
     windows = int(settings["windows"])
-    needed = settings.get("needed", windows - 1 if windows > 2 else windows)
-    return Rule(float(settings["threshold"]), windows, int(needed))
+    return Rule(float(settings["threshold"]), windows, int(settings.get("needed", needed_windows(windows))))
 
 
 def all_rules() -> list[Rule]:
@@ -72,14 +72,12 @@ def all_rules() -> list[Rule]:
 def judge_input(window: dict[str, Any], ranks: int) -> tuple[list[list[float]], list[list[float]]] | None:
     """(fastest, median) seconds per rank and phase of one kept window, as the run's judge was fed them;
     None for a window the run did not judge (a rank with no whole step in it)."""
-    if any(not window.get(f"rank{r}_step_s") for r in range(ranks)):
-        return None
     try:
-        fastest = [[float(window[f"rank{r}_{p}_fastest_s"]) for p in PHASES] for r in range(ranks)]
+        matrix = matrix_from_record(window, ranks)
     except KeyError as err:
         raise ValueError(f"a window at step {window.get('step')} records no {err.args[0]} (results kept "
                          "before the fastest times were recorded cannot be replayed)") from None  # fmt: skip
-    return fastest, [[float(window[f"rank{r}_{p}_s"]) for p in PHASES] for r in range(ranks)]
+    return judged_times(matrix)
 
 
 def replay(rule: Rule, windows: list[dict[str, Any]], every: int, ranks: int = 2) -> list[tuple[int, int]]:

@@ -121,8 +121,10 @@ def _settings() -> dict:
 def _described(settings: dict | None) -> str:
     if settings is None:  # results kept before the settings were recorded
         return "the default straggler settings"
-    # results kept before `needed` was recorded: all but one of the windows weighed
-    needed = settings.get("needed", settings["windows"] - 1)
+    from relaytrain.resilience.straggler import needed_windows
+
+    # results kept before `needed` was recorded: all but one of the windows weighed, as needed_windows
+    needed = settings.get("needed", needed_windows(settings["windows"]))
     return (f"the default straggler settings (threshold {settings['threshold']:g}, windows of "
             f"{settings['every']} steps, over it in {needed} of the last {settings['windows']} "
             "windows)")  # fmt: skip

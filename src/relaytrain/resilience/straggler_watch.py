@@ -108,18 +108,17 @@ class StragglerWatch:
             return
         self._resolve_events()
         recorded = [_median(self._times[p]) for p in PHASES] + [_median(self._steps)]
-        matrix = self._gather(recorded + [min(self._times[p], default=0.0) for p in PHASES])
-        steps_column = len(PHASES)  # then, after the step's median, the fastest time per phase
+        matrix = self._gather(recorded + [min(self._times[p], default=0.0) for p in PHASES])  # RECORD_COLUMNS
         first = self._window_start
         self._window_start = step + 1
         self._times = {p: [] for p in PHASES}
         self._steps = []
         if self.rank == 0:
             self.record(step, _times_record(matrix))
-        if any(row[steps_column] <= 0 for row in matrix):
-            return  # a window with no whole step on some rank (the first after a start): nothing to compare
-        fastest, typical = [row[steps_column + 1 :] for row in matrix], [row[:steps_column] for row in matrix]
-        named, cleared = self.judge.feed(first, fastest, typical)
+        judged = judged_times(matrix)
+        if judged is None:
+            return
+        named, cleared = self.judge.feed(first, *judged)
         if named is not None:
             self._named(named, step)
         if cleared is not None and self.rank == 0:
@@ -191,6 +190,22 @@ def _median(values: list[float]) -> float:
 
 # the gathered row's columns, by their `rank_times` names: the medians, the step's median, the fastest
 RECORD_COLUMNS = (*PHASES, "step", *(f"{phase}_fastest" for phase in PHASES))
+
+
+def judged_times(matrix: list[list[float]]) -> tuple[list[list[float]], list[list[float]]] | None:
+    """What the judge is fed of a window's gathered rows (``RECORD_COLUMNS``): (the fastest, the median)
+    seconds per rank and phase; None for a window with no whole step on some rank (the first after a
+    start): nothing to compare."""
+    steps_column = len(PHASES)  # after the phases' medians; the fastest times follow it
+    if any(row[steps_column] <= 0 for row in matrix):
+        return None
+    return [row[steps_column + 1 :] for row in matrix], [row[:steps_column] for row in matrix]
+
+
+def matrix_from_record(record: dict[str, Any], ranks: int) -> list[list[float]]:
+    """A window's gathered rows back from its `rank_times` record (``_times_record`` undone), so a run's
+    verdicts can be replayed from its records; KeyError for a column the record lacks."""
+    return [[float(record[f"rank{rank}_{column}_s"]) for column in RECORD_COLUMNS] for rank in range(ranks)]
 
 
 def _times_record(matrix: list[list[float]]) -> dict[str, Any]:
