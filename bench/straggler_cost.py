@@ -2,9 +2,10 @@
 starts it under torchrun, 2 ranks on this machine).
 
 Every rank wraps its `StragglerWatch`: the time spent entering and leaving `work()` (the timing around the
-data and optimizer phases, not the phases themselves) and in `step_done()` (every step's bookkeeping and,
-every window, the all-gather, the verdict and rank 0's records) is summed, beside the same run's own step
-time. The wrapper's own clock reads are counted too, so the figure is an upper bound.
+data and optimizer phases, not the phases themselves), in the hooks around each timed module's forward
+(the forward phase: `time_forward`) and in `step_done()` (every step's bookkeeping and, every window, the
+all-gather, the verdict and rank 0's records) is summed, beside the same run's own step time. The
+wrapper's own clock reads are counted too; PyTorch's own dispatch of a module's hooks is not.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m bench.straggler_cost OUT.json STEPS
 """
@@ -23,7 +24,7 @@ SPENT = [0.0]
 
 
 def _instrument() -> None:
-    work, step_done = StragglerWatch.work, StragglerWatch.step_done
+    work = StragglerWatch.work
 
     @contextlib.contextmanager
     def timed_work(self, phase):
@@ -38,12 +39,17 @@ def _instrument() -> None:
             inner.__exit__(None, None, None)
             SPENT[0] += time.perf_counter() - start
 
-    def timed_step_done(self, step):
-        start = time.perf_counter()
-        step_done(self, step)
-        SPENT[0] += time.perf_counter() - start
+    def timed(method):
+        def wrapper(self, *args):
+            start = time.perf_counter()
+            method(self, *args)
+            SPENT[0] += time.perf_counter() - start
 
-    StragglerWatch.work, StragglerWatch.step_done = timed_work, timed_step_done
+        return wrapper
+
+    StragglerWatch.work = timed_work
+    for name in ("step_done", "_forward_begin", "_forward_end"):  # the hooks: looked up when registered
+        setattr(StragglerWatch, name, timed(getattr(StragglerWatch, name)))
 
 
 def main(out: str, steps: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,6 +104,54 @@ def _false_reports(clean: list[dict], cores: int) -> str:
     words = {"none": "without busy processes", "1": "beside one", "one per core": "beside one per core"}
     parts = [f"{sum(n)} over {len(n)} {words.get(k, 'beside ' + k)}" for k, n in kinds.items()]
     return f"{sum(len(t['named']) for t in clean)} over {len(clean)} runs ({'; '.join(parts)})"
+
+
+def _measured_in(slowed: list[dict]) -> str:
+    """The phase the slowed trials' slowdowns were measured in (results kept before: the optimizer's)."""
+    return " and ".join(sorted({t.get("measured_in") or "optimizer" for t in slowed})) or "optimizer"
+
+
+def _spread(data: dict) -> str:
+    """How far apart the two ranks' fastest times per phase were in windows where nothing slowed either
+    (the clean runs without busy processes, the slowed runs before their throttle): the noise a threshold
+    must clear, per phase the detector compares."""
+    from relaytrain.resilience.straggler import MIN_PHASE_S, PHASES
+    from relaytrain.resilience.straggler_watch import judged_times, matrix_from_record
+
+    apart: dict[str, list[float]] = {p: [] for p in PHASES}
+    for trial in data["trials"]:
+        if trial["hog"] or trial.get("error"):
+            continue
+        for window in trial.get("windows", []):
+            if trial["throttled_at"] is not None and int(window["step"]) > trial["throttled_at"]:
+                continue
+            if "rank0_optimizer_fastest_s" not in window:  # kept before the fastest times were recorded
+                continue
+            judged = judged_times(matrix_from_record(window, 2))
+            if judged is None:
+                continue
+            for i, phase in enumerate(PHASES):
+                a, b = judged[0][0][i], judged[0][1][i]
+                if min(a, b) >= MIN_PHASE_S:
+                    apart[phase].append(abs(b / a - 1))
+    shown = [
+        f"{phase} {100 * statistics.median(v):.1f} % (95th percentile {100 * _percentile(v, 0.95):.1f} %, "
+        f"{len(v)} windows)"
+        for phase, v in apart.items()
+        if v
+    ]
+    if not shown:
+        return "No window kept its fastest times (results kept before they were recorded)."
+    return (
+        "Noise the threshold must clear: in windows where nothing slowed either rank (the clean runs "
+        "without busy processes, the slowed runs before their throttle), the ranks' fastest times per phase "
+        "differed by (median over the windows) " + "; ".join(shown) + "."
+    )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _yes(ok: bool) -> str:
@@ -273,8 +322,10 @@ def render(data: dict, source: str) -> str:
         f"and window gather, summed on the rank that spent most): {1e6 * cost['cost_per_step_s']:.0f} µs per "
         f"step against a {1e3 * cost['mean_step_s']:.0f} ms step, {100 * cost['cost_share']:.2f} % "
         f"(target < {100 * COST_TARGET:.0f} %).",
+        f"* {_spread(data)}",
         "* \"Slowdown it caused\" is measured apart from the detector, from the run's `rank_times` records "
-        "(each rank's median optimizer phase per window): rank 1's against rank 0's over the windows after "
+        f"(each rank's median {_measured_in(slowed)} phase per window): rank 1's against rank 0's over the "
+        "windows after "
         "the throttle, divided by the same before it. A CPU quota does not slow a phase by a set amount: "
         "the kernel enforces it at its 4 ms tick, so a phase of a few ms may escape it or be held for a "
         "whole period, and on a machine whose cores are shared by other work a rank that got less than a "
@@ -285,7 +336,7 @@ def render(data: dict, source: str) -> str:
         "after the throttle, not divided by the ranks' difference before it: what the detector compares, and "
         "below the slowdown caused where rank 1 was the faster rank before. \"Job's step after\" is the "
         "job's median step time over the windows after the throttle against before it: a synchronous job "
-        "runs at its slowest rank's pace, and the optimizer phase is a small part of a step.",
+        "runs at its slowest rank's pace, and the phases a rank does alone are a part of its step.",
     ])  # fmt: skip
 
 

@@ -12,11 +12,13 @@ import types
 import pytest
 import torch
 
+from relaytrain.config import load_config
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.progress import ProgressBoard
 from relaytrain.monitor.history import build_history
 from relaytrain.monitor.rank_plot import plot_rank_times, straggler_lines, work_by_rank
+from relaytrain.parallel import parallelize
 from relaytrain.resilience.codes import EXIT_STRAGGLER, StopReason
 from relaytrain.resilience.requeue import exit_code_for, handle_stop
 from relaytrain.resilience.run_state import RunStateFile, RunStatus
@@ -33,11 +35,12 @@ from relaytrain.resilience.straggler import (
 from relaytrain.resilience.straggler_watch import StragglerWatch
 
 import faults.throttle as throttle
+from conftest import TINY
 
 
-# phases: data 5 ms, optimizer 20 ms
+# phases: data 5 ms, forward 40 ms, optimizer 20 ms (the slow rank's optimizer `factor` times as long)
 def window(slow_rank: int | None = None, factor: float = 1.0, ranks: int = 2) -> list[list[float]]:
-    return [[0.005, 0.020 * (factor if r == slow_rank else 1.0)] for r in range(ranks)]
+    return [[0.005, 0.040, 0.020 * (factor if r == slow_rank else 1.0)] for r in range(ranks)]
 
 
 def feed(judge: StragglerJudge, windows: list[list[list[float]]], every: int = 10, typical=None):
@@ -52,7 +55,7 @@ def feed(judge: StragglerJudge, windows: list[list[list[float]]], every: int = 1
 
 
 def test_each_rank_is_compared_with_the_median_of_the_others():
-    times = [[0.005, 0.020], [0.005, 0.020], [0.005, 0.030], [0.005, 0.021]]
+    times = [[0.005, 0.04, 0.020], [0.005, 0.04, 0.020], [0.005, 0.04, 0.030], [0.005, 0.04, 0.021]]
     slower = slower_by(times)
     assert slower[(2, "optimizer")] == pytest.approx(0.5)  # 30 ms against the others' median of 20
     assert slower[(0, "optimizer")] == pytest.approx(-0.0476, abs=1e-3)  # 20 against 21: faster
@@ -61,12 +64,12 @@ def test_each_rank_is_compared_with_the_median_of_the_others():
 
 def test_a_phase_shorter_than_the_floor_is_not_compared_however_short_the_step():
     short = MIN_PHASE_S / 2
-    slower = slower_by([[short, 0.002], [3 * short, 0.002]])
+    slower = slower_by([[short, 0.002, 0.002], [3 * short, 0.002, 0.002]])
     assert (1, "data") not in slower and slower[(1, "optimizer")] == 0.0
 
 
 def test_one_rank_has_nothing_to_compare_with():
-    assert slower_by([[0.1, 0.1]]) == {}
+    assert slower_by([[0.1, 0.1, 0.1]]) == {}
 
 
 # -- the verdict --------------------------------------------------------------------------------------
@@ -144,9 +147,7 @@ def test_equal_ranks_under_seeded_noise_are_never_named_at_the_defaults(ranks):
     defaults = ResilienceConfig()
     judge = StragglerJudge(defaults.straggler_threshold, defaults.straggler_windows)
     for i in range(1000):
-        times = [
-            [0.005 * rng.lognormvariate(0, 0.05), 0.020 * rng.lognormvariate(0, 0.05)] for _ in range(ranks)
-        ]
+        times = [[base * rng.lognormvariate(0, 0.05) for base in (0.005, 0.040, 0.020)] for _ in range(ranks)]
         named, _ = judge.feed(1 + i * defaults.straggler_every, times, times)
         assert named is None, (i, named)
 
@@ -243,9 +244,9 @@ def make_watch(monkeypatch, action="report", world=2, threshold=0.15, spares="")
     return watch, metrics
 
 
-def run_steps(watch, steps, slow_from=None, columns=(1, 4)):
+def run_steps(watch, steps, slow_from=None, columns=(2, 6)):
     """Gathers answered with this rank's numbers and rank 1's, 1.5x slower from `slow_from` in `columns`
-    of the gathered vector (1: the optimizer's median, recorded; 4: its fastest time, judged)."""
+    of the gathered vector (2: the optimizer's median, recorded; 6: its fastest time, judged)."""
     step_box = [0]
 
     def gather(mine):
@@ -285,7 +286,8 @@ def test_the_watch_names_the_rank_logs_the_event_and_records_the_times(monkeypat
     assert set(metrics.times[0][1]) == {
         f"rank{r}_{p}_s"
         for r in (0, 1)
-        for p in ("data", "optimizer", "step", "data_fastest", "optimizer_fastest")
+        for p in ("data", "forward", "optimizer", "step")
+        + ("data_fastest", "forward_fastest", "optimizer_fastest")
     }
     last = metrics.times[-1][1]  # the fastest time is recorded as judged: rank 1's 1.5x rank 0's
     assert last["rank1_optimizer_fastest_s"] == pytest.approx(1.5 * last["rank0_optimizer_fastest_s"])
@@ -297,7 +299,7 @@ def test_the_watch_judges_each_windows_fastest_time_not_its_median(monkeypatch):
     """A rank whose median is slow but whose fastest step is not (a shared CPU preempting some steps) is
     recorded slower and not named."""
     watch, metrics = make_watch(monkeypatch)
-    run_steps(watch, 80, slow_from=0, columns=(1,))
+    run_steps(watch, 80, slow_from=0, columns=(2,))
     assert not [e for e in metrics.events if e[0] == "straggler"]
     last = metrics.times[-1][1]
     assert last["rank1_optimizer_s"] == pytest.approx(1.5 * last["rank0_optimizer_s"])
@@ -307,7 +309,7 @@ def test_the_watch_names_no_rank_whose_fastest_step_alone_is_slow(monkeypatch):
     """A rank whose fastest step is slow but whose median is not (its peer caught an idle core now and
     then) is not named either: the median is the typical step the judge asks to agree."""
     watch, metrics = make_watch(monkeypatch)
-    run_steps(watch, 80, slow_from=0, columns=(4,))
+    run_steps(watch, 80, slow_from=0, columns=(6,))
     assert not [e for e in metrics.events if e[0] == "straggler"]
 
 
@@ -363,11 +365,51 @@ def test_on_cuda_the_watch_reads_only_completed_events_and_never_waits(monkeypat
     FakeEvent.now = 0.0
     with watch.work("optimizer"):
         FakeEvent.now += 0.25
+    watch.step_done(1)
+    with watch.work("forward"):
+        FakeEvent.now += 0.5
     with watch.work("optimizer"):
         FakeEvent.now += 0.5
-    watch._pending[-1][2].done = False  # still queued on the device
+    watch.step_done(2)
+    watch._pending[-1][0][2].done = False  # step 2's first event still queued on the device: all of it waits
     watch._resolve_events()
-    assert watch._times["optimizer"] == [0.25] and len(watch._pending) == 1
+    assert watch._times["optimizer"] == [0.25] and watch._times["forward"] == []
+    assert len(watch._pending) == 1
+
+
+def test_a_phase_timed_in_parts_is_one_time_per_step_without_the_forwards_of_an_evaluation(monkeypatch):
+    """The forward phase is every timed module's forward in the step, summed; a forward without gradients
+    (an evaluation between steps) is no training step's work."""
+    clock = iter(float(i) for i in range(1000))  # each reading of the clock one second later
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    watch, _ = make_watch(monkeypatch)
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    watch.time_forward(layers)
+    x = torch.ones(1, 4)
+    for _ in range(2):  # two micro batches
+        for layer in layers:
+            layer(x)
+    with torch.no_grad():
+        for layer in layers:
+            layer(x)
+    watch.step_done(1)
+    assert watch._times["forward"] == [6.0]  # six forwards of one second each, one time for the step
+
+
+def test_the_modules_timed_as_forward_are_the_layers_compute_and_none_where_a_clock_would_mislead():
+    """Each layer's attention and feed-forward and the output projection: no collective inside them
+    without tensor, context or pipeline parallelism; none at all under compile."""
+    cfg = load_config(None, TINY)
+    model = parallelize(cfg.parallel, cfg.model, cfg.train, torch.device("cpu"), 1, 0, 1, seed=0)
+    timed = model.work_modules()
+    assert sorted(type(m).__name__ for m in timed) == sorted(
+        ["Attention", "FeedForward"] * cfg.model.n_layers + ["Linear"]
+    )
+    (part,) = model.model_parts
+    assert part.output in timed
+    cfg = load_config(None, [*TINY, "--parallel.compile=true"])
+    compiled = parallelize(cfg.parallel, cfg.model, cfg.train, torch.device("cpu"), 1, 0, 1, seed=0)
+    assert compiled.work_modules() == []
 
 
 # -- the stop record, its exit, and the decision after the step -------------------------------------------

@@ -21,6 +21,7 @@ core loads both ranks alike, as a busy machine does.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -93,7 +94,8 @@ def test_a_throttled_rank_is_named_with_its_node_within_50_steps(stragglers):
     assert stragglers["fields"]["slow"]["JobState"] == "COMPLETED"
     lines = straggler_lines(runs / "slow", job)
     assert lines, job_output(runs / "slow", job)[-4000:]
-    assert f"straggler: rank 1 on {node} " in lines[0] and "% slower in optimizer since step " in lines[0]
+    assert f"straggler: rank 1 on {node} " in lines[0], lines
+    assert re.search(r"% slower in (forward|optimizer) since step ", lines[0]), lines  # what a quota slows
     events = [r for r in records(runs / "slow", "event") if r.get("event") == "straggler"]
     assert events and events[0]["rank"] == 1 and events[0]["node"] == node, events
     assert events[0]["step"] - stragglers["throttled_at"] <= 50, (events, stragglers["throttled_at"])

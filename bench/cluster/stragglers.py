@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from relaytrain.config.schema import ResilienceConfig
+from relaytrain.resilience.straggler import MIN_PHASE_S
 
 import faults
 import faults.throttle as throttle
@@ -38,11 +39,12 @@ from tiny_config import TINY_TOML  # noqa: E402
 STEPS = 120
 THROTTLE_AT = 30  # six windows before it: the ranks' own difference, taken out of the applied slowdown
 MODEL = TINY_TOML.replace("dim = 64", "dim = 128").replace("seq_len = 32", "seq_len = 64")
-# The trials' model: a 32768-entry vocabulary makes the optimizer phase (the one a rank does alone) about
-# 20 ms on a core of its own, five of the kernel's 4 ms ticks, at which it enforces a CPU quota: a phase of
-# a tick or two may escape the quota or be held for a whole period, so a quota slows a longer phase by a
-# steadier amount. QUICK_TRIAL_MODEL (8192 entries: a 7 ms phase, a step 3x shorter) is for checks that
-# slow a rank by far more than the threshold (tests/test_straggler_slurm.py).
+# The trials' model: a 32768-entry vocabulary makes the phases a rank does alone long on a core of its
+# own (the optimizer about 20 ms, five of the kernel's 4 ms ticks, at which it enforces a CPU quota; the
+# forward about 45 ms): a phase of a tick or two may escape the quota or be held for a whole period, so a
+# quota slows a longer phase by a steadier amount. QUICK_TRIAL_MODEL (8192 entries: a 7 ms optimizer
+# phase, a step 3x shorter) is for checks that slow a rank by far more than the threshold
+# (tests/test_straggler_slurm.py).
 TRIAL_VOCAB = 32768
 TRIAL_MODEL = MODEL.replace("vocab_size = 320", f"vocab_size = {TRIAL_VOCAB}")
 QUICK_TRIAL_MODEL = MODEL.replace("vocab_size = 320", "vocab_size = 8192")
@@ -86,6 +88,7 @@ class Trial:
     rank: int | None = None  # the throttled rank and its node
     node: str = ""
     named: list[dict] = field(default_factory=list)  # the run's straggler events
+    measured_in: str = ""  # the phase the slowdowns below are measured in (measured_phase)
     applied: float | None = None  # the slowdown the throttle caused, measured (applied_slowdown)
     against_peer: float | None = None  # rank 1's time against rank 0's after the throttle (peer_slowdown)
     step_slowdown: float | None = None  # the job's step time after the throttle against before it
@@ -127,6 +130,13 @@ def _ratios(windows: list[dict], throttled_at: int, every: int, phase: str) -> t
         return slow / other if slow and other else None
 
     return _split(windows, throttled_at, every, ratio)
+
+
+def measured_phase(windows: list[dict]) -> str:
+    """The phase a trial's slowdowns are measured in: the run's longest timed phase, "forward" (each layer's
+    forward computation), unless the run did not time it; then "optimizer"."""
+    timed = any((w.get("rank0_forward_s") or 0) >= MIN_PHASE_S for w in windows)
+    return "forward" if timed else "optimizer"
 
 
 def applied_slowdown(
@@ -238,8 +248,9 @@ def run_trial(trial: Trial, runs: Path) -> Trial:
         trial.windows = kept_windows(windows)
         if trial.throttled_at is not None:
             every = ResilienceConfig().straggler_every
-            trial.applied = applied_slowdown(windows, trial.throttled_at, every)
-            trial.against_peer = peer_slowdown(windows, trial.throttled_at, every)
+            trial.measured_in = phase = measured_phase(windows)
+            trial.applied = applied_slowdown(windows, trial.throttled_at, every, phase)
+            trial.against_peer = peer_slowdown(windows, trial.throttled_at, every, phase)
             trial.step_slowdown = step_slowdown(windows, trial.throttled_at, every)
     except (TimeoutError, RuntimeError, OSError) as err:
         trial.error = str(err)[:300]

@@ -140,6 +140,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.metrics, self.run_dir, env.rank, env.device)
         self.timer = StepTimer(env.device)
         self.straggler = StragglerWatch(cfg.resilience, env, self.progress, self.metrics, cfg.slurm.min_nodes)
+        self.straggler.time_forward(self.model.work_modules())
         self.ledger = LedgerWindows(self.metrics, self.run_dir, self.persistence.spent, process_start_time())
 
     # -- the loop ---------------------------------------------------------------------------------

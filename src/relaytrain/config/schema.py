@@ -215,8 +215,8 @@ class ResilienceConfig(Section):
     nan_max_consecutive: int = setting(3, at_least(1))
     # rollback: multiply the LR by this after reloading
     nan_rollback_lr_scale: float = setting(1.0, in_range(0, 1, lo_open=True))
-    # a rank whose data or optimizer work is this fraction slower than the other ranks' median in all but
-    # one of the last straggler_windows windows is named a straggler (0: off)
+    # a rank whose data, forward or optimizer work is this fraction slower than the other ranks' median in
+    # all but one of the last straggler_windows windows is named a straggler (0: off)
     straggler_threshold: float = setting(0.1, in_range(0, 10))
     straggler_every: int = setting(5, at_least(1))  # steps per window: the ranks compare times this often
     # recent windows weighed: a straggler is slower in all but one of them (all when 2 or fewer), and

@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend
 
 from relaytrain.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from relaytrain.job.progress import ProgressBoard
-from relaytrain.model.transformer import Transformer
+from relaytrain.model.transformer import Attention, FeedForward, Transformer
 from relaytrain.parallel.activation import apply_ac, apply_compile
 from relaytrain.parallel.dims import ParallelDims
 from relaytrain.parallel.fsdp import apply_fsdp, param_dtype
@@ -84,6 +84,7 @@ class ParallelModel:
             # No FSDP to cast parameters: mixed precision through autocast instead.
             self._autocast_dtype = param_dtype(parallel, device.type)
         self.schedule = self._build_schedule(parallel) if dims.pp > 1 else None
+        self.compiled = parallel.compile
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -162,6 +163,24 @@ class ParallelModel:
                 part.set_requires_all_reduce(enabled)
 
     # -- the trainer's API --------------------------------------------------------------------------
+
+    def work_modules(self) -> list[nn.Module]:
+        """The modules whose forward is this rank's own computation, no collective inside: every layer's
+        attention and feed-forward and the output projection (FSDP gathers their parameters in the hooks
+        of their layer or of the root, before them). The straggler watch times them. None with tensor or
+        context parallelism (collectives inside those forwards), with pipeline parallelism (the ranks'
+        stages do different work), or with compile (a clock in a hook inside a compiled block would be
+        traced, not run)."""
+        if self.dims.tp > 1 or self.dims.cp > 1 or self.dims.pp > 1 or self.compiled:
+            return []
+        found: list[nn.Module] = []
+        for part in self.model_parts:
+            for module in part.modules():
+                if isinstance(module, (Attention, FeedForward)):
+                    found.append(module)
+                elif isinstance(module, Transformer) and module.output is not None:
+                    found.append(module.output)
+        return found
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward + backward over this rank's local batch; returns its mean loss (detached fp32)."""

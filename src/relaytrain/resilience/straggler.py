@@ -1,9 +1,10 @@
 """Which rank is a straggler, and what to do about it: the pure part (numbers in, a verdict out).
 
-Every rank times the work it does alone (``PHASES``: its data phase and its optimizer update, waits in
-collectives excluded) every step. Every ``straggler_every`` steps the ranks all-gather each phase's
-fastest time over that window (``straggler_watch.py``), and every rank feeds the same matrix to its own
-``StragglerJudge``, so all reach the same verdict without a further collective.
+Every rank times the work it does alone (``PHASES``: its data phase, its layers' forward computation and
+its optimizer update, waits in collectives excluded) every step. Every ``straggler_every`` steps the
+ranks all-gather each phase's fastest time over that window (``straggler_watch.py``), and every rank
+feeds the same matrix to its own ``StragglerJudge``, so all reach the same verdict without a further
+collective.
 
 The statistic, per window and phase: a rank's fastest time against the median of the OTHER ranks'
 fastest times (so the straggler does not pull its own reference up; with 2 ranks the reference is the
@@ -28,8 +29,14 @@ A phase shorter than ``MIN_PHASE_S`` is left out: its relative noise (the clock,
 scheduler) is too large to mean anything. The floor is absolute, not a share of the step: the step
 includes the waits for the slowest peer, which a straggler or a loaded machine stretches, and a share of
 it would hide the very phase that shows the straggler.
-Forward/backward is not compared: its collectives (FSDP's all-gathers and reduce-scatters, DDP's
-all-reduce) make every rank leave it together, and the ranks that wait there look slower, not faster.
+The forward/backward as a whole is not compared: its collectives (FSDP's all-gathers and reduce-scatters,
+DDP's all-reduce) make every rank leave it together, and the ranks that wait there look slower, not
+faster. Its "forward" phase is the forward of the modules with no collective inside
+(``ParallelModel.work_modules``: each layer's attention and feed-forward and the output projection, timed
+after FSDP has gathered their parameters), summed over the step. It is the longest phase a rank does alone,
+and the steadiest (docs/benchmarks.md, "Stragglers", measures how far apart the ranks' times per phase
+are where nothing slows either), so a slower rank is over the threshold in more of its windows. Not timed with tensor, context or
+pipeline parallelism, or under compile (the phase is then left out: 0 s).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-PHASES = ("data", "optimizer")  # the work a rank does alone, in the gathered vector's order
+PHASES = ("data", "forward", "optimizer")  # the work a rank does alone, in the gathered vector's order
 # A phase whose reference median is shorter than this is not compared: a phase of a few hundred
 # microseconds varies by more than any threshold from scheduling alone.
 MIN_PHASE_S = 0.001

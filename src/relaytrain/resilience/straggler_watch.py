@@ -1,8 +1,10 @@
 """The rank's side of straggler detection: time its own work every step, compare every few steps.
 
-``work(phase)`` times what a rank does alone (``straggler.PHASES``): wall clock on CPU, a pair of CUDA
-events on GPU (no wait for the device: a window reads only the events that have completed, the rest
-count in the next window). Every ``resilience.straggler_every`` steps every rank all-gathers its window's
+``work(phase)`` times what a rank does alone (``straggler.PHASES``), and ``time_forward`` hooks the
+forward of the modules with no collective inside as the "forward" phase: wall clock on CPU, pairs of CUDA
+events on GPU (no wait for the device: a window reads only the steps whose events have all completed, the
+rest count in the next window). A phase timed in parts (a forward per layer and micro batch) is one time
+per step, their sum. Every ``resilience.straggler_every`` steps every rank all-gathers its window's
 medians (recorded, and judged as the typical step) and fastest times per phase (recorded, and judged;
 ``straggler.py`` says why) in one small tensor (the named collective ``straggler_times`` on the progress
 board) and feeds the same matrix to its ``StragglerJudge``: every rank reaches the same verdict at the
@@ -16,7 +18,7 @@ import contextlib
 import logging
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -71,8 +73,12 @@ class StragglerWatch:
         self.report, self.record = metrics.log_event, metrics.log_rank_times
         self.judge = StragglerJudge(resilience.straggler_threshold, resilience.straggler_windows)
         self._events = self.device.type == "cuda"
-        self._times: dict[str, list[float]] = {p: [] for p in PHASES}
-        self._pending: list[tuple[str, Any, Any]] = []  # CUDA: (phase, start event, end event)
+        self._times: dict[str, list[float]] = {p: [] for p in PHASES}  # the window's steps: seconds per step
+        self._step: dict[str, float] = {}  # CPU: the step's seconds so far per phase (a phase may be timed
+        # in parts: one forward per layer and micro batch)
+        self._forward_begun: list[Any] = []  # the clock or event each timed module's forward began at
+        self._step_events: list[tuple[str, Any, Any]] = []  # CUDA: the step's (phase, start, end) events
+        self._pending: list[list[tuple[str, Any, Any]]] = []  # CUDA: steps whose events may still be queued
         self._steps: list[float] = []
         self._last_step_end: float | None = None
         self._window_start = 1
@@ -81,25 +87,59 @@ class StragglerWatch:
 
     @contextlib.contextmanager
     def work(self, phase: str) -> Iterator[None]:
+        """Time the block as (part of) this step's ``phase``."""
         if not self.enabled:
             yield
             return
+        begin = self._begin()
+        yield
+        self._end(phase, begin)
+
+    def time_forward(self, modules: Sequence[torch.nn.Module]) -> None:
+        """Time the forward of each of ``modules`` (``ParallelModel.work_modules``: a rank's own computation,
+        no collective inside) as the step's "forward" phase, summed over the step's layers and micro
+        batches, recomputations under activation checkpointing included; forwards without gradients (the
+        evaluation's) are not training steps' work and are left out. No modules: the phase is not timed."""
+        if not self.enabled:
+            return
+        for module in modules:
+            module.register_forward_pre_hook(self._forward_begin)
+            module.register_forward_hook(self._forward_end)
+
+    def _forward_begin(self, _module: torch.nn.Module, _args: Any) -> None:
+        if torch.is_grad_enabled():
+            self._forward_begun.append(self._begin())
+
+    def _forward_end(self, _module: torch.nn.Module, _args: Any, _output: Any) -> None:
+        if torch.is_grad_enabled() and self._forward_begun:
+            self._end("forward", self._forward_begun.pop())
+
+    def _begin(self) -> Any:
         if self._events:
             begin = torch.cuda.Event(enable_timing=True)
             begin.record()
-            yield
+            return begin
+        return time.perf_counter()
+
+    def _end(self, phase: str, begin: Any) -> None:
+        if self._events:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._pending.append((phase, begin, end))
-            return
-        start = time.perf_counter()
-        yield
-        self._times[phase].append(time.perf_counter() - start)
+            self._step_events.append((phase, begin, end))
+        else:
+            self._step[phase] = self._step.get(phase, 0.0) + time.perf_counter() - begin
 
     def step_done(self, step: int) -> None:
         """After every step, on every rank: at a window's end, gather, judge and report."""
         if not self.enabled:
             return
+        if self._events:
+            self._pending.append(self._step_events)
+            self._step_events = []
+        else:
+            for phase, seconds in self._step.items():
+                self._times[phase].append(seconds)
+            self._step = {}
         now = time.perf_counter()
         if self._last_step_end is not None:
             self._steps.append(now - self._last_step_end)
@@ -167,13 +207,18 @@ class StragglerWatch:
         return self._node_names
 
     def _resolve_events(self) -> None:
-        """Completed CUDA events into the window's times; those still queued on the device wait."""
+        """The steps whose CUDA events have all completed into the window's times, seconds per phase and
+        step; a step with events still queued on the device waits for the next window."""
         waiting = []
-        for phase, begin, end in self._pending:
-            if end.query():
-                self._times[phase].append(begin.elapsed_time(end) / 1000.0)
-            else:
-                waiting.append((phase, begin, end))
+        for events in self._pending:
+            if not all(end.query() for _, _, end in events):
+                waiting.append(events)
+                continue
+            step: dict[str, float] = {}
+            for phase, begin, end in events:
+                step[phase] = step.get(phase, 0.0) + begin.elapsed_time(end) / 1000.0
+            for phase, seconds in step.items():
+                self._times[phase].append(seconds)
         self._pending = waiting
 
     def _gather(self, mine: list[float]) -> list[list[float]]:
@@ -190,6 +235,8 @@ def _median(values: list[float]) -> float:
 
 # the gathered row's columns, by their `rank_times` names: the medians, the step's median, the fastest
 RECORD_COLUMNS = (*PHASES, "step", *(f"{phase}_fastest" for phase in PHASES))
+# phases timed since the record began: a run recorded before one was timed has no column of it
+ADDED_PHASES = ("forward",)
 
 
 def judged_times(matrix: list[list[float]]) -> tuple[list[list[float]], list[list[float]]] | None:
@@ -204,8 +251,17 @@ def judged_times(matrix: list[list[float]]) -> tuple[list[list[float]], list[lis
 
 def matrix_from_record(record: dict[str, Any], ranks: int) -> list[list[float]]:
     """A window's gathered rows back from its `rank_times` record (``_times_record`` undone), so a run's
-    verdicts can be replayed from its records; KeyError for a column the record lacks."""
-    return [[float(record[f"rank{rank}_{column}_s"]) for column in RECORD_COLUMNS] for rank in range(ranks)]
+    verdicts can be replayed from its records. A phase of ``ADDED_PHASES`` the record has no column of was
+    not timed by its run: 0 s, which the judge leaves out (``MIN_PHASE_S``), as that run's judge had nothing
+    of it to compare. KeyError for any other column the record lacks."""
+
+    def value(rank: int, column: str) -> float:
+        key = f"rank{rank}_{column}_s"
+        if key not in record and column.removesuffix("_fastest") in ADDED_PHASES:
+            return 0.0
+        return float(record[key])
+
+    return [[value(rank, column) for column in RECORD_COLUMNS] for rank in range(ranks)]
 
 
 def _times_record(matrix: list[list[float]]) -> dict[str, Any]:
