@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.resilience.straggler import StragglerJudge, needed_windows
+from relaytrain.resilience.straggler import MIN_PHASE_S, StragglerJudge, needed_windows
 from relaytrain.resilience.straggler_watch import judged_times, matrix_from_record
 
 from bench import kept
@@ -197,6 +197,7 @@ def render(paths: list[str]) -> str:
         f"then by slowed trials named within {NAMED_WITHIN} steps, then by the median steps to the line.",
         f"* The shipped rule ({shipped.rule.label}) replayed on each kept run: " + "; ".join(by_run) + ".",
         f"* {_best(outcomes, slowed)}",
+        f"* {_with_forward(trials, every)}",
         "",
         table(["rule", f"named within {NAMED_WITHIN} steps", "steps from throttle to the line",
                "trials with a false report", "false reports in"], rows),  # fmt: skip
@@ -214,6 +215,25 @@ def _best(outcomes: list[Outcome], slowed: int) -> str:
         return f"{reaching} rules name every slowed trial within {NAMED_WITHIN} steps without a false report."
     return (f"No rule replayed names every slowed trial within {NAMED_WITHIN} steps without a false report: "
             f"the best name {best} of {slowed} ({reaching} rule{'s' * (reaching != 1)}).")  # fmt: skip
+
+
+def times_forward(trial: dict[str, Any]) -> bool:
+    """Whether the trial's run timed the forward phase (runs kept before it was timed did not)."""
+    return any((w.get("rank0_forward_s") or 0) >= MIN_PHASE_S for w in trial["windows"])
+
+
+def _with_forward(trials: list[dict[str, Any]], every: int) -> str:
+    """The same replay over the trials whose runs timed the forward phase, as the shipped watch does."""
+    timed = [t for t in trials if times_forward(t)]
+    if not timed:
+        return "No kept run timed the forward phase."
+    shipped = judge_trials(shipped_rule(), timed, every)
+    outcomes = sorted((judge_trials(rule, timed, every) for rule in all_rules()), key=Outcome.key)
+    slowed, latest = len(shipped.steps), max((s for s in shipped.steps if s is not None), default=0)
+    return (f"Over the {len(timed)} trials whose runs timed the forward phase (each layer's forward "
+            f"computation, as the shipped watch does): the shipped rule names {shipped.within} of {slowed} "
+            f"slowed trials within {NAMED_WITHIN} steps (at most {latest} "
+            f"steps), with {len(shipped.false)} false reports; {_best(outcomes, slowed)}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -154,6 +154,15 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _against_quota(slowed: list[dict]) -> str:
+    """How the measured slowdowns compare with the quotas asked (results kept before: nothing)."""
+    measured = [t for t in slowed if t.get("applied") is not None]
+    if not measured:
+        return ""
+    above = sum(1 for t in measured if t["applied"] > t["factor"])
+    return f" (here the slowdown caused was above the quota asked in {above} of {len(measured)} slowed runs)"
+
+
 def _yes(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
@@ -181,16 +190,15 @@ def _described(settings: dict | None) -> str:
 
 def _within(slowed: list[dict], ok: list[bool]) -> str:
     """The target's count: the slowed runs whose rank was slowed TARGET_SLOWDOWN times or more from outside
-    on a core of its own (a pinned trial: the quota asked is the slowdown it causes), then the runs by the
-    slowdown measured: the throttled rank's time against its peer's after the throttle (what the detector
+    on a core of its own (a pinned trial: the quota slows it by the factor asked or more), then the runs by
+    the slowdown measured: the throttled rank's time against its peer's after the throttle (what the detector
     compares), and the slowdown the throttle caused against the ranks' own difference before it."""
     if all(t.get("applied") is None for t in slowed):  # results kept before the slowdown was measured
         return f"{sum(ok)} of {len(ok)} slowed runs"
     parts = []
-    if any(t.get("pinned") for t in slowed):  # results kept before the trials were pinned
-        target = [
-            k for t, k in zip(slowed, ok, strict=True) if t.get("pinned") and t["factor"] >= TARGET_SLOWDOWN
-        ]
+    pinned = [(t, k) for t, k in zip(slowed, ok, strict=True) if t.get("pinned")]
+    target = [k for t, k in pinned if t["factor"] >= TARGET_SLOWDOWN]
+    if target:  # none: results kept before the trials were pinned, or every quota asked was smaller
         parts.append(
             f"{sum(target)} of {len(target)} slowed runs whose rank got a quota of {TARGET_SLOWDOWN:g}x or "
             "more on a core of its own (the target: a rank that much slower than its peers)"
@@ -329,14 +337,15 @@ def render(data: dict, source: str) -> str:
         "the throttle, divided by the same before it. A CPU quota does not slow a phase by a set amount: "
         "the kernel enforces it at its 4 ms tick, so a phase of a few ms may escape it or be held for a "
         "whole period, and on a machine whose cores are shared by other work a rank that got less than a "
-        "whole CPU to begin with is slowed by less. \"Detector's measure\" is what the `straggler` event "
-        "reported: the median over its windows of the throttled rank's fastest phase against the other's "
-        "(the fastest: a burst of noise does not count), below the mean slowdown where the slowdown itself "
-        "comes in bursts. \"Against its peer after\" is rank 1's time against rank 0's over the windows "
-        "after the throttle, not divided by the ranks' difference before it: what the detector compares, and "
-        "below the slowdown caused where rank 1 was the faster rank before. \"Job's step after\" is the "
-        "job's median step time over the windows after the throttle against before it: a synchronous job "
-        "runs at its slowest rank's pace, and the phases a rank does alone are a part of its step.",
+        f"whole CPU to begin with is slowed by less{_against_quota(slowed)}. \"Detector's measure\" is what "
+        "the `straggler` event reported: the median over its windows of the throttled rank's fastest phase "
+        "against the other's (the fastest: a burst of noise does not count), below the mean slowdown where "
+        "the slowdown itself comes in bursts. \"Against its peer after\" is rank 1's time against rank 0's "
+        "over the windows after the throttle, not divided by the ranks' difference before it: what the "
+        "detector compares, and below the slowdown caused where rank 1 was the faster rank before. \"Job's "
+        "step after\" is the job's median step time over the windows after the throttle against before it: "
+        "a synchronous job runs at its slowest rank's pace, and the phases a rank does alone are a part of "
+        "its step.",
     ])  # fmt: skip
 
 

@@ -35,8 +35,8 @@ faster. Its "forward" phase is the forward of the modules with no collective ins
 (``ParallelModel.work_modules``: each layer's attention and feed-forward and the output projection, timed
 after FSDP has gathered their parameters), summed over the step. It is the longest phase a rank does alone,
 and the steadiest (docs/benchmarks.md, "Stragglers", measures how far apart the ranks' times per phase
-are where nothing slows either), so a slower rank is over the threshold in more of its windows. Not timed with tensor, context or
-pipeline parallelism, or under compile (the phase is then left out: 0 s).
+are where nothing slows either), so a slower rank is over the threshold in more of its windows. Not timed
+with tensor, context or pipeline parallelism, or under compile (the phase is then left out: 0 s).
 """
 
 from __future__ import annotations
