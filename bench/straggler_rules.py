@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.resilience.straggler import MIN_PHASE_S, StragglerJudge, needed_windows
-from relaytrain.resilience.straggler_watch import judged_times, matrix_from_record
+from relaytrain.resilience.straggler import StragglerJudge, needed_windows
+from relaytrain.resilience.straggler_watch import judged_times, matrix_from_record, phase_timed
 
 from bench import kept
 from bench.report import table, write_page
@@ -217,14 +217,9 @@ def _best(outcomes: list[Outcome], slowed: int) -> str:
             f"the best name {best} of {slowed} ({reaching} rule{'s' * (reaching != 1)}).")  # fmt: skip
 
 
-def times_forward(trial: dict[str, Any]) -> bool:
-    """Whether the trial's run timed the forward phase (runs kept before it was timed did not)."""
-    return any((w.get("rank0_forward_s") or 0) >= MIN_PHASE_S for w in trial["windows"])
-
-
 def _with_forward(trials: list[dict[str, Any]], every: int) -> str:
     """The same replay over the trials whose runs timed the forward phase, as the shipped watch does."""
-    timed = [t for t in trials if times_forward(t)]
+    timed = [t for t in trials if phase_timed(t["windows"], "forward")]
     if not timed:
         return "No kept run timed the forward phase."
     shipped = judge_trials(shipped_rule(), timed, every)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.resilience.straggler import MIN_PHASE_S
+from relaytrain.resilience.straggler_watch import phase_timed
 
 import faults
 import faults.throttle as throttle
@@ -135,8 +135,7 @@ def _ratios(windows: list[dict], throttled_at: int, every: int, phase: str) -> t
 def measured_phase(windows: list[dict]) -> str:
     """The phase a trial's slowdowns are measured in: the run's longest timed phase, "forward" (each layer's
     forward computation), unless the run did not time it; then "optimizer"."""
-    timed = any((w.get("rank0_forward_s") or 0) >= MIN_PHASE_S for w in windows)
-    return "forward" if timed else "optimizer"
+    return "forward" if phase_timed(windows, "forward") else "optimizer"
 
 
 def applied_slowdown(

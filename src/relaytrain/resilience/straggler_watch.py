@@ -27,7 +27,7 @@ import torch.distributed as dist
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts
 from relaytrain.job.progress import ProgressBoard
-from relaytrain.resilience.straggler import PHASES, Straggler, StragglerJudge, choose_action
+from relaytrain.resilience.straggler import MIN_PHASE_S, PHASES, Straggler, StragglerJudge, choose_action
 
 log = logging.getLogger("relaytrain")
 
@@ -237,6 +237,12 @@ def _median(values: list[float]) -> float:
 RECORD_COLUMNS = (*PHASES, "step", *(f"{phase}_fastest" for phase in PHASES))
 # phases timed since the record began: a run recorded before one was timed has no column of it
 ADDED_PHASES = ("forward",)
+
+
+def phase_timed(records: list[dict[str, Any]], phase: str) -> bool:
+    """Whether a run's `rank_times` records show ``phase`` timed: a phase of ``ADDED_PHASES`` is missing
+    from records kept before it was timed, and 0 where the run could not time it."""
+    return any(float(r.get(f"rank0_{phase}_s") or 0) >= MIN_PHASE_S for r in records)
 
 
 def judged_times(matrix: list[list[float]]) -> tuple[list[list[float]], list[list[float]]] | None:
