@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.resilience.straggler import StragglerJudge, needed_windows
+from relaytrain.resilience.straggler import MIN_HOST_PHASE_S, MIN_PHASE_S, StragglerJudge, needed_windows
 from relaytrain.resilience.straggler_watch import judged_times, matrix_from_record, phase_timed
 
 from bench import kept
@@ -41,16 +41,27 @@ SOURCE = "source"  # and the kept file it came from
 
 @dataclass(frozen=True, order=True)
 class Rule:
+    """A judge's settings; ``min_phase_s``: the shortest phase compared (the trials ran on CPU: the host's
+    floor, as the watch ships it there)."""
+
     threshold: float
     windows: int
     needed: int
+    min_phase_s: float = MIN_HOST_PHASE_S
 
     def judge(self) -> StragglerJudge:
-        return StragglerJudge(self.threshold, self.windows, self.needed)
+        return StragglerJudge(self.threshold, self.windows, self.needed, self.min_phase_s)
 
     @property
     def label(self) -> str:
-        return f"{100 * self.threshold:.0f} % in {self.needed} of {self.windows} windows"
+        text = f"{100 * self.threshold:.0f} % in {self.needed} of {self.windows} windows"
+        return (
+            text if self.min_phase_s == MIN_HOST_PHASE_S else f"{text}, phases from {_ms(self.min_phase_s)}"
+        )
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:g} ms"
 
 
 def shipped_rule() -> Rule:
@@ -60,9 +71,13 @@ def shipped_rule() -> Rule:
 
 def run_rule(settings: dict[str, Any]) -> Rule:
     """The rule a kept run judged by (its `settings`); results kept before `needed` was recorded were
-    judged by all but one of K windows, the rule `needed_windows` gives again."""
+    judged by all but one of K windows, the rule `needed_windows` gives again, and those kept before
+    `min_phase_s` was recorded compared every phase from ``MIN_PHASE_S`` on."""
     windows = int(settings["windows"])
-    return Rule(float(settings["threshold"]), windows, int(settings.get("needed", needed_windows(windows))))
+    needed = int(settings.get("needed", needed_windows(windows)))
+    return Rule(
+        float(settings["threshold"]), windows, needed, float(settings.get("min_phase_s", MIN_PHASE_S))
+    )
 
 
 def all_rules() -> list[Rule]:
@@ -187,7 +202,8 @@ def render(paths: list[str]) -> str:
         f"replayed through the straggler judge with {len(all_rules())} rules: thresholds "
         f"{', '.join(f'{100 * t:.0f} %' for t in THRESHOLDS)}; K = {WINDOWS.start}..{WINDOWS.stop - 1} "
         "windows weighed; over the threshold (by the fastest times) in more than half of them up to all "
-        "of them; the typical (median) step agreeing, as shipped. The trials: "
+        f"of them; the typical (median) step agreeing and phases of {_ms(MIN_HOST_PHASE_S)} or more "
+        "compared, as shipped for CPU runs. The trials: "
         + "; ".join(commands) + ".",
         "",
         f"* The replay is faithful: with the settings the runs had it gives {same} of {len(trials)} trials "

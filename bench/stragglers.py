@@ -118,6 +118,8 @@ def _spread(data: dict) -> str:
     from relaytrain.resilience.straggler import MIN_PHASE_S, PHASES
     from relaytrain.resilience.straggler_watch import judged_times, matrix_from_record
 
+    # the floor the runs compared phases from (results kept before it was recorded: MIN_PHASE_S)
+    floor = float(data.get("settings", {}).get("min_phase_s", MIN_PHASE_S))
     apart: dict[str, list[float]] = {p: [] for p in PHASES}
     for trial in data["trials"]:
         if trial["hog"] or trial.get("error"):
@@ -132,7 +134,7 @@ def _spread(data: dict) -> str:
                 continue
             for i, phase in enumerate(PHASES):
                 a, b = judged[0][0][i], judged[0][1][i]
-                if min(a, b) >= MIN_PHASE_S:
+                if min(a, b) >= floor:
                     apart[phase].append(abs(b / a - 1))
     shown = [
         f"{phase} {100 * statistics.median(v):.1f} % (95th percentile {100 * _percentile(v, 0.95):.1f} %, "
@@ -169,11 +171,11 @@ def _yes(ok: bool) -> str:
 
 def _settings() -> dict:
     from relaytrain.config.schema import ResilienceConfig
-    from relaytrain.resilience.straggler import needed_windows
+    from relaytrain.resilience.straggler import needed_windows, phase_floor
 
     r = ResilienceConfig()
     return {"threshold": r.straggler_threshold, "every": r.straggler_every, "windows": r.straggler_windows,
-            "needed": needed_windows(r.straggler_windows)}  # fmt: skip
+            "needed": needed_windows(r.straggler_windows), "min_phase_s": phase_floor("cpu")}  # fmt: skip
 
 
 def _described(settings: dict | None) -> str:
@@ -183,9 +185,11 @@ def _described(settings: dict | None) -> str:
 
     # results kept before `needed` was recorded: all but one of the windows weighed, as needed_windows
     needed = settings.get("needed", needed_windows(settings["windows"]))
+    # results kept before the floor was recorded compared phases from 1 ms on, as the page then said nothing
+    floor = f", phases of {1000 * settings['min_phase_s']:g} ms or more" if "min_phase_s" in settings else ""
     return (f"the default straggler settings (threshold {settings['threshold']:g}, windows of "
             f"{settings['every']} steps, over it in {needed} of the last {settings['windows']} "
-            "windows)")  # fmt: skip
+            f"windows{floor})")  # fmt: skip
 
 
 def _within(slowed: list[dict], ok: list[bool]) -> str:

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from relaytrain.resilience.straggler import MIN_HOST_PHASE_S, MIN_PHASE_S, phase_floor
+
 from bench import straggler_rules as rules
 from bench.straggler_rules import Rule
 
@@ -91,9 +93,25 @@ def test_the_replay_is_checked_against_the_runs_own_verdicts():
     bad = slowed("bad", [1.3] * 18, named=[(115, 1)])
     judged = [{**t, rules.RULE: shipped} for t in (good, bad)]
     assert rules.agrees(judged, EVERY) == (1, ["bad"])
-    # a run kept before its rule's `needed` was recorded judged by all but one of K windows
-    assert rules.run_rule({"threshold": 0.15, "windows": 6}) == Rule(0.15, 6, 5)
-    assert rules.run_rule(SETTINGS) == Rule(0.15, 6, 4)
+    # a run kept before its rule's `needed` was recorded judged by all but one of K windows, and one kept
+    # before its floor was recorded compared phases from the device's floor (1 ms) on
+    assert rules.run_rule({"threshold": 0.15, "windows": 6}) == Rule(0.15, 6, 5, MIN_PHASE_S)
+    assert rules.run_rule(SETTINGS) == Rule(0.15, 6, 4, MIN_PHASE_S)
+    assert rules.run_rule({**SETTINGS, "min_phase_s": MIN_HOST_PHASE_S}) == Rule(0.15, 6, 4)
+    assert shipped.min_phase_s == phase_floor("cpu") and Rule(0.15, 6, 4, MIN_PHASE_S).label.endswith(
+        ", phases from 1 ms"
+    )
+
+
+def test_the_replay_compares_a_phase_from_the_rules_floor_on():
+    """A 1.5x rank whose optimizer phase takes 5 ms: named by a rule comparing phases from 1 ms on (as runs
+    kept before the host's floor were judged), not by one from the host's 10 ms on."""
+    trial = slowed("s", [1.5] * 18)
+    for window in trial["windows"]:
+        for key in [k for k in window if "_optimizer_" in k]:
+            window[key] /= 4
+    assert rules.replay(Rule(0.15, 6, 5, MIN_PHASE_S), trial["windows"], EVERY) == [(55, 1)]
+    assert rules.replay(Rule(0.15, 6, 5), trial["windows"], EVERY) == []
 
 
 def test_results_kept_before_the_fastest_times_were_recorded_are_refused_clearly(tmp_path):
@@ -114,7 +132,7 @@ def test_the_section_lists_the_shipped_rule_the_best_ones_and_the_replays_faithf
         trial["named"] = [{"step": s, "rank": r} for s, r in rules.replay(shipped, trial["windows"], EVERY)]
     path = tmp_path / "stragglers-x.json"
     settings = {"threshold": shipped.threshold, "every": EVERY, "windows": shipped.windows,
-                "needed": shipped.needed}  # fmt: skip
+                "needed": shipped.needed, "min_phase_s": shipped.min_phase_s}  # fmt: skip
     path.write_text(json.dumps({"command": "python -m bench.stragglers", "date": "d",
                                 "settings": settings, "trials": trials}))  # fmt: skip
     text = rules.render([str(path)])

@@ -261,11 +261,13 @@ def test_time_limit_signal_saves_requeues_and_resumes_identically(e2e, reference
 
 def test_status_and_logs_show_jobs_with_restarts(e2e):
     job = e2e.jobs["signal"]
-    finished(job, timeout=420)
+    fields = finished(job, timeout=420)
     code, out = cli("status", job, "--runs", str(e2e.runs))
     assert code == 0, out
     _, _, state_col, restarts_col = status_row(out, job)[:4]
-    assert (state_col, restarts_col) == ("COMPLETED", "1"), out
+    # Slurm's count: 1, or 2 on a loaded machine, where the requeued run's start-up outlasts the time
+    # until its own signal, which Slurm sends up to 60 s early
+    assert (state_col, restarts_col) == ("COMPLETED", fields["Restarts"]) and int(restarts_col) >= 1, out
     code, out = cli("status", "signal", "--runs", str(e2e.runs))
     assert code == 0 and job in out and "COMPLETED" in out, out
     code, out = cli("logs", e2e.jobs["2x2"], "--runs", str(e2e.runs))

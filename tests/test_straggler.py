@@ -25,11 +25,13 @@ from relaytrain.resilience.run_state import RunStateFile, RunStatus
 from relaytrain.resilience.step_decision import Action, Restartable, RunFacts, decide
 from relaytrain.resilience.step_restart import StepFacts
 from relaytrain.resilience.straggler import (
+    MIN_HOST_PHASE_S,
     MIN_PHASE_S,
     Straggler,
     StragglerJudge,
     choose_action,
     describe_latest,
+    phase_floor,
     slower_by,
 )
 from relaytrain.resilience.straggler_watch import StragglerWatch
@@ -66,6 +68,22 @@ def test_a_phase_shorter_than_the_floor_is_not_compared_however_short_the_step()
     short = MIN_PHASE_S / 2
     slower = slower_by([[short, 0.002, 0.002], [3 * short, 0.002, 0.002]])
     assert (1, "data") not in slower and slower[(1, "optimizer")] == 0.0
+
+
+def test_timed_by_the_host_a_phase_of_a_few_scheduler_slices_is_not_compared():
+    """A 6 ms phase 22 % slower in every window (a slice of its core lost to a busy neighbour each time) is
+    named from the device's floor and left out from the host's, where a longer phase carries the verdict."""
+    times = [[0.0003, 0.018, 0.006], [0.0003, 0.018, 0.006 * 1.22]]
+    device = StragglerJudge(0.10, 7, min_phase_s=phase_floor("cuda"))
+    host = StragglerJudge(0.10, 7, min_phase_s=phase_floor("cpu"))
+    assert (phase_floor("cuda"), phase_floor("cpu")) == (MIN_PHASE_S, MIN_HOST_PHASE_S)
+    assert any(named for named, _ in feed(device, [times] * 7))
+    assert not any(named for named, _ in feed(host, [times] * 7))
+    slow_forward = [[0.0003, 0.018, 0.006], [0.0003, 0.018 * 1.22, 0.006]]
+    named = [
+        n for n, _ in feed(StragglerJudge(0.10, 7, min_phase_s=MIN_HOST_PHASE_S), [slow_forward] * 7) if n
+    ]
+    assert [(n.rank, n.phase) for n in named] == [(1, "forward")]
 
 
 def test_one_rank_has_nothing_to_compare_with():
@@ -232,21 +250,23 @@ class FakeMetrics:
         self.times.append((step, values))
 
 
-def make_watch(monkeypatch, action="report", world=2, threshold=0.15, spares=""):
+def make_watch(monkeypatch, action="report", world=2, threshold=0.15, spares="", device="cpu"):
     monkeypatch.setenv("RELAYTRAIN_SPARE_NODES", spares)
     resilience = ResilienceConfig(
         straggler_threshold=threshold, straggler_every=10, straggler_windows=4, straggler_action=action
     )
-    cpu = torch.device("cpu")
-    ranks = types.SimpleNamespace(rank=0, world_size=world, device=cpu, node="n1", num_nodes=2)
+    ranks = types.SimpleNamespace(
+        rank=0, world_size=world, device=torch.device(device), node="n1", num_nodes=2
+    )
     metrics = FakeMetrics()
     watch = StragglerWatch(resilience, ranks, ProgressBoard(None, 0, 0), metrics, 0)
     return watch, metrics
 
 
-def run_steps(watch, steps, slow_from=None, columns=(2, 6)):
+def run_steps(watch, steps, slow_from=None, columns=(2, 6), optimizer_s=1.2 * MIN_HOST_PHASE_S):
     """Gathers answered with this rank's numbers and rank 1's, 1.5x slower from `slow_from` in `columns`
-    of the gathered vector (2: the optimizer's median, recorded; 6: its fastest time, judged)."""
+    of the gathered vector (2: the optimizer's median, recorded; 6: its fastest time, judged); this rank's
+    optimizer phase sleeps `optimizer_s` (by default above the host's floor: compared)."""
     step_box = [0]
 
     def gather(mine):
@@ -263,7 +283,7 @@ def run_steps(watch, steps, slow_from=None, columns=(2, 6)):
         with watch.work("data"):
             pass
         with watch.work("optimizer"):
-            time.sleep(0.002)  # above the floor: compared
+            time.sleep(optimizer_s)
         watch._steps.append(0.01)  # a whole step on both ranks: the window counts
         watch.step_done(step)
 
@@ -311,6 +331,14 @@ def test_the_watch_names_no_rank_whose_fastest_step_alone_is_slow(monkeypatch):
     watch, metrics = make_watch(monkeypatch)
     run_steps(watch, 80, slow_from=0, columns=(6,))
     assert not [e for e in metrics.events if e[0] == "straggler"]
+
+
+def test_a_watch_on_cpu_leaves_out_a_phase_under_the_hosts_floor_and_one_on_cuda_would_not(monkeypatch):
+    watch, metrics = make_watch(monkeypatch)
+    run_steps(watch, 60, slow_from=10, optimizer_s=MIN_HOST_PHASE_S / 3)  # rank 1 1.5x slower, but short
+    assert not [e for e in metrics.events if e[0] == "straggler"]
+    assert metrics.times[-1][1]["rank1_optimizer_fastest_s"] > MIN_PHASE_S  # compared from a device's floor
+    assert make_watch(monkeypatch, device="cuda")[0].judge.min_phase_s == MIN_PHASE_S
 
 
 def test_a_replace_verdict_stops_after_the_next_snapshot(monkeypatch):

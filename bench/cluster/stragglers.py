@@ -43,8 +43,8 @@ MODEL = TINY_TOML.replace("dim = 64", "dim = 128").replace("seq_len = 32", "seq_
 # own (the optimizer about 20 ms, five of the kernel's 4 ms ticks, at which it enforces a CPU quota; the
 # forward about 45 ms): a phase of a tick or two may escape the quota or be held for a whole period, so a
 # quota slows a longer phase by a steadier amount. QUICK_TRIAL_MODEL (8192 entries: a 7 ms optimizer
-# phase, a step 3x shorter) is for checks that slow a rank by far more than the threshold
-# (tests/test_straggler_slurm.py).
+# phase, under the floor of phases timed by the host's clock and so not compared, an 18 ms forward, a step
+# 3x shorter) is for checks that slow a rank by far more than the threshold (tests/test_straggler_slurm.py).
 TRIAL_VOCAB = 32768
 TRIAL_MODEL = MODEL.replace("vocab_size = 320", f"vocab_size = {TRIAL_VOCAB}")
 QUICK_TRIAL_MODEL = MODEL.replace("vocab_size = 320", "vocab_size = 8192")

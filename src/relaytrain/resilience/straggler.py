@@ -25,10 +25,13 @@ a faster fastest step than its peer while their typical steps are alike, and the
 would name the peer.
 The episode clears by the mirror rule: the rank over the threshold (in any phase) in at most one of the
 last ``windows`` windows.
-A phase shorter than ``MIN_PHASE_S`` is left out: its relative noise (the clock, the interpreter, the
-scheduler) is too large to mean anything. The floor is absolute, not a share of the step: the step
-includes the waits for the slowest peer, which a straggler or a loaded machine stretches, and a share of
-it would hide the very phase that shows the straggler.
+A phase shorter than a floor is left out: its relative noise (the clock, the interpreter, the
+scheduler) is too large to mean anything. Timed by the device (CUDA events) the floor is ``MIN_PHASE_S``;
+timed by the host's clock (training on CPU) it is ``MIN_HOST_PHASE_S``, as the operating system takes a
+rank's core away for a slice of a few milliseconds whenever another process wants it (``phase_floor``).
+The floor is absolute, not a share of the step: the step includes the waits for the slowest peer, which a
+straggler or a loaded machine stretches, and a share of it would hide the very phase that shows the
+straggler.
 The forward/backward as a whole is not compared: its collectives (FSDP's all-gathers and reduce-scatters,
 DDP's all-reduce) make every rank leave it together, and the ranks that wait there look slower, not
 faster. Its "forward" phase is the forward of the modules with no collective inside
@@ -48,9 +51,23 @@ from dataclasses import dataclass
 from typing import Any
 
 PHASES = ("data", "forward", "optimizer")  # the work a rank does alone, in the gathered vector's order
-# A phase whose reference median is shorter than this is not compared: a phase of a few hundred
-# microseconds varies by more than any threshold from scheduling alone.
+# A phase whose reference is shorter than this is not compared: a phase of a few hundred microseconds
+# varies by more than any threshold from the launch and the clock alone.
 MIN_PHASE_S = 0.001
+# The floor for phases timed by the host's clock: the operating system takes a rank's core away for slices
+# of a few ms whenever another process wants it. In a clean run on a loaded machine that made a 6 ms
+# optimizer phase 22 % slower in 6 of 7 windows (a false report), while the same rank's 18 ms forward phase
+# was not named. 10 ms leaves phases of a few slices out, and the forward phase and the benchmark model's
+# optimizer phase (15-20 ms) in.
+MIN_HOST_PHASE_S = 0.010
+
+
+def phase_floor(device_type: str) -> float:
+    """The shortest phase compared, for phases timed on a device of ``device_type`` ("cuda": by its
+    events; any other: by the host's clock)."""
+    return MIN_PHASE_S if device_type == "cuda" else MIN_HOST_PHASE_S
+
+
 ACTIONS = ("report", "replace", "auto")
 
 
@@ -71,11 +88,13 @@ class Straggler:
         return 1.0 + self.slower
 
 
-def slower_by(times: Sequence[Sequence[float]]) -> dict[tuple[int, str], float]:
+def slower_by(
+    times: Sequence[Sequence[float]], min_phase_s: float = MIN_PHASE_S
+) -> dict[tuple[int, str], float]:
     """(rank, phase) -> how much slower than the other ranks' median, for every comparable phase.
 
     ``times[rank][i]``: the rank's fastest seconds in ``PHASES[i]`` over the window. A phase is
-    comparable when the others' median is at least ``MIN_PHASE_S``."""
+    comparable when the others' median is at least ``min_phase_s`` (``phase_floor``)."""
     out: dict[tuple[int, str], float] = {}
     ranks = len(times)
     if ranks < 2:
@@ -84,7 +103,7 @@ def slower_by(times: Sequence[Sequence[float]]) -> dict[tuple[int, str], float]:
         others = [r for r in range(ranks) if r != rank]
         for i, phase in enumerate(PHASES):
             reference = statistics.median(times[r][i] for r in others)
-            if reference < MIN_PHASE_S:
+            if reference < min_phase_s:
                 continue
             out[(rank, phase)] = times[rank][i] / reference - 1.0
     return out
@@ -105,10 +124,12 @@ class StragglerJudge:
     windows' median times over those windows is over the threshold too; ``slower`` is the median of its
     slowdowns by the fastest times. The named rank clears once it is over the threshold in at most
     K - ``needed`` of the last K. ``needed`` may be set apart from K (bench.straggler_rules replays the
-    choices over kept runs)."""
+    choices over kept runs). ``min_phase_s``: the shortest phase compared (``phase_floor``)."""
 
-    def __init__(self, threshold: float, windows: int, needed: int | None = None):
-        self.threshold, self.windows = threshold, windows
+    def __init__(
+        self, threshold: float, windows: int, needed: int | None = None, min_phase_s: float = MIN_PHASE_S
+    ):
+        self.threshold, self.windows, self.min_phase_s = threshold, windows, min_phase_s
         self.needed = needed if needed is not None else needed_windows(windows)
         if not 1 <= self.needed <= windows:
             raise ValueError(f"needed must be 1..{windows} windows, not {self.needed}")
@@ -122,8 +143,8 @@ class StragglerJudge:
     ) -> tuple[Straggler | None, Straggler | None]:
         """One window (its first step, the gathered fastest and median times per rank and phase):
         (newly named, cleared), either None."""
-        self._recent.append((first_step, slower_by(fastest)))
-        self._typical.append(slower_by(typical))
+        self._recent.append((first_step, slower_by(fastest, self.min_phase_s)))
+        self._typical.append(slower_by(typical, self.min_phase_s))
         if self.named is not None:
             rank = self.named.rank
             over = sum(1 for _, slower in self._recent if any(self._over(slower, (rank, p)) for p in PHASES))

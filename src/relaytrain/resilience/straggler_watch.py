@@ -27,7 +27,14 @@ import torch.distributed as dist
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts
 from relaytrain.job.progress import ProgressBoard
-from relaytrain.resilience.straggler import MIN_PHASE_S, PHASES, Straggler, StragglerJudge, choose_action
+from relaytrain.resilience.straggler import (
+    MIN_PHASE_S,
+    PHASES,
+    Straggler,
+    StragglerJudge,
+    choose_action,
+    phase_floor,
+)
 
 log = logging.getLogger("relaytrain")
 
@@ -71,8 +78,12 @@ class StragglerWatch:
         self.rank, self.world_size, self.device = env.rank, env.world_size, torch.device(env.device)
         self.node, self.nodes, self.min_nodes, self.board = env.node, env.num_nodes, min_nodes, board
         self.report, self.record = metrics.log_event, metrics.log_rank_times
-        self.judge = StragglerJudge(resilience.straggler_threshold, resilience.straggler_windows)
-        self._events = self.device.type == "cuda"
+        self._events = self.device.type == "cuda"  # timed by the device's events, else by the host's clock
+        self.judge = StragglerJudge(
+            resilience.straggler_threshold,
+            resilience.straggler_windows,
+            min_phase_s=phase_floor(self.device.type),
+        )
         self._times: dict[str, list[float]] = {p: [] for p in PHASES}  # the window's steps: seconds per step
         self._step: dict[str, float] = {}  # CPU: the step's seconds so far per phase (a phase may be timed
         # in parts: one forward per layer and micro batch)
