@@ -25,7 +25,12 @@ from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.resilience.straggler import MIN_HOST_PHASE_S, MIN_PHASE_S, StragglerJudge, needed_windows
-from relaytrain.resilience.straggler_watch import judged_times, matrix_from_record, phase_timed
+from relaytrain.resilience.straggler_watch import (
+    judged_times,
+    matrix_from_record,
+    phase_timed,
+    stages_from_record,
+)
 
 from bench import kept
 from bench.report import table, write_page
@@ -49,8 +54,8 @@ class Rule:
     needed: int
     min_phase_s: float = MIN_HOST_PHASE_S
 
-    def judge(self) -> StragglerJudge:
-        return StragglerJudge(self.threshold, self.windows, self.needed, self.min_phase_s)
+    def judge(self, peers: list[int] | None = None) -> StragglerJudge:
+        return StragglerJudge(self.threshold, self.windows, self.needed, self.min_phase_s, peers)
 
     @property
     def label(self) -> str:
@@ -97,7 +102,7 @@ def judge_input(window: dict[str, Any], ranks: int) -> tuple[list[list[float]], 
 
 def replay(rule: Rule, windows: list[dict[str, Any]], every: int, ranks: int = 2) -> list[tuple[int, int]]:
     """(the step it was named at, the rank) for each straggler the rule names over a run's windows."""
-    judge, named = rule.judge(), []
+    judge, named = rule.judge(stages_from_record(windows[0]) if windows else None), []
     for window in windows:
         fed = judge_input(window, ranks)
         if fed is None:

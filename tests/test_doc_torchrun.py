@@ -79,10 +79,21 @@ def test_the_readme_one_node_line_stops_cleanly_on_sigterm(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("line", under_torchrun(REPO / "docs" / "parallelism.md"))
 def test_the_parallelism_lines_train(line, tmp_path):
-    command = line.split("#")[0].strip() + f" --train.max_steps=2 --run.dir={tmp_path / 'runs'}"
+    """Each line trains; over its first straggler window (5 steps) every rank timed its layers' forward
+    but under tensor parallelism, and under a pipeline the window records each rank's stage, as a rank is
+    compared with the ranks of its own stage only."""
+    command = line.split("#")[0].strip() + f" --train.max_steps=5 --run.dir={tmp_path / 'runs'}"
     env = clean_env()
     done = subprocess.run(
         ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((tmp_path / "runs" / "debug" / "run_state.json").read_text())["status"] == "finished"
+    run = tmp_path / "runs" / "debug"
+    assert json.loads((run / "run_state.json").read_text())["status"] == "finished"
+    records = [json.loads(row) for row in (run / "metrics.jsonl").read_text().splitlines()]
+    (window,) = [r for r in records if r["kind"] == "rank_times"]
+    ranks = int(line.split("--nproc_per_node=")[1].split()[0])
+    timed = [window[f"rank{r}_forward_s"] > 0 for r in range(ranks)]
+    assert timed == [("--parallel.tp" not in line)] * ranks, window
+    stages = window.get("stages")
+    assert (sorted(stages) if stages else None) == ([0, 0, 1, 1] if "--parallel.pp=2" in line else None)

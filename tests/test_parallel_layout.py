@@ -67,6 +67,14 @@ def test_seed_000_fixed_layouts_are_accepted():
     assert dims.dp == 4
 
 
+def test_each_ranks_pipeline_stage_is_its_pp_coordinate():
+    """The straggler watch's peers: with tp inside pp, ranks 0-1 and 4-5 are stage 0, 2-3 and 6-7 stage 1."""
+    dims = ParallelDims(1, 2, 1, 2, 2, 8)
+    assert dims.pipeline_stages() == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert all(dims.pipeline_stages()[r] == dims.coordinates(r)["pp"] for r in range(8))
+    assert ParallelDims(1, 4, 1, 1, 1, 4).pipeline_stages() == [0, 0, 0, 0]
+
+
 def test_tp_that_does_not_divide_the_node_is_refused():
     assert "does not divide" in refused(make_cfg(tp=4), world=12, gpn=6)
 

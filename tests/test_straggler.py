@@ -27,6 +27,7 @@ from relaytrain.resilience.step_restart import StepFacts
 from relaytrain.resilience.straggler import (
     MIN_HOST_PHASE_S,
     MIN_PHASE_S,
+    PHASES,
     Straggler,
     StragglerJudge,
     choose_action,
@@ -84,6 +85,22 @@ def test_timed_by_the_host_a_phase_of_a_few_scheduler_slices_is_not_compared():
         n for n, _ in feed(StragglerJudge(0.10, 7, min_phase_s=MIN_HOST_PHASE_S), [slow_forward] * 7) if n
     ]
     assert [(n.rank, n.phase) for n in named] == [(1, "forward")]
+
+
+def test_with_pipeline_stages_a_rank_is_compared_with_its_own_stage_only():
+    """Stage 0 holds the embedding too: its optimizer phase is 1.4x stage 1's by design, no straggler;
+    rank 2, 1.3x slower than the other rank of its stage, is."""
+    stages = [0, 0, 1, 1]
+    times = [[0.005, 0.040, 0.028], [0.005, 0.040, 0.028], [0.005, 0.040, 0.026], [0.005, 0.040, 0.020]]
+    slower = slower_by(times, peers=stages)
+    assert slower[(0, "optimizer")] == pytest.approx(0.0) and slower[(2, "optimizer")] == pytest.approx(0.3)
+    assert slower_by(times)[(0, "optimizer")] == pytest.approx(0.0769, abs=1e-3)  # one group: against 26 ms
+    assert slower_by(times, peers=[0, 1, 2, 2]).keys() == {(r, p) for r in (2, 3) for p in PHASES}  # alone
+    level = [[0.005, 0.040, 0.028]] * 2 + [[0.005, 0.040, 0.020]] * 2
+    assert not any(n for n, _ in feed(StragglerJudge(0.10, 4, peers=stages), [level] * 8))
+    assert any(n for n, _ in feed(StragglerJudge(0.10, 4), [level] * 8))  # as one group: a false report
+    named = [n for n, _ in feed(StragglerJudge(0.10, 4, peers=stages), [times] * 8) if n]
+    assert [(n.rank, n.phase) for n in named] == [(2, "optimizer")]
 
 
 def test_one_rank_has_nothing_to_compare_with():
@@ -250,7 +267,7 @@ class FakeMetrics:
         self.times.append((step, values))
 
 
-def make_watch(monkeypatch, action="report", world=2, threshold=0.15, spares="", device="cpu"):
+def make_watch(monkeypatch, action="report", world=2, threshold=0.15, spares="", device="cpu", stages=None):
     monkeypatch.setenv("RELAYTRAIN_SPARE_NODES", spares)
     resilience = ResilienceConfig(
         straggler_threshold=threshold, straggler_every=10, straggler_windows=4, straggler_action=action
@@ -259,7 +276,7 @@ def make_watch(monkeypatch, action="report", world=2, threshold=0.15, spares="",
         rank=0, world_size=world, device=torch.device(device), node="n1", num_nodes=2
     )
     metrics = FakeMetrics()
-    watch = StragglerWatch(resilience, ranks, ProgressBoard(None, 0, 0), metrics, 0)
+    watch = StragglerWatch(resilience, ranks, ProgressBoard(None, 0, 0), metrics, 0, stages)
     return watch, metrics
 
 
@@ -341,6 +358,27 @@ def test_a_watch_on_cpu_leaves_out_a_phase_under_the_hosts_floor_and_one_on_cuda
     assert make_watch(monkeypatch, device="cuda")[0].judge.min_phase_s == MIN_PHASE_S
 
 
+def test_under_a_pipeline_the_record_keeps_each_ranks_stage_and_the_replay_judges_by_it(monkeypatch):
+    """Stage 1's ranks take 1.4x stage 0's optimizer time by design: no straggler, and the records, which
+    keep the stages, replay to none; without the stages they would name one."""
+    from bench.straggler_rules import Rule, replay
+
+    watch, metrics = make_watch(monkeypatch, world=4, stages=[0, 0, 1, 1])
+    watch._gather = lambda mine: [mine, mine, [1.4 * v for v in mine], [1.4 * v for v in mine]]
+    watch._all_node_names = lambda: ["n1", "n1", "n2", "n2"]
+    for step in range(1, 81):
+        with watch.work("optimizer"):
+            time.sleep(1.2 * MIN_HOST_PHASE_S)
+        watch._steps.append(0.01)
+        watch.step_done(step)
+    assert not [e for e in metrics.events if e[0] == "straggler"]
+    records = [{**times, "step": step} for step, times in metrics.times]  # as metrics.jsonl keeps them
+    assert all(r["stages"] == [0, 0, 1, 1] for r in records) and len(records) == 8
+    rule = Rule(0.15, 4, 3)
+    assert replay(rule, records, 10, ranks=4) == []
+    assert replay(rule, [{k: v for k, v in r.items() if k != "stages"} for r in records], 10, ranks=4)
+
+
 def test_a_replace_verdict_stops_after_the_next_snapshot(monkeypatch):
     watch, _ = make_watch(monkeypatch, "replace", spares="n3")
     run_steps(watch, 40, slow_from=10)
@@ -359,9 +397,12 @@ def test_replace_without_a_spare_only_reports(monkeypatch):
     assert [e[2]["action"] for e in metrics.events if e[0] == "straggler"] == ["report"]
 
 
-@pytest.mark.parametrize(("world", "threshold"), [(1, 0.15), (2, 0.0)])
-def test_the_watch_is_off_for_one_rank_or_threshold_zero(monkeypatch, world, threshold):
-    watch, metrics = make_watch(monkeypatch, world=world, threshold=threshold)
+@pytest.mark.parametrize(
+    ("world", "threshold", "stages"), [(1, 0.15, None), (2, 0.0, None), (2, 0.15, [0, 1])]
+)
+def test_the_watch_is_off_for_one_rank_threshold_zero_or_no_peer(monkeypatch, world, threshold, stages):
+    """[0, 1]: a pipeline of two stages of one rank each: no rank has a peer doing its work."""
+    watch, metrics = make_watch(monkeypatch, world=world, threshold=threshold, stages=stages)
     watch._gather = lambda mine: pytest.fail("an off watch gathered")
     for step in range(1, 31):
         with watch.work("optimizer"):

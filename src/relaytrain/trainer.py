@@ -139,7 +139,10 @@ class Trainer:
         self.nan_guard = NanGuard(cfg.resilience, env.device)
         self.profiler = StepProfiler(cfg.metrics, self.run_dir, env.rank, env.device)
         self.timer = StepTimer(env.device)
-        self.straggler = StragglerWatch(cfg.resilience, env, self.progress, self.metrics, cfg.slurm.min_nodes)
+        stages = self.model.dims.pipeline_stages()  # a rank's straggler peers: the ranks of its stage
+        self.straggler = StragglerWatch(
+            cfg.resilience, env, self.progress, self.metrics, cfg.slurm.min_nodes, stages
+        )
         self.straggler.time_forward(self.model.work_modules())
         self.ledger = LedgerWindows(self.metrics, self.run_dir, self.persistence.spent, process_start_time())
 

@@ -67,6 +67,11 @@ class ParallelDims:
             rest //= size
         return coords
 
+    def pipeline_stages(self) -> list[int]:
+        """Each global rank's pipeline stage (its "pp" coordinate; all 0 without pipeline parallelism): the
+        ranks of one stage do the same work, those of two stages hold different layers."""
+        return [self.coordinates(rank)["pp"] for rank in range(self.world_size)]
+
     def group_of(self, rank: int, dim: str) -> list[int]:
         """Global ranks of `rank`'s group along mesh dimension `dim` (e.g. "tp")."""
         stride = 1

@@ -167,11 +167,11 @@ class ParallelModel:
     def work_modules(self) -> list[nn.Module]:
         """The modules whose forward is this rank's own computation, no collective inside: every layer's
         attention and feed-forward and the output projection (FSDP gathers their parameters in the hooks
-        of their layer or of the root, before them). The straggler watch times them. None with tensor or
-        context parallelism (collectives inside those forwards), with pipeline parallelism (the ranks'
-        stages do different work), or with compile (a clock in a hook inside a compiled block would be
-        traced, not run)."""
-        if self.dims.tp > 1 or self.dims.cp > 1 or self.dims.pp > 1 or self.compiled:
+        of their layer or of the root, before them), in every model chunk this rank holds of a pipeline.
+        The straggler watch times them, and compares them with those of the ranks of the same pipeline
+        stage only. None with tensor or context parallelism (collectives inside those forwards) or with
+        compile (a clock in a hook inside a compiled block would be traced, not run)."""
+        if self.dims.tp > 1 or self.dims.cp > 1 or self.compiled:
             return []
         found: list[nn.Module] = []
         for part in self.model_parts:

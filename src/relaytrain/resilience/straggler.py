@@ -8,7 +8,9 @@ collective.
 
 The statistic, per window and phase: a rank's fastest time against the median of the OTHER ranks'
 fastest times (so the straggler does not pull its own reference up; with 2 ranks the reference is the
-other rank). The fastest of a window's steps, not their median: a persistent slowdown (a slower GPU, a
+other rank), the other ranks of its own pipeline stage under pipeline parallelism (``peers``): stages hold
+different layers, and the first and last also the embedding and the output projection, so their phases
+differ by design. The fastest of a window's steps, not their median: a persistent slowdown (a slower GPU, a
 CPU quota) slows every step, so even the rank's fastest one, while a CPU shared with other work slows
 the steps it happens to preempt, for seconds at a time, and the window's median with them.
 A rank is named when one phase of it is slower than ``threshold`` in all but one of the last
@@ -39,7 +41,7 @@ faster. Its "forward" phase is the forward of the modules with no collective ins
 after FSDP has gathered their parameters), summed over the step. It is the longest phase a rank does alone,
 and the steadiest (docs/benchmarks.md, "Stragglers", measures how far apart the ranks' times per phase
 are where nothing slows either), so a slower rank is over the threshold in more of its windows. Not timed
-with tensor, context or pipeline parallelism, or under compile (the phase is then left out: 0 s).
+with tensor or context parallelism, or under compile (the phase is then left out: 0 s).
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ PHASES = ("data", "forward", "optimizer")  # the work a rank does alone, in the 
 MIN_PHASE_S = 0.001
 # The floor for phases timed by the host's clock: the operating system takes a rank's core away for slices
 # of a few ms whenever another process wants it. In a clean run on a loaded machine that made a 6 ms
-# optimizer phase 22 % slower in 6 of 7 windows (a false report), while the same rank's 18 ms forward phase
-# was not named. 10 ms leaves phases of a few slices out, and the forward phase and the benchmark model's
-# optimizer phase (15-20 ms) in.
+# optimizer phase over 10 % slower in 6 of 7 windows (22 % by their median: a false report), while the same
+# rank's 18 ms forward phase was not named. 10 ms leaves phases of a few slices out, and the forward phase
+# and the benchmark model's optimizer phase (15-20 ms) in.
 MIN_HOST_PHASE_S = 0.010
 
 
@@ -89,18 +91,21 @@ class Straggler:
 
 
 def slower_by(
-    times: Sequence[Sequence[float]], min_phase_s: float = MIN_PHASE_S
+    times: Sequence[Sequence[float]], min_phase_s: float = MIN_PHASE_S, peers: Sequence[int] | None = None
 ) -> dict[tuple[int, str], float]:
     """(rank, phase) -> how much slower than the other ranks' median, for every comparable phase.
 
-    ``times[rank][i]``: the rank's fastest seconds in ``PHASES[i]`` over the window. A phase is
-    comparable when the others' median is at least ``min_phase_s`` (``phase_floor``)."""
+    ``times[rank][i]``: the rank's fastest seconds in ``PHASES[i]`` over the window. ``peers[rank]``: the
+    rank's group of ranks doing the same work (its pipeline stage; None: one group), the others of which
+    are its reference; a rank alone in its group is not compared. A phase is comparable when the others'
+    median is at least ``min_phase_s`` (``phase_floor``)."""
     out: dict[tuple[int, str], float] = {}
     ranks = len(times)
-    if ranks < 2:
-        return out
+    group = list(peers) if peers is not None else [0] * ranks
     for rank in range(ranks):
-        others = [r for r in range(ranks) if r != rank]
+        others = [r for r in range(ranks) if r != rank and group[r] == group[rank]]
+        if not others:
+            continue
         for i, phase in enumerate(PHASES):
             reference = statistics.median(times[r][i] for r in others)
             if reference < min_phase_s:
@@ -124,12 +129,19 @@ class StragglerJudge:
     windows' median times over those windows is over the threshold too; ``slower`` is the median of its
     slowdowns by the fastest times. The named rank clears once it is over the threshold in at most
     K - ``needed`` of the last K. ``needed`` may be set apart from K (bench.straggler_rules replays the
-    choices over kept runs). ``min_phase_s``: the shortest phase compared (``phase_floor``)."""
+    choices over kept runs). ``min_phase_s``: the shortest phase compared (``phase_floor``); ``peers``:
+    each rank's group of ranks doing the same work (``slower_by``)."""
 
     def __init__(
-        self, threshold: float, windows: int, needed: int | None = None, min_phase_s: float = MIN_PHASE_S
+        self,
+        threshold: float,
+        windows: int,
+        needed: int | None = None,
+        min_phase_s: float = MIN_PHASE_S,
+        peers: Sequence[int] | None = None,
     ):
         self.threshold, self.windows, self.min_phase_s = threshold, windows, min_phase_s
+        self.peers = list(peers) if peers is not None else None
         self.needed = needed if needed is not None else needed_windows(windows)
         if not 1 <= self.needed <= windows:
             raise ValueError(f"needed must be 1..{windows} windows, not {self.needed}")
@@ -143,8 +155,8 @@ class StragglerJudge:
     ) -> tuple[Straggler | None, Straggler | None]:
         """One window (its first step, the gathered fastest and median times per rank and phase):
         (newly named, cleared), either None."""
-        self._recent.append((first_step, slower_by(fastest, self.min_phase_s)))
-        self._typical.append(slower_by(typical, self.min_phase_s))
+        self._recent.append((first_step, slower_by(fastest, self.min_phase_s, self.peers)))
+        self._typical.append(slower_by(typical, self.min_phase_s, self.peers))
         if self.named is not None:
             rank = self.named.rank
             over = sum(1 for _, slower in self._recent if any(self._over(slower, (rank, p)) for p in PHASES))

@@ -65,15 +65,27 @@ class Saves(Protocol):
 
 
 class StragglerWatch:
-    """One rank's timer and judge. Off (every call a no-op) with one rank or ``straggler_threshold`` 0.
+    """One rank's timer and judge. Off (every call a no-op) with ``straggler_threshold`` 0 or when no rank
+    has a peer doing the same work.
 
     ``min_nodes``: slurm.min_nodes (0: the node count is fixed); ``metrics``: where rank 0's events and
-    per-rank times go."""
+    per-rank times go; ``stages``: each rank's pipeline stage (``ParallelDims.pipeline_stages``; None: one
+    stage), as a rank is compared with the ranks of its own stage only."""
 
     def __init__(
-        self, resilience: ResilienceConfig, env: Ranks, board: ProgressBoard, metrics: Metrics, min_nodes: int
+        self,
+        resilience: ResilienceConfig,
+        env: Ranks,
+        board: ProgressBoard,
+        metrics: Metrics,
+        min_nodes: int,
+        stages: Sequence[int] | None = None,
     ):
-        self.enabled = resilience.straggler_threshold > 0 and env.world_size > 1
+        stages = list(stages) if stages is not None else [0] * env.world_size
+        self.enabled = resilience.straggler_threshold > 0 and len(set(stages)) < env.world_size
+        self._stages = (
+            stages if len(set(stages)) > 1 else None
+        )  # recorded: the judge's input under a pipeline
         self.every, self.action = resilience.straggler_every, resilience.straggler_action
         self.rank, self.world_size, self.device = env.rank, env.world_size, torch.device(env.device)
         self.node, self.nodes, self.min_nodes, self.board = env.node, env.num_nodes, min_nodes, board
@@ -83,6 +95,7 @@ class StragglerWatch:
             resilience.straggler_threshold,
             resilience.straggler_windows,
             min_phase_s=phase_floor(self.device.type),
+            peers=stages,
         )
         self._times: dict[str, list[float]] = {p: [] for p in PHASES}  # the window's steps: seconds per step
         self._step: dict[str, float] = {}  # CPU: the step's seconds so far per phase (a phase may be timed
@@ -165,7 +178,7 @@ class StragglerWatch:
         self._times = {p: [] for p in PHASES}
         self._steps = []
         if self.rank == 0:
-            self.record(step, _times_record(matrix))
+            self.record(step, _times_record(matrix, self._stages))
         judged = judged_times(matrix)
         if judged is None:
             return
@@ -266,6 +279,12 @@ def judged_times(matrix: list[list[float]]) -> tuple[list[list[float]], list[lis
     return [row[steps_column + 1 :] for row in matrix], [row[:steps_column] for row in matrix]
 
 
+def stages_from_record(record: dict[str, Any]) -> list[int] | None:
+    """Each rank's pipeline stage as a window's `rank_times` record keeps it (None: one stage)."""
+    stages = record.get("stages")
+    return [int(s) for s in stages] if stages is not None else None
+
+
 def matrix_from_record(record: dict[str, Any], ranks: int) -> list[list[float]]:
     """A window's gathered rows back from its `rank_times` record (``_times_record`` undone), so a run's
     verdicts can be replayed from its records. A phase of ``ADDED_PHASES`` the record has no column of was
@@ -281,11 +300,12 @@ def matrix_from_record(record: dict[str, Any], ranks: int) -> list[list[float]]:
     return [[value(rank, column) for column in RECORD_COLUMNS] for rank in range(ranks)]
 
 
-def _times_record(matrix: list[list[float]]) -> dict[str, Any]:
+def _times_record(matrix: list[list[float]], stages: list[int] | None = None) -> dict[str, Any]:
     """The `rank_times` record: each rank's median seconds per phase and per step over the window
     (``rank<R>_<phase>_s``) and its fastest seconds per phase (``rank<R>_<phase>_fastest_s``: what the
-    judge compares, kept so that a run's verdicts can be replayed from its records)."""
-    out: dict[str, Any] = {}
+    judge compares, kept so that a run's verdicts can be replayed from its records); under pipeline
+    parallelism each rank's stage (``stages``: a rank is compared with those of its stage)."""
+    out: dict[str, Any] = {} if stages is None else {"stages": list(stages)}
     for rank, row in enumerate(matrix):
         for column, value in zip(RECORD_COLUMNS, row, strict=True):
             out[f"rank{rank}_{column}_s"] = value
