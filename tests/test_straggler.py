@@ -467,7 +467,7 @@ def test_a_phase_timed_in_parts_is_one_time_per_step_without_the_forwards_of_an_
 
 def test_the_modules_timed_as_forward_are_the_layers_compute_and_none_where_a_clock_would_mislead():
     """Each layer's attention and feed-forward and the output projection: no collective inside them
-    without tensor, context or pipeline parallelism; none at all under compile."""
+    without tensor or context parallelism; none at all under compile."""
     cfg = load_config(None, TINY)
     model = parallelize(cfg.parallel, cfg.model, cfg.train, torch.device("cpu"), 1, 0, 1, seed=0)
     timed = model.work_modules()
