@@ -185,13 +185,19 @@ def test_stop_requeue_resume_bit_exact(tmp_path, fake_scontrol):
 
 def test_hung_rank_dumps_stacks_and_fails_fast(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(
-        run_dir, "--train.max_steps=400", "--resilience.hang_timeout_s=15", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3"
-    )
+    proc = start(run_dir, "--train.max_steps=400", "--resilience.hang_timeout_s=15")
     wait_for_step(run_dir, 2, proc)
-    hung = worker_pid(proc.pid, 1)
+    watched, hung = worker_pid(proc.pid, 0), worker_pid(proc.pid, 1)
     os.kill(hung, signal.SIGSTOP)  # rank 1 freezes; rank 0 waits in its next collective
     try:
+        # Once rank 0's watchdog has ended it, the frozen rank is killed here: torchrun's agent would wait
+        # 30 s for it after its SIGTERM, which a stopped process never acts on (its --shutdown-timeout does
+        # not shorten that wait once a worker has failed).
+        deadline = time.monotonic() + 120
+        while Path(f"/proc/{watched}").exists() and "zombie" not in _proc_state(watched):
+            assert proc.poll() is None and time.monotonic() < deadline, "the watchdog did not end rank 0"
+            time.sleep(0.2)
+        os.kill(hung, signal.SIGKILL)
         rc, out = finish(proc, timeout=300)
     finally:
         for sig in (signal.SIGKILL, signal.SIGCONT):
@@ -202,6 +208,17 @@ def test_hung_rank_dumps_stacks_and_fails_fast(tmp_path):
     assert "relaytrain hang watchdog: rank 0 step" in dump and "trainer.py" in dump
     state = marker(run_dir)
     assert (state["status"], state["reason"], state["requeue_requested"]) == ("failed", "hang", False)
+
+
+def _proc_state(pid: int) -> str:
+    """The state word of /proc/PID/status ("sleeping", "zombie", ...); "" once the process is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return ""
+    return next(
+        (line.split("(")[-1].rstrip(")") for line in status.splitlines() if line.startswith("State:")), ""
+    )
 
 
 def test_nan_rollback_on_two_ranks_replays_exactly(tmp_path):
