@@ -225,6 +225,21 @@ def test_a_stop_at_an_interval_step_is_matched_with_that_checkpoint_and_not_the_
     assert save_seconds(text) == {30: 0.07, 38: 0.13}
 
 
+def test_a_capped_preemption_waits_for_the_run_to_train_in_its_current_allocation(tmp_path, monkeypatch):
+    job = {"JobState": "RUNNING", "Restarts": "1"}
+    monkeypatch.setattr(goodput, "scontrol_job", lambda job_id: job)
+    run = RunFiles(tmp_path)
+    assert not goodput.training("5", run)  # no metrics yet: starting up
+    rows = [{"kind": "train", "step": 1, "time": 1.0, "restart": 0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert not goodput.training("5", run)  # trained, but in the allocation before the requeue
+    rows.append({"kind": "train", "step": 2, "time": 2.0, "restart": 1})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert goodput.training("5", run)
+    job["JobState"] = "PENDING"
+    assert not goodput.training("5", run)
+
+
 @pytest.mark.slurm
 def test_quick_goodput_run_on_the_local_cluster(slurm_cluster, tmp_path, capsys):
     """`--quick`: the run preempted once, 40 s in, alone, 80 steps (under `flock`, hence --no-lock)."""

@@ -80,17 +80,21 @@ RUN_NAMES_HELP = "uninterrupted, preempt-<T>s for each of --intervals, time-limi
 
 
 class Runner:
-    """``preemptions``: at most this many preemptions a run (0: every interval until the run ends)."""
+    """``preemptions``: at most this many preemptions a run (0: every interval until the run ends); each of
+    so few waits, past its interval, for the run to be training in its current allocation, so that it
+    interrupts training rather than a start-up, which records no stop."""
 
     def __init__(self, base: Path, cluster, steps: int, preemptions: int = 0):
         self.base, self.cluster, self.steps, self.preemptions = base, cluster, steps, preemptions
         self.runs = base / "runs"
         self.config = write_config(base / "goodput.toml", "goodput", self.runs, steps, 0, CKPT_INTERVAL)
 
-    def preempt_every(self, job: str, interval: float, stop: threading.Event) -> None:
+    def preempt_every(self, job: str, interval: float, stop: threading.Event, run: RunFiles) -> None:
         done = 0
         while not stop.wait(interval) and (not self.preemptions or done < self.preemptions):
-            if scontrol_job(job).get("JobState") == "RUNNING":
+            while self.preemptions and not stop.is_set() and not training(job, run):
+                stop.wait(2.0)
+            if not stop.is_set() and scontrol_job(job).get("JobState") == "RUNNING":
                 preempt(job, self.cluster.cpus_per_node, hold_s=1)
                 done += 1
 
@@ -101,7 +105,7 @@ class Runner:
             result.job = launch(self.config, result.name, setup, *overrides)
             stop = threading.Event()
             thread = threading.Thread(
-                target=self.preempt_every, args=(result.job, interval, stop), daemon=True
+                target=self.preempt_every, args=(result.job, interval, stop, run), daemon=True
             )
             if interval:
                 thread.start()
@@ -115,6 +119,15 @@ class Runner:
                 result.error = f"the run did not finish: {result.final}"
         except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as err:
             result.error = str(err)[:300]
+
+
+def training(job: str, run: RunFiles) -> bool:
+    """Whether the job runs and its run has logged a step in this allocation (Slurm's restart count)."""
+    fields = scontrol_job(job)
+    restart = int(fields.get("Restarts") or 0)
+    return fields.get("JobState") == "RUNNING" and any(
+        r.get("restart") == restart for r in run.records("train")
+    )
 
 
 # The time-limit run: a 1-minute limit, Slurm's --signal 30 s ahead. resilience.time_budget_margin_s
@@ -148,9 +161,10 @@ def planned_runs(intervals: list[float], time_limit: bool, steps: int) -> list[R
     return runs
 
 
-# --quick's run: its one preemption, 40 s after the job is submitted, lands before 80 steps of 0.5 s can
-# finish (at most about 64 after a start-up of 8 s); the requeued run then trains to the end. Every further
-# preemption would only add another requeue's minute to the tests' time.
+# --quick's run: its one preemption, 40 s after the job is submitted (or later, once the run trains: a
+# start-up slower than that on a loaded machine), lands before 80 steps of 0.5 s can finish (at most about
+# 64 after a start-up of 8 s); the requeued run then trains to the end. Every further preemption would only
+# add another requeue's minute to the tests' time.
 QUICK_STEPS = 80
 QUICK_PREEMPTIONS = 1
 
