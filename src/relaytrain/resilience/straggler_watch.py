@@ -83,9 +83,8 @@ class StragglerWatch:
     ):
         stages = list(stages) if stages is not None else [0] * env.world_size
         self.enabled = resilience.straggler_threshold > 0 and len(set(stages)) < env.world_size
-        self._stages = (
-            stages if len(set(stages)) > 1 else None
-        )  # recorded: the judge's input under a pipeline
+        # recorded with the times under a pipeline: part of the judge's input there
+        self._stages = stages if len(set(stages)) > 1 else None
         self.every, self.action = resilience.straggler_every, resilience.straggler_action
         self.rank, self.world_size, self.device = env.rank, env.world_size, torch.device(env.device)
         self.node, self.nodes, self.min_nodes, self.board = env.node, env.num_nodes, min_nodes, board
