@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.resilience.straggler import MIN_HOST_PHASE_S, MIN_PHASE_S, StragglerJudge, needed_windows
+from relaytrain.resilience.straggler import MIN_HOST_PHASE_S, MIN_PHASE_S, StragglerJudge
 from relaytrain.resilience.straggler_watch import (
     judged_times,
     matrix_from_record,
@@ -71,15 +71,20 @@ def _ms(seconds: float) -> str:
 
 def shipped_rule() -> Rule:
     r = ResilienceConfig()
-    return Rule(r.straggler_threshold, r.straggler_windows, needed_windows(r.straggler_windows))
+    return Rule(r.straggler_threshold, r.straggler_windows, r.straggler_windows_over)
+
+
+def needed_of(settings: dict[str, Any]) -> int:
+    """How many of its K windows a kept run's rule needed over the threshold; results kept before `needed`
+    was recorded were judged by all but one of them (all for K <= 2), the judge's rule then."""
+    windows = int(settings["windows"])
+    return int(settings.get("needed", windows - 1 if windows > 2 else windows))
 
 
 def run_rule(settings: dict[str, Any]) -> Rule:
-    """The rule a kept run judged by (its `settings`); results kept before `needed` was recorded were
-    judged by all but one of K windows, the rule `needed_windows` gives again, and those kept before
-    `min_phase_s` was recorded compared every phase from ``MIN_PHASE_S`` on."""
-    windows = int(settings["windows"])
-    needed = int(settings.get("needed", needed_windows(windows)))
+    """The rule a kept run judged by (its `settings`, `needed_of`); those kept before `min_phase_s` was
+    recorded compared every phase from ``MIN_PHASE_S`` on."""
+    windows, needed = int(settings["windows"]), needed_of(settings)
     return Rule(
         float(settings["threshold"]), windows, needed, float(settings.get("min_phase_s", MIN_PHASE_S))
     )

@@ -171,20 +171,19 @@ def _yes(ok: bool) -> str:
 
 def _settings() -> dict:
     from relaytrain.config.schema import ResilienceConfig
-    from relaytrain.resilience.straggler import needed_windows, phase_floor
+    from relaytrain.resilience.straggler import phase_floor
 
     r = ResilienceConfig()
     return {"threshold": r.straggler_threshold, "every": r.straggler_every, "windows": r.straggler_windows,
-            "needed": needed_windows(r.straggler_windows), "min_phase_s": phase_floor("cpu")}  # fmt: skip
+            "needed": r.straggler_windows_over, "min_phase_s": phase_floor("cpu")}  # fmt: skip
 
 
 def _described(settings: dict | None) -> str:
     if settings is None:  # results kept before the settings were recorded
         return "the default straggler settings"
-    from relaytrain.resilience.straggler import needed_windows
+    from bench.straggler_rules import needed_of
 
-    # results kept before `needed` was recorded: all but one of the windows weighed, as needed_windows
-    needed = settings.get("needed", needed_windows(settings["windows"]))
+    needed = needed_of(settings)
     # results kept before the floor was recorded compared phases from 1 ms on, as the page then said nothing
     floor = f", phases of {1000 * settings['min_phase_s']:g} ms or more" if "min_phase_s" in settings else ""
     return (f"the default straggler settings (threshold {settings['threshold']:g}, windows of "

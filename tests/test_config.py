@@ -66,6 +66,10 @@ def test_hash_ignores_run_name_but_not_model():
         ("--train.micro_batch_size=5", "train.micro_batch_size=5 must divide train.global_batch_size=16"),
         ("--train.seq_len=4096", "train.seq_len=4096 exceeds model.max_seq_len=2048"),
         ("--resilience.hard_deadline_s=500", "must be shorter than resilience.signal_lead_s"),
+        (
+            "--resilience.straggler_windows=4",
+            "resilience.straggler_windows_over=5 must not exceed resilience.",
+        ),
         ('--resilience.signals=["SIGFOO"]', "resilience.signals[0]='SIGFOO' is not allowed: must be a catch"),
         ('--resilience.signals=["SIGTERM", "SIGKILL"]', "resilience.signals[1]='SIGKILL' is not allowed"),
         ('--resilience.signals=["SIG_DFL"]', "resilience.signals[0]='SIG_DFL' is not allowed"),

@@ -143,7 +143,7 @@ class Trainer:
         self.straggler = StragglerWatch(
             cfg.resilience, env, self.progress, self.metrics, cfg.slurm.min_nodes, stages
         )
-        self.straggler.time_forward(self.model.work_modules())
+        self.straggler.time_forward(self.model.work_modules(), compiled=self.model.compiled)
         self.ledger = LedgerWindows(self.metrics, self.run_dir, self.persistence.spent, process_start_time())
 
     # -- the loop ---------------------------------------------------------------------------------

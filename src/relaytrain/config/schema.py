@@ -216,12 +216,13 @@ class ResilienceConfig(Section):
     # rollback: multiply the LR by this after reloading
     nan_rollback_lr_scale: float = setting(1.0, in_range(0, 1, lo_open=True))
     # a rank whose data, forward or optimizer work is this fraction slower than the other ranks' median in
-    # all but one of the last straggler_windows windows is named a straggler (0: off)
+    # straggler_windows_over of the last straggler_windows windows is named a straggler (0: off)
     straggler_threshold: float = setting(0.1, in_range(0, 10))
     straggler_every: int = setting(5, at_least(1))  # steps per window: the ranks compare times this often
-    # recent windows weighed: a straggler is slower in all but one of them (all when 2 or fewer), and
-    # clears when slower in at most one
-    straggler_windows: int = setting(7, at_least(1))
+    straggler_windows: int = setting(7, at_least(1))  # recent windows weighed
+    # of those, in how many a straggler is slower (at most straggler_windows); it clears when slower in at
+    # most straggler_windows - straggler_windows_over of them
+    straggler_windows_over: int = setting(5, at_least(1))
     # report: name it; replace: with an idle spare node, stop after the next snapshot for the driver to
     # replace its node (else report); auto: replace, else drop its node when the node range allows and
     # the job is faster without it (else report)

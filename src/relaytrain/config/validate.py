@@ -52,6 +52,12 @@ def validate(cfg: Config) -> None:
         f"resilience.signal_lead_s={r.signal_lead_s}, or the kill comes before the deadline",
     )
     _require(
+        r.straggler_windows_over <= r.straggler_windows,
+        f"resilience.straggler_windows_over={r.straggler_windows_over} must not exceed "
+        f"resilience.straggler_windows={r.straggler_windows}, the windows weighed; lower it or weigh more "
+        "windows",
+    )
+    _require(
         r.slurm_signal in r.signals,
         f"resilience.slurm_signal={r.slurm_signal!r} must be in resilience.signals={r.signals}, "
         "or Slurm's time-limit signal kills the ranks without a checkpoint",

@@ -29,13 +29,14 @@ from torch.nn.attention import SDPBackend
 
 from relaytrain.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from relaytrain.job.progress import ProgressBoard
-from relaytrain.model.transformer import Attention, FeedForward, Transformer
+from relaytrain.model.transformer import Transformer
 from relaytrain.parallel.activation import apply_ac, apply_compile
 from relaytrain.parallel.dims import ParallelDims
 from relaytrain.parallel.fsdp import apply_fsdp, param_dtype
 from relaytrain.parallel.layout import batch_split_note, validate_layout
 from relaytrain.parallel.mesh import build_mesh, fsdp_mesh, submesh
 from relaytrain.parallel.pipeline import build_schedule, split_stage, stage_ids_of
+from relaytrain.parallel.work import own_work_modules
 
 log = logging.getLogger(__name__)
 
@@ -165,22 +166,9 @@ class ParallelModel:
     # -- the trainer's API --------------------------------------------------------------------------
 
     def work_modules(self) -> list[nn.Module]:
-        """The modules whose forward is this rank's own computation, no collective inside: every layer's
-        attention and feed-forward and the output projection (FSDP gathers their parameters in the hooks
-        of their layer or of the root, before them), in every model chunk this rank holds of a pipeline.
-        The straggler watch times them, and compares them with those of the ranks of the same pipeline
-        stage only. None with tensor or context parallelism (collectives inside those forwards) or with
-        compile (a clock in a hook inside a compiled block would be traced, not run)."""
-        if self.dims.tp > 1 or self.dims.cp > 1 or self.compiled:
-            return []
-        found: list[nn.Module] = []
-        for part in self.model_parts:
-            for module in part.modules():
-                if isinstance(module, (Attention, FeedForward)):
-                    found.append(module)
-                elif isinstance(module, Transformer) and module.output is not None:
-                    found.append(module.output)
-        return found
+        """The modules whose forward is this rank's own computation, no collective inside
+        (``work.own_work_modules``): the straggler watch times them."""
+        return own_work_modules(self.model_parts, self.dims, self.compiled)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward + backward over this rank's local batch; returns its mean loss (detached fp32)."""

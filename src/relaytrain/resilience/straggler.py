@@ -13,20 +13,22 @@ different layers, and the first and last also the embedding and the output proje
 differ by design. The fastest of a window's steps, not their median: a persistent slowdown (a slower GPU, a
 CPU quota) slows every step, so even the rank's fastest one, while a CPU shared with other work slows
 the steps it happens to preempt, for seconds at a time, and the window's median with them.
-A rank is named when one phase of it is slower than ``threshold`` in all but one of the last
-``windows`` windows (``needed_windows``; all of them when ``windows`` is 2 or less): one noisy window
-neither names a rank nor restarts the count, as a streak rule's would, and the median of the phase's
-slowdowns over those windows (the magnitude reported) is then over the threshold too. The defaults (10 %,
-6 of 7 windows) were chosen by replaying measured runs' windows through 54 rules (docs/benchmarks.md,
-"Straggler rules, replayed"): a threshold of half the slowdown to be caught leaves a 20 % slower rank room
-for the noise of a shared machine, and a lower count of windows named clean runs beside busy processes.
+A rank is named when one phase of it is slower than ``threshold`` in ``needed`` of the last ``windows``
+windows (``resilience.straggler_windows_over`` of ``straggler_windows``): a noisy window or two neither
+name a rank nor restart the count, as a streak rule's would, and the median of the phase's slowdowns over
+those windows (the magnitude reported) is then over the threshold too. The defaults (10 %, 5 of 7
+windows) were chosen by replaying measured runs' windows through 54 rules (docs/benchmarks.md, "Straggler
+rules, replayed"): a threshold of half the slowdown to be caught leaves a 20 % slower rank room for the
+noise of a shared machine; over the runs that timed the forward phase, 5 of 7 named every slowed rank
+within 35 steps with no false report, where 6 of 7 named two late, and 4 of the last 4 to 6 windows
+named clean runs beside busy processes.
 The typical step must agree: the median over the same windows of the phase's slowdown in the windows'
 MEDIAN times is over the threshold as well. A persistent slowdown slows the typical step with the
 fastest; on a machine whose cores are shared, a rank that happens to catch an idle core now and then has
 a faster fastest step than its peer while their typical steps are alike, and the fastest times alone
 would name the peer.
-The episode clears by the mirror rule: the rank over the threshold (in any phase) in at most one of the
-last ``windows`` windows.
+The episode clears by the mirror rule: the rank over the threshold (in any phase) in at most
+``windows - needed`` of the last ``windows`` windows.
 A phase shorter than a floor is left out: its relative noise (the clock, the interpreter, the
 scheduler) is too large to mean anything. Timed by the device (CUDA events) the floor is ``MIN_PHASE_S``;
 timed by the host's clock (training on CPU) it is ``MIN_HOST_PHASE_S``, as the operating system takes a
@@ -40,8 +42,10 @@ faster. Its "forward" phase is the forward of the modules with no collective ins
 (``ParallelModel.work_modules``: each layer's attention and feed-forward and the output projection, timed
 after FSDP has gathered their parameters), summed over the step. It is the longest phase a rank does alone,
 and the steadiest (docs/benchmarks.md, "Stragglers", measures how far apart the ranks' times per phase
-are where nothing slows either), so a slower rank is over the threshold in more of its windows. Not timed
-with tensor or context parallelism, or under compile (the phase is then left out: 0 s).
+are where nothing slows either), so a slower rank is over the threshold in more of its windows. With
+tensor or context parallelism it is the forward of the layers' linear layers and the output projection
+(collectives around and inside the attention and the feed-forward there); under compile, each compiled
+layer as a whole. Not timed with either under compile (the phase is then left out: 0 s).
 """
 
 from __future__ import annotations
@@ -114,35 +118,28 @@ def slower_by(
     return out
 
 
-def needed_windows(windows: int) -> int:
-    """Of the last K windows weighed, how many must show a rank over the threshold: all but one (all of
-    them for K <= 2)."""
-    return windows - 1 if windows > 2 else windows
-
-
 class StragglerJudge:
     """The sustained rule, fed one window at a time; the same inputs give the same verdicts on every rank.
 
     ``threshold``: the fraction slower that counts (0.2: 20 %); ``windows`` (K): how many recent windows
     are weighed. A (rank, phase) over the threshold in at least ``needed`` of the last K windows by its
-    fastest times is named (``needed_windows(K)``) when the median of its slowdowns by the
-    windows' median times over those windows is over the threshold too; ``slower`` is the median of its
-    slowdowns by the fastest times. The named rank clears once it is over the threshold in at most
-    K - ``needed`` of the last K. ``needed`` may be set apart from K (bench.straggler_rules replays the
-    choices over kept runs). ``min_phase_s``: the shortest phase compared (``phase_floor``); ``peers``:
-    each rank's group of ranks doing the same work (``slower_by``)."""
+    fastest times is named when the median of its slowdowns by the windows' median times over those
+    windows is over the threshold too; ``slower`` is the median of its slowdowns by the fastest times.
+    The named rank clears once it is over the threshold in at most K - ``needed`` of the last K
+    (bench.straggler_rules replays the choices over kept runs). ``min_phase_s``: the shortest phase
+    compared (``phase_floor``); ``peers``: each rank's group of ranks doing the same work
+    (``slower_by``)."""
 
     def __init__(
         self,
         threshold: float,
         windows: int,
-        needed: int | None = None,
+        needed: int,
         min_phase_s: float = MIN_PHASE_S,
         peers: Sequence[int] | None = None,
     ):
-        self.threshold, self.windows, self.min_phase_s = threshold, windows, min_phase_s
+        self.threshold, self.windows, self.needed, self.min_phase_s = threshold, windows, needed, min_phase_s
         self.peers = list(peers) if peers is not None else None
-        self.needed = needed if needed is not None else needed_windows(windows)
         if not 1 <= self.needed <= windows:
             raise ValueError(f"needed must be 1..{windows} windows, not {self.needed}")
         # the last K windows: (first step, {(rank, phase): slower}) with every comparable pair

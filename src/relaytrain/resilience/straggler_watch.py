@@ -93,6 +93,7 @@ class StragglerWatch:
         self.judge = StragglerJudge(
             resilience.straggler_threshold,
             resilience.straggler_windows,
+            resilience.straggler_windows_over,
             min_phase_s=phase_floor(self.device.type),
             peers=stages,
         )
@@ -118,16 +119,23 @@ class StragglerWatch:
         yield
         self._end(phase, begin)
 
-    def time_forward(self, modules: Sequence[torch.nn.Module]) -> None:
+    def time_forward(self, modules: Sequence[torch.nn.Module], compiled: bool = False) -> None:
         """Time the forward of each of ``modules`` (``ParallelModel.work_modules``: a rank's own computation,
         no collective inside) as the step's "forward" phase, summed over the step's layers and micro
         batches, recomputations under activation checkpointing included; forwards without gradients (the
-        evaluation's) are not training steps' work and are left out. No modules: the phase is not timed."""
+        evaluation's) are not training steps' work and are left out. No modules: the phase is not timed.
+        The clock starts after the module's own pre-hooks and stops before its own forward hooks: tensor
+        parallelism redistributes a module's input and output there (an all-gather before, a
+        reduce-scatter after), and a rank that waits in them for a slower peer would look as slow.
+        ``compiled``: the modules are compiled blocks, whose hooks Dynamo must run eagerly, not trace."""
         if not self.enabled:
             return
+        begin, end = self._forward_begin, self._forward_end
+        if compiled:
+            begin, end = torch.compiler.disable(begin), torch.compiler.disable(end)
         for module in modules:
-            module.register_forward_pre_hook(self._forward_begin)
-            module.register_forward_hook(self._forward_end)
+            module.register_forward_pre_hook(begin)
+            module.register_forward_hook(end, prepend=True)
 
     def _forward_begin(self, _module: torch.nn.Module, _args: Any) -> None:
         if torch.is_grad_enabled():
