@@ -117,7 +117,53 @@ def test_a_worker_that_fails_beside_a_75_keeps_torchruns_failure(tmp_path):
     assert done.returncode == 1 and "exitcode  : 3" in done.stderr, done.stderr[-2000:]
 
 
-def test_the_wrappers_resume_code_is_relaytrains():
+SURVIVOR = """
+import os, pathlib, signal, sys, time
+out = pathlib.Path(__file__).parent
+if os.environ["RANK"] == "1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a rank blocked in a collective with a dead peer
+    (out / "ready").touch()
+    time.sleep({survivor_s})
+    (out / "survived").touch()
+    raise SystemExit({survivor_code})
+while not (out / "ready").exists():
+    time.sleep(0.1)
+raise SystemExit({first_code})
+"""
+
+
+@pytest.mark.slow
+def test_after_a_crash_a_worker_that_ignores_sigterm_is_killed_within_the_failure_bound(tmp_path):
+    """torchrun would wait 30 s: the survivor, which sleeps 25 s, would end by itself first."""
+    from relaytrain.job.torchrun import FAILURE_SHUTDOWN_S
+
+    assert FAILURE_SHUTDOWN_S < 25
+    program = SURVIVOR.format(survivor_s=25, survivor_code=0, first_code=3)
+    done = _wrapper(tmp_path, program)
+    assert done.returncode == 1 and "exitcode  : 3" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "survived").exists(), done.stderr[-2000:]
+    assert "Signal 9 (SIGKILL) received" in done.stderr, done.stderr[-2000:]  # ended by torchrun
+
+
+@pytest.mark.slow
+def test_after_an_agreed_stop_the_others_keep_torchruns_time_to_exit(tmp_path):
+    """Rank 0 exits 75 first; rank 1 is still exiting (here: ignoring SIGTERM for longer than the
+    failure bound) and ends by itself, as rank 0 writing the run's records would."""
+    from relaytrain.job.torchrun import FAILURE_SHUTDOWN_S
+
+    program = SURVIVOR.format(survivor_s=FAILURE_SHUTDOWN_S + 3, survivor_code=EXIT_RESUME, first_code=75)
+    done = _wrapper(tmp_path, program)
+    assert done.returncode == EXIT_RESUME, done.stderr[-2000:]
+    assert (tmp_path / "survived").exists(), done.stderr[-2000:]
+    assert "relaytrain.job.torchrun: workers (rank 0,1) exited 75" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_wrappers_resume_code_and_agreed_stops_are_relaytrains():
     from relaytrain.job import torchrun
+    from relaytrain.resilience import codes
 
     assert torchrun.EXIT_RESUME == EXIT_RESUME
+    assert {
+        codes.EXIT_RESUME, codes.EXIT_RESTART_STEP, codes.EXIT_NONFINITE, codes.EXIT_STRAGGLER,
+        codes.EXIT_INTERRUPTED,
+    } == torchrun.AGREED_STOPS  # fmt: skip

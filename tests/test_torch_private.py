@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import types
 from datetime import timedelta
 from pathlib import Path
 
@@ -122,6 +123,28 @@ def test_split_write_items_and_storage_info():
     info = tp.storage_info("__0_0.distcp", 16, 256)
     assert (info.relative_path, info.offset, info.length) == ("__0_0.distcp", 16, 256)
     assert FileSystemWriter  # the writer whose metadata these records are
+
+
+def test_bound_teardown_after_failure(monkeypatch):
+    """The patched close waits `seconds` after a failure outside the agreed codes, torchrun's default
+    after agreed ones, and what a caller passes. (tests/test_job_torchrun.py runs it in torchrun.)"""
+    from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
+
+    assert inspect.signature(PContext.close).parameters["timeout"].default == 30
+    assert "_failures" in inspect.getsource(SubprocessContext._poll)
+    waits = []
+    monkeypatch.setattr(PContext, "close", lambda self, death_sig=None, timeout=30: waits.append(timeout))
+    tp.bound_teardown_after_failure(2, frozenset({75}))
+
+    def context(*codes):
+        return types.SimpleNamespace(
+            _failures={i: types.SimpleNamespace(exitcode=c) for i, c in enumerate(codes)}
+        )
+
+    PContext.close(context(75, 3))
+    PContext.close(context(75))
+    PContext.close(context(-9), None, 7)
+    assert waits == [2, 30, 7]
 
 
 def test_optimizer_step_dtype():

@@ -142,6 +142,28 @@ def stager_reusable(stager) -> bool:
     return bool(stager._state_dict_stager._deepcopy_dispatch)
 
 
+def bound_teardown_after_failure(seconds: float, agreed_codes: frozenset[int]) -> None:
+    """Once a worker has failed, torchrun ends the others (its poll's ``PContext.close()``): SIGTERM, then
+    SIGKILL after ``close``'s default of 30 s, which only its signal path overrides (with
+    ``--shutdown-timeout``). Patched in this process: when one of the failed workers' exit codes is not in
+    ``agreed_codes``, the others get ``seconds``; after agreed stops alone, the default. Checked: 2.13."""
+    import inspect
+
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    original = getattr(PContext.close, "relaytrain_original", PContext.close)
+    default = inspect.signature(original).parameters["timeout"].default
+
+    def close(self, death_sig=None, timeout=None) -> None:
+        if timeout is None:
+            codes = [failure.exitcode for failure in getattr(self, "_failures", {}).values()]
+            timeout = seconds if any(code not in agreed_codes for code in codes) else default
+        original(self, death_sig, timeout)
+
+    close.relaytrain_original = original  # type: ignore[attr-defined]
+    PContext.close = close
+
+
 # -- the simulation (relaytrain.parallel.simulate and sim_*) ------------------------------------------
 
 

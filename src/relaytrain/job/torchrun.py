@@ -15,7 +15,12 @@ a stop being the expected path rather than a failure:
   ``failed (exitcode: 75)``, prints a ``ChildFailedError`` traceback with a FAILED summary, and exits 1,
   so a batch script can no longer tell the agreed stop from a crash. Here it is one line and exit code 75.
 
-Any other worker failure keeps torchrun's own error summary and exit code.
+Any other worker failure keeps torchrun's own error summary and exit code. And after one, the workers
+still running get ``FAILURE_SHUTDOWN_S`` to end on torchrun's SIGTERM before its SIGKILL, not its 30 s:
+after a crash or a hang nothing is left for them to save (a collective with the failed rank never
+completes), and one blocked in such a collective (NCCL waits for the dead peer) does not act on
+SIGTERM, which held the job step, and the restart, 30 s. After agreed stops alone (``AGREED_STOPS``: every
+rank stops together and rank 0 may still be writing the run's records) they keep torchrun's 30 s.
 """
 
 from __future__ import annotations
@@ -28,7 +33,13 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
+from relaytrain.torch_private import bound_teardown_after_failure
+
 EXIT_RESUME = 75  # relaytrain.resilience.codes.EXIT_RESUME (job/ is below resilience/: not imported)
+# relaytrain.resilience.codes: EXIT_RESUME, _RESTART_STEP, _NONFINITE, _STRAGGLER, _INTERRUPTED
+AGREED_STOPS = frozenset({EXIT_RESUME, 76, 88, 89, 130})
+# The others' time to act on SIGTERM after a crash or a hang: a rank's exception handler and record.
+FAILURE_SHUTDOWN_S = 5
 # torchrun's agent logs each failed worker here, before it knows whether all of them asked to resume.
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
@@ -55,6 +66,7 @@ def _all_resume(exc: ChildFailedError) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    bound_teardown_after_failure(FAILURE_SHUTDOWN_S, AGREED_STOPS)
     hide = _HideResumeExits()
     logging.getLogger(_AGENT_LOGGER).addFilter(hide)
     try:
