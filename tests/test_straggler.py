@@ -79,13 +79,13 @@ def test_a_phase_shorter_than_the_floor_is_not_compared_however_short_the_step()
 def test_timed_by_the_host_a_phase_of_a_few_scheduler_slices_is_not_compared():
     """A 6 ms phase 22 % slower in every window (a slice of its core lost to a busy neighbour each time) is
     named from the device's floor and left out from the host's, where a longer phase carries the verdict."""
-    times = [[0.0003, 0.018, 0.006], [0.0003, 0.018, 0.006 * 1.22]]
+    times = [[0.0003, 0.030, 0.006], [0.0003, 0.030, 0.006 * 1.22]]
     device = StragglerJudge(0.10, 7, 6, min_phase_s=phase_floor("cuda"))
     host = StragglerJudge(0.10, 7, 6, min_phase_s=phase_floor("cpu"))
     assert (phase_floor("cuda"), phase_floor("cpu")) == (MIN_PHASE_S, MIN_HOST_PHASE_S)
     assert any(named for named, _ in feed(device, [times] * 7))
     assert not any(named for named, _ in feed(host, [times] * 7))
-    slow_forward = [[0.0003, 0.018, 0.006], [0.0003, 0.018 * 1.22, 0.006]]
+    slow_forward = [[0.0003, 0.030, 0.006], [0.0003, 0.030 * 1.22, 0.006]]
     named = [
         n for n, _ in feed(StragglerJudge(0.10, 7, 6, min_phase_s=MIN_HOST_PHASE_S), [slow_forward] * 7) if n
     ]

@@ -2,9 +2,10 @@
 beside a CPU hog is not.
 
 Two jobs of 2 nodes x 1 task run at once (one module fixture), each training the benchmark's small model
-(bench/cluster/stragglers.py's QUICK_TRIAL_MODEL: an 18 ms forward phase, the one compared, and a 7 ms
-optimizer phase, under the floor of phases timed by the host's clock, where one slice of a core lost to
-the hogs made it 22 % slower in a clean run) for ``STEPS`` steps with the default straggler settings:
+(bench/cluster/stragglers.py's QUICK_TRIAL_MODEL: a 27 ms forward phase, the one compared, and a 9 ms
+optimizer phase, under the 20 ms floor of phases timed by the host's clock, where one slice of a core
+lost to the hogs made a phase that short 22 % slower in a clean run) for ``STEPS`` steps with the default
+straggler settings:
 
 * in the first, rank 1's process gets a CPU quota of a quarter of its one compute thread once the run
   has logged a few steps (``python -m faults.throttle``, from outside the job): one ``straggler:`` line
