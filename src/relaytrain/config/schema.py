@@ -219,7 +219,7 @@ class ResilienceConfig(Section):
     # straggler_windows_over of the last straggler_windows windows is named a straggler (0: off)
     straggler_threshold: float = setting(0.1, in_range(0, 10))
     straggler_every: int = setting(5, at_least(1))  # steps per window: the ranks compare times this often
-    straggler_windows: int = setting(7, at_least(1))  # recent windows weighed
+    straggler_windows: int = setting(8, at_least(1))  # recent windows weighed
     # of those, in how many a straggler is slower (at most straggler_windows); it clears when slower in at
     # most straggler_windows - straggler_windows_over of them
     straggler_windows_over: int = setting(5, at_least(1))
