@@ -186,7 +186,7 @@ def _described(settings: dict | None) -> str:
     needed = needed_of(settings)
     # results kept before the floor was recorded compared phases from 1 ms on, as the page then said nothing
     floor = f", phases of {1000 * settings['min_phase_s']:g} ms or more" if "min_phase_s" in settings else ""
-    return (f"the default straggler settings (threshold {settings['threshold']:g}, windows of "
+    return (f"the default straggler settings of its code (threshold {settings['threshold']:g}, windows of "
             f"{settings['every']} steps, over it in {needed} of the last {settings['windows']} "
             f"windows{floor})")  # fmt: skip
 
