@@ -20,8 +20,9 @@ ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 # Bottom to top; the same table is drawn in docs/architecture.md.
 LAYERS: list[set[str]] = [
-    # the in-job layer (facts of the job this process runs in); torch_private: the seam to torch's privates
-    {"errors", "lazy", "version", "job", "torch_private"},
+    # leaves; torch_private: the seam to torch's privates (job/torchrun.py patches torchrun through it)
+    {"errors", "lazy", "version", "torch_private"},
+    {"job"},  # the in-job layer: facts of the job this process runs in
     {"config"},
     {"model", "data", "optim"},
     {"parallel", "checkpoint", "resilience", "monitor"},
