@@ -88,6 +88,20 @@ def test_steps_run_again_after_a_resume_from_an_older_step_are_replayed():
     assert ledger.goodput == pytest.approx(30.0 / 51.0)
 
 
+def test_a_process_that_died_after_its_last_window_loses_the_steps_it_recorded_since():
+    """Outside Slurm a killed process's last records can follow its last window (a step's line, a
+    snapshot's event): its allocation ends there, and that time is lost work, not unaccounted."""
+    local = ident(None)
+    killed = [begin(0.0, 0, -1.0, 0.0, "", local), window(1, 1, 0.0, 1.0, local)]
+    killed.append({"kind": "train", "step": 2, "time": T0 + 1.3, **local})
+    resumed = [begin(4.0, 1, 3.0, 3.5, "snapshot", local), window(2, 8, 4.0, 5.0, local)]
+    resumed.append(end("finished", 8, 5.0, local))
+    ledger = build_ledger(killed + resumed)
+    assert buckets_of(ledger) == {"productive": 2.0, "startup": 1.5, "restore": 0.5, "lost": 0.3}
+    still_running = build_ledger(killed)  # the newest process: it may be running, its step in progress
+    assert buckets_of(still_running) == {"productive": 1.0, "startup": 1.0, "unaccounted": 0.3}
+
+
 def _crashed_step(who: Record, **step_end: Any) -> list[Record]:
     """A job's first job step: started at 1, its trainer restored nothing by 3 and ran steps 1-20 until
     23, and the step ended at 30 (exit 1) without a word from the trainer."""

@@ -77,15 +77,25 @@ def build_ledger(
     high_water = [0]  # the furthest step any earlier window ran
     jobs: list[JobTime] = []
     groups = _processes(records)
+    last_local = max((a.restart for a in allocs if a.job_id is None), default=0)
     for alloc in allocs:
         own = groups.get((alloc.job_id, alloc.restart), [])
         if alloc.job_id is None:
             spans = _process_spans(own, alloc.start, "startup", high_water)
+            if alloc.restart < last_local and not _outcome(own):
+                spans.append(_crashed_process_tail(spans, alloc))
         else:
             spans = _job_spans(own, alloc, high_water)
         jobs.append(JobTime(alloc, _lay_out(spans, alloc)))
     queue = sum(max(0.0, b.allocation.start - a.allocation.end) for a, b in zip(jobs, jobs[1:], strict=False))
     return Ledger(jobs, queue)
+
+
+def _crashed_process_tail(spans: list[Span], alloc: Allocation) -> Span:
+    """A process outside Slurm that a later one followed without its stop or end: it died. Its records
+    after its last window (a step's line, a snapshot's event) are work it did not keep, lost."""
+    last = max((s.end for s in spans), default=alloc.start)
+    return Span(last, alloc.end, "lost", "after the last window: steps not kept, the process died")
 
 
 def _job_spans(records: list[dict[str, Any]], alloc: Allocation, high_water: list[int]) -> list[Span]:
