@@ -18,9 +18,9 @@ the other buckets, so the buckets always add up to the allocation. Step time goe
 steps an earlier window already ran (a resume from an older checkpoint), else to ``productive``: each
 step counts as productive once. After a crash, the time from the step's last window to the step's end
 is ``lost`` (steps that ran but were not kept, and the failure's detection), and so is the time after
-the last window of a process outside Slurm that died (a later process followed without its stop); after a hang, the part from
-the last progress to the monitor's detection is ``hang``. Time between allocations is queue time, shown
-apart: it is wall-clock, not allocation.
+the last window of a process outside Slurm that died (a later process followed without its stop);
+after a hang, the part from the last progress to the monitor's detection is ``hang``. Time between
+allocations is queue time, shown apart: it is wall-clock, not allocation.
 
 This module holds the buckets and the `Ledger`; `ledger_spans.py` builds one. Pure: records and
 allocations in, a ``Ledger`` out (`relaytrain status`, `report`, `verify`, the benchmarks and the
