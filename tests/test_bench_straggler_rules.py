@@ -143,3 +143,25 @@ def test_the_section_lists_the_shipped_rule_the_best_ones_and_the_replays_faithf
     assert f"(judged by {shipped.label}): 2 of 2 named within 50 steps, 0 of 3 with a false report" in text
     assert f"| {shipped.label} (shipped) | 2 of 2 |" in text
     assert "| 10 % in 2 of 3 windows | 2 of 2 | 10, 10 | 0 of 3 | - |" in text  # the best first
+
+
+def test_a_rule_is_judged_on_each_run_by_the_rule_chosen_without_it(monkeypatch):
+    """Run a's slowed rank is over the threshold in every other window, run b's clean one too: chosen on
+    b alone, the strict rule misses a's rank; chosen on a alone, the loose rule falsely names b's."""
+    loose, strict = Rule(0.15, 6, 3), Rule(0.15, 6, 6)
+    monkeypatch.setattr(rules, "all_rules", lambda: [loose, strict])
+    monkeypatch.setattr(rules, "phase_timed", lambda windows, phase: True)
+    a = {**slowed("sa", [1.4, 1.0] * 9), rules.SOURCE: "a"}
+    b = {**clean("cb", [1.4, 1.0] * 12), rules.SOURCE: "b"}
+    assert rules.judge_trials(loose, [a, b], EVERY).false == ["cb"]
+    assert rules.judge_trials(loose, [a], EVERY).steps == [25]
+    assert rules.judge_trials(strict, [a, b], EVERY).steps == [None]
+    text = rules._held_out([a, b], EVERY)
+    assert (
+        "1 of 1 slowed" not in text and "0 of 1 slowed trials named within 50 steps, 1 false reports" in text
+    )
+    assert (
+        "10 % in" not in text
+        and f"{strict.label} without a; {loose.label} without b (cb falsely named)" in text
+    )
+    assert rules._held_out([a], EVERY).startswith("Under two kept runs timed the forward phase")

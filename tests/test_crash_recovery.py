@@ -179,9 +179,8 @@ def kill_rank_at(
         return max((r["step"] for r in rows()), default=0) >= step and rank_pids(job_id, rank)
 
     what = f"run {restart} (step restart {in_place}) of job {job_id} to reach step {step}"
-    # A requeued run waits for a node: after two crashes on one node (resilience.exclude_node_after) it is
-    # kept off that node, and the suite's other Slurm tests may hold the rest of the cluster meanwhile.
-    wait_for(reached, 480 if restart else 240, what, interval=0.5)
+    # A requeued run waits for Slurm to start it again (the suite's other Slurm tests share the cluster).
+    wait_for(reached, 360 if restart else 240, what, interval=0.5)
     for pid in rank_pids(job_id, rank):
         os.kill(pid, signal.SIGKILL)
     return max(r["step"] for r in rows())
@@ -235,7 +234,10 @@ def test_restarts_in_place_then_requeues_then_a_crash_loop_stops_the_job(slurm_c
     requeues the job, the third ends it FAILED with crash_loop."""
     runs = tmp_path / "runs"
     cfg = write_config(tmp_path / "loop.toml", runs, "loop", CRASH_STEPS)
-    caps = "\n[resilience]\nmax_crash_requeues = 1\nmax_step_restarts = 1\n"
+    # Two crashes on the one node would keep the requeued run off it (resilience.exclude_node_after, tested
+    # on its own): this test is about the counts, so its requeue runs where it ran, not after another
+    # Slurm test frees a node.
+    caps = "\n[resilience]\nmax_crash_requeues = 1\nmax_step_restarts = 1\nexclude_node_after = 0\n"
     cfg.write_text(cfg.read_text() + CRASH_RESILIENCE + caps)
     slow = setup_override(faults.setup_line(step_delay_s=0.4))
     job = launch(str(cfg), "--nodes", "1", "--tasks-per-node", "2", slow)
