@@ -32,11 +32,12 @@ def own_work_modules(model_parts: list[Transformer], dims: ParallelDims, compile
     for part in model_parts:
         if compiled:
             found.extend(part.layers.values())  # the units apply_compile compiled
-        for module in part.modules():
-            if not compiled and isinstance(module, (Attention, FeedForward)):
-                found.extend(_linear_layers(module) if leaves else [module])
-            elif isinstance(module, Transformer) and module.output is not None:
-                found.append(module.output)
+        else:
+            for module in part.modules():
+                if isinstance(module, (Attention, FeedForward)):
+                    found.extend(_linear_layers(module) if leaves else [module])
+        if part.output is not None:  # a pipeline stage other than the last has none
+            found.append(part.output)
     return found
 
 

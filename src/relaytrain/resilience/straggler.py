@@ -19,9 +19,9 @@ name a rank nor restart the count, as a streak rule's would, and the median of t
 those windows (the magnitude reported) is then over the threshold too. The defaults (10 %, 5 of 8
 windows) were chosen by replaying measured runs' windows through 54 rules (docs/benchmarks.md, "Straggler
 rules, replayed"): a threshold of half the slowdown to be caught leaves a 20 % slower rank room for the
-noise of a shared machine; over the runs that timed the forward phase, 5 of 8 named every slowed rank
-within 35 steps with no false report, where 6 of 7 named two late, 5 of 7 named a clean run beside one
-busy process per core, and 4 of the last 4 to 6 windows named clean runs beside a busy process.
+noise of a shared machine; over the runs that timed the forward phase, 5 of 8 is the one rule that named
+every slowed rank within 50 steps with no false report (the page has the figures), and lower counts named
+clean runs beside busy processes.
 The typical step must agree: the median over the same windows of the phase's slowdown in the windows'
 MEDIAN times is over the threshold as well. A persistent slowdown slows the typical step with the
 fastest; on a machine whose cores are shared, a rank that happens to catch an idle core now and then has
