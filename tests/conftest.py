@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hypothesis
 import pytest
 
 from slurm_fixtures import slurm_cluster  # noqa: F401  (the real-Slurm fixture)
@@ -20,6 +21,13 @@ from slurm_grouping import (  # noqa: F401  (every Slurm test on one xdist worke
 )
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Property tests (hypothesis) draw the same examples on every machine, so the README's test command
+# passes or fails the same way everywhere; a failure prints the example to paste back. To explore new
+# draws on a developer's machine: HYPOTHESIS_PROFILE=explore python -m pytest tests/test_config_fuzz.py
+hypothesis.settings.register_profile("fixed", derandomize=True, print_blob=True)
+hypothesis.settings.register_profile("explore", derandomize=False, print_blob=True)
+hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,6 +16,7 @@ from relaytrain.localcluster import cluster as local_cluster
 from relaytrain.localcluster import commands as cluster_commands
 from relaytrain.localcluster import daemons, net
 
+import needs
 import slurm_fixtures
 from slurm_fixtures import job_fields, sbatch, slurm, wait_for, wait_job_finished
 
@@ -180,7 +181,7 @@ def test_killed_node_is_marked_down_and_its_job_requeued(slurm_cluster, tmp_path
 @pytest.mark.slurm
 def test_down_removes_everything_and_up_restores(slurm_cluster):
     if not daemons.is_root():
-        pytest.skip("stopping and restarting the cluster needs root")
+        needs.skip_or_fail("stopping and restarting the cluster needs root")
     base = slurm_cluster.base_dir
     pids = [daemons.read_pid(p) for p in sorted((base / "run").glob("*.pid"))]
     assert len(pids) == len(slurm_cluster.nodes) + 1

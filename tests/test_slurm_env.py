@@ -130,15 +130,22 @@ def _bash_functions() -> str:
     return text[start:end].replace("# shellcheck disable=SC2329\n", "")
 
 
-def test_bash_pick_port_matches_python_and_sees_a_listening_socket():
-    job_id = 1234
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _listening_on_a_job_base_port(sock: socket.socket) -> int:
+    """A job id whose base port this test could take (listening on it), whatever else runs here."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    for job_id in range(1234, 1234 + 500):
         try:
             sock.bind(("127.0.0.1", base_port(job_id)))
         except OSError:
-            pytest.skip("base port already taken on this machine")
+            continue  # taken by another process on this machine: the next job id's port
         sock.listen()
+        return job_id
+    raise AssertionError("500 job ids' base ports are all taken on this machine")
+
+
+def test_bash_pick_port_matches_python_and_sees_a_listening_socket():
+    with socket.socket() as sock:
+        job_id = _listening_on_a_job_base_port(sock)
         out = subprocess.run(
             ["bash", "-c", _bash_functions() + f"\npick_port {job_id}"],
             capture_output=True,
