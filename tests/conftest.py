@@ -11,6 +11,8 @@ from pathlib import Path
 import hypothesis
 import pytest
 
+import needs
+import prebuilt
 from slurm_fixtures import slurm_cluster  # noqa: F401  (the real-Slurm fixture)
 from slurm_grouping import (  # noqa: F401  (every Slurm test on one xdist worker, and a guard)
     pytest_collection_finish,
@@ -28,6 +30,21 @@ REPO = Path(__file__).resolve().parents[1]
 hypothesis.settings.register_profile("fixed", derandomize=True, print_blob=True)
 hypothesis.settings.register_profile("explore", derandomize=False, print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
+
+
+def pytest_sessionstart(session):
+    """The controller (or a run without xdist) starts what the tests need built, beside the first tests."""
+    if not hasattr(session.config, "workerinput"):
+        session.config._relaytrain_prebuild = prebuilt.start_in_background()
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops():
+    """DeepSpeed's C++ ops, built on this machine before a test starts ranks that load them."""
+    needs.module("deepspeed")
+    done = prebuilt.build_under_lock()  # waits for the session's background build, then loads
+    output = done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.returncode == 0, f"building DeepSpeed's ops failed:\n{output}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,7 +5,7 @@ tests/conftest.py makes the fixture visible to every test file with::
     from slurm_fixtures import slurm_cluster  # noqa: F401
 
 Tests using it are marked ``@pytest.mark.slurm``. The fixture reuses a cluster that is already up
-(CI starts one with .ci/slurm-up.sh) or starts one and stops it at the end of the session. It skips
+(a developer's `relaytrain cluster up`) or starts one and stops it at the end of the session. It skips
 only where Slurm cannot be started here; with ``CI`` set it fails instead of skipping.
 """
 

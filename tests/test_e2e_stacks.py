@@ -57,8 +57,7 @@ def documented_launches() -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def stacks(slurm_cluster, tmp_path_factory):
-    needs.module("deepspeed")
+def stacks(slurm_cluster, deepspeed_ops, tmp_path_factory):
     needs.module("megatron.core")
     base = tmp_path_factory.mktemp("e2e_stacks")
     (base / "examples").symlink_to(REPO / "examples")  # the documented lines' relative paths

@@ -9,8 +9,9 @@ differed from step 42 on, and a single stop at step 11 kept the losses but not t
 
 The DeepSpeed runs use the example's default config (examples/deepspeed/zero3_offload.json: ZeRO-3,
 optimizer and parameters offloaded to CPU, bf16, DeepSpeedCPUAdam). DeepSpeed builds that optimizer's
-C++ op on its first use on a machine (minutes; cached in ~/.cache/torch_extensions), so .ci/run builds
-it before the tests; the Slurm test (tests/test_e2e_stacks.py) uses the torch-AdamW config instead.
+C++ op on its first use on a machine (minutes; cached in ~/.cache/torch_extensions), so the test
+session builds it first (tests/prebuilt.py, the `deepspeed_ops` fixture); the Slurm test
+(tests/test_e2e_stacks.py) uses the torch-AdamW config instead.
 """
 
 from __future__ import annotations
@@ -154,7 +155,9 @@ def test_the_torch_adamw_config_is_the_cpu_adam_config_without_its_optimizer():
 
 
 @pytest.mark.slow
-def test_deepspeed_zero3_cpu_offload_stops_on_sigterm_and_resumes_to_the_uninterrupted_losses(tmp_path):
+def test_deepspeed_zero3_cpu_offload_stops_on_sigterm_and_resumes_to_the_uninterrupted_losses(
+    tmp_path, deepspeed_ops
+):
     """Two stops in a 50-step run, the last one 20 or more steps before the end: a resume that loses
     state shows in bf16 losses only some steps later (DeepSpeedCPUAdam's bias correction: step 36 on
     after a stop at 27)."""
