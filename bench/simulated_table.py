@@ -130,9 +130,10 @@ def render(where: Path = RESULTS, rows: list[Row] = ROWS) -> str:
         "",
         "`relaytrain plan --simulate` (docs/launching.md) builds the layout through the trainer's own "
         "`parallelize` path at the real world size on PyTorch's fake process group and runs one training "
-        "step on fake tensors. Written by `python -m bench.simulated_table` from the kept outputs of each "
-        "row's command (bench/results/simulated/ID.json, its stdout as printed; ID.run.json says when and "
-        "how it ran); `python -m bench.simulated_table --run ID` simulates a row again.",
+        "step on fake tensors. Rewritten from the kept results by `python -m bench.simulated_table`: the "
+        "kept outputs of each row's command (bench/results/simulated/ID.json, its stdout as printed; "
+        "ID.run.json says when and how it ran); `python -m bench.simulated_table --run ID` simulates a row "
+        "again.",
         "",
     ]
     if metas:
