@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench import checkpoint_section, gpu_mfu, matmul_peak, overhead, startup, torchtitan_gpu
+from bench import checkpoint_section, gpu_mfu, kept, matmul_peak, overhead, startup, torchtitan_gpu
 from bench.procs import WORK
 from bench.report import PAGE, load_average, machine_info, merge_page, render_machine, write_page
 
@@ -76,12 +76,20 @@ def _checkpoint(plan: Plan) -> tuple[dict, str] | None:
 
 
 def _torchtitan(plan: Plan) -> tuple[dict, str]:
-    result = torchtitan_gpu.measure() if torchtitan_gpu.can_run() else torchtitan_gpu.not_run()
+    if not torchtitan_gpu.can_run():
+        result = torchtitan_gpu.not_run()
+    else:  # a GPU run's figures are kept with the page (bench/kept.py)
+        result = kept.keep_gpu_run("torchtitan", torchtitan_gpu.measure())
     return result, torchtitan_gpu.render(result)
 
 
 def _gpu(plan: Plan) -> tuple[dict, str]:
-    result = gpu_mfu.measure(quick=plan.quick) if torch.cuda.is_available() else gpu_mfu.not_run()
+    if not torch.cuda.is_available():
+        result = gpu_mfu.not_run()
+    elif plan.quick:  # a smoke run, not a figure
+        result = gpu_mfu.measure(quick=True)
+    else:
+        result = kept.keep_gpu_run("gpu-mfu", gpu_mfu.measure())
     return result, gpu_mfu.render(result)
 
 

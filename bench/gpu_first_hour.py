@@ -38,6 +38,7 @@ import traceback
 
 import torch
 
+from bench import kept
 from bench.procs import WORK, read_metrics, relaytrain_argv, run, shown, train_records
 from bench.report import REPO, fmt, table, write_page
 
@@ -173,7 +174,7 @@ def compile_deep() -> dict:
 def mfu() -> dict:
     from bench import gpu_mfu
 
-    result = gpu_mfu.measure()
+    result = kept.keep_gpu_run("gpu-mfu", gpu_mfu.measure())
     write_page({"gpu": gpu_mfu.render(result)})
     return {f"{'compile' if r['compile'] else 'eager'}_mfu": r["trainer_mfu"] for r in result["runs"]}
 
@@ -267,7 +268,10 @@ def render(result: dict) -> str:
     for step, entry in result["steps"].items():
         figures = _cell(entry["figures"]) if entry["ok"] else f"**failed**: {entry['error']}"
         rows.append((step, figures, LOOK_FOR.get(step, ""), f"{entry['seconds']:.0f}"))
-    return out + table(["step", "figures", "what to look for", "s"], rows)
+    out += table(["step", "figures", "what to look for", "s"], rows)
+    if result.get("kept"):
+        out += "\n" + kept.rewritten(f"python -m {MODULE}", result["kept"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,7 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", default=",".join(STEPS), help=f"a subset of {','.join(STEPS)}")
     parser.add_argument("--no-write", action="store_true", help="print the section, leave the page alone")
+    parser.add_argument("--page-from", help="write the section from a kept results file only")
     args = parser.parse_args(argv)
+    if args.page_from:
+        try:
+            write_page(
+                {SECTION: render(kept.page_from(args.page_from))}, order=["torchtitan", SECTION, "gpu"]
+            )
+        except (ValueError, KeyError) as err:
+            parser.error(f"--page-from: {err}")
+        return 0
     if not torch.cuda.is_available():
         print("gpu_first_hour: no CUDA GPU on this machine; nothing to do")
         return 0
@@ -287,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = measure(only)
     (WORK / "first-hour.json").write_text(json.dumps(result, indent=1))
+    result = kept.keep_gpu_run("gpu-first-hour", result)  # every figure, the device and the versions
     section = render(result)
     print(section)
     if not args.no_write:

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from bench import kept
 from bench.matmul_peak import time_matmul
 from bench.procs import WORK, read_metrics, relaytrain_argv, run, shown, train_records
 from bench.report import REPO, fmt, median, pct, table, write_page
@@ -149,6 +150,8 @@ def render(result: dict) -> str:
         rows,
     )
     out += f"\nTrainer command (eager): `{result['runs'][0]['command']}`\n"
+    if result.get("kept"):
+        out += "\n" + kept.rewritten(f"python -m {MODULE}", result["kept"])
     return out
 
 
@@ -166,11 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--write", action="store_true", help="also write the `gpu` section of docs/benchmarks.md"
     )
+    parser.add_argument("--page-from", help="write the `gpu` section from a kept results file only")
     args = parser.parse_args(argv)
+    if args.page_from:
+        try:
+            write_page({"gpu": render(kept.page_from(args.page_from))})
+        except (ValueError, KeyError) as err:
+            parser.error(f"--page-from: {err}")
+        return 0
     if not torch.cuda.is_available():
         print("bench.gpu_mfu: no CUDA GPU here; run it on a machine with one", file=sys.stderr)
         return 2
     result = measure(False, args.steps, args.warmup, args.batch, args.micro, args.seq, args.repeats)
+    result = kept.keep_gpu_run("gpu-mfu", result)  # every figure, the device and the versions
     print(json.dumps(result) if args.json else render(result))
     if args.write:
         write_page({"gpu": render(result)})

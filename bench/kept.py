@@ -63,3 +63,28 @@ def figure(data: dict[str, Any], key: str, name: str = "") -> float:
     if key not in figures:
         raise ValueError(f"kept results {name or data.get('command', '?')} record no figure {key!r}")
     return float(figures[key])
+
+
+def keep_gpu_run(prefix: str, result: dict[str, Any]) -> dict[str, Any]:
+    """Keep a GPU benchmark's whole result (with the versions of torch and CUDA it ran under) as
+    bench/results/PREFIX-<UTC date and time>.json; the result, with `kept` naming that file, is what its
+    section is rendered from, so `--page-from` rewrites the section byte for byte."""
+    import time
+
+    import torch
+
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    name = f"{prefix}-{time.strftime('%Y-%m-%d-%H%M', time.gmtime())}.json"
+    kept = {**result, "versions": {**versions, **result.get("versions", {})}}
+    kept["kept"] = relative(save(name, {k: v for k, v in kept.items() if k != "kept"}))
+    return kept
+
+
+def page_from(path: str | Path) -> dict[str, Any]:
+    """A kept GPU result as its section renders it (see keep_gpu_run)."""
+    return {**load(path), "kept": relative(path)}
+
+
+def rewritten(command: str, path: str) -> str:
+    """The sentence by which a section says where it comes from (bench.report.REWRITTEN reads it)."""
+    return f"Results: `{path}`. Rewritten from the kept results by `{command} --page-from {path}`.\n"

@@ -104,7 +104,7 @@ def _lead(row: Row, record: dict) -> list[str]:
         row.layout,
         cfg.parallel.activation_checkpointing,
         f"{cfg.train.seq_len} x {micro}",
-        "tuned" if row.tuned else "held out",
+        row.sample,
     ]
 
 
@@ -130,9 +130,10 @@ def render(where: Path = RESULTS, rows: list[Row] = ROWS) -> str:
         "",
         "`relaytrain plan --simulate` (docs/launching.md) builds the layout through the trainer's own "
         "`parallelize` path at the real world size on PyTorch's fake process group and runs one training "
-        "step on fake tensors. Written by `python -m bench.simulated_table` from the kept outputs of each "
-        "row's command (bench/results/simulated/ID.json, its stdout as printed; ID.run.json says when and "
-        "how it ran); `python -m bench.simulated_table --run ID` simulates a row again.",
+        "step on fake tensors. Rewritten from the kept results by `python -m bench.simulated_table`: the "
+        "kept outputs of each row's command (bench/results/simulated/ID.json, its stdout as printed; "
+        "ID.run.json says when and how it ran); `python -m bench.simulated_table --run ID` simulates a row "
+        "again.",
         "",
     ]
     if metas:
@@ -150,7 +151,9 @@ def render(where: Path = RESULTS, rows: list[Row] = ROWS) -> str:
             "training step is implied: nothing is computed.",
             "",
             "*Tuned* rows are the layouts plan's formulas were fitted against; *held out* rows were chosen "
-            "after, to check them out of sample.",
+            "after, to check them out of sample, and plan was not changed for them; a row *found out of "
+            "sample, then fitted* was held out until plan was fixed for what it showed (the fixing commit "
+            "in brackets): its figures are in-sample now.",
             "",
         ]
     header = ["row", "model", "nodes x GPUs", "layout", "AC", "tokens", "sample", "rank", *HEADERS, TOTAL]
@@ -196,15 +199,15 @@ def _timings(done: list[Row], found: dict) -> list[str]:
 
 
 def _summary(done: list[Row], found: dict) -> list[str]:
-    """Per category, the largest error of plan on held-out and on tuned rows, and the rows over tolerance."""
+    """Per category, the largest error of plan on each sample of rows, and the rows over tolerance."""
     lines = [
         f"Largest difference of plan per category (rank that holds the most; tolerance {TOLERANCE:.0%}):",
         "",
     ]
     header = ["sample", "rows", *HEADERS, TOTAL, f"rows over {TOLERANCE:.0%} in a category"]
     body = []
-    for tuned, name in ((False, "held out"), (True, "tuned")):
-        rows = [row for row in done if row.tuned == tuned and top_rank(found[row.id][0])]
+    for name in ("held out", "found out of sample, then fitted", "tuned"):
+        rows = [row for row in done if row.sample.split(" (")[0] == name and top_rank(found[row.id][0])]
         if not rows:
             continue
         cells, over = [], []

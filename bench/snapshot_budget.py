@@ -225,7 +225,45 @@ def _spread(runs: dict[str, dict]) -> str:
     )
 
 
-def render(data: dict) -> str:
+def every_run(datas: list[dict], budget_of_shown: float) -> list[str]:
+    """Every kept run of the benchmark, the one shown above included: each part's automatic interval over
+    or within its budget, and how many snapshots it took after the start-up one (none: "within the
+    budget" shows nothing of the chooser there)."""
+    latest = datas[-1]["commit"]
+    rows = []
+    for data in datas:
+        code = "the code of the run above" if data["commit"] == latest else "earlier code, superseded"
+        for key, what in (("one", "one process"), ("nodes", "2 nodes x 1 rank")):
+            if key not in data["parts"]:
+                continue
+            runs, budget = data["parts"][key], data["args"]["budget"]
+            auto = overhead(runs, "auto")
+            taken = len(runs["auto"]["snapshots"]) - runs["auto"].get("jobs", runs["off"].get("jobs", 1))
+            verdict = "over the budget" if auto > budget else "within the budget"
+            if taken <= 0:
+                verdict += ", vacuous: no snapshot after the start-up one"
+            rows.append(
+                f"| {kept.relative(data['kept'])} | {data['commit']} ({code}) | {what} "
+                f"| {data['args']['steps']} | {overhead(runs, 'every step'):+.1%} "
+                f"| {auto:+.1%} ({verdict}) | {max(taken, 0)} |"
+            )
+    over = sum("over the budget" in r for r in rows)
+    return [
+        "",
+        f"Every kept run of this benchmark ({len(datas)} invocations, {len(rows)} parts; the automatic "
+        f"interval over its budget in {over} of them; the table above is the last):",
+        "",
+        '| results | commit | part | steps | `snapshot_every = 1` measured | `"auto"` measured | auto\'s '
+        "snapshots after the start-up one |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+        "",
+        "Still open: the chooser judged out of sample, on two fresh runs that played no part in its design, "
+        "each with at least three automatic intervals per setting; no kept run has that yet.",
+    ]
+
+
+def render(data: dict, earlier: list[dict] = ()) -> str:
     a = data["args"]
     budget = a["budget"]
     lines = [
@@ -269,8 +307,11 @@ def render(data: dict) -> str:
     if "nodes" in parts and parts["nodes"]["off"].get("jobs", 1) > 1:
         lines.append(_spread(parts["nodes"]))
     name = kept.relative(data["kept"])
+    names = " ".join(kept.relative(d["kept"]) for d in [*earlier, data])
+    if earlier:
+        lines += every_run([*earlier, data], budget)
     lines += ["", f"Results: `{name}`. Rewritten from the kept results by "
-                  f"`python -m bench.snapshot_budget --page-from {name}`."]  # fmt: skip
+                  f"`python -m bench.snapshot_budget --page-from {names}`."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -282,11 +323,17 @@ def main() -> None:
     parser.add_argument("--parts", default="one", help=f"which of {','.join(PARTS)} to run")
     parser.add_argument("--no-lock", action="store_true", help="the caller holds the cluster's lock already")
     parser.add_argument("--no-write", action="store_true", help="leave docs/benchmarks.md alone")
-    parser.add_argument("--page-from", help="rewrite the section from this kept results file only")
+    parser.add_argument(
+        "--page-from", nargs="+",
+        help="rewrite the section from kept results files: the last shown in full, every one in a table",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.page_from:
-        data = {**kept.load(args.page_from), "kept": args.page_from}
-        print(f"wrote {write_page({SECTION: render(data)}, ORDER)}")
+        try:
+            datas = [{**kept.load(path), "kept": path} for path in args.page_from]
+        except ValueError as err:
+            parser.error(f"--page-from: {err}")
+        print(f"wrote {write_page({SECTION: render(datas[-1], datas[:-1])}, ORDER)}")
         return
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):

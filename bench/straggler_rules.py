@@ -33,12 +33,15 @@ from relaytrain.resilience.straggler_watch import (
 )
 
 from bench import kept
+from bench.bounds import rate
 from bench.report import table, write_page
 
 SECTION = "straggler-rules"
 NAMED_WITHIN = 50  # issue target: a rank >= 20 % slower named within this many steps of its slowdown
 THRESHOLDS = (0.10, 0.15, 0.20)
 WINDOWS = range(3, 9)
+FLOORS = (0.005, 0.010, MIN_HOST_PHASE_S)  # the shortest phase compared: part of the rule, chosen with it
+TYPICAL = (True, False)  # the typical (median) step must agree, or the fastest times alone decide
 SHOWN = 8  # rules listed besides the shipped one
 RULE = "rule"  # a loaded trial's key: the rule its run judged by (run_rule)
 SOURCE = "source"  # and the kept file it came from
@@ -47,22 +50,25 @@ SOURCE = "source"  # and the kept file it came from
 @dataclass(frozen=True, order=True)
 class Rule:
     """A judge's settings; ``min_phase_s``: the shortest phase compared (the trials ran on CPU: the host's
-    floor, as the watch ships it there)."""
+    floor, as the watch ships it there); ``typical``: whether the typical (median) step must agree."""
 
     threshold: float
     windows: int
     needed: int
     min_phase_s: float = MIN_HOST_PHASE_S
+    typical: bool = True
 
     def judge(self, peers: list[int] | None = None) -> StragglerJudge:
-        return StragglerJudge(self.threshold, self.windows, self.needed, self.min_phase_s, peers)
+        return StragglerJudge(
+            self.threshold, self.windows, self.needed, self.min_phase_s, peers, self.typical
+        )
 
     @property
     def label(self) -> str:
         text = f"{100 * self.threshold:.0f} % in {self.needed} of {self.windows} windows"
-        return (
-            text if self.min_phase_s == MIN_HOST_PHASE_S else f"{text}, phases from {_ms(self.min_phase_s)}"
-        )
+        if self.min_phase_s != MIN_HOST_PHASE_S:
+            text += f", phases from {_ms(self.min_phase_s)}"
+        return text if self.typical else f"{text}, fastest times only"
 
 
 def _ms(seconds: float) -> str:
@@ -91,7 +97,14 @@ def run_rule(settings: dict[str, Any]) -> Rule:
 
 
 def all_rules() -> list[Rule]:
-    return [Rule(t, k, n) for t in THRESHOLDS for k in WINDOWS for n in range(k // 2 + 1, k + 1)]
+    return [
+        Rule(t, k, n, floor, typical)
+        for t in THRESHOLDS
+        for k in WINDOWS
+        for n in range(k // 2 + 1, k + 1)
+        for floor in FLOORS
+        for typical in TYPICAL
+    ]
 
 
 def judge_input(window: dict[str, Any], ranks: int) -> tuple[list[list[float]], list[list[float]]] | None:
@@ -123,6 +136,8 @@ class Outcome:
     rule: Rule
     steps: list[int | None] = field(default_factory=list)  # per slowed trial: steps to its naming
     false: list[str] = field(default_factory=list)  # the trials with a false report
+    trials: int = 0  # judged: slowed and clean
+    clean_false: int = 0  # the clean trials among `false`
 
     @property
     def within(self) -> int:
@@ -134,13 +149,14 @@ class Outcome:
 
 
 def judge_trials(rule: Rule, trials: list[dict[str, Any]], every: int) -> Outcome:
-    out = Outcome(rule)
+    out = Outcome(rule, trials=len(trials))
     for trial in trials:
         named = replay(rule, trial["windows"], every)
         at = trial.get("throttled_at")
         if at is None:
             if named:
                 out.false.append(trial["name"])
+                out.clean_false += 1
             continue
         if any(step <= at or rank != trial["rank"] for step, rank in named):
             out.false.append(trial["name"])
@@ -183,26 +199,38 @@ def default_results() -> list[str]:
     return [kept.relative(p) for p in sorted(kept.RESULTS_DIR.glob("stragglers-*.json"))]
 
 
+# The run that played no part in choosing the shipped rule, and what changed after the others' false
+# reports (git history: commits 2c85bfc, 30aedf5, 324fa34).
+UNTUNED_RUN = "stragglers-2026-11-28-1828.json"
+TUNING = (
+    "Not a fresh test: the shipped floor and rule were chosen on these runs. The host's floor was raised "
+    "from 1 to 10 ms (commit 2c85bfc) and from 10 to 20 ms (30aedf5) after false reports in runs of this "
+    "set, and the rule changed from 5 of 7 to 5 of 8 windows (324fa34) after false reports in runs 1548 and "
+    "1622; six of the seven ran one command, and all one model and one step time on one machine on one "
+    "day. Still "
+    "open: two fresh runs that play no part in any choice, with another model shape and step time (e.g. a "
+    "3x longer forward, and a phase-heavy data step), as the rule's test."
+)
+
+
 def render(paths: list[str]) -> str:
     trials, every, commands = load_trials(paths)
-    outcomes = sorted((judge_trials(rule, trials, every) for rule in all_rules()), key=Outcome.key)
-    shipped = judge_trials(shipped_rule(), trials, every)
+    timed = [t for t in trials if phase_timed(t["windows"], "forward")]
+    runs = sorted({t[SOURCE] for t in timed})
+    per_run = {(rule, run): judge_trials(rule, [t for t in timed if t[SOURCE] == run], every)
+               for rule in all_rules() for run in runs}  # fmt: skip
+    pooled = {rule: _merged(rule, [per_run[rule, run] for run in runs]) for rule in all_rules()}
+    outcomes = sorted(pooled.values(), key=Outcome.key)
+    shipped = pooled[shipped_rule()]
     same, differ = agrees(trials, every)
     slowed = len(shipped.steps)
-    clean = len(trials) - slowed
 
     def row(o: Outcome, note: str = "") -> list[object]:
         steps = ", ".join("never" if s is None else str(s) for s in o.steps)
-        return [o.rule.label + note, f"{o.within} of {slowed}", steps, f"{len(o.false)} of {len(trials)}",
+        return [o.rule.label + note, f"{o.within} of {slowed}", steps, f"{len(o.false)} of {len(timed)}",
                 ", ".join(o.false) or "-"]  # fmt: skip
 
     rows = [row(shipped, " (shipped)")] + [row(o) for o in outcomes[:SHOWN] if o.rule != shipped.rule]
-    by_run = []
-    for path in paths:
-        mine = [t for t in trials if t[SOURCE] == kept.relative(path)]
-        o = judge_trials(shipped.rule, mine, every)
-        by_run.append(f"{path} (judged by {mine[0][RULE].label}): {o.within} of {len(o.steps)} named within "
-                      f"{NAMED_WITHIN} steps, {len(o.false)} of {len(mine)} with a false report")  # fmt: skip
     return "\n".join([
         "## Straggler rules, replayed",
         "",
@@ -212,23 +240,51 @@ def render(paths: list[str]) -> str:
         f"replayed through the straggler judge with {len(all_rules())} rules: thresholds "
         f"{', '.join(f'{100 * t:.0f} %' for t in THRESHOLDS)}; K = {WINDOWS.start}..{WINDOWS.stop - 1} "
         "windows weighed; over the threshold (by the fastest times) in more than half of them up to all "
-        f"of them; the typical (median) step agreeing and phases of {_ms(MIN_HOST_PHASE_S)} or more "
-        "compared, as shipped for CPU runs. The trials: "
-        + "; ".join(commands) + ".",
+        f"of them; phases of {', '.join(_ms(f) for f in FLOORS)} or more compared (shipped for CPU runs: "
+        f"{_ms(MIN_HOST_PHASE_S)}); with the typical (median) step required to agree, as shipped, or not. "
+        "The trials: " + "; ".join(commands) + ".",
         "",
         f"* The replay is faithful: with the settings the runs had it gives {same} of {len(trials)} trials "
         f"the runs' own first verdict (step and rank){': not ' + ', '.join(differ) if differ else ''}.",
-        f"* {slowed} slowed trials, {clean} clean ones. A false report: a clean trial named a straggler, or "
-        "a slowed trial named one before its throttle or named its other rank. Ranked by false reports, "
-        f"then by slowed trials named within {NAMED_WITHIN} steps, then by the median steps to the line.",
-        f"* The shipped rule ({shipped.rule.label}) replayed on each kept run: " + "; ".join(by_run) + ".",
+        f"* Ranked over the {len(runs)} runs that timed the forward phase (each layer's forward computation, "
+        f"as the shipped watch does): {slowed} slowed trials, {len(timed) - slowed} clean ones. A false "
+        "report: a clean trial named a straggler, or a slowed trial named one before its throttle or named "
+        f"its other rank. Ranked by false reports, then by slowed trials named within {NAMED_WITHIN} steps, "
+        "then by the median steps to the line.",
+        f"* The shipped rule ({shipped.rule.label}) replayed on each kept run: "
+        + "; ".join(_on_run(path, trials, every) for path in paths) + ".",
+        f"* {_variants(pooled, slowed, len(timed))}",
         f"* {_best(outcomes, slowed)}",
-        f"* {_with_forward(trials, every)}",
-        f"* {_held_out(trials, every)}",
+        f"* {_held_out(per_run, runs, len(timed))}",
+        f"* {_untuned(per_run, runs)}",
+        f"* {TUNING}",
         "",
         table(["rule", f"named within {NAMED_WITHIN} steps", "steps from throttle to the line",
                "trials with a false report", "false reports in"], rows),  # fmt: skip
     ])  # fmt: skip
+
+
+def _on_run(path: str, trials: list[dict[str, Any]], every: int) -> str:
+    """The shipped rule on one kept run; a run that did not time the forward phase is named as left out of
+    the ranking, with why."""
+    mine = [t for t in trials if t[SOURCE] == kept.relative(path)]
+    o = judge_trials(shipped_rule(), mine, every)
+    text = (f"{path} (judged by {mine[0][RULE].label}): {o.within} of {len(o.steps)} named within "
+            f"{NAMED_WITHIN} steps, {len(o.false)} of {len(mine)} with a false report")  # fmt: skip
+    if not phase_timed(mine[0]["windows"], "forward"):
+        text += (" (superseded code that did not time the forward phase, which the shipped rule watches: "
+                 "left out of the ranking)")  # fmt: skip
+    return text
+
+
+def _variants(pooled: dict[Rule, Outcome], slowed: int, trials: int) -> str:
+    """The shipped rule with each other floor, and without the typical step's condition."""
+    base = shipped_rule()
+    variants = [Rule(base.threshold, base.windows, base.needed, f) for f in FLOORS if f != base.min_phase_s]
+    variants.append(Rule(base.threshold, base.windows, base.needed, base.min_phase_s, typical=False))
+    counts = [f"{v.label}: {pooled[v].within} of {slowed} named, {len(pooled[v].false)} of {trials} trials "
+              "with a false report" for v in variants]  # fmt: skip
+    return "The shipped rule changed in one setting: " + "; ".join(counts) + "."
 
 
 def _best(outcomes: list[Outcome], slowed: int) -> str:
@@ -245,47 +301,46 @@ def _best(outcomes: list[Outcome], slowed: int) -> str:
             f"the best name {best} of {slowed} ({reaching} rule{'s' * (reaching != 1)}).")  # fmt: skip
 
 
-def _with_forward(trials: list[dict[str, Any]], every: int) -> str:
-    """The same replay over the trials whose runs timed the forward phase, as the shipped watch does."""
-    timed = [t for t in trials if phase_timed(t["windows"], "forward")]
-    if not timed:
-        return "No kept run timed the forward phase."
-    shipped = judge_trials(shipped_rule(), timed, every)
-    outcomes = sorted((judge_trials(rule, timed, every) for rule in all_rules()), key=Outcome.key)
-    slowed, latest = len(shipped.steps), max((s for s in shipped.steps if s is not None), default=0)
-    return (f"Over the {len(timed)} trials whose runs timed the forward phase (each layer's forward "
-            f"computation, as the shipped watch does): the shipped rule names {shipped.within} of {slowed} "
-            f"slowed trials within {NAMED_WITHIN} steps (at most {latest} "
-            f"steps), with {len(shipped.false)} false reports; {_best(outcomes, slowed)}")  # fmt: skip
-
-
-def _held_out(trials: list[dict[str, Any]], every: int) -> str:
-    """How far choosing a rule this way holds on runs it was not chosen on: over the runs that timed the
-    forward phase, the best rule of the others (ranked as the table is) judges each run in turn."""
-    timed = [t for t in trials if phase_timed(t["windows"], "forward")]
-    runs = sorted({t[SOURCE] for t in timed})
+def _held_out(per_run: dict[tuple[Rule, str], Outcome], runs: list[str], trials: int) -> str:
+    """How far choosing a rule this way holds on runs it was not chosen on: the best rule of the other
+    runs (threshold, windows, floor and the typical step's condition, all chosen without the run, ranked as
+    the table is) judges each run in turn; the counts with their 95 % bounds."""
     if len(runs) < 2:
         return "Under two kept runs timed the forward phase: no rule is judged on a run it was not chosen by."
-    rules = all_rules()
-    per_run = {(rule, run): judge_trials(rule, [t for t in timed if t[SOURCE] == run], every)
-               for rule in rules for run in runs}  # fmt: skip
-    named = slowed = false = 0
+    rules = sorted({rule for rule, _ in per_run})
+    named = slowed = false = clean = clean_false = 0
     chosen = []
     for held in runs:
         others = [_merged(rule, [per_run[rule, run] for run in runs if run != held]) for rule in rules]
         best = min(others, key=Outcome.key).rule
         judged = per_run[best, held]
         named, slowed, false = named + judged.within, slowed + len(judged.steps), false + len(judged.false)
+        clean, clean_false = clean + judged.trials - len(judged.steps), clean_false + judged.clean_false
         chosen.append(f"{best.label} without {held}" + (f" ({', '.join(judged.false)} falsely named)"
                                                         if judged.false else ""))  # fmt: skip
-    return (f"Chosen without the run it judges (over the {len(runs)} runs that timed the forward phase, "
-            "the best rule of the other runs, ranked as the table is, judges each run in turn): "
-            f"{named} of {slowed} slowed trials named within {NAMED_WITHIN} steps, {false} false reports "
-            f"in {len(timed)} trials. The rules chosen: {'; '.join(chosen)}.")  # fmt: skip
+    return (f"Chosen without the run it judges (over the {len(runs)} runs that timed the forward phase, the "
+            "best rule of the other runs, its threshold, windows, floor and typical-step condition all "
+            "chosen without the run, ranked as the table is, judges each run in turn): "
+            f"{rate(named, slowed, 'lower')} slowed trials named within {NAMED_WITHIN} steps; trials with a "
+            f"false report {rate(false, trials, 'upper')}, clean trials with a report "
+            f"{rate(clean_false, clean, 'upper')}. The rules chosen: {'; '.join(chosen)}.")  # fmt: skip
+
+
+def _untuned(per_run: dict[tuple[Rule, str], Outcome], runs: list[str]) -> str:
+    """The one run that no choice of the shipped rule saw, judged by it, with its bounds."""
+    run = next((r for r in runs if r.endswith(UNTUNED_RUN)), None)
+    if run is None:
+        return f"The run untouched by tuning ({UNTUNED_RUN}) is not among the runs replayed."
+    o = per_run[shipped_rule(), run]
+    clean = o.trials - len(o.steps)
+    return (f"The only run untouched by tuning ({run}), judged by the shipped rule: "
+            f"{rate(o.within, len(o.steps), 'lower')} slowed trials named within {NAMED_WITHIN} steps; "
+            f"clean trials with a report {rate(o.clean_false, clean, 'upper')}.")  # fmt: skip
 
 
 def _merged(rule: Rule, outcomes: list[Outcome]) -> Outcome:
-    return Outcome(rule, [s for o in outcomes for s in o.steps], [n for o in outcomes for n in o.false])
+    return Outcome(rule, [s for o in outcomes for s in o.steps], [n for o in outcomes for n in o.false],
+                   sum(o.trials for o in outcomes), sum(o.clean_false for o in outcomes))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -349,6 +349,9 @@ def render(data: dict, source: str) -> str:
         "step after\" is the job's median step time over the windows after the throttle against before it: "
         "a synchronous job runs at its slowest rank's pace, and the phases a rank does alone are a part of "
         "its step.",
+        "* This section shows one run. Every kept straggler run, with the shipped rule's counts on each "
+        "(those measured with code that did not time the forward phase included), the rule judged on runs "
+        "it was not chosen by, and how it was tuned on them: \"Straggler rules, replayed\", below.",
     ])  # fmt: skip
 
 

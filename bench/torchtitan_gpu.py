@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import kept
 from bench.procs import WORK, read_metrics, run, shown, train_records
 from bench.report import fmt, median, table, write_page
 
@@ -338,6 +339,8 @@ def render(result: dict) -> str:
     out += f"\n**relaytrain / torchtitan tokens/s: {result['ratio']:.3f}**\n\nCommands as run:\n\n"
     for side in ("torchtitan", "relaytrain"):
         out += f"- {side}: `{next(r['command'] for r in result['runs'] if r['side'] == side)}`\n"
+    if result.get("kept"):
+        out += "\n" + kept.rewritten(f"python -m {MODULE}", result["kept"])
     return out
 
 
@@ -365,7 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--write", action="store_true", help="also write the `torchtitan` section of docs/benchmarks.md"
     )
+    parser.add_argument("--page-from", help="write the `torchtitan` section from a kept results file only")
     args = parser.parse_args(argv)
+    if args.page_from:
+        try:
+            write_page({"torchtitan": render(kept.page_from(args.page_from))})
+        except (ValueError, KeyError) as err:
+            parser.error(f"--page-from: {err}")
+        return 0
     if args.prepare_only:
         print(prepare_assets(args.prepare_only))
         return 0
@@ -378,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(
         args.gpus, args.pairs, args.steps, args.warmup, args.seq, args.batch, args.titan_arg, args.shape
     )
+    result = kept.keep_gpu_run("torchtitan", result)  # every figure, the device and the versions
     print(json.dumps(result) if args.json else render(result))
     if args.write:
         write_page({"torchtitan": render(result)})

@@ -178,14 +178,14 @@ def test_page_from_merges_several_files_and_writes_only_the_goodput_section(tmp_
     save_results(a, ResultsFile("cmd A", runs=[run("uninterrupted", job="1")]))
     save_results(b, ResultsFile("cmd B", runs=[run("time-limit", job="2")]))
     written = {}
-    monkeypatch.setattr(goodput, "write_page", written.update)
+    monkeypatch.setattr(goodput, "write_page", lambda sections, order=(): written.update(sections))
 
     assert goodput.main(["--page-from", str(a), str(b), "--note", "N."]) == 0
 
-    (section,) = written.values()
-    assert list(written) == ["goodput"]
+    assert list(written) == ["goodput", "goodput-extrapolation"]
+    section = written["goodput"]
     assert "`cmd A`" in section and "`cmd B`" in section and "\nN.\n" in section
-    assert "### 7B-class extrapolation" in section
+    assert written["goodput-extrapolation"].startswith("### 7B-class extrapolation")
 
 
 def test_only_refuses_a_run_that_is_not_planned(capsys):
@@ -280,23 +280,27 @@ def test_a_crash_costs_a_restore_and_a_step_with_snapshots_against_a_load_and_ha
     assert "### Crashes at 7B scale" in text and "**measured**" in text and "**Assumed**" in text
 
 
-def test_extrapolation_rewrites_only_the_extrapolation_of_the_goodput_section(tmp_path, monkeypatch):
+def test_extrapolation_rewrites_only_its_own_section(tmp_path, monkeypatch):
+    """The measured runs' section ("goodput") stays as it is; the extrapolation's ("goodput-extrapolation")
+    is rebuilt from the kept results and its stated assumptions alone, after it."""
     page = tmp_path / "benchmarks.md"
-    measured = "## Goodput\n\n| run | goodput |\n| --- | --- |\n| a | 50% |\n"
-    page.write_text(f"# B\n\n<!-- bench:goodput -->\n{measured}\n### 7B-class extrapolation\n\nold\n"
-                    "<!-- /bench:goodput -->\n\nafter\n")  # fmt: skip
+    measured = "<!-- bench:goodput -->\n## Goodput\n\n| run | goodput |\n| --- | --- |\n| a | 50% |\n"
+    measured += "<!-- /bench:goodput -->\n"
+    page.write_text(f"# B\n\n{measured}\n<!-- bench:goodput-extrapolation -->\nold\n"
+                    "<!-- /bench:goodput-extrapolation -->\n\nafter\n")  # fmt: skip
     monkeypatch.setenv("BENCH_PAGE", str(page))  # the page every generator writes (bench.report.page_path)
 
     command = "python -m bench.goodput --extrapolation"
-    assert f"`{command}`" in render_extrapolation(Extrapolation())  # the page names it: run it as written
+    text = render_extrapolation(Extrapolation())
+    assert f"Rewritten from the kept results by `{command}`".lower() in text.lower()  # the page test runs it
     assert goodput.main(command.split()[3:]) == 0
 
     text = page.read_text()
     assert measured in text and "\nold\n" not in text and text.endswith("\nafter\n")
     assert text.count("### 7B-class extrapolation") == 1 and "### Crashes at 7B scale" in text
-    page.write_text("# B\n")
-    with pytest.raises(SystemExit):
-        goodput.main(["--extrapolation"])
+    page.write_text("# B\n")  # a page without the sections: the extrapolation's is added
+    assert goodput.main(["--extrapolation"]) == 0
+    assert "<!-- bench:goodput-extrapolation -->\n### 7B-class extrapolation" in page.read_text()
 
 
 def crash_row(name: str, crashes: int, peer: int = 0, **fields) -> dict:

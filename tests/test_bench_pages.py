@@ -1,6 +1,9 @@
-"""docs/benchmarks.md's generated sections, whatever they are: every `bench:NAME` block on the page names a
-bench command that exists and a bench module that writes a block of that name, and a block that says it is
-"Rewritten from the kept results by `COMMAND`" comes out of that command byte for byte.
+"""docs/benchmarks.md, every section of it, with no opt-in: each `bench:NAME` block is rebuilt from kept
+results by the command it names (it says "Rewritten from the kept results by `COMMAND`": the command is
+run against a copy of the page and the block must come out byte for byte), written from code alone
+(bench/unkept_sections.FROM_CODE: compared with the function that writes it), or listed in
+bench/unkept_sections.UNKEPT with its reason, which the block says, and its text pinned by digest. Outside
+the blocks the page holds no figure, and every kept results file is named on a page.
 
 The sections are read from the page, not listed here (bench/report.py describes the convention), so a
 section added with its own generator is checked as soon as it is on the page.
@@ -8,6 +11,7 @@ section added with its own generator is checked as soon as it is on the page.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import re
 import runpy
@@ -18,17 +22,20 @@ from pathlib import Path
 import pytest
 
 from bench.report import REWRITTEN, section_body, section_names
+from bench.unkept_sections import FROM_CODE, UNKEPT, digest
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "benchmarks.md"
 TEXT = PAGE.read_text()
 NAMES = section_names(TEXT)
+BLOCKS = re.compile(r"<!-- bench:(?P<name>[\w.-]+) -->\n?.*?<!-- /bench:(?P=name) -->\n?", re.S)
 # A bench command as a section names it: in backticks, or at the start of a line of a code block.
 COMMAND = re.compile(
     r"(?:^|`)python (?:-m (?P<module>bench[\w.]*)|(?P<script>bench/[\w/]+\.py))(?=[\s`])", re.M
 )
 BENCH_SOURCES = "\n".join(p.read_text() for p in sorted((REPO / "bench").rglob("*.py")))
 KEPT = [(name, m.group("command")) for name in NAMES for m in REWRITTEN.finditer(section_body(TEXT, name))]
+REBUILT = {name for name, _ in KEPT}
 
 
 def test_the_page_has_generated_sections_and_each_name_once():
@@ -36,6 +43,44 @@ def test_the_page_has_generated_sections_and_each_name_once():
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_every_section_is_rebuilt_from_kept_results_written_from_code_or_listed_with_its_reason(name):
+    kinds = [name in REBUILT, name in FROM_CODE, name in UNKEPT]
+    assert sum(kinds) == 1, (
+        f"section {name!r} must be exactly one of: rebuilt from kept results (it says 'Rewritten from the "
+        "kept results by `COMMAND`'), written from code (bench/unkept_sections.FROM_CODE), or listed in "
+        f"bench/unkept_sections.UNKEPT with its reason; it is {kinds}"
+    )
+
+
+def test_every_listed_section_is_on_the_page():
+    assert set(UNKEPT) | set(FROM_CODE) <= set(NAMES)
+
+
+def test_outside_the_sections_the_page_holds_no_figure_and_no_heading_of_its_own():
+    outside = BLOCKS.sub("", TEXT)
+    assert not re.search(r"\d", outside), f"a figure outside every section: {outside!r}"
+    assert [line for line in outside.splitlines() if line.startswith("#")] == ["# Benchmarks"]
+
+
+@pytest.mark.parametrize("name", sorted(UNKEPT))
+def test_a_listed_section_says_its_reason_and_is_pinned_by_its_digest(name):
+    body = section_body(TEXT, name)
+    assert UNKEPT[name].reason in body, f"section {name!r} does not say its reason: {UNKEPT[name].reason}"
+    assert digest(body) == UNKEPT[name].sha256, (
+        f"section {name!r} changed, but it is not rebuilt from kept results: its figures are pinned. Rebuild "
+        "it from a run's kept results (then remove it from bench/unkept_sections.UNKEPT), or, for a "
+        "correction of the transcription itself, change its digest there in the same commit"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(FROM_CODE))
+def test_a_section_written_from_code_is_what_its_function_writes(name):
+    module, function = FROM_CODE[name].split(":")
+    written = getattr(importlib.import_module(module), function)()
+    assert section_body(TEXT, name) == written.rstrip() + "\n"
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in UNKEPT])
 def test_each_section_names_a_bench_command_that_exists_and_bench_code_writes_its_block(name):
     body = section_body(TEXT, name)
     named = [m.groupdict() for m in COMMAND.finditer(body)]
@@ -48,10 +93,17 @@ def test_each_section_names_a_bench_command_that_exists_and_bench_code_writes_it
     assert f'"{name}"' in BENCH_SOURCES, f"no bench module writes a block named {name!r}"
 
 
-def test_the_chaos_and_crash_sections_are_rebuilt_from_kept_results():
-    assert {"chaos", "chaos-restart", "chaos-snapshots", "chaos-snapshot-peers", "goodput-crash"} <= {
-        name for name, _ in KEPT
-    }
+def test_the_chaos_crash_and_goodput_sections_are_rebuilt_from_kept_results():
+    assert {"chaos", "chaos-restart", "chaos-snapshots", "chaos-snapshot-peers", "goodput-crash"} <= REBUILT
+    assert {"goodput-extrapolation", "fault-matrix", "straggler-rules", "snapshot-budget"} <= REBUILT
+
+
+def test_every_kept_results_file_is_named_on_a_page():
+    """No kept run disappears: each file under bench/results/ is named by the section that shows it (or,
+    for inputs of other pages, by that page)."""
+    pages = TEXT + "".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
+    kept = sorted(p.name for p in (REPO / "bench" / "results").glob("*.json"))
+    assert kept and [name for name in kept if name not in pages] == []
 
 
 @pytest.mark.parametrize(("name", "command"), KEPT, ids=[name for name, _ in KEPT])
@@ -72,7 +124,7 @@ def test_a_section_rebuilt_from_kept_results_comes_out_of_its_command_byte_for_b
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(str(REPO / argv[1]), run_name="__main__")
-            sys.exit(0)
+        sys.exit(0)
     assert exited.value.code in (0, None), capsys.readouterr().err
     regenerated = copy.read_text()
     assert section_body(regenerated, name) == section_body(TEXT, name)

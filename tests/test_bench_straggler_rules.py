@@ -79,10 +79,22 @@ def test_outcomes_count_detection_steps_and_every_kind_of_false_report():
     assert rules.judge_trials(Rule(0.15, 6, 5), [other], EVERY).false == ["other"]
 
 
-def test_the_typical_step_must_agree_in_every_replayed_rule():
-    # rank 1's fastest step is 1.5x slow, its median is level: no rule names it
+def test_the_typical_step_must_agree_in_every_rule_that_requires_it_and_the_grid_has_both():
+    # rank 1's fastest step is 1.5x slow, its median is level: no rule that needs the typical step names it
     trial = clean("peer-caught-idle-cores", [1.0] * 24, fastest=[1.5] * 24)
-    assert all(not rules.replay(rule, trial["windows"], EVERY) for rule in rules.all_rules())
+    grid = rules.all_rules()
+    assert all(not rules.replay(rule, trial["windows"], EVERY) for rule in grid if rule.typical)
+    assert rules.replay(Rule(0.15, 6, 5, typical=False), trial["windows"], EVERY) == [(25, 1)]
+    assert Rule(0.15, 6, 5, typical=False).label == "15 % in 5 of 6 windows, fastest times only"
+
+
+def test_the_grid_chooses_the_floor_and_the_typical_step_with_the_rule():
+    grid = rules.all_rules()
+    assert {r.min_phase_s for r in grid} >= {0.005, 0.010, 0.020} and {r.typical for r in grid} == {
+        True,
+        False,
+    }
+    assert rules.shipped_rule() in grid and len(grid) == len(set(grid))
 
 
 def test_the_replay_is_checked_against_the_runs_own_verdicts():
@@ -125,7 +137,8 @@ def test_results_kept_before_the_fastest_times_were_recorded_are_refused_clearly
     assert rules.main(["--results", str(path)]) == 2
 
 
-def test_the_section_lists_the_shipped_rule_the_best_ones_and_the_replays_faithfulness(tmp_path):
+def test_the_section_lists_the_shipped_rule_the_best_ones_and_the_replays_faithfulness(tmp_path, monkeypatch):
+    monkeypatch.setattr(rules, "phase_timed", lambda windows, phase: True)  # ranked as the forward-timed runs
     shipped = rules.shipped_rule()
     trials = [slowed(f"s{i}", [1.3] * 18) for i in range(2)] + [clean("c", [1.0] * 24)]
     for trial in trials:
@@ -137,6 +150,7 @@ def test_the_section_lists_the_shipped_rule_the_best_ones_and_the_replays_faithf
                                 "settings": settings, "trials": trials}))  # fmt: skip
     text = rules.render([str(path)])
     assert text.startswith("## Straggler rules, replayed")
+    assert "phases of 5 ms, 10 ms, 20 ms or more compared" in text and "Not a fresh test:" in text
     assert "it gives 3 of 3 trials the runs' own first verdict" in text
     assert f"* The shipped rule ({shipped.label}) replayed on each kept run: " in text
     assert "rules name every slowed trial within 50 steps without a false report." in text
@@ -145,23 +159,22 @@ def test_the_section_lists_the_shipped_rule_the_best_ones_and_the_replays_faithf
     assert "| 10 % in 2 of 3 windows | 2 of 2 | 10, 10 | 0 of 3 | - |" in text  # the best first
 
 
-def test_a_rule_is_judged_on_each_run_by_the_rule_chosen_without_it(monkeypatch):
+def test_a_rule_is_judged_on_each_run_by_the_rule_chosen_without_it():
     """Run a's slowed rank is over the threshold in every other window, run b's clean one too: chosen on
-    b alone, the strict rule misses a's rank; chosen on a alone, the loose rule falsely names b's."""
-    loose, strict = Rule(0.15, 6, 3), Rule(0.15, 6, 6)
-    monkeypatch.setattr(rules, "all_rules", lambda: [loose, strict])
-    monkeypatch.setattr(rules, "phase_timed", lambda windows, phase: True)
+    b alone, the strict rule misses a's rank; chosen on a alone, the loose rule (a lower floor: the floor is
+    chosen as any other setting) falsely names b's."""
+    loose, strict = Rule(0.15, 6, 3, 0.005), Rule(0.15, 6, 6)
     a = {**slowed("sa", [1.4, 1.0] * 9), rules.SOURCE: "a"}
     b = {**clean("cb", [1.4, 1.0] * 12), rules.SOURCE: "b"}
     assert rules.judge_trials(loose, [a, b], EVERY).false == ["cb"]
     assert rules.judge_trials(loose, [a], EVERY).steps == [25]
     assert rules.judge_trials(strict, [a, b], EVERY).steps == [None]
-    text = rules._held_out([a, b], EVERY)
-    assert (
-        "1 of 1 slowed" not in text and "0 of 1 slowed trials named within 50 steps, 1 false reports" in text
-    )
-    assert (
-        "10 % in" not in text
-        and f"{strict.label} without a; {loose.label} without b (cb falsely named)" in text
-    )
-    assert rules._held_out([a], EVERY).startswith("Under two kept runs timed the forward phase")
+    per_run = {(rule, t[rules.SOURCE]): rules.judge_trials(rule, [t], EVERY) for rule in (loose, strict)
+               for t in (a, b)}  # fmt: skip
+    text = rules._held_out(per_run, ["a", "b"], 2)
+    assert "0 of 1 (95 % lower bound 0 %) slowed trials named within 50 steps" in text
+    assert "trials with a false report 1 of 2 (95 % upper bound 97 %)" in text
+    assert "clean trials with a report 1 of 1 (95 % upper bound 100 %)" in text
+    assert f"{strict.label} without a; {loose.label} without b (cb falsely named)" in text
+    assert loose.label.endswith(", phases from 5 ms")
+    assert rules._held_out(per_run, ["a"], 1).startswith("Under two kept runs timed the forward phase")

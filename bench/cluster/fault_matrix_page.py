@@ -71,6 +71,24 @@ def merged(paths: list[str]) -> tuple[list[MatrixTrial], list[tuple[dict[str, An
     return trials, list(zip(datas, gave, strict=True))
 
 
+def every_run(paths: list[str], datas: list[tuple[dict[str, Any], list[str]]]) -> str:
+    """Each kept run's own verdicts, wrong ones named with why: the table shows each kind's last trial
+    only, so a kind that went wrong in an earlier run would otherwise not show."""
+    parts = []
+    for i, (path, (data, shown)) in enumerate(zip(paths, datas, strict=True), 1):
+        trials = load_trials(data, kept.relative(path))
+        wrong = [f"`{t.kind}` {t.why}" for t in trials if not t.right]
+        right = sum(t.right for t in trials)
+        hidden = [t.kind for t in trials if t.kind not in shown]
+        parts.append(
+            f"run {i} ({kept.relative(path)}, {data.get('date', '?')}): {right} of {len(trials)} right"
+            + (f" ({'; '.join(wrong)})" if wrong else "")
+            + (f"; superseded code: {data['superseded']}" if data.get("superseded") else "")
+            + (f"; its trials of {', '.join(hidden)} superseded by a later run's" if hidden else "")
+        )
+    return f"Every kept run, {len(KINDS)} kinds: " + "; ".join(parts) + "."
+
+
 def render_section(paths: str | list[str]) -> str:
     paths = [paths] if isinstance(paths, str) else list(paths)
     trials, datas = merged(paths)
@@ -86,7 +104,7 @@ def render_section(paths: str | list[str]) -> str:
         "## Fault matrix: restart or stop, decided right\n\n"
         f"Rewritten from the kept results by `{COMMAND} --page-from {files}`; measured by {runs}; on the "
         "local Slurm cluster: 2-node jobs (1 rank a node) of the tiny config, `checkpoint.snapshot_every=1`, "
-        "one trial a fault kind (from the last run that has it).\n\n"
+        "one trial a fault kind (from the last run that has it).\n\n" + every_run(paths, datas) + "\n\n"
         "A fault of the machines is right when the job was restarted in place, requeued or went on, was "
         f"never stopped, finished, and replayed at most {MAX_STEPS_LOST} step. A fault of the user is right "
         f"when the job stopped with its cause named after at most {MAX_REPRODUCTIONS} reproduction (each "

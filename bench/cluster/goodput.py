@@ -5,7 +5,7 @@
     python -m bench.goodput --only time-limit       # chosen runs only; no page
     python -m bench.goodput --page-from A.json B.json --note "..."  # the page from saved results
     python -m bench.goodput --crashes --crash-interval 30 --steps 300  # restart in place vs requeue
-    python -m bench.goodput --extrapolation         # only the extrapolation of the page's goodput section
+    python -m bench.goodput --extrapolation         # only the goodput-extrapolation section (kept inputs)
     python -m bench.goodput --crash-page-from bench/results/goodput-crash-2026-11-24.json  # from kept results
 
 Each invocation saves results.json (its command, date, load averages and runs) in its own directory
@@ -49,7 +49,7 @@ from pathlib import Path
 import faults
 from bench import kept
 from bench.cluster.goodput_crash import CRASH_RUNS, losses_match, render_crashes, run_crashes, summary
-from bench.cluster.goodput_extrapolation import EXTRAPOLATION_HEADING, Extrapolation, render_extrapolation
+from bench.cluster.goodput_extrapolation import EXTRAPOLATION_SECTION, Extrapolation, render_extrapolation
 from bench.cluster.goodput_page import CKPT_INTERVAL, STEP_DELAY_S, render
 from bench.cluster.goodput_results import (
     ResultsFile,
@@ -73,9 +73,10 @@ from bench.cluster.harness import (
     wait_job_end,
     write_config,
 )
-from bench.report import machine_info, page_path, section_body, write_page
+from bench.report import machine_info, write_page
 
 OUT = OUT_ROOT / "goodput"
+ORDER = ("goodput", EXTRAPOLATION_SECTION)  # the measured runs, then the extrapolation of its own
 RUN_NAMES_HELP = "uninterrupted, preempt-<T>s for each of --intervals, time-limit"
 
 
@@ -217,16 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         write_page({"goodput-crash": section})
         return 0
     if args.extrapolation:
-        page = page_path()
-        measured = section_body(page.read_text() if page.exists() else "", "goodput")
-        if measured is None:
-            parser.error(f"--extrapolation: {page.name} has no goodput section yet: run the goodput runs")
-        measured = measured.split(EXTRAPOLATION_HEADING)[0].rstrip("\n") + "\n"
         try:
             extrapolation = render_extrapolation(Extrapolation())
         except (ValueError, KeyError) as err:  # a kept results file it reads is missing or incomplete
             parser.error(f"--extrapolation: {err}")
-        write_page({"goodput": measured + extrapolation})
+        write_page({EXTRAPOLATION_SECTION: extrapolation}, ORDER)
         return 0
     if args.page_from:
         try:
@@ -234,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, TypeError) as err:
             parser.error(f"--page-from: {err}")
         section = render(merge_results(files), machine_info(), args.note)
-        write_page({"goodput": section + render_extrapolation(Extrapolation())})
+        write_page({"goodput": section, EXTRAPOLATION_SECTION: render_extrapolation(Extrapolation())}, ORDER)
         print(section)
         return 0
     command = "python -m bench.goodput " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -275,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:  # kept with the page (bench/kept.py); --page-from reads it back
         name = kept.save(f"goodput-{datetime.now(UTC):%Y-%m-%d-%H%M}.json", asdict(saved))
         print(f"bench.goodput: results kept in {kept.relative(name)}")
-    section = render(merge_results([saved]), machine_info()) + render_extrapolation(Extrapolation())
-    print(section)
+    section = render(merge_results([saved]), machine_info())
+    extrapolation = render_extrapolation(Extrapolation())
+    print(section + "\n" + extrapolation)
     if not (args.quick or args.no_write or args.only):
-        write_page({"goodput": section})
+        write_page({"goodput": section, EXTRAPOLATION_SECTION: extrapolation}, ORDER)
     return 0 if not any(r.error for r in results) else 1
 
 

@@ -245,6 +245,7 @@ def render_crash_extrapolation(base: Extrapolation) -> str:
         + "\nThe restore figures are host-memory and TCP rates of a 2-core CPU machine; a GPU node's memory "
         "bandwidth and network (tens of GB/s) make them faster. With snapshots the crash cost is dominated "
         "by the assumed start-up, not by the restore; whether snapshots pay at all depends on the background "
-        "work fitting into `snapshot_every` steps. The extrapolation is rewritten from the kept results by "
-        f"`{EXTRAPOLATION_COMMAND}` (the runs above stay as measured).\n"
+        "work fitting into `snapshot_every` steps. This extrapolation is rewritten from the kept results by "
+        f"`{EXTRAPOLATION_COMMAND}` (the kept files named above; every other input is the assumption "
+        "stated), apart from the measured runs of the section before it.\n"
     )

@@ -1,0 +1,89 @@
+"""The sections of docs/benchmarks.md that no command rebuilds from kept results, each with the reason.
+
+Every section of the page is one of three kinds, and tests/test_bench_pages.py holds each to its kind:
+
+* rebuilt from kept results: it says "Rewritten from the kept results by `COMMAND`" and the test runs
+  COMMAND against a copy of the page and requires the section to come out byte for byte;
+* written from code alone (`FROM_CODE`: how to run, links; no measured figure): the test compares it with
+  the function that writes it;
+* listed here (`UNKEPT`): a transcription of runs whose raw output was lost, or figures measured by hand.
+  The section says its reason word for word, and its text is pinned by its SHA-256: a hand edit of any
+  figure in it fails the test as surely as in a rebuilt section. A correction of the transcription
+  itself changes the digest here, in the same commit, where a reviewer sees it.
+
+A section leaves this list when a run keeps its results and the section is rebuilt from them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Unkept:
+    reason: str  # said in the section, word for word
+    sha256: str  # of the section's text between its markers
+
+
+def digest(body: str) -> str:
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+BENCH_RUN = (
+    "Transcribed, not rebuilt: the raw results of the `python -m bench` run that measured this section went "
+    "to bench/out/results.json, which is not committed."
+)
+GPU_RUN = (
+    "Transcribed, not rebuilt: the raw output of this GPU run (2026-11-27) was not kept; the GPU scripts "
+    "now keep each run's results under bench/results/ and rewrite this section from them."
+)
+
+UNKEPT: dict[str, Unkept] = {
+    "machine": Unkept(BENCH_RUN, "de9898baf40891dd1a423c3efb6706cc8cd61a88160aaa7527c92c45a98b140b"),
+    "matmul-peak": Unkept(BENCH_RUN, "7c3584543445f8fbff158f3754b37ee704233a838bea02fc409962113b8e1553"),
+    "overhead": Unkept(BENCH_RUN, "cd0c476b26c9f20d4ebcb8d130acec8bc801e46dd503d69deff241ed67701c95"),
+    "startup": Unkept(BENCH_RUN, "4e7f02fad3a52453c8baba00cf9b5c9a67d421c2a9852b38c7b5cfe05116b486"),
+    "config-error": Unkept(
+        "Measured by hand, not rebuilt: no command measures or keeps these timings.",
+        "cfed531da20326d8ed5f559c108742aaad0fa2cc74f14dcbe377b6d6bbf2fc9e",
+    ),
+    "checkpoint-io": Unkept(
+        "Transcribed, not rebuilt: an analysis of three runs of `python bench/checkpoint_io.py` whose "
+        "outputs were not kept.",
+        "0b59667a5e50ea3608965924d85c146d0b87ffef36ba2a578b2d65d434356445",
+    ),
+    "checkpoint-io-run": Unkept(
+        BENCH_RUN, "c67941a1e7b7323bf2fe405bee8f3b093e4eaf4c60033668f4cd9e1bae6f988c"
+    ),
+    "snapshots": Unkept(
+        "Transcribed, not rebuilt: written by hand from runs of `python bench/snapshot.py` whose own "
+        "results were not kept (two of them transcribed into kept files, named below).",
+        "4581ce770d61275375bda2b945a98bbbb991e0c891b080b7939d11d499435a14",
+    ),
+    "torchtitan": Unkept(GPU_RUN, "538cc549b956df2b8d05975bf79aa92f7a11f181ef83058e0a90921c8808f460"),
+    "gpu-first-hour": Unkept(GPU_RUN, "261c91d01e91b0c7cbd5d2ff9fcc1f4db110a73909ab8d56966eaacd4648db12"),
+    "gpu": Unkept(GPU_RUN, "5e9a0802cd1afff2c6b3bdf18a210f9fa088b789a2f98785669557b6757e12da"),
+    "slurm-e2e": Unkept(
+        "Measured by hand, not rebuilt: the figures are the `e2e timing:` lines the tests printed, copied "
+        "by hand; no results were kept.",
+        "f8644f344694dbd03c7f428c4c5e690531433d35521d8c3f9823b3534bb36f67",
+    ),
+    "goodput": Unkept(
+        "Transcribed, not rebuilt: the raw results of these runs (2026-11-23) were not kept, and no file "
+        "under bench/results/ holds the preemption and time-limit rows; `python -m bench.goodput` now keeps "
+        "each run's results, from which a new run rebuilds this section.",
+        "a1908533868dc63b4aab96438d62bf2aaf68137bb7b33da250e6a528647bf6ce",
+    ),
+    "simulated-findings": Unkept(
+        "Transcribed, not rebuilt: each figure is from the simulation that found the problem, before its "
+        "fix; those outputs were not kept.",
+        "4f69332b99940971cde37853ee7a25627344ca4e6d606ceb9711946957a2405b",
+    ),
+}
+
+# Sections with no measured figure, written by a function of the bench code: "module:function".
+FROM_CODE: dict[str, str] = {
+    "usage": "bench.__main__:usage_section",
+    "links": "bench.__main__:links_section",
+}
