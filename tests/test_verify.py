@@ -61,8 +61,9 @@ def test_a_stopped_and_resumed_run_verifies(stopped_and_resumed):
     assert code == 0, out + [err]
     assert out[0].startswith("samples: steps 1-6: global samples [0, 48) each consumed once, in the order")
     assert "(2 segment(s) in the lineage" in out[0]
-    assert out[1].startswith("checkpoints: ") and "latest -> step_6" in out[1]
-    assert out[2].startswith("ledger: ") and "in 2 allocations, the buckets add up, unaccounted" in out[2]
+    assert out[1].startswith("data: the tokens of 6 step record(s) match the prepared data read again")
+    assert out[2].startswith("checkpoints: ") and "latest -> step_6" in out[2]
+    assert out[3].startswith("ledger: ") and "in 2 allocations, the buckets add up, unaccounted" in out[3]
     assert out[-1].endswith(": OK")
 
 
