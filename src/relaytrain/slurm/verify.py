@@ -31,7 +31,7 @@ from typing import Protocol
 
 from relaytrain.config import Config
 from relaytrain.errors import UserError
-from relaytrain.job import RunDir
+from relaytrain.job import RunDir, jsonl
 
 MAX_LINES = 200  # a systematic fault breaks every step: the first lines say what, the count how often
 
@@ -79,7 +79,17 @@ def _ledger(run: RunDir, cfg: Config, opts: Options) -> Report:
     if not run.metrics.is_file():
         return LedgerReport(notes=[f"no {run.metrics.name}: no time recorded"])
     measured = run_time(run)
-    return check_ledger(measured.ledger, measured.records, measured.slurm_runs)
+    crashes = jsonl.read(run.crashes).records if run.crashes.is_file() else []
+    return check_ledger(measured.ledger, measured.records, measured.slurm_runs, crashes, _commits(cfg, run))
+
+
+def _commits(cfg: Config, run: RunDir) -> list[tuple[str, float]]:
+    """(name, commit time) of every committed checkpoint: when its COMPLETE manifest was written."""
+    from relaytrain.checkpoint.files import COMPLETE, list_steps
+
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run.checkpoints
+    steps = list_steps(ckpt_dir) if ckpt_dir.is_dir() else []
+    return [(s.path.name, (s.path / COMPLETE).stat().st_mtime) for s in steps if s.complete]
 
 
 CHECKS: list[tuple[str, Callable[[RunDir, Config, Options], Report]]] = [
