@@ -1,6 +1,6 @@
 """`relaytrain verify RUN`: prove from a run directory's own files that no sample and no checkpoint was lost.
 
-Two checks, each a function of the run directory and its config that returns its violations and a
+The checks, each a function of the run directory and its config that returns its violations and a
 summary line:
 
 - samples: along the run's surviving lineage across all its jobs and restarts, every global sample was
@@ -11,8 +11,9 @@ summary line:
 - checkpoints: every committed checkpoint matches its manifest's sizes and checksums, and `latest` names a
   committed one (relaytrain/checkpoint/integrity.py);
 - ledger: the run's time ledger adds up: its buckets to the allocated time, no second counted twice, at
-  most 1 % unaccounted, and the Slurm allocations to sacct's elapsed time of the jobs' runs within 1 %
-  (relaytrain/monitor/ledger_check.py).
+  most 1 % unaccounted or inferred by rule without another source to confirm it, every logged step in a
+  window, no checkpoint committed outside the allocations, and the Slurm allocations to sacct's elapsed
+  time of the jobs' runs within 1 % (relaytrain/monitor/ledger_check.py, ledger_sources.py).
 
 A further check is one more entry in `CHECKS`.
 
