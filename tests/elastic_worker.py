@@ -1,7 +1,8 @@
 """`relaytrain train` that also writes which global samples each rank read, for tests/test_elastic.py.
 
-torchrun runs this file as each rank; every call of the train loader's `global_samples` appends
-`{"step", "first", "count"}` to `$ELASTIC_SAMPLE_LOG.<rank>`, then the real CLI trains.
+torchrun runs this file as each rank; every call of the train loader's `token_windows` (what
+`next_batch` reads) appends `{"step", "first", "count"}` to `$ELASTIC_SAMPLE_LOG.<rank>`, then the
+real CLI trains.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 from relaytrain.cli import main
 from relaytrain.data.loader import TrainLoader
 
-_read = TrainLoader.global_samples
+_read = TrainLoader.token_windows
 
 
 def _recording(self, start, count):
@@ -25,5 +26,5 @@ def _recording(self, start, count):
 
 
 if __name__ == "__main__":
-    TrainLoader.global_samples = _recording
+    TrainLoader.token_windows = _recording
     sys.exit(main(sys.argv[1:]))

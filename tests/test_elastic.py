@@ -87,6 +87,8 @@ def test_resume_on_fewer_or_more_ranks_matches_the_uninterrupted_run(tmp_path, t
         verified = run_cli(["verify", str(run)], tmp_path)  # from the run's own sample records
         assert verified.returncode == 0, verified.stdout + verified.stderr
         assert "samples: steps 1-6: global samples [0, 48) each consumed once" in verified.stdout
+        # the tokens read again from the prepared data: a resize keeps the global order
+        assert "data: the tokens of" in verified.stdout and "resized at step 3" in verified.stdout
     print(f"\nelastic resume: max relative loss difference after the resize {worst:.2e}")
 
 

@@ -86,7 +86,8 @@ class Trainer:
         self.optimizers = [build_optimizer(cfg.optim, self.model.model_parts, env.device)]
         dims = self.model.dims
         seq_len, vocab_size, runs_dir = cfg.train.seq_len, cfg.model.vocab_size, cfg.run.dir
-        samples = SampleRecorder(self.run_dir, env.rank, rank0_token(), self.model.dp_rank, dims.dp)
+        samples = SampleRecorder(self.run_dir, env.rank, rank0_token(), self.model.dp_rank, dims.dp,
+                                 env.world_size)  # fmt: skip
         self.loader = build_train_loader(cfg.data, self.model.dp_rank, dims.dp, dims.local_batch_size,
                                          seq_len=seq_len, seed=cfg.run.seed, vocab_size=vocab_size,
                                          runs_dir=runs_dir, recorder=samples)  # fmt: skip

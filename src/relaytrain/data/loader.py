@@ -25,9 +25,10 @@ from relaytrain.data.consumption import (
     SampleRecorder,
     chain_next,
     range_digest,
+    tokens_digest,
 )
 from relaytrain.data.sampler import Mixture, WindowOrder
-from relaytrain.data.shards import PreparedDataset, TokenStream
+from relaytrain.data.shards import PreparedDataset, TokenStream, manifest_digest
 from relaytrain.data.sources import resolve_sources
 from relaytrain.data.tokenizer import build_tokenizer
 from relaytrain.errors import UserError
@@ -43,14 +44,24 @@ def _num_windows(num_tokens: int, seq_len: int) -> int:
     return max(0, (num_tokens - 1) // seq_len)
 
 
-def _read_samples(streams: list[TokenStream], source: np.ndarray, starts: np.ndarray, seq_len: int):
+def _read_windows(streams: list[TokenStream], source: np.ndarray, starts: np.ndarray, seq_len: int):
+    """The samples' token windows, ``[count, seq_len + 1]`` int64."""
     out = np.empty((len(starts), seq_len + 1), dtype=np.int64)
     for i, (s, start) in enumerate(zip(source.tolist(), starts.tolist(), strict=True)):
         out[i] = streams[s].read(start, seq_len + 1)
+    return out
+
+
+def _split(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs ``[:, :-1]`` and targets ``[:, 1:]`` of token windows."""
     # numpy's strided copy; torch's .contiguous() on CPU is several times slower for this shape.
-    return torch.from_numpy(np.ascontiguousarray(out[:, :-1])), torch.from_numpy(
-        np.ascontiguousarray(out[:, 1:])
+    return torch.from_numpy(np.ascontiguousarray(windows[:, :-1])), torch.from_numpy(
+        np.ascontiguousarray(windows[:, 1:])
     )
+
+
+def _read_samples(streams: list[TokenStream], source: np.ndarray, starts: np.ndarray, seq_len: int):
+    return _split(_read_windows(streams, source, starts, seq_len))
 
 
 class TrainLoader:
@@ -92,6 +103,7 @@ class TrainLoader:
         self.weights = list(weights)
         self.mixture = Mixture(self.weights)
         self.num_tokens = sum(s.num_tokens for s in self._streams)
+        self._manifests = [manifest_digest(d.path) for d in datasets]
         self.samples_consumed = 0
         self.sample_chain = CHAIN_START  # over every step's global range so far (data/consumption.py)
         self._set_seed(seed)
@@ -107,12 +119,24 @@ class TrainLoader:
 
     def global_samples(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets of global samples ``[start, start + count)``."""
+        return _split(self.token_windows(start, count))
+
+    def token_windows(self, start: int, count: int) -> np.ndarray:
+        """The token windows (``[count, seq_len + 1]``) of global samples ``[start, start + count)``."""
         source, local = self.mixture.assign(np.arange(start, start + count, dtype=np.int64))
         starts = np.empty_like(local)
         for s, order in enumerate(self._orders):
             where = source == s
             starts[where] = order.windows(local[where]) * self.seq_len
-        return _read_samples(self._streams, source, starts, self.seq_len)
+        return _read_windows(self._streams, source, starts, self.seq_len)
+
+    def data_fingerprint(self) -> dict[str, Any]:
+        """What decides the global sample sequence: the sample record's `begin` lines carry it."""
+        sources = [
+            {"path": str(d.path), "manifest": m} for d, m in zip(self.datasets, self._manifests, strict=True)
+        ]
+        return {"seed": self.seed, "shuffle": self.shuffle, "weights": self.weights, "seq_len": self.seq_len,
+                "global_batch_size": self.global_batch_size, "sources": sources}  # fmt: skip
 
     def next_batch(self, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``[G/D, seq_len]`` inputs and targets for one optimizer step; advances by ``G``.
@@ -121,14 +145,15 @@ class TrainLoader:
         with the slice read (the trainer's sample record, data/consumption.py)."""
         first = self.samples_consumed + self.dp_rank * self.local_batch_size
         count = self.local_batch_size
-        batch = self.global_samples(first, count)
+        windows = self.token_windows(first, count)
         chain = chain_next(self.sample_chain, self.samples_consumed, self.global_batch_size)
         if self.recorder is not None and step is not None:
-            consumed = Consumed(first, count, range_digest(first, count), self.sample_chain, chain)
-            self.recorder.record(step, consumed)
+            tokens = tokens_digest(windows)  # what this rank read, as it will be given to the model
+            consumed = Consumed(first, count, range_digest(first, count), self.sample_chain, chain, tokens)
+            self.recorder.record(step, consumed, self.data_fingerprint())
         self.samples_consumed += self.global_batch_size
         self.sample_chain = chain
-        return batch
+        return _split(windows)
 
     def _fingerprint(self) -> list[dict[str, Any]]:
         return [

@@ -50,6 +50,7 @@ class Segment:
     begin: int
     chain: str
     steps: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # step -> rank -> record
+    data: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its begin line's fingerprint
 
     def name(self) -> str:
         return f"attempt {self.key[0]}" + (f" (after reload {self.key[1]})" if self.key[1] else "")
@@ -100,6 +101,8 @@ def read_segments(run: RunDir) -> tuple[list[Segment], list[str]]:
                 key = (attempt, begins.get(attempt, 0))
                 begins[attempt] = key[1] + 1
                 seg = segments.setdefault(key, Segment(key, record["begin"], record["chain"]))
+                if isinstance(record.get("data"), dict):
+                    seg.data[rank] = record["data"]
                 if rank == 0:
                     order.append(key)
                 if (seg.begin, seg.chain) != (record["begin"], record["chain"]):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from relaytrain.errors import UserError
 
@@ -151,3 +152,9 @@ def read_meta(path: Path) -> dict[str, Any]:
     except (KeyError, TypeError) as exc:
         raise UserError(f"{meta_path} lacks the field {exc}; prepare the data again") from exc
     return meta
+
+
+def manifest_digest(path: str | Path) -> str:
+    """xxh3_64 of a prepared directory's ``meta.json`` bytes: its shards, their token counts, dtype and
+    tokenizer. The data fingerprint of a run's sample record names each source by it."""
+    return xxhash.xxh3_64_hexdigest((Path(path).expanduser() / META_NAME).read_bytes())

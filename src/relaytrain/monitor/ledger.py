@@ -14,7 +14,10 @@ last record). Each allocation is cut into spans, each in one bucket (``BUCKETS``
   by a snapshot's background work, and evaluation; then its ``stop`` or ``finished`` event.
 
 Spans are laid one after the other in time; what no record covers is ``unaccounted``, never spread over
-the other buckets, so the buckets always add up to the allocation. Step time goes to ``replayed`` for
+the other buckets, so the buckets always add up to the allocation. A span whose bucket a rule chose rather
+than a record that measured it (a tail from the last record to a step's or Slurm's end, a process's stop
+that no window closed) is marked ``inferred`` with the rule; `relaytrain verify` counts inferred time with
+`unaccounted` unless another source confirms it (monitor/ledger_check.py). Step time goes to ``replayed`` for
 steps an earlier window already ran (a resume from an older checkpoint), else to ``productive``: each
 step counts as productive once. After a crash, the time from the step's last window to the step's end
 is ``lost`` (steps that ran but were not kept, and the failure's detection), and so is the time after
@@ -82,6 +85,7 @@ class Span:
     end: float
     bucket: str
     detail: str = ""
+    inferred: str = ""  # the rule that chose the bucket where no record measured the span ("": measured)
 
     @property
     def seconds(self) -> float:
@@ -112,6 +116,14 @@ class JobTime:
             out[span.bucket] += span.seconds
         return out
 
+    def inferred(self) -> dict[str, float]:
+        """Seconds per bucket of the spans inferred by rule (buckets with none left out)."""
+        out: dict[str, float] = {}
+        for span in self.spans:
+            if span.inferred:
+                out[span.bucket] = out.get(span.bucket, 0.0) + span.seconds
+        return out
+
 
 @dataclass
 class Ledger:
@@ -131,6 +143,15 @@ class Ledger:
         return out
 
     @property
+    def inferred(self) -> dict[str, float]:
+        """Seconds per bucket inferred by rule, over all allocations."""
+        out: dict[str, float] = {}
+        for job in self.jobs:
+            for name, seconds in job.inferred().items():
+                out[name] = out.get(name, 0.0) + seconds
+        return out
+
+    @property
     def goodput(self) -> float | None:
         allocated = self.allocated_s
         return self.buckets["productive"] / allocated if allocated > 0 else None
@@ -146,6 +167,8 @@ class Ledger:
             "queue_s": round(self.queue_s, 3),
             "goodput": None if self.goodput is None else round(self.goodput, 5),
             "buckets": {name: round(s, 6) for name, s in self.buckets.items()},
+            "inferred_s": round(sum(self.inferred.values()), 6),
+            "inferred": {name: round(s, 6) for name, s in self.inferred.items()},
             "jobs": [
                 {
                     "label": job.label,
@@ -155,6 +178,7 @@ class Ledger:
                     "end": job.allocation.end,
                     "source": job.allocation.source,
                     "buckets": {name: round(s, 6) for name, s in job.buckets().items() if s > 0},
+                    "inferred_s": round(sum(job.inferred().values()), 6),
                 }
                 for job in self.jobs
             ],
@@ -174,7 +198,12 @@ class Ledger:
         losses = ", ".join(
             f"{name} {s / allocated:.1%} ({duration(s)})" for name, s in self.losses()[:largest]
         )
-        return [head] + ([f"largest losses: {losses}"] if losses else [])
+        lines = [head] + ([f"largest losses: {losses}"] if losses else [])
+        unaccounted, inferred = self.buckets["unaccounted"], sum(self.inferred.values())
+        lines.append(f"measured {1 - (unaccounted + inferred) / allocated:.1%}, inferred by rule "
+                     f"{inferred / allocated:.1%} ({duration(inferred)}), unaccounted "
+                     f"{unaccounted / allocated:.1%} ({duration(unaccounted)})")  # fmt: skip
+        return lines
 
 
 def duration(seconds: float) -> str:

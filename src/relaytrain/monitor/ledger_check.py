@@ -6,13 +6,16 @@
   meet end to end as the trainer writes them, but for the milliseconds each record takes to be written;
   more would be time counted twice, which the ledger's layout clips silently);
 - at most `MAX_UNACCOUNTED` of the allocated time is time no record covers (allocations still running
-  left out: their end is "now", past the last record);
+  left out: their end is "now", past the last record), and at most `MAX_UNACCOUNTED` is that and time a
+  rule put in a bucket without another source to confirm it (monitor/ledger_sources.py), the bucket named;
+- every step a process logged lies in one of its ledger windows, and no checkpoint was committed outside
+  the allocations (monitor/ledger_sources.py);
 - where Slurm's accounting answered, the ledger's Slurm allocations add up to sacct's elapsed time of
   every run of the run's jobs within `SACCT_TOLERANCE` (a job run that recorded nothing, or that the
   records number differently from sacct, is missing from the ledger).
 
-A run whose records hold no `ledger` window (written before the trainer recorded them) is not checked;
-its summary says so.
+A run whose records hold no `ledger` window and no start event with the ledger's fields (written before
+the trainer recorded them) is not checked; its summary says so.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 from relaytrain.job.allocations import JobRun
 from relaytrain.monitor.ledger import Ledger, duration
+from relaytrain.monitor.ledger_sources import commits_outside, steps_without_window, unconfirmed
 from relaytrain.monitor.ledger_spans import window_end
 
 SUM_TOLERANCE = 1e-6  # relative: float sums of spans that tile the allocation
@@ -42,12 +46,18 @@ class LedgerReport:
 
 
 def check_ledger(
-    ledger: Ledger, records: Sequence[dict[str, Any]], slurm_runs: Sequence[JobRun] | None
+    ledger: Ledger,
+    records: Sequence[dict[str, Any]],
+    slurm_runs: Sequence[JobRun] | None,
+    crashes: Sequence[dict[str, Any]] = (),
+    commits: Sequence[tuple[str, float]] = (),
 ) -> LedgerReport:
     """The violations of `ledger` built from `records` and `slurm_runs` (None: accounting not asked or
-    not answering), and the summary of what was checked."""
+    not answering), checked against the run's `crashes` (crashes.jsonl) and its checkpoints' `commits`
+    (name, commit time), and the summary of what was checked."""
     report = LedgerReport()
-    if not any(r.get("kind") == "ledger" for r in records):
+    ledger_era = any(r.get("kind") == "event" and "process_start" in r for r in records)
+    if not ledger_era and not any(r.get("kind") == "ledger" for r in records):
         report.notes.append(
             "no ledger windows in the run's records (written before the time ledger): not checked"
         )
@@ -74,10 +84,26 @@ def check_ledger(
             f"{duration(unaccounted)} of {duration(ended_s)} allocated ({unaccounted / ended_s:.1%}) is "
             f"unaccounted (no record covers it), more than {MAX_UNACCOUNTED:.0%}; largest gaps: {where}"
         )
+    elif ended_s > 0:
+        guessed = unconfirmed(ledger, records, crashes, ended)
+        guessed_s = sum(seconds for seconds, _ in guessed.values())
+        if unaccounted + guessed_s > MAX_UNACCOUNTED * ended_s:
+            largest = sorted(guessed.items(), key=lambda item: -item[1][0])
+            named = "; ".join(f"{name} {duration(seconds)} ({', '.join(rules[:2])})"
+                              for name, (seconds, rules) in largest)  # fmt: skip
+            report.violations.append(
+                f"{duration(guessed_s + unaccounted)} of {duration(ended_s)} allocated "
+                f"({(guessed_s + unaccounted) / ended_s:.1%}) is inferred by rule with no other source to "
+                f"confirm it, or unaccounted, more than {MAX_UNACCOUNTED:.0%}: {named}"
+            )
+    report.violations += steps_without_window(records)
+    report.violations += commits_outside(ledger, commits)
     jobs, lost = len(ledger.jobs), buckets["unaccounted"]
+    inferred = sum(ledger.inferred.values())
     report.notes.append(
         f"{duration(allocated)} allocated in {jobs} allocation{'s' * (jobs != 1)}, the buckets add up, "
-        f"unaccounted {duration(lost)} ({lost / allocated if allocated else 0.0:.1%})"
+        f"unaccounted {duration(lost)} ({lost / allocated if allocated else 0.0:.1%}), inferred by rule "
+        f"{duration(inferred)} ({inferred / allocated if allocated else 0.0:.1%})"
     )
     report.notes.append(_against_sacct(ledger, slurm_runs, report.violations, records))
     return report

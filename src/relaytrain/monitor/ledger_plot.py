@@ -77,9 +77,12 @@ def ledger_lines(ledger: Ledger | None) -> list[str]:
         lines.append(
             f"| {name} | {buckets[name]:.1f} | {_share(buckets[name], allocated)} | {BUCKET_MEANING[name]} |"
         )
+    inferred = sum(ledger.inferred.values())
     lines += [
         f"| allocated | {allocated:.1f} | {_share(allocated, allocated)} | the allocations' Start..End: "
         "the sum of the above |",
+        f"| of which inferred | {inferred:.1f} | {_share(inferred, allocated)} | put in a bucket by rule, "
+        "no record measured it (beside `unaccounted`: what no record covers) |",
         f"| queue | {ledger.queue_s:.1f} | | between allocations: wall-clock, not allocated |",
         "",
         "| allocation | start, after the first | bounds from | seconds | goodput | largest loss |",

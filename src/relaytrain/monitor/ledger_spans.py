@@ -95,7 +95,8 @@ def _crashed_process_tail(spans: list[Span], alloc: Allocation) -> Span:
     """A process outside Slurm that a later one followed without its stop or end: it died. Its records
     after its last window (a step's line, a snapshot's event) are work it did not keep, lost."""
     last = max((s.end for s in spans), default=alloc.start)
-    return Span(last, alloc.end, "lost", "after the last window: steps not kept, the process died")
+    return Span(last, alloc.end, "lost", "after the last window: steps not kept, the process died",
+                "a process followed by another without its stop: it died")  # fmt: skip
 
 
 def _job_spans(records: list[dict[str, Any]], alloc: Allocation, high_water: list[int]) -> list[Span]:
@@ -138,7 +139,8 @@ def _job_spans(records: list[dict[str, Any]], alloc: Allocation, high_water: lis
         spans.append(Span(cursor, job_end, after, "after the last job step"))
         cursor = job_end
     if alloc.source == "sacct" and not alloc.running and (driver or last_ended_well):
-        spans.append(Span(cursor, alloc.end, *_allocation_tail(last_ended_well, last_closed)))
+        bucket, detail = _allocation_tail(last_ended_well, last_closed)
+        spans.append(Span(cursor, alloc.end, bucket, detail, f"the last record to Slurm's End: {detail}"))
     return spans
 
 
@@ -172,11 +174,18 @@ def _failure_tail(
         idle = max(0.0, _num(hang, "idle_s") or 0.0)
         progress = max(last, detected - idle)
         return [
-            Span(last, progress, "lost", "steps after the last record"),
+            Span(
+                last,
+                progress,
+                "lost",
+                "steps after the last record",
+                "a hung step's last record to its progress",
+            ),  # fmt: skip
             Span(progress, detected, "hang", "last progress to detection"),
             Span(detected, ended, "restart", "ending the hung step"),
         ]
-    return [Span(last, ended, "lost", "after the last record: steps not kept, the failure's detection")]
+    return [Span(last, ended, "lost", "after the last record: steps not kept, the failure's detection",
+                 "a failed step's last record to its end")]  # fmt: skip
 
 
 def _process_spans(
@@ -196,9 +205,11 @@ def _process_spans(
         cursor = restored_at
     windows = [r for r in records if r.get("kind") == "ledger"]
     typical = _typical_step_s(windows)
+    last_step = None
     for record in windows:
         spans += _window(record, high_water, typical)
         cursor = max(cursor, window_end(record) or cursor)
+        last_step = record.get("step")
     end = next(
         (
             r
@@ -208,7 +219,13 @@ def _process_spans(
         None,
     )
     if end is not None and (_num(end, "time") or 0) > cursor:
-        spans.append(Span(cursor, float(end["time"]), "stop", str(end.get("reason") or end["event"])))
+        # the trainer closes a window just before its stop's save (and at the loop's end): a stop after a
+        # window of another step holds steps no window measured
+        closed = last_step == end.get("step") or (
+            not windows and start is not None and start.get("step") == end.get("step")
+        )
+        rule = "" if closed else f"a stop at step {end.get('step')} that no window of that step closed"
+        spans.append(Span(cursor, float(end["time"]), "stop", str(end.get("reason") or end["event"]), rule))
     return spans
 
 
@@ -280,7 +297,7 @@ def _lay_out(spans: list[Span], alloc: Allocation) -> list[Span]:
             continue
         if start > at:
             out.append(Span(at, start, "unaccounted"))
-        out.append(Span(start, end, span.bucket, span.detail))
+        out.append(Span(start, end, span.bucket, span.detail, span.inferred))
         at = end
     if alloc.end > at:
         out.append(Span(at, alloc.end, "unaccounted"))

@@ -1,0 +1,145 @@
+"""The time ledger against sources it did not build: what `relaytrain verify` confirms of its inferred
+spans, and what other records say the ledger should hold.
+
+- **Inferred spans** (monitor/ledger.py: a bucket a rule chose where no record measured the span) are
+  confirmed by a source of their own: a Slurm allocation's `stop` tail by the trainer's stop or finished
+  event and Slurm's End; a `restart` or `lost` tail of a Slurm job by crashes.jsonl (the end-of-step
+  decision's record of the failure) or a job step the driver saw end with a non-zero exit code; a `lost`
+  tail of a process outside Slurm by the trainer's `train` records inside it (steps the process ran after
+  its last window). A process's `stop` that no window of its step closed holds steps no window measured:
+  nothing confirms it. What is not confirmed counts with `unaccounted` in verify's 1 % check.
+- **Steps without a window.** Every step a process logged (`train` records, written by the metrics
+  logger, not the ledger) lies in one of its ledger windows, up to its last window, and, when the process
+  ended with its `stop` or `finished` event (its loop closed a window there), after it too.
+- **Commits outside every allocation.** A checkpoint committed (its `COMPLETE` written) after an
+  allocation bounded by its own records ended, and before the next began, was saved by time no record
+  holds: that process's stop (its save and exit) is not recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from relaytrain.monitor.ledger import JobTime, Ledger, Span
+
+COMMIT_SLACK_S = 0.01  # a commit this much after an allocation's recorded end is outside it
+
+
+def _num(record: dict[str, Any], key: str) -> float | None:
+    value = record.get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _job_records(job: JobTime, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    a = job.allocation
+    return [r for r in records if r.get("job_id") == a.job_id and int(r.get("restart") or 0) == a.restart]
+
+
+def confirmation(job: JobTime, span: Span, records: Sequence[dict[str, Any]],
+                 crashes: Sequence[dict[str, Any]]) -> str:  # fmt: skip
+    """The source that confirms an inferred span's bucket, or "" when none does."""
+    a = job.allocation
+    if a.job_id is None:
+        if span.bucket == "lost":
+            ran = [r for r in records if r.get("kind", "train") == "train" and r.get("job_id") is None
+                   and span.start < (_num(r, "time") or 0.0) <= span.end]  # fmt: skip
+            return "the trainer's train records of the steps it ran" if ran else ""
+        return ""
+    own = _job_records(job, records)
+    if span.bucket == "stop" and span.inferred.startswith("the last record to Slurm's End"):
+        ended = any(r.get("kind") == "event" and r.get("event") in ("stop", "finished") for r in own)
+        return "the trainer's stop event and Slurm's End" if ended and a.source == "sacct" else ""
+    if span.bucket in ("restart", "lost"):
+        crashed = [c for c in crashes if str(c.get("job_id")) == a.job_id
+                   and int(c.get("restart") or 0) == a.restart]  # fmt: skip
+        if crashed:
+            return "crashes.jsonl"
+        failed = [r for r in own if r.get("kind") == "job" and r.get("event") == "step_end"
+                  and r.get("exit_code") not in (0, None)]  # fmt: skip
+        return "the driver's end of a failed job step" if failed else ""
+    return ""
+
+
+def unconfirmed(ledger: Ledger, records: Sequence[dict[str, Any]], crashes: Sequence[dict[str, Any]],
+                jobs: Sequence[JobTime]) -> dict[str, tuple[float, list[str]]]:  # fmt: skip
+    """Per bucket: the seconds of `jobs`' inferred spans nothing confirms, and the rules that chose them."""
+    out: dict[str, tuple[float, list[str]]] = {}
+    for job in jobs:
+        for span in job.spans:
+            if not span.inferred or span.seconds <= 0 or confirmation(job, span, records, crashes):
+                continue
+            seconds, rules = out.get(span.bucket, (0.0, []))
+            rule = f"{job.label}: {span.inferred}"
+            out[span.bucket] = (seconds + span.seconds, rules + ([rule] if rule not in rules else []))
+    return out
+
+
+def _process_key(record: dict[str, Any]) -> tuple:
+    return record.get("job_id"), int(record.get("restart") or 0), int(record.get("step_restart") or 0)
+
+
+def steps_without_window(records: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per process with logged steps that none of its ledger windows covers (see above)."""
+    processes: list[dict[str, Any]] = []
+    current: dict[tuple, dict[str, Any]] = {}
+    for record in records:
+        key = _process_key(record)
+        if record.get("kind") == "event" and record.get("event") in ("start", "resume"):
+            current[key] = {"begin": record.get("step"), "windows": [], "steps": [], "ended": False,
+                            "job": key[0]}  # fmt: skip
+            processes.append(current[key])
+            continue
+        proc = current.get(key)
+        if proc is None:
+            continue
+        kind = record.get("kind", "train")
+        if kind == "ledger" and isinstance(record.get("window"), dict):
+            first = record["window"].get("from_step", record.get("step"))
+            proc["windows"].append((int(first), int(record["step"])))
+        elif kind == "train" and isinstance(record.get("step"), int):
+            proc["steps"].append(record["step"])
+        elif kind == "event" and record.get("event") in ("stop", "finished"):
+            proc["ended"] = True
+    found = []
+    for proc in processes:
+        last = max((end for _, end in proc["windows"]), default=None)
+        uncovered = [
+            step for step in proc["steps"]
+            if not any(a <= step <= b for a, b in proc["windows"])
+            and (proc["ended"] or (last is not None and step <= last))
+        ]  # fmt: skip
+        if uncovered:
+            where = f"job {proc['job']}'s process" if proc["job"] else "the process"
+            found.append(
+                f"{where} that began at step {proc['begin']} logged steps {_ranges(uncovered)} (its train "
+                "records) that no ledger window covers: their time is not measured"
+            )
+    return found
+
+
+def _ranges(steps: list[int]) -> str:
+    steps = sorted(set(steps))
+    parts, start = [], steps[0]
+    for a, b in zip(steps, [*steps[1:], None], strict=True):
+        if b != a + 1:
+            parts.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(parts)
+
+
+def commits_outside(ledger: Ledger, commits: Sequence[tuple[str, float]]) -> list[str]:
+    """One line per checkpoint (name, commit time) committed between an allocation bounded by its own
+    records and the next allocation."""
+    found = []
+    for job, after in zip(ledger.jobs, ledger.jobs[1:], strict=False):
+        if job.allocation.source != "records":
+            continue
+        for name, at in commits:
+            if job.allocation.end + COMMIT_SLACK_S < at < after.allocation.start:
+                found.append(
+                    f"checkpoint {name} was committed {at - job.allocation.end:.3f} s after the last record "
+                    f"of {job.label}, before the next allocation began: that process's stop (its save and "
+                    "its exit) is not recorded"
+                )
+    return found
