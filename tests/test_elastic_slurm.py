@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import itertools
 import subprocess
+import time
 
 import pytest
 
 from e2e_slurm_jobs import (
+    FIRST_RUN_ONLY,
     cli,
     events,
     job_log,
+    last_step,
     launch,
     marker,
     records,
@@ -30,8 +33,13 @@ from slurm_fixtures import job_fields, wait_for, wait_job_finished
 
 pytestmark = pytest.mark.slurm
 
-STEPS = 60
+STEPS = 300
 GLOBAL_BATCH, SEQ_LEN = 8, 32  # tests/e2e_slurm_jobs.MODEL
+# The job's first run (its job step restarted in place included) sleeps this long after each step, so
+# it cannot reach STEPS before STEPS * FIRST_RUN_DELAY_S seconds have passed: every wait the test makes
+# in that run has that deadline, so a loaded machine fails a wait by name instead of letting the job
+# finish before the test has seen it. The requeued run goes at full speed.
+FIRST_RUN_DELAY_S = 0.5
 
 
 def running_on(job: str, nodes: int, restarts: int) -> bool:
@@ -45,6 +53,10 @@ def running_on(job: str, nodes: int, restarts: int) -> bool:
     )
 
 
+def idle_nodes(cluster) -> int:
+    return sum(state == "idle" for state in local_cluster.node_states(cluster.base_dir).values())
+
+
 def last_step_in_place(run_dir) -> int:
     """The last step trained by the job step restarted in place."""
     return max((r["step"] for r in records(run_dir, "train") if r.get("step_restart") == 1), default=0)
@@ -56,23 +68,35 @@ def test_a_node_range_job_continues_in_place_on_fewer_nodes_then_grows_back(slur
     runs = tmp_path / "runs"
     config = write_config(tmp_path / "elastic.toml", runs, "elastic", STEPS)
     run_dir = runs / "elastic"
+    # Both nodes free first (a job of the test before may still be completing): the range 1-2 then
+    # starts on 2.
+    wait_for(lambda: idle_nodes(slurm_cluster) >= 2, 120, "2 idle nodes")
+    slow_first_run = FIRST_RUN_ONLY.format(faults.setup_line(step_delay_s=FIRST_RUN_DELAY_S))
     job = launch(str(config), "--nodes", "1-2", "--tasks-per-node", "2", "--checkpoint.interval=5",
-                 setup_override(faults.setup_line(step_delay_s=0.5)))  # fmt: skip
+                 setup_override(slow_first_run))  # fmt: skip
+    first_run_ends = time.monotonic() + STEPS * FIRST_RUN_DELAY_S
+
+    def left() -> float:
+        return max(1.0, first_run_ends - time.monotonic())
+
     doomed = lost = batch_host = None
     try:
-        wait_for(lambda: running_on(job, 2, 0), 120, f"job {job} to run on 2 nodes")
-        wait_step(run_dir, job, 8)
+        wait_for(lambda: running_on(job, 2, 0), left(), f"job {job} to run on 2 nodes")
+        wait_step(run_dir, job, 8, timeout=left())
         # Not the node of the batch shell: losing that one ends the job (NODE_FAIL, Slurm's requeue).
         fields = job_fields(int(job))
         doomed = next(n for n in expand_nodelist(fields["NodeList"]) if n != fields["BatchHost"])
         lost, batch_host = doomed, fields["BatchHost"]
         local_cluster.kill_node(doomed, slurm_cluster.base_dir)
-        wait_for(lambda: running_on(job, 1, 0), 240, f"job {job} to go on with the node left")
-        wait_for(lambda: len([e for e in events(run_dir) if e["event"] == "resize"]) == 1, 120, "the resize")
+        wait_for(lambda: running_on(job, 1, 0), left(), f"job {job} to go on with the node left")
+        wait_for(
+            lambda: len([e for e in events(run_dir) if e["event"] == "resize"]) == 1, left(), "the resize"
+        )
         resumed_at = [e for e in events(run_dir) if e["event"] == "resume"][-1]["step"]
-        wait_for(lambda: last_step_in_place(run_dir) >= resumed_at + 3, 120, "steps on the node left")
+        wait_for(lambda: last_step_in_place(run_dir) >= resumed_at + 3, left(), "steps on the node left")
         local_cluster.restart_node(doomed, slurm_cluster.base_dir)
         doomed = None
+        assert last_step(run_dir) < STEPS, "the first run ended before the test could stop it"
         # A stop that requeues (SIGTERM to the steps, as a preemption): the next run gets both nodes.
         code, out = cli("cancel", job, "--signal", "TERM")
         assert code == 0, out

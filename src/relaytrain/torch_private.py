@@ -68,7 +68,12 @@ def process_groups() -> list:
 
 
 def set_group_timeout(group, timeout: timedelta) -> None:
-    """`distributed_c10d._set_pg_timeout`: a made group's collective timeout. Checked: 2.13."""
+    """A made group's collective timeout: the public `torch.distributed.set_timeout` where torch has it
+    (2.15), else `distributed_c10d._set_pg_timeout` (2.9-2.14; 2.15 deprecates it). Checked: 2.9, 2.13,
+    2.14, 2.15."""
+    if hasattr(dist, "set_timeout"):
+        dist.set_timeout(timeout, group)
+        return
     from torch.distributed import distributed_c10d as c10d
 
     c10d._set_pg_timeout(timeout, group)
