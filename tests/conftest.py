@@ -14,9 +14,10 @@ import pytest
 import needs
 import prebuilt
 from slurm_fixtures import slurm_cluster  # noqa: F401  (the real-Slurm fixture)
-from slurm_grouping import (  # noqa: F401  (every Slurm test on one xdist worker, and a guard)
+from slurm_grouping import (  # noqa: F401  (the Slurm tests' lanes, their lock, a guard)
     pytest_collection_finish,
     pytest_configure_node,
+    pytest_runtest_protocol,
     pytest_runtest_setup,
     pytest_sessionfinish,
     pytest_xdist_make_scheduler,

@@ -1,20 +1,28 @@
-"""Every Slurm test on one xdist worker, whatever the pytest version.
+"""The Slurm tests in two lanes, each on one xdist worker, sharing the one local cluster under a lock.
 
-The tests marked ``slurm`` share the one local cluster, so one worker must run them one after another
-while the other worker runs the rest. pytest-xdist's own ``xdist_group`` mark renames each item's node
-id on the worker (``item._nodeid``); from pytest 9.1 on a node id is computed from ``item._id`` and the
-rename is lost, so the groups silently fall apart. Here the controller is told the Slurm tests' node
-ids by the workers themselves (a file per worker, written before the worker reports its collection)
-and schedules them as one group with a scheduler of its own.
+The tests marked ``slurm`` share the one local cluster. Each test module is in one of two lanes
+(``LANES``); the controller schedules each lane as one unit of work, so a lane's tests run one after
+another on one worker, and two modules of different lanes can use the cluster at the same time. A
+module that needs the cluster to itself (it kills or restarts nodes, needs every node idle, or times
+ranks) is listed in ``ALONE`` with the reason: it holds the cluster lock exclusively, the others hold
+it shared, so it never overlaps another module's jobs. A module not listed in either table is alone,
+in lane 1.
+
+pytest-xdist's own ``xdist_group`` mark renames each item's node id on the worker (``item._nodeid``);
+from pytest 9.1 on a node id is computed from ``item._id`` and the rename is lost, so the groups
+silently fall apart. Here the controller is told the Slurm tests' node ids by the workers themselves
+(a file per worker, written before the worker reports its collection) and schedules them with a
+scheduler of its own.
 
 A guard checks the outcome too: each Slurm test notes the worker it ran on, and the session fails when
-Slurm tests ran on two workers.
+one lane's tests ran on two workers.
 
-tests/conftest.py imports the hooks; tests/test_slurm_grouping.py runs a small suite with them.
+tests/conftest.py imports the hooks; tests/test_slurm_grouping.py runs small suites with them.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -26,9 +34,53 @@ import pytest
 GROUP = "slurm"
 _DIR_KEY = "relaytrain_slurm_group_dir"
 
+# Each Slurm test module's lane, balanced by the modules' measured durations (--durations=0).
+LANES = {
+    "test_local_cluster.py": 1,
+    "test_hang_slurm.py": 1,
+    "test_e2e_stacks.py": 1,
+    "test_readme.py": 1,
+    "test_bench_goodput.py": 1,
+    "test_spare_slurm.py": 1,
+    "test_snapshot_slurm.py": 1,
+    "test_local_cluster_lock.py": 1,
+    "test_e2e_slurm.py": 2,
+    "test_straggler_slurm.py": 2,
+    "test_crash_recovery.py": 2,
+    "test_e2e_programs.py": 2,
+    "test_elastic_slurm.py": 2,
+    "test_bench_chaos.py": 2,
+    "test_run_lock.py": 2,
+    "test_cli_without_slurm.py": 2,
+}
+# The modules that need the cluster to themselves, and why. Every other module of LANES shares it.
+ALONE = {
+    "test_local_cluster.py": "stops, restarts and kills nodes; preempts through the high partition",
+    "test_local_cluster_lock.py": "starts and stops clusters of its own beside the suite's",
+    "test_hang_slurm.py": "times how soon a stopped rank is named",
+    "test_spare_slurm.py": "needs all three nodes: a 2-node job and its spare",
+    "test_e2e_slurm.py": "kills a node and preempts through the high partition; fills the cluster",
+    "test_straggler_slurm.py": "times each rank's steps against its peers",
+    "test_elastic_slurm.py": "kills a node and needs two idle nodes",
+    "test_bench_goodput.py": "times a run's goodput through preemptions",
+    "test_bench_chaos.py": "kills and stops ranks and nodes, and times the recoveries",
+}
+
 
 def is_slurm_test(item: pytest.Item) -> bool:
     return item.get_closest_marker(GROUP) is not None
+
+
+def _module(nodeid: str) -> str:
+    return Path(nodeid.split("::")[0]).name
+
+
+def lane_of(nodeid: str) -> str:
+    return f"{GROUP}-lane-{LANES.get(_module(nodeid), 1)}"
+
+
+def alone(nodeid: str) -> bool:
+    return _module(nodeid) in ALONE or _module(nodeid) not in LANES
 
 
 def _group_dir(config: pytest.Config) -> Path:
@@ -83,7 +135,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
                 self._slurm_ids = set()
                 for path in folder.glob("collected-*.json"):
                     self._slurm_ids.update(json.loads(path.read_text()))
-            return GROUP if nodeid in self._slurm_ids else super()._split_scope(nodeid)
+            return lane_of(nodeid) if nodeid in self._slurm_ids else super()._split_scope(nodeid)
 
     return SlurmGroupScheduling(config, log)
 
@@ -99,6 +151,43 @@ def pytest_runtest_setup(item: pytest.Item):
     yield
 
 
+class _ClusterLock:
+    """This worker's hold on the cluster lock: taken before a module's first Slurm test (its module
+    fixtures' jobs included), let go after the last one on this worker (their teardown included)."""
+
+    module: str | None = None
+    file = None
+
+    @classmethod
+    def take(cls, folder: Path, nodeid: str) -> None:
+        if cls.module == _module(nodeid):
+            return
+        cls.let_go()
+        cls.file = open(folder / "cluster.lock", "a")  # noqa: SIM115 - held across tests
+        fcntl.flock(cls.file, fcntl.LOCK_EX if alone(nodeid) else fcntl.LOCK_SH)
+        cls.module = _module(nodeid)
+
+    @classmethod
+    def let_go(cls) -> None:
+        if cls.file is not None:
+            cls.file.close()  # releases the flock
+        cls.file, cls.module = None, None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Worker: a Slurm test runs under the cluster lock, exclusive for a module that needs the cluster
+    alone, shared otherwise."""
+    folder = _worker_dir(item.config)
+    if folder is None or not is_slurm_test(item):
+        yield
+        return
+    _ClusterLock.take(folder, item.nodeid)
+    yield
+    if nextitem is None or not is_slurm_test(nextitem) or _module(nextitem.nodeid) != _module(item.nodeid):
+        _ClusterLock.let_go()
+
+
 def workers_that_ran_slurm_tests(config: pytest.Config) -> dict[str, list[str]]:
     folder = _group_dir(config)
     return {
@@ -108,17 +197,22 @@ def workers_that_ran_slurm_tests(config: pytest.Config) -> dict[str, list[str]]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
-    """Controller: fail the session when Slurm tests ran on more than one worker."""
+    """Controller: fail the session when one lane's Slurm tests ran on more than one worker."""
     config = session.config
     if _worker_dir(config) is not None or not hasattr(config, "_relaytrain_slurm_group_dir"):
         return
     ran = workers_that_ran_slurm_tests(config)
     shutil.rmtree(_group_dir(config), ignore_errors=True)
-    if len(ran) > 1:
-        where = "; ".join(f"{worker}: {len(ids)} ({ids[0]} ...)" for worker, ids in ran.items())
-        config.get_terminal_writer().line(
-            f"ERROR: Slurm tests ran on {len(ran)} xdist workers, which race for the one local cluster: "
-            f"{where}",
-            red=True,
-        )
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    by_lane: dict[str, dict[str, list[str]]] = {}
+    for worker, ids in ran.items():
+        for nodeid in ids:
+            by_lane.setdefault(lane_of(nodeid), {}).setdefault(worker, []).append(nodeid)
+    for lane, workers in sorted(by_lane.items()):
+        if len(workers) > 1:
+            where = "; ".join(f"{worker}: {len(ids)} ({ids[0]} ...)" for worker, ids in workers.items())
+            config.get_terminal_writer().line(
+                f"ERROR: Slurm tests of {lane} ran on {len(workers)} xdist workers, which race for the one "
+                f"local cluster: {where}",
+                red=True,
+            )
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED

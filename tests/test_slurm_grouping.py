@@ -1,4 +1,5 @@
-"""The Slurm tests share one local cluster: they must all run on one xdist worker (slurm_grouping.py).
+"""The Slurm tests share one local cluster: each lane on one xdist worker, a module that needs the cluster
+alone never beside another (slurm_grouping.py).
 
 Each test here runs a small suite of its own under ``-n 2`` with the project's grouping plugin, whose
 tests note the worker that ran them, and reads where they ran.
@@ -82,4 +83,57 @@ def test_the_session_fails_when_slurm_tests_ran_on_two_workers(tmp_path):
     done, ran = _run_suite(tmp_path, "--dist", "load")
     assert len({line.split()[1] for line in ran if line.startswith("slurm")}) == 2, ran
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "Slurm tests ran on 2 xdist workers" in done.stdout
+    assert "Slurm tests of slurm-lane-1 ran on 2 xdist workers" in done.stdout
+
+
+# Modules named as in slurm_grouping's tables: two that share the cluster, one per lane, and two that
+# need it alone, one per lane. Each test notes when it held the cluster.
+TIMED_MODULE = """
+import json, os, time, pytest
+pytestmark = pytest.mark.slurm
+
+@pytest.mark.parametrize("i", range(3))
+def test_on_the_cluster(i):
+    start = time.monotonic()
+    time.sleep(0.4)
+    with open(os.environ["WHERE"], "a") as f:
+        f.write(json.dumps([__name__, os.environ["PYTEST_XDIST_WORKER"], start, time.monotonic()]) + "\\n")
+"""
+SHARED = ("test_e2e_stacks.py", "test_crash_recovery.py")
+ALONE = ("test_local_cluster.py", "test_elastic_slurm.py")
+
+
+def test_lanes_share_the_cluster_and_a_module_that_needs_it_alone_never_overlaps_another(tmp_path):
+    import json
+
+    import slurm_grouping
+
+    assert [slurm_grouping.LANES[m] for m in SHARED] == [1, 2] == [slurm_grouping.LANES[m] for m in ALONE]
+    assert not set(SHARED) & set(slurm_grouping.ALONE) and set(ALONE) <= set(slurm_grouping.ALONE)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slurm: uses the cluster\naddopts =\n")
+    for name in (*SHARED, *ALONE):
+        (tmp_path / name).write_text(TIMED_MODULE)
+    where = tmp_path / "where.txt"
+    env = {**os.environ, "WHERE": str(where), "PYTHONPATH": str(TESTS)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "slurm_grouping", "-p", "no:cacheprovider", "-n", "2",
+         "--dist", "loadgroup"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in where.read_text().splitlines()]
+    spans: dict[str, tuple[float, float]] = {}
+    for module, _, start, end in rows:
+        first, last = spans.get(module, (start, end))
+        spans[module] = (min(first, start), max(last, end))
+    workers = {module: {w for m, w, *_ in rows if m == module} for module in spans}
+    assert all(len(w) == 1 for w in workers.values()), workers
+    assert workers["test_e2e_stacks"] != workers["test_crash_recovery"], workers  # two lanes, two workers
+
+    def overlap(a: str, b: str) -> bool:
+        return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
+
+    for module in ("test_local_cluster", "test_elastic_slurm"):
+        others = [m for m in spans if m != module]
+        assert not any(overlap(module, other) for other in others), spans
+    assert overlap("test_e2e_stacks", "test_crash_recovery"), spans
