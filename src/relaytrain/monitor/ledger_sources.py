@@ -54,7 +54,7 @@ def confirmation(job: JobTime, span: Span, records: Sequence[dict[str, Any]],
         crashed = [c for c in crashes if str(c.get("job_id")) == a.job_id
                    and int(c.get("restart") or 0) == a.restart]  # fmt: skip
         if crashed:
-            return "crashes.jsonl"
+            return "the driver's crash records"
         failed = [r for r in own if r.get("kind") == "job" and r.get("event") == "step_end"
                   and r.get("exit_code") not in (0, None)]  # fmt: skip
         return "the driver's end of a failed job step" if failed else ""
