@@ -21,7 +21,7 @@ ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 # Bottom to top; the same table is drawn in docs/architecture.md.
 LAYERS: list[set[str]] = [
     # leaves; torch_private: the seam to torch's privates (job/torchrun.py patches torchrun through it)
-    {"errors", "lazy", "version", "torch_private"},
+    {"errors", "lazy", "version", "torch_private", "atomic"},
     {"job"},  # the in-job layer: facts of the job this process runs in
     {"config"},
     {"model", "data", "optim"},

@@ -17,7 +17,6 @@ import ast
 import enum
 import json
 import logging
-import os
 import socket
 import sys
 import threading
@@ -28,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from relaytrain.atomic import write_atomic
 from relaytrain.errors import UserError
 from relaytrain.job import JobFacts, RunDir
 
@@ -239,13 +239,12 @@ class RunStateFile:
     def _rewrite(self, make: Callable[[RunState | None], RunState]) -> RunState:
         """Write ``make(the previous record)``; reading and writing under one lock, so that a record another
         thread writes meanwhile (the hard deadline's stop) is never overwritten by a stale copy."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         locked = _WRITE_LOCK.acquire(timeout=_WRITE_LOCK_WAIT_S)
         try:
             record = make(self.read())
-            tmp.write_text(json.dumps(record.as_json(), indent=1, sort_keys=True) + "\n", encoding="utf-8")
-            os.replace(tmp, self.path)
+            write_atomic(
+                self.path, json.dumps(record.as_json(), indent=1, sort_keys=True) + "\n", durable=False
+            )
         finally:
             if locked:
                 _WRITE_LOCK.release()
