@@ -31,7 +31,6 @@ import argparse
 import logging
 import os
 import shlex
-import subprocess
 import sys
 import time
 import traceback
@@ -45,17 +44,19 @@ from relaytrain.job.env import narrow_to_nodes, place_by_hostfile
 from relaytrain.job.facts import SPARE_NODES_ENV, STEP_RESTARTS_ENV
 from relaytrain.job.jsonl import append_job_record
 from relaytrain.job.ports import choose_port, has_no_listener
+from relaytrain.job.slurm_command import run_slurm_command
 from relaytrain.resilience.hang_detect import HangPolicy
 from relaytrain.resilience.hang_monitor import HangMonitor
 from relaytrain.resilience.hang_record import HangRecordFile
 from relaytrain.resilience.job_step import Heartbeat, SignalForwarder, job_log_path, log
-from relaytrain.resilience.requeue import scontrol_requeue
+from relaytrain.resilience.requeue import requeue
 from relaytrain.resilience.run_state import RunStateFile
 from relaytrain.resilience.step_decision import Action, Decision, step_marker
 from relaytrain.resilience.step_end import after_step
 from relaytrain.resilience.step_restart import StepFacts
 
 HEARTBEAT_S = 300.0
+CLEANUP_TIMEOUT_S = 300.0  # removing the snapshots from the nodes' memory: seconds, unless a node is stuck
 _PLACEMENT = ("--nodes=", "--nodelist=", "--ntasks=", "--distribution=")  # what `StepLaunch.place` sets
 
 
@@ -134,14 +135,16 @@ def requeue_state(run: RunDir, job: JobFacts | None = None) -> RequeueState:
 
 
 def requeue_if_pending(run: RunDir, job: JobFacts) -> None:
-    """The decision could not run: do the requeue the run asked for and could not do itself."""
-    if not requeue_state(run, job).pending:
+    """The decision could not run: do the requeue the run asked for and could not do itself (through
+    `requeue()`, the one requeue path, which records it and warns when it fails)."""
+    run_state = RunStateFile(run)
+    record = run_state.read()
+    if record is None or not record.pending_for(job):
         return
     print(f"relaytrain: the run asked for a requeue it could not do: scontrol requeue {job.requeue_id}",
           flush=True)  # fmt: skip
-    done, how = scontrol_requeue(job.requeue_id)
-    if not done:
-        print(f"relaytrain: scontrol requeue {job.requeue_id} failed: {how}", file=sys.stderr, flush=True)
+    if not requeue(job, run_state, record, "the run's pending requeue"):
+        print(f"relaytrain: scontrol requeue {job.requeue_id} failed", file=sys.stderr, flush=True)
 
 
 def free_snapshots(python: list[str], config: str, nodes: list[str], what: str = "the nodes'") -> None:
@@ -151,11 +154,7 @@ def free_snapshots(python: list[str], config: str, nodes: list[str], what: str =
     argv = ["srun", "--overlap", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
             f"--nodelist={','.join(nodes)}", *python, "-m", "relaytrain.checkpoint.snapshot", "cleanup",
             "--config", config]  # fmt: skip
-    try:
-        done = subprocess.run(argv, check=False).returncode == 0
-    except OSError:
-        done = False
-    if not done:
+    if not run_slurm_command(argv, CLEANUP_TIMEOUT_S, capture=False).ok:
         log(f"could not remove the job's snapshots from {what} memory ({','.join(nodes)})")
 
 
