@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "relaytrain"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "relaytrain"
+BENCH = ROOT / "bench"  # the benchmarks: the same size limit and no import circle (not layered)
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 # Bottom to top; the same table is drawn in docs/architecture.md.
@@ -145,21 +147,24 @@ OVERSIZED: dict[str, str] = {}
 
 
 def _counted_files() -> list[Path]:
-    """The Python modules, and the templates of the generated scripts: a batch script is a program."""
-    return sorted([*SRC.rglob("*.py"), *SRC.rglob("*.j2")])
+    """The Python modules, and the templates of the generated scripts: a batch script is a program;
+    the benchmarks' modules and scripts too."""
+    return sorted([*SRC.rglob("*.py"), *SRC.rglob("*.j2"), *BENCH.rglob("*.py"), *BENCH.rglob("*.sh")])
 
 
 def test_no_source_file_is_longer_than_the_limit():
     long = {
-        str(p.relative_to(SRC)): n
+        str(p.relative_to(ROOT)): n
         for p in _counted_files()
-        if (n := len(p.read_text().splitlines())) > MAX_LINES and str(p.relative_to(SRC)) not in OVERSIZED
+        if (n := len(p.read_text().splitlines())) > MAX_LINES and str(p.relative_to(ROOT)) not in OVERSIZED
     }
     assert not long, f"split these by responsibility (at most {MAX_LINES} lines each): {long}"
 
 
-def test_the_size_limit_counts_the_batch_script_template():
-    assert SRC / "slurm" / "templates" / "job.sh.j2" in _counted_files()
+def test_the_size_limit_counts_the_batch_script_template_and_the_benchmarks():
+    counted = _counted_files()
+    assert SRC / "slurm" / "templates" / "job.sh.j2" in counted and BENCH / "overhead.py" in counted
+    assert BENCH / "cluster" / "goodput.py" in counted
 
 
 def _imports_of(source: str) -> set[str]:
@@ -176,11 +181,13 @@ def _imports_of(source: str) -> set[str]:
 
 
 def _module_imports() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports, e.g. relaytrain.checkpoint.files."""
+    """Module -> the modules of the package and of the benchmarks it imports, e.g.
+    relaytrain.checkpoint.files, bench.cluster.goodput."""
     modules = {}
-    for path in SRC.rglob("*.py"):
-        name = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
-        modules[name.removesuffix(".__init__")] = path
+    for base, folder in ((SRC.parent, SRC), (ROOT, BENCH)):
+        for path in folder.rglob("*.py"):
+            name = ".".join(path.relative_to(base).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
     return {
         name: {m for m in _imports_of(path.read_text()) if m in modules and m != name}
         for name, path in modules.items()
@@ -206,6 +213,11 @@ def test_the_cycle_check_sees_a_cycle(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "_module_imports", lambda: graph)
     with pytest.raises(AssertionError, match="import cycle: relaytrain.a -> relaytrain.b -> relaytrain.a"):
         test_no_module_imports_itself_through_others()
+
+
+def test_the_cycle_check_reads_the_benchmarks():
+    graph = _module_imports()
+    assert "bench.cluster.goodput_extrapolation" in graph["bench.cluster.goodput_crash_extrapolation"]
 
 
 def test_a_main_block_alias_counts_as_an_import():
