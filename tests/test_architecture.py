@@ -231,3 +231,34 @@ def test_the_architecture_page_names_every_checkpoint_module():
     modules = [p.name for p in sorted((SRC / "checkpoint").glob("*.py")) if p.stem != "__init__"]
     missing = [name for name in modules if f"`{name}`" not in section]
     assert not missing, f"docs/architecture.md's checkpoint/ table does not list {missing}"
+
+
+def _names_used_in(folder: Path) -> set[str]:
+    used: set[str] = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            used |= (
+                {node.id}
+                if isinstance(node, ast.Name)
+                else {node.attr}
+                if isinstance(node, ast.Attribute)
+                else set()
+            )
+    return used  # fmt: skip
+
+
+def test_the_package_keeps_no_helper_only_the_benchmarks_use():
+    """A function or constant of relaytrain that the benchmarks import is used by relaytrain itself: the
+    helpers that read kept runs back (replays, earlier record formats) live in bench/."""
+    used, bench_only = _names_used_in(SRC), []
+    for path in sorted(BENCH.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("relaytrain."):
+                bench_only += [
+                    f"{path.relative_to(ROOT)}: {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name not in used
+                    and not (SRC / f"{alias.name}.py").exists()
+                    and not (SRC / alias.name).is_dir()
+                ]
+    assert not bench_only, "move these to bench/ (only the benchmarks use them):\n" + "\n".join(bench_only)
