@@ -25,6 +25,7 @@ PROCESS_STARTERS = {
     "resilience/job_step.py": "the job step itself (srun, argv from the batch script): a long process "
     "whose signals are forwarded, not a client command",
     "resilience/hang_stacks.py": "py-spy",
+    "resilience/job_setup.py": "nvidia-smi / rocm-smi and pip freeze, for the job log",
     "monitor/gpu_monitor.py": "nvidia-smi / rocm-smi",
     "parallel/simulate.py": "the fake-tensor step in a fresh interpreter",
     "parallel/sim_reshard.py": "the resharding simulation in a fresh interpreter",
@@ -163,3 +164,11 @@ def test_requeue_is_the_one_requeue_path():
 def test_the_requeue_scan_sees_a_second_path():
     assert _requeues(ast.parse("from relaytrain.resilience.requeue import scontrol_requeue\n"), "x.py")
     assert _requeues(ast.parse('run_slurm_command(["scontrol", "requeue", job])\n'), "x.py")
+
+
+def test_the_batch_template_keeps_no_copy_of_the_driver():
+    """The batch script sets up the environment and hands over: no requeue, no run_state.json read, no
+    port or interface rule of its own (the driver's, resilience/job_setup.py)."""
+    template = (SRC / "slurm" / "templates" / "job.sh.j2").read_text()
+    for copy in ("scontrol requeue", "run_state", "requeue_pending", "pick_port", "port_in_use", "ip -br"):
+        assert copy not in template, copy

@@ -48,6 +48,7 @@ from relaytrain.job.slurm_command import run_slurm_command
 from relaytrain.resilience.hang_detect import HangPolicy
 from relaytrain.resilience.hang_monitor import HangMonitor
 from relaytrain.resilience.hang_record import HangRecordFile
+from relaytrain.resilience.job_setup import prepare, record_environment
 from relaytrain.resilience.job_step import Heartbeat, SignalForwarder, job_log_path, log
 from relaytrain.resilience.requeue import requeue
 from relaytrain.resilience.run_state import RunStateFile
@@ -269,6 +270,17 @@ def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalFor
     parser.add_argument("--python", default="python", help="how a node runs python (shell words)")
     parser.add_argument("--nodes", default="", help="the nodes the step runs on, comma-separated")
     parser.add_argument("--spare-nodes", default="", help="the job's spare nodes, comma-separated")
+    parser.add_argument(
+        "--training-nodes",
+        type=int,
+        default=-1,
+        help="without --nodes: the job's first N nodes train, the others are spares (0: all)",
+    )
+    parser.add_argument("--processes-per-node", type=int, default=1, help="the job log's node shape")
+    parser.add_argument(
+        "--gpu-tool", default="", help="nvidia-smi or rocm-smi: its output goes to the job log"
+    )
+    parser.add_argument("--pip-freeze", default="", help="keep `pip freeze` here and show the main packages")
     parser.add_argument("--tasks-per-node", type=int, default=1, help="srun tasks per node")
     parser.add_argument("--srun-option", action="append", default=[], help="an option of the step's srun")
     parser.add_argument("--signal", default="", help="Slurm's pre-timeout signal to forward (USR2)")
@@ -280,6 +292,12 @@ def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalFor
     if not command:
         parser.error("the command each task runs is missing (after --)")
     run = RunDir(Path(args.run_dir))
+    if not args.nodes and args.training_nodes >= 0:
+        log(f"run directory: {run.root} (job files in {run.slurm})")
+        job_nodes = prepare(os.environ, args.training_nodes, args.processes_per_node)
+        args.nodes, args.spare_nodes = ",".join(job_nodes.training), ",".join(job_nodes.spares)
+        freeze = Path(args.pip_freeze) if args.pip_freeze else None
+        record_environment(os.environ, args.gpu_tool or "nvidia-smi", shlex.split(args.python), freeze)
     plan = JobPlan(run, args.config, args.program, args.free_snapshots, shlex.split(args.python),
                    args.heartbeat_s, hang_policy(args.config, args.program))  # fmt: skip
     nodes = [n for n in args.nodes.split(",") if n]

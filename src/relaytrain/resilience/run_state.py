@@ -6,9 +6,6 @@ requeue of a finished run, ``relaytrain status``, a program's ``previous_stop()`
 file. This module is its one reader and writer: ``RunState`` is what it holds, ``RunStatus`` its
 status. The JSON is written atomically, one key per line with sorted keys; its field names and values
 are a contract (docs/resilience.md), and a file written by an earlier version still reads.
-
-``python -m relaytrain.resilience.run_state requeue-pending RUN_DIR`` answers the batch script's one
-question without a JSON parser in the shell: exit 0 when the run asked for a requeue it could not do.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ import enum
 import json
 import logging
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -271,28 +267,3 @@ def recorded_step(run: RunDir) -> int | None:
     """The step run_state.json says the run reached (None: no readable record)."""
     record = RunStateFile(run).read()
     return record.step if record is not None else None
-
-
-def requeue_pending(run: RunDir) -> bool:
-    """Whether the run asked for a requeue it could not do (no `scontrol` in its container, or it failed):
-    the batch script then requeues the job itself. A damaged record raises RunStateError."""
-    record = RunStateFile(run).load()
-    return record is not None and record.pending_for(JobFacts.from_env())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``requeue-pending RUN_DIR``: exit 0 when the run's requeue is pending, 1 when not (or no record
-    yet), 2 with one line on stderr when the record is damaged or the command is wrong."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] != "requeue-pending":
-        print("usage: python -m relaytrain.resilience.run_state requeue-pending RUN_DIR", file=sys.stderr)
-        return 2
-    try:
-        return 0 if requeue_pending(RunDir(Path(args[1]))) else 1
-    except RunStateError as exc:
-        print(f"relaytrain: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
