@@ -96,7 +96,7 @@ def _scontrol(*args: str, ignore_sigterm: bool = True) -> tuple[bool, str]:
     done = run_slurm_command(["scontrol", *args], SCONTROL_REQUEUE_TIMEOUT_S, ignore_sigterm=ignore_sigterm)
     if done.outcome is Outcome.MISSING:
         return False, (
-            "scontrol is not on PATH (inside a container?): the batch script requeues the job "
+            "scontrol is not on PATH (inside a container?): the batch job's driver requeues the job "
             "when run_state.json says requeue_pending (see docs/resilience.md)"
         )
     return (True, done.command) if done.ok else (False, done.why())
@@ -124,7 +124,7 @@ def requeue(
     """Write the record with the requeue pending, ``scontrol requeue`` the job, record it requeued.
 
     ``why`` completes the warning when it fails ("could not requeue {why}: ..."); the record then says
-    ``requeue_pending`` (the batch shell's fallback requeues it when the run cannot, docs/resilience.md).
+    ``requeue_pending`` (the batch job's driver requeues it when the run cannot, docs/resilience.md).
     Slurm ends the job at once after a successful call: the record is written before it.
     """
     run_state.write(replace(record, requeue_requested=True, requeue_pending=True, requeued=False))

@@ -65,7 +65,7 @@ class RunState:
     # deterministic failure the end of the step does not retry. "" when the run did not fail with one.
     user_error: str = ""
     requeue_requested: bool = False  # the policy asked for a requeue
-    requeue_pending: bool = False  # ... and it was not done yet: the batch script's fallback does it
+    requeue_pending: bool = False  # ... and it was not done yet: the batch job's driver does it
     requeued: bool = False  # `scontrol requeue` succeeded
     # The newest checkpoint the run is known to have: the one it resumed from (``running``) or the last
     # one it committed. A later start that loads none must not silently throw it away; every rewrite
