@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from relaytrain.job import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "relaytrain"
 BENCH = ROOT / "bench"  # the benchmarks: the same size limit and no import circle (not layered)
@@ -262,3 +264,51 @@ def test_the_package_keeps_no_helper_only_the_benchmarks_use():
                     and not (SRC / alias.name).is_dir()
                 ]
     assert not bench_only, "move these to bench/ (only the benchmarks use them):\n" + "\n".join(bench_only)
+
+
+PATH_IN_DOC = re.compile(r"`((?:[a-z_]+/)+(?:[a-z_0-9]+\.(?:py|j2))?)`")
+
+
+def _doc_path_exists(path: str) -> bool:
+    """A path the page names: inside the package (``checkpoint/front.py``, ``slurm/templates/job.sh.j2``),
+    inside a package the row is about (``snapshot/``), or at the top of the repository (``faults/``)."""
+    candidates = [SRC / path, ROOT / path, *[d / path for d in SRC.rglob("*") if d.is_dir()]]
+    return path in _run_dir_folders() or any(c.exists() for c in candidates)
+
+
+def _run_dir_folders() -> set[str]:
+    """The folders RunDir names at the top of a run directory (`logs/`, `samples/`, ...)."""
+    run = RunDir(Path("/run"))
+    paths = [getattr(run, name) for name in dir(RunDir) if isinstance(getattr(RunDir, name), property)]
+    return {f"{p.name}/" for p in paths if isinstance(p, Path) and p.parent == run.root}
+
+
+def test_every_path_the_architecture_page_names_exists():
+    named = set(PATH_IN_DOC.findall(ARCHITECTURE.read_text()))
+    missing = sorted(p for p in named if not _doc_path_exists(p))
+    assert named and not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_the_path_check_sees_a_missing_module():
+    assert not _doc_path_exists("resilience/no_such_module.py") and _doc_path_exists("checkpoint/front.py")
+
+
+def test_every_entry_point_the_architecture_page_names_runs_as_a_module():
+    """`python -m relaytrain.X` (a process the launch drawing starts) is a module with a main block, or a
+    package with __main__.py."""
+    text = ARCHITECTURE.read_text()
+    named = set(re.findall(r"python -m\s+(relaytrain(?:\.[a-z_]+)+)", text))
+    broken = []
+    for module in sorted(named):
+        path = SRC.parent.joinpath(*module.split("."))
+        main = path / "__main__.py" if path.is_dir() else path.with_suffix(".py")
+        if not main.is_file() or (
+            main.name != "__main__.py" and '__name__ == "__main__"' not in main.read_text()
+        ):
+            broken.append(module)
+    assert {"relaytrain.job.task", "relaytrain.resilience.job_driver"} <= named and not broken, broken
+
+
+def test_the_batch_template_only_hands_over():
+    lines = len((SRC / "slurm" / "templates" / "job.sh.j2").read_text().splitlines())
+    assert lines <= 150, f"job.sh.j2 has {lines} lines: move what it computes into the driver"
