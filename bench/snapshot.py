@@ -92,7 +92,7 @@ def large_state(gb: float) -> dict[str, float]:
     folder = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
         started = time.perf_counter()
-        entry = store.write_snapshot(folder, 0, staged.chunks(), {"step": 1}, writer=0)
+        entry = store.write_snapshot(folder, 0, staged.chunks(), {"step": 1})
         written = time.perf_counter() - started
         started = time.perf_counter()
         data = store.read_verified(folder, 0, entry["checksum"])

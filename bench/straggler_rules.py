@@ -25,16 +25,12 @@ from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.resilience.straggler import MIN_HOST_PHASE_S, MIN_PHASE_S, StragglerJudge
-from relaytrain.resilience.straggler_watch import (
-    judged_times,
-    matrix_from_record,
-    phase_timed,
-    stages_from_record,
-)
+from relaytrain.resilience.straggler_watch import judged_times
 
 from bench import kept
 from bench.bounds import rate
 from bench.report import table, write_page
+from bench.straggler_records import matrix_from_record, phase_timed, stages_from_record
 
 SECTION = "straggler-rules"
 NAMED_WITHIN = 50  # issue target: a rank >= 20 % slower named within this many steps of its slowdown

@@ -116,7 +116,9 @@ def _spread(data: dict) -> str:
     (the clean runs without busy processes, the slowed runs before their throttle): the noise a threshold
     must clear, per phase the detector compares."""
     from relaytrain.resilience.straggler import MIN_PHASE_S, PHASES
-    from relaytrain.resilience.straggler_watch import judged_times, matrix_from_record
+    from relaytrain.resilience.straggler_watch import judged_times
+
+    from bench.straggler_records import matrix_from_record
 
     # the floor the runs compared phases from (results kept before it was recorded: MIN_PHASE_S)
     floor = float(data.get("settings", {}).get("min_phase_s", MIN_PHASE_S))

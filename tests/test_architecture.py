@@ -15,13 +15,17 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "relaytrain"
+from relaytrain.job import RunDir
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "relaytrain"
+BENCH = ROOT / "bench"  # the benchmarks: the same size limit and no import circle (not layered)
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 # Bottom to top; the same table is drawn in docs/architecture.md.
 LAYERS: list[set[str]] = [
     # leaves; torch_private: the seam to torch's privates (job/torchrun.py patches torchrun through it)
-    {"errors", "lazy", "version", "torch_private"},
+    {"errors", "lazy", "version", "torch_private", "atomic"},
     {"job"},  # the in-job layer: facts of the job this process runs in
     {"config"},
     {"model", "data", "optim"},
@@ -145,21 +149,24 @@ OVERSIZED: dict[str, str] = {}
 
 
 def _counted_files() -> list[Path]:
-    """The Python modules, and the templates of the generated scripts: a batch script is a program."""
-    return sorted([*SRC.rglob("*.py"), *SRC.rglob("*.j2")])
+    """The Python modules, and the templates of the generated scripts: a batch script is a program;
+    the benchmarks' modules and scripts too."""
+    return sorted([*SRC.rglob("*.py"), *SRC.rglob("*.j2"), *BENCH.rglob("*.py"), *BENCH.rglob("*.sh")])
 
 
 def test_no_source_file_is_longer_than_the_limit():
     long = {
-        str(p.relative_to(SRC)): n
+        str(p.relative_to(ROOT)): n
         for p in _counted_files()
-        if (n := len(p.read_text().splitlines())) > MAX_LINES and str(p.relative_to(SRC)) not in OVERSIZED
+        if (n := len(p.read_text().splitlines())) > MAX_LINES and str(p.relative_to(ROOT)) not in OVERSIZED
     }
     assert not long, f"split these by responsibility (at most {MAX_LINES} lines each): {long}"
 
 
-def test_the_size_limit_counts_the_batch_script_template():
-    assert SRC / "slurm" / "templates" / "job.sh.j2" in _counted_files()
+def test_the_size_limit_counts_the_batch_script_template_and_the_benchmarks():
+    counted = _counted_files()
+    assert SRC / "slurm" / "templates" / "job.sh.j2" in counted and BENCH / "overhead.py" in counted
+    assert BENCH / "cluster" / "goodput.py" in counted
 
 
 def _imports_of(source: str) -> set[str]:
@@ -176,11 +183,13 @@ def _imports_of(source: str) -> set[str]:
 
 
 def _module_imports() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports, e.g. relaytrain.checkpoint.files."""
+    """Module -> the modules of the package and of the benchmarks it imports, e.g.
+    relaytrain.checkpoint.files, bench.cluster.goodput."""
     modules = {}
-    for path in SRC.rglob("*.py"):
-        name = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
-        modules[name.removesuffix(".__init__")] = path
+    for base, folder in ((SRC.parent, SRC), (ROOT, BENCH)):
+        for path in folder.rglob("*.py"):
+            name = ".".join(path.relative_to(base).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
     return {
         name: {m for m in _imports_of(path.read_text()) if m in modules and m != name}
         for name, path in modules.items()
@@ -208,6 +217,11 @@ def test_the_cycle_check_sees_a_cycle(monkeypatch):
         test_no_module_imports_itself_through_others()
 
 
+def test_the_cycle_check_reads_the_benchmarks():
+    graph = _module_imports()
+    assert "bench.cluster.goodput_extrapolation" in graph["bench.cluster.goodput_crash_extrapolation"]
+
+
 def test_a_main_block_alias_counts_as_an_import():
     alias = 'if __name__ == "__main__":\n    from relaytrain.resilience.step_end import main\n'
     assert "relaytrain.resilience.step_end" in _imports_of(alias)
@@ -219,3 +233,82 @@ def test_the_architecture_page_names_every_checkpoint_module():
     modules = [p.name for p in sorted((SRC / "checkpoint").glob("*.py")) if p.stem != "__init__"]
     missing = [name for name in modules if f"`{name}`" not in section]
     assert not missing, f"docs/architecture.md's checkpoint/ table does not list {missing}"
+
+
+def _names_used_in(folder: Path) -> set[str]:
+    used: set[str] = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            used |= (
+                {node.id}
+                if isinstance(node, ast.Name)
+                else {node.attr}
+                if isinstance(node, ast.Attribute)
+                else set()
+            )
+    return used  # fmt: skip
+
+
+def test_the_package_keeps_no_helper_only_the_benchmarks_use():
+    """A function or constant of relaytrain that the benchmarks import is used by relaytrain itself: the
+    helpers that read kept runs back (replays, earlier record formats) live in bench/."""
+    used, bench_only = _names_used_in(SRC), []
+    for path in sorted(BENCH.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("relaytrain."):
+                bench_only += [
+                    f"{path.relative_to(ROOT)}: {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name not in used
+                    and not (SRC / f"{alias.name}.py").exists()
+                    and not (SRC / alias.name).is_dir()
+                ]
+    assert not bench_only, "move these to bench/ (only the benchmarks use them):\n" + "\n".join(bench_only)
+
+
+PATH_IN_DOC = re.compile(r"`((?:[a-z_]+/)+(?:[a-z_0-9]+\.(?:py|j2))?)`")
+
+
+def _doc_path_exists(path: str) -> bool:
+    """A path the page names: inside the package (``checkpoint/front.py``, ``slurm/templates/job.sh.j2``),
+    inside a package the row is about (``snapshot/``), or at the top of the repository (``faults/``)."""
+    candidates = [SRC / path, ROOT / path, *[d / path for d in SRC.rglob("*") if d.is_dir()]]
+    return path in _run_dir_folders() or any(c.exists() for c in candidates)
+
+
+def _run_dir_folders() -> set[str]:
+    """The folders RunDir names at the top of a run directory (`logs/`, `samples/`, ...)."""
+    run = RunDir(Path("/run"))
+    paths = [getattr(run, name) for name in dir(RunDir) if isinstance(getattr(RunDir, name), property)]
+    return {f"{p.name}/" for p in paths if isinstance(p, Path) and p.parent == run.root}
+
+
+def test_every_path_the_architecture_page_names_exists():
+    named = set(PATH_IN_DOC.findall(ARCHITECTURE.read_text()))
+    missing = sorted(p for p in named if not _doc_path_exists(p))
+    assert named and not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_the_path_check_sees_a_missing_module():
+    assert not _doc_path_exists("resilience/no_such_module.py") and _doc_path_exists("checkpoint/front.py")
+
+
+def test_every_entry_point_the_architecture_page_names_runs_as_a_module():
+    """`python -m relaytrain.X` (a process the launch drawing starts) is a module with a main block, or a
+    package with __main__.py."""
+    text = ARCHITECTURE.read_text()
+    named = set(re.findall(r"python -m\s+(relaytrain(?:\.[a-z_]+)+)", text))
+    broken = []
+    for module in sorted(named):
+        path = SRC.parent.joinpath(*module.split("."))
+        main = path / "__main__.py" if path.is_dir() else path.with_suffix(".py")
+        if not main.is_file() or (
+            main.name != "__main__.py" and '__name__ == "__main__"' not in main.read_text()
+        ):
+            broken.append(module)
+    assert {"relaytrain.job.task", "relaytrain.resilience.job_driver"} <= named and not broken, broken
+
+
+def test_the_batch_template_only_hands_over():
+    lines = len((SRC / "slurm" / "templates" / "job.sh.j2").read_text().splitlines())
+    assert lines <= 150, f"job.sh.j2 has {lines} lines: move what it computes into the driver"

@@ -363,8 +363,8 @@ def test_the_peer_trials_kill_past_the_first_checkpoint_and_wipe_through_the_sto
     other = store.job_root(tmp_path, tmp_path / "runs/a", JobFacts(job_id="10"))
     for node in ("n1", "n2"):
         for rank in (0, 1):
-            store.write_snapshot(store.step_dir(root / node, 4), rank, [b"x"], {"step": 4}, writer=0)
-    store.write_snapshot(store.step_dir(other / "n1", 4), 1, [b"x"], {"step": 4}, writer=0)
+            store.write_snapshot(store.step_dir(root / node, 4), rank, [b"x"], {"step": 4})
+    store.write_snapshot(store.step_dir(other / "n1", 4), 1, [b"x"], {"step": 4})
 
     assert snapshot_wipe.main([str(tmp_path), "9", "--rank", "1"]) == 0
     assert len(capsys.readouterr().out.split()) == 4  # rank 1's file and entry on both node folders

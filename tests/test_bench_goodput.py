@@ -12,11 +12,10 @@ from relaytrain.job.allocations import JobRun
 
 from bench import kept
 from bench.cluster import goodput
-from bench.cluster.goodput_crash_extrapolation import SNAPSHOT_RUNS, CrashExtrapolation
+from bench.cluster.goodput_crash_extrapolation import SNAPSHOT_RUNS, CrashExtrapolation, render_extrapolation
 from bench.cluster.goodput_extrapolation import (
     Extrapolation,
     cost_budget_s,
-    render_extrapolation,
     sensitivity,
 )
 from bench.cluster.goodput_page import interruptions_cell, render

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import stat
 import subprocess
@@ -184,32 +183,6 @@ def test_missing_or_failing_scontrol_leaves_requeue_pending(tmp_path, fake_slurm
         handle_stop(cfg.resilience, RunDir(tmp_path), S.TIME_BUDGET, 13, rank=0)
     assert "scontrol is not on PATH" in caplog.text
     assert RunStateFile(RunDir(tmp_path)).read().requeue_pending
-
-
-def _doc_snippet(marker: str) -> str:
-    text = (REPO / "docs" / "resilience.md").read_text()
-    match = re.search(rf"<!-- {marker} -->\s*```bash\n(.*?)```", text, re.S)
-    assert match, f"docs/resilience.md lacks the {marker} snippet"
-    return match.group(1)
-
-
-@pytest.mark.parametrize("pending", [True, False])
-def test_batch_script_fallback_snippet_from_docs(tmp_path, fake_slurm, monkeypatch, pending):
-    monkeypatch.setenv("SLURM_JOB_ID", "107")
-    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "100")
-    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
-    monkeypatch.setenv(
-        "FAKE_REQUEUE_RC", "1"
-    )  # scontrol fails inside the "container": the marker says pending
-    handle_stop(
-        cfg_for(tmp_path).resilience, RunDir(tmp_path), S.TIME_BUDGET if pending else S.NAN, 5, rank=0
-    )
-    monkeypatch.setenv("FAKE_REQUEUE_RC", "0")
-    script = f"run_dir={tmp_path}\nstep_end_done=false\n" + _doc_snippet("requeue-fallback")
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=os.environ)
-    assert proc.returncode == 0, proc.stderr
-    expected = ["requeue 100_7", "requeue 100_7"] if pending else []
-    assert fake_slurm() == expected
 
 
 def test_run_state_markers(tmp_path, fake_slurm, monkeypatch):

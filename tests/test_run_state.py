@@ -17,7 +17,6 @@ from relaytrain.resilience.run_state import (
     RunStateError,
     RunStateFile,
     RunStatus,
-    main,
     recorded_checkpoint_step,
 )
 
@@ -133,31 +132,6 @@ def test_a_damaged_or_foreign_file_is_one_clear_line(tmp_path, case):
     # the run itself rewrites it
     RunStateFile(run).write(RunState.of("running", "", 0))
     assert RunStateFile(run).damage() == ""
-
-
-def test_the_batch_script_asks_python_whether_a_requeue_is_pending(tmp_path, capsys):
-    run = RunDir(tmp_path)
-    assert main(["requeue-pending", str(tmp_path)]) == 1  # no record yet
-    RunStateFile(run).write(
-        RunState.of("stopped", "time_limit", 3, requeue_requested=True, requeue_pending=True)
-    )
-    assert main(["requeue-pending", str(tmp_path)]) == 0
-    RunStateFile(run).write(RunState.of("stopped", "time_limit", 3, requeue_requested=True, requeued=True))
-    assert main(["requeue-pending", str(tmp_path)]) == 1
-    run.run_state.write_text('{"status": "stopped", "requeue_pending": 1}')
-    assert main(["requeue-pending", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.startswith(f"relaytrain: error: {run.run_state} is damaged")
-    assert main(["requeue-pending"]) == 2 and "usage:" in capsys.readouterr().err
-
-
-def test_the_query_runs_as_a_module_without_a_traceback(tmp_path):
-    run = RunDir(tmp_path)
-    RunStateFile(run).write(RunState.of("stopped", "preemption", 3, requeue_pending=True))
-    command = [sys.executable, "-m", "relaytrain.resilience.run_state", "requeue-pending", str(tmp_path)]
-    assert subprocess.run(command, env=child_env(), capture_output=True, timeout=60).returncode == 0
-    run.run_state.write_text("[]")
-    done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
 
 
 def test_relaytrain_status_names_a_damaged_record_in_one_line(tmp_path):

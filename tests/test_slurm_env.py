@@ -12,9 +12,8 @@ import pytest
 
 from relaytrain.job import JobFacts
 from relaytrain.job.env import apply_slurm_env, normalize_amd_visibility, tasks_on_node
-from relaytrain.job.netdetect import IFNAME_AWK, detect_interface, high_speed_interfaces
-from relaytrain.job.ports import PORT_MAX, PORT_MIN, base_port, choose_port
-from relaytrain.slurm.script import TEMPLATE_DIR
+from relaytrain.job.netdetect import detect_interface, high_speed_interfaces
+from relaytrain.job.ports import PORT_MAX, PORT_MIN, base_port, choose_port, has_no_listener
 
 from conftest import child_env
 
@@ -123,13 +122,6 @@ def test_port_is_deterministic_and_skips_ports_in_use():
     assert choose_port(5000, lambda p: p != PORT_MAX) == PORT_MIN  # wraps inside the range
 
 
-def _bash_functions() -> str:
-    text = (TEMPLATE_DIR / "job.sh.j2").read_text()
-    start = text.index("port_in_use() {")
-    end = text.index("# ----", start)
-    return text[start:end].replace("# shellcheck disable=SC2329\n", "")
-
-
 def _listening_on_a_job_base_port(sock: socket.socket) -> int:
     """A job id whose base port this test could take (listening on it), whatever else runs here."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -143,16 +135,17 @@ def _listening_on_a_job_base_port(sock: socket.socket) -> int:
     raise AssertionError("500 job ids' base ports are all taken on this machine")
 
 
-def test_bash_pick_port_matches_python_and_sees_a_listening_socket():
+def test_the_port_an_attached_script_asks_for_skips_a_listening_socket():
+    """`python -m relaytrain.job.ports JOB_ID`, run on the allocation's first node by an attached script."""
     with socket.socket() as sock:
         job_id = _listening_on_a_job_base_port(sock)
         out = subprocess.run(
-            ["bash", "-c", _bash_functions() + f"\npick_port {job_id}"],
+            [sys.executable, "-m", "relaytrain.job.ports", str(job_id)],
             capture_output=True,
             text=True,
             check=True,
         ).stdout.strip()
-        assert int(out) == choose_port(job_id) == base_port(job_id) + 1
+        assert int(out) == choose_port(job_id, has_no_listener) == base_port(job_id) + 1
 
 
 # Recorded `ip -br addr` outputs.
@@ -193,10 +186,8 @@ hsn0             UP             10.1.0.2/16
         ("", None),
     ],
 )
-def test_interface_detection_python_and_the_scripts_awk_agree(text, expected):
+def test_interface_detection(text, expected):
     assert detect_interface(text) == expected
-    awk = subprocess.run(["awk", IFNAME_AWK], input=text, capture_output=True, text=True, check=True)
-    assert (awk.stdout.strip() or None) == expected
 
 
 def test_profile_interface_wins_and_doctor_lists_all():

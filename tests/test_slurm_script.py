@@ -182,7 +182,7 @@ def test_cpu_only_amd_container_debug_and_environment_activation(work):
         "export NCCL_DEBUG=INFO",
         "export TORCH_DISTRIBUTED_DEBUG=DETAIL",
         "export PYTHONFAULTHANDLER=1",
-        "set -x",
+        "set -uxo pipefail",
         "    --container-image=/img/torch.sqsh",
         f"    --container-mounts=/lustre:/lustre,{work}:{work}",
         f"    --container-workdir={work}",
@@ -490,7 +490,9 @@ def test_shipped_cluster_profiles_load_and_render(work, profile):
     assert f"#SBATCH --partition={values['partition']}" in text
     if profile == "frontier":
         assert (
-            "ifname=hsn0" in text and "MIOPEN_USER_DB_PATH" in text and "export NCCL_NET_GDR_LEVEL=3" in text
+            "export NCCL_SOCKET_IFNAME=hsn0 GLOO_SOCKET_IFNAME=hsn0" in text
+            and "MIOPEN_USER_DB_PATH" in text
+            and "export NCCL_NET_GDR_LEVEL=3" in text
         )
 
 

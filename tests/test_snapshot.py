@@ -87,11 +87,11 @@ def test_reading_refuses_what_is_not_a_snapshot():
 def test_node_folder_lists_only_finished_files(tmp_path):
     node = tmp_path / "node"
     meta = {"step": 3, "world_size": 2, "config_hash": "h"}
-    entry = store.write_snapshot(store.step_dir(node, 3), 0, [b"abc", b"def"], meta, writer=0)
+    entry = store.write_snapshot(store.step_dir(node, 3), 0, [b"abc", b"def"], meta)
     assert entry["size"] == 6 and entry["checksum"].startswith("xxh3_64:")
-    store.write_snapshot(store.step_dir(node, 3), 1, [b"xyz"], {**meta, "rank": 1}, writer=0)
+    store.write_snapshot(store.step_dir(node, 3), 1, [b"xyz"], {**meta, "rank": 1})
     store.entry_file(store.step_dir(node, 3), 1).unlink()  # a write killed before its entry
-    store.write_snapshot(store.step_dir(node, 4), 0, [b"abcd"], {**meta, "step": 4}, writer=0)
+    store.write_snapshot(store.step_dir(node, 4), 0, [b"abcd"], {**meta, "step": 4})
     store.snapshot_file(store.step_dir(node, 4), 0).write_bytes(b"ab")  # truncated afterwards
     assert {s: sorted(r) for s, r in store.holdings(node).items()} == {3: [0]}
     assert bytes(store.read_verified(store.step_dir(node, 3), 0, entry["checksum"])) == b"abcdef"

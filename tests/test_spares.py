@@ -236,7 +236,6 @@ def test_a_requeue_excluding_nodes_holds_updates_and_releases_the_job(monkeypatc
     """A running job's ExcNodeList cannot be changed (`Job is no longer pending execution`): requeued held,
     its ExcNodeList (what it had, and the nodes) updated, then released."""
     calls = []
-    monkeypatch.setattr(requeue.shutil, "which", lambda name: "/usr/bin/scontrol")
     monkeypatch.setattr(requeue, "_scontrol", lambda *args: calls.append(args) or (True, " ".join(args)))
     monkeypatch.setattr(requeue, "scontrol_job_field", lambda job, field: "n9")
     monkeypatch.setattr(requeue, "expand_nodelist", lambda text: text.split(",") if text else [])

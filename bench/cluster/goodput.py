@@ -49,7 +49,8 @@ from pathlib import Path
 import faults
 from bench import kept
 from bench.cluster.goodput_crash import CRASH_RUNS, losses_match, render_crashes, run_crashes, summary
-from bench.cluster.goodput_extrapolation import EXTRAPOLATION_SECTION, Extrapolation, render_extrapolation
+from bench.cluster.goodput_crash_extrapolation import render_extrapolation
+from bench.cluster.goodput_extrapolation import EXTRAPOLATION_SECTION, Extrapolation
 from bench.cluster.goodput_page import CKPT_INTERVAL, STEP_DELAY_S, render
 from bench.cluster.goodput_results import (
     ResultsFile,

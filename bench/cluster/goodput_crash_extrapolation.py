@@ -11,7 +11,12 @@ from dataclasses import dataclass, replace
 
 from bench import kept
 from bench.cluster.goodput_crash import mean_detection
-from bench.cluster.goodput_extrapolation import BYTES_PER_PARAM, EXTRAPOLATION_COMMAND, Extrapolation
+from bench.cluster.goodput_extrapolation import (
+    BYTES_PER_PARAM,
+    EXTRAPOLATION_COMMAND,
+    Extrapolation,
+    render_preemption_extrapolation,
+)
 from bench.report import pct, table
 
 # The kept runs the crash part cites (bench/results/): the two two-node snapshot runs, in run order, and
@@ -249,3 +254,8 @@ def render_crash_extrapolation(base: Extrapolation) -> str:
         f"`{EXTRAPOLATION_COMMAND}` (the kept files named above; every other input is the assumption "
         "stated), apart from the measured runs of the section before it.\n"
     )
+
+
+def render_extrapolation(x: Extrapolation) -> str:
+    """The section `goodput-extrapolation`: preemptions, then crashes from the kept results."""
+    return render_preemption_extrapolation(x) + render_crash_extrapolation(x)

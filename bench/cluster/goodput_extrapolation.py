@@ -103,7 +103,8 @@ def render_sensitivity(x: Extrapolation) -> str:
     )
 
 
-def render_extrapolation(x: Extrapolation) -> str:
+def render_preemption_extrapolation(x: Extrapolation) -> str:
+    """The preemption part of the section; the crash part follows it (goodput_crash_extrapolation.py)."""
     rows = [(label, pct(x.goodput(t))) for label, t in (("every 30 min", 1800), ("every 4 h", 14400))]
     return (
         f"{EXTRAPOLATION_HEADING}\n\n"
@@ -122,12 +123,5 @@ def render_extrapolation(x: Extrapolation) -> str:
         f"async blocking {x.async_block_s:g} s (assumed) per periodic save every {x.ckpt_every_s:g} s "
         "(assumed). Cost per "
         f"interruption: {x.cost_s():.0f} s.\n\n" + table(["preemption", "goodput"], rows)
-        + render_sensitivity(x) + crash_part(x)
+        + render_sensitivity(x)
     )  # fmt: skip
-
-
-def crash_part(x: Extrapolation) -> str:
-    """The crash extrapolation, from the kept results (bench/cluster/goodput_crash_extrapolation.py)."""
-    from bench.cluster.goodput_crash_extrapolation import render_crash_extrapolation
-
-    return render_crash_extrapolation(x)

@@ -26,12 +26,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.resilience.straggler_watch import phase_timed
 
 import faults
 import faults.throttle as throttle
 from bench.cluster.harness import PROFILE, RunFiles, relaytrain, wait, wait_job_end
 from bench.report import REPO
+from bench.straggler_records import phase_timed
 
 sys.path.insert(0, str(REPO / "tests"))
 from tiny_config import TINY_TOML  # noqa: E402

@@ -14,7 +14,8 @@ from typing import Any
 
 import xxhash
 
-from relaytrain.checkpoint.files import COMPLETE, fsync_path, inside, write_durable
+from relaytrain.atomic import fsync_path, write_atomic
+from relaytrain.checkpoint.files import COMPLETE, inside
 
 _CHUNK = 16 << 20
 
@@ -111,7 +112,7 @@ def write_complete(step_dir: Path, checksums: dict[str, str] | None = None) -> N
     for folder in [p for p in step_dir.rglob("*") if p.is_dir()] + [step_dir]:
         fsync_path(folder)
     listing = {"files": manifest(step_dir, checksums)}
-    write_durable(step_dir / COMPLETE, json.dumps(listing, indent=1).encode())
+    write_atomic(step_dir / COMPLETE, json.dumps(listing, indent=1), durable=True)
 
 
 def damaged_problems(step_dir: Path, verify: bool = True, data: bool = True) -> list[str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from relaytrain.atomic import replacing, write_atomic
 from relaytrain.checkpoint import hf
 from relaytrain.checkpoint.checksums import write_complete
 from relaytrain.checkpoint.files import (
@@ -21,7 +22,6 @@ from relaytrain.checkpoint.files import (
     METADATA,
     TOKENIZER,
     inside,
-    write_durable,
 )
 from relaytrain.checkpoint.sources import TORCH_EXPORT_NAME, TORCH_FORMAT, read_full_state
 from relaytrain.config import config_to_toml
@@ -118,9 +118,8 @@ def export_checkpoint(
             "state_dict": {k: v.contiguous() for k, v in state.items()},
             "metadata": provenance | {"tokenizer": "byte" if kind == "byte" else "tokenizer.json"},
         }
-        tmp = target.with_name(target.name + ".tmp")
-        torch.save(blob, tmp)
-        tmp.replace(target)
+        with replacing(target, durable=False) as tmp:
+            torch.save(blob, tmp)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, target.parent / TOKENIZER)
         return target  # the caller says where it went (relaytrain export prints one line)
@@ -199,7 +198,7 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> Path:
         "tokenizer": cfg.data.tokenizer,
         "source": str(hf_dir),
     }
-    write_durable(out / METADATA, json.dumps(meta, indent=1).encode())
-    write_durable(out / CONFIG, config_to_toml(cfg).encode())
+    write_atomic(out / METADATA, json.dumps(meta, indent=1), durable=True)
+    write_atomic(out / CONFIG, config_to_toml(cfg), durable=True)
     write_complete(out)
     return out

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relaytrain.atomic import fsync_path, replacing
 from relaytrain.errors import UserError
 
 log = logging.getLogger("relaytrain.checkpoint")
@@ -92,39 +93,16 @@ def read_latest(ckpt_dir: Path) -> Path | None:
     return ckpt_dir / target
 
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def copy_durable(source: Path, target: Path) -> None:
     """Copy a file and fsync the copy (its size goes into COMPLETE, so it must be on disk first)."""
     shutil.copyfile(source, target)
     fsync_path(target)
 
 
-def write_durable(path: Path, data: bytes) -> None:
-    """Write via a temp file, fsync it, rename over `path`, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
 def point_latest(ckpt_dir: Path, step_dir: Path) -> None:
     """Atomically make ``latest`` point to `step_dir` (a relative symlink swapped with os.replace)."""
-    tmp = ckpt_dir / f".{LATEST}.tmp"
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    os.symlink(step_dir.name, tmp)
-    os.replace(tmp, ckpt_dir / LATEST)
-    fsync_path(ckpt_dir)
+    with replacing(ckpt_dir / LATEST, durable=True) as tmp:
+        os.symlink(step_dir.name, tmp)
 
 
 def remove_step_dir(step_dir: Path) -> None:

@@ -7,7 +7,6 @@ import dataclasses
 import io
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from relaytrain.atomic import write_atomic
 from relaytrain.checkpoint.checksums import bytes_checksum
 from relaytrain.checkpoint.files import (
     CONFIG,
@@ -24,7 +24,6 @@ from relaytrain.checkpoint.files import (
     TOKENIZER,
     copy_durable,
     train_state_file,
-    write_durable,
 )
 from relaytrain.config.schema import ModelConfig
 from relaytrain.version import __version__
@@ -56,14 +55,9 @@ def write_train_state(
         "world_size": world_size,
     }
     path = train_state_file(step_dir, rank)
-    tmp = path.with_name(path.name + ".tmp")
     data = io.BytesIO()
     torch.save(payload, data)
-    with open(tmp, "wb") as f:
-        f.write(data.getbuffer())
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    write_atomic(path, data.getvalue(), durable=True)
     return {str(path.relative_to(step_dir)): bytes_checksum(data.getbuffer())}
 
 
@@ -99,8 +93,8 @@ def write_run_record(
         "model": dataclasses.asdict(record.model),
         "tokenizer": record.tokenizer,
     }
-    write_durable(step_dir / METADATA, json.dumps(meta, indent=1).encode())
-    write_durable(step_dir / CONFIG, record.config_toml.encode())
+    write_atomic(step_dir / METADATA, json.dumps(meta, indent=1), durable=True)
+    write_atomic(step_dir / CONFIG, record.config_toml, durable=True)
     tokenizer = _tokenizer_file(record.tokenizer)
     if tokenizer is not None:
         copy_durable(tokenizer, step_dir / TOKENIZER)

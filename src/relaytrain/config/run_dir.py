@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+from relaytrain.atomic import write_atomic
 from relaytrain.config.loader import config_to_toml
 from relaytrain.config.schema import Config
 from relaytrain.errors import UserError
@@ -15,9 +14,7 @@ def prepare_run_dir(cfg: Config, is_main: bool) -> RunDir:
     if is_main:
         try:
             run.root.mkdir(parents=True, exist_ok=True)
-            tmp = run.config.with_name(f".{run.config.name}.tmp")
-            tmp.write_text(config_to_toml(cfg))
-            os.replace(tmp, run.config)
+            write_atomic(run.config, config_to_toml(cfg), durable=False)
         except OSError as exc:
             where = run.root
             raise UserError(

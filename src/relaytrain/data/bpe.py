@@ -9,10 +9,10 @@ Nothing is downloaded.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from relaytrain.atomic import replacing
 from relaytrain.data.readers import expand_inputs, read_documents
 from relaytrain.data.tokenizer import _BOS_CANDIDATES, _EOS_CANDIDATES, build_tokenizer
 from relaytrain.errors import UserError
@@ -108,12 +108,7 @@ def train_tokenizer(
     tok.train_from_iterator(counted(), trainer=trainer)
     if not seen[0]:
         raise UserError(f"no text in {', '.join(inputs)} (all documents empty); nothing to train on")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with replacing(path, durable=False) as tmp:
         tok.save(str(tmp))
         build_tokenizer(str(tmp))  # the data pipeline reads it: an end-of-text token it recognises
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path

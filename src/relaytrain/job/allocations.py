@@ -13,12 +13,11 @@ records instead.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from relaytrain.job.slurm_command import run_slurm_command
 from relaytrain.job.slurmctld import SLURM_QUERY_TIMEOUT_S, parse_slurm_time
 
 QUERIES = (
@@ -69,15 +68,11 @@ def job_runs(job_ids: Iterable[str], timeout: float = SLURM_QUERY_TIMEOUT_S) -> 
     ids = [str(job) for job in job_ids if str(job)]
     if not ids:
         return []
-    if shutil.which("sacct") is None:
-        return None
     now = time.time()
     for query in QUERIES:
-        try:
-            proc = subprocess.run([*query, "-j", ",".join(ids)], capture_output=True, text=True,
-                                  timeout=timeout, check=False)  # fmt: skip
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        if proc.returncode == 0 and proc.stdout.strip():
-            return [run for job in ids for run in parse_runs(job, proc.stdout, now)]
+        done = run_slurm_command([*query, "-j", ",".join(ids)], timeout)
+        if not done.ran:
+            return None  # no sacct, or it did not answer
+        if done.ok and done.stdout.strip():
+            return [run for job in ids for run in parse_runs(job, done.stdout, now)]
     return None

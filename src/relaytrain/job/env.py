@@ -9,11 +9,11 @@ launcher (torchrun) has already set them. The task wrapper (`python -m relaytrai
 from __future__ import annotations
 
 import re
-import subprocess
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 from relaytrain.job.ports import base_port
+from relaytrain.job.slurm_command import run_slurm_command
 
 # Slurm's internal ids for the batch and extern steps (and others near 2**32) are not srun steps.
 _MAX_REAL_STEP_ID = 0xFFFFFF00
@@ -34,8 +34,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
         return list(hostlist.expand_hostlist(nodelist))
     except ImportError:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
-        return out.stdout.split()
+        return run_slurm_command(["scontrol", "show", "hostnames", nodelist]).stdout.split()
 
 
 def tasks_on_node(tasks_per_node: str, node_index: int) -> int | None:

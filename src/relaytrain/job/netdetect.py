@@ -1,8 +1,8 @@
 """Pick the high-speed network interface for NCCL/Gloo from `ip -br addr` output.
 
 InfiniBand (`ib*`) comes first, then HPE Slingshot (`hsn*`). Without either, NCCL and Gloo keep their
-own choice. The generated sbatch script inlines the same rule as an awk program (`IFNAME_AWK`), so it
-works in a batch shell that has no relaytrain installed (container jobs); tests check both agree.
+own choice. The batch job's driver sets it for the job step (resilience/job_setup.py), and the task
+wrapper of a step the batch shell runs alone (job/task.py), unless the config names one.
 """
 
 from __future__ import annotations
@@ -12,13 +12,6 @@ import subprocess
 import sys
 
 HIGH_SPEED_PREFIXES = ("ib", "hsn")
-
-# The same rule for the batch shell: first UP/UNKNOWN ib* with an address, else the first such hsn*.
-IFNAME_AWK = (
-    '($2 == "UP" || $2 == "UNKNOWN") && NF >= 3 { n = $1; sub(/@.*/, "", n);'
-    ' if (n ~ /^ib/ && ib == "") ib = n; else if (n ~ /^hsn/ && hsn == "") hsn = n }'
-    ' END { if (ib != "") print ib; else if (hsn != "") print hsn }'
-)
 
 
 def parse_ip_brief(text: str) -> list[tuple[str, str, list[str]]]:

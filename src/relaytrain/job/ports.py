@@ -1,8 +1,9 @@
 """MASTER_PORT: derived from the job id so every rank computes the same port, then checked for use.
 
-The generated script runs the same rule in bash (`pick_port`) on the first node, where rank 0 listens,
-and exports the result, so all ranks share it; the batch job's driver picks the port of a job step
-restarted in place with ``choose_port(f"{job_id}+{restarts}", has_no_listener)``: hashed, so it is not
+The batch job's driver picks the first step's port on the first node, where rank 0 listens
+(``resilience/job_setup.py``; an attached script runs ``python -m relaytrain.job.ports JOB_ID`` there), and
+exports it, so all ranks share it; it picks the port of a job step restarted in place with
+``choose_port(f"{job_id}+{restarts}", has_no_listener)``: hashed, so it is not
 another job's first port.
 """
 
@@ -58,4 +59,4 @@ def choose_port(job_id: str | int, is_free: Callable[[int], bool] = port_is_free
 
 
 if __name__ == "__main__":
-    print(choose_port(sys.argv[1] if len(sys.argv) > 1 else "0"))
+    print(choose_port(sys.argv[1] if len(sys.argv) > 1 else "0", has_no_listener))

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
-import subprocess
 from datetime import datetime
 
 from relaytrain.job.env import expand_nodelist
+from relaytrain.job.slurm_command import Outcome, run_slurm_command
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +32,10 @@ def parse_slurm_time(text: str) -> float | None:
 
 def run_slurm_client(args: list[str], timeout: float = SLURM_QUERY_TIMEOUT_S) -> str | None:
     """stdout of a Slurm client command, or None when it is missing, fails or times out."""
-    if shutil.which(args[0]) is None:
-        return None
-    try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        log.warning("%s failed: %s", " ".join(args), err)
-        return None
-    if proc.returncode != 0:
-        log.warning("%s exited %d: %s", " ".join(args), proc.returncode, proc.stderr.strip()[:300])
-        return None
-    return proc.stdout
+    done = run_slurm_command(args, timeout)
+    if not done.ok and done.outcome is not Outcome.MISSING:
+        log.warning("%s", done.why())
+    return done.stdout if done.ok else None
 
 
 def scontrol_job_field(job_id: str, key: str) -> str | None:
@@ -95,22 +87,14 @@ ENDED_STATES = frozenset(
 def queued_jobs(job_ids: list[str]) -> list[tuple[str, str]] | None:
     """(id, state) of each of these jobs that ``squeue`` still shows (array tasks one by one, as it
     names them), from one call; None when Slurm cannot be asked (no client or controller, a timeout)."""
-    if shutil.which("squeue") is None:
+    done = run_slurm_command(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i %T"], SLURM_QUERY_TIMEOUT_S)
+    if done.outcome is Outcome.FAILED and "invalid job id" in done.stderr.lower():
+        return []  # one job id that Slurm purged after MinJobAge
+    if not done.ok:
+        if done.outcome is not Outcome.MISSING:
+            log.warning("%s", done.why())
         return None
-    args = ["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i %T"]
-    try:
-        proc = subprocess.run(
-            args, capture_output=True, text=True, timeout=SLURM_QUERY_TIMEOUT_S, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        log.warning("%s failed: %s", " ".join(args), err)
-        return None
-    if proc.returncode != 0:
-        if "invalid job id" in proc.stderr.lower():
-            return []  # one job id that Slurm purged after MinJobAge
-        log.warning("%s exited %d: %s", " ".join(args), proc.returncode, proc.stderr.strip()[:300])
-        return None
-    return [(p[0], p[1]) for p in (line.split() for line in proc.stdout.splitlines()) if len(p) >= 2]
+    return [(p[0], p[1]) for p in (line.split() for line in done.stdout.splitlines()) if len(p) >= 2]
 
 
 def queue_states(job_id: str) -> list[str] | None:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from relaytrain.job.env import apply_slurm_env
 from relaytrain.job.facts import STEP_RESTARTS_ENV
+from relaytrain.job.netdetect import detect_interface, read_ip_brief
 from relaytrain.job.progress import PROGRESS_DIR_ENV
 
 GPU_MONITOR_MODULE = "relaytrain.monitor.gpu_monitor"
@@ -125,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.map_env:
         apply_slurm_env(os.environ)
+    if not os.environ.get("NCCL_SOCKET_IFNAME") and (name := detect_interface(read_ip_brief())):
+        os.environ["NCCL_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"] = (
+            name  # a step without the driver
+        )
     if args.gpu_monitor_dir and args.gpu_monitor_interval > 0:
         start_gpu_monitor(args.gpu_monitor_dir, args.gpu_monitor_interval, dict(os.environ))
     if args.hang_watch:

@@ -18,6 +18,7 @@ from pathlib import Path
 import jinja2
 
 from relaytrain.errors import UserError
+from relaytrain.job.slurm_command import SlurmResult, run_slurm_command
 from relaytrain.localcluster import daemons, lock, net, node_memory
 
 DEFAULT_BASE_DIR = Path("/tmp/relaytrain-cluster")
@@ -94,10 +95,10 @@ def _info(base: Path, state: dict, started: bool) -> ClusterInfo:
     return ClusterInfo(base, _conf_path(base), names, state["cpus_per_node"], addrs, started=started)
 
 
-def run_slurm(args: list[str], base: Path, timeout: float = 30.0) -> subprocess.CompletedProcess:
+def run_slurm(args: list[str], base: Path, timeout: float = 30.0) -> SlurmResult:
     """Run a Slurm client (sinfo, squeue, scontrol, scancel...) against this cluster."""
     env = {**os.environ, "SLURM_CONF": str(_conf_path(base))}
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_slurm_command(args, timeout, env=env)
 
 
 def node_states(base: Path) -> dict[str, str]:

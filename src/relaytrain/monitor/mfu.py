@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from relaytrain.atomic import write_atomic
 from relaytrain.job.machine import cpu_model
 
 log = logging.getLogger(__name__)
@@ -118,10 +119,7 @@ def _read_cache(path: Path) -> dict:
 def _write_cache_entry(path: Path, key: str, entry: dict) -> str:
     """Store ``entry`` under ``key``; returns "" or why it could not be cached."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(_read_cache(path) | {key: entry}, indent=1) + "\n")
-        tmp.replace(path)
+        write_atomic(path, json.dumps(_read_cache(path) | {key: entry}, indent=1) + "\n", durable=False)
     except OSError as err:
         return str(err)
     return ""

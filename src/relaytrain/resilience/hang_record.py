@@ -17,6 +17,7 @@ import stat
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from relaytrain.atomic import write_atomic
 from relaytrain.job import JobFacts, RunDir
 
 # A record names a few culprits and one line: far below this. A bigger file is not one of ours.
@@ -107,14 +108,8 @@ class HangRecordFile:
 
     def write(self, record: HangRecord) -> None:
         """Atomically: a reader sees the previous record or this one, never a part. Raises OSError."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         text = json.dumps(record.as_json(), allow_nan=False, indent=1, sort_keys=True) + "\n"
-        try:
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, self.path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_atomic(self.path, text, durable=False)
 
     def read(self) -> HangRecord | None:
         """The record, or None: no file, an unreadable, oversized or damaged one, or not a record."""

@@ -26,6 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from relaytrain.atomic import write_atomic
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.progress import Phase, ProgressRecord, read_board
 from relaytrain.resilience.hang_stacks import describe_rank, process_state
@@ -35,10 +36,7 @@ INTERVAL_S = 1.0
 
 def replace_file(path: Path, text: str) -> None:
     """Whole-file replace: a reader on another node never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, text, durable=False)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -31,7 +31,6 @@ import argparse
 import logging
 import os
 import shlex
-import subprocess
 import sys
 import time
 import traceback
@@ -45,17 +44,20 @@ from relaytrain.job.env import narrow_to_nodes, place_by_hostfile
 from relaytrain.job.facts import SPARE_NODES_ENV, STEP_RESTARTS_ENV
 from relaytrain.job.jsonl import append_job_record
 from relaytrain.job.ports import choose_port, has_no_listener
+from relaytrain.job.slurm_command import run_slurm_command
 from relaytrain.resilience.hang_detect import HangPolicy
 from relaytrain.resilience.hang_monitor import HangMonitor
 from relaytrain.resilience.hang_record import HangRecordFile
+from relaytrain.resilience.job_setup import prepare, record_environment
 from relaytrain.resilience.job_step import Heartbeat, SignalForwarder, job_log_path, log
-from relaytrain.resilience.requeue import scontrol_requeue
+from relaytrain.resilience.requeue import requeue
 from relaytrain.resilience.run_state import RunStateFile
 from relaytrain.resilience.step_decision import Action, Decision, step_marker
 from relaytrain.resilience.step_end import after_step
 from relaytrain.resilience.step_restart import StepFacts
 
 HEARTBEAT_S = 300.0
+CLEANUP_TIMEOUT_S = 300.0  # removing the snapshots from the nodes' memory: seconds, unless a node is stuck
 _PLACEMENT = ("--nodes=", "--nodelist=", "--ntasks=", "--distribution=")  # what `StepLaunch.place` sets
 
 
@@ -134,14 +136,16 @@ def requeue_state(run: RunDir, job: JobFacts | None = None) -> RequeueState:
 
 
 def requeue_if_pending(run: RunDir, job: JobFacts) -> None:
-    """The decision could not run: do the requeue the run asked for and could not do itself."""
-    if not requeue_state(run, job).pending:
+    """The decision could not run: do the requeue the run asked for and could not do itself (through
+    `requeue()`, the one requeue path, which records it and warns when it fails)."""
+    run_state = RunStateFile(run)
+    record = run_state.read()
+    if record is None or not record.pending_for(job):
         return
     print(f"relaytrain: the run asked for a requeue it could not do: scontrol requeue {job.requeue_id}",
           flush=True)  # fmt: skip
-    done, how = scontrol_requeue(job.requeue_id)
-    if not done:
-        print(f"relaytrain: scontrol requeue {job.requeue_id} failed: {how}", file=sys.stderr, flush=True)
+    if not requeue(job, run_state, record, "the run's pending requeue"):
+        print(f"relaytrain: scontrol requeue {job.requeue_id} failed", file=sys.stderr, flush=True)
 
 
 def free_snapshots(python: list[str], config: str, nodes: list[str], what: str = "the nodes'") -> None:
@@ -151,11 +155,7 @@ def free_snapshots(python: list[str], config: str, nodes: list[str], what: str =
     argv = ["srun", "--overlap", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
             f"--nodelist={','.join(nodes)}", *python, "-m", "relaytrain.checkpoint.snapshot", "cleanup",
             "--config", config]  # fmt: skip
-    try:
-        done = subprocess.run(argv, check=False).returncode == 0
-    except OSError:
-        done = False
-    if not done:
+    if not run_slurm_command(argv, CLEANUP_TIMEOUT_S, capture=False).ok:
         log(f"could not remove the job's snapshots from {what} memory ({','.join(nodes)})")
 
 
@@ -270,6 +270,17 @@ def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalFor
     parser.add_argument("--python", default="python", help="how a node runs python (shell words)")
     parser.add_argument("--nodes", default="", help="the nodes the step runs on, comma-separated")
     parser.add_argument("--spare-nodes", default="", help="the job's spare nodes, comma-separated")
+    parser.add_argument(
+        "--training-nodes",
+        type=int,
+        default=-1,
+        help="without --nodes: the job's first N nodes train, the others are spares (0: all)",
+    )
+    parser.add_argument("--processes-per-node", type=int, default=1, help="the job log's node shape")
+    parser.add_argument(
+        "--gpu-tool", default="", help="nvidia-smi or rocm-smi: its output goes to the job log"
+    )
+    parser.add_argument("--pip-freeze", default="", help="keep `pip freeze` here and show the main packages")
     parser.add_argument("--tasks-per-node", type=int, default=1, help="srun tasks per node")
     parser.add_argument("--srun-option", action="append", default=[], help="an option of the step's srun")
     parser.add_argument("--signal", default="", help="Slurm's pre-timeout signal to forward (USR2)")
@@ -281,6 +292,12 @@ def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalFor
     if not command:
         parser.error("the command each task runs is missing (after --)")
     run = RunDir(Path(args.run_dir))
+    if not args.nodes and args.training_nodes >= 0:
+        log(f"run directory: {run.root} (job files in {run.slurm})")
+        job_nodes = prepare(os.environ, args.training_nodes, args.processes_per_node)
+        args.nodes, args.spare_nodes = ",".join(job_nodes.training), ",".join(job_nodes.spares)
+        freeze = Path(args.pip_freeze) if args.pip_freeze else None
+        record_environment(os.environ, args.gpu_tool or "nvidia-smi", shlex.split(args.python), freeze)
     plan = JobPlan(run, args.config, args.program, args.free_snapshots, shlex.split(args.python),
                    args.heartbeat_s, hang_policy(args.config, args.program))  # fmt: skip
     nodes = [n for n in args.nodes.split(",") if n]

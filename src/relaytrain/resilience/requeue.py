@@ -12,8 +12,6 @@ job that hits its time limit is never requeued, even with ``--requeue``.
 from __future__ import annotations
 
 import logging
-import shutil
-import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -22,6 +20,7 @@ from relaytrain.config.schema import CheckpointConfig, ResilienceConfig
 from relaytrain.errors import USAGE_EXIT_CODE
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.env import expand_nodelist
+from relaytrain.job.slurm_command import Outcome, run_slurm_command
 from relaytrain.job.slurmctld import scontrol_job_field
 from relaytrain.resilience.codes import (
     EXIT_HANG,
@@ -86,43 +85,21 @@ def scontrol_requeue(requeue_id: str, exclude: Sequence[str] = ()) -> tuple[bool
     """(done, message). ``scontrol`` missing (inside a container) or failing gives (False, why).
     ``exclude``: nodes the next allocation must not use (bad_nodes.py): a running job's ExcNodeList
     cannot be changed, so the job is requeued held, updated, and released."""
-    if shutil.which("scontrol") is None:
-        return False, (
-            "scontrol is not on PATH (inside a container?): the batch script requeues the job "
-            "when run_state.json says requeue_pending (see docs/resilience.md)"
-        )
     if exclude:
         return _requeue_excluding(requeue_id, exclude)
-    cmd = ["scontrol", "requeue", requeue_id]
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=SCONTROL_REQUEUE_TIMEOUT_S, check=False
+    return _scontrol("requeue", requeue_id, ignore_sigterm=False)
+
+
+def _scontrol(*args: str, ignore_sigterm: bool = True) -> tuple[bool, str]:
+    """(done, the command or why not). `requeuehold`'s SIGTERM reaches the `update` and `release` that
+    follow it: they ignore it (relaytrain.job.slurm_command)."""
+    done = run_slurm_command(["scontrol", *args], SCONTROL_REQUEUE_TIMEOUT_S, ignore_sigterm=ignore_sigterm)
+    if done.outcome is Outcome.MISSING:
+        return False, (
+            "scontrol is not on PATH (inside a container?): the batch job's driver requeues the job "
+            "when run_state.json says requeue_pending (see docs/resilience.md)"
         )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return False, f"{' '.join(cmd)} failed: {err}"
-    if proc.returncode != 0:
-        return False, f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()[:300]}"
-    return True, " ".join(cmd)
-
-
-# `requeuehold` ends the running job at once: Slurm sends SIGTERM to every process of the batch step,
-# the `scontrol update` and `scontrol release` that follow it included, which then die half-way and leave
-# the job held for good. They run with SIGTERM ignored (inherited through exec); SIGKILL after KillWait
-# still ends them, and each takes a fraction of a second.
-SIGTERM_IGNORED = ("sh", "-c", 'trap "" TERM; exec "$@"', "sh")
-
-
-def _scontrol(*args: str) -> tuple[bool, str]:
-    cmd = ["scontrol", *args]
-    try:
-        proc = subprocess.run(
-            [*SIGTERM_IGNORED, *cmd], capture_output=True, text=True, timeout=SCONTROL_REQUEUE_TIMEOUT_S
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return False, f"{' '.join(cmd)} failed: {err}"
-    if proc.returncode != 0:
-        return False, f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()[:300]}"
-    return True, " ".join(cmd)
+    return (True, done.command) if done.ok else (False, done.why())
 
 
 def _requeue_excluding(requeue_id: str, exclude: Sequence[str]) -> tuple[bool, str]:
@@ -147,7 +124,7 @@ def requeue(
     """Write the record with the requeue pending, ``scontrol requeue`` the job, record it requeued.
 
     ``why`` completes the warning when it fails ("could not requeue {why}: ..."); the record then says
-    ``requeue_pending`` (the batch shell's fallback requeues it when the run cannot, docs/resilience.md).
+    ``requeue_pending`` (the batch job's driver requeues it when the run cannot, docs/resilience.md).
     Slurm ends the job at once after a successful call: the record is written before it.
     """
     run_state.write(replace(record, requeue_requested=True, requeue_pending=True, requeued=False))

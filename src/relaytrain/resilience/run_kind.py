@@ -12,9 +12,9 @@ trainer's when it holds the trainer's resolved `config.toml`.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 
+from relaytrain.atomic import write_atomic
 from relaytrain.errors import UserError
 from relaytrain.job.rundir import RunDir
 
@@ -56,10 +56,7 @@ def claim_kind(run: RunDir, wanted: RunKind) -> None:
     if found is not None and path.exists() and (found.command or not wanted.command):
         return
     record = {"kind": wanted.kind, **({"command": wanted.command} if wanted.command else {})}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(record) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(record) + "\n", durable=False)
 
 
 def refuse_other_kind(run: RunDir, wanted: RunKind) -> RunKind | None:

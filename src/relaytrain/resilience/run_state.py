@@ -6,9 +6,6 @@ requeue of a finished run, ``relaytrain status``, a program's ``previous_stop()`
 file. This module is its one reader and writer: ``RunState`` is what it holds, ``RunStatus`` its
 status. The JSON is written atomically, one key per line with sorted keys; its field names and values
 are a contract (docs/resilience.md), and a file written by an earlier version still reads.
-
-``python -m relaytrain.resilience.run_state requeue-pending RUN_DIR`` answers the batch script's one
-question without a JSON parser in the shell: exit 0 when the run asked for a requeue it could not do.
 """
 
 from __future__ import annotations
@@ -17,9 +14,7 @@ import ast
 import enum
 import json
 import logging
-import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from relaytrain.atomic import write_atomic
 from relaytrain.errors import UserError
 from relaytrain.job import JobFacts, RunDir
 
@@ -69,7 +65,7 @@ class RunState:
     # deterministic failure the end of the step does not retry. "" when the run did not fail with one.
     user_error: str = ""
     requeue_requested: bool = False  # the policy asked for a requeue
-    requeue_pending: bool = False  # ... and it was not done yet: the batch script's fallback does it
+    requeue_pending: bool = False  # ... and it was not done yet: the batch job's driver does it
     requeued: bool = False  # `scontrol requeue` succeeded
     # The newest checkpoint the run is known to have: the one it resumed from (``running``) or the last
     # one it committed. A later start that loads none must not silently throw it away; every rewrite
@@ -239,13 +235,12 @@ class RunStateFile:
     def _rewrite(self, make: Callable[[RunState | None], RunState]) -> RunState:
         """Write ``make(the previous record)``; reading and writing under one lock, so that a record another
         thread writes meanwhile (the hard deadline's stop) is never overwritten by a stale copy."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         locked = _WRITE_LOCK.acquire(timeout=_WRITE_LOCK_WAIT_S)
         try:
             record = make(self.read())
-            tmp.write_text(json.dumps(record.as_json(), indent=1, sort_keys=True) + "\n", encoding="utf-8")
-            os.replace(tmp, self.path)
+            write_atomic(
+                self.path, json.dumps(record.as_json(), indent=1, sort_keys=True) + "\n", durable=False
+            )
         finally:
             if locked:
                 _WRITE_LOCK.release()
@@ -272,28 +267,3 @@ def recorded_step(run: RunDir) -> int | None:
     """The step run_state.json says the run reached (None: no readable record)."""
     record = RunStateFile(run).read()
     return record.step if record is not None else None
-
-
-def requeue_pending(run: RunDir) -> bool:
-    """Whether the run asked for a requeue it could not do (no `scontrol` in its container, or it failed):
-    the batch script then requeues the job itself. A damaged record raises RunStateError."""
-    record = RunStateFile(run).load()
-    return record is not None and record.pending_for(JobFacts.from_env())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``requeue-pending RUN_DIR``: exit 0 when the run's requeue is pending, 1 when not (or no record
-    yet), 2 with one line on stderr when the record is damaged or the command is wrong."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] != "requeue-pending":
-        print("usage: python -m relaytrain.resilience.run_state requeue-pending RUN_DIR", file=sys.stderr)
-        return 2
-    try:
-        return 0 if requeue_pending(RunDir(Path(args[1]))) else 1
-    except RunStateError as exc:
-        print(f"relaytrain: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

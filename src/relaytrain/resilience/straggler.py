@@ -16,12 +16,9 @@ the steps it happens to preempt, for seconds at a time, and the window's median 
 A rank is named when one phase of it is slower than ``threshold`` in ``needed`` of the last ``windows``
 windows (``resilience.straggler_windows_over`` of ``straggler_windows``): a noisy window or two neither
 name a rank nor restart the count, as a streak rule's would, and the median of the phase's slowdowns over
-those windows (the magnitude reported) is then over the threshold too. The defaults (10 %, 5 of 8
-windows, 20 ms floor on CPU) were chosen by replaying measured runs' windows through a grid of rules
-(docs/benchmarks.md, "Straggler rules, replayed": threshold, windows, floor and the typical step's
-condition): a threshold of half the slowdown to be caught leaves a 20 % slower rank room for the noise of
-a shared machine; lower counts and floors named clean runs beside busy processes. Those runs also tuned
-the floor and the count, so the page's figures are in-sample until fresh runs judge them.
+those windows (the magnitude reported) is then over the threshold too. How the defaults (10 %, 5 of 8
+windows, 20 ms floor on CPU) were chosen, and what they were judged on: docs/benchmarks.md, "Straggler
+rules, replayed".
 The typical step must agree: the median over the same windows of the phase's slowdown in the windows'
 MEDIAN times is over the threshold as well. A persistent slowdown slows the typical step with the
 fastest; on a machine whose cores are shared, a rank that happens to catch an idle core now and then has
@@ -61,12 +58,9 @@ PHASES = ("data", "forward", "optimizer")  # the work a rank does alone, in the 
 # varies by more than any threshold from the launch and the clock alone.
 MIN_PHASE_S = 0.001
 # The floor for phases timed by the host's clock: the operating system takes a rank's core away for slices
-# of a few ms whenever another process wants it. In a clean run on a loaded machine that made a 6 ms
-# optimizer phase over 10 % slower in 6 of 7 windows (22 % by their median: a false report), while the same
-# rank's 18 ms forward phase was not named; beside one busy process, a 13-20 ms optimizer phase was 22 %
-# slower in 5 and in 6 of 7 windows (docs/benchmarks.md, "Straggler rules, replayed": no false report
-# from 20 ms on). 20 ms leaves phases of a few slices out and the forward phase (every layer's attention
-# and feed-forward) of models worth watching in.
+# of a few ms whenever another process wants it, so a shorter phase reads slower by noise alone (the runs
+# it was chosen on: docs/benchmarks.md, "Straggler rules, replayed"). 20 ms leaves phases of a few slices
+# out and the forward phase (every layer's attention and feed-forward) of models worth watching in.
 MIN_HOST_PHASE_S = 0.020
 
 
@@ -127,11 +121,10 @@ class StragglerJudge:
     are weighed. A (rank, phase) over the threshold in at least ``needed`` of the last K windows by its
     fastest times is named when the median of its slowdowns by the windows' median times over those
     windows is over the threshold too; ``slower`` is the median of its slowdowns by the fastest times.
-    The named rank clears once it is over the threshold in at most K - ``needed`` of the last K
-    (bench.straggler_rules replays the choices over kept runs). ``min_phase_s``: the shortest phase
-    compared (``phase_floor``); ``peers``: each rank's group of ranks doing the same work
-    (``slower_by``); ``typical``: whether the typical step must agree (shipped: it must; the replay judges
-    the rule without it too)."""
+    The named rank clears once it is over the threshold in at most K - ``needed`` of the last K.
+    ``min_phase_s``: the shortest phase compared (``phase_floor``); ``peers``: each rank's group of ranks
+    doing the same work (``slower_by``); ``typical``: whether the typical step must agree (the trainer's
+    judge: it must)."""
 
     def __init__(
         self,

@@ -28,7 +28,6 @@ from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts
 from relaytrain.job.progress import ProgressBoard
 from relaytrain.resilience.straggler import (
-    MIN_PHASE_S,
     PHASES,
     Straggler,
     StragglerJudge,
@@ -266,14 +265,6 @@ def _median(values: list[float]) -> float:
 
 # the gathered row's columns, by their `rank_times` names: the medians, the step's median, the fastest
 RECORD_COLUMNS = (*PHASES, "step", *(f"{phase}_fastest" for phase in PHASES))
-# phases timed since the record began: a run recorded before one was timed has no column of it
-ADDED_PHASES = ("forward",)
-
-
-def phase_timed(records: list[dict[str, Any]], phase: str) -> bool:
-    """Whether a run's `rank_times` records show ``phase`` timed: a phase of ``ADDED_PHASES`` is missing
-    from records kept before it was timed, and 0 where the run could not time it."""
-    return any(float(r.get(f"rank0_{phase}_s") or 0) >= MIN_PHASE_S for r in records)
 
 
 def judged_times(matrix: list[list[float]]) -> tuple[list[list[float]], list[list[float]]] | None:
@@ -286,32 +277,11 @@ def judged_times(matrix: list[list[float]]) -> tuple[list[list[float]], list[lis
     return [row[steps_column + 1 :] for row in matrix], [row[:steps_column] for row in matrix]
 
 
-def stages_from_record(record: dict[str, Any]) -> list[int] | None:
-    """Each rank's pipeline stage as a window's `rank_times` record keeps it (None: one stage)."""
-    stages = record.get("stages")
-    return [int(s) for s in stages] if stages is not None else None
-
-
-def matrix_from_record(record: dict[str, Any], ranks: int) -> list[list[float]]:
-    """A window's gathered rows back from its `rank_times` record (``_times_record`` undone), so a run's
-    verdicts can be replayed from its records. A phase of ``ADDED_PHASES`` the record has no column of was
-    not timed by its run: 0 s, which the judge leaves out (``MIN_PHASE_S``), as that run's judge had nothing
-    of it to compare. KeyError for any other column the record lacks."""
-
-    def value(rank: int, column: str) -> float:
-        key = f"rank{rank}_{column}_s"
-        if key not in record and column.removesuffix("_fastest") in ADDED_PHASES:
-            return 0.0
-        return float(record[key])
-
-    return [[value(rank, column) for column in RECORD_COLUMNS] for rank in range(ranks)]
-
-
 def _times_record(matrix: list[list[float]], stages: list[int] | None = None) -> dict[str, Any]:
     """The `rank_times` record: each rank's median seconds per phase and per step over the window
     (``rank<R>_<phase>_s``) and its fastest seconds per phase (``rank<R>_<phase>_fastest_s``: what the
-    judge compares, kept so that a run's verdicts can be replayed from its records); under pipeline
-    parallelism each rank's stage (``stages``: a rank is compared with those of its stage)."""
+    judge compares); under pipeline parallelism each rank's stage (``stages``: a rank is compared with
+    those of its stage)."""
     out: dict[str, Any] = {} if stages is None else {"stages": list(stages)}
     for rank, row in enumerate(matrix):
         for column, value in zip(RECORD_COLUMNS, row, strict=True):

@@ -8,10 +8,10 @@ traceback and never an empty answer that looks like "no jobs".
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 from relaytrain.errors import UserError
+from relaytrain.job.slurm_command import Outcome, SlurmResult, run_slurm_command
 
 TIMEOUT_S = 60
 # What Slurm's clients print when they cannot read the cluster's configuration ...
@@ -41,7 +41,7 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def run_slurm(cmd: list[str], timeout: float | None = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+def run_slurm(cmd: list[str], timeout: float | None = TIMEOUT_S) -> SlurmResult:
     """Run a Slurm client command and return its result (a nonzero exit code included: "no such job" is
     an answer). Raises SlurmUnavailable when the command cannot ask Slurm at all. `timeout=None` for a
     command that must not be killed halfway (sbatch: the job may be queued before it prints its id)."""
@@ -53,18 +53,15 @@ def run_slurm(cmd: list[str], timeout: float | None = TIMEOUT_S) -> subprocess.C
             f"cannot run {tool}: SLURM_CONF={conf} is not a file; set SLURM_CONF to the cluster's slurm.conf "
             "or unset it"
         )
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        raise SlurmUnavailable(
-            f"{tool} not found: Slurm's client commands are not installed here; {FIX}"
-        ) from None
-    except subprocess.TimeoutExpired:
+    result = run_slurm_command(cmd, timeout)
+    if result.outcome is Outcome.MISSING:
+        raise SlurmUnavailable(f"{tool} not found: Slurm's client commands are not installed here; {FIX}")
+    if result.outcome is Outcome.TIMED_OUT:
         raise SlurmUnavailable(
             f"{tool} did not answer within {timeout:g}s: is the Slurm controller up? (scontrol ping)"
-        ) from None
-    except OSError as exc:
-        raise SlurmUnavailable(f"cannot run {tool}: {exc.strerror or exc}; {FIX}") from None
+        )
+    if result.outcome is Outcome.NOT_STARTED:
+        raise SlurmUnavailable(f"cannot run {tool}: {result.error}; {FIX}")
     if result.returncode != 0:
         said, last = result.stderr + "\n" + result.stdout, slurm_error(result)
         if any(marker in said for marker in _NOT_CONFIGURED):
@@ -77,12 +74,12 @@ def run_slurm(cmd: list[str], timeout: float | None = TIMEOUT_S) -> subprocess.C
     return result
 
 
-def slurm_error(result: subprocess.CompletedProcess[str]) -> str:
+def slurm_error(result: SlurmResult) -> str:
     """The line a failed Slurm command's answer ends with, or its exit code."""
     return _last_line(result.stderr or result.stdout) or f"exit code {result.returncode}"
 
 
-def slurm_refusal(result: subprocess.CompletedProcess[str]) -> str | None:
+def slurm_refusal(result: SlurmResult) -> str | None:
     """Why a Slurm command refused, or None: its failure, or an `error:` line of a command that exits 0
     with one (`scancel --verbose` of a job id it does not know)."""
     said = next((line for line in result.stderr.splitlines() if "error:" in line), None)

@@ -16,11 +16,13 @@ from pathlib import Path
 from relaytrain.config import Config
 from relaytrain.job import JobFacts
 from relaytrain.job.netdetect import high_speed_interfaces, read_ip_brief
+from relaytrain.job.slurm_command import run_slurm_command
 from relaytrain.monitor.mfu import cpu_capability
 from relaytrain.slurm.client import SlurmUnavailable, run_slurm, slurm_error
 from relaytrain.version import __version__
 
 Check = tuple[str, str, str]
+PROBE_TIMEOUT_S = 60.0
 REQUIRED_TOOLS = ("sbatch", "srun", "squeue", "scontrol")
 OPTIONAL_TOOLS = ("sinfo", "sacct", "sacctmgr")
 SHARED_FS = {
@@ -44,10 +46,16 @@ SHARED_FS = {
 LOCAL_FS = {"tmpfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "overlay", "zfs", "ramfs"}
 
 
+def srun_probe(args: list[str]) -> tuple[int, str, str]:
+    """Run ``srun --overlap ARGS`` in the allocation and keep whatever it says."""
+    done = run_slurm_command(["srun", "--overlap", *args], PROBE_TIMEOUT_S)
+    return (done.returncode if done.ran else 127), done.stdout, done.stderr or done.why()
+
+
 def run_tool(cmd: list[str]) -> tuple[int, str, str]:
-    """Run a local tool (stat, nvidia-smi, sacctmgr, an srun probe) and keep whatever it says."""
+    """Run a local tool (stat, nvidia-smi) and keep whatever it says."""
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError) as exc:
         return 127, "", str(exc)
     return result.returncode, result.stdout, result.stderr
@@ -116,10 +124,8 @@ def check_shared_dir(run_root: Path, nodes: list[str]) -> Check:
         run_root.mkdir(parents=True, exist_ok=True)
         token = f".doctor-{uuid.uuid4().hex[:8]}"
         marker = f"{run_root}/{token}-$SLURMD_NODENAME"
-        rc, _, err = run_tool(
+        rc, _, err = srun_probe(
             [
-                "srun",
-                "--overlap",
                 f"--nodes={len(nodes)}",
                 "--ntasks-per-node=1",
                 "bash",
@@ -196,9 +202,7 @@ def check_environment(nodes: list[str]) -> Check:
     if len(nodes) <= 1:
         return ("python environment", "pass", here)
     code = "import sys, relaytrain; print(sys.executable, 'relaytrain', relaytrain.__version__)"
-    rc, out, err = run_tool(
-        ["srun", "--overlap", f"--nodes={len(nodes)}", "--ntasks-per-node=1", "python", "-c", code]
-    )
+    rc, out, err = srun_probe([f"--nodes={len(nodes)}", "--ntasks-per-node=1", "python", "-c", code])
     answers = {line.strip() for line in out.splitlines() if line.strip()}
     if rc != 0 or not answers:
         return ("python environment", "fail", f"relaytrain not importable on every node: {err.strip()[:120]}")

@@ -20,8 +20,8 @@ import jinja2
 from relaytrain.config import Config, SlurmConfig
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
-from relaytrain.job.netdetect import IFNAME_AWK
 from relaytrain.slurm.container import step_workdir
+from relaytrain.slurm.job_env import environment_lines
 from relaytrain.slurm.profile import is_rocm
 from relaytrain.slurm.submit import submission_line
 
@@ -29,7 +29,6 @@ TEMPLATE_DIR = Path(__file__).parent / "templates"
 HEARTBEAT_S = 300
 SHUTDOWN_MARGIN_S = 30  # torchrun waits hard_deadline_s + this before it SIGKILLs workers
 TORCHRUN_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-FLIGHT_RECORDER_ENTRIES = 20000  # collectives each rank remembers for the dump after a timeout (torchtitan's)
 _PLAIN = re.compile(r"[A-Za-z0-9_.,:=/%@+\-]*")
 
 
@@ -292,7 +291,6 @@ def render_script(spec: JobSpec) -> str:
         "attach_jobid": spec.attach_jobid,
         "slurm": s,
         "signal_name": signal_short(r.slurm_signal) if spec.send_signal else "",
-        "ifname_awk": IFNAME_AWK,
         "run_dir": str(spec.run_dir),
         "slurm_dir": str(spec.rundir.slurm),
         # Paths inside a run directory the script joins to $run_dir (a sweep point's is chosen at run time).
@@ -303,7 +301,6 @@ def render_script(spec: JobSpec) -> str:
         "spare_nodes": s.spare_nodes,
         "tasks_per_node": spec.tasks_per_node,
         "gpus_per_node": s.gpus_per_node,
-        "flight_recorder_entries": FLIGHT_RECORDER_ENTRIES,
         "rocm": is_rocm(s),
         "python_cmd": python_command(s),
         "heartbeat_s": HEARTBEAT_S,
@@ -326,6 +323,17 @@ def render_script(spec: JobSpec) -> str:
         "command": spec.command,
         "snapshots": bool(spec.cfg.checkpoint.snapshot_every),  # an interval, or "auto"
     }
+    signal = context["signal_name"] if context["signal_name"] and not spec.attach_jobid else "none"
+    where = context["in_run_dir"]
+    context["environment"] = environment_lines(s, is_rocm(s), signal, where["logs"], where["flight_recorder"])
+    wrapper = [*map(shlex.quote, python_command(s)), "-m", "relaytrain.job.task"]
+    wrapper += ["--map-env"] if context["map_env"] else []
+    if context["gpu_monitor"]:
+        wrapper += ["--gpu-monitor-dir", f'"$run_dir/{where["gpu"]}"', "--gpu-monitor-interval"]
+        wrapper.append(str(context["gpu_monitor_interval"]))
+    context["task_wrapper"] = " ".join(
+        [*wrapper, *(['--hang-watch "$run_dir"'] if context["hang_watch"] else [])]
+    )
     if spec.attach_jobid and not spec.attach_jobid.replace("_", "").isdigit():
         raise UserError(f"--jobid {spec.attach_jobid!r} is not a Slurm job id")
     return _environment().get_template("job.sh.j2").render(**context)

@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from relaytrain.atomic import write_chunks
 from relaytrain.checkpoint.checksums import Checksum
 from relaytrain.job.facts import JobFacts
 
@@ -58,27 +59,27 @@ def entry_file(step_path: Path, rank: int) -> Path:
     return step_path / f"rank-{rank}.json"
 
 
-def _durable(path: Path, chunks, writer: int) -> tuple[int, str]:
-    """Write `chunks` to `path` via a temp name (unique per writing rank), fsync, rename; (size, checksum)."""
-    tmp = path.with_name(f".{path.name}.{writer}.tmp")
+def _durable(path: Path, chunks) -> tuple[int, str]:
+    """Write `chunks` to `path` durably and atomically; (size, checksum)."""
     checksum, size = Checksum(), 0
-    with open(tmp, "wb") as f:
+
+    def counted():
+        nonlocal size
         for chunk in chunks:
-            f.write(chunk)
             checksum.update(chunk)
             size += len(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+            yield chunk
+
+    write_chunks(path, counted(), durable=True)
     return size, checksum.text()
 
 
-def write_snapshot(step_path: Path, rank: int, chunks, meta: dict[str, Any], writer: int) -> dict[str, Any]:
+def write_snapshot(step_path: Path, rank: int, chunks, meta: dict[str, Any]) -> dict[str, Any]:
     """Write rank `rank`'s snapshot file (its own, or a peer's replica), then its manifest entry."""
     step_path.mkdir(parents=True, exist_ok=True)
-    size, checksum = _durable(snapshot_file(step_path, rank), chunks, writer)
+    size, checksum = _durable(snapshot_file(step_path, rank), chunks)
     entry = {**meta, "rank": rank, "size": size, "checksum": checksum}
-    _durable(entry_file(step_path, rank), [json.dumps(entry).encode()], writer)
+    _durable(entry_file(step_path, rank), [json.dumps(entry).encode()])
     return entry
 
 

@@ -169,11 +169,11 @@ class SnapshotTier:
             work.wait()
         replicated = time.perf_counter()
         step_path = store.step_dir(self.node_dir, step)
-        entry = store.write_snapshot(step_path, self.rank, chunks, meta, self.rank)
+        entry = store.write_snapshot(step_path, self.rank, chunks, meta)
         if entry["checksum"] != checksum:
             raise OSError(f"snapshot of step {step} changed while it was written")
         for src, parts, sent_checksum in received:
-            replica = store.write_snapshot(step_path, src, parts, {**meta, "rank": src}, self.rank)
+            replica = store.write_snapshot(step_path, src, parts, {**meta, "rank": src})
             if replica["checksum"] != sent_checksum:
                 store.entry_file(step_path, src).unlink(missing_ok=True)
                 raise OSError(f"the replica of rank {src}'s snapshot of step {step} arrived damaged")

@@ -1,0 +1,98 @@
+"""What the batch job's driver sets up before its first job step, on the allocation's first node (the
+batch script only prepares the environment and hands over, docs/architecture.md "The launch path"):
+
+* the job's nodes, split into the training nodes and the spares (``slurm.spare_nodes``);
+* MASTER_ADDR (the first training node) and MASTER_PORT (derived from the job id, the first one from
+  there that nothing listens on: ``job.ports.choose_port``);
+* the high-speed interface for NCCL and Gloo (``job.netdetect``), unless the config named one;
+* the job log's record of the environment: the job, the variables that matter (secrets left out), the
+  GPUs, and the Python packages.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import NamedTuple
+
+from relaytrain.job import JobFacts
+from relaytrain.job.netdetect import detect_interface, read_ip_brief
+from relaytrain.job.ports import choose_port, has_no_listener
+from relaytrain.resilience.job_step import log
+
+RECORDED = re.compile(r"^(SLURM_|NCCL_|GLOO_|CUDA_|ROCR_|HIP_|TORCH|OMP_|MASTER_|PYTHON|MIOPEN_)")
+SECRET = re.compile(r"^[^=]*(TOKEN|SECRET|PASSWORD|KEY)[^=]*=", re.IGNORECASE)
+PACKAGES = re.compile(r"^(torch|relaytrain|numpy|triton|nvidia-nccl|deepspeed|lightning|megatron)", re.I)
+
+
+class JobNodes(NamedTuple):
+    training: list[str]
+    spares: list[str]
+
+
+def split_nodes(job: JobFacts, training: int) -> JobNodes:
+    """The job's nodes in Slurm's order: the first ``training`` train (0: all), the others wait as spares."""
+    hosts = job.nodes()
+    count = training or len(hosts)
+    return JobNodes(hosts[:count], hosts[count:])
+
+
+def set_master(environ: MutableMapping[str, str], job: JobFacts, nodes: list[str]) -> None:
+    """MASTER_ADDR and MASTER_PORT for the first step (a restart in place picks its own port)."""
+    environ["MASTER_ADDR"] = nodes[0] if nodes else "127.0.0.1"
+    environ["MASTER_PORT"] = str(choose_port(job.job_id or "0", has_no_listener))
+
+
+def set_interface(environ: MutableMapping[str, str]) -> None:
+    """NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: the first up ib*, else hsn*, unless already set."""
+    if environ.get("NCCL_SOCKET_IFNAME"):
+        name = environ["NCCL_SOCKET_IFNAME"]
+    elif name := detect_interface(read_ip_brief()) or "":
+        environ["NCCL_SOCKET_IFNAME"] = environ["GLOO_SOCKET_IFNAME"] = name
+    if name:
+        log(f"high-speed interface: {name} (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)")
+    else:
+        log("no ib*/hsn* interface found: NCCL and Gloo choose their own")
+
+
+def _output(argv: list[str]) -> str | None:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def record_environment(
+    environ: MutableMapping[str, str], gpu_tool: str, python: list[str], freeze: Path | None
+):
+    """The environment in the job log: the variables, the GPUs (``gpu_tool``: nvidia-smi or rocm-smi, when
+    installed) and, with ``freeze``, the Python packages (the whole list kept in that file)."""
+    log("environment:")
+    lines = sorted(f"{k}={v}" for k, v in environ.items() if RECORDED.match(k))
+    print("".join(f"    {line}\n" for line in lines if not SECRET.match(line)), end="", flush=True)
+    if (gpus := _output([gpu_tool])) is not None:
+        print(gpus, end="", flush=True)
+    if freeze is not None and (packages := _output([*python, "-m", "pip", "freeze"])) is not None:
+        freeze.parent.mkdir(parents=True, exist_ok=True)
+        freeze.write_text(packages, encoding="utf-8")
+        log(f"python packages: {len(packages.splitlines())} (full list in {freeze})")
+        shown = [f"    {line}\n" for line in packages.splitlines() if PACKAGES.match(line)]
+        print("".join(shown), end="", flush=True)
+
+
+def prepare(environ: MutableMapping[str, str], training: int, processes_per_node: int) -> JobNodes:
+    """The nodes, the master, the interface, and the job's first log lines."""
+    job = JobFacts.from_env(environ)
+    nodes = split_nodes(job, training)
+    set_master(environ, job, nodes.training)
+    hosts = [*nodes.training, *nodes.spares]
+    shape = f"{len(hosts)} node(s) x {processes_per_node} task(s)"
+    log(f"job {job.job_id}: restart count {job.restart_count}, {shape}: {' '.join(hosts)}")
+    log(f"master: {environ['MASTER_ADDR']}:{environ['MASTER_PORT']}")
+    if nodes.spares:
+        log(f"training nodes: {','.join(nodes.training)}; spare nodes: {','.join(nodes.spares)}")
+    set_interface(environ)
+    return nodes

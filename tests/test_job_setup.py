@@ -1,0 +1,27 @@
+"""What the batch job's driver sets up before its first step (resilience/job_setup.py), formerly the batch
+shell's: the training nodes and spares, the master, and the job log's record of the environment."""
+
+from __future__ import annotations
+
+from relaytrain.job import JobFacts
+from relaytrain.job.ports import PORT_MAX, PORT_MIN
+from relaytrain.resilience import job_setup
+
+
+def test_the_first_nodes_train_and_the_others_are_spares(monkeypatch):
+    job = JobFacts.from_env({"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n1,n2,n3"})
+    assert job_setup.split_nodes(job, 2) == (["n1", "n2"], ["n3"])
+    assert job_setup.split_nodes(job, 0) == (["n1", "n2", "n3"], [])
+    environ = {"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n1,n2,n3"}
+    monkeypatch.setattr(job_setup, "read_ip_brief", lambda: "ib0 UP 10.0.0.1/16\n")
+    nodes = job_setup.prepare(environ, 2, 8)
+    assert nodes.training == ["n1", "n2"] and environ["MASTER_ADDR"] == "n1"
+    assert PORT_MIN <= int(environ["MASTER_PORT"]) <= PORT_MAX
+    assert environ["NCCL_SOCKET_IFNAME"] == environ["GLOO_SOCKET_IFNAME"] == "ib0"
+
+
+def test_the_environment_record_leaves_secrets_out(capsys, tmp_path):
+    environ = {"NCCL_DEBUG": "INFO", "HF_TOKEN": "x", "TORCH_API_KEY": "s3cret", "HOME": "/root"}
+    job_setup.record_environment(environ, "no-such-gpu-tool", ["python"], None)
+    out = capsys.readouterr().out
+    assert "    NCCL_DEBUG=INFO\n" in out and "s3cret" not in out and "HOME" not in out
