@@ -148,8 +148,8 @@ def test_torch_requirement_is_a_range_that_admits_the_on_disk_build():
     assert set(bounds) == {">=", "<"}, torch
     low, high = (tuple(int(x) for x in bounds[op].split(".")) for op in (">=", "<"))
     # Every release the suite was run on (docs/containers.md, "Tested on") is inside, and nothing newer.
-    assert low <= (2, 9, 0) and (2, 15, 0) < high <= (2, 16)
-    assert low >= (2, 9), "dcp's DefaultStager/StagingOptions (checkpoint/manager.py) came in 2.9"
+    assert low <= (2, 12, 0) and (2, 15, 0) < high <= (2, 16)
+    assert low >= (2, 12), "torchrun's --shutdown-timeout (the generated job script passes it) came in 2.12"
 
 
 def _run_in_shell(script: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:

@@ -118,7 +118,10 @@ def test_a_container_job_says_how_relaytrain_runs_and_what_it_leaves_out(work):
     fake_tool(work / "bin", "python", "exit 1\n")
     result = run_script(script, {})
     assert result.returncode == 3
-    assert "crash recovery skipped: this shell's python (outside the container image)" in result.stdout
+    assert (
+        "this shell's python (outside the container image) cannot import relaytrain: the job step runs once, "
+        "without the end-of-step decision or a requeue" in result.stdout
+    )
 
 
 def test_a_chain_dry_run_prints_linked_submissions_that_run_as_printed(work):

@@ -1,11 +1,11 @@
 """Every private torch name relaytrain uses, behind one function each.
 
-pyproject.toml admits torch >=2.9.0a0,<2.16; a private name may move or change between those minors
+pyproject.toml admits torch >=2.12.0a0,<2.16; a private name may move or change between those minors
 without notice. So each use is here, once, with the torch versions it was checked on, and
 tests/test_torch_private.py calls every entry on the installed torch: an upgrade that breaks one fails
 that test by name instead of a training run or `plan --simulate` somewhere later. Checked on: torch
-2.9.0, 2.13.0, 2.14.1 and 2.15.0 (tests/test_torch_private.py on each; 2.9 lacks the two names
-`simulation_gaps` reports, and `plan --simulate` says so); an entry's own "Checked" names where it was
+2.12.0, 2.13.0, 2.14.1 and 2.15.0 (tests/test_torch_private.py on each; 2.9, below the range, lacks
+the two names `simulation_gaps` reports, and `plan --simulate` says so); an entry's own "Checked" names where it was
 written. Nothing else in src/ imports a private torch module (tests/test_torch_private.py).
 
 The simulation's memory trackers (relaytrain.parallel.sim_memory) subclass torch's private trackers and
