@@ -5,8 +5,8 @@ without notice. So each use is here, once, with the torch versions it was checke
 tests/test_torch_private.py calls every entry on the installed torch: an upgrade that breaks one fails
 that test by name instead of a training run or `plan --simulate` somewhere later. Checked on: torch
 2.12.0, 2.13.0, 2.14.1 and 2.15.0 (tests/test_torch_private.py on each; 2.9, below the range, lacks
-the two names `simulation_gaps` reports, and `plan --simulate` says so); an entry's own "Checked" names where it was
-written. Nothing else in src/ imports a private torch module (tests/test_torch_private.py).
+the two names `simulation_gaps` reports, and `plan --simulate` says so); an entry's own "Checked"
+names where it was written. Nothing else in src/ imports a private torch module (tests/test_torch_private.py).
 
 The simulation's memory trackers (relaytrain.parallel.sim_memory) subclass torch's private trackers and
 override their private hooks; the names they override and read are listed in TRACKER_HOOKS and checked.
