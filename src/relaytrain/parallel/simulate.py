@@ -273,7 +273,7 @@ def simulate(
     if gaps:
         raise SimulationError(
             f"this torch ({torch.__version__}) lacks private names the simulation uses "
-            f"({', '.join(gaps)}); it was checked on torch 2.13: install torch 2.13 to simulate, or run "
+            f"({', '.join(gaps)}); it was checked on torch 2.12-2.15: install one of those to simulate, or run "
             "`relaytrain plan` without --simulate"
         )
     results = []
