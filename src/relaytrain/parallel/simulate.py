@@ -273,8 +273,8 @@ def simulate(
     if gaps:
         raise SimulationError(
             f"this torch ({torch.__version__}) lacks private names the simulation uses "
-            f"({', '.join(gaps)}); it was checked on torch 2.12-2.15: install one of those to simulate, or run "
-            "`relaytrain plan` without --simulate"
+            f"({', '.join(gaps)}); it was checked on torch 2.12-2.15: install one of those to simulate, "
+            "or run `relaytrain plan` without --simulate"
         )
     results = []
     # A pipeline's left-out micro batches still get their receive buffers (the rest need nothing).
