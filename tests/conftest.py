@@ -33,12 +33,6 @@ hypothesis.settings.register_profile("explore", derandomize=False, print_blob=Tr
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fixed"))
 
 
-def pytest_sessionstart(session):
-    """The controller (or a run without xdist) starts what the tests need built, beside the first tests."""
-    if not hasattr(session.config, "workerinput"):
-        session.config._relaytrain_prebuild = prebuilt.start_in_background()
-
-
 @pytest.fixture(scope="session")
 def deepspeed_ops():
     """DeepSpeed's C++ ops, built on this machine before a test starts ranks that load them."""
@@ -48,10 +42,17 @@ def deepspeed_ops():
     assert done.returncode == 0, f"building DeepSpeed's ops failed:\n{output}"
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected what will not run
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` need a CUDA GPU: without one they are deselected, not skipped (CI has no GPU
-    to install, and a skip under CI is a failure: tests/needs.py)."""
+    to install, and a skip under CI is a failure: tests/needs.py). A session that will run a test needing
+    DeepSpeed's ops starts building them now, beside the first tests (one process: the first xdist worker,
+    or the session itself without xdist)."""
     import torch
+
+    worker = getattr(config, "workerinput", {}).get("workerid", "gw0")
+    if worker == "gw0" and any("deepspeed_ops" in getattr(item, "fixturenames", ()) for item in items):
+        config._relaytrain_prebuild = prebuilt.start_in_background()
 
     if torch.cuda.is_available():
         return
