@@ -119,3 +119,12 @@ def test_the_debug_config_fits_for_a_reason():
     assert not cfg.data.allow_small and cfg.model.vocab_size <= 2 * 258 + 1024
     assert cfg.train.max_steps * DEBUG_STEP_TOKENS < CORPUS_BYTES / 2
     check_data_fits(cfg)
+
+
+def test_data_this_machine_cannot_see_is_left_to_the_ranks(tmp_path):
+    """A login node may not mount what the nodes read: a source without a meta.json here is not counted
+    (train checks it where the ranks start), while the byte tokenizer, known everywhere, still is."""
+    unseen = f"--data.sources=['{tmp_path / 'on-the-nodes-only'}']"
+    check_data_fits(load_config(DEBUG, [unseen, "--train.max_steps=1000000"]))
+    with pytest.raises(ConfigError, match=r"model.vocab_size=2000 but data.tokenizer='byte' has 258 ids"):
+        check_data_fits(load_config(DEBUG, [unseen, "--model.vocab_size=2000"]))
