@@ -43,6 +43,7 @@ def trainer_argv(name: str, compile_: bool, steps: int, batch: int, micro: int, 
             "--metrics.log_every=1",
             "--checkpoint.enabled=false",
             f"--parallel.compile={'true' if compile_ else 'false'}",
+            "--data.allow_small=true",  # speed of the 1B shape: the bundled corpus is enough (docs/data.md)
         ]
     )
 

@@ -57,6 +57,7 @@ class Row:
             "h100",
             "--simulate",
             "--json",
+            "--data.allow_small=true",  # memory of a layout: the preset's data is not read (docs/data.md)
             *self.overrides,
             *mode,
         ]

@@ -6,6 +6,7 @@ docs/parallelism.md's lines train (two steps here: `--train.max_steps=2` and a r
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shlex
@@ -15,6 +16,7 @@ import time
 
 import pytest
 
+from relaytrain.data.sources import BUNDLED_CORPUS
 from test_job_torchrun import clean_env
 from test_readme import README, bash_blocks, block
 from tiny_config import TINY_TOML
@@ -50,15 +52,34 @@ def test_every_doc_line_that_runs_relaytrain_under_torchrun_uses_the_wrapper():
             assert line.startswith(WRAPPER), f"{name}: {line}"
 
 
+def prepare_the_readme_data(folder) -> None:
+    """The README's prepare-data line, as written, in `folder`: the user's corpus.jsonl (the bundled
+    corpus's paragraphs) and tokenizer.json (a byte-level BPE of 300 entries, which the tiny model's 320
+    fill)."""
+    (line,) = [line for line in block(README, "Usage") if line.startswith("relaytrain prepare-data ")]
+    with gzip.open(BUNDLED_CORPUS, "rt", encoding="utf-8") as f:
+        texts = [t for t in f.read().split("\n\n") if t.strip()]
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    for command in (
+        "relaytrain train-tokenizer corpus.jsonl --vocab-size 300 --out tokenizer.json",
+        line.split("#")[0],
+    ):
+        done = subprocess.run(["bash", "-c", command], cwd=folder, env=clean_env(), capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_the_readme_one_node_line_stops_cleanly_on_sigterm(tmp_path):
     (line,) = [line for line in block(README, "Usage") if "relaytrain.cli" in line]
     command = line.split("#")[0].strip()
-    config = tmp_path / shlex.split(command)[-1]  # configs/1b.toml, here a tiny model that trains on
+    (toml,) = [word for word in shlex.split(command) if word.endswith(".toml")]
+    config = tmp_path / toml  # configs/1b.toml, here a tiny model that trains on
     config.parent.mkdir(parents=True)
     config.write_text(
         '[run]\nname = "one-node"\n' + TINY_TOML + "max_steps = 100000\n\n[metrics]\nlog_every = 1\n"
     )
+    prepare_the_readme_data(tmp_path)
     run, metrics = tmp_path / "runs" / "one-node", tmp_path / "runs" / "one-node" / "metrics.jsonl"
     proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=tmp_path, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip

@@ -15,6 +15,7 @@ from relaytrain.plan.gpu_memory import GIB
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET_70B = REPO / "configs/70b.toml"
+TOY = ["--data.allow_small=true"]  # plans of the layout, not of the data (tests/test_data_fit.py)
 
 
 def check(plan, name: str) -> tuple[str, str]:
@@ -40,7 +41,19 @@ def test_async_checkpoint_buffers_count_in_host_memory_per_node(capsys):
     )
     assert "host memory" not in [name for name, _, _ in sync.checks] and sync.verdict == "ok"
     # Through the CLI: --mem is the node's memory the buffers must fit in.
-    args = ["plan", str(PRESET_70B), "--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100", "--mem", "192G"]
+    args = [
+        "plan",
+        str(PRESET_70B),
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--gpu",
+        "h100",
+        "--mem",
+        "192G",
+        *TOY,
+    ]
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "host memory │ fail" in out and "verdict: impossible" in out
@@ -88,7 +101,7 @@ def test_step_estimate_includes_the_pipeline_bubble():
 
 
 def test_no_step_estimate_says_the_layout_failed(capsys):
-    args = ["plan", str(PRESET_70B), "--nodes", "2", "--gpus-per-node", "4", "--gpu", "h100"]
+    args = ["plan", str(PRESET_70B), "--nodes", "2", "--gpus-per-node", "4", "--gpu", "h100", *TOY]
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "not estimated: the layout failed (see the layout check)" in out and "CPU-only" not in out

@@ -193,16 +193,32 @@ def test_plan_verdicts_on_the_presets(preset, overrides, nodes, gpus, verdict, r
     assert reason in " ".join(detail for _, _, detail in plan.checks)
 
 
+# Plans of the presets' layouts, not of their data (the data rule is tests/test_data_fit.py's).
+TOY = ["--data.allow_small=true"]
+
+
 def test_plan_cli_exit_codes(capsys, monkeypatch):
     # No cluster to ask: a worker that ran the Slurm tests has the local cluster's SLURM_CONF, whose
     # partition's small node memory would fail the host-memory check of an 8-GPU plan.
     monkeypatch.setenv("SLURM_CONF", "/nonexistent/slurm.conf")
     assert (
-        main(["plan", str(REPO / "configs/7b.toml"), "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100"])
+        main(
+            [
+                "plan",
+                str(REPO / "configs/7b.toml"),
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "8",
+                "--gpu",
+                "h100",
+                *TOY,
+            ]
+        )
         == 0
     )
     assert "verdict: ok" in capsys.readouterr().out
-    assert main(["plan", str(REPO / "configs/70b.toml"), "--nodes", "2", "--gpus-per-node", "4"]) == 1
+    assert main(["plan", str(REPO / "configs/70b.toml"), "--nodes", "2", "--gpus-per-node", "4", *TOY]) == 1
     assert "impossible" in capsys.readouterr().out
 
 
@@ -216,6 +232,7 @@ OFFLOADED_8B = [
     "--gpu",
     "h100",
     "--parallel.cpu_offload=true",
+    *TOY,
 ]
 
 

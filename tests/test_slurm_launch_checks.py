@@ -34,7 +34,9 @@ def dry_lines(config: str, **kwargs) -> list[str]:
     lines: list[str] = []
     slurm = {"gpu_type": "h100", **kwargs.pop("slurm", {})}
     path = str(REPO / "configs" / f"{config}.toml")
-    launch(LaunchRequest(config=path, slurm=slurm, dry_run=True, **kwargs), lines.append)
+    # Resources and layouts, not data: the presets' data rule is tests/test_data_fit.py's.
+    overrides = [*kwargs.pop("overrides", []), "--data.allow_small=true"]
+    launch(LaunchRequest(config=path, slurm=slurm, dry_run=True, overrides=overrides, **kwargs), lines.append)
     return lines
 
 
@@ -128,7 +130,12 @@ def test_a_chain_dry_run_prints_linked_submissions_that_run_as_printed(work):
     lines: list[str] = []
     configs = [str(REPO / "configs/debug.toml"), str(REPO / "configs/125m.toml")]
     slurm = {"gpus_per_node": 0, "tasks_per_node": 1}
-    chain(LaunchRequest(after="1234", dry_run=True, slurm=slurm, force=True), configs, lines.append)
+    toy = ["--data.allow_small=true"]  # the 125m preset on the bundled corpus (tests/test_data_fit.py)
+    chain(
+        LaunchRequest(after="1234", dry_run=True, slurm=slurm, force=True, overrides=toy),
+        configs,
+        lines.append,
+    )
     tail = lines[lines.index("dry run: the chain is submitted with these commands, in order:") + 1 :]
     first, second = (work / "runs/debug/slurm/job.sh"), (work / "runs/125m/slurm/job.sh")
     assert [line.strip() for line in tail] == [
@@ -178,8 +185,8 @@ def _documented_plans() -> list[str]:
 # The layouts the docs show, and the ones a new user tried (issue: 70b on 4 nodes, 8b on one).
 PLANS = [
     *_documented_plans(),
-    "relaytrain plan configs/70b.toml --nodes 4 --gpus-per-node 8 --gpu h100",
-    "relaytrain plan configs/8b.toml --nodes 1 --gpus-per-node 8 --gpu h100",
+    "relaytrain plan configs/70b.toml --nodes 4 --gpus-per-node 8 --gpu h100 --data.allow_small=true",
+    "relaytrain plan configs/8b.toml --nodes 1 --gpus-per-node 8 --gpu h100 --data.allow_small=true",
 ]
 
 
@@ -208,7 +215,7 @@ def test_step_estimate_is_flops_over_assumed_mfu(capsys, monkeypatch, tmp_path):
     flops = flops_per_token(cfg.model, 8192) * 512 * 8192
     assert plan.step.step_flops == flops
     assert plan.step.seconds == pytest.approx(flops / (32 * 989e12 * 0.5))
-    args = ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100", "--mfu", "50"]
+    args = ["--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100", "--mfu", "50", "--data.allow_small=true"]
     assert main(["plan", str(REPO / "configs/8b.toml"), *args]) == 0
     out = capsys.readouterr().out
     assert re.search(rf"step time \(estimate\)\s*│ {plan.step.seconds:.1f} s, assuming 50% MFU", out), out

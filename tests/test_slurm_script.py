@@ -59,7 +59,9 @@ def quiet(_line: str) -> None:
 def dry(config: str | None = "7b", **kwargs) -> str:
     slurm = {"gpu_type": "h100", **kwargs.pop("slurm", {})}
     path = None if config is None else str(REPO / "configs" / f"{config}.toml")
-    req = LaunchRequest(config=path, slurm=slurm, dry_run=True, **kwargs)
+    # Scripts, not data: the presets' data rule (the bundled corpus is refused) is tests/test_data_fit.py's.
+    overrides = [*kwargs.pop("overrides", []), "--data.allow_small=true"]
+    req = LaunchRequest(config=path, slurm=slurm, dry_run=True, overrides=overrides, **kwargs)
     launch(req, quiet)
     cfg = load_config(path, req.overrides)
     name = kwargs.get("name") or cfg.run.name
@@ -461,6 +463,7 @@ def test_plan_gate_refuses_impossible_layouts_unless_forced(work):
         config=str(REPO / "configs/70b.toml"),
         dry_run=True,
         slurm={"nodes": 2, "gpus_per_node": 4, "gpu_type": "h100"},
+        overrides=["--data.allow_small=true"],  # the layout's gate, not the data's (tests/test_data_fit.py)
     )
     with pytest.raises(UserError, match="plan refused.*parallel.tp=8"):
         launch(req, quiet)

@@ -70,6 +70,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from relaytrain.checkpoint.choose import check_resume
 
     check_resume(cfg)  # a checkpoint.resume path that names no checkpoint, before the run directory exists
+    from relaytrain.data.fit import check_data_fits
+
+    check_data_fits(cfg)  # a tokenizer or data too small for the model and the run (a preset on toy data)
     from relaytrain.trainer import train
 
     return train(cfg)

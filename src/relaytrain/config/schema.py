@@ -91,6 +91,9 @@ class DataConfig(Section):
     weights: list[float] = setting(domain=positive(), factory=list)  # mixture weights; empty: equal
     tokenizer: str = "byte"  # "byte" or a local tokenizer.json; must match the prepared data
     shuffle: bool = True
+    # true: train anyway when model.vocab_size > 2 x the tokenizer's ids + 1024, or when the planned
+    # tokens (max_steps x global_batch_size x seq_len) read the data more than 100 times (a toy run)
+    allow_small: bool = False
 
 
 @dataclass(kw_only=True)

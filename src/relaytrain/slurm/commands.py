@@ -201,6 +201,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     config, overrides = _config_and_overrides(args)
     cfg = load_config(config, overrides) if config else None
+    if cfg is not None:
+        from relaytrain.data.fit import check_data_fits
+
+        check_data_fits(cfg)  # before the checks' table: a preset on the toy corpus is refused outright
     from relaytrain.slurm.doctor import run_checks  # imports torch (the CPU capability)
 
     checks = run_checks(cfg, args.partition or "", args.account or "")

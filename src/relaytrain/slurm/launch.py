@@ -25,7 +25,7 @@ from relaytrain.plan.checks import Plan
 from relaytrain.resilience.run_kind import PROGRAM, TRAIN, RunKind, claim_kind, refuse_other_kind
 from relaytrain.slurm.container import check_container
 from relaytrain.slurm.grid import parse_grid, render_command
-from relaytrain.slurm.launch_checks import check_request
+from relaytrain.slurm.launch_checks import check_request, train_data_checked
 from relaytrain.slurm.partition_plans import plans_for
 from relaytrain.slurm.profile import explicit_config_keys, resolve_slurm
 from relaytrain.slurm.run_owner import refuse_busy_run_dir
@@ -72,7 +72,8 @@ def load_resolved(
     (profile.resolve_slurm), validated as a whole. `notes`: see `_resolved_slurm`."""
     overrides = _overrides(req, extra_overrides)
     written = load_config(req.config, overrides)  # the user's own values, checked as written
-    return load_config(req.config, overrides, {"slurm": _resolved_slurm(req, overrides, written, notes)})
+    slurm = _resolved_slurm(req, overrides, written, notes)
+    return train_data_checked(req, load_config(req.config, overrides, {"slurm": slurm}))
 
 
 def _resolved_slurm(
@@ -106,7 +107,7 @@ def load_for_job(
         # The allocation belongs to someone else's job: a stop must never requeue it.
         resilience["requeue"] = False
     derived = {"slurm": merged, "resilience": resilience}
-    return load_config(req.config, overrides, derived), send_signal
+    return train_data_checked(req, load_config(req.config, overrides, derived)), send_signal
 
 
 def signal_settings(resilience: ResilienceConfig, req: LaunchRequest) -> tuple[bool, dict[str, Any]]:

@@ -1,5 +1,6 @@
 """What `launch` and `sweep` refuse before a config is resolved or a file written: a request without a
-config or command, flags that contradict each other, and a `--command` without a run name of its own.
+config or command, flags that contradict each other, and a `--command` without a run name of its own;
+and, once the config is resolved, data too small for the model it trains (`plan` gets that too).
 
 A program's run directory must be its own: a config's `run.name` (the embedded default is `debug`) names
 relaytrain's trainer run, whose run_state.json a program would overwrite. So `--command` needs `--name`
@@ -13,7 +14,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from relaytrain.config import parse_override
+from relaytrain.config import Config, parse_override
+from relaytrain.data.fit import check_data_fits
 from relaytrain.errors import UserError
 from relaytrain.slurm.submit import check_after
 
@@ -59,3 +61,11 @@ def check_request(req: Any, what: str) -> None:
             f"relaytrain {what} --command needs --name NAME: the program's own run directory (runs/{base}; "
             f"a config's run.name is for relaytrain's trainer), e.g. --name {suggested_name(req.command)}"
         )
+
+
+def train_data_checked(req: Any, cfg: Config) -> Config:
+    """`cfg`, once its data and tokenizer fit its model and run (relaytrain.data.fit), for a job that
+    trains; a --command program reads its own data."""
+    if req.command is None:
+        check_data_fits(cfg)
+    return cfg
