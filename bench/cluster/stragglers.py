@@ -69,6 +69,11 @@ tensorboard = false
 [checkpoint]
 interval = 1000
 
+[data]
+# the trials' vocabulary (up to 32768 entries) is their compute, not a tokenizer's: the byte ids do not
+# fill it (relaytrain.data.fit)
+allow_small = true
+
 [slurm]
 profile = "{PROFILE}"
 """
