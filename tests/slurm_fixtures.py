@@ -5,7 +5,9 @@ tests/conftest.py makes the fixture visible to every test file with::
     from slurm_fixtures import slurm_cluster  # noqa: F401
 
 Tests using it are marked ``@pytest.mark.slurm``. The fixture reuses a cluster that is already up
-(a developer's `relaytrain cluster up`) or starts one and stops it at the end of the session. It skips
+(a developer's `relaytrain cluster up`) or starts one and stops it at the end of the session: the
+session's last step, not a worker's, under xdist (a worker that started it and finished its tests first
+would otherwise cancel the other lane's jobs as it stopped the cluster). It skips
 only where Slurm cannot be started here; with ``CI`` set it fails instead of skipping.
 """
 
@@ -24,6 +26,11 @@ from relaytrain.localcluster import cluster as local_cluster
 from relaytrain.localcluster.daemons import install_command, is_root, missing_packages
 
 import needs
+from slurm_grouping import worker_dir
+
+# Under xdist, the worker that started the cluster leaves this note for the controller, which stops the
+# cluster once every worker has finished (tests/slurm_grouping.py's pytest_sessionfinish).
+STARTED_NOTE = "cluster-started"
 
 # The suite's cluster: 3 nodes, so a 2-node job has a spare (tests/test_spare_slurm.py).
 CLUSTER_NODES = 3
@@ -48,7 +55,7 @@ def _give_up(reason: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster():
+def slurm_cluster(pytestconfig):
     """A running local cluster (ClusterInfo), with SLURM_CONF exported for the whole session."""
     info = local_cluster.running_cluster()
     started_here = False
@@ -82,7 +89,18 @@ def slurm_cluster():
             else:
                 os.environ[key] = value
         if started_here:
-            local_cluster.cluster_down(info.base_dir)
+            folder = worker_dir(pytestconfig)
+            if folder is None:
+                local_cluster.cluster_down(info.base_dir)
+            else:  # other workers may still have jobs on it
+                (folder / STARTED_NOTE).write_text(str(info.base_dir))
+
+
+def stop_the_cluster_a_worker_started(folder) -> None:
+    """Controller, after every worker has finished: stop the cluster a worker started this session."""
+    note = folder / STARTED_NOTE
+    if note.is_file():
+        local_cluster.cluster_down(note.read_text())
 
 
 def slurm(*args: str, timeout: float = 30.0) -> str:

@@ -90,7 +90,8 @@ def _group_dir(config: pytest.Config) -> Path:
     return config._relaytrain_slurm_group_dir
 
 
-def _worker_dir(config: pytest.Config) -> Path | None:
+def worker_dir(config: pytest.Config) -> Path | None:
+    """On an xdist worker, the controller's folder for the workers' notes; None without xdist."""
     workerinput = getattr(config, "workerinput", None)
     return Path(workerinput[_DIR_KEY]) if workerinput and _DIR_KEY in workerinput else None
 
@@ -110,7 +111,7 @@ def pytest_configure_node(node) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Worker: name the Slurm tests before xdist's own hook reports the collection."""
-    folder = _worker_dir(session.config)
+    folder = worker_dir(session.config)
     if folder is None:
         return
     ids = sorted(item.nodeid for item in session.items if is_slurm_test(item))
@@ -143,7 +144,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
     """Worker: note where each Slurm test ran."""
-    folder = _worker_dir(item.config)
+    folder = worker_dir(item.config)
     if folder is not None and is_slurm_test(item):
         worker = item.config.workerinput["workerid"]
         with open(folder / f"ran-{worker}.txt", "a") as notes:
@@ -178,7 +179,7 @@ class _ClusterLock:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Worker: a Slurm test runs under the cluster lock, exclusive for a module that needs the cluster
     alone, shared otherwise."""
-    folder = _worker_dir(item.config)
+    folder = worker_dir(item.config)
     if folder is None or not is_slurm_test(item):
         yield
         return
@@ -199,9 +200,12 @@ def workers_that_ran_slurm_tests(config: pytest.Config) -> dict[str, list[str]]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
     """Controller: fail the session when one lane's Slurm tests ran on more than one worker."""
     config = session.config
-    if _worker_dir(config) is not None or not hasattr(config, "_relaytrain_slurm_group_dir"):
+    if worker_dir(config) is not None or not hasattr(config, "_relaytrain_slurm_group_dir"):
         return
     ran = workers_that_ran_slurm_tests(config)
+    from slurm_fixtures import stop_the_cluster_a_worker_started  # it imports this module
+
+    stop_the_cluster_a_worker_started(_group_dir(config))
     shutil.rmtree(_group_dir(config), ignore_errors=True)
     by_lane: dict[str, dict[str, list[str]]] = {}
     for worker, ids in ran.items():

@@ -137,3 +137,78 @@ def test_lanes_share_the_cluster_and_a_module_that_needs_it_alone_never_overlaps
         others = [m for m in spans if m != module]
         assert not any(overlap(module, other) for other in others), spans
     assert overlap("test_e2e_stacks", "test_crash_recovery"), spans
+
+
+# The cluster's life in a small suite: a stand-in for relaytrain.localcluster.cluster that notes when it
+# was started and stopped, so that the order of the workers' ends can be read.
+FAKE_CLUSTER_CONFTEST = """
+import json, os, time, types
+import slurm_fixtures
+from slurm_fixtures import slurm_cluster  # noqa: F401
+
+STATE = os.environ["CLUSTER_STATE"]
+
+def _info(started):
+    return types.SimpleNamespace(base_dir=STATE, nodes=["n1", "n2", "n3"], env={}, started=started,
+                                 cpus_per_node=4)
+
+def running_cluster():
+    return _info(False) if os.path.exists(STATE) else None
+
+def cluster_up(nodes, cpus_per_node):
+    try:
+        os.close(os.open(STATE, os.O_CREAT | os.O_EXCL))
+        return _info(True)
+    except FileExistsError:
+        return _info(False)
+
+def cluster_down(base_dir):
+    with open(os.environ["WHERE"], "a") as f:
+        f.write(json.dumps(["down", base_dir, time.monotonic()]) + "\\n")
+
+slurm_fixtures.local_cluster = types.SimpleNamespace(
+    running_cluster=running_cluster, cluster_up=cluster_up, cluster_down=cluster_down,
+    has_node_memory=lambda base: True)
+slurm_fixtures._why_slurm_cannot_start = lambda: None
+"""
+# One lane starts the cluster and is done at once; the other asks for it a moment later and is still
+# using it a few seconds after the first lane's worker has finished.
+LANE_MODULE = """
+import json, os, time, pytest
+pytestmark = pytest.mark.slurm
+
+def test_on_the_cluster(request):
+    time.sleep({before})
+    request.getfixturevalue("slurm_cluster")
+    time.sleep({after})
+    with open(os.environ["WHERE"], "a") as f:
+        f.write(json.dumps(["test", __name__, time.monotonic()]) + "\\n")
+"""
+
+
+def test_the_cluster_a_worker_started_is_stopped_after_every_worker_is_done(tmp_path):
+    import json
+
+    import slurm_grouping
+
+    quick, slow = "test_readme.py", "test_crash_recovery.py"
+    assert (slurm_grouping.LANES[quick], slurm_grouping.LANES[slow]) == (1, 2)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slurm: uses the cluster\naddopts =\n")
+    (tmp_path / "conftest.py").write_text(FAKE_CLUSTER_CONFTEST)
+    (tmp_path / quick).write_text(LANE_MODULE.format(before=0, after=0))
+    (tmp_path / slow).write_text(LANE_MODULE.format(before=1.5, after=3))
+    where = tmp_path / "where.txt"
+    env = {**os.environ, "WHERE": str(where), "PYTHONPATH": str(TESTS)}
+    env["CLUSTER_STATE"] = str(tmp_path / "state")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "slurm_grouping", "-p", "no:cacheprovider", "-n", "2",
+         "--dist", "loadgroup"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in where.read_text().splitlines()]
+    downs = [row for row in rows if row[0] == "down"]
+    ends = {row[1]: row[2] for row in rows if row[0] == "test"}
+    assert set(ends) == {"test_readme", "test_crash_recovery"}, rows
+    assert len(downs) == 1 and downs[0][1] == str(tmp_path / "state"), rows  # stopped once, the one started
+    assert downs[0][2] > max(ends.values()), rows  # not while the slow lane still used it
