@@ -163,6 +163,18 @@ def test_report_writes_plots_and_summary(tmp_path):
     assert "![gpu](gpu.png)" in md and "1 unreadable line(s)" in md
 
 
+def test_report_takes_a_run_name_like_status_logs_and_verify(tmp_path):
+    """`relaytrain report NAME` finds runs/NAME (or --runs DIR/NAME); a name that is no run is one line."""
+    write_synthetic_run(tmp_path / "runs" / "mine")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["report", "mine", "--runs", str(tmp_path / "runs")])
+    assert args.func(args) == 0 and (tmp_path / "runs" / "mine" / "report" / "report.md").is_file()
+    args = parser.parse_args(["report", "nothing", "--runs", str(tmp_path / "runs")])
+    with pytest.raises(UserError, match="no run 'nothing' under"):
+        args.func(args)
+
+
 def test_report_out_dir_and_missing_metrics(tmp_path):
     run = tmp_path / "run"
     write_synthetic_run(run)

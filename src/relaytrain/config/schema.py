@@ -90,7 +90,7 @@ class DataConfig(Section):
     sources: list[str] = field(default_factory=list)
     weights: list[float] = setting(domain=positive(), factory=list)  # mixture weights; empty: equal
     tokenizer: str = "byte"  # "byte" or a local tokenizer.json; must match the prepared data
-    shuffle: bool = True
+    shuffle: bool = True  # read the windows of each source in a seeded random order (false: file order)
     # true: train anyway when model.vocab_size > 2 x the tokenizer's ids + 1024, or when the planned
     # tokens (max_steps x global_batch_size x seq_len) read the data more than 100 times (a toy run)
     allow_small: bool = False
@@ -102,7 +102,7 @@ class TrainConfig(Section):
     # sequences per optimizer step, over all data-parallel ranks
     global_batch_size: int = setting(16, in_range(1, MAX_BATCH))
     micro_batch_size: int = setting(4, in_range(1, MAX_BATCH))  # sequences per forward/backward on one rank
-    seq_len: int = setting(128, at_least(1))
+    seq_len: int = setting(128, at_least(1))  # tokens per training sequence (<= model.max_seq_len)
     grad_clip: float = setting(1.0, at_least(0))  # max global grad norm; 0 disables clipping
     eval_every: int = setting(100, at_least(0))  # 0 disables evaluation
     eval_steps: int = setting(4, at_least(1))  # validation micro-batches per evaluation
@@ -135,15 +135,17 @@ class ParallelConfig(Section):
     tp: int = setting(1, at_least(1))  # tensor (+ sequence) parallel degree; must stay inside a node
     pp: int = setting(1, at_least(1))  # pipeline stages
     cp: int = setting(1, at_least(1))  # context parallel degree (CUDA only)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"  # pipeline schedule (with pp > 1)
     pp_virtual_stages: int = setting(1, at_least(1))  # stages per pipeline rank (interleaved_1f1b needs >= 2)
     # pipeline micro batches per step; 0: micro batches of train.micro_batch_size sequences (at least pp)
     pp_microbatches: int = setting(0, at_least(0))
+    # recompute activations in backward: "full" every block, "selective" part of each block; saves memory
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False  # torch.compile each transformer block
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on cuda, fp32 on cpu
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the gradient reduce-scatter
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer on CPU
+    # FSDP frees gathered parameters after forward; default: yes, except with a pipeline (pp > 1)
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     rank_order: str = "tp,cp,pp,dp"  # innermost first: tp ranks are adjacent (same node)
     loss_parallel: bool = True  # with tp > 1: vocab-parallel cross entropy
@@ -151,12 +153,12 @@ class ParallelConfig(Section):
 
 @dataclass(kw_only=True)
 class CheckpointConfig(Section):
-    enabled: bool = True
+    enabled: bool = True  # false: save nothing, take no snapshots, resume no checkpoint of this run
     dir: str = ""  # empty: <run dir>/checkpoints
     interval: int = setting(100, at_least(0))  # save every N steps (0: only at the end and on demand)
     # also save when this much wall time passed (0: off)
     interval_minutes: float = setting(0.0, in_range(0, MAX_SECONDS / 60))
-    mode: Literal["sync", "async"] = "sync"
+    mode: Literal["sync", "async"] = "sync"  # async: write the checkpoint in the background while training
     keep_last: int = setting(3, at_least(0))  # complete checkpoints kept (0: keep all)
     keep_every: int = setting(0, at_least(0))  # also keep every step divisible by this (0: none)
     save_initial: bool = False  # save step 0 before training
@@ -182,6 +184,7 @@ class CheckpointConfig(Section):
 
 @dataclass(kw_only=True)
 class ResilienceConfig(Section):
+    # signals that make every rank save a checkpoint and stop (a time limit, a preemption, Ctrl-C)
     signals: list[str] = setting(domain=catchable_signal(), factory=lambda: ["SIGTERM", "SIGUSR2", "SIGINT"])
     # what `--signal` in generated sbatch scripts sends
     slurm_signal: str = setting("SIGUSR2", catchable_signal())
@@ -213,6 +216,7 @@ class ResilienceConfig(Section):
     hang_floor_s: float = setting(40.0, seconds(zero_ok=False))
     # hang monitor: a phase is hung after this multiple of its recent median length without progress
     hang_multiple: float = setting(10.0, in_range(1, 1000, lo_open=True))
+    # a NaN/Inf loss or grad norm: stop the run; skip the step; rollback: skip, then reload the checkpoint
     nan_policy: Literal["skip", "stop", "rollback"] = "stop"
     # skip/rollback: this many bad steps in a row escalates
     nan_max_consecutive: int = setting(3, at_least(1))
@@ -243,17 +247,18 @@ class ResilienceConfig(Section):
 @dataclass(kw_only=True)
 class SlurmConfig(Section):
     profile: str = ""  # cluster profile TOML (partition, account, gpus per node, network, env)
-    partition: str = ""
-    account: str = ""
-    qos: str = ""
+    partition: str = ""  # sbatch --partition (empty: the cluster's default)
+    account: str = ""  # sbatch --account
+    qos: str = ""  # sbatch --qos
     nodes: int = setting(1, in_range(1, MAX_NODES))  # the most nodes (with min_nodes: the top of the range)
     # 0: exactly `nodes`; else Slurm may start each job of the chain on min_nodes..nodes (--nodes MIN-MAX)
     min_nodes: int = setting(0, in_range(0, MAX_NODES))
     # sbatch --no-kill: a failed node does not end the job, the step restarts on the nodes left (when
     # min_nodes allows) or the job is requeued; auto: on for node ranges (min_nodes), off for fixed counts
     no_kill: Literal["auto", True, False] = "auto"
-    # idle nodes the job holds beside `nodes` (sbatch --nodes=nodes+spare_nodes): a failed, excluded or
-    # straggling node's place goes to one, same world size and layout, no requeue (docs/elastic.md)
+    # idle nodes the job holds beside `nodes` (sbatch --nodes=nodes+spare_nodes): a failed or excluded
+    # node's place goes to one, same world size and layout, no requeue (docs/elastic.md); a straggling
+    # node's only when resilience.straggler_action is "replace" or "auto"
     spare_nodes: int = setting(0, in_range(0, MAX_NODES))
     # -1: from the profile, else 8; 0: CPU-only nodes (set tasks_per_node)
     gpus_per_node: int = setting(-1, in_range(-1, MAX_PER_NODE))
@@ -261,21 +266,22 @@ class SlurmConfig(Section):
     # 0: one task per GPU (CPU-only clusters set this)
     tasks_per_node: int = setting(0, in_range(0, MAX_PER_NODE))
     cpus_per_task: int = setting(0, at_least(0))  # unset: chosen at launch; sets OMP_NUM_THREADS
-    mem: str = ""
-    time: str = setting("01:00:00", slurm_time())
-    exclusive: bool = False
-    mail_user: str = ""
-    mail_type: str = ""
-    constraint: str = ""
+    mem: str = ""  # sbatch --mem per node, e.g. "500G" (empty: the partition's default)
+    time: str = setting("01:00:00", slurm_time())  # each job's limit (sbatch --time); longer runs requeue
+    exclusive: bool = False  # sbatch --exclusive: no other job on the nodes
+    mail_user: str = ""  # sbatch --mail-user (empty: no mail)
+    mail_type: str = ""  # sbatch --mail-type with mail_user (empty: END,FAIL)
+    constraint: str = ""  # sbatch --constraint (node features)
     extra_sbatch: list[str] = field(default_factory=list)  # more "#SBATCH ..." option strings
     env: dict[str, str] = setting(domain=env_table(), factory=dict)  # exported before launch
     setup: list[str] = field(default_factory=list)  # pre-launch shell lines (module load, ...)
     venv: str = ""  # activate this virtualenv
-    conda_env: str = ""
+    conda_env: str = ""  # activate this conda environment
     container_image: str = ""  # pyxis/enroot image
+    # pyxis mounts, "SRC:DST[:FLAGS]" or "PATH"; the run directory must be mounted at its own path
     container_mounts: list[str] = field(default_factory=list)
-    container_workdir: str = ""
-    container_remap_root: bool = False
+    container_workdir: str = ""  # working directory inside the image (empty: the launch directory)
+    container_remap_root: bool = False  # pyxis --container-remap-root
     network_interface: str = ""  # empty: detect ib*/hsn*; sets NCCL/GLOO_SOCKET_IFNAME
     nccl_ib_gid_index: int = setting(-1, at_least(-1))  # -1: leave unset
     debug: bool = False  # PYTHONFAULTHANDLER, NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL, set -x
@@ -289,15 +295,16 @@ class SlurmConfig(Section):
 
 @dataclass(kw_only=True)
 class MetricsConfig(Section):
-    log_every: int = setting(10, at_least(1))
-    jsonl: bool = True
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "relaytrain"
-    wandb_mode: Literal["online", "offline"] = "offline"
+    log_every: int = setting(10, at_least(1))  # steps between logged metrics (step 1 and the last too)
+    jsonl: bool = True  # write <run dir>/metrics.jsonl
+    tensorboard: bool = True  # write TensorBoard event files into the run directory
+    wandb: bool = False  # log to Weights & Biases (needs the wandb package)
+    wandb_project: str = "relaytrain"  # the W&B project
+    wandb_mode: Literal["online", "offline"] = "offline"  # offline: W&B files only, no upload
     rank_logs: bool = True  # one log file per rank under <run dir>/logs
     # [start, end): torch.profiler window
     profile_steps: list[int] = setting(domain=with_lengths(at_least(0), 0, 2), factory=list)
+    # seconds between GPU samples of the per-node sampler (jobs with GPUs; must be > 0)
     gpu_monitor_interval_s: float = setting(5.0, seconds(zero_ok=False))
     # per-device peak FLOP/s for MFU; 0: table for GPUs, measured on CPU
     peak_flops: float = setting(0.0, zero_or_in_range(1e9, 1e18))

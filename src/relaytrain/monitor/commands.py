@@ -1,4 +1,4 @@
-"""CLI: `relaytrain report RUN_DIR [--out DIR]`."""
+"""CLI: `relaytrain report RUN [--runs DIR] [--out DIR]`."""
 
 from __future__ import annotations
 
@@ -7,10 +7,14 @@ from pathlib import Path
 
 
 def report_command(args: argparse.Namespace) -> int:
+    from relaytrain.errors import UserError
     from relaytrain.job import RunDir
     from relaytrain.monitor.report import write_report, written_line  # matplotlib only when it runs
 
-    report, images = write_report(RunDir(Path(args.run_dir)), Path(args.out) if args.out else None)
+    run = RunDir.find(args.run_dir, Path(args.runs))
+    if run is None:
+        raise UserError(f"no run {args.run_dir!r} under {args.runs}/ or at that path")
+    report, images = write_report(run, Path(args.out) if args.out else None)
     print(written_line(report, images))
     return 0
 
@@ -21,8 +25,9 @@ def register(subparsers) -> None:
         help="plot a run's loss, throughput, MFU, memory and GPU use, and summarise it in markdown",
         description="Write PNG plots and report.md for a run directory, stitching requeued jobs together.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (runs/<name>)")
     parser.add_argument(
-        "--out", metavar="DIR", default=None, help="output directory (default: RUN_DIR/report)"
+        "run_dir", metavar="RUN", help="a run name under --runs, or the path of a run directory"
     )
+    parser.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
+    parser.add_argument("--out", metavar="DIR", default=None, help="output directory (default: RUN/report)")
     parser.set_defaults(func=report_command)

@@ -49,8 +49,9 @@ def _add_slurm_flags(p: argparse.ArgumentParser) -> None:
         "--spare-nodes",
         type=int,
         metavar="K",
-        help="also allocate K idle spare nodes: a failed, excluded or straggling node's place goes to one "
-        "(same world size, no requeue; slurm.spare_nodes, docs/elastic.md)",
+        help="also allocate K idle spare nodes: a failed or excluded node's place goes to one (same world "
+        "size, no requeue; slurm.spare_nodes, docs/elastic.md); a straggling node's only with "
+        "resilience.straggler_action replace or auto (the default, report, only names it)",
     )
     p.add_argument(
         "--gpus-per-node", type=int, help="GPUs per node (0: CPU-only nodes, set --tasks-per-node)"
@@ -219,7 +220,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "launch", help="write an sbatch script for a config (or any command) and submit it"
+        "launch",
+        help="write an sbatch script for a config (or any command) and submit it",
+        usage="relaytrain launch [CONFIG] [--section.key=value ...] [options]",
+        description="Write an sbatch script for CONFIG and submit it. Any config key can follow as an "
+        "override, e.g. --train.max_steps=1000 or --data.tokenizer=tokenizer.json (every key: "
+        "docs/reference/config.md). --command 'CMD' runs your own program instead and needs --name.",
     )
     p.add_argument("config", nargs="?", help="TOML config (optional with --command)")
     _add_submit_flags(p)
@@ -227,9 +233,9 @@ def register(subparsers) -> None:
         "--command",
         dest="command_line",
         metavar="CMD",
-        help="run this command instead of relaytrain train (DeepSpeed, Lightning, a script)",
+        help="run this command instead of relaytrain train (DeepSpeed, Lightning, a script); needs --name",
     )
-    p.add_argument("--name", help="run name (default: run.name of the config)")
+    p.add_argument("--name", help="run name (default: run.name of the config; required with --command)")
     p.add_argument("--jobid", help="attach to this existing allocation with srun --overlap (no sbatch)")
     p.set_defaults(func=cmd_launch, accepts_overrides=True)
 
