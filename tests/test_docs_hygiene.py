@@ -10,7 +10,7 @@ import pytest
 from relaytrain.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 # Paths of the machine the project is developed on, and words about how it is developed.
 FOREIGN = re.compile(

@@ -1,6 +1,7 @@
-"""Render docs/config.md from the schema: every key, its type, default and the comment beside it.
+"""Render docs/reference/config.md from the schema: every key, its type, default and the comment beside it.
 
-`python -m relaytrain.config.docs > docs/config.md`; tests/test_config_docs.py keeps the page current.
+`python docs/reference/generate.py` writes it with the other reference pages; tests/test_config_docs.py
+keeps the page current and fails on a key without a comment.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ repository writes `./runs/debug`) and what the job's shell reads (`slurm.venv`, 
 `slurm.setup`, `slurm.container_*`, in the directory the job was launched from). The embedded default
 has no input paths (it trains on the bundled corpus).
 
-This page is generated from `src/relaytrain/config/schema.py` by `python -m relaytrain.config.docs`.
+This page is generated from `src/relaytrain/config/schema.py` by `python docs/reference/generate.py`.
 """
 
 
@@ -65,6 +66,16 @@ def _comments(cls: type) -> dict[str, str]:
             out[match.group(1)] = match.group(2) or " ".join(above)
         above = []
     return out
+
+
+def undescribed() -> list[str]:
+    """`section.key` of every key without a comment (the reference would show it without a meaning)."""
+    return [
+        f"{section.name}.{f.name}"
+        for section in dataclasses.fields(schema.Config)
+        for f in dataclasses.fields(section.default_factory)
+        if not _comments(section.default_factory).get(f.name)
+    ]
 
 
 def render() -> str:

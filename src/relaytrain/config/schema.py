@@ -1,6 +1,6 @@
 """Typed config sections. Every key a user may write in TOML is a field here.
 
-Each field's comment is the user-facing documentation (docs/config.md is generated from the
+Each field's comment is the user-facing documentation (docs/reference/config.md is generated from the
 same names). Defaults are the embedded debug run: a tiny model on the bundled corpus, on CPU.
 """
 

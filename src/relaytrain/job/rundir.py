@@ -103,6 +103,7 @@ class RunDir:
 
     @property
     def tensorboard(self) -> Path:
+        """TensorBoard event files (metrics.tensorboard)."""
         return self.root / "tensorboard"
 
     @property
@@ -126,6 +127,7 @@ class RunDir:
         return self.root / "logs"
 
     def rank_log(self, rank: int) -> Path:
+        """One rank's log (metrics.rank_logs); `relaytrain logs RUN` prints rank 0's without Slurm."""
         return self.logs / f"rank_{rank}.log"
 
     def flight_recorder(self, job_id: str) -> Path:
@@ -133,9 +135,11 @@ class RunDir:
         return self.logs / f"flight_recorder_job{job_id}_rank"
 
     def hang_dump(self, rank: int) -> Path:
+        """A rank's stacks when its watchdog fired (no finished step for resilience.hang_timeout_s)."""
         return self.logs / f"hang_rank{rank}.txt"
 
     def deadline_dump(self, rank: int) -> Path:
+        """A rank's stacks when the hard deadline after a stop request passed (resilience.hard_deadline_s)."""
         return self.logs / f"deadline_rank{rank}.txt"
 
     def hang_report(self, step: int) -> Path:
@@ -149,6 +153,7 @@ class RunDir:
     # -- what each rank's train loader consumed (relaytrain.data.consumption, `relaytrain verify`) ------
     @property
     def sample_records(self) -> Path:
+        """What each rank's train loader consumed, read by `relaytrain verify`."""
         return self.root / "samples"
 
     def sample_record(self, rank: int) -> Path:
@@ -164,6 +169,7 @@ class RunDir:
     # -- hang detection: the node watchers and the job's hang monitor meet here ------------------------
     @property
     def hang(self) -> Path:
+        """Where the node hang watchers and the job's hang monitor meet."""
         return self.root / "hang"
 
     def hang_node(self, node: str) -> Path:
@@ -197,6 +203,7 @@ class RunDir:
 
     @property
     def job_script(self) -> Path:
+        """The generated sbatch script of the newest launch."""
         return self.slurm / "job.sh"
 
     @property
@@ -229,6 +236,7 @@ class RunDir:
 
     @property
     def sweep_points(self) -> Path:
+        """A sweep's points as JSON, one per array task."""
         return self.root / "sweep.json"
 
     def relative(self, path: Path) -> str:

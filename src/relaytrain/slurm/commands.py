@@ -59,9 +59,9 @@ def _add_slurm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks-per-node", type=int, help="processes per node (default: one per GPU)")
     p.add_argument("--cpus-per-task", type=int, help="CPUs per process; sets OMP_NUM_THREADS")
     p.add_argument("--time", help="time limit, e.g. 24:00:00")
-    p.add_argument("--partition")
-    p.add_argument("--account")
-    p.add_argument("--qos")
+    p.add_argument("--partition", help="Slurm partition (slurm.partition)")
+    p.add_argument("--account", help="Slurm account to charge (slurm.account)")
+    p.add_argument("--qos", help="Slurm quality of service (slurm.qos)")
     p.add_argument("--mem", help="memory per node as sbatch --mem (64G; 0: all); checked with CPU offload")
     p.add_argument("--gpu", help="GPU type for the memory check: h100, h200, a100, a100-40gb, mi250x, ...")
     p.add_argument("--profile", help="cluster profile: a TOML path or a name in configs/clusters/")
@@ -265,12 +265,12 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_sweep, accepts_overrides=True)
 
     p = subparsers.add_parser("chain", help="submit configs as stages, each after the previous succeeded")
-    p.add_argument("configs", nargs="+")
+    p.add_argument("configs", nargs="+", metavar="CONFIG", help="TOML configs, one per stage, in order")
     _add_submit_flags(p)
     p.set_defaults(func=cmd_chain, accepts_overrides=True)
 
     p = subparsers.add_parser("plan", help="check layout, memory per GPU and checkpoint time before queueing")
-    p.add_argument("config")
+    p.add_argument("config", help="TOML config")
     _add_slurm_flags(p)
     p.add_argument(
         "--mfu",
@@ -300,12 +300,12 @@ def register(subparsers) -> None:
     p.set_defaults(func=cmd_logs)
 
     p = subparsers.add_parser("cancel", help="cancel a job, or send its training processes a signal")
-    p.add_argument("jobid")
+    p.add_argument("jobid", metavar="JOBID", help="the Slurm job id")
     p.add_argument("--signal", help="e.g. USR2: ask the run to checkpoint and stop instead of killing it")
     p.set_defaults(func=cmd_cancel)
 
     p = subparsers.add_parser("doctor", help="check Slurm, partition, account, shared fs, network, GPUs")
-    p.add_argument("config", nargs="?")
-    p.add_argument("--partition")
-    p.add_argument("--account")
+    p.add_argument("config", nargs="?", help="TOML config whose slurm section to check (optional)")
+    p.add_argument("--partition", help="Slurm partition to check")
+    p.add_argument("--account", help="Slurm account to check")
     p.set_defaults(func=cmd_doctor, accepts_overrides=True)
