@@ -11,10 +11,10 @@ def register(subparsers) -> None:
         help="write a checkpoint's model as a Hugging Face Llama directory or one torch file",
         description=(
             "Export the model weights of CHECKPOINT (a step_<N> directory, a checkpoints directory or a "
-            "run directory, which stand for their latest complete checkpoint). --format hf writes "
+            "run directory, which stand for their latest complete checkpoint). With --format hf it writes "
             "config.json, generation_config.json, safetensors (sharded with model.safetensors.index.json "
-            "above --max-shard-size) and the run's tokenizer files; --format torch writes one file holding "
-            "the state dict and the model config, loadable with torch.load(weights_only=True)."
+            "above --max-shard-size) and the run's tokenizer files. With --format torch it writes one file "
+            "holding the state dict and the model config, loadable with torch.load(weights_only=True)."
         ),
     )
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="step dir, checkpoints dir or run dir")

@@ -20,9 +20,9 @@ HEADER = """# Configuration reference
 One TOML file, ten sections. `relaytrain train CONFIG --section.key=value ...` overrides any key
 (values are TOML literals: `--optim.betas=[0.9,0.95]`, `--parallel.compile=true`; bare words are
 strings). The embedded default is `configs/debug.toml`. Unknown keys, wrong types and impossible
-combinations are refused before any work starts, with one line that names the key, the value and
-what is allowed; `train`, `plan`, `launch`, `sweep`, `chain` and `doctor` check the config before they
-import torch, so a mistake is reported in a fraction of a second.
+combinations are refused before any work starts. The one line names the key, the value and what is
+allowed. `train`, `plan`, `launch`, `sweep`, `chain` and `doctor` check the config before they import
+torch, so a mistake is reported in a fraction of a second.
 
 Every key's allowed values are checked against the "allowed" column below. Besides that, every float
 must be finite (no `nan`, `inf`) and every string printable UTF-8 (no NUL, line breaks or other
@@ -30,8 +30,8 @@ control characters). Checks between keys (`model.n_heads` divides `model.dim`, `
 optim.lr`, ...) follow; the parallel layout is checked against the world size when the ranks start.
 
 Short runs just work: `--train.max_steps=5` trains 5 steps. When the run is shorter than the LR
-schedule, the schedule (not the config) is fitted and one warning line says how: the warmup runs at
-most `train.max_steps - 1` steps, so the peak LR is reached and the last step decays; with
+schedule, the schedule (not the config) is fitted and one warning line says how. The warmup runs at
+most `train.max_steps - 1` steps, so the peak LR is reached and the last step decays. With
 `schedule = "wsd"` the decay runs only the steps left after the warmup. Evaluation, checkpointing
 and logging also happen at the last step, so intervals longer than the run need no change.
 

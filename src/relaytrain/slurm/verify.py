@@ -147,11 +147,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "verify",
         help="prove from a run's files that each sample was read once and no checkpoint is damaged",
-        description="Four checks over all the run's jobs, requeues and restarts. samples: every global "
-        "sample was read exactly once, in the order of an uninterrupted run. data: the tokens each rank "
-        "read are those the prepared data holds there. checkpoints: every committed checkpoint matches its "
-        "checksums and `latest` names a committed one. ledger: the time ledger adds up (at most 1 % "
-        "unaccounted). Exit 0: all hold (one summary line per check). Exit 1: one line per violation. "
+        description="Four checks over all the run's jobs, requeues and restarts. The samples check: every "
+        "global sample was read exactly once, in the order of an uninterrupted run. The data check: the "
+        "tokens each rank read are those the prepared data holds there. The checkpoints check: every "
+        "committed checkpoint matches its checksums and `latest` names a committed one. The ledger check: "
+        "the time ledger adds up (at most 1 % unaccounted). Exit 0: all hold (one summary line per "
+        "check). Exit 1: one line per violation. "
         "Exit 2: the run cannot be read.",
     )
     p.add_argument("run", metavar="RUN", help="a run name under --runs, or the path of a run directory")
