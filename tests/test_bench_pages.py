@@ -101,7 +101,7 @@ def test_the_chaos_crash_and_goodput_sections_are_rebuilt_from_kept_results():
 def test_every_kept_results_file_is_named_on_a_page():
     """No kept run disappears: each file under bench/results/ is named by the section that shows it (or,
     for inputs of other pages, by that page)."""
-    pages = TEXT + "".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
+    pages = TEXT + "".join(p.read_text() for p in sorted((REPO / "docs").rglob("*.md")))
     kept = sorted(p.name for p in (REPO / "bench" / "results").glob("*.json"))
     assert kept and [name for name in kept if name not in pages] == []
 

@@ -1,0 +1,120 @@
+"""The how-to pages (docs/howto/): linked first from the README, each a few commands and what to do when
+it goes wrong, and their commands run as written where they need no cluster and no data of the user's.
+
+Every `relaytrain` line of them parses (tests/test_docs_cli.py); here the plan lines run, the pages about
+a finished run (status, report, verify, export) run on a copy of a tiny stopped and resumed run, and the
+4-node 8B launch loads as a config with the user's data.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from relaytrain.config.overrides import split_config_args
+from test_docs_cli import bash_lines, parse_line
+
+import needs
+from conftest import child_env
+
+REPO = Path(__file__).resolve().parents[1]
+HOWTO = REPO / "docs" / "howto"
+PAGES = sorted(HOWTO.glob("*.md"))
+
+
+def _run(line: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    done = subprocess.run(["bash", "-c", line], cwd=cwd, env=child_env(), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, f"{line}\nexit {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    return done
+
+
+def _copy_run(run: Path, cwd: Path) -> None:
+    shutil.copytree(run, cwd / "runs" / "8b", symlinks=True)
+
+
+def test_the_pages_are_there():
+    names = {page.stem for page in PAGES}
+    assert names == {
+        "train-on-your-data",
+        "preemption-and-time-limits",
+        "crashes-and-hangs",
+        "slow-node",
+        "where-the-time-went",
+        "resume-on-another-node-count",
+        "export-to-hugging-face",
+        "your-own-program",
+    }
+
+
+def test_the_readme_links_the_howto_pages_first():
+    links = re.findall(r"\]\((docs/[^)#]+)", (REPO / "README.md").read_text())
+    assert sorted(links[: len(PAGES)]) == sorted(f"docs/howto/{page.name}" for page in PAGES), links[:10]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_each_page_has_commands_and_says_what_to_do_when_it_goes_wrong(page):
+    text = page.read_text()
+    assert text.startswith("# ") and "\n## When it goes wrong\n" in text
+    assert bash_lines(page), f"{page.name} has no commands"
+
+
+def test_the_4_node_8b_launch_trains_the_users_data():
+    """The launch line of the train page: 8B on 4 nodes of 8 GPUs, on data the user prepared, with the
+    model's tokenizer; as a config it loads, and it names no toy-run escape."""
+    from relaytrain.config import load_config
+
+    (line,) = [
+        line for line in bash_lines(HOWTO / "train-on-your-data.md") if line.startswith("relaytrain launch ")
+    ]
+    (args,) = parse_line(line)
+    assert args.config == "configs/8b.toml" and args.nodes == (4, 4) and args.gpus_per_node == 8
+    words = shlex.split(line)
+    overrides = [w for w in words if w.startswith("--data.")]
+    config, overrides = split_config_args([str(REPO / args.config), *overrides])
+    cfg = load_config(config, overrides)
+    assert cfg.data.sources and cfg.data.tokenizer.endswith("tokenizer.json") and not cfg.data.allow_small
+    prepare = [line for line in bash_lines(HOWTO / "train-on-your-data.md") if "prepare-data" in line]
+    (prepared,) = parse_line(prepare[0])  # the data and the tokenizer the launch names are those prepared
+    assert [Path(source).name for source in cfg.data.sources] == [Path(prepared.out).name]
+    assert Path(cfg.data.tokenizer).name == Path(prepared.tokenizer).name
+
+
+def test_the_plan_lines_run():
+    """Every `relaytrain plan` of the pages that needs no data of the user's runs and gives a verdict."""
+    plans = [line for page in PAGES for line in bash_lines(page) if line.startswith("relaytrain plan ")]
+    runnable = [line for line in plans if "--data.allow_small=true" in line]
+    assert len(runnable) >= 3, plans
+    for line in runnable:
+        assert "verdict:" in _run(line, REPO).stdout, line
+
+
+def test_where_the_time_went_runs_as_written(tmp_path, stopped_and_resumed_run):
+    """status, status --json, report and verify of the page, in a directory whose runs/8b is a tiny stopped
+    and resumed run; verify says OK."""
+    _copy_run(stopped_and_resumed_run, tmp_path)
+    lines = bash_lines(HOWTO / "where-the-time-went.md")
+    assert {shlex.split(line)[1] for line in lines} == {"status", "report", "verify"}
+    out = {line: _run(line, tmp_path).stdout for line in lines}
+    (verify,) = [line for line in lines if line.startswith("relaytrain verify ")]
+    assert out[verify].splitlines()[-1] == "verify runs/8b: OK"
+    assert (tmp_path / "runs" / "8b" / "report" / "report.md").is_file()
+
+
+def test_export_runs_as_written(tmp_path, stopped_and_resumed_run):
+    """The export page's commands on a tiny run: the HF export that transformers loads, the torch file, and
+    import-hf back (the 8B training line is only parsed)."""
+    needs.module("transformers")
+    _copy_run(stopped_and_resumed_run, tmp_path)
+    page = HOWTO / "export-to-hugging-face.md"
+    lines = [line for line in bash_lines(page) if "configs/8b.toml" not in line]
+    assert len(lines) >= 4
+    out = [_run(line, tmp_path).stdout for line in lines]
+    assert "llama" in out[1].split()
+    assert (tmp_path / "hf-8b" / "config.json").is_file() and (tmp_path / "model-8b.pt").is_file()
+    assert (tmp_path / "ckpt-8b").is_dir()
