@@ -73,7 +73,7 @@ def test_the_4_node_8b_launch_trains_the_users_data():
         line for line in bash_lines(HOWTO / "train-on-your-data.md") if line.startswith("relaytrain launch ")
     ]
     (args,) = parse_line(line)
-    assert args.config == "configs/8b.toml" and args.nodes == (4, 4) and args.gpus_per_node == 8
+    assert args.config == "configs/8b.toml" and args.nodes[1] == 4 and args.gpus_per_node == 8
     words = shlex.split(line)
     overrides = [w for w in words if w.startswith("--data.")]
     config, overrides = split_config_args([str(REPO / args.config), *overrides])
@@ -85,12 +85,23 @@ def test_the_4_node_8b_launch_trains_the_users_data():
     assert Path(cfg.data.tokenizer).name == Path(prepared.tokenizer).name
 
 
-def test_the_plan_lines_run():
-    """Every `relaytrain plan` of the pages that needs no data of the user's runs and gives a verdict."""
-    plans = [line for page in PAGES for line in bash_lines(page) if line.startswith("relaytrain plan ")]
-    runnable = [line for line in plans if "--data.allow_small=true" in line]
-    assert len(runnable) >= 3, plans
-    for line in runnable:
+def _plan_of_launch(line: str) -> str:
+    """`relaytrain plan` of a documented launch of a preset: the same config, nodes, GPUs and overrides,
+    on an H100, with the user's data left out (it is not here)."""
+    words = [w for w in shlex.split(line) if not w.startswith("--data.")]
+    words[1] = "plan"
+    return shlex.join([*words, "--gpu", "h100", "--data.allow_small=true"])
+
+
+def test_the_plan_lines_and_every_preset_launchs_layout_plan():
+    """Every `relaytrain plan` of the pages that needs no data of the user's runs and gives a verdict, and
+    so does the plan of every launch of a preset the pages show (a node range whose batch does not split
+    over one of its counts fails here)."""
+    lines = [line for page in PAGES for line in bash_lines(page)]
+    plans = [line for line in lines if line.startswith("relaytrain plan ") and "allow_small=true" in line]
+    launches = [line for line in lines if line.startswith("relaytrain launch configs/")]
+    assert len(plans) >= 3 and len(launches) >= 5
+    for line in dict.fromkeys([*plans, *map(_plan_of_launch, launches)]):
         assert "verdict:" in _run(line, REPO).stdout, line
 
 
