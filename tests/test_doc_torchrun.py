@@ -24,7 +24,7 @@ from tiny_config import TINY_TOML
 from conftest import REPO
 
 WRAPPER = "python -m relaytrain.job.torchrun "
-DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [README, *sorted((REPO / "docs").rglob("*.md"))]
 
 
 def command_lines(path) -> list[str]:
@@ -45,8 +45,8 @@ def under_torchrun(path) -> list[str]:
 
 
 def test_every_doc_line_that_runs_relaytrain_under_torchrun_uses_the_wrapper():
-    found = {path.name: under_torchrun(path) for path in DOCS}
-    assert found["README.md"] and len(found["parallelism.md"]) == 3, found
+    found = {str(path.relative_to(REPO)): under_torchrun(path) for path in DOCS}
+    assert found["README.md"] and len(found["docs/parallelism.md"]) == 3, found
     for name, lines in found.items():
         for line in lines:
             assert line.startswith(WRAPPER), f"{name}: {line}"
