@@ -85,6 +85,23 @@ def test_the_4_node_8b_launch_trains_the_users_data():
     assert Path(cfg.data.tokenizer).name == Path(prepared.tokenizer).name
 
 
+def test_every_preset_command_names_the_users_data_or_a_toy_run():
+    """train, plan, launch and doctor refuse a size preset on the bundled toy corpus (relaytrain.data.fit):
+    a page's line that names neither data nor `--data.allow_small=true` would stop with exit 2."""
+    checked = ("train", "plan", "launch", "doctor")
+    lines = [
+        line for page in PAGES for line in bash_lines(page) if re.search(r"configs/(?!debug)\w+\.toml", line)
+    ]
+    bare = [
+        line
+        for line in lines
+        if shlex.split(line)[1] in checked
+        and "--data.sources=" not in line
+        and "allow_small=true" not in line
+    ]
+    assert lines and not bare, bare
+
+
 def _plan_of_launch(line: str) -> str:
     """`relaytrain plan` of a documented launch of a preset: the same config, nodes, GPUs and overrides,
     on an H100, with the user's data left out (it is not here)."""
