@@ -25,7 +25,7 @@ def _subcommands() -> set[str]:
     return set(sub.choices)
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
 def test_docs_name_nothing_outside_the_repository(doc):
     hits = [
         f"{doc.name}:{number}: {line.strip()}"
@@ -35,7 +35,7 @@ def test_docs_name_nothing_outside_the_repository(doc):
     assert not hits, "\n".join(hits)
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
 def test_docs_name_only_existing_commands(doc):
     commands = _subcommands()
     text = doc.read_text()
