@@ -24,6 +24,7 @@ SHORT_PAGES = [
     *sorted((DOCS / "reference").glob("*.md")),
     DOCS / "model.md",
     DOCS / "local-cluster.md",
+    DOCS / "elastic.md",
 ]
 MEDIAN_WORDS = 18
 MAX_WORDS = 50
