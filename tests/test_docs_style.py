@@ -25,6 +25,7 @@ SHORT_PAGES = [
     DOCS / "model.md",
     DOCS / "local-cluster.md",
     DOCS / "elastic.md",
+    DOCS / "containers.md",
 ]
 MEDIAN_WORDS = 18
 MAX_WORDS = 50
