@@ -26,6 +26,8 @@ SHORT_PAGES = [
     DOCS / "local-cluster.md",
     DOCS / "elastic.md",
     DOCS / "containers.md",
+    DOCS / "parallelism.md",
+    DOCS / "data.md",
 ]
 MEDIAN_WORDS = 18
 MAX_WORDS = 50
