@@ -28,6 +28,7 @@ SHORT_PAGES = [
     DOCS / "containers.md",
     DOCS / "parallelism.md",
     DOCS / "data.md",
+    DOCS / "programs.md",
 ]
 MEDIAN_WORDS = 18
 MAX_WORDS = 50
