@@ -29,6 +29,7 @@ SHORT_PAGES = [
     DOCS / "parallelism.md",
     DOCS / "data.md",
     DOCS / "programs.md",
+    DOCS / "monitoring.md",
 ]
 MEDIAN_WORDS = 18
 MAX_WORDS = 50
