@@ -49,3 +49,25 @@ def test_docs_name_only_existing_commands(doc):
     }
     unknown = sorted(named - commands)
     assert not unknown, f"{doc.name} names relaytrain commands that do not exist: {unknown}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    headings = re.findall(r"^#+ (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(doc):
+    """A link to another page (and its section) of the repository names one that exists."""
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.S | re.M)
+    broken = []
+    for link in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", link) or link.startswith("#"):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (doc.parent / path).resolve()
+        if not target.exists() or (anchor and target.suffix == ".md" and anchor not in _anchors(target)):
+            broken.append(link)
+    assert not broken, f"{doc.name}: {broken}"
