@@ -171,11 +171,15 @@ def test_the_step_only_launches_the_copies_and_the_optimizer_step_waits_for_one_
 
 def test_a_copy_that_finished_beside_forward_and_backward_holds_nothing_back(side):
     device, state, tier = side
+    device.gate.clear()  # the writer does not wait for them first
     tier.take(1)
     device.complete(tier._copying.copies)
     assert tier.before_update() is False and tier.held_back == 0
     assert "landed by optimizer step" not in device.log
     assert tier.before_update() is False  # once per snapshot: the next step has nothing to wait for
+    device.gate.set()
+    tier.wait()
+    assert device.log[-1] == "wrote step 1"
 
 
 def test_the_host_buffer_is_not_reused_before_its_snapshot_was_copied_and_written(side):
@@ -231,7 +235,9 @@ class Counting(DeviceCopy):
 
 def test_a_fresh_run_allocates_once_for_the_state_its_first_adamw_step_creates(tmp_path):
     """At start-up a never-stepped AdamW holds no state: the buffer is sized with the moments it will have."""
-    model = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32))
+    # moments of 3 MB: beyond the headroom the estimate adds
+    shape = ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32)
+    model = Transformer(shape)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     copy = Counting()
     tier = build(tmp_path, TrainingState([model], [opt]), copy)

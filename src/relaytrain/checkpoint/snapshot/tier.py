@@ -8,9 +8,10 @@ tensors are copied at once; device tensors by copies the step only launches (for
 beside the next step's forward and backward, which do not change the state, and the next optimizer step
 waits for them only if they are still running (`before_update`). A background thread waits for them,
 then sends the snapshot to the rank's peers on other nodes (`peers.py`) and writes it, and the peers'
-copies, into the node's snapshot folder (`store.py`). The next snapshot first waits for that thread; the ranks then agree that the previous step
-was written everywhere, and only then is the one before it deleted, so the newest step every rank
-finished always survives. That one agreement (an all-reduce of the maximum) also carries the previous
+copies, into the node's snapshot folder (`store.py`). The next snapshot first waits for that thread (so
+the buffer is never refilled before it was written); the ranks then agree that the previous step was
+written everywhere, and only then is the one before it deleted, so the newest step every rank finished
+always survives. That one agreement (an all-reduce of the maximum) also carries the previous
 snapshot's measured figures, its blocking copy, background work and the wait for it, and the pacing's
 step figures: every rank gets the same numbers, and an automatic interval chosen from them is the same on
 every rank.
@@ -28,8 +29,8 @@ from typing import Any
 
 from relaytrain.checkpoint.checksums import Checksum
 from relaytrain.checkpoint.collectives import Collectives
-from relaytrain.checkpoint.snapshot import store
 from relaytrain.checkpoint.host import DeviceCopy
+from relaytrain.checkpoint.snapshot import store
 from relaytrain.checkpoint.snapshot.format import Staged, Staging, layout_bytes, tensors_of
 from relaytrain.checkpoint.snapshot.peers import Ring, all_gather, as_bytes_tensor, recv_blob, send_blob
 from relaytrain.checkpoint.snapshot.restore import forget_after, restore_snapshot
@@ -107,7 +108,8 @@ class SnapshotTier:
         tensors = tensors_of(self.state.state_dict(optimizer=False))
         nbytes = layout_bytes(tensors) + optimizer_bytes(self.state.optimizers)
         # headroom for what the estimate leaves out (an optimizer's scalars, a component's tensors)
-        self._staging.reserve(nbytes + nbytes // 100 + (1 << 20), pin=any(t.device.type != "cpu" for t in tensors))
+        nbytes += nbytes // 100 + (1 << 20)
+        self._staging.reserve(nbytes, pin=any(t.device.type != "cpu" for t in tensors))
 
     def before_update(self) -> bool:
         """Before the optimizer step changes the state: the newest snapshot's device copies, when still
