@@ -64,7 +64,7 @@ def test_snapshot_copies_run_on_a_side_stream_after_the_step_and_the_next_update
     """The copies follow the work queued before the snapshot (the optimizer step), the host only launches
     them, the next update queued behind them does not reach the snapshot, and one pinned buffer serves
     every snapshot."""
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # as the tensors name it: cuda:0
     state = {"big": torch.randn(64 << 20, device=device), "small": torch.arange(7, device=device)}  # 256 MB
     a = torch.randn(4096, 4096, device=device)
     before = state["big"].cpu()
