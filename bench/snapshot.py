@@ -2,7 +2,7 @@
 written to /dev/shm and read back, replicated to a peer node and restored from each tier.
 
     python bench/snapshot.py [--steps 12] [--state-gb 1.2] [--wide-steps 6]
-                              [--parts debug,wide,state,nodes] [--no-lock]
+                              [--parts debug,wide,state,nodes,gpu] [--no-lock]
 
 1. The debug config (configs/debug.toml), one process, `checkpoint.snapshot_every=1`, against the same
    run without snapshots: the median step time of each and the median blocking time per snapshot
@@ -19,6 +19,13 @@ written to /dev/shm and read back, replicated to a peer node and restored from e
    restore of that state from local memory, from the peer node and from the DCP checkpoint on disk,
    each through relaytrain's own restore path, checked bit-exact: the parameters, AdamW's moments and
    step counters, and the training step.
+4. On a CUDA GPU (part `gpu`, in the default parts only where torch sees one): the share of the step a
+   snapshot every step blocks, for the 0.4 B-parameter shape bench/gpu_first_hour.py snapshots and for
+   the 1B preset (configs/1b.toml, seq 4096, micro batch 2, global batch 8), each against the same run
+   without snapshots: the blocking time holds the launch of the device-to-host copies (they run on a side
+   stream beside the next step's forward and backward) and any wait for the previous snapshot's
+   background work (`snapshot_waited_s`, reported apart); the step time with snapshots includes the next
+   optimizer step's wait for copies still running.
 Prints a Markdown table for docs/benchmarks.md and keeps the figures in bench/results/snapshot-<UTC date
 and time>.json (bench/kept.py; the goodput extrapolation reads its inputs from these files).
 """
@@ -38,14 +45,27 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("debug", "wide", "state", "nodes")
+PARTS = ("debug", "wide", "state", "nodes", "gpu")
+DEBUG = REPO / "configs" / "debug.toml"
+# On a GPU: about 0.43 B parameters (12 blocks of dim 1536, a 32k vocabulary; 6.9 GB of fp32 state with
+# AdamW; bench/gpu_first_hour.py's snapshot step), and the 1B preset as bench/gpu_mfu.py trains it.
+GPU_WIDE = ["--model.dim=1536", "--model.n_layers=12", "--model.n_heads=12", "--model.n_kv_heads=4"]
+GPU_WIDE += ["--model.vocab_size=32000", "--model.multiple_of=256", "--train.seq_len=512"]
+GPU_WIDE += ["--train.global_batch_size=4", "--train.micro_batch_size=4"]
+GPU_SHAPES = {
+    "0.4b": (DEBUG, GPU_WIDE),
+    "1b": (REPO / "configs" / "1b.toml", ["--train.global_batch_size=8", "--train.micro_batch_size=2",
+                                           "--train.seq_len=4096", "--optim.warmup_steps=1"]),
+}  # fmt: skip
 # The two-node model: the debug config at this width; layers from the state size asked for (12 bytes
 # per parameter in the state: fp32 weights and AdamW's two moments, half the model on each rank).
 NODES_DIM, PARAMS_PER_LAYER = 1024, 11.6e6
 
 
-def _train(work: Path, name: str, steps: int, every: int, model: list[str]) -> list[dict]:
-    args = [sys.executable, "-m", "relaytrain.cli", "train", str(REPO / "configs/debug.toml"), *model]
+def _train(
+    work: Path, name: str, steps: int, every: int, model: list[str], config: Path = DEBUG
+) -> list[dict]:
+    args = [sys.executable, "-m", "relaytrain.cli", "train", str(config), *model]
     args += [f"--run.dir={work}", f"--run.name={name}", f"--train.max_steps={steps}", "--train.eval_every=0"]
     args += ["--checkpoint.interval=0", "--metrics.log_every=1", "--metrics.tensorboard=false"]
     args += [f"--checkpoint.snapshot_every={every}", f"--checkpoint.snapshot_dir={work / 'shm'}"]
@@ -60,20 +80,44 @@ def wide_model(state_gb: float) -> list[str]:
     return [f"--model.dim={NODES_DIM}", f"--model.n_layers={layers}"]
 
 
-def step_share(steps: int, model: list[str]) -> dict[str, float]:
-    """The run without snapshots and with one every step, side by side."""
-    with tempfile.TemporaryDirectory() as tmp:
+def step_share(steps: int, model: list[str], config: Path = DEBUG, gpu: bool = False) -> dict[str, float]:
+    """The run without snapshots and with one every step, side by side (`gpu`: on the CUDA GPU)."""
+    model = [*model, "--run.device=cuda", "--data.allow_small=true"] if gpu else model
+    # on a GPU the snapshots are gigabytes a step: into node memory, as on a cluster (not the disk)
+    shm = "/dev/shm" if gpu and Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(dir=shm) as tmp:
         work = Path(tmp)
-        plain = _train(work, "plain", steps, 0, model)
-        snap = _train(work, "snap", steps, 1, model)
+        plain = _train(work, "plain", steps, 0, model, config)
+        snap = _train(work, "snap", steps, 1, model, config)
     blocking = [r["snapshot_blocking_s"] for r in snap[:-1]]  # the last step takes none
     return {
         "step_plain_s": statistics.median(r["time_step_s"] for r in plain),
         "step_snap_s": statistics.median(r["time_step_s"] for r in snap),
         "blocking_s": statistics.median(blocking),
         "blocking_max_s": max(blocking),
+        # of the blocking time, the wait for the previous snapshot's background work (not the copy)
+        "waited_s": statistics.median(r.get("snapshot_waited_s", 0.0) for r in snap[:-1]),
         "mb": snap[0]["snapshot_bytes"] / 1e6,
     }
+
+
+def gpu_share(shape: str, steps: int) -> dict[str, float]:
+    """`step_share` of a GPU shape (GPU_SHAPES) on the CUDA GPU."""
+    config, model = GPU_SHAPES[shape]
+    return step_share(steps, model, config, gpu=True)
+
+
+def gpu_rows(shape: str, r: dict[str, float]) -> list[str]:
+    """The GPU part's rows: the step rows, the wait apart, and what the snapshots cost the step."""
+    what = f"GPU, {shape} shape ({r['mb'] / 1e3:.2f} GB per rank)"
+    copy = r["blocking_s"] - r.get("waited_s", 0.0)
+    slower = r["step_snap_s"] / r["step_plain_s"] - 1
+    return [
+        *step_rows(what, r),
+        f"| {what}: of it, the wait for the previous snapshot's background work (median); the rest | "
+        f"{r.get('waited_s', 0.0):.4f} s; {copy:.4f} s, {copy / r['step_snap_s']:.1%} of the step |",
+        f"| {what}: step with snapshots against without | {slower:+.1%} |",
+    ]
 
 
 def large_state(gb: float) -> dict[str, float]:
@@ -195,9 +239,11 @@ def keep(name: str, command: str, parts: dict[str, dict]) -> Path:
 
     info = machine_info()
     one_process = [(part, parts.get(part, {})) for part in ("debug", "wide", "state")]
+    one_process += [(f"gpu_{shape}", found) for shape, found in parts.get("gpu", {}).items()]
     figures = {f"{part}_{k}": v for part, found in one_process for k, v in found.items()}
     figures |= nodes_figures(parts["nodes"]) if "nodes" in parts else {}
     data = {"command": command, "date": info["date"], "commit": info["commit"], "cpu": info["cpu"],
+            **({"gpu": info["gpu"]} if info.get("gpu") else {}),
             "load": f"{info['load_start']} -> {[round(x, 2) for x in os.getloadavg()]}",
             "parts": parts, "figures": figures}  # fmt: skip
     return kept.save(name, data)
@@ -220,18 +266,26 @@ def step_rows(what: str, r: dict[str, float]) -> list[str]:
     ]
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--state-gb", type=float, default=1.2)
     parser.add_argument("--wide-steps", type=int, default=6, help="steps of each widened run")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"which of {','.join(PARTS)} to run")
+    parser.add_argument("--gpu-steps", type=int, default=10, help="steps of each GPU run")
+    parser.add_argument("--gpu-shapes", default=",".join(GPU_SHAPES), help="GPU part: which shapes")
+    parser.add_argument("--parts", default=None, help=f"which of {','.join(PARTS)} to run (gpu: with CUDA)")
     parser.add_argument("--no-lock", action="store_true", help="the caller holds the cluster's lock already")
     stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime())
     parser.add_argument("--keep", default=f"snapshot-{stamp}.json", help="results file in bench/results/")
     parser.add_argument("--no-keep", action="store_true", help="keep no results file (a trial run)")
     args = parser.parse_args()
-    parts = args.parts.split(",")
+    parts = args.parts.split(",") if args.parts else [p for p in PARTS if p != "gpu" or _cuda()]
     if unknown := set(parts) - set(PARTS):
         parser.error(f"--parts: unknown {', '.join(sorted(unknown))}; choose from {','.join(PARTS)}")
     print("| measure | value |\n| --- | --- |", flush=True)
@@ -251,7 +305,14 @@ def main() -> None:
         print(f"| {gb}: read, verify and decode (restore) | {large['restore_s']:.3f} s |", flush=True)
     if "nodes" in parts:
         results["nodes"] = two_nodes(args.state_gb, lock=not args.no_lock)
-        print("\n".join(nodes_rows(results["nodes"])))
+        print("\n".join(nodes_rows(results["nodes"])), flush=True)
+    if "gpu" in parts:
+        if not _cuda():
+            parser.error("--parts gpu: torch sees no CUDA GPU here")
+        results["gpu"] = {}
+        for shape in args.gpu_shapes.split(","):
+            results["gpu"][shape] = gpu_share(shape, args.gpu_steps)
+            print("\n".join(gpu_rows(shape, results["gpu"][shape])), flush=True)
     if not args.no_keep:
         command = " ".join(["python bench/snapshot.py", *sys.argv[1:]])
         print(f"results kept in {keep(args.keep, command, results)}")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import gpu_first_hour, gpu_mfu, kept
+from bench import gpu_first_hour, gpu_mfu, kept, torchtitan_gpu
 from bench.report import REWRITTEN, section_body
 
 MFU = {
@@ -16,6 +16,17 @@ MFU = {
     "runs": [{"compile": False, "step_s": 0.759, "tokens_per_s": 43409.0, "trainer_mfu": 0.396,
               "measured_peak_mfu": 0.495, "first_step_s": 1.34, "mem_peak_gib": 47.1,
               "command": "relaytrain train"}],
+}  # fmt: skip
+TITAN = {
+    "ran": True, "date": "2026-12-01 10:00 UTC", "shape": "debug", "why": "launch-bound: overheads, not MFU",
+    "command": "python -m bench.torchtitan_gpu --shape debug --gpus 1 --pairs 1 --steps 30 --warmup 5 "
+               "--seq 2048 --batch 8",
+    "gpu": "1 x NVIDIA H100 80GB HBM3", "params": {"relaytrain": 6_000_000, "torchtitan": 6_000_000},
+    "runs": [{"side": "torchtitan", "order": 0, "command": "torchrun ... torchtitan.train", "tps": 759.0,
+              "mfu": 0.01},
+             {"side": "relaytrain", "order": 1, "command": "torchrun ... relaytrain.cli train", "tps": 1943.0,
+              "mfu": 0.03}],
+    "ratio": 2.56,
 }  # fmt: skip
 FIRST_HOUR = {
     "date": "2026-12-01 10:00 UTC", "device": "NVIDIA H100 80GB HBM3",
@@ -26,7 +37,11 @@ FIRST_HOUR = {
 
 @pytest.mark.parametrize(
     ("module", "prefix", "section", "result"),
-    [(gpu_mfu, "gpu-mfu", "gpu", MFU), (gpu_first_hour, "gpu-first-hour", "gpu-first-hour", FIRST_HOUR)],
+    [
+        (gpu_mfu, "gpu-mfu", "gpu", MFU),
+        (gpu_first_hour, "gpu-first-hour", "gpu-first-hour", FIRST_HOUR),
+        (torchtitan_gpu, "torchtitan", "torchtitan", TITAN),
+    ],
 )
 def test_a_gpu_run_is_kept_and_its_section_rewritten_from_the_kept_file(
     module, prefix, section, result, tmp_path, monkeypatch

@@ -52,11 +52,36 @@ def test_the_two_node_rows_take_the_slowest_rank_and_say_where_each_restore_came
 def test_the_model_is_sized_to_the_state_asked_for_and_unknown_parts_are_refused(monkeypatch, capsys):
     assert snapshot.nodes_layers(1.2) == 17 and snapshot.nodes_layers(0.01) == 1
     assert snapshot.wide_model(1.2) == ["--model.dim=1024", "--model.n_layers=9"]  # one process: all of it
-    monkeypatch.setattr(sys, "argv", ["bench/snapshot.py", "--parts", "debug,gpu"])
+    monkeypatch.setattr(sys, "argv", ["bench/snapshot.py", "--parts", "debug,tpu"])
     with pytest.raises(SystemExit) as exited:
         snapshot.main()
     assert exited.value.code == 2
-    assert "--parts: unknown gpu; choose from debug,wide,state,nodes" in capsys.readouterr().err
+    assert "--parts: unknown tpu; choose from debug,wide,state,nodes,gpu" in capsys.readouterr().err
+
+
+def test_the_gpu_part_needs_cuda_and_reports_the_blocking_share_apart_from_the_wait(monkeypatch, capsys):
+    monkeypatch.setattr(snapshot, "_cuda", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["bench/snapshot.py", "--parts", "gpu", "--no-keep"])
+    with pytest.raises(SystemExit) as exited:
+        snapshot.main()
+    assert exited.value.code == 2 and "torch sees no CUDA GPU here" in capsys.readouterr().err
+    r = {"step_plain_s": 0.5, "step_snap_s": 0.52, "blocking_s": 0.03, "blocking_max_s": 0.04,
+         "waited_s": 0.02, "mb": 4800.0}  # fmt: skip
+    rows = snapshot.gpu_rows("0.4b", r)
+    assert rows[0].startswith("| GPU, 0.4b shape (4.80 GB per rank): step without snapshots")
+    assert rows[3].endswith("| 0.0200 s; 0.0100 s, 1.9% of the step |")  # the launch: 10 ms of 520
+    assert rows[4].endswith("| +4.0% |")
+
+
+def test_a_gpu_run_keeps_each_shapes_figures(tmp_path, monkeypatch):
+    from bench import kept
+
+    monkeypatch.setattr(kept, "RESULTS_DIR", tmp_path)
+    r = {"step_plain_s": 0.5, "step_snap_s": 0.52, "blocking_s": 0.03, "blocking_max_s": 0.04,
+         "waited_s": 0.02, "mb": 4800.0}  # fmt: skip
+    snapshot.keep("snapshot-gpu.json", "python bench/snapshot.py --parts gpu", {"gpu": {"0.4b": r, "1b": r}})
+    figures = kept.load("snapshot-gpu.json")["figures"]
+    assert figures["gpu_0.4b_blocking_s"] == 0.03 and figures["gpu_1b_waited_s"] == 0.02
 
 
 def test_the_page_names_the_command_that_measured_the_section():

@@ -110,13 +110,15 @@ def test_device_targets_are_read_into_host_memory_and_copied_over(tmp_path, monk
         assert torch.equal(device.values[key(targets[name])], value), name
 
 
-def test_snapshot_staging_copies_without_waiting_and_synchronises_once():
+def test_snapshot_staging_copies_without_waiting_and_synchronises_once_before_it_is_read():
     device, values = FakeDevice(), sample()
     tree = {"model": {k: device.put(v) for k, v in values.items()}, "step": 3, "cpu": torch.arange(4)}
     staging = Staging(device)
     staged = staging.stage(tree, {"step": 3})
+    assert device.log == ["to_host"] * (len(values) - 1)  # launched: the step does not wait for them
+    chunks = staged.chunks()  # the writer's read waits for them, once
     assert device.log == ["to_host"] * (len(values) - 1) + ["sync"]
-    meta, back = decode(bytearray(b"".join(bytes(c) for c in staged.chunks())))
+    meta, back = decode(bytearray(b"".join(bytes(c) for c in chunks)))
     assert meta == {"step": 3} and back["step"] == 3 and torch.equal(back["cpu"], torch.arange(4))
     for name, value in values.items():
         assert torch.equal(back["model"][name], value), name

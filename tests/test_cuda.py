@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from relaytrain.checkpoint.host import DeviceCopy, HostStage
-from relaytrain.checkpoint.snapshot.format import Staging, decode
+from relaytrain.checkpoint.snapshot.format import Staging, decode, layout_bytes
 from relaytrain.checkpoint.storage import RawReader, RawWriter
 from test_checkpoint_device import sample as host_sample
 
@@ -51,12 +51,39 @@ def test_a_snapshot_of_cuda_tensors_decodes_to_the_same_bytes():
     values = sample("cuda")
     staging = Staging(DeviceCopy())
     staged = staging.stage({"model": values, "step": 7}, {"step": 7})
+    staged.hold_back()  # as the next optimizer step does before it changes the tensors
     for value in values.values():
         value.zero_()  # the staged copy was taken before: changing the source now must not reach it
     meta, back = decode(bytearray(b"".join(bytes(c) for c in staged.chunks())))
     assert meta == {"step": 7} and back["step"] == 7
     for name, value in sample("cuda").items():
         assert torch.equal(back["model"][name], value.cpu()), name
+
+
+def test_snapshot_copies_run_on_a_side_stream_after_the_step_and_the_next_update_waits_for_them():
+    """The copies follow the work queued before the snapshot (the optimizer step), the host only launches
+    them, the next update queued behind them does not reach the snapshot, and one pinned buffer serves
+    every snapshot."""
+    device = torch.device("cuda", torch.cuda.current_device())  # as the tensors name it: cuda:0
+    state = {"big": torch.randn(64 << 20, device=device), "small": torch.arange(7, device=device)}  # 256 MB
+    a = torch.randn(4096, 4096, device=device)
+    before = state["big"].cpu()
+    copy = DeviceCopy()
+    staging = Staging(copy)
+    staging.reserve(layout_bytes(list(state.values())), pin=True)
+    for _ in range(40):  # a long step on the device's stream, its update of `big` at the end
+        a = a @ a / 64
+    state["big"].add_(1.0)
+    staged = staging.stage(state, {"step": 1})
+    assert not staged.finished()  # launched behind the step's work, not waited for
+    assert copy._side[device] != torch.cuda.current_stream(device)
+    assert staged.hold_back() is True  # the next update waits for them on the device...
+    state["big"].add_(1.0)  # ...so this does not reach the snapshot
+    _, back = decode(bytearray(b"".join(bytes(c) for c in staged.chunks())))
+    assert torch.equal(back["big"], before + 1.0) and torch.equal(back["small"], torch.arange(7))
+    assert staged.data.is_pinned()
+    staging.stage(state, {"step": 2}).wait()
+    assert staging.allocations == 1  # reserved once, reused
 
 
 def test_the_step_timer_charges_kernel_time_to_the_section_that_launched_it():

@@ -226,6 +226,7 @@ class Trainer:
                     step, self.persistence.save_seconds_estimate(), self.nan_guard.flag(loss, grad_norm)
                 )
                 verdict = self.nan_guard.decide(bad)
+                self.persistence.before_optimizer_step()  # a snapshot's copies still running go first
                 with self.straggler.work("optimizer"):  # the update alone: no collective inside
                     for opt in self.optimizers if verdict == "ok" else ():
                         opt.step()

@@ -103,6 +103,8 @@ class Persistence:
             else:
                 step = self.checkpoints.load(recorded_step)
                 self.restored_from = "checkpoint" if step is not None else ""
+        if self.snapshots is not None:
+            self.snapshots.prepare()  # the host buffer, allocated in the background from the loaded state
         self._resumed = step
         return step
 
@@ -146,6 +148,12 @@ class Persistence:
         self.pacing.resumed(snapshots is not None and snapshots.background_running)
         return saved
 
+    def before_optimizer_step(self) -> None:
+        """Every step, before the optimizer changes the state: the newest snapshot's device copies, when
+        still running, go first (on the device; the host does not wait)."""
+        if self.snapshots is not None:
+            self.snapshots.before_update()
+
     @property
     def saves_by_itself(self) -> bool:
         """Whether the run takes snapshots or checkpoints on its own schedule (not only when it stops)."""
@@ -172,6 +180,7 @@ class Persistence:
 
     def reload(self) -> int | None:
         """The run's newest checkpoint again (NaN rollback), from DCP; None when there is none."""
+        self.before_optimizer_step()  # the load writes into the tensors a snapshot may still be copying
         with self._phase(Phase.CHECKPOINT_LOAD, self.save_seconds_estimate()):
             return self.checkpoints.load()
 

@@ -10,12 +10,21 @@ load reads straight into them.
 
 `DeviceCopy` holds the steps that depend on the device (allocation, the two copies, the
 synchronisation); tests replace it to run the device branch without an accelerator.
+
+Snapshots copy off the step's critical path (`copy_to_host`): on CUDA the copies run on a side stream that
+first waits for an event recorded on the device's current stream (everything queued before: the optimizer
+step), and end in an event of their own. The host only launches them. Whoever reads the host buffer waits
+for that event (`wait`); whoever is about to change the copied tensors (the next optimizer step) makes the
+device's stream wait for it when it has not fired yet (`hold_back`), so the copy runs beside the next
+step's forward and backward and the host never waits. Without CUDA the copies run on the current stream,
+ordered by the stream itself, and `wait` synchronises it.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,12 +55,22 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+@dataclass
+class InFlight:
+    """Device-to-host copies started by `DeviceCopy.copy_to_host` and not yet waited for."""
+
+    devices: list[torch.device]
+    events: list[Any] = field(default_factory=list)  # CUDA: one per device, fired when its copies are done
+    sources: list[torch.Tensor] = field(default_factory=list)  # kept alive (and unfreed) until then
+
+
 class DeviceCopy:
     """The device-dependent steps. `pin`: page-locked host buffers and copies that do not wait (default:
     when CUDA is available; pinned memory needs it)."""
 
     def __init__(self, pin: bool | None = None):
         self.pin = torch.cuda.is_available() if pin is None else pin
+        self._side: dict[torch.device, Any] = {}  # CUDA: the snapshot copies' stream per device
 
     def empty(self, nbytes: int, pin: bool = True) -> torch.Tensor:
         """A host buffer; pinned when `pin` and this copier pins (`pin=False`: only host tensors use it)."""
@@ -69,6 +88,52 @@ class DeviceCopy:
         """Wait until every copy started on these devices' current streams has finished."""
         for device in devices:
             torch.get_device_module(device.type).current_stream(device).synchronize()
+
+    # -- copies beside the next step (snapshots) -------------------------------------------------------
+
+    def copy_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> InFlight:
+        """Start copying each device tensor `src` into its host tensor `dst`, after the work already queued
+        on the sources' devices; returns at once. Read `dst` only after `wait`; change a `src` only after
+        `hold_back` (or `wait`)."""
+        devices = sorted({src.device for _, src in pairs}, key=str)
+        flight = InFlight(devices, sources=[src for _, src in pairs])
+        if not (self.pin and all(d.type == "cuda" for d in devices)):
+            for dst, src in pairs:  # on the current stream: ordered after the step by the stream itself
+                self.to_host(dst, src)
+            return flight
+        for device in devices:
+            side = self._side.get(device)
+            if side is None:
+                side = self._side[device] = torch.cuda.Stream(device)
+            after_step = torch.cuda.current_stream(device).record_event()
+            side.wait_event(after_step)
+            with torch.cuda.stream(side):
+                for dst, src in pairs:
+                    if src.device == device:
+                        dst.copy_(src, non_blocking=True)
+            flight.events.append(side.record_event())
+        return flight
+
+    def finished(self, flight: InFlight) -> bool:
+        """Whether the copies are done (without waiting); unknown without CUDA events: False."""
+        if not flight.devices:
+            return True
+        return bool(flight.events) and all(event.query() for event in flight.events)
+
+    def wait(self, flight: InFlight) -> None:
+        """Block the calling thread until the copies are done (then their host tensors may be read)."""
+        if flight.events:
+            for event in flight.events:
+                event.synchronize()
+        elif flight.devices:
+            self.synchronize(flight.devices)
+        flight.sources = []
+
+    def hold_back(self, flight: InFlight) -> None:
+        """Make what is queued next on the sources' devices (the optimizer step) wait for the copies; the
+        host does not wait. Without CUDA events the copies are on the current stream: already ordered."""
+        for device, event in zip(flight.devices, flight.events, strict=False):
+            torch.cuda.current_stream(device).wait_event(event)
 
 
 class HostStage:

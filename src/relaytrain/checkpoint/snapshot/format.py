@@ -7,24 +7,30 @@ offset, nbytes). Dicts are written as ``{"__dict__": [[key, value], ...]}`` (key
 tuples as ``{"__tuple__": [...]}``; anything else than these, tensors, lists, str, int, float, bool and
 None is refused when writing, and a header naming anything else is refused when reading.
 
-`Staging` keeps one host buffer for a rank's tensors and reuses it for every snapshot whose tensor
-layout is unchanged (the usual case): the copy into it is what blocks training; no page faults of a
-fresh allocation each time. Off the host (a GPU), the buffer is pinned and every tensor's copy is issued
-without waiting; one synchronisation after the last makes them all visible before the buffer is handed
-to the thread that writes it (checkpoint.host.DeviceCopy).
+`Staging` keeps one host buffer for a rank's tensors, allocated once per run (`reserve`: in the background
+at start-up, sized from the state) and reused for every snapshot it holds (the usual case: the layout is
+fixed once the optimizer has state); only a larger state allocates again. Host tensors are copied into it
+at once. Tensors off the host (a GPU) are copied into a pinned buffer by copies the host only launches
+(checkpoint.host.DeviceCopy.copy_to_host: a side stream, ordered after the optimizer step): a `Staged`
+snapshot is read only after `Staged.wait`, and the tensors it copies change only after
+`Staged.hold_back`, which the next optimizer step calls (only when the copies are still running).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from relaytrain.checkpoint.host import DeviceCopy
+from relaytrain.checkpoint.host import DeviceCopy, InFlight
+
+log = logging.getLogger("relaytrain.checkpoint")
 
 MAGIC = b"RLTSNAP1"
 _ALIGN = 64  # part of the file format
@@ -84,46 +90,118 @@ def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:
     return node
 
 
+def layout_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the tensor data of a snapshot holding `tensors` (each at an aligned offset)."""
+    return sum(-(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN for t in tensors)
+
+
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a state tree as a snapshot holds them (a DTensor's local shard)."""
+    tensors: list[torch.Tensor] = []
+    _encode(tree, tensors)
+    return tensors
+
+
 @dataclass
 class Staged:
-    """A snapshot held in host memory, ready to be written: header bytes and the tensor data."""
+    """A snapshot held in host memory, ready to be written once its copies are done (`wait`): header bytes
+    and the tensor data."""
 
     header: bytes
-    data: torch.Tensor  # uint8, the staging buffer (shared with the next snapshot: write it before then)
+    data: torch.Tensor  # uint8, in the staging buffer (shared with the next snapshot: write it before then)
+    copies: InFlight | None = None  # device-to-host copies still in flight
+    copy: DeviceCopy | None = None
 
     @property
     def size(self) -> int:
         return len(self.header) + self.data.numel()
 
+    def finished(self) -> bool:
+        """Whether every copy into `data` is done (without waiting)."""
+        copies = self.copies
+        return copies is None or self.copy.finished(copies)
+
+    def wait(self) -> None:
+        """Block until every copy into `data` is done (before any byte of it is read)."""
+        copies = self.copies
+        if copies is not None:
+            self.copy.wait(copies)
+            self.copies = None
+
+    def hold_back(self) -> bool:
+        """Before the copied tensors change (the next optimizer step): when the copies still run, the
+        device's next work waits for them (the host does not). Whether they were still running."""
+        copies = self.copies
+        if copies is None or self.copy.finished(copies):
+            return False
+        self.copy.hold_back(copies)
+        return True
+
     def chunks(self) -> list[memoryview]:
+        self.wait()
         return [memoryview(self.header), memoryview(self.data.numpy())]
 
 
 class Staging:
-    """Copies a state tree into one reusable host buffer (the blocking part of a snapshot)."""
+    """Copies a state tree into one reusable host buffer (what a snapshot blocks the step for: the host
+    copies and the launch of the device copies)."""
 
     def __init__(self, copy: DeviceCopy | None = None):
         self.copy = copy or DeviceCopy()
         self._buffer: torch.Tensor | None = None
-        self._layout: list[tuple[str, tuple[int, ...]]] | None = None
+        self._pinned = False
+        self._reserving: threading.Thread | None = None
+        self._reserved: tuple[torch.Tensor, bool] | None = None
+        self.allocations = 0  # host buffers allocated (one per run while the state keeps its size)
+
+    def reserve(self, nbytes: int, pin: bool) -> None:
+        """Allocate the buffer for a state of `nbytes` in the background (pinning gigabytes takes seconds);
+        the first `stage` takes it, waiting for it if it is not ready."""
+        if self._reserving is not None or (self._buffer is not None and len(self._buffer) >= nbytes):
+            return
+
+        def allocate() -> None:
+            try:
+                self._reserved = (self._allocate(nbytes, pin), pin)
+            except (RuntimeError, MemoryError) as exc:  # the first snapshot allocates instead
+                log.warning("could not allocate the snapshot buffer (%d bytes) at start-up: %s", nbytes, exc)
+
+        self._reserving = threading.Thread(target=allocate, name="relaytrain-snapshot-alloc", daemon=True)
+        self._reserving.start()
+
+    def _allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
+        self.allocations += 1
+        return self.copy.empty(nbytes, pin=pin)
+
+    def _room(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """`nbytes` of the buffer: the reserved one, the one in use, or (too small) a new one."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+            if self._reserved is not None:
+                (self._buffer, self._pinned), self._reserved = self._reserved, None
+        if self._buffer is None or len(self._buffer) < nbytes or (pin and not self._pinned):
+            # pinned only for tensors off the host (page-locking gigabytes for a CPU run costs memory)
+            self._buffer, self._pinned = None, False  # the old one goes before the new one is allocated
+            self._buffer, self._pinned = self._allocate(nbytes, pin), pin
+        return self._buffer[:nbytes]
 
     def stage(self, tree: Any, meta: dict[str, Any]) -> Staged:
+        """Copy `tree`'s tensors into the buffer: host tensors at once, device tensors by copies started
+        here (`Staged.wait` before reading it). The buffer must hold no snapshot still to be written."""
         tensors: list[torch.Tensor] = []
         encoded = _encode(tree, tensors)
-        layout = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors]
         table, offset = [], 0
-        for (dtype, shape), t in zip(layout, tensors, strict=True):
+        for t in tensors:
+            dtype = str(t.dtype).removeprefix("torch.")
             if dtype not in _DTYPES:
                 raise TypeError(f"a snapshot cannot hold a {dtype} tensor")
             nbytes = t.numel() * t.element_size()
-            table.append({"dtype": dtype, "shape": list(shape), "offset": offset, "nbytes": nbytes})
+            table.append({"dtype": dtype, "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
             offset += -(-nbytes // _ALIGN) * _ALIGN
-        if self._buffer is None or layout != self._layout:
-            # pinned only for tensors off the host (page-locking gigabytes for a CPU run costs memory)
-            self._buffer = self.copy.empty(offset, pin=any(t.device.type != "cpu" for t in tensors))
-            self._layout = layout
-        flat = self._buffer.numpy()
-        devices = set()
+        data = self._room(offset, pin=any(t.device.type != "cpu" for t in tensors))
+        flat = data.numpy()
+        on_device = []
         for entry, t in zip(table, tensors, strict=True):
             start, end = entry["offset"], entry["offset"] + entry["nbytes"]
             if not entry["nbytes"]:
@@ -134,13 +212,11 @@ class Staging:
                 source = t if t.is_contiguous() else t.contiguous()
                 np.copyto(flat[start:end], source.reshape(-1).view(torch.uint8).numpy())
             else:
-                self.copy.to_host(self._buffer[start:end].view(t.dtype).view(t.shape), t)
-                devices.add(t.device)
-        if devices:
-            self.copy.synchronize(sorted(devices, key=str))  # the copies above did not wait
+                on_device.append((data[start:end].view(t.dtype).view(t.shape), t))
+        copies = self.copy.copy_to_host(on_device) if on_device else None  # launched, not waited for
         body = json.dumps({"meta": meta, "tree": encoded, "tensors": table}).encode()
         header = MAGIC + struct.pack("<Q", len(body)) + body
-        return Staged(header, self._buffer)
+        return Staged(header, data, copies, self.copy)
 
 
 def read_meta(blob: bytes | memoryview) -> dict[str, Any]:

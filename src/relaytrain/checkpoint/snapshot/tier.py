@@ -2,12 +2,16 @@
 when each runs, beside the DCP tier.
 
 At each snapshot step (the front's `SnapshotPacing` picks them) each rank copies its training state (the
-`TrainingState`'s tree: model and optimizer shards, train state, data position, RNG) into a reused host
-buffer; that copy is all the step waits for. A background thread then sends it to the rank's peers on
-other nodes (`peers.py`) and writes it, and the peers' copies, into the node's snapshot folder
-(`store.py`). The next snapshot first waits for that thread; the ranks then agree that the previous step
-was written everywhere, and only then is the one before it deleted, so the newest step every rank
-finished always survives. That one agreement (an all-reduce of the maximum) also carries the previous
+`TrainingState`'s tree: model and optimizer shards, train state, data position, RNG) into a host buffer
+allocated once per run (`prepare`: in the background at start-up, sized from the state) and reused. Host
+tensors are copied at once; device tensors by copies the step only launches (format.Staging): they run
+beside the next step's forward and backward, which do not change the state, and the next optimizer step
+waits for them only if they are still running (`before_update`). A background thread waits for them,
+then sends the snapshot to the rank's peers on other nodes (`peers.py`) and writes it, and the peers'
+copies, into the node's snapshot folder (`store.py`). The next snapshot first waits for that thread (so
+the buffer is never refilled before it was written); the ranks then agree that the previous step was
+written everywhere, and only then is the one before it deleted, so the newest step every rank finished
+always survives. That one agreement (an all-reduce of the maximum) also carries the previous
 snapshot's measured figures, its blocking copy, background work and the wait for it, and the pacing's
 step figures: every rank gets the same numbers, and an automatic interval chosen from them is the same on
 every rank.
@@ -25,8 +29,9 @@ from typing import Any
 
 from relaytrain.checkpoint.checksums import Checksum
 from relaytrain.checkpoint.collectives import Collectives
+from relaytrain.checkpoint.host import DeviceCopy
 from relaytrain.checkpoint.snapshot import store
-from relaytrain.checkpoint.snapshot.format import Staged, Staging
+from relaytrain.checkpoint.snapshot.format import Staged, Staging, layout_bytes, tensors_of
 from relaytrain.checkpoint.snapshot.peers import Ring, all_gather, as_bytes_tensor, recv_blob, send_blob
 from relaytrain.checkpoint.snapshot.restore import forget_after, restore_snapshot
 from relaytrain.checkpoint.training_state import TrainingState
@@ -51,6 +56,7 @@ class SnapshotTier:
         config_hash: str,
         state: TrainingState,
         collectives: Collectives,
+        copy: DeviceCopy | None = None,
     ):
         self.cfg = cfg
         self.on = True  # until `close`
@@ -87,12 +93,33 @@ class SnapshotTier:
                 self.ring.degree,
                 clipped,
             )
-        self._staging = Staging()
+        self._staging = Staging(copy)
+        self._copying: Staged | None = None  # the newest snapshot, until the optimizer step after it
+        self.held_back = 0  # optimizer steps that found the newest snapshot's copies still running
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-snapshot")
         self._pending: tuple[int, Future] | None = None
         self._taken = 0  # the newest step snapshotted
 
     # -- taking snapshots ---------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """At start-up, after any restore: allocate the host buffer in the background, sized from the
+        state (with the moments a never-stepped Adam will have). Local: no collective."""
+        tensors = tensors_of(self.state.state_dict(optimizer=False))
+        nbytes = layout_bytes(tensors) + optimizer_bytes(self.state.optimizers)
+        # headroom for what the estimate leaves out (an optimizer's scalars, a component's tensors)
+        nbytes += nbytes // 100 + (1 << 20)
+        self._staging.reserve(nbytes, pin=any(t.device.type != "cpu" for t in tensors))
+
+    def before_update(self) -> bool:
+        """Before the optimizer step changes the state: the newest snapshot's device copies, when still
+        running, are waited for by the device (the step's kernels queue behind them; the host goes on).
+        Whether they were still running."""
+        staged, self._copying = self._copying, None
+        if staged is None or not staged.hold_back():
+            return False
+        self.held_back += 1
+        return True
 
     def take(self, step: int, figures: dict[str, float] | None = None) -> dict[str, float] | None:
         """Snapshot `step` (every rank, at the same step); the previous snapshot's settled figures
@@ -106,7 +133,7 @@ class SnapshotTier:
         tree = self.state.state_dict(optimizer=self._coll.any(self.state.has_optimizer_state()))
         meta = {"format": FORMAT, "step": step, "world_size": self.world_size}
         meta["config_hash"] = self.config_hash
-        staged = self._staging.stage(tree, meta)
+        staged = self._copying = self._staging.stage(tree, meta)  # the buffer's last snapshot was written
         self.written = {}
         self._pending = (step, self._writer.submit(self._write, step, staged, meta, prune))
         # waited_s: of blocking_s, the wait for the previous snapshot's background work (and the ranks'
@@ -156,6 +183,8 @@ class SnapshotTier:
         """On the writer thread: delete what `_settle` allows, send to the peers (before writing: a failed
         local write never leaves a peer waiting), then write this rank's file and the replicas it got."""
         began = time.perf_counter()
+        staged.wait()  # the device copies (launched by `take`) are done: the buffer may be read
+        copied = time.perf_counter()
         if prune:
             store.keep_from(self.node_dir, prune)
         chunks = staged.chunks()
@@ -178,6 +207,7 @@ class SnapshotTier:
                 store.entry_file(step_path, src).unlink(missing_ok=True)
                 raise OSError(f"the replica of rank {src}'s snapshot of step {step} arrived damaged")
         self.written = {
+            "copy_s": copied - began,  # the wait for the device copies (none for host tensors)
             "replicate_s": replicated - started,  # sending to the peers and receiving theirs, both ways
             "replicated_bytes": float(staged.size * len(self.targets)),
             "write_s": time.perf_counter() - replicated,  # this rank's file and the replicas it received
@@ -231,6 +261,25 @@ class SnapshotTier:
             with contextlib.suppress(OSError):  # the last node folder of a shared file system takes it
                 self.root.rmdir()
         self.on = False
+
+
+def optimizer_bytes(optimizers: list) -> int:
+    """Snapshot bytes of the optimizers' state: what they hold, and for a never-stepped Adam/AdamW the
+    moments and step count its first step will create (`state.create_adam_state`)."""
+    import torch
+
+    total = 0
+    for opt in optimizers:
+        adam = isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
+        for group in opt.param_groups:
+            for p in group["params"]:
+                held = opt.state.get(p)
+                if held:
+                    total += layout_bytes(tensors_of(dict(held)))
+                elif adam and p.requires_grad:
+                    moments = tensors_of(p) * (3 if group.get("amsgrad") else 2)
+                    total += layout_bytes(moments) + layout_bytes([torch.zeros((), dtype=torch.float64)])
+    return total
 
 
 def _pace(cfg: CheckpointConfig) -> str:
