@@ -42,6 +42,16 @@ def deepspeed_ops():
     assert done.returncode == 0, f"building DeepSpeed's ops failed:\n{output}"
 
 
+@pytest.fixture(autouse=True)
+def _no_cluster_unless_asked(request, monkeypatch):
+    """The slurm_cluster fixture exports SLURM_CONF for the rest of its worker's session; a test that does
+    not ask for the cluster sees none, whichever worker runs it (the README's `plan` lines read the
+    cluster's node memory through sinfo when one is reachable, and came out "impossible" on 7.8 GiB
+    nodes on a worker that had started the cluster)."""
+    if "slurm_cluster" not in request.fixturenames:
+        monkeypatch.delenv("SLURM_CONF", raising=False)
+
+
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected what will not run
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` need a CUDA GPU: without one they are deselected, not skipped (CI has no GPU
