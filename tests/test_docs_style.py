@@ -30,6 +30,7 @@ SHORT_PAGES = [
     DOCS / "data.md",
     DOCS / "programs.md",
     DOCS / "monitoring.md",
+    DOCS / "launching.md",
 ]
 MEDIAN_WORDS = 18
 MAX_WORDS = 50
