@@ -31,6 +31,7 @@ SHORT_PAGES = [
     DOCS / "programs.md",
     DOCS / "monitoring.md",
     DOCS / "launching.md",
+    DOCS / "checkpointing.md",
 ]
 MEDIAN_WORDS = 18
 MAX_WORDS = 50
