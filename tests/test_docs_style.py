@@ -32,6 +32,7 @@ SHORT_PAGES = [
     DOCS / "monitoring.md",
     DOCS / "launching.md",
     DOCS / "checkpointing.md",
+    DOCS / "resilience.md",
 ]
 MEDIAN_WORDS = 18
 MAX_WORDS = 50
