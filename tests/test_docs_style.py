@@ -30,6 +30,9 @@ SHORT_PAGES = [
     DOCS / "data.md",
     DOCS / "programs.md",
     DOCS / "monitoring.md",
+    DOCS / "launching.md",
+    DOCS / "checkpointing.md",
+    DOCS / "resilience.md",
 ]
 MEDIAN_WORDS = 18
 MAX_WORDS = 50
