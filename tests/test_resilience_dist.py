@@ -221,7 +221,7 @@ def _proc_state(pid: int) -> str:
     )
 
 
-def test_nan_rollback_on_two_ranks_replays_exactly(tmp_path):
+def test_nan_rollback_on_two_ranks_replays_exactly(tmp_path, capsys):
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     reference = start(ref_dir, "--train.max_steps=10")
     # Rank 1 (only) sees NaN at steps 5 and 6: both ranks skip step 5, then roll back to step 4.
@@ -242,6 +242,13 @@ def test_nan_rollback_on_two_ranks_replays_exactly(tmp_path):
     assert finish(reference)[0] == 0
     assert losses(run_dir) == losses(ref_dir)  # steps 5.. replayed after the rollback, bit-exact
     assert marker(run_dir)["status"] == "finished"
+    # verify reads the rolled-back run from its own records: the replayed steps' samples once each, in the
+    # uninterrupted order, the data as read, and the ledger's windows
+    from relaytrain.cli import main
+
+    capsys.readouterr()
+    assert main(["verify", str(run_dir)]) == 0, capsys.readouterr()
+    print(capsys.readouterr().out)
 
 
 def test_nan_skip_then_escalates_to_stop(tmp_path):
