@@ -8,9 +8,9 @@ model before it had a 12-17 ms forward on this project's faster CPUs, under the 
 for ``STEPS`` steps with the default straggler settings:
 
 * in the first, rank 1's process gets a CPU quota of a quarter of its one compute thread once the run
-  has logged a few steps (``python -m faults.throttle``, from outside the job): one ``straggler:`` line
-  names rank 1 and its node within 50 steps, a ``straggler`` event is in metrics.jsonl and
-  ``relaytrain status`` shows it;
+  has logged a few steps (``python -m faults.throttle``, from outside the job), lifted once it is named:
+  one ``straggler:`` line names rank 1 and its node within 50 steps, a ``straggler`` event is in
+  metrics.jsonl and ``relaytrain status`` shows it;
 * the second runs clean beside the first: no straggler.
 """
 
@@ -30,7 +30,7 @@ import faults
 import faults.throttle as throttle
 from bench.cluster.stragglers import QUICK_TRIAL_MODEL, straggler_config
 from conftest import REPO
-from slurm_fixtures import wait_for, wait_job_finished
+from slurm_fixtures import job_fields, wait_for, wait_job_finished
 
 pytestmark = pytest.mark.slurm
 
@@ -71,6 +71,15 @@ def stragglers(slurm_cluster, tmp_path_factory):
         assert done.returncode == 0, done.stderr
         throttled_at = max(r["step"] for r in records(runs / "slow", "train"))
         node = throttle._environ(pid)["SLURMD_NODENAME"]
+
+        def named_or_ended():
+            named = any(r.get("event") == "straggler" for r in records(runs / "slow", "event"))
+            return named or job_fields(int(jobs["slow"])).get("JobState") not in ("RUNNING", "PENDING")
+
+        # Once the rank is named, the rest of the run goes at full speed: the test's time is the clean
+        # run's horizon, not a quarter-speed tail.
+        wait_for(named_or_ended, 600, f"job {jobs['slow']} to name a straggler", interval=0.5)
+        throttle.release(pid)
         fields = {name: wait_job_finished(int(job), timeout=600) for name, job in jobs.items()}
         yield {"runs": runs, "jobs": jobs, "fields": fields, "landed": done.stdout, "node": node,
                "throttled_at": throttled_at, "time": time.time()}  # fmt: skip
