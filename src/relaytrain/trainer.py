@@ -96,7 +96,7 @@ class Trainer:
             compiled=self.model.compiled,
             stages=self.model.dims.pipeline_stages(),  # a rank's straggler peers: the ranks of its stage
         )
-        self.clock, self.watchdog = self.supervision.clock, self.supervision.watchdog
+        self.clock = self.supervision.clock  # the loop enters each section of a step on it once
         # Everything a checkpoint or snapshot keeps: a new piece of state is one more component here.
         training = TrainingState(
             self.model.model_parts,
