@@ -126,15 +126,30 @@ class Trainer:
         """This rank's share of the training data, and the validation data when the run evaluates."""
         cfg, env, dims = self.cfg, self.env, self.model.dims
         seq_len, vocab_size, runs_dir = cfg.train.seq_len, cfg.model.vocab_size, cfg.run.dir
-        samples = SampleRecorder(self.run_dir, env.rank, rank0_token(), self.model.dp_rank, dims.dp,
-                                 env.world_size)  # fmt: skip
-        loader = build_train_loader(cfg.data, self.model.dp_rank, dims.dp, dims.local_batch_size,
-                                    seq_len=seq_len, seed=cfg.run.seed, vocab_size=vocab_size,
-                                    runs_dir=runs_dir, recorder=samples)  # fmt: skip
+        samples = SampleRecorder(
+            self.run_dir, env.rank, rank0_token(), self.model.dp_rank, dims.dp, env.world_size
+        )
+        loader = build_train_loader(
+            cfg.data,
+            self.model.dp_rank,
+            dims.dp,
+            dims.local_batch_size,
+            seq_len=seq_len,
+            seed=cfg.run.seed,
+            vocab_size=vocab_size,
+            runs_dir=runs_dir,
+            recorder=samples,
+        )
         if not cfg.train.eval_every:
             return loader, None
-        return loader, build_val_loader(cfg.data, self.model.dp_rank, self.model.dp_size, seq_len=seq_len,
-                                        vocab_size=vocab_size, runs_dir=runs_dir)  # fmt: skip
+        return loader, build_val_loader(
+            cfg.data,
+            self.model.dp_rank,
+            self.model.dp_size,
+            seq_len=seq_len,
+            vocab_size=vocab_size,
+            runs_dir=runs_dir,
+        )
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -82,8 +82,11 @@ class StepClock:
     def add_reader(self, reader: Any) -> None:
         """``reader.section(span)`` for each section, ``reader.alone(span)`` for each piece of alone work,
         ``reader.step_done(step)`` after each step: whichever of them it has."""
-        for method, readers in (("section", self._sections), ("alone", self._alone),
-                                ("step_done", self._steps)):  # fmt: skip
+        for method, readers in (
+            ("section", self._sections),
+            ("alone", self._alone),
+            ("step_done", self._steps),
+        ):
             if callable(getattr(reader, method, None)):
                 readers.append(getattr(reader, method))
 

@@ -68,8 +68,11 @@ class LedgerWindows:
             self._high_water = max(steps, default=0)
         self._open(step)
         self._first_step = step + 1
-        return {"process_start": round(self.process_start, 4), "restore_start": round(restore_start, 4),
-                "restored_from": restored_from}  # fmt: skip
+        return {
+            "process_start": round(self.process_start, 4),
+            "restore_start": round(restore_start, 4),
+            "restored_from": restored_from,
+        }
 
     def _earlier_records(self) -> Sequence[dict[str, Any]]:
         """The run's metrics.jsonl before this process (rank 0; none elsewhere or when unreadable)."""

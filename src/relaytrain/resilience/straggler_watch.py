@@ -158,9 +158,15 @@ class StragglerWatch:
         if self.rank == 0:
             log.warning(
                 "straggler: rank %d on %s %.0f%% slower in %s since step %d (at step %d; action %s: %s)",
-                straggler.rank, node, 100 * straggler.slower, straggler.phase, straggler.since_step, step,
-                action, why,
-            )  # fmt: skip
+                straggler.rank,
+                node,
+                100 * straggler.slower,
+                straggler.phase,
+                straggler.since_step,
+                step,
+                action,
+                why,
+            )
             self.report("straggler", step, **fields, why=why)
 
     def _node(self, rank: int) -> str:
