@@ -43,6 +43,14 @@ def test_nothing_else_times_or_publishes_a_steps_phases():
     assert not offenders, "time a step's phases with relaytrain.job.clock:\n" + "\n".join(offenders)
 
 
+def test_the_straggler_watch_reads_no_clock_of_its_own():
+    """Its phase times and step lengths are the step clock's (the window's gather excluded there)."""
+    source = (SRC / "resilience" / "straggler_watch.py").read_text()
+    tree = ast.parse(source)
+    calls = {getattr(n.func, "attr", None) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert not {"perf_counter", "monotonic", "time", "Event"} & calls
+
+
 @pytest.mark.parametrize(
     "source",
     [
@@ -63,8 +71,8 @@ class Alone:
     def alone(self, span):
         self.spans.append((span.phase, span.host_s))
 
-    def step_done(self, step):
-        self.steps.append(step)
+    def step_done(self, step, seconds):
+        self.steps.append((step, seconds))
 
 
 def test_one_section_is_timed_once_and_read_by_every_reader(tmp_path, monkeypatch):
@@ -92,7 +100,8 @@ def test_one_section_is_timed_once_and_read_by_every_reader(tmp_path, monkeypatc
         now[0] += 4.0
     window = timer.window()
     assert (window["data"], window["optimizer"], window["checkpoint"]) == (1.0, 2.5, 2.0)
-    assert alone.spans == [(Phase.DATA, 1.0), (Phase.OPTIMIZER, 0.5)] * 2 and alone.steps == [1, 2]
+    assert alone.spans == [(Phase.DATA, 1.0), (Phase.OPTIMIZER, 0.5)] * 2
+    assert alone.steps == [(1, None), (2, 3.5)]  # the step's wall time, from the previous step's end
     # the ledger's reading: host seconds per phase so far
     assert clock.seconds() == {Phase.DATA: 2.0, Phase.OPTIMIZER: 5.0, Phase.CHECKPOINT_SAVE: 4.0}
     board.close()

@@ -78,10 +78,11 @@ class StepClock:
         self._seconds: dict[Phase, float] = {}
         self._current: Phase | None = None  # the section under way (for `alone`)
         self._forward_begun: list[tuple[float, Any]] = []
+        self._last_step_end: float | None = None
 
     def add_reader(self, reader: Any) -> None:
         """``reader.section(span)`` for each section, ``reader.alone(span)`` for each piece of alone work,
-        ``reader.step_done(step)`` after each step: whichever of them it has."""
+        ``reader.step_done(step, seconds)`` after each step: whichever of them it has."""
         for method, readers in (
             ("section", self._sections),
             ("alone", self._alone),
@@ -161,11 +162,15 @@ class StepClock:
                 read(span)
 
     def step_done(self, step: int) -> None:
-        """A step finished: the board counts it (and shows the time after it), the readers close it."""
+        """A step finished: the board counts it (and shows the time after it), the readers close it, each
+        told the step's wall seconds since the previous step's readers were done (None for this process's
+        first step): what a reader does here (a straggler window's all-gather) is no step's time."""
+        seconds = None if self._last_step_end is None else time.perf_counter() - self._last_step_end
         self.board.step_done(step)
         self._stepped = True
         for done in self._steps:
-            done(step)
+            done(step, seconds)
+        self._last_step_end = time.perf_counter()
 
     def seconds(self) -> dict[Phase, float]:
         """Host seconds spent in each phase's sections so far in this process."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -97,7 +96,6 @@ class StragglerWatch:
         # forward per layer and micro batch)
         self._pending: list[list[Span]] = []  # steps whose spans may still be queued on the device
         self._steps: list[float] = []
-        self._last_step_end: float | None = None
         self._window_start = 1
         self._node_names: list[str] | None = None
         self.verdict: dict[str, Any] | None = None  # the straggler fields of a stop to act on, once due
@@ -107,16 +105,15 @@ class StragglerWatch:
         if span.phase in PHASE_NAMES:
             self._step_spans.append(span)
 
-    def step_done(self, step: int) -> None:
-        """After every step, on every rank: at a window's end, gather, judge and report."""
+    def step_done(self, step: int, seconds: float | None = None) -> None:
+        """The step clock, after every step, on every rank (``seconds``: the step's wall time, None for the
+        process's first): at a window's end, gather, judge and report."""
         if not self.enabled:
             return
         self._pending.append(self._step_spans)
         self._step_spans = []
-        now = time.perf_counter()
-        if self._last_step_end is not None:
-            self._steps.append(now - self._last_step_end)
-        self._last_step_end = now
+        if seconds is not None:
+            self._steps.append(seconds)
         if step % self.every:
             return
         self._resolve_events()
@@ -138,7 +135,6 @@ class StragglerWatch:
             node = self._node(cleared.rank)
             log.info("straggler cleared: rank %d on %s at step %d", cleared.rank, node, step)
             self.report("straggler_cleared", step, rank=cleared.rank, node=node)
-        self._last_step_end = time.perf_counter()  # the gather's wait is no step's time
 
     def _named(self, straggler: Straggler, step: int) -> None:
         names = self._all_node_names()  # a collective: every rank reaches this with the same verdict
