@@ -424,7 +424,8 @@ def test_the_supervision_front_stops_for_a_verdict_after_the_next_snapshot_or_at
     assert isinstance(cfg, Config)
     env = types.SimpleNamespace(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), node="n1",
                                 num_nodes=2)  # fmt: skip
-    front = Supervision(cfg, env, RunDir(tmp_path), FakeMetrics())
+    front = Supervision(cfg, env, RunDir(tmp_path))
+    front.watch(FakeMetrics())
     try:
         assert front.straggler.enabled
 

@@ -59,6 +59,9 @@ class Trainer:
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.run_dir = RunDir.of(cfg.run.dir, cfg.run.name)  # built once, passed to every part
+        # The board, the step clock and the stack signal first: the hang watcher sees the model's build
+        self.supervision = Supervision(cfg, env, self.run_dir)
+        self.clock = self.supervision.clock  # the loop enters each section of a step on it once
         self.model = parallelize(
             cfg.parallel,
             cfg.model,
@@ -86,17 +89,13 @@ class Trainer:
             run_name=cfg.run.name,
             run_config=asdict(cfg),
         )
-        # The board, the step clock, the stop agreement, the NaN guard, the watchdog, the straggler watch
-        self.supervision = Supervision(
-            cfg,
-            env,
-            self.run_dir,
+        # The stop agreement, the NaN guard, the watchdog, the straggler watch
+        self.supervision.watch(
             self.metrics,
-            work_modules=self.model.work_modules(),
+            self.model.work_modules(),
             compiled=self.model.compiled,
             stages=self.model.dims.pipeline_stages(),  # a rank's straggler peers: the ranks of its stage
         )
-        self.clock = self.supervision.clock  # the loop enters each section of a step on it once
         # Everything a checkpoint or snapshot keeps: a new piece of state is one more component here.
         training = TrainingState(
             self.model.model_parts,

@@ -3,7 +3,8 @@
 It owns, for one rank: the progress board and the step clock that feeds it (``job/clock.py``), the
 stack signal (the node's hang watcher asks for the rank's stacks with it), the stop agreement
 (``ShutdownController``), the NaN guard, the in-rank hang watchdog and the straggler watch with its stop
-policy. The loop makes a handful of calls:
+policy. Built at the process's start, ``watch(metrics, ...)`` once the model and the metrics exist; then
+the loop makes a handful of calls:
 
 - ``starting()`` before the state is restored (signal handlers first: a stop during the load is kept),
   ``running()`` once it is (the watchdog starts);
@@ -58,28 +59,34 @@ class Process(Ranks, Protocol):
 
 
 class Supervision:
-    """One rank's supervision. ``metrics``: where events go (rank 0's straggler events and per-rank times
-    too); ``work_modules`` and ``compiled``: the modules whose forward is the rank's own computation
-    (``ParallelModel.work_modules``), timed for the straggler watch; ``stages``: each rank's pipeline stage
-    (``ParallelDims.pipeline_stages``), a rank's straggler peers."""
+    """One rank's supervision, built in two steps: the board, the clock and the stack signal at the
+    process's start (the node's hang watcher sees the rank, and can ask for its stacks, from then on: a
+    hang while the model is built is named with them), then ``watch`` once the model and the metrics
+    exist."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        env: Process,
-        run: RunDir,
-        metrics: Metrics,
-        *,
-        work_modules: Sequence[torch.nn.Module] = (),
-        compiled: bool = False,
-        stages: Sequence[int] | None = None,
-    ):
-        self.cfg, self.metrics = cfg, metrics
+    def __init__(self, cfg: Config, env: Process, run: RunDir):
+        self.cfg, self.env, self.run = cfg, env, run
         # Where this rank is, for the node's hang watcher (only in a job step that runs one), and its
         # stacks on the watcher's request. Start-up lasts until this process's first step finished.
         self.board = ProgressBoard.open_from_env(env.rank, env.local_rank)
         self.clock = StepClock(self.board, env.device)
         self.stacks = StackSignal.register(run.stack_dump(env.rank), self.board.enabled)
+
+    def watch(
+        self,
+        metrics: Metrics,
+        work_modules: Sequence[torch.nn.Module] = (),
+        *,
+        compiled: bool = False,
+        stages: Sequence[int] | None = None,
+    ) -> None:
+        """The stop agreement (one collective: the job's end time), the watchdog, the NaN guard and the
+        straggler watch. ``metrics``: where events go (rank 0's straggler events and per-rank times too);
+        ``work_modules`` and ``compiled``: the modules whose forward is the rank's own computation
+        (``ParallelModel.work_modules``), timed for the straggler watch; ``stages``: each rank's pipeline
+        stage (``ParallelDims.pipeline_stages``), a rank's straggler peers."""
+        cfg, env, run = self.cfg, self.env, self.run
+        self.metrics = metrics
         self.controller = ShutdownController(cfg.resilience, env.rank, env.device, run, board=self.board)
         self.watchdog = HangWatchdog(
             cfg.resilience.hang_timeout_s,
