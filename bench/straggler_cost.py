@@ -1,11 +1,12 @@
 """What straggler detection costs a step, measured inside the run it watches (`python -m bench.stragglers`
 starts it under torchrun, 2 ranks on this machine).
 
-Every rank wraps its `StragglerWatch`: the time spent entering and leaving `work()` (the timing around the
-data and optimizer phases, not the phases themselves), in the hooks around each timed module's forward
-(the forward phase: `time_forward`) and in `step_done()` (every step's bookkeeping and, every window, the
-all-gather, the verdict and rank 0's records) is summed, beside the same run's own step time. The
-wrapper's own clock reads are counted too; PyTorch's own dispatch of a module's hooks is not.
+Every rank wraps the straggler's share of its step clock: the time spent entering and leaving the clock's
+`alone()` (the timing around the optimizer update, not the update itself), in the hooks around each timed
+module's forward (the forward phase: `StepClock.time_alone`), in the watch's `alone()` (each piece of alone
+work it is handed, the data section's included) and in its `step_done()` (every step's bookkeeping and,
+every window, the all-gather, the verdict and rank 0's records) is summed, beside the same run's own step
+time. The wrapper's own clock reads are counted too; PyTorch's own dispatch of a module's hooks is not.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 -m bench.straggler_cost OUT.json STEPS
 """
@@ -18,18 +19,19 @@ import sys
 import time
 from pathlib import Path
 
+from relaytrain.job.clock import StepClock
 from relaytrain.resilience.straggler_watch import StragglerWatch
 
 SPENT = [0.0]
 
 
 def _instrument() -> None:
-    work = StragglerWatch.work
+    alone = StepClock.alone
 
     @contextlib.contextmanager
-    def timed_work(self, phase):
+    def timed_alone(self):
         start = time.perf_counter()
-        inner = work(self, phase)
+        inner = alone(self)
         inner.__enter__()
         SPENT[0] += time.perf_counter() - start
         try:
@@ -47,8 +49,10 @@ def _instrument() -> None:
 
         return wrapper
 
-    StragglerWatch.work = timed_work
-    for name in ("step_done", "_forward_begin", "_forward_end"):  # the hooks: looked up when registered
+    StepClock.alone = timed_alone
+    for name in ("_forward_begin", "_forward_end"):  # the hooks: looked up when registered
+        setattr(StepClock, name, timed(getattr(StepClock, name)))
+    for name in ("alone", "step_done"):  # looked up when the watch becomes the clock's reader
         setattr(StragglerWatch, name, timed(getattr(StragglerWatch, name)))
 
 

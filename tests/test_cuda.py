@@ -87,14 +87,17 @@ def test_snapshot_copies_run_on_a_side_stream_after_the_step_and_the_next_update
 
 
 def test_the_step_timer_charges_kernel_time_to_the_section_that_launched_it():
+    from relaytrain.job.clock import StepClock
+    from relaytrain.job.progress import Phase
     from relaytrain.monitor.timer import StepTimer
 
     a = torch.randn(4096, 4096, device="cuda")
-    timer = StepTimer(torch.device("cuda"))
+    steps, timer = StepClock(device=torch.device("cuda")), StepTimer(torch.device("cuda"))
+    steps.add_reader(timer)
     for _ in range(3):
-        with timer.section("data"):
+        with steps.section(Phase.DATA):
             pass
-        with timer.section("forward_backward"):
+        with steps.section(Phase.FORWARD_BACKWARD):
             for _ in range(20):
                 a = a @ a / 64
     window = timer.window()

@@ -60,7 +60,7 @@ def trainer(rank: int = 1, world_size: int = 2) -> SimpleNamespace:
         state=SimpleNamespace(step=0),
         loader=SimpleNamespace(next_batch=seams.next_batch),
         controller=SimpleNamespace(agree_with=seams.agree_with),
-        watchdog=SimpleNamespace(beat=seams.beat),
+        supervision=SimpleNamespace(watchdog=SimpleNamespace(beat=seams.beat)),
         model=SimpleNamespace(reduce_mean=seams.reduce_mean),
         seams=seams,
     )
@@ -130,9 +130,9 @@ def test_a_slow_rank_sleeps_its_own_step_time_times_the_factor_less_one(monkeypa
     for step in (1, 2, 3):
         t.loader.next_batch(step)
         threading.Event().wait(0.05)  # the step's work (time.sleep is the fault's, recorded)
-        t.watchdog.beat(step)
-        t.watchdog.beat(step)  # a save's beat of the same step: no second sleep
-        t.watchdog.beat()  # an evaluation's
+        t.supervision.watchdog.beat(step)
+        t.supervision.watchdog.beat(step)  # a save's beat of the same step: no second sleep
+        t.supervision.watchdog.beat()  # an evaluation's
     assert len(slept) == 2 and all(0.05 * 4 <= s < 0.05 * 4 * 3 for s in slept), slept
     assert len(said) == 1 and said[0].startswith("5x slower steps from step 2 on rank 1")
 

@@ -18,6 +18,8 @@ import torch
 from relaytrain.config.schema import Config
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
+from relaytrain.job.clock import StepClock
+from relaytrain.job.progress import Phase
 from relaytrain.monitor import mfu as mfu_mod
 from relaytrain.monitor import timer as timer_mod
 from relaytrain.monitor.logs import setup_logging
@@ -163,32 +165,38 @@ def test_memory_stats_cpu():
 
 
 def test_step_timer_windows(monkeypatch):
+    """The metrics' phase times read the step clock's sections (its one timer), by phase."""
     clock = [100.0]
     monkeypatch.setattr(timer_mod.time, "perf_counter", lambda: clock[0])
+    steps = StepClock()
     timer = StepTimer()
+    steps.add_reader(timer)
     clock[0] = 150.0  # startup before the first section is not step time
+    with steps.section(Phase.CHECKPOINT_LOAD):  # a restore before the first step: start-up too
+        clock[0] += 7.0
     for _ in range(2):
-        with timer.section("data"):  # each data section starts a step
+        with steps.section(Phase.DATA):  # each data section starts a step
             clock[0] += 0.5
-        with timer.section("forward_backward"):
+        with steps.section(Phase.FORWARD_BACKWARD):
             clock[0] += 2.0
-        with timer.section("optimizer"):
+        with steps.section(Phase.OPTIMIZER):
             clock[0] += 1.0
         clock[0] += 0.5  # untimed work: "other"
-    with timer.excluded():  # evaluation
+    with steps.section(Phase.EVALUATION):  # left out of the step time
         clock[0] += 30.0
-    with timer.section("checkpoint"):
-        clock[0] += 4.0
+    with steps.section(Phase.CHECKPOINT_SAVE):
+        clock[0] += 3.0
+    with steps.section(Phase.SNAPSHOT):
+        clock[0] += 1.0
     window = timer.window()
     assert window["data"] == 0.5 and window["forward_backward"] == 2.0
     assert window["optimizer"] == 1.0 and window["checkpoint"] == 2.0
     assert window["step"] == pytest.approx(6.0)  # (2 * 4 s + 4 s checkpoint) / 2 steps
     assert window["other"] == pytest.approx(0.5)
-    with timer.section("data"):
+    assert timer.wall_s == pytest.approx(12.0)  # tokens/s: the window's wall time, evaluation left out
+    with steps.section(Phase.DATA):
         clock[0] += 1.0
     assert timer.window()["step"] == 1.0  # the new window starts where the last ended
-    with pytest.raises(ValueError, match="unknown step section"), timer.section("backward"):
-        pass
 
 
 # --- MetricsLogger and its sinks ----------------------------------------------------------------

@@ -20,6 +20,7 @@ from relaytrain.config.loader import load_config
 from relaytrain.config.schema import ModelConfig
 from relaytrain.errors import ConfigError
 from relaytrain.job import RunDir
+from relaytrain.job.clock import StepClock
 from relaytrain.job.progress import _HEAD, PROGRESS_DIR_ENV, Phase, ProgressBoard, read_board, read_record
 from relaytrain.model import Transformer
 from relaytrain.resilience import StackSignal
@@ -104,7 +105,7 @@ def test_the_persistence_front_publishes_its_loads_and_saves_with_the_estimate(t
     record = RunRecord("run", config_to_toml(cfg), config_hash(cfg), cfg.model, "byte")
     board = Recording(tmp_path / "board")
     front = Persistence(cfg.checkpoint, RunDir(tmp_path / "run"), record, training, rank=0, world_size=1,
-                        parallel_dims={}, board=board)  # fmt: skip
+                        parallel_dims={}, clock=StepClock(board))  # fmt: skip
     estimate = front.save_seconds_estimate()
     front.restore()
     assert board.phases == [(Phase.CHECKPOINT_LOAD, estimate), (Phase.STARTUP, 0.0)]  # still starting

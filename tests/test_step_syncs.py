@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from relaytrain.config.loader import load_config
+from relaytrain.job.clock import StepClock
+from relaytrain.job.progress import Phase
 from relaytrain.monitor import timer as timer_mod
 from relaytrain.monitor.timer import StepTimer
 
@@ -108,10 +110,12 @@ def test_cuda_timer_records_events_and_waits_once_per_window(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
     monkeypatch.setattr(timer_mod.time, "perf_counter", lambda: FakeEvent.clock[0])
+    steps = StepClock(device=torch.device("cuda"))
     timer = StepTimer(torch.device("cuda"))
+    steps.add_reader(timer)
     for _ in range(3):
-        for name, seconds in (("data", 0.25), ("forward_backward", 2.0), ("optimizer", 1.0)):
-            with timer.section(name):
+        for phase, seconds in ((Phase.DATA, 0.25), (Phase.FORWARD_BACKWARD, 2.0), (Phase.OPTIMIZER, 1.0)):
+            with steps.section(phase):
                 FakeEvent.clock[0] += seconds
     assert syncs == [], "a section waited for the device"
     window = timer.window()

@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from relaytrain.config import load_config
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.job.progress import ProgressBoard
+from relaytrain.job.clock import StepClock
+from relaytrain.job.progress import Phase, ProgressBoard
 from relaytrain.monitor.history import build_history
 from relaytrain.monitor.rank_plot import plot_rank_times, straggler_lines, work_by_rank
 from relaytrain.parallel import parallelize
@@ -39,7 +40,7 @@ from relaytrain.resilience.straggler import (
     phase_floor,
     slower_by,
 )
-from relaytrain.resilience.straggler_watch import StragglerWatch
+from relaytrain.resilience.straggler_watch import PHASE_NAMES, StragglerWatch
 from relaytrain.torch_private import fake_store
 
 import faults.throttle as throttle
@@ -295,7 +296,15 @@ def make_watch(monkeypatch, action="report", world=2, threshold=0.15, spares="",
     )
     metrics = FakeMetrics()
     watch = StragglerWatch(resilience, ranks, ProgressBoard(None, 0, 0), metrics, 0, stages)
+    watch.clock = StepClock(device=torch.device(device))  # the rank's one clock, the watch its reader
+    if watch.enabled:
+        watch.clock.add_reader(watch)
     return watch, metrics
+
+
+def forward_s(watch) -> float:
+    """The seconds of forward work the clock handed the watch in the step under way."""
+    return sum(s.seconds() for s in watch._step_spans if PHASE_NAMES[s.phase] == "forward")
 
 
 def run_steps(watch, steps, slow_from=None, columns=(2, 6), optimizer_s=1.2 * MIN_HOST_PHASE_S):
@@ -315,12 +324,12 @@ def run_steps(watch, steps, slow_from=None, columns=(2, 6), optimizer_s=1.2 * MI
     watch._all_node_names = lambda: ["n1", "n2"]
     for step in range(1, steps + 1):
         step_box[0] = step
-        with watch.work("data"):
+        with watch.clock.section(Phase.DATA, alone=True):
             pass
-        with watch.work("optimizer"):
+        with watch.clock.section(Phase.OPTIMIZER), watch.clock.alone():
             time.sleep(optimizer_s)
         watch._steps.append(0.01)  # a whole step on both ranks: the window counts
-        watch.step_done(step)
+        watch.clock.step_done(step)
 
 
 def test_the_watch_names_the_rank_logs_the_event_and_records_the_times(monkeypatch, caplog):
@@ -385,10 +394,10 @@ def test_under_a_pipeline_the_record_keeps_each_ranks_stage_and_the_replay_judge
     watch._gather = lambda mine: [mine, mine, [1.4 * v for v in mine], [1.4 * v for v in mine]]
     watch._all_node_names = lambda: ["n1", "n1", "n2", "n2"]
     for step in range(1, 81):
-        with watch.work("optimizer"):
+        with watch.clock.section(Phase.OPTIMIZER), watch.clock.alone():
             time.sleep(1.2 * MIN_HOST_PHASE_S)
         watch._steps.append(0.01)
-        watch.step_done(step)
+        watch.clock.step_done(step)
     assert not [e for e in metrics.events if e[0] == "straggler"]
     records = [{**times, "step": step} for step, times in metrics.times]  # as metrics.jsonl keeps them
     assert all(r["stages"] == [0, 0, 1, 1] for r in records) and len(records) == 8
@@ -402,10 +411,37 @@ def test_a_replace_verdict_stops_after_the_next_snapshot(monkeypatch):
     run_steps(watch, 40, slow_from=10)
     assert watch.verdict is not None and watch.verdict["action"] == "replace"
     assert set(watch.verdict) == {"rank", "node", "phase", "slower", "since_step", "action"}
-    saving = types.SimpleNamespace(saves_by_itself=True, saved_step=35)
-    assert not watch.stop_due(40, saving)  # waits for the snapshot
-    assert watch.stop_due(45, types.SimpleNamespace(saves_by_itself=True, saved_step=45))
-    assert watch.stop_due(41, types.SimpleNamespace(saves_by_itself=False, saved_step=-1))  # stop saves
+
+
+def test_the_supervision_front_stops_for_a_verdict_after_the_next_snapshot_or_at_once(monkeypatch, tmp_path):
+    """The straggler's stop policy (the supervision front's, not the loop's): a replace/drop verdict stops
+    every rank once a snapshot or checkpoint of the step is taken, at once when the run takes neither by
+    itself, never at the last step; no verdict, no stop."""
+    from relaytrain.config import Config
+    from relaytrain.resilience.supervision import Supervision
+
+    cfg = load_config(None, [*TINY, "--train.max_steps=50", "--resilience.straggler_threshold=0.15"])
+    assert isinstance(cfg, Config)
+    env = types.SimpleNamespace(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), node="n1",
+                                num_nodes=2)  # fmt: skip
+    front = Supervision(cfg, env, RunDir(tmp_path))
+    front.watch(FakeMetrics())
+    try:
+        assert front.straggler.enabled
+
+        def saving(by_itself, saved_step):
+            return types.SimpleNamespace(saves_by_itself=by_itself, saved_step=saved_step,
+                                         save_seconds_estimate=lambda: 0.0)  # fmt: skip
+
+        none = StopReason.NONE
+        assert front.agree_after(45, none, False, saving(True, 45)) == none  # no verdict
+        front.straggler.verdict = {"rank": 1, "action": "replace"}
+        assert front.agree_after(40, none, False, saving(True, 35)) == none  # waits for the snapshot
+        assert front.agree_after(45, none, False, saving(True, 45)) == StopReason.STRAGGLER
+        assert front.agree_after(41, none, False, saving(False, -1)) == StopReason.STRAGGLER  # stop saves
+        assert front.agree_after(50, none, False, saving(False, -1)) == none  # the last step: finished
+    finally:
+        front.leave()
 
 
 def test_replace_without_a_spare_only_reports(monkeypatch):
@@ -423,10 +459,11 @@ def test_the_watch_is_off_for_one_rank_threshold_zero_or_no_peer(monkeypatch, wo
     watch, metrics = make_watch(monkeypatch, world=world, threshold=threshold, stages=stages)
     watch._gather = lambda mine: pytest.fail("an off watch gathered")
     for step in range(1, 31):
-        with watch.work("optimizer"):
+        with watch.clock.section(Phase.OPTIMIZER), watch.clock.alone():
             pass
+        watch.clock.step_done(step)
         watch.step_done(step)
-    assert not watch.enabled and metrics.times == []
+    assert not watch.enabled and metrics.times == [] and watch._pending == []
 
 
 class FakeEvent:
@@ -447,18 +484,18 @@ class FakeEvent:
 def test_on_cuda_the_watch_reads_only_completed_events_and_never_waits(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("the watch waited for the device"))
-    watch, _ = make_watch(monkeypatch)
-    watch._events = True
+    watch, _ = make_watch(monkeypatch, device="cuda")
+    clock = watch.clock
     FakeEvent.now = 0.0
-    with watch.work("optimizer"):
+    with clock.section(Phase.OPTIMIZER), clock.alone():
         FakeEvent.now += 0.25
-    watch.step_done(1)
-    with watch.work("forward"):
+    clock.step_done(1)
+    with clock.section(Phase.FORWARD_BACKWARD), clock.alone():
         FakeEvent.now += 0.5
-    with watch.work("optimizer"):
+    with clock.section(Phase.OPTIMIZER), clock.alone():
         FakeEvent.now += 0.5
-    watch.step_done(2)
-    watch._pending[-1][0][2].done = False  # step 2's first event still queued on the device: all of it waits
+    clock.step_done(2)
+    watch._pending[-1][0].end.done = False  # step 2's first event still queued on the device: all of it waits
     watch._resolve_events()
     assert watch._times["optimizer"] == [0.25] and watch._times["forward"] == []
     assert len(watch._pending) == 1
@@ -471,7 +508,7 @@ def test_a_phase_timed_in_parts_is_one_time_per_step_without_the_forwards_of_an_
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     watch, _ = make_watch(monkeypatch)
     layers = [torch.nn.Linear(4, 4) for _ in range(3)]
-    watch.time_forward(layers)
+    watch.clock.time_alone(layers)
     x = torch.ones(1, 4)
     for _ in range(2):  # two micro batches
         for layer in layers:
@@ -479,7 +516,8 @@ def test_a_phase_timed_in_parts_is_one_time_per_step_without_the_forwards_of_an_
     with torch.no_grad():
         for layer in layers:
             layer(x)
-    watch.step_done(1)
+    watch.clock.step_done(1)
+    watch._resolve_events()
     assert watch._times["forward"] == [6.0]  # six forwards of one second each, one time for the step
 
 
@@ -516,13 +554,13 @@ def test_under_compile_each_compiled_layer_is_timed_and_still_runs_compiled(monk
         timed = model.work_modules()
         assert timed == [*part.layers.values(), part.output]
         watch, _ = make_watch(monkeypatch)
-        watch.time_forward(timed, compiled=True)
+        watch.clock.time_alone(timed, compiled=True)
         tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
         for _ in range(2):
-            before, watch._step = backend.calls, {}
+            before, watch._step_spans = backend.calls, []
             model.train_step(tokens[:, :-1], tokens[:, 1:])
             assert backend.calls - before >= cfg.model.n_layers, "a layer ran eagerly"
-            assert watch._step["forward"] > 0
+            assert forward_s(watch) > 0
         assert backend.graphs <= 2
     finally:
         torch._dynamo.reset()
@@ -539,7 +577,7 @@ class CollectivesWhileTimed(CollectiveCounter):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         plain = not any(t == DTensor for t in types)
-        if plain and func.namespace in ("c10d", "_c10d_functional") and self.watch._forward_begun:
+        if plain and func.namespace in ("c10d", "_c10d_functional") and self.watch.clock._forward_begun:
             self.while_timed.append(func.__name__)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -566,7 +604,7 @@ def test_under_tensor_and_context_parallelism_no_collective_runs_while_the_forwa
         watch, _ = make_watch(monkeypatch, world=world)
         timed = model.work_modules()  # each layer's 7 linear layers and the output projection
         assert len(timed) == 7 * cfg.model.n_layers + 1 and all(isinstance(m, torch.nn.Linear) for m in timed)
-        watch.time_forward(timed)
+        watch.clock.time_alone(timed)
         tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
         with CollectivesWhileTimed(watch) as counter:
             model.train_step(tokens[:, :-1], tokens[:, 1:])
@@ -574,7 +612,7 @@ def test_under_tensor_and_context_parallelism_no_collective_runs_while_the_forwa
         dist.destroy_process_group()
     assert counter.calls, "the layout ran no collective: nothing was checked"
     assert counter.while_timed == []
-    assert watch._step["forward"] > 0
+    assert forward_s(watch) > 0
 
 
 def test_under_context_parallelism_the_linear_layers_are_timed_not_the_attention():
@@ -722,7 +760,7 @@ def test_the_trainer_stops_after_the_next_checkpoint_for_a_verdict_and_exits_89(
     prepare_run_dir(cfg, env.is_main)
     trainer = Trainer(cfg, env)
     verdict = {"rank": 1, "node": "n2", "phase": "optimizer", "slower": 0.5, "since_step": 1}
-    trainer.straggler.verdict = {**verdict, "action": "replace"}
+    trainer.supervision.straggler.verdict = {**verdict, "action": "replace"}
     assert trainer.run() == EXIT_STRAGGLER
     run = RunDir(tmp_path / "acts")
     raw = json.loads(run.run_state.read_text())

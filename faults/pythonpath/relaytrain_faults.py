@@ -2,15 +2,16 @@
 
 ``sitecustomize.py`` beside this file imports it at interpreter start when a ``RELAYTRAIN_FAULT_*``
 variable is set. When the process then imports ``relaytrain.trainer``, the Trainer's constructor is
-wrapped, and each Trainer it builds gets its faults on two public seams of its own objects:
+wrapped, and each Trainer it builds gets its faults on public seams of its own objects (its model, its
+loader, and its supervision front's watchdog):
 
 - ``RELAYTRAIN_FAULT_NAN_AT_STEPS="5,6"``: ``model.train_step`` returns a NaN loss when it computes one
   of those steps (``state.step + 1``, the step logged in metrics), on one rank
   (``RELAYTRAIN_FAULT_NAN_RANK``, default the last rank), each listed step once per process, so a
   rollback replays it cleanly. The NaN guard must see it, as it would see a real one.
-- ``RELAYTRAIN_FAULT_STEP_DELAY_S=0.4``: every rank sleeps this long after each finished step (after the
-  first ``watchdog.beat(step)`` that follows a ``train_step``), so that a tiny model's run lasts long
-  enough for a real scheduler to signal, preempt or kill it mid-training without using CPU.
+- ``RELAYTRAIN_FAULT_STEP_DELAY_S=0.4``: every rank sleeps this long after each finished step (after
+  the first ``supervision.watchdog.beat(step)`` that follows a ``train_step``), so that a tiny model's run
+  lasts long enough for a real scheduler to signal, preempt or kill it mid-training without using CPU.
 - ``RELAYTRAIN_FAULT_SHAPE_ERROR_AT_STEP=N``: every rank's ``model.train_step`` of step N multiplies two
   matrices whose shapes do not fit, a real ``RuntimeError`` from torch, in every process (a restarted or
   requeued run meets it again at the same step, as it would a bug in the model code or a bad config).
@@ -101,8 +102,9 @@ class Faults:
         self.import_module = env.get(IMPORT_MODULE_ENV, "").strip()
 
     def attach(self, trainer) -> None:
-        """Wrap this trainer's ``model.train_step`` and ``watchdog.beat`` (instance attributes only)."""
-        train_step, beat = trainer.model.train_step, trainer.watchdog.beat
+        """Wrap this trainer's ``model.train_step`` and ``supervision.watchdog.beat`` (instance attributes
+        only)."""
+        train_step, beat = trainer.model.train_step, trainer.supervision.watchdog.beat
         rank, world_size = trainer.env.rank, trainer.env.world_size
         nan_rank = world_size - 1 if self.nan_rank is None else self.nan_rank
         nan_steps = set(self.nan_steps) if rank == nan_rank else set()
@@ -142,7 +144,7 @@ class Faults:
         if self.nan_steps or delay or self.shape_error_at is not None:
             trainer.model.train_step = faulty_train_step
         if delay:
-            trainer.watchdog.beat = slow_beat
+            trainer.supervision.watchdog.beat = slow_beat
         self.hang.attach(trainer, say)  # over the delay: a slow rank's step time includes the delay
 
 
@@ -182,13 +184,14 @@ class HangFaults:
         self.first_job_step = env.get(STEP_RESTARTS_ENV, "").strip() in ("", "0")
 
     def attach(self, trainer, say) -> None:
-        """Wrap this trainer's ``loader.next_batch``, ``model.reduce_mean`` and ``watchdog.beat`` (its
-        instance attributes) on the faulted rank, for the faults asked for."""
+        """Wrap this trainer's ``loader.next_batch``, ``model.reduce_mean`` and
+        ``supervision.watchdog.beat`` (its instance attributes) on the faulted rank, for the faults asked
+        for."""
         rank = trainer.env.rank
         target = trainer.env.world_size - 1 if self.rank is None else self.rank
         if rank != target or not self.first_job_step:
             return
-        state, loader, watchdog = trainer.state, trainer.loader, trainer.watchdog
+        state, loader, watchdog = trainer.state, trainer.loader, trainer.supervision.watchdog
         blocking = {"fifo": self.fifo_at, "stall": self.stall_at}
         step_started = [None]  # when the rank's current step began (its data fetch); None: no step open
         next_batch = loader.next_batch

@@ -76,8 +76,12 @@ def _run_dir(run_dir: str | Path | None) -> RunDir:
         return RunDir(Path(chosen).absolute())
     own = (Path("runs") / program_name()).absolute()
     if _rank() == 0:
-        print(f"relaytrain.program: run directory {own} (no {RUN_DIR_ENV}; set it, or install(run_dir=...), "
-              "to choose another)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"relaytrain.program: run directory {own} (no {RUN_DIR_ENV}; set it, or install(run_dir=...), "
+            "to choose another)",
+            file=sys.stderr,
+            flush=True,
+        )
     return RunDir(own)
 
 

@@ -10,17 +10,16 @@ cost is recorded); the end commits a pending save before the snapshot tier close
 groups go. `checkpoint.enabled` is read here once for every persistence decision (outside: the config
 check before a start, `choose.check_resume`; the plan; the stop event's `saved` field, resilience/).
 
-Every method is called by every rank at the same point of the loop. While it loads, saves or snapshots,
-the rank's progress board shows that phase, with the save estimate as its budget: the hang monitor
-gives a save the time it was expected to take, and a stuck one is named as a stuck save.
+Every method is called by every rank at the same point of the loop. Its loads, saves and snapshots are
+sections of the rank's step clock (`job/clock.py`): timed there for the metrics and the time ledger, and
+shown on the progress board with the save estimate as their budget: the hang monitor gives a save the
+time it was expected to take, and a stuck one is named as a stuck save.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +30,11 @@ from relaytrain.checkpoint.snapshot.pacing import EventSink, SnapshotPacing
 from relaytrain.checkpoint.snapshot.tier import SnapshotTier
 from relaytrain.checkpoint.training_state import TrainingState
 from relaytrain.config.schema import CheckpointConfig
-from relaytrain.job.progress import Phase, ProgressBoard
+from relaytrain.job.clock import StepClock
+from relaytrain.job.progress import Phase
 from relaytrain.job.rundir import RunDir
 
 log = logging.getLogger("relaytrain.checkpoint")
-
-_BLOCKED_BY = {
-    Phase.CHECKPOINT_SAVE: "checkpoint",
-    Phase.SNAPSHOT: "snapshot",
-    Phase.CHECKPOINT_LOAD: "restore",
-}
 
 
 class Persistence:
@@ -57,11 +51,12 @@ class Persistence:
         world_size: int,
         parallel_dims: dict,
         on_commit: Callable[[int], None] | None = None,
-        board: ProgressBoard | None = None,
+        clock: StepClock | None = None,
         on_event: EventSink | None = None,
     ):
         self.cfg = cfg
-        self.board = board if board is not None else ProgressBoard(None, rank, 0)
+        self.clock = clock if clock is not None else StepClock()
+        self.board = self.clock.board
         self.enabled = cfg.enabled  # off: nothing is saved, no snapshot is taken, no own checkpoint resumed
         snapshots_on = self.enabled and bool(cfg.snapshot_every)  # an interval, or "auto"
         self.collectives = Collectives(rank, world_size, replicas=snapshots_on, board=self.board)
@@ -86,8 +81,7 @@ class Persistence:
         self._resumed: int | None = None
         self.restored_from = ""  # after `restore`: the tier the state came from ("" when none was loaded)
         self.saved_step = -1  # the last step after_step saved a checkpoint or took a snapshot at
-        # Seconds the loop waited on each kind of persistence work, for the time ledger (monitor/ledger.py)
-        self._blocked = {"checkpoint": 0.0, "snapshot": 0.0, "restore": 0.0}
+        self._phase = self.clock.section  # its loads, saves and snapshots: sections of the step clock
 
     # -- the start ----------------------------------------------------------------------------------
 
@@ -199,22 +193,7 @@ class Persistence:
             self.snapshots.close(finished)
         self.collectives.close()
 
-    def spent(self) -> dict[str, float]:
-        """Seconds so far, in this process, that the loop waited on checkpoint saves, snapshots' blocking
-        copies and restores, and that steps ran slower while a snapshot's background work ran."""
-        return {**self._blocked, "snapshot_slowdown": self.pacing.times.slowdown_total_s}
-
-    @contextlib.contextmanager
-    def _phase(self, phase: Phase, budget_s: float) -> Iterator[None]:
-        """Publish `phase` while it runs, its seconds counted (`spent`). Then back to start-up or stop, the
-        spans it ran inside; after a section of the loop it stays until the loop publishes the section it
-        enters next (going back would add a short second piece to that section's median)."""
-        before = self.board.phase_now
-        self.board.phase(phase, budget_s=budget_s)
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._blocked[_BLOCKED_BY[phase]] += time.perf_counter() - began
-        if before in (Phase.STARTUP, Phase.STOP):
-            self.board.phase(before)
+    def snapshot_slowdown_s(self) -> float:
+        """Seconds so far, in this process, that steps ran slower while a snapshot's background work ran
+        (the time the loop waited on saves, snapshots and restores: their sections on the step clock)."""
+        return self.pacing.times.slowdown_total_s

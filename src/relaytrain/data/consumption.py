@@ -78,8 +78,9 @@ class SampleRecorder:
     after its loader's state was reloaded (detected: the chain the step starts from is not the last one
     written)."""
 
-    def __init__(self, run: RunDir, rank: int, attempt: str, dp_rank: int, dp_size: int,
-                 world_size: int | None = None):  # fmt: skip
+    def __init__(
+        self, run: RunDir, rank: int, attempt: str, dp_rank: int, dp_size: int, world_size: int | None = None
+    ):
         self.rank, self.attempt, self.dp_rank, self.dp_size = rank, attempt, dp_rank, dp_size
         self.world_size = world_size
         self.path = run.sample_record(rank)
@@ -94,8 +95,14 @@ class SampleRecorder:
             if fingerprint is not None:
                 begin["data"] = {**fingerprint, "world_size": self.world_size}
             jsonl.append(self.path, begin)
-        line = {**base, "step": step, "first": consumed.first, "count": consumed.count,
-                "digest": consumed.digest, "chain": consumed.chain_after}  # fmt: skip
+        line = {
+            **base,
+            "step": step,
+            "first": consumed.first,
+            "count": consumed.count,
+            "digest": consumed.digest,
+            "chain": consumed.chain_after,
+        }
         if consumed.tokens:
             line["tokens"] = consumed.tokens
         jsonl.append(self.path, line)

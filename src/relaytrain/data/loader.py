@@ -135,8 +135,14 @@ class TrainLoader:
         sources = [
             {"path": str(d.path), "manifest": m} for d, m in zip(self.datasets, self._manifests, strict=True)
         ]
-        return {"seed": self.seed, "shuffle": self.shuffle, "weights": self.weights, "seq_len": self.seq_len,
-                "global_batch_size": self.global_batch_size, "sources": sources}  # fmt: skip
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "weights": self.weights,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "sources": sources,
+        }
 
     def next_batch(self, step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``[G/D, seq_len]`` inputs and targets for one optimizer step; advances by ``G``.

@@ -106,8 +106,10 @@ def read_segments(run: RunDir) -> tuple[list[Segment], list[str]]:
                 if rank == 0:
                     order.append(key)
                 if (seg.begin, seg.chain) != (record["begin"], record["chain"]):
-                    problems.append(f"{seg.name()}: rank {rank} started at step {record['begin']}, rank 0 "
-                                    f"at step {seg.begin} (or from another sample chain)")  # fmt: skip
+                    problems.append(
+                        f"{seg.name()}: rank {rank} started at step {record['begin']}, rank 0 "
+                        f"at step {seg.begin} (or from another sample chain)"
+                    )
                 continue
             if attempt not in begins:
                 damage = f"attempt {attempt} has a step before its begin line"
@@ -182,8 +184,10 @@ def _step_problems(seg: Segment, step: int, global_batch: int) -> tuple[list[str
         share = global_batch // dp
         want = (step - 1) * global_batch + dp_rank * share
         if (first, count) != (want, share):
-            problems.append(f"{who}: read global samples [{first}, {first + count}), an uninterrupted run "
-                            f"reads [{want}, {want + share})")  # fmt: skip
+            problems.append(
+                f"{who}: read global samples [{first}, {first + count}), an uninterrupted run "
+                f"reads [{want}, {want + share})"
+            )
         if digest != range_digest(first, count):
             problems.append(
                 f"{who}: the digest of the indices read is not that of [{first}, {first + count})"

@@ -103,9 +103,11 @@ class DataReport:
             return "; ".join(self.notes) or "no training step recorded"
         s = self.settings
         shuffle = "on" if s["shuffle"] else "off"
-        head = (f"the tokens of {self.checked} step record(s) match the prepared data read again from its "
-                f"files (seed {s['seed']}, shuffle {shuffle}, seq_len {s['seq_len']}, "
-                f"{len(s['sources'])} source(s))")  # fmt: skip
+        head = (
+            f"the tokens of {self.checked} step record(s) match the prepared data read again from its "
+            f"files (seed {s['seed']}, shuffle {shuffle}, seq_len {s['seq_len']}, "
+            f"{len(s['sources'])} source(s))"
+        )
         if self.unchecked:
             head += f"; {self.unchecked} record(s) without a token digest not checked"
         return "; ".join([head, *self.notes])
@@ -114,8 +116,10 @@ class DataReport:
 def changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """The order-deciding settings that differ, as `key a -> b` (sources by path and manifest)."""
     found = [key for key in ORDER_KEYS if before.get(key) != after.get(key)]
-    return [key if key == "sources" else f"{key} {json.dumps(before.get(key))} -> "
-            f"{json.dumps(after.get(key))}" for key in found]  # fmt: skip
+    return [
+        key if key == "sources" else f"{key} {json.dumps(before.get(key))} -> {json.dumps(after.get(key))}"
+        for key in found
+    ]
 
 
 def _open_sources(settings: list[dict[str, Any]], report: DataReport) -> dict[str, SourceFiles] | None:
@@ -145,20 +149,34 @@ def _fingerprint(seg: Segment, report: DataReport) -> dict[str, Any] | None:
     first = seg.data[min(seg.data)]
     for rank, data in sorted(seg.data.items()):
         if changed(first, data):
-            report.violations.append(f"{seg.name()}: rank {rank} declares other data settings than rank "
-                                     f"{min(seg.data)} ({', '.join(changed(first, data))})")  # fmt: skip
+            report.violations.append(
+                f"{seg.name()}: rank {rank} declares other data settings than rank "
+                f"{min(seg.data)} ({', '.join(changed(first, data))})"
+            )
     return first
 
 
-def _diagnose(expect: ExpectedData, own: ExpectedData | None, got: str, step: int, dp_rank: int, dp: int,
-              global_batch: int) -> str:  # fmt: skip
+def _diagnose(
+    expect: ExpectedData,
+    own: ExpectedData | None,
+    got: str,
+    step: int,
+    dp_rank: int,
+    dp: int,
+    global_batch: int,
+) -> str:
     """What a rank read instead, where a nearby candidate matches."""
     share = global_batch // dp
     at = (step - 1) * global_batch + dp_rank * share
-    candidates = [(at + global_batch, "step " + str(step + 1) + "'s (one batch ahead)"),
-                  (at - global_batch, "step " + str(step - 1) + "'s (one batch behind)")]  # fmt: skip
-    candidates += [(at + (other - dp_rank) * share, f"dp rank {other}'s share") for other in range(dp)
-                   if other != dp_rank]  # fmt: skip
+    candidates = [
+        (at + global_batch, "step " + str(step + 1) + "'s (one batch ahead)"),
+        (at - global_batch, "step " + str(step - 1) + "'s (one batch behind)"),
+    ]
+    candidates += [
+        (at + (other - dp_rank) * share, f"dp rank {other}'s share")
+        for other in range(dp)
+        if other != dp_rank
+    ]
     for first, what in candidates:
         if first >= 0 and expect.digest(first, share) == got:
             return f"it read {what}"
@@ -167,8 +185,9 @@ def _diagnose(expect: ExpectedData, own: ExpectedData | None, got: str, step: in
     return "it read none of the nearby steps' or ranks' samples"
 
 
-def check_data(run: RunDir, global_batch: int, reached: int | None = None,
-               allow_change: bool = False) -> DataReport:  # fmt: skip
+def check_data(
+    run: RunDir, global_batch: int, reached: int | None = None, allow_change: bool = False
+) -> DataReport:
     """Every step of the run's surviving lineage whose tokens are not the expected data (see above)."""
     report = DataReport()
     if not run.sample_records.is_dir():
@@ -195,8 +214,10 @@ def check_data(run: RunDir, global_batch: int, reached: int | None = None,
         what = changed(previous, own)
         segment_expect, own_expect = expected, None
         if what and allow_change:
-            report.notes.append(f"data settings changed at step {seg.begin} ({', '.join(what)}), allowed by "
-                                "--allow-data-change")  # fmt: skip
+            report.notes.append(
+                f"data settings changed at step {seg.begin} ({', '.join(what)}), allowed by "
+                "--allow-data-change"
+            )
             expected = segment_expect = ExpectedData(own, files)
         elif what:
             report.violations.append(
@@ -205,15 +226,23 @@ def check_data(run: RunDir, global_batch: int, reached: int | None = None,
             )
             own_expect = ExpectedData(own, files)
         if own.get("world_size") != previous.get("world_size") and seg is not parts[0][0]:
-            report.notes.append(f"resized at step {seg.begin}: world size {previous.get('world_size')} -> "
-                                f"{own.get('world_size')}, the global order kept")  # fmt: skip
+            report.notes.append(
+                f"resized at step {seg.begin}: world size {previous.get('world_size')} -> "
+                f"{own.get('world_size')}, the global order kept"
+            )
         _check_steps(seg, range(first_step, last_step + 1), segment_expect, own_expect, global_batch, report)
         previous = own
     return report
 
 
-def _check_steps(seg: Segment, steps: range, expect: ExpectedData, own: ExpectedData | None,
-                 global_batch: int, report: DataReport) -> None:  # fmt: skip
+def _check_steps(
+    seg: Segment,
+    steps: range,
+    expect: ExpectedData,
+    own: ExpectedData | None,
+    global_batch: int,
+    report: DataReport,
+) -> None:
     """Compare each record's token digest; one line for the segment's first differing step."""
     first_wrong: str | None = None
     wrong = 0
@@ -233,8 +262,10 @@ def _check_steps(seg: Segment, steps: range, expect: ExpectedData, own: Expected
             if first_wrong is None:
                 why = _diagnose(expect, own, got, step, dp_rank, dp, global_batch)
                 who = f"step {step}, rank {rank} (dp rank {dp_rank}/{dp})"
-                first_wrong = (f"{who}: the tokens it read are not global samples [{at}, {at + share}) "
-                               f"of the run's data ({why})")  # fmt: skip
+                first_wrong = (
+                    f"{who}: the tokens it read are not global samples [{at}, {at + share}) "
+                    f"of the run's data ({why})"
+                )
     if first_wrong is not None:
         count = f"; {wrong} record(s) of {seg.name()} differ" if wrong > 1 else ""
         report.violations.append(first_wrong + count)

@@ -59,8 +59,10 @@ def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
     if carried is not None:  # the resize is the newest record: the run goes on
         runs.append((carried, now, True))
     trusted = all(later[0] >= earlier[1] for earlier, later in zip(runs, runs[1:], strict=False))
-    return [JobRun(job_id, index, start, end, running, trusted)
-            for index, (start, end, running) in enumerate(runs)]  # fmt: skip
+    return [
+        JobRun(job_id, index, start, end, running, trusted)
+        for index, (start, end, running) in enumerate(runs)
+    ]
 
 
 def job_runs(job_ids: Iterable[str], timeout: float = SLURM_QUERY_TIMEOUT_S) -> list[JobRun] | None:

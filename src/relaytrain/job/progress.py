@@ -221,11 +221,26 @@ class ProgressBoard:
         self._seq += 1  # odd: a write is under way
         _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
         medians = [self._medians.get(p, 0.0) for p in Phase]
-        _BODY.pack_into(m, _HEAD.size, self.rank, self.local_rank, os.getpid(), self._step, int(self._phase),
-                        self._phase_started, time.time() if now is None else now, self._budget, self._entered,
-                        self._left, self._name, self._expected, self._step_collectives,
-                        self._last_step_collectives,
-                        self._usual, *medians)  # fmt: skip
+        _BODY.pack_into(
+            m,
+            _HEAD.size,
+            self.rank,
+            self.local_rank,
+            os.getpid(),
+            self._step,
+            int(self._phase),
+            self._phase_started,
+            time.time() if now is None else now,
+            self._budget,
+            self._entered,
+            self._left,
+            self._name,
+            self._expected,
+            self._step_collectives,
+            self._last_step_collectives,
+            self._usual,
+            *medians,
+        )
         self._seq += 1
         _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
 
@@ -274,8 +289,24 @@ def read_board(directory: Path) -> list[ProgressRecord]:
 
 
 def _record(body: tuple) -> ProgressRecord:
-    (rank, local_rank, pid, step, phase, started, updated, budget, entered, left, name, expected,
-     step_coll, last_coll, usual, *medians) = body  # fmt: skip
+    (
+        rank,
+        local_rank,
+        pid,
+        step,
+        phase,
+        started,
+        updated,
+        budget,
+        entered,
+        left,
+        name,
+        expected,
+        step_coll,
+        last_coll,
+        usual,
+        *medians,
+    ) = body
     return ProgressRecord(
         rank=rank,
         local_rank=local_rank,

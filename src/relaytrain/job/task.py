@@ -100,10 +100,21 @@ def start_hang_watch(run_dir: str, board: Path, environ: dict[str, str]) -> subp
     """Start the node's hang watcher on local rank 0, or return None (other ranks)."""
     if environ.get("SLURM_LOCALID", "0") != "0":
         return None
-    cmd = [sys.executable, "-m", HANG_WATCH_MODULE, "--run-dir", run_dir, "--progress-dir", str(board),
-           "--job-id", environ.get("SLURM_JOB_ID", "0"), "--step-restarts",
-           environ.get(STEP_RESTARTS_ENV, "0") or "0", "--restart-count",
-           environ.get("SLURM_RESTART_COUNT", "0") or "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        HANG_WATCH_MODULE,
+        "--run-dir",
+        run_dir,
+        "--progress-dir",
+        str(board),
+        "--job-id",
+        environ.get("SLURM_JOB_ID", "0"),
+        "--step-restarts",
+        environ.get(STEP_RESTARTS_ENV, "0") or "0",
+        "--restart-count",
+        environ.get("SLURM_RESTART_COUNT", "0") or "0",
+    ]
     return subprocess.Popen(cmd, env=environ, stdin=subprocess.DEVNULL, preexec_fn=_monitor_preexec)
 
 

@@ -200,9 +200,11 @@ class Ledger:
         )
         lines = [head] + ([f"largest losses: {losses}"] if losses else [])
         unaccounted, inferred = self.buckets["unaccounted"], sum(self.inferred.values())
-        lines.append(f"measured {1 - (unaccounted + inferred) / allocated:.1%}, inferred by rule "
-                     f"{inferred / allocated:.1%} ({duration(inferred)}), unaccounted "
-                     f"{unaccounted / allocated:.1%} ({duration(unaccounted)})")  # fmt: skip
+        lines.append(
+            f"measured {1 - (unaccounted + inferred) / allocated:.1%}, inferred by rule "
+            f"{inferred / allocated:.1%} ({duration(inferred)}), unaccounted "
+            f"{unaccounted / allocated:.1%} ({duration(unaccounted)})"
+        )
         return lines
 
 

@@ -74,12 +74,18 @@ def check_ledger(
     unaccounted = sum(j.buckets()["unaccounted"] for j in ended)
     if ended_s > 0 and unaccounted > MAX_UNACCOUNTED * ended_s:
         gaps = sorted(
-            ((span.seconds, job, span) for job in ended for span in job.spans
-             if span.bucket == "unaccounted" and span.seconds >= MIN_GAP_S),
+            (
+                (span.seconds, job, span)
+                for job in ended
+                for span in job.spans
+                if span.bucket == "unaccounted" and span.seconds >= MIN_GAP_S
+            ),
             key=lambda item: -item[0],
-        )[:3]  # fmt: skip
-        where = ", ".join(f"{job.label} at +{span.start - job.allocation.start:.1f} s for {secs:.1f} s"
-                          for secs, job, span in gaps)  # fmt: skip
+        )[:3]
+        where = ", ".join(
+            f"{job.label} at +{span.start - job.allocation.start:.1f} s for {secs:.1f} s"
+            for secs, job, span in gaps
+        )
         report.violations.append(
             f"{duration(unaccounted)} of {duration(ended_s)} allocated ({unaccounted / ended_s:.1%}) is "
             f"unaccounted (no record covers it), more than {MAX_UNACCOUNTED:.0%}; largest gaps: {where}"
@@ -89,8 +95,9 @@ def check_ledger(
         guessed_s = sum(seconds for seconds, _ in guessed.values())
         if unaccounted + guessed_s > MAX_UNACCOUNTED * ended_s:
             largest = sorted(guessed.items(), key=lambda item: -item[1][0])
-            named = "; ".join(f"{name} {duration(seconds)} ({', '.join(rules[:2])})"
-                              for name, (seconds, rules) in largest)  # fmt: skip
+            named = "; ".join(
+                f"{name} {duration(seconds)} ({', '.join(rules[:2])})" for name, (seconds, rules) in largest
+            )
             report.violations.append(
                 f"{duration(guessed_s + unaccounted)} of {duration(ended_s)} allocated "
                 f"({(guessed_s + unaccounted) / ended_s:.1%}) is inferred by rule with no other source to "
@@ -140,8 +147,11 @@ def _against_sacct(
     known = {
         (j.allocation.job_id, j.allocation.restart) for j in slurm_jobs if j.allocation.source == "sacct"
     }
-    missing = [f"job {r.job_id} run {r.restart} ({r.end - r.start:.1f} s)" for r in slurm_runs
-               if (r.job_id, r.restart) not in known]  # fmt: skip
+    missing = [
+        f"job {r.job_id} run {r.restart} ({r.end - r.start:.1f} s)"
+        for r in slurm_runs
+        if (r.job_id, r.restart) not in known
+    ]
     unmatched = [j.label for j in slurm_jobs if j.allocation.source != "sacct"]
     apart = abs(ledger_s - sacct_s) / sacct_s if sacct_s > 0 else float("inf")
     line = (
@@ -180,8 +190,13 @@ def overlapping_windows(records: Sequence[dict[str, Any]], allocated_s: float) -
             found.append(f"{steps}{where} ends {since - end:.3f} s before it begins")
         previous = last_end.get(key)
         if previous is not None and since < previous[0]:
-            overlaps.append((previous[0] - since, f"{steps}{where} begins {previous[0] - since:.3f} s before "
-                                                  f"the window of step {previous[1]} ended"))  # fmt: skip
+            overlaps.append(
+                (
+                    previous[0] - since,
+                    f"{steps}{where} begins {previous[0] - since:.3f} s before "
+                    f"the window of step {previous[1]} ended",
+                )
+            )
         last_end[key] = (float(end), step)
     twice = sum(seconds for seconds, _ in overlaps)
     if allocated_s > 0 and twice > MAX_TWICE * allocated_s:

@@ -151,8 +151,15 @@ def _draw_queue(ax: Any, ledger: Ledger, origin: float, scale: float, width: flo
         x0, x1 = (before.allocation.end - origin) / scale, (after.allocation.start - origin) / scale
         ax.plot([x0, x1], [lane, lane], linestyle=":", color=QUEUE_COLOR, linewidth=1.5)
         if (x1 - x0) > 0.12 * width:
-            ax.text((x0 + x1) / 2, lane - 0.06, f"queued {duration(gap)}", ha="center", va="bottom",
-                    fontsize=8, color=QUEUE_COLOR)  # fmt: skip
+            ax.text(
+                (x0 + x1) / 2,
+                lane - 0.06,
+                f"queued {duration(gap)}",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                color=QUEUE_COLOR,
+            )
     return any_gap
 
 
@@ -170,8 +177,14 @@ def plot_ledger(ledger: Ledger, name: str, path: Path) -> Path | None:
         for bucket, bars in _bars(job.spans, origin, scale).items():
             hatch = "//" if bucket == "unaccounted" else None
             edge = "#999999" if hatch else "none"
-            ax.broken_barh(bars, (lane - 0.35, 0.7), facecolors=BUCKET_COLORS[bucket], edgecolor=edge,
-                           hatch=hatch, linewidth=0.5)  # fmt: skip
+            ax.broken_barh(
+                bars,
+                (lane - 0.35, 0.7),
+                facecolors=BUCKET_COLORS[bucket],
+                edgecolor=edge,
+                hatch=hatch,
+                linewidth=0.5,
+            )
     queued = _draw_queue(ax, ledger, origin, scale, width_s / scale)
     ax.set_yticks(range(lanes), [_lane_label(job) for job in ledger.jobs], fontsize=9)
     ax.set_ylim(lanes - 0.5, -0.6)  # the first allocation on top
@@ -188,7 +201,7 @@ def plot_ledger(ledger: Ledger, name: str, path: Path) -> Path | None:
             edgecolor="#999999",
             hatch="//" if b == "unaccounted" else None,
             label=f"{b} {_share(totals[b], allocated)}",
-        )  # fmt: skip
+        )
         for b in BUCKETS
         if totals[b] > 0
     ]
@@ -196,7 +209,13 @@ def plot_ledger(ledger: Ledger, name: str, path: Path) -> Path | None:
         handles.append(
             Line2D([], [], linestyle=":", color=QUEUE_COLOR, label=f"queue {duration(ledger.queue_s)}")
         )
-    ax.legend(handles=handles, title="bucket, share of allocated", loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=9)  # fmt: skip
+    ax.legend(
+        handles=handles,
+        title="bucket, share of allocated",
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        borderaxespad=0.0,
+        fontsize=9,
+    )
     fig.savefig(path, dpi=110)
     return path

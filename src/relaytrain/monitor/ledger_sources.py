@@ -36,14 +36,20 @@ def _job_records(job: JobTime, records: Sequence[dict[str, Any]]) -> list[dict[s
     return [r for r in records if r.get("job_id") == a.job_id and int(r.get("restart") or 0) == a.restart]
 
 
-def confirmation(job: JobTime, span: Span, records: Sequence[dict[str, Any]],
-                 crashes: Sequence[dict[str, Any]]) -> str:  # fmt: skip
+def confirmation(
+    job: JobTime, span: Span, records: Sequence[dict[str, Any]], crashes: Sequence[dict[str, Any]]
+) -> str:
     """The source that confirms an inferred span's bucket, or "" when none does."""
     a = job.allocation
     if a.job_id is None:
         if span.bucket == "lost":
-            ran = [r for r in records if r.get("kind", "train") == "train" and r.get("job_id") is None
-                   and span.start < (_num(r, "time") or 0.0) <= span.end]  # fmt: skip
+            ran = [
+                r
+                for r in records
+                if r.get("kind", "train") == "train"
+                and r.get("job_id") is None
+                and span.start < (_num(r, "time") or 0.0) <= span.end
+            ]
             return "the trainer's train records of the steps it ran" if ran else ""
         return ""
     own = _job_records(job, records)
@@ -51,18 +57,26 @@ def confirmation(job: JobTime, span: Span, records: Sequence[dict[str, Any]],
         ended = any(r.get("kind") == "event" and r.get("event") in ("stop", "finished") for r in own)
         return "the trainer's stop event and Slurm's End" if ended and a.source == "sacct" else ""
     if span.bucket in ("restart", "lost"):
-        crashed = [c for c in crashes if str(c.get("job_id")) == a.job_id
-                   and int(c.get("restart") or 0) == a.restart]  # fmt: skip
+        crashed = [
+            c for c in crashes if str(c.get("job_id")) == a.job_id and int(c.get("restart") or 0) == a.restart
+        ]
         if crashed:
             return "the driver's crash records"
-        failed = [r for r in own if r.get("kind") == "job" and r.get("event") == "step_end"
-                  and r.get("exit_code") not in (0, None)]  # fmt: skip
+        failed = [
+            r
+            for r in own
+            if r.get("kind") == "job" and r.get("event") == "step_end" and r.get("exit_code") not in (0, None)
+        ]
         return "the driver's end of a failed job step" if failed else ""
     return ""
 
 
-def unconfirmed(ledger: Ledger, records: Sequence[dict[str, Any]], crashes: Sequence[dict[str, Any]],
-                jobs: Sequence[JobTime]) -> dict[str, tuple[float, list[str]]]:  # fmt: skip
+def unconfirmed(
+    ledger: Ledger,
+    records: Sequence[dict[str, Any]],
+    crashes: Sequence[dict[str, Any]],
+    jobs: Sequence[JobTime],
+) -> dict[str, tuple[float, list[str]]]:
     """Per bucket: the seconds of `jobs`' inferred spans nothing confirms, and the rules that chose them."""
     out: dict[str, tuple[float, list[str]]] = {}
     for job in jobs:
@@ -86,8 +100,13 @@ def steps_without_window(records: Sequence[dict[str, Any]]) -> list[str]:
     for record in records:
         key = _process_key(record)
         if record.get("kind") == "event" and record.get("event") in ("start", "resume"):
-            current[key] = {"begin": record.get("step"), "windows": [], "steps": [], "ended": False,
-                            "job": key[0]}  # fmt: skip
+            current[key] = {
+                "begin": record.get("step"),
+                "windows": [],
+                "steps": [],
+                "ended": False,
+                "job": key[0],
+            }
             processes.append(current[key])
             continue
         proc = current.get(key)
@@ -105,10 +124,11 @@ def steps_without_window(records: Sequence[dict[str, Any]]) -> list[str]:
     for proc in processes:
         last = max((end for _, end in proc["windows"]), default=None)
         uncovered = [
-            step for step in proc["steps"]
+            step
+            for step in proc["steps"]
             if not any(a <= step <= b for a, b in proc["windows"])
             and (proc["ended"] or (last is not None and step <= last))
-        ]  # fmt: skip
+        ]
         if uncovered:
             where = f"job {proc['job']}'s process" if proc["job"] else "the process"
             found.append(

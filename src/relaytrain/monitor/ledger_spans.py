@@ -95,8 +95,13 @@ def _crashed_process_tail(spans: list[Span], alloc: Allocation) -> Span:
     """A process outside Slurm that a later one followed without its stop or end: it died. Its records
     after its last window (a step's line, a snapshot's event) are work it did not keep, lost."""
     last = max((s.end for s in spans), default=alloc.start)
-    return Span(last, alloc.end, "lost", "after the last window: steps not kept, the process died",
-                "a process followed by another without its stop: it died")  # fmt: skip
+    return Span(
+        last,
+        alloc.end,
+        "lost",
+        "after the last window: steps not kept, the process died",
+        "a process followed by another without its stop: it died",
+    )
 
 
 def _job_spans(records: list[dict[str, Any]], alloc: Allocation, high_water: list[int]) -> list[Span]:
@@ -180,12 +185,19 @@ def _failure_tail(
                 "lost",
                 "steps after the last record",
                 "a hung step's last record to its progress",
-            ),  # fmt: skip
+            ),
             Span(progress, detected, "hang", "last progress to detection"),
             Span(detected, ended, "restart", "ending the hung step"),
         ]
-    return [Span(last, ended, "lost", "after the last record: steps not kept, the failure's detection",
-                 "a failed step's last record to its end")]  # fmt: skip
+    return [
+        Span(
+            last,
+            ended,
+            "lost",
+            "after the last record: steps not kept, the failure's detection",
+            "a failed step's last record to its end",
+        )
+    ]
 
 
 def _process_spans(

@@ -1,40 +1,44 @@
-"""Split training steps into data wait, forward+backward, optimizer and checkpoint time."""
+"""The metrics' phase times: a step split into data wait, forward+backward, optimizer and checkpoint time."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
+from relaytrain.job.clock import Span
+from relaytrain.job.progress import Phase
+
 SECTIONS = ("data", "forward_backward", "optimizer", "checkpoint")
+# The step clock's phases (job/clock.py) under the names of the metrics record (``time_<name>_s``); an
+# evaluation is left out of the step time, a phase not named here (a NaN rollback's load) is "other".
+SECTION_OF = {
+    Phase.DATA: "data",
+    Phase.FORWARD_BACKWARD: "forward_backward",
+    Phase.OPTIMIZER: "optimizer",
+    Phase.CHECKPOINT_SAVE: "checkpoint",
+    Phase.SNAPSHOT: "checkpoint",
+}
+EXCLUDED = frozenset({Phase.EVALUATION})
 
 
 class StepTimer:
-    """Accumulates section times over a logging window.
+    """A reader of the step clock (``StepClock.add_reader``): accumulates its sections over a logging
+    window. ``window()`` returns per-step means since the previous call and starts a new window::
 
-    Usage::
-
-        timer = StepTimer(device)
-        with timer.section("data"): batch = next(it)          # each step starts with its data
-        with timer.section("forward_backward"): loss.backward()
-        with timer.section("optimizer"): opt.step()
-        with timer.section("checkpoint"): manager.save(...)
-        ...
         record |= {f"time_{k}_s": v for k, v in timer.window().items()}
 
-    A step is counted each time the ``data`` section starts. ``window()`` returns per-step means
-    since the previous call and starts a new window. On CPU a section is wall-clock time. On CUDA no
-    section waits for the device (the CPU keeps running ahead of the GPU): each section records a pair
-    of CUDA events on the current stream, and ``window()`` (called at log steps only) synchronizes
-    once and reads their elapsed times, so kernel time is charged to the section that launched it.
+    A step is counted each time a ``data`` section starts; the first window starts at the first one
+    (sections before it, a restore or an initial save, are start-up). On CPU a section is its host
+    seconds. On CUDA its events are read by ``window()`` (called at log steps only), which synchronizes
+    once: kernel time is charged to the section that launched it.
     """
 
     def __init__(self, device: torch.device | None = None):
         self._events = device is not None and torch.device(device).type == "cuda"
-        self._pending: list[tuple[str, object, object]] = []  # (section, start event, end event)
-        self._reset(None)  # the first window starts at the first section, not at construction
+        self._pending: list[tuple[str, Span]] = []
+        self.wall_s = 0.0  # the last window's wall seconds, evaluations left out (the basis of tokens/s)
+        self._reset(None)
 
     def _reset(self, now: float | None) -> None:
         self._totals = dict.fromkeys(SECTIONS, 0.0)
@@ -42,58 +46,43 @@ class StepTimer:
         self._steps = 0
         self._window_start = now
 
-    @contextmanager
-    def section(self, name: str) -> Iterator[None]:
-        if name not in self._totals:
-            raise ValueError(f"unknown step section {name!r}; expected one of {SECTIONS}")
-        start = time.perf_counter()
-        if self._window_start is None:
-            self._window_start = start
-        if name == "data":
+    def section(self, span: Span) -> None:
+        if span.phase is Phase.DATA:
+            if self._window_start is None:
+                self._window_start = span.started
             self._steps += 1
-        begin = self._record() if self._events else None
-        try:
-            yield
-        finally:
-            if begin is not None:
-                self._pending.append((name, begin, self._record()))
-            else:
-                self._totals[name] += time.perf_counter() - start
-
-    @staticmethod
-    def _record():
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        if self._window_start is None:
+            return
+        if span.phase in EXCLUDED:
+            self._excluded += span.host_s
+            return
+        name = SECTION_OF.get(span.phase)
+        if name is None:
+            return
+        if span.begin is not None:
+            self._pending.append((name, span))
+        else:
+            self._totals[name] += span.host_s
 
     def synchronize(self) -> None:
         """Wait for the device (CUDA only): at a log step, before wall-clock figures are read."""
         if self._events:
             torch.cuda.synchronize()
 
-    @contextmanager
-    def excluded(self) -> Iterator[None]:
-        """Wall time spent inside (evaluation, say) is left out of the step time."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self._window_start is not None:
-                self._excluded += time.perf_counter() - start
-
     def window(self) -> dict[str, float]:
         """Per-step mean seconds since the last call: one key per section, ``other`` (time in no
-        section) and ``step`` (wall time per step, the basis of tokens/s)."""
+        section) and ``step`` (wall time per step, evaluations left out)."""
         self.synchronize()  # the one wait of a window, on CUDA: every event below has completed
-        for name, begin, end in self._pending:
-            self._totals[name] += begin.elapsed_time(end) / 1000.0  # milliseconds
+        for name, span in self._pending:
+            self._totals[name] += span.seconds()
         self._pending = []
         now = time.perf_counter()
         steps = max(self._steps, 1)
         sectioned = sum(self._totals.values())
         wall = sectioned if self._window_start is None else now - self._window_start - self._excluded
         out = {name: total / steps for name, total in self._totals.items()}
-        out["step"] = max(wall, sectioned) / steps
+        self.wall_s = max(wall, sectioned)
+        out["step"] = self.wall_s / steps
         out["other"] = out["step"] - sectioned / steps
         self._reset(now)
         return out

@@ -23,6 +23,7 @@ _EXPORTS = {
     "ShutdownController": "relaytrain.resilience.shutdown",
     "StackSignal": "relaytrain.resilience.stack_signal",
     "StopReason": "relaytrain.resilience.codes",
+    "Supervision": "relaytrain.resilience.supervision",
     "capture_early_signals": "relaytrain.resilience.early_signals",
     "decide_requeue": "relaytrain.resilience.requeue",
     "dump_stacks": "relaytrain.resilience.watchdog",

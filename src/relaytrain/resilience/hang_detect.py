@@ -24,10 +24,21 @@ from relaytrain.job.progress import Phase, ProgressRecord
 TRAINING_PHASES = frozenset({Phase.DATA, Phase.FORWARD_BACKWARD, Phase.OPTIMIZER, Phase.AFTER_STEP})
 # Phases of the step under way (the record's step is the last finished one) and their order in it; every
 # other phase comes after the step the record names (AFTER_STEP, evaluation, a save) or before the first.
-IN_STEP_ORDER = {Phase.STARTUP: 0, Phase.CHECKPOINT_LOAD: 0, Phase.DATA: 1, Phase.FORWARD_BACKWARD: 2,
-                 Phase.OPTIMIZER: 3}  # fmt: skip
-AFTER_STEP_ORDER = {Phase.AFTER_STEP: 10, Phase.EVALUATION: 11, Phase.CHECKPOINT_SAVE: 12, Phase.SNAPSHOT: 13,
-                    Phase.STOP: 14, Phase.DONE: 15}  # fmt: skip
+IN_STEP_ORDER = {
+    Phase.STARTUP: 0,
+    Phase.CHECKPOINT_LOAD: 0,
+    Phase.DATA: 1,
+    Phase.FORWARD_BACKWARD: 2,
+    Phase.OPTIMIZER: 3,
+}
+AFTER_STEP_ORDER = {
+    Phase.AFTER_STEP: 10,
+    Phase.EVALUATION: 11,
+    Phase.CHECKPOINT_SAVE: 12,
+    Phase.SNAPSHOT: 13,
+    Phase.STOP: 14,
+    Phase.DONE: 15,
+}
 # Phases whose length the rank may announce in advance (budget_s: a save's estimate).
 BUDGETED_PHASES = frozenset(
     {Phase.EVALUATION, Phase.CHECKPOINT_SAVE, Phase.SNAPSHOT, Phase.CHECKPOINT_LOAD, Phase.STOP}
@@ -190,10 +201,13 @@ def _off_sequence(waiters: list[RankView]) -> list[tuple[RankView, str]]:
     on = {v.record.collective for v in records if v.record.collective == v.record.expected_collective}
     culprits = [v for v in off if v.record.expected_collective in on]
     return [
-        (v, f"waits in {v.record.collective} where the step before entered {v.record.expected_collective}, "
-            f"in which {_who_waits(records, v.record.expected_collective)}: it skipped it (desynchronised)")
+        (
+            v,
+            f"waits in {v.record.collective} where the step before entered {v.record.expected_collective}, "
+            f"in which {_who_waits(records, v.record.expected_collective)}: it skipped it (desynchronised)",
+        )
         for v in culprits
-    ]  # fmt: skip
+    ]
 
 
 def _who_waits(views: list[RankView], name: str) -> str:

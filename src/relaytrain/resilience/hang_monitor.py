@@ -72,8 +72,15 @@ def rank_view(fields: dict[str, Any], node: str, read_at: float, now: float) -> 
 class HangMonitor:
     """Watches one job step; ``end_step`` ends it when the node watchers could not."""
 
-    def __init__(self, run: RunDir, policy: HangPolicy, job: JobFacts, end_step: Callable[[], None],
-                 say: Callable[[str], None], interval_s: float = INTERVAL_S):  # fmt: skip
+    def __init__(
+        self,
+        run: RunDir,
+        policy: HangPolicy,
+        job: JobFacts,
+        end_step: Callable[[], None],
+        say: Callable[[str], None],
+        interval_s: float = INTERVAL_S,
+    ):
         self.run, self.policy, self.job = run, policy, job
         self.end_step, self.say, self.interval_s = end_step, say, interval_s
         self.slow = SlowRankTracker()
@@ -156,8 +163,13 @@ class HangMonitor:
     def act(self, verdict: Verdict) -> None:
         job = self.job
         ident = f"{job.job_id}.{job.restart_count}.{job.step_restarts}.{int(time.time())}"
-        request = {"id": ident, "job_id": job.job_id, "restart_count": job.restart_count,
-                   "step_restarts": job.step_restarts, "step": verdict.step}  # fmt: skip
+        request = {
+            "id": ident,
+            "job_id": job.job_id,
+            "restart_count": job.restart_count,
+            "step_restarts": job.step_restarts,
+            "step": verdict.step,
+        }
         write_json(self.run.hang_request, {**request, "end": False})
         nodes = self.nodes()
         stacks = self.wait_for_stacks(ident, list(nodes))
@@ -169,10 +181,18 @@ class HangMonitor:
         line = hang_line(verdict, relative)
         print(line, flush=True)  # the job log's line starts with it (no stamp in front)
         culprits = tuple(asdict(c) for c in verdict.culprits)
-        record = HangRecord(job_id=job.job_id, step_restarts=job.step_restarts, step=verdict.step,
-                            detected_at=time.time(), idle_s=verdict.idle_s, limit_s=verdict.limit_s,
-                            culprits=culprits, line=line, report=relative,
-                            restart_count=job.restart_count)  # fmt: skip
+        record = HangRecord(
+            job_id=job.job_id,
+            step_restarts=job.step_restarts,
+            step=verdict.step,
+            detected_at=time.time(),
+            idle_s=verdict.idle_s,
+            limit_s=verdict.limit_s,
+            culprits=culprits,
+            line=line,
+            report=relative,
+            restart_count=job.restart_count,
+        )
         HangRecordFile(self.run).write(record)
         write_json(self.run.hang_request, {**request, "end": True})
         if self._stop.wait(END_WAIT_S):

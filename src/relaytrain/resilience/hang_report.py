@@ -10,9 +10,18 @@ from __future__ import annotations
 from relaytrain.resilience.hang_detect import RankView, Verdict, one_line, phase_label, ranks, seconds
 
 COLUMNS = (
-    "rank", "node", "pid", "state", "wchan", "step", "phase", "in phase", "collectives entered/left",
-    "last collective", "idle",
-)  # fmt: skip
+    "rank",
+    "node",
+    "pid",
+    "state",
+    "wchan",
+    "step",
+    "phase",
+    "in phase",
+    "collectives entered/left",
+    "last collective",
+    "idle",
+)
 
 
 def render_report(verdict: Verdict, views: list[RankView], stacks: dict[str, str], job_id: str) -> str:
@@ -72,9 +81,18 @@ def _cells(view: RankView) -> list[str]:
     in_phase = max(0.0, r.updated - r.phase_started) + view.idle_s
     collective = f"{r.collective} (open)" if r.in_collective else r.collective
     return [
-        str(view.rank), view.node, str(r.pid), view.state, view.wchan, str(r.step), r.phase.label,
-        seconds(in_phase), f"{r.collectives_entered}/{r.collectives_left}", collective, seconds(view.idle_s),
-    ]  # fmt: skip
+        str(view.rank),
+        view.node,
+        str(r.pid),
+        view.state,
+        view.wchan,
+        str(r.step),
+        r.phase.label,
+        seconds(in_phase),
+        f"{r.collectives_entered}/{r.collectives_left}",
+        collective,
+        seconds(view.idle_s),
+    ]
 
 
 def _row(cells: list[str] | tuple[str, ...]) -> str:

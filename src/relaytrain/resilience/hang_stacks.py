@@ -113,8 +113,13 @@ def py_spy_dump(pid: int) -> str | None:
     if tool is None:
         return None
     try:
-        done = subprocess.run([tool, "dump", "--pid", str(pid), "--nonblocking"], capture_output=True,
-                              text=True, timeout=PY_SPY_TIMEOUT_S, check=False)  # fmt: skip
+        done = subprocess.run(
+            [tool, "dump", "--pid", str(pid), "--nonblocking"],
+            capture_output=True,
+            text=True,
+            timeout=PY_SPY_TIMEOUT_S,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"(py-spy failed: {error})"
     return (done.stdout + done.stderr).strip()

@@ -69,8 +69,16 @@ def rank_fields(record: ProgressRecord, node: str, idle_s: float) -> dict[str, A
 class NodeWatcher:
     """One node's view of its ranks, and its part in a hang request."""
 
-    def __init__(self, run: RunDir, progress_dir: Path, node: str, job_id: str, step_restarts: int,
-                 restart_count: int = 0, clock: Callable[[], float] = time.monotonic):  # fmt: skip
+    def __init__(
+        self,
+        run: RunDir,
+        progress_dir: Path,
+        node: str,
+        job_id: str,
+        step_restarts: int,
+        restart_count: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.run, self.progress_dir, self.node = run, progress_dir, node
         # which step of which run of the job this is: a request names the same three
         self.job_id, self.step_restarts, self.restart_count = job_id, step_restarts, restart_count
@@ -90,9 +98,15 @@ class NodeWatcher:
             if seen is None or seen[0] != token:
                 self._seen[record.rank] = seen = (token, now)
             ranks.append(rank_fields(record, self.node, now - seen[1]))
-        view = {"node": self.node, "job_id": self.job_id, "restart_count": self.restart_count,
-                "step_restarts": self.step_restarts, "time": time.time(), "pid": os.getpid(),
-                "ranks": ranks}  # fmt: skip
+        view = {
+            "node": self.node,
+            "job_id": self.job_id,
+            "restart_count": self.restart_count,
+            "step_restarts": self.step_restarts,
+            "time": time.time(),
+            "pid": os.getpid(),
+            "ranks": ranks,
+        }
         with contextlib.suppress(OSError):
             write_json(self.run.hang_node(self.node), view)
         return view
@@ -149,8 +163,9 @@ def clear_old_boards(progress_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relaytrain.resilience.hang_watch",
-                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m relaytrain.resilience.hang_watch", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--progress-dir", required=True, help="the node's progress board (tmpfs)")
     parser.add_argument("--node", default="")
@@ -162,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     progress_dir = Path(args.progress_dir)
     clear_old_boards(progress_dir)
     node = args.node or JobFacts.from_env().host()
-    watcher = NodeWatcher(RunDir(Path(args.run_dir)), progress_dir, node, args.job_id, args.step_restarts,
-                          args.restart_count)  # fmt: skip
+    watcher = NodeWatcher(
+        RunDir(Path(args.run_dir)), progress_dir, node, args.job_id, args.step_restarts, args.restart_count
+    )
     while True:
         watcher.observe()
         request = watcher.request()

@@ -142,8 +142,10 @@ def requeue_if_pending(run: RunDir, job: JobFacts) -> None:
     record = run_state.read()
     if record is None or not record.pending_for(job):
         return
-    print(f"relaytrain: the run asked for a requeue it could not do: scontrol requeue {job.requeue_id}",
-          flush=True)  # fmt: skip
+    print(
+        f"relaytrain: the run asked for a requeue it could not do: scontrol requeue {job.requeue_id}",
+        flush=True,
+    )
     if not requeue(job, run_state, record, "the run's pending requeue"):
         print(f"relaytrain: scontrol requeue {job.requeue_id} failed", file=sys.stderr, flush=True)
 
@@ -152,9 +154,20 @@ def free_snapshots(python: list[str], config: str, nodes: list[str], what: str =
     """The job ends for good: free the in-memory snapshots on `nodes` (docs/checkpointing.md); one task
     per node runs the cleanup."""
     count = str(len(nodes))
-    argv = ["srun", "--overlap", f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1",
-            f"--nodelist={','.join(nodes)}", *python, "-m", "relaytrain.checkpoint.snapshot", "cleanup",
-            "--config", config]  # fmt: skip
+    argv = [
+        "srun",
+        "--overlap",
+        f"--nodes={count}",
+        f"--ntasks={count}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}",
+        *python,
+        "-m",
+        "relaytrain.checkpoint.snapshot",
+        "cleanup",
+        "--config",
+        config,
+    ]
     if not run_slurm_command(argv, CLEANUP_TIMEOUT_S, capture=False).ok:
         log(f"could not remove the job's snapshots from {what} memory ({','.join(nodes)})")
 
@@ -191,13 +204,17 @@ def decide(plan: JobPlan, exit_code: int, launch: StepLaunch, seconds: float) ->
     """The end-of-step decision; None when it failed (the job log then says so)."""
     step = StepFacts(can_restart=True, seconds=seconds, nodes=tuple(launch.nodes))
     try:
-        return after_step(plan.run, exit_code, plan.config, program=plan.program, job_log=job_log_path(),
-                          step=step)  # fmt: skip
+        return after_step(
+            plan.run, exit_code, plan.config, program=plan.program, job_log=job_log_path(), step=step
+        )
     except Exception:  # noqa: BLE001  (any failure: the job must still end with the step's status)
         traceback.print_exc()
         if plan.program:
-            print("relaytrain: the end-of-step decision (relaytrain.resilience.step_end) failed: no requeue",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                "relaytrain: the end-of-step decision (relaytrain.resilience.step_end) failed: no requeue",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             log("the crash check failed; the job is not requeued")
         return None
@@ -250,8 +267,10 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
         if decision is None or decision.action is not Action.RESTART or decision.restart is None:
             break
         launch.restart(decision.restart.nodes, job.job_id, environ)
-        log(f"restarting the job step in place ({launch.restarts}): master "
-            f"{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}")  # fmt: skip
+        log(
+            f"restarting the job step in place ({launch.restarts}): master "
+            f"{environ.get('MASTER_ADDR', '')}:{environ.get('MASTER_PORT', '')}"
+        )
     if plan.free_snapshots and not requeue_state(plan.run).asked:
         free_snapshots(plan.python, plan.config, launch.nodes)
         if launch.replaced:  # alone: a node that failed may be gone, and must not fail the others' cleanup
@@ -261,8 +280,9 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
 
 
 def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalForwarder]:
-    parser = argparse.ArgumentParser(prog="python -m relaytrain.resilience.job_driver",
-                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m relaytrain.resilience.job_driver", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--config", required=True, help="the run's resolved config (TOML)")
     parser.add_argument("--program", action="store_true", help="the step runs a --command program")
@@ -298,8 +318,15 @@ def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalFor
         args.nodes, args.spare_nodes = ",".join(job_nodes.training), ",".join(job_nodes.spares)
         freeze = Path(args.pip_freeze) if args.pip_freeze else None
         record_environment(os.environ, args.gpu_tool or "nvidia-smi", shlex.split(args.python), freeze)
-    plan = JobPlan(run, args.config, args.program, args.free_snapshots, shlex.split(args.python),
-                   args.heartbeat_s, hang_policy(args.config, args.program))  # fmt: skip
+    plan = JobPlan(
+        run,
+        args.config,
+        args.program,
+        args.free_snapshots,
+        shlex.split(args.python),
+        args.heartbeat_s,
+        hang_policy(args.config, args.program),
+    )
     nodes = [n for n in args.nodes.split(",") if n]
     launch = StepLaunch(list(args.srun_option), command, nodes, args.tasks_per_node)
     launch.spares = [n for n in args.spare_nodes.split(",") if n and n not in nodes]

@@ -48,27 +48,42 @@ def after_straggler(
     bad = exclusions((*run.earlier_implicated, node), r.exclude_node_after)
     s = restartable.step
     plan, not_in_place = plan_restart(
-        s, run.earlier_restarts, r, job,
+        s,
+        run.earlier_restarts,
+        r,
+        job,
         min_nodes=restartable.min_nodes if action == "drop" else len(s.nodes),
-        usable_nodes=restartable.usable_nodes, excluded={node, *bad}, excluded_why=why,
+        usable_nodes=restartable.usable_nodes,
+        excluded={node, *bad},
+        excluded_why=why,
         spares=restartable.spares if action == "replace" else (),
-    )  # fmt: skip
+    )
     if plan is not None and plan.kept and node in bad:
         plan, not_in_place = None, f"{node} is excluded ({bad[node].why}) and no spare or range is left"
     facts = {**job.identity(), "saved": True, "exit_code": exit_code, "straggler": verdict}
-    entry = {**job.identity(), "step": step, "kind": STRAGGLER, "straggler": verdict, "why": why,
-             IMPLICATED: [node], **recorded(bad)}  # fmt: skip
+    entry = {
+        **job.identity(),
+        "step": step,
+        "kind": STRAGGLER,
+        "straggler": verdict,
+        "why": why,
+        IMPLICATED: [node],
+        **recorded(bad),
+    }
     if plan is None:
         allowed = r.requeue and job.in_slurm
         message = f"{why}: no restart in place ({not_in_place}); " + (
             "requeuing from the snapshot or checkpoint" if allowed else "not requeued: resubmit the job"
         )
         return Decision(
-            Action.REQUEUE if allowed else Action.FAIL, message, (message,),
+            Action.REQUEUE if allowed else Action.FAIL,
+            message,
+            (message,),
             RunState.of(RunStatus.STOPPED, STRAGGLER, step, message=message[:500], **facts),
             crash={**entry, "action": "requeue" if allowed else "fail"},
-            requeue_why="after the straggler's stop", exclude=tuple(bad),
-        )  # fmt: skip
+            requeue_why="after the straggler's stop",
+            exclude=tuple(bad),
+        )
     number, cap = run.earlier_restarts + 1, r.max_step_restarts
     same = f"; no idle spare to replace {node}: {plan.kept}" if plan.kept else ""
     message = (
@@ -76,12 +91,20 @@ def after_straggler(
         f"(restart in place {number} of resilience.max_step_restarts={cap})"
     )
     placed = {
-        "nodes_lost": list(plan.lost), "nodes_left_out": list(plan.left_out),
+        "nodes_lost": list(plan.lost),
+        "nodes_left_out": list(plan.left_out),
         **({"nodes_left_out_why": plan.left_out_why} if plan.left_out else {}),
         **({"nodes_kept": plan.kept} if plan.kept else {}),
         **({"nodes_replaced": [list(pair) for pair in plan.replaced]} if plan.replaced else {}),
-    }  # fmt: skip
-    record = RunState.of(RunStatus.STOPPED, STRAGGLER, step, message=message[:500], **facts,
-                         step_restart=number, max_step_restarts=cap)  # fmt: skip
+    }
+    record = RunState.of(
+        RunStatus.STOPPED,
+        STRAGGLER,
+        step,
+        message=message[:500],
+        **facts,
+        step_restart=number,
+        max_step_restarts=cap,
+    )
     crash = {**entry, "action": RESTARTED, "step_restart": number, **placed}
     return Decision(Action.RESTART, message, (message,), record, crash=crash, restart=plan)

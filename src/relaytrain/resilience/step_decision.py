@@ -208,7 +208,7 @@ def _restart_in_place(
             "step_restart": number,
             "nodes_lost": lost,
             **left_out,
-        },  # fmt: skip
+        },
         restart=plan,
     )
 

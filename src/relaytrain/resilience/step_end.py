@@ -174,8 +174,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m relaytrain.resili
         seconds=args.step_seconds,
         nodes=tuple(n for n in args.step_nodes.split(",") if n),
     )
-    return run(RunDir(Path(args.run_dir)), args.exit_code, args.config, program=args.program,
-               job_log=args.job_log, step=step, restart_file=args.restart_file)  # fmt: skip
+    return run(
+        RunDir(Path(args.run_dir)),
+        args.exit_code,
+        args.config,
+        program=args.program,
+        job_log=args.job_log,
+        step=step,
+        restart_file=args.restart_file,
+    )
 
 
 def run(run: RunDir, exit_code: int, config: str = "", **facts: Any) -> int:
@@ -211,8 +218,16 @@ def after_step(
     else:
         resilience = ResilienceConfig()
     tail = jsonl.tail_text(Path(job_log)) if job_log else ""
-    return end_step(run, exit_code, resilience, program=program, job_log_tail=tail, step=step,
-                    min_nodes=min_nodes, restart_file=restart_file)  # fmt: skip
+    return end_step(
+        run,
+        exit_code,
+        resilience,
+        program=program,
+        job_log_tail=tail,
+        step=step,
+        min_nodes=min_nodes,
+        restart_file=restart_file,
+    )
 
 
 if __name__ == "__main__":

@@ -1,24 +1,24 @@
-"""The rank's side of straggler detection: time its own work every step, compare every few steps.
+"""The rank's side of straggler detection: read its own work every step, compare every few steps.
 
-``work(phase)`` times what a rank does alone (``straggler.PHASES``), and ``time_forward`` hooks the
-forward of the modules with no collective inside as the "forward" phase: wall clock on CPU, pairs of CUDA
-events on GPU (no wait for the device: a window reads only the steps whose events have all completed, the
-rest count in the next window). A phase timed in parts (a forward per layer and micro batch) is one time
-per step, their sum. Every ``resilience.straggler_every`` steps every rank all-gathers its window's
+A reader of the rank's step clock (``job/clock.py``): the clock hands it the work the rank does alone,
+by the section it was done in (``PHASE_NAMES``: the data section, the forward of the modules with no
+collective inside, the optimizer's update), as host seconds on CPU or as pairs of CUDA events on GPU (no
+wait for the device: a window reads only the steps whose events have all completed, the rest count in the
+next window). A phase timed in parts (a forward per layer and micro batch) is one time per step, their
+sum. Every ``resilience.straggler_every`` steps every rank all-gathers its window's
 medians (recorded, and judged as the typical step) and fastest times per phase (recorded, and judged;
 ``straggler.py`` says why) in one small tensor (the named collective ``straggler_times`` on the progress
 board) and feeds the same matrix to its ``StragglerJudge``: every rank reaches the same verdict at the
 same step. Rank 0 logs the ``straggler:`` line and the ``straggler`` event; a verdict to replace or drop
-the node makes every rank stop after the next snapshot or checkpoint (``stop_due``).
+the node is kept (``verdict``), and the supervision front (``supervision.py``) stops every rank after the
+next snapshot or checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import statistics
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts
-from relaytrain.job.progress import ProgressBoard
+from relaytrain.job.clock import Span
+from relaytrain.job.progress import Phase, ProgressBoard
 from relaytrain.resilience.straggler import (
     PHASES,
     Straggler,
@@ -36,6 +37,8 @@ from relaytrain.resilience.straggler import (
 )
 
 log = logging.getLogger("relaytrain")
+# The step clock's sections whose alone work is each of the judge's phases (``straggler.PHASES``)
+PHASE_NAMES = {Phase.DATA: "data", Phase.FORWARD_BACKWARD: "forward", Phase.OPTIMIZER: "optimizer"}
 
 
 class Metrics(Protocol):
@@ -56,16 +59,9 @@ class Ranks(Protocol):
     num_nodes: int
 
 
-class Saves(Protocol):
-    """The run's persistence (checkpoint.Persistence): does it save by itself, and when it last did."""
-
-    saves_by_itself: bool
-    saved_step: int
-
-
 class StragglerWatch:
-    """One rank's timer and judge. Off (every call a no-op) with ``straggler_threshold`` 0 or when no rank
-    has a peer doing the same work.
+    """One rank's windows of alone work and its judge. Off (``enabled`` False: the clock is not to feed it)
+    with ``straggler_threshold`` 0 or when no rank has a peer doing the same work.
 
     ``min_nodes``: slurm.min_nodes (0: the node count is fixed); ``metrics``: where rank 0's events and
     per-rank times go; ``stages``: each rank's pipeline stage (``ParallelDims.pipeline_stages``; None: one
@@ -88,7 +84,6 @@ class StragglerWatch:
         self.rank, self.world_size, self.device = env.rank, env.world_size, torch.device(env.device)
         self.node, self.nodes, self.min_nodes, self.board = env.node, env.num_nodes, min_nodes, board
         self.report, self.record = metrics.log_event, metrics.log_rank_times
-        self._events = self.device.type == "cuda"  # timed by the device's events, else by the host's clock
         self.judge = StragglerJudge(
             resilience.straggler_threshold,
             resilience.straggler_windows,
@@ -97,83 +92,28 @@ class StragglerWatch:
             peers=stages,
         )
         self._times: dict[str, list[float]] = {p: [] for p in PHASES}  # the window's steps: seconds per step
-        self._step: dict[str, float] = {}  # CPU: the step's seconds so far per phase (a phase may be timed
-        # in parts: one forward per layer and micro batch)
-        self._forward_begun: list[Any] = []  # the clock or event each timed module's forward began at
-        self._step_events: list[tuple[str, Any, Any]] = []  # CUDA: the step's (phase, start, end) events
-        self._pending: list[list[tuple[str, Any, Any]]] = []  # CUDA: steps whose events may still be queued
+        self._step_spans: list[Span] = []  # the step's alone work so far (a phase may come in parts: one
+        # forward per layer and micro batch)
+        self._pending: list[list[Span]] = []  # steps whose spans may still be queued on the device
         self._steps: list[float] = []
-        self._last_step_end: float | None = None
         self._window_start = 1
         self._node_names: list[str] | None = None
         self.verdict: dict[str, Any] | None = None  # the straggler fields of a stop to act on, once due
 
-    @contextlib.contextmanager
-    def work(self, phase: str) -> Iterator[None]:
-        """Time the block as (part of) this step's ``phase``."""
-        if not self.enabled:
-            yield
-            return
-        begin = self._begin()
-        yield
-        self._end(phase, begin)
+    def alone(self, span: Span) -> None:
+        """The step clock: a piece of this step's alone work."""
+        if span.phase in PHASE_NAMES:
+            self._step_spans.append(span)
 
-    def time_forward(self, modules: Sequence[torch.nn.Module], compiled: bool = False) -> None:
-        """Time the forward of each of ``modules`` (``ParallelModel.work_modules``: a rank's own computation,
-        no collective inside) as the step's "forward" phase, summed over the step's layers and micro
-        batches, recomputations under activation checkpointing included; forwards without gradients (the
-        evaluation's) are not training steps' work and are left out. No modules: the phase is not timed.
-        The clock starts after the module's own pre-hooks and stops before its own forward hooks: tensor
-        parallelism redistributes a module's input and output there (an all-gather before, a
-        reduce-scatter after), and a rank that waits in them for a slower peer would look as slow.
-        ``compiled``: the modules are compiled blocks, whose hooks Dynamo must run eagerly, not trace."""
+    def step_done(self, step: int, seconds: float | None = None) -> None:
+        """The step clock, after every step, on every rank (``seconds``: the step's wall time, None for the
+        process's first): at a window's end, gather, judge and report."""
         if not self.enabled:
             return
-        begin, end = self._forward_begin, self._forward_end
-        if compiled:
-            begin, end = torch.compiler.disable(begin), torch.compiler.disable(end)
-        for module in modules:
-            module.register_forward_pre_hook(begin)
-            module.register_forward_hook(end, prepend=True)
-
-    def _forward_begin(self, _module: torch.nn.Module, _args: Any) -> None:
-        if torch.is_grad_enabled():
-            self._forward_begun.append(self._begin())
-
-    def _forward_end(self, _module: torch.nn.Module, _args: Any, _output: Any) -> None:
-        if torch.is_grad_enabled() and self._forward_begun:
-            self._end("forward", self._forward_begun.pop())
-
-    def _begin(self) -> Any:
-        if self._events:
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            return begin
-        return time.perf_counter()
-
-    def _end(self, phase: str, begin: Any) -> None:
-        if self._events:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._step_events.append((phase, begin, end))
-        else:
-            self._step[phase] = self._step.get(phase, 0.0) + time.perf_counter() - begin
-
-    def step_done(self, step: int) -> None:
-        """After every step, on every rank: at a window's end, gather, judge and report."""
-        if not self.enabled:
-            return
-        if self._events:
-            self._pending.append(self._step_events)
-            self._step_events = []
-        else:
-            for phase, seconds in self._step.items():
-                self._times[phase].append(seconds)
-            self._step = {}
-        now = time.perf_counter()
-        if self._last_step_end is not None:
-            self._steps.append(now - self._last_step_end)
-        self._last_step_end = now
+        self._pending.append(self._step_spans)
+        self._step_spans = []
+        if seconds is not None:
+            self._steps.append(seconds)
         if step % self.every:
             return
         self._resolve_events()
@@ -195,12 +135,6 @@ class StragglerWatch:
             node = self._node(cleared.rank)
             log.info("straggler cleared: rank %d on %s at step %d", cleared.rank, node, step)
             self.report("straggler_cleared", step, rank=cleared.rank, node=node)
-        self._last_step_end = time.perf_counter()  # the gather's wait is no step's time
-
-    def stop_due(self, step: int, saves: Saves) -> bool:
-        """Whether every rank stops now for a replace/drop verdict: once a snapshot or checkpoint of this
-        step is taken, or at once when the run takes neither by itself (the stop then saves)."""
-        return self.verdict is not None and (saves.saved_step == step or not saves.saves_by_itself)
 
     def _named(self, straggler: Straggler, step: int) -> None:
         names = self._all_node_names()  # a collective: every rank reaches this with the same verdict
@@ -220,9 +154,15 @@ class StragglerWatch:
         if self.rank == 0:
             log.warning(
                 "straggler: rank %d on %s %.0f%% slower in %s since step %d (at step %d; action %s: %s)",
-                straggler.rank, node, 100 * straggler.slower, straggler.phase, straggler.since_step, step,
-                action, why,
-            )  # fmt: skip
+                straggler.rank,
+                node,
+                100 * straggler.slower,
+                straggler.phase,
+                straggler.since_step,
+                step,
+                action,
+                why,
+            )
             self.report("straggler", step, **fields, why=why)
 
     def _node(self, rank: int) -> str:
@@ -237,16 +177,17 @@ class StragglerWatch:
         return self._node_names
 
     def _resolve_events(self) -> None:
-        """The steps whose CUDA events have all completed into the window's times, seconds per phase and
-        step; a step with events still queued on the device waits for the next window."""
+        """The steps whose spans have all completed (on CUDA: their events) into the window's times, seconds
+        per phase and step; a step with events still queued on the device waits for the next window."""
         waiting = []
-        for events in self._pending:
-            if not all(end.query() for _, _, end in events):
-                waiting.append(events)
+        for spans in self._pending:
+            if not all(span.completed() for span in spans):
+                waiting.append(spans)
                 continue
             step: dict[str, float] = {}
-            for phase, begin, end in events:
-                step[phase] = step.get(phase, 0.0) + begin.elapsed_time(end) / 1000.0
+            for span in spans:
+                name = PHASE_NAMES[span.phase]
+                step[name] = step.get(name, 0.0) + span.seconds()
             for phase, seconds in step.items():
                 self._times[phase].append(seconds)
         self._pending = waiting

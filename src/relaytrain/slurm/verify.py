@@ -157,7 +157,10 @@ def register(subparsers) -> None:
     )
     p.add_argument("run", metavar="RUN", help="a run name under --runs, or the path of a run directory")
     p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
-    p.add_argument("--allow-data-change", action="store_true",
-                   help="accept a change of the data settings (seed, shuffle, weights, seq_len, sources) "
-                   "at a resume: the report states it, each part is checked against its own")  # fmt: skip
+    p.add_argument(
+        "--allow-data-change",
+        action="store_true",
+        help="accept a change of the data settings (seed, shuffle, weights, seq_len, sources) "
+        "at a resume: the report states it, each part is checked against its own",
+    )
     p.set_defaults(func=cmd_verify)
