@@ -46,7 +46,7 @@ SECRET = "https://hooks.example.invalid/services/T000/B000/s3cr3t-t0ken"
 class Receiver:
     """A local HTTP server in a thread that keeps each POSTed JSON body; `fail` answers 500 instead."""
 
-    def __init__(self, fail: int = 0):
+    def __init__(self, fail: int = 0, host: str = "127.0.0.1"):
         self.bodies: list[dict] = []
         self.fail = fail  # how many requests to refuse first
         outer = self
@@ -65,7 +65,7 @@ class Receiver:
             def log_message(self, *_args):
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -129,6 +129,19 @@ def test_a_failed_delivery_is_retried_with_doubling_waits_then_counted():
     waits = [b - a for a, b in zip(tries, tries[1:], strict=False)]
     assert waits[0] >= 0.1 and waits[1] >= 0.2, waits  # 0.1, then 0.2
     assert said == ["alert failed not delivered (webhook: HTTP 503; 3 tries)"]
+
+
+def test_a_webhook_that_answers_500_is_tried_again_and_gets_the_alert_once():
+    receiver = Receiver(fail=2)
+    try:
+        send = webhook_sender(receiver.url, "json", "r", "7", timeout_s=5)
+        box = Outbox([send], size=10, retries=3, backoff_s=0.01, say=lambda _: None)
+        box.post(Alert("finished", 10))
+        counts = box.close(10)
+    finally:
+        receiver.close()
+    assert [b["event"] for b in receiver.bodies] == ["finished"]
+    assert (counts.sent, counts.retries, counts.failed) == (1, 2, 0)
 
 
 def test_a_sender_that_hangs_costs_the_job_at_most_the_drain_time():
@@ -389,6 +402,7 @@ def notify_record(run_dir: Path) -> dict:
     return record
 
 
+@pytest.mark.slow
 def test_a_real_run_that_crashes_once_and_finishes_tells_the_receiver_its_events(tmp_path, receiver):
     url = f"{receiver.url}?token={SECRET_PART}"
     up = drive_a_crashing_run(
