@@ -210,6 +210,31 @@ def test_the_toml_cannot_hold_the_url_and_unknown_events_are_refused():
     ]
 
 
+def test_launch_refuses_a_url_file_others_may_read_and_takes_a_0600_one(tmp_path):
+    secret = tmp_path / "hook"
+    secret.write_text(SECRET)
+    secret.chmod(0o644)
+    config = Path(__file__).resolve().parents[1] / "configs" / "debug.toml"
+    args = [
+        "launch",
+        str(config),
+        "--dry-run",
+        f"--run.dir={tmp_path / 'runs'}",
+        f"--notify.url_file={secret}",
+    ]
+    done = subprocess.run([sys.executable, "-m", "relaytrain.cli", *args], cwd=tmp_path, env=child_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "may be read by group or others (mode 0644)" in done.stderr, done.stderr
+    assert "s3cr3t" not in done.stdout + done.stderr
+    secret.chmod(0o600)
+    done = subprocess.run([sys.executable, "-m", "relaytrain.cli", *args], cwd=tmp_path, env=child_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "s3cr3t" not in done.stdout + done.stderr
+    written = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
+    assert written and not [p for p in written if "s3cr3t" in p.read_text(errors="replace")]
+
+
 def test_a_failed_webhook_names_no_secret():
     url = closed_port_url() + "/s3cr3t-t0ken"
     send = webhook_sender(url, "slack", "r", "7", timeout_s=2)
