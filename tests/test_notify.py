@@ -249,7 +249,7 @@ def test_a_failed_webhook_names_no_secret():
 def test_the_slack_body_is_one_text_line_and_the_json_body_the_events_fields():
     alert = Alert("stopped", 120, {"reason": "preemption", "saved": True}, time=1700000000.25)
     assert json.loads(body(alert, "slack", "llama", "4242")) == {
-        "text": "relaytrain run llama (job 4242): stopped at step 120: reason=preemption, saved=True"
+        "text": "[relaytrain] run llama (job 4242): stopped at step 120: reason=preemption, saved=True"
     }
     assert json.loads(body(alert, "json", "llama", "4242")) == {
         "event": "stopped", "run": "llama", "job_id": "4242", "step": 120, "time": 1700000000.25,

@@ -93,8 +93,8 @@ def _value(value: Any) -> str:
 
 
 def text(alert: Alert, run: str, job_id: str | None) -> str:
-    """One line for a person (the Slack body): `relaytrain run NAME (job ID): EVENT at step N: k=v, ...`."""
-    where = f"relaytrain run {run}" + (f" (job {job_id})" if job_id else "")
+    """One line for a person (the Slack body): `[relaytrain] run NAME (job ID): EVENT at step N: k=v, ...`."""
+    where = f"[relaytrain] run {run}" + (f" (job {job_id})" if job_id else "")
     step = f" at step {alert.step}" if alert.step is not None else ""
     details = ", ".join(f"{k}={_value(v)}" for k, v in alert.fields.items() if v not in (None, "", []))
     return f"{where}: {alert.event}{step}" + (f": {details}" if details else "")
