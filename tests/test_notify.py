@@ -267,6 +267,23 @@ def test_the_command_gets_the_event_on_stdin_and_its_name_in_the_environment(tmp
         command_sender("echo no route >&2; exit 3", "r", None, 10)(Alert("hang"))
 
 
+def test_following_the_records_reads_each_whole_line_once(tmp_path):
+    from relaytrain.job.jsonl import read_from
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"a": 1}\n{"b": 2}\n{"c"')
+    records, offset = read_from(path, 0)
+    assert records == [{"a": 1}, {"b": 2}]
+    assert read_from(path, offset) == ([], offset)  # the line being written waits
+    with open(path, "a") as f:
+        f.write(": 3}\n")
+    records, offset = read_from(path, offset)
+    assert records == [{"c": 3}] and offset == path.stat().st_size
+    path.write_text('{"d": 4}\n')  # replaced by a shorter file: from its start
+    assert read_from(path, offset)[0] == [{"d": 4}]
+    assert read_from(tmp_path / "none", 5) == ([], 5)
+
+
 # --- the events -----------------------------------------------------------------------------------------
 
 
