@@ -132,16 +132,19 @@ def test_a_failed_delivery_is_retried_with_doubling_waits_then_counted():
 
 
 def test_a_webhook_that_answers_500_is_tried_again_and_gets_the_alert_once():
-    receiver = Receiver(fail=2)
+    receiver = Receiver(fail=3)
+    said: list[str] = []
     try:
-        send = webhook_sender(receiver.url, "json", "r", "7", timeout_s=5)
-        box = Outbox([send], size=10, retries=3, backoff_s=0.01, say=lambda _: None)
-        box.post(Alert("finished", 10))
+        send = webhook_sender(f"{receiver.url}?token=s3cr3t", "json", "r", "7", timeout_s=5)
+        box = Outbox([send], size=10, retries=1, backoff_s=0.01, say=said.append)
+        box.post(Alert("started", 0))  # refused twice: failed, and the line names no secret
+        box.post(Alert("finished", 10))  # refused once, then taken
         counts = box.close(10)
     finally:
         receiver.close()
     assert [b["event"] for b in receiver.bodies] == ["finished"]
-    assert (counts.sent, counts.retries, counts.failed) == (1, 2, 0)
+    assert (counts.sent, counts.retries, counts.failed) == (1, 2, 1)
+    assert said == ["alert started not delivered (webhook: HTTP 500; 2 tries)"]
 
 
 def test_a_sender_that_hangs_costs_the_job_at_most_the_drain_time():
@@ -319,6 +322,8 @@ def test_the_run_records_become_the_events_in_order():
 
 def test_no_progress_is_told_once_per_stall_while_a_step_runs():
     watcher = Watcher(no_progress_s=60)
+    watcher.feed({"kind": "job", "event": "step_start"}, -1000.0)  # a step that never logs one
+    assert [(a.event, a.step) for a in watcher.tick(-939.0)] == [("no_progress", None)]
     watcher.feed({"kind": "job", "event": "step_start"}, 0.0)
     watcher.feed({"kind": "train", "step": 5}, 10.0)
     assert watcher.tick(69.0) == []
