@@ -88,6 +88,8 @@ class Watcher:
         if event == "straggler":
             return [Alert("straggler", step, _own_fields(record), _time(record))]
         if event == "step_restart":
+            # the step the crashed step had logged last (the decision's is the run's record, older)
+            step = self.step if self.step is not None else step
             restart = _own_fields(record, "nodes_left_out", "nodes_note")
             alerts = [Alert("crash_restart", step, restart, _time(record))]
             if record.get("nodes_left_out"):
