@@ -339,7 +339,8 @@ class NotifyConfig(Section):
     command: str = ""
     # the events to send (default: all)
     events: list[str] = setting(domain=one_of(NOTIFY_EVENTS, "an event"), factory=lambda: list(NOTIFY_EVENTS))
-    # no_progress: minutes a running job step may go without a new step (0: never tell)
+    # no_progress: minutes a running job step may go without a newly logged step (metrics.jsonl, every
+    # metrics.log_every steps: keep it above that many steps' time); 0: never tell
     no_progress_min: float = setting(30.0, in_range(0, 100_000))
     retries: int = setting(3, in_range(0, 100))  # tries after a failed delivery, with doubling waits
     backoff_s: float = setting(2.0, in_range(0, 3600))  # the first wait before a retry
