@@ -200,6 +200,14 @@ def test_a_missing_or_wrong_url_is_named_without_its_value(tmp_path):
     assert "s3cr3t" not in str(wrong.value) and "does not hold an http:// or https:// URL" in str(wrong.value)
 
 
+def test_a_url_file_that_is_not_text_is_refused(tmp_path):
+    secret = tmp_path / "hook"
+    secret.write_bytes(b"\xff\xfe")
+    secret.chmod(0o600)
+    with pytest.raises(NotifyError, match="does not hold an http:// or https:// URL"):
+        webhook_url(NotifyConfig(url_file=str(secret)), {})
+
+
 def test_the_toml_cannot_hold_the_url_and_unknown_events_are_refused():
     with pytest.raises(ConfigError, match=r"notify.url_env='https://.*' is not allowed: must be '' or an"):
         load_config(None, [f"--notify.url_env={SECRET}"])

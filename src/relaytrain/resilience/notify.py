@@ -167,8 +167,12 @@ class Alerts:
             senders.append(command_sender(cfg.command, run.root.name, job_id, cfg.timeout_s))
         if not senders or not cfg.events:
             return None
-        alerts = cls(run, cfg, senders, say)
-        alerts._thread.start()
+        try:
+            alerts = cls(run, cfg, senders, say)
+            alerts._thread.start()
+        except RuntimeError as error:  # no thread to spare: the job runs on without alerts
+            say(f"no alerts: {error}")
+            return None
         return alerts
 
     def emit(self, alerts: Iterable[Alert]) -> None:

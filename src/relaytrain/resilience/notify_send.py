@@ -64,6 +64,8 @@ def webhook_url(cfg: NotifyConfig, environ: Mapping[str, str]) -> str:
             url = path.read_text(encoding="utf-8").strip()
         except OSError as error:
             raise NotifyError(f"notify.url_file {path} cannot be read: {error.strerror}") from None
+        except UnicodeDecodeError:
+            raise NotifyError(f"notify.url_file {path} does not hold an http:// or https:// URL") from None
         where = f"notify.url_file {path}"
     elif cfg.url_env:
         url = environ.get(cfg.url_env, "").strip()
