@@ -52,6 +52,7 @@ LANES = {
     "test_bench_chaos.py": 2,
     "test_run_lock.py": 2,
     "test_cli_without_slurm.py": 2,
+    "test_notify_slurm.py": 2,
 }
 # The modules that need the cluster to themselves, and why. Every other module of LANES shares it.
 ALONE = {

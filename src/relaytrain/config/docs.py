@@ -17,7 +17,7 @@ from relaytrain.config.loader import _type_name
 
 HEADER = """# Configuration reference
 
-One TOML file, ten sections. `relaytrain train CONFIG --section.key=value ...` overrides any key
+One TOML file, eleven sections. `relaytrain train CONFIG --section.key=value ...` overrides any key
 (values are TOML literals: `--optim.betas=[0.9,0.95]`, `--parallel.compile=true`; bare words are
 strings). The embedded default is `configs/debug.toml`. Unknown keys, wrong types and impossible
 combinations are refused before any work starts. The one line names the key, the value and what is

@@ -104,6 +104,19 @@ def catchable_signal() -> Domain:
     return Domain("a catchable signal name such as 'SIGTERM' (not SIGKILL or SIGSTOP)", lambda v: v in names)
 
 
+def one_of(names: tuple[str, ...], what: str) -> Domain:
+    """One of a fixed set of names (an alert's event, ...)."""
+    return Domain(f"{what}: {', '.join(repr(n) for n in names)}", lambda v: v in names)
+
+
+def env_name() -> Domain:
+    """The name of an environment variable ('' for none)."""
+    return Domain(
+        "'' or an environment variable name ([A-Za-z_][A-Za-z0-9_]*)",
+        lambda v: not v or bool(_ENV_NAME.fullmatch(v)),
+    )
+
+
 def slurm_time_seconds(text: str) -> int | None:
     """Seconds of a Slurm time limit (sbatch --time: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None for no
     limit (empty: the partition's default; 0, UNLIMITED, INFINITE). ValueError for anything else."""

@@ -18,9 +18,11 @@ from relaytrain.config.domains import (
     absolute_path,
     at_least,
     catchable_signal,
+    env_name,
     env_table,
     in_range,
     minus_one_or_at_least,
+    one_of,
     path_name,
     path_without_percent,
     positive,
@@ -310,6 +312,45 @@ class MetricsConfig(Section):
     peak_flops: float = setting(0.0, zero_or_in_range(1e9, 1e18))
 
 
+# The events an alert can tell of (docs/howto/alerts.md); [notify] events picks from them.
+NOTIFY_EVENTS = (
+    "started",  # the training started or resumed (each job step)
+    "stopped",  # a resumable stop (time limit, preemption, cancel), with its reason
+    "requeued",  # the job went back to the queue, with the reason
+    "crash_restart",  # a crash, and the job step started again inside the allocation
+    "hang",  # the hang monitor found the job step hung and ended it
+    "straggler",  # a rank was named a straggler
+    "node_excluded",  # a node was left out of the job's later steps
+    "no_progress",  # the step count did not advance for notify.no_progress_min minutes
+    "finished",  # the run reached train.max_steps
+    "failed",  # the run failed and is not retried, with the reason
+)
+
+
+@dataclass(kw_only=True)
+class NotifyConfig(Section):
+    # the environment variable that holds the webhook URL (the URL itself never goes into the TOML)
+    url_env: str = setting("", env_name())
+    # or: a file that holds the webhook URL, readable by its owner alone (mode 0600)
+    url_file: str = ""
+    # the webhook's JSON body: slack: {"text": one line}; json: the event's fields
+    format: Literal["slack", "json"] = "slack"
+    # a shell command run for each event: the event as JSON on stdin, its name in $RELAYTRAIN_EVENT
+    command: str = ""
+    # the events to send (default: all)
+    events: list[str] = setting(domain=one_of(NOTIFY_EVENTS, "an event"), factory=lambda: list(NOTIFY_EVENTS))
+    # no_progress: minutes a running job step may go without a newly logged step (metrics.jsonl, every
+    # metrics.log_every steps: keep it above that many steps' time); 0: never tell
+    no_progress_min: float = setting(30.0, in_range(0, 100_000))
+    retries: int = setting(3, in_range(0, 100))  # tries after a failed delivery, with doubling waits
+    backoff_s: float = setting(2.0, in_range(0, 3600))  # the first wait before a retry
+    timeout_s: float = setting(10.0, in_range(0.1, 600))  # one delivery's limit (HTTP request, command)
+    # events waiting to be sent; more are dropped and counted, training never waits for them
+    queue_size: int = setting(100, in_range(1, 100_000))
+    # at the job's end: seconds to send what is still queued before the job exits
+    drain_s: float = setting(15.0, in_range(0, 600))
+
+
 @dataclass(kw_only=True)
 class Config(Section):
     run: RunConfig = field(default_factory=RunConfig)
@@ -322,6 +363,7 @@ class Config(Section):
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
 
 
 def freeze(cfg: Config) -> Config:

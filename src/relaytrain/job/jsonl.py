@@ -132,6 +132,22 @@ def tail(path: Path, size: int = TAIL_BYTES) -> list[dict[str, Any]]:
     return parse(tail_text(path, size).splitlines()).records
 
 
+def read_from(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The records of the whole lines after byte ``offset`` and the offset after the last of them, for a
+    reader that follows a file as it grows (the batch driver's alerts). A line still being written waits
+    for the next call; a file that shrank (replaced) is read from its start."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            offset = 0 if size < offset else offset
+            f.seek(offset)
+            data = f.read(size - offset)
+    except OSError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    return parse(data[:end].decode(errors="replace").splitlines()).records, offset + end
+
+
 def event_record(event: str, step: int, fields: Mapping[str, Any]) -> dict[str, Any]:
     """A `metrics.jsonl` event: ``kind`` "event", ``step``, time, the job's identity, ``event``, fields."""
     return metrics_record("event", step, {"event": event, **fields})

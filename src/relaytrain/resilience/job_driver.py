@@ -50,6 +50,7 @@ from relaytrain.resilience.hang_monitor import HangMonitor
 from relaytrain.resilience.hang_record import HangRecordFile
 from relaytrain.resilience.job_setup import prepare, record_environment
 from relaytrain.resilience.job_step import Heartbeat, SignalForwarder, job_log_path, log
+from relaytrain.resilience.notify import Alerts
 from relaytrain.resilience.requeue import requeue
 from relaytrain.resilience.run_state import RunStateFile
 from relaytrain.resilience.step_decision import Action, Decision, step_marker
@@ -238,6 +239,7 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
     """Run the job's steps until the decision after one says the job is done here; the last step's
     exit status."""
     environ = os.environ  # each step and the decision after it read the job's variables from here
+    alerts = Alerts.start(plan.run, plan.config, log) if plan.config else None  # [notify]: its own threads
     note(plan.run, "job_start", nodes=launch.nodes, spares=launch.spares)
     if launch.spares:
         launch.hostfile = plan.run.slurm / f"hosts-{JobFacts.from_env().job_id or 'local'}"
@@ -275,6 +277,8 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
         free_snapshots(plan.python, plan.config, launch.nodes)
         if launch.replaced:  # alone: a node that failed may be gone, and must not fail the others' cleanup
             free_snapshots(plan.python, plan.config, launch.replaced, "the replaced nodes'")
+    if alerts is not None:
+        alerts.close(JobFacts.from_env())
     note(plan.run, "job_end", exit_code=exit_code)
     return exit_code
 

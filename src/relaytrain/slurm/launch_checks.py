@@ -65,7 +65,11 @@ def check_request(req: Any, what: str) -> None:
 
 def train_data_checked(req: Any, cfg: Config) -> Config:
     """`cfg`, once its data and tokenizer fit its model and run (relaytrain.data.fit), for a job that
-    trains; a --command program reads its own data."""
+    trains (a --command program reads its own data), and its alerts' URL file is its owner's alone."""
     if req.command is None:
         check_data_fits(cfg)
+    if cfg.notify.url_file:  # its mode, here, where the user can fix it: the job would only log it
+        from relaytrain.resilience.notify_send import webhook_url
+
+        webhook_url(cfg.notify, {})
     return cfg
