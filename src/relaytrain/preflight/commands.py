@@ -45,7 +45,14 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
     from relaytrain.cli import split_config_args
 
     config, overrides = split_config_args(args)
-    return [*([config] if config else []), *overrides, "--nodes", str(args.nodes), "--budget", str(args.budget)]
+    return [
+        *([config] if config else []),
+        *overrides,
+        "--nodes",
+        str(args.nodes),
+        "--budget",
+        str(args.budget),
+    ]
 
 
 def preflight_command(args: argparse.Namespace) -> int:
@@ -79,7 +86,15 @@ def _job_step(args: argparse.Namespace) -> int:
     """One task per node of the allocation, each running this command as a rank."""
     from relaytrain.job.slurm_command import run_slurm_command
 
-    step = ["srun", "--ntasks-per-node=1", sys.executable, "-m", "relaytrain.cli", "preflight", *_forwarded(args)]
+    step = [
+        "srun",
+        "--ntasks-per-node=1",
+        sys.executable,
+        "-m",
+        "relaytrain.cli",
+        "preflight",
+        *_forwarded(args),
+    ]
     done = run_slurm_command(step, STEP_TIMEOUT_S, capture=False)
     if not done.ok:
         raise UserError(f"preflight: the job step did not run: {done.error or done.outcome.name}")

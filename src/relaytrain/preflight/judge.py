@@ -67,7 +67,9 @@ def _short_of_need(free: float | None, need: float, what: str) -> str | None:
     return f"{what} {free / GIB:.1f} GiB free of the {need / GIB:.1f} GiB the run needs"
 
 
-def judge(ranks: list[dict], needs: dict[str, float], limits: Thresholds = Thresholds()) -> dict[str, list[str]]:
+def judge(
+    ranks: list[dict], needs: dict[str, float], limits: Thresholds = Thresholds()
+) -> dict[str, list[str]]:
     """{node: [what falls short]} for every node (empty list: the node passed)."""
     nodes = node_figures(ranks)
     problems: dict[str, list[str]] = {name: [] for name in nodes}

@@ -6,6 +6,7 @@ argument (`disk_usage`, `available_memory`), so tests pass a fake one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -109,7 +110,8 @@ def storage_probe(folder: Path, disk_usage: Callable = shutil.disk_usage) -> dic
     except OSError as exc:
         result["error"] = f"write-read-fsync failed: {exc.strerror or exc}"
     finally:
-        probe.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
     result["seconds"] = time.perf_counter() - t0
     return result
 
@@ -138,7 +140,9 @@ def gpu_health(index: int) -> dict[str, object] | None:
         )
         health["retired_pages"] = _nvml(
             lambda: len(
-                pynvml.nvmlDeviceGetRetiredPages(handle, pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+                pynvml.nvmlDeviceGetRetiredPages(
+                    handle, pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+                )
             )
         )
         health["retired_pages_pending"] = _nvml(

@@ -26,7 +26,9 @@ def job_name(facts: JobFacts) -> str:
 
 
 def checkpoint_folder(cfg: Config) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else RunDir.of(cfg.run.dir, cfg.run.name).checkpoints
+    return (
+        Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else RunDir.of(cfg.run.dir, cfg.run.name).checkpoints
+    )
 
 
 def measure_rank(cfg: Config, env, budget_s: float) -> dict:
@@ -47,7 +49,11 @@ def measure_rank(cfg: Config, env, budget_s: float) -> dict:
         figures["gbps"] = measure.allreduce_bandwidth(env.device, None, budget_s * 0.4)["gbps"]
         seconds["network"] = time.perf_counter() - t0
     # Outside Slurm the ranks of one machine stand for nodes, so that they are compared with each other.
-    node = env.node if JobFacts.from_env().in_slurm or env.local_world_size == 1 else f"{env.node}:{env.local_rank}"
+    node = (
+        env.node
+        if JobFacts.from_env().in_slurm or env.local_world_size == 1
+        else f"{env.node}:{env.local_rank}"
+    )
     result: dict = {"rank": env.rank, "node": node, "device": str(env.device), "dtype": str(dtype)}
     if env.local_rank == 0:  # node-wide readings: once per node
         figures["host_free_bytes"] = measure.available_memory()
