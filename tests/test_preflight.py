@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_torchrun
 from relaytrain.job import RunDir
 from relaytrain.preflight import measure
 from relaytrain.preflight.judge import GIB, Thresholds, judge, report_lines, summary
 from relaytrain.preflight.needs import run_needs
+
+from conftest import run_torchrun
 
 Usage = namedtuple("Usage", "total used free")
 

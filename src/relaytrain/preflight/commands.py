@@ -22,9 +22,10 @@ def register(subparsers) -> None:
             "Slurm allocation they run as a job step over its nodes. Exit 1 when a node is below threshold."
         ),
     )
-    from relaytrain.cli import add_config_arguments
-
-    add_config_arguments(parser)
+    parser.add_argument(
+        "config_args", nargs=argparse.REMAINDER, metavar="[CONFIG] [--section.key=value ...]",
+        help="TOML config of the run to check for (default: the embedded debug config), then overrides",
+    )  # fmt: skip
     parser.add_argument(
         "--nodes", type=int, default=0, metavar="N",
         help="the node count the run's needs are planned for (default: the nodes checked)",
@@ -40,11 +41,15 @@ def register(subparsers) -> None:
     parser.set_defaults(func=preflight_command, accepts_overrides=True)
 
 
+def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    from relaytrain.config.overrides import split_config_args
+
+    return split_config_args(list(args.config_args or []) + list(getattr(args, "extra_overrides", [])))
+
+
 def _forwarded(args: argparse.Namespace) -> list[str]:
     """This command's own arguments, for the ranks it starts."""
-    from relaytrain.cli import split_config_args
-
-    config, overrides = split_config_args(args)
+    config, overrides = _config_and_overrides(args)
     return [
         *([config] if config else []),
         *overrides,
@@ -56,14 +61,13 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
 
 
 def preflight_command(args: argparse.Namespace) -> int:
-    from relaytrain.cli import split_config_args
     from relaytrain.config import load_config
     from relaytrain.job import JobFacts
     from relaytrain.job.env import in_srun_step
 
     if args.nodes < 0 or args.nproc_per_node < 1 or args.budget <= 0:
         raise UserError("preflight: --nodes >= 0, --nproc-per-node >= 1 and --budget > 0")
-    config, overrides = split_config_args(args)
+    config, overrides = _config_and_overrides(args)
     cfg = load_config(config, overrides)
     if "RANK" in os.environ or in_srun_step(os.environ):
         from relaytrain.preflight.run import run_preflight
@@ -74,8 +78,17 @@ def preflight_command(args: argparse.Namespace) -> int:
     if args.nproc_per_node > 1:
         import subprocess
 
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={args.nproc_per_node}", "-m", "relaytrain.cli", "preflight"]  # fmt: skip
+        ranks = f"--nproc_per_node={args.nproc_per_node}"
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            ranks,
+            "-m",
+            "relaytrain.cli",
+        ]
+        torchrun.append("preflight")
         return subprocess.run([*torchrun, *_forwarded(args)], check=False).returncode
     from relaytrain.preflight.run import run_preflight
 

@@ -84,8 +84,11 @@ def gather(result: dict, env) -> list[dict]:
     return everyone
 
 
+DEFAULT_LIMITS = judging.Thresholds()
+
+
 def run_preflight(
-    cfg: Config, nodes: int = 0, budget_s: float = 5.0, limits: judging.Thresholds = judging.Thresholds()
+    cfg: Config, nodes: int = 0, budget_s: float = 5.0, limits: judging.Thresholds = DEFAULT_LIMITS
 ) -> int:
     """Run the checks as this rank; rank 0 reports. 0: every node passed, 1: a node is below threshold.
     `nodes`: the run's node count the plan's needs are computed for (0: this job's)."""
