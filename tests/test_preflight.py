@@ -5,7 +5,9 @@ on two gloo ranks through torchrun."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from relaytrain.preflight import measure
 from relaytrain.preflight.judge import GIB, Thresholds, judge, report_lines, summary
 from relaytrain.preflight.needs import run_needs
 
-from conftest import run_torchrun
+from conftest import fake_tool, run_cli, run_torchrun
 
 Usage = namedtuple("Usage", "total used free")
 
@@ -117,6 +119,29 @@ def test_status_shows_the_newest_preflight(tmp_path):
     assert preflight_rows(run) == [
         ("preflight", "job 77: 1 of 2 node(s) below threshold: n2 (preflight/77.json)"),
         ("preflight node", "n2 compute x"),
+    ]
+
+
+def test_in_a_slurm_allocation_it_runs_as_one_task_per_node(tmp_path):
+    fake_tool(tmp_path / "bin", "srun", 'echo "$@" > "$SRUN_ARGS"; exit 1\n')
+    env = {
+        "SLURM_JOB_ID": "42",
+        "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+        "SRUN_ARGS": str(tmp_path / "a"),
+    }
+    done = run_cli(["preflight", "--budget", "2", "--nodes", "4", "--run.dir=runs"], tmp_path, **env)
+    assert done.returncode == 1, done.stderr  # the step's exit status: a node below threshold
+    words = (tmp_path / "a").read_text().split()
+    assert words[0] == "--ntasks-per-node=1" and words[1] == sys.executable
+    assert words[2:] == [
+        "-m",
+        "relaytrain.cli",
+        "preflight",
+        "--run.dir=runs",
+        "--nodes",
+        "4",
+        "--budget",
+        "2.0",
     ]
 
 

@@ -109,6 +109,6 @@ def _job_step(args: argparse.Namespace) -> int:
         *_forwarded(args),
     ]
     done = run_slurm_command(step, STEP_TIMEOUT_S, capture=False)
-    if not done.ok:
+    if done.returncode is None:  # srun missing, or the step timed out
         raise UserError(f"preflight: the job step did not run: {done.error or done.outcome.name}")
     return done.returncode or 0
