@@ -49,6 +49,7 @@ def test_the_pages_are_there():
         "resume-on-another-node-count",
         "export-to-hugging-face",
         "your-own-program",
+        "preflight",
     }
 
 
