@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -106,19 +107,19 @@ def test_the_needs_are_the_plans_figures():
 
 
 def test_status_shows_the_newest_preflight(tmp_path):
-    from relaytrain.slurm.run_view import preflight_rows
+    from relaytrain.slurm.run_view import run_rows
 
     run = RunDir(tmp_path / "r")
     run.preflights.mkdir(parents=True)
-    record = {
-        "job": "77",
-        "summary": "1 of 2 node(s) below threshold: n2",
-        "lines": ["preflight: n2 compute x"],
-    }
-    run.preflight("77").write_text(json.dumps(record))
-    assert preflight_rows(run) == [
+    run.run_state.write_text('{"status": "stopped", "step": 3}')
+    for job, told in (("76", "2 node(s) passed"), ("77", "1 of 2 node(s) below threshold: n2")):
+        record = {"job": job, "summary": told, "lines": [f"preflight: n2 compute x{job}"][: job == "77"]}
+        run.preflight(job).write_text(json.dumps(record))
+        time.sleep(0.01)
+    rows = [row for row in run_rows(run) if row[0].startswith("preflight")]
+    assert rows == [
         ("preflight", "job 77: 1 of 2 node(s) below threshold: n2 (preflight/77.json)"),
-        ("preflight node", "n2 compute x"),
+        ("preflight node", "n2 compute x77"),
     ]
 
 
