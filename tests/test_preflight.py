@@ -41,7 +41,7 @@ def test_a_node_further_below_the_median_than_the_threshold_is_named_once():
 
 def test_a_node_is_judged_by_its_worst_rank_and_gets_one_line_for_all_it_lacks():
     ranks = [_rank(0, "n1", gflops=100.0, gbps=10.0), _rank(1, "n1", gflops=99.0, gbps=10.0),
-             _rank(2, "n2", gflops=100.0, gbps=10.0), _rank(3, "n2", gflops=40.0, gbps=3.0),
+             _rank(2, "n2", gflops=40.0, gbps=3.0), _rank(3, "n2", gflops=100.0, gbps=10.0),
              _rank(4, "n3", gflops=101.0, gbps=11.0)]  # fmt: skip
     ranks[2]["figures"]["host_free_bytes"] = 2 * GIB
     lines = report_lines(judge(ranks, {"host_bytes": 4 * GIB}))
