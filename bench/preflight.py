@@ -87,8 +87,8 @@ def render(data: dict, path: str) -> str:
         "## Preflight: a clean node against the median\n\n"
         f"{kept.rewritten(COMMAND, path)}\n"
         f"Measured {data['date']} with `{data['command']}`: two gloo ranks on this machine, each standing "
-        f"for a node, budget {data['budget']} s. The defaults name a node {limits['compute_pct']:g} % below "
-        f"the median in compute and {limits['network_pct']:g} % below it in network.\n\n"
+        f"for a node, budget {data['budget']} s. Its thresholds: {limits['compute_pct']:g} % "
+        f"below the median in compute and {limits['network_pct']:g} % below it in network.\n\n"
         "| runs | count | worst compute shortfall (%) | worst network shortfall (%) | checks median (s) "
         "| command median (s) | runs that named a node |\n| --- | --- | --- | --- | --- | --- | --- |\n"
         + "\n".join(rows)

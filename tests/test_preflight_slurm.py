@@ -5,6 +5,7 @@ one line, and writes both nodes' results to the run's preflight folder."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -67,3 +68,28 @@ def test_a_node_slowed_from_outside_is_named(slurm_cluster, tmp_path):
     record = json.loads((runs / "debug" / "preflight" / f"{job}.json").read_text())
     assert sorted(record["nodes"]) == sorted(r["node"] for r in record["ranks"]) and len(record["nodes"]) == 2
     assert record["nodes"][node]["passed"] is False and record["summary"].endswith(f"below threshold: {node}")
+
+
+def test_every_job_step_is_checked_before_its_first_step_unless_off(slurm_cluster, tmp_path):
+    from e2e_slurm_jobs import job_output, launch, records, write_config
+
+    runs = tmp_path / "runs"
+    jobs = {}
+    for name, value in (("on", "report"), ("off", "off")):
+        cfg = write_config(tmp_path / f"{name}.toml", runs, name, steps=3)
+        jobs[name] = launch(
+            str(cfg), "--nodes", "2", "--tasks-per-node", "1", f"--resilience.preflight={value}"
+        )
+    fields = {name: wait_job_finished(int(job), timeout=300) for name, job in jobs.items()}
+    assert all(f["JobState"] == "COMPLETED" for f in fields.values()), fields
+    out = job_output(runs / "on", jobs["on"])
+    # its summary (the shared cores may make a clean node look slow: it is named, and the run goes on)
+    told = re.compile(r"^preflight: (2 node\(s\) passed|1 of 2 node\(s\) below threshold: \S+) in ", re.M)
+    assert told.search(out), out[-4000:]
+    record = json.loads((runs / "on" / "preflight" / f"{jobs['on']}.json").read_text())
+    assert record["time"] < min(r["time"] for r in records(runs / "on", "train"))  # before the first step
+    assert len(record["nodes"]) == 2 and all(r["figures"]["gbps"] > 0 for r in record["ranks"])
+    assert (
+        "preflight: " not in job_output(runs / "off", jobs["off"])
+        and not (runs / "off" / "preflight").exists()
+    )

@@ -393,6 +393,10 @@ def train(cfg: Config) -> int:
     torch.manual_seed(cfg.run.seed)
     try:
         check_world(cfg, env, run)
+        if cfg.resilience.preflight == "report" and JobFacts.from_env().in_slurm:
+            from relaytrain.preflight.run import check_in_job
+
+            check_in_job(cfg, env)  # every node measured before the first step (docs/howto/preflight.md)
         return Trainer(cfg, env).run()
     finally:
         lock.release()

@@ -20,9 +20,17 @@ log = logging.getLogger(__name__)
 BELOW_THRESHOLD_EXIT = 1
 
 
+IN_JOB_BUDGET_S = 2.0  # the checks before a job step's first step: compute and network get 0.8 s each
+
+
 def job_name(facts: JobFacts) -> str:
-    """The name of this job's results file: the Slurm job id, or `local-<UTC time>` outside Slurm."""
-    return facts.requeue_id if facts.in_slurm else time.strftime("local-%Y%m%d-%H%M%S", time.gmtime())
+    """The name of this job's results file: the Slurm job id (`-r1` after a requeue, `-s1` after a step
+    restarted in place), or `local-<UTC time>` outside Slurm."""
+    if not facts.in_slurm:
+        return time.strftime("local-%Y%m%d-%H%M%S", time.gmtime())
+    name = facts.requeue_id
+    name += f"-r{facts.restart_count}" if facts.restart_count else ""
+    return name + (f"-s{facts.step_restarts}" if facts.step_restarts else "")
 
 
 def checkpoint_folder(cfg: Config) -> Path:
@@ -100,6 +108,21 @@ def run_preflight(
         ranks = gather(measure_rank(cfg, env, budget_s), env)
     finally:
         shutdown_distributed()
+    return report(cfg, env, ranks, nodes, limits, started)
+
+
+def check_in_job(cfg: Config, env) -> int:
+    """`resilience.preflight = "report"`: the checks on the training job's ranks and process group, before
+    its first step (called by relaytrain.trainer in Slurm jobs); the lines go to the job log."""
+    started = time.perf_counter()
+    ranks = gather(measure_rank(cfg, env, IN_JOB_BUDGET_S), env)
+    return report(cfg, env, ranks, 0, DEFAULT_LIMITS, started)
+
+
+def report(
+    cfg: Config, env, ranks: list[dict], nodes: int, limits: judging.Thresholds, started: float
+) -> int:
+    """Rank 0: judge, print one line per node below threshold and the summary, write the results."""
     if not env.is_main:
         return 0
     per_node = env.local_world_size
