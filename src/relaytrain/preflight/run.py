@@ -112,8 +112,10 @@ def run_preflight(
 
 
 def check_in_job(cfg: Config, env) -> int:
-    """`resilience.preflight = "report"`: the checks on the training job's ranks and process group, before
-    its first step (called by relaytrain.trainer in Slurm jobs); the lines go to the job log."""
+    """`resilience.preflight = "report"` in a Slurm job: the checks on the training job's ranks and process
+    group, before its first step (called by relaytrain.trainer); the lines go to the job log."""
+    if cfg.resilience.preflight != "report" or not JobFacts.from_env().in_slurm:
+        return 0
     started = time.perf_counter()
     ranks = gather(measure_rank(cfg, env, IN_JOB_BUDGET_S), env)
     return report(cfg, env, ranks, 0, DEFAULT_LIMITS, started)
