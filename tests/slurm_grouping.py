@@ -53,6 +53,7 @@ LANES = {
     "test_run_lock.py": 2,
     "test_cli_without_slurm.py": 2,
     "test_notify_slurm.py": 2,
+    "test_preflight_slurm.py": 2,
 }
 # The modules that need the cluster to themselves, and why. Every other module of LANES shares it.
 ALONE = {
@@ -62,6 +63,7 @@ ALONE = {
     "test_spare_slurm.py": "needs all three nodes: a 2-node job and its spare",
     "test_e2e_slurm.py": "kills a node and preempts through the high partition; fills the cluster",
     "test_straggler_slurm.py": "times each rank's steps against its peers",
+    "test_preflight_slurm.py": "times each node's compute against the others'",
     "test_elastic_slurm.py": "kills a node and needs two idle nodes",
     "test_bench_goodput.py": "times a run's goodput through preemptions",
     "test_bench_chaos.py": "kills and stops ranks and nodes, and times the recoveries",

@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"model", "data", "optim"},
     {"parallel", "checkpoint", "resilience", "monitor"},
     {"plan"},  # the memory model and estimates of `relaytrain plan`: pure, no Slurm
-    {"slurm", "localcluster"},  # login-node side: launcher and job tools; the local test cluster
+    {"slurm", "localcluster", "preflight"},  # login-node side: launcher and job tools; the local test cluster
     {"trainer", "program"},
     {"cli", "__init__"},
 ]

@@ -50,6 +50,7 @@ def test_the_pages_are_there():
         "export-to-hugging-face",
         "your-own-program",
         "alerts",
+        "preflight",
     }
 
 

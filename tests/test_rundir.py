@@ -18,7 +18,7 @@ OWNER = "job/rundir.py"
 FILES = {"config.toml", "metrics.jsonl", "run_state.json", "crashes.jsonl", "run.lock", "wandb_id"}
 FILES |= {"run_kind.json"}
 FILES |= {"jobs.jsonl", "job.sh", "attach.sh", "sweep.tsv", "sweep.json", "%j.out", "%A_%a.out"}
-FOLDERS = {"slurm", "logs", "gpu", "checkpoints", "tensorboard", "profile", "report"}
+FOLDERS = {"slurm", "logs", "gpu", "checkpoints", "tensorboard", "profile", "report", "preflight"}
 PATTERNS = (
     "rank_{}.log",
     "hang_rank{}.txt",
@@ -119,6 +119,7 @@ def test_the_layout_of_a_run_directory():
         "report": "report",
         "gpu": "gpu",
         "logs": "logs",
+        "preflights": "preflight",
         "sample_records": "samples",
         "slurm": "slurm",
         "slurm_config": "slurm/config.toml",
@@ -132,6 +133,7 @@ def test_the_layout_of_a_run_directory():
         "hang_record": "hang/last.json",
     }
     assert run.rank_log(3) == run.root / "logs" / "rank_3.log"
+    assert run.preflight("12") == run.root / "preflight" / "12.json"
     assert run.hang_dump(0) == run.root / "logs" / "hang_rank0.txt"
     assert run.deadline_dump(1) == run.root / "logs" / "deadline_rank1.txt"
     assert run.hang_report(12) == run.root / "logs" / "hang-step12.md"

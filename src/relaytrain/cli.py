@@ -42,6 +42,7 @@ COMMAND_MODULES = [
     "relaytrain.localcluster.commands",
     "relaytrain.monitor.commands",
     "relaytrain.slurm.verify",
+    "relaytrain.preflight.commands",
 ]
 
 

@@ -39,6 +39,7 @@ from relaytrain.parallel import parallelize
 from relaytrain.parallel.distributed import DistEnv, init_distributed, rank0_token, shutdown_distributed
 from relaytrain.parallel.layout import validate_layout
 from relaytrain.parallel.resize import resize_fields
+from relaytrain.preflight.run import check_in_job
 from relaytrain.resilience import (
     RunStateFile,
     StopReason,
@@ -348,12 +349,12 @@ def train(cfg: Config) -> int:
     try:
         setup_logging(run, env.rank, env.local_rank, env.node, cfg.metrics.rank_logs)
     except OSError as exc:
-        raise UserError(
-            f"cannot write logs under '{run.root}' ({exc.strerror}); set run.dir to a writable path"
-        ) from None
+        why = f"cannot write logs under '{run.root}' ({exc.strerror}); set run.dir to a writable path"
+        raise UserError(why) from None
     torch.manual_seed(cfg.run.seed)
     try:
         check_world(cfg, env, run)
+        check_in_job(cfg, env)  # resilience.preflight: each node measured first (docs/howto/preflight.md)
         return Trainer(cfg, env).run()
     finally:
         lock.release()

@@ -236,6 +236,9 @@ class ResilienceConfig(Section):
     # replace its node (else report); auto: replace, else drop its node when the node range allows and
     # the job is faster without it (else report)
     straggler_action: Literal["report", "replace", "auto"] = "report"
+    # in Slurm jobs, before the first step of every job step: relaytrain preflight's checks of each node
+    # (about 2 s); report: name a node below threshold in the job log and preflight/JOB.json; off: none
+    preflight: Literal["off", "report"] = "report"
 
     def effective_collective_timeout_s(self) -> float:
         """The process groups' timeout: an explicit collective_timeout_s, else (0) the hang monitor's

@@ -122,6 +122,15 @@ class RunDir:
         return self.root / "gpu"
 
     @property
+    def preflights(self) -> Path:
+        """`relaytrain preflight`'s results, one JSON file per job (relaytrain.preflight)."""
+        return self.root / "preflight"
+
+    def preflight(self, job: str) -> Path:
+        """One job's preflight results: every node's figures, the needs, the verdict."""
+        return self.preflights / f"{job}.json"
+
+    @property
     def logs(self) -> Path:
         """Per-rank log files and the stacks a hang or the hard deadline dumps."""
         return self.root / "logs"

@@ -40,6 +40,30 @@ def find_run(target: str, runs_root: Path) -> RunDir | None:
     return next((RunDir(path) for path in candidates if is_run_dir(path)), None)
 
 
+def preflight_rows(run: RunDir) -> list[tuple[str, str]]:
+    """The newest `relaytrain preflight` results: its summary and each node below threshold."""
+    import json
+
+    files = (
+        sorted(run.preflights.glob("*.json"), key=lambda p: p.stat().st_mtime)
+        if run.preflights.is_dir()
+        else []
+    )
+    if not files:
+        return []
+    try:
+        record = json.loads(files[-1].read_text())
+    except (OSError, ValueError):
+        return [("preflight", f"{run.relative(files[-1])} unreadable")]
+    rows = [
+        (
+            "preflight",
+            f"job {record.get('job', '?')}: {record.get('summary', '?')} ({run.relative(files[-1])})",
+        )
+    ]
+    return rows + [("preflight node", line.removeprefix("preflight: ")) for line in record.get("lines", [])]
+
+
 def run_log(run: RunDir) -> tuple[Path, str]:
     """The run's log and the Slurm job that writes it: the output of its newest recorded job, else
     rank 0's log (a run without Slurm; job ""). A UserError when it has neither yet."""
@@ -94,6 +118,7 @@ def run_rows(run: RunDir) -> list[tuple[str, str]]:
         rows.append(("last crash", describe_crash(crashes[-1])))
         for job, node, why in excluded_in_run(crashes):
             rows.append(("excluded node", f"{node} from job {job}: {why}"))
+    rows += preflight_rows(run)
     straggler = describe_latest(jsonl.read(run.metrics).records) if run.metrics.is_file() else None
     if straggler:
         rows.append(("straggler", straggler))
