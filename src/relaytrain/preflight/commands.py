@@ -23,21 +23,32 @@ def register(subparsers) -> None:
         ),
     )
     parser.add_argument(
-        "config_args", nargs=argparse.REMAINDER, metavar="[CONFIG] [--section.key=value ...]",
+        "config_args",
+        nargs=argparse.REMAINDER,
+        metavar="[CONFIG] [--section.key=value ...]",
         help="TOML config of the run to check for (default: the embedded debug config), then overrides",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--nodes", type=int, default=0, metavar="N",
+        "--nodes",
+        type=int,
+        default=0,
+        metavar="N",
         help="the node count the run's needs are planned for (default: the nodes checked)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--nproc-per-node", type=int, default=1, metavar="N",
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
         help="outside Slurm: ranks on this machine (each stands for a node; default 1)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--budget", type=float, default=5.0, metavar="S",
+        "--budget",
+        type=float,
+        default=5.0,
+        metavar="S",
         help="seconds each rank spends measuring compute and network (default 5)",
-    )  # fmt: skip
+    )
     parser.set_defaults(func=preflight_command, accepts_overrides=True)
 
 

@@ -73,8 +73,10 @@ def judge(
     """{node: [what falls short]} for every node (empty list: the node passed)."""
     nodes = node_figures(ranks)
     problems: dict[str, list[str]] = {name: [] for name in nodes}
-    for key, pct, what, unit in (("gflops", limits.compute_pct, "compute", "GFLOP/s"),
-                                 ("gbps", limits.network_pct, "network", "GB/s")):  # fmt: skip
+    for key, pct, what, unit in (
+        ("gflops", limits.compute_pct, "compute", "GFLOP/s"),
+        ("gbps", limits.network_pct, "network", "GB/s"),
+    ):
         for name, line in _below_median(nodes, key, pct, what, unit).items():
             problems[name].append(line)
     for name, node in nodes.items():

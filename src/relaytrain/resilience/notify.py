@@ -144,8 +144,9 @@ class Alerts:
         self._thread = threading.Thread(target=self._follow, name="relaytrain-notify-records", daemon=True)
 
     @classmethod
-    def start(cls, run: RunDir, config: str, say: Callable[[str], None],
-              environ: Mapping[str, str] | None = None) -> Alerts | None:  # fmt: skip
+    def start(
+        cls, run: RunDir, config: str, say: Callable[[str], None], environ: Mapping[str, str] | None = None
+    ) -> Alerts | None:
         environ = os.environ if environ is None else environ
         try:
             from relaytrain.config import load_config
@@ -211,8 +212,10 @@ class Alerts:
         except OSError as error:
             self.say(f"could not record the alerts' counts in {self.run.metrics}: {error}")
         if counts.failed or counts.dropped or counts.unsent:
-            self.say(f"alerts: {counts.sent} sent, {counts.failed} failed, {counts.dropped} dropped, "
-                     f"{counts.unsent} unsent")  # fmt: skip
+            self.say(
+                f"alerts: {counts.sent} sent, {counts.failed} failed, {counts.dropped} dropped, "
+                f"{counts.unsent} unsent"
+            )
         return counts
 
 

@@ -119,8 +119,12 @@ class DeliveryError(Exception):
 
 def webhook_sender(url: str, fmt: str, run: str, job_id: str | None, timeout_s: float) -> Sender:
     def send(alert: Alert) -> None:
-        request = urllib.request.Request(url, data=body(alert, fmt, run, job_id), method="POST",
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        request = urllib.request.Request(
+            url,
+            data=body(alert, fmt, run, job_id),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as answer:  # noqa: S310 (http(s) only)
                 answer.read(1024)
@@ -138,8 +142,14 @@ def command_sender(command: str, run: str, job_id: str | None, timeout_s: float)
         stdin = json.dumps(payload(alert, run, job_id), default=str)
         env = {**os.environ, EVENT_ENV: alert.event}
         try:
-            done = subprocess.run(["/bin/sh", "-c", command], input=stdin, text=True, env=env,
-                                  capture_output=True, timeout=timeout_s)  # fmt: skip
+            done = subprocess.run(
+                ["/bin/sh", "-c", command],
+                input=stdin,
+                text=True,
+                env=env,
+                capture_output=True,
+                timeout=timeout_s,
+            )
         except subprocess.TimeoutExpired:
             raise DeliveryError(f"command: no exit within {timeout_s:g} s") from None
         except OSError as error:
@@ -163,8 +173,14 @@ class Counts:
 class Outbox:
     """A bounded queue of alerts and the one thread that delivers them in order. ``post`` never waits."""
 
-    def __init__(self, senders: list[Sender], size: int, retries: int, backoff_s: float,
-                 say: Callable[[str], None] = log.warning):  # fmt: skip
+    def __init__(
+        self,
+        senders: list[Sender],
+        size: int,
+        retries: int,
+        backoff_s: float,
+        say: Callable[[str], None] = log.warning,
+    ):
         self.senders, self.retries, self.backoff_s, self.say = senders, retries, backoff_s, say
         self.queue: queue.Queue[Alert] = queue.Queue(maxsize=size)
         self.counts = Counts()
