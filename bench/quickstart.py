@@ -7,8 +7,9 @@ The run is `relaytrain train` with no config and no override but `--run.dir` (a 
 the run starts fresh and tokenizes the bundled corpus as a first run does), in its own process with
 `OMP_NUM_THREADS` = cores. The clock runs from spawning the process to its exit; the losses are read
 from the run's metrics.jsonl: the train loss of the first and the last step and the last validation
-loss. The README's sentence on the first command (`readme_figures`) states the latest kept run's figures;
-tests/test_bench_pages.py requires it word for word.
+loss. The README's sentence on the first command (`readme_figures`) states the latest kept run's steps
+and losses (its time, which depends on the load, is on the page); tests/test_bench_pages.py requires it
+word for word.
 """
 
 from __future__ import annotations
@@ -50,25 +51,26 @@ def kept_runs() -> list[Path]:
 
 
 def readme_figures(data: dict, name: str) -> str:
-    """The README's sentence on the first command's time and losses, from one kept run."""
-    f, m = data["figures"], data["machine"]
-    load = m.get("load_start") or ["?"]
+    """The README's sentences on the first command's steps and losses, from one kept run (its time, which
+    depends on the machine's load, is on docs/benchmarks.md beside the load)."""
+    f, cores = data["figures"], data["machine"]["cores"]
     return (
-        f"It runs {f['steps']} steps on the CPU, offline, in {f['wall_s']:.0f} s on {m['cores']} cores "
-        f"(measured {data['date']} with 1-minute load average {load[0]} at the start, by "
-        f"`python -m bench.quickstart`; results: {name}). The training loss falls from "
-        f"{f['first_loss']:.1f} at step {f['first_step']} to {f['last_loss']:.1f} and the validation loss "
-        f"to {f['last_val_loss']:.2f}."
+        f"It runs {f['steps']} steps on the CPU, offline; the training loss falls from {f['first_loss']:.1f} "
+        f"at step {f['first_step']} to {f['last_loss']:.1f} and the validation loss to "
+        f"{f['last_val_loss']:.2f} (measured {data['date']} by `python -m bench.quickstart`, results: "
+        f"{name}; its time on {cores} cores, with their load, is on docs/benchmarks.md)."
     )
 
 
 def render(runs: list[dict], names: list[str]) -> str:
-    header = ["results", "date", "machine (load average 1/5/15 min at the start)", "wall (s)", "steps",
+    header = ["results", "date", "machine (load average 1/5/15 min at the start -> end)", "wall (s)", "steps",
               "first train loss", "last train loss", "last validation loss"]  # fmt: skip
     rows = []
     for data, name in zip(runs, names, strict=True):
         m, f = data["machine"], data["figures"]
-        where = f"{m['cpu']}, {m['cores']} cores ({' / '.join(str(x) for x in m.get('load_start') or [])})"
+        ends = (m.get("load_start"), data.get("load_end"))
+        loads = [" / ".join(str(x) for x in values or []) for values in ends]
+        where = f"{m['cpu']}, {m['cores']} cores ({loads[0]} -> {loads[1]})"
         first = f"{f['first_loss']} (step {f['first_step']})"
         rows.append((f"`{name}`", data["date"], where, f["wall_s"], f["steps"], first, f["last_loss"],
                      f["last_val_loss"]))  # fmt: skip
@@ -77,8 +79,8 @@ def render(runs: list[dict], names: list[str]) -> str:
         f"each run measured by `python -m bench.quickstart`: the README's first command, `{COMMAND}` on the "
         "embedded debug config in a fresh run directory (it tokenizes the bundled corpus first), timed from "
         "spawning the process to its exit, every kept run in order. The README states the last run's "
-        "figures (tests/test_bench_pages.py checks it). On a shared machine the wall time grows with the "
-        "load; the losses do not depend on it."
+        "steps and losses (tests/test_bench_pages.py checks it). On a shared machine the wall time grows "
+        "with the load; the losses do not depend on it."
     )
     body = ["## The README's first command", "", intro, "", table(header, rows).rstrip("\n")]
     return "\n".join(body) + "\n"
