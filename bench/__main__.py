@@ -3,10 +3,16 @@
     python -m bench                  # full run (~5-10 min on 2 cores), rewrites docs/benchmarks.md
     python -m bench --quick          # ~2 min smoke run, writes bench/out/benchmarks.md instead
     python -m bench --only overhead,startup [--page PATH] [--no-write]
-    python -m bench --render-only    # re-render the last results (bench/out/results.json), no measuring
+    python -m bench --page-from bench/results/bench-<date>-<time>.json ...   # measure nothing: rewrite
+                                     # the CPU sections from kept results only (--render-only: all of them)
 
-Raw results go to bench/out/results.json. A section that fails keeps its previous text on the page; the
-run then exits 1 after writing the others.
+Each run keeps its raw results as bench/results/bench-<UTC date>-<time>.json (a second run the same day is
+kept beside the first; bench/out/results.json holds a copy of the last), and the sections `machine`,
+`matmul-peak`, `overhead`, `startup` and `checkpoint-io-run` are rendered from every kept run, the latest
+first, each section naming its files and the command that rewrites it (`--page-from`), so
+tests/test_bench_pages.py rebuilds them byte for byte. A section that fails keeps its previous text on the
+page; the run then exits 1 after writing the others. A GPU section that did not run (no GPU) is left as it
+is on the page.
 """
 
 from __future__ import annotations
@@ -25,7 +31,15 @@ import torch
 
 from bench import checkpoint_section, gpu_mfu, kept, matmul_peak, overhead, startup, torchtitan_gpu
 from bench.procs import WORK
-from bench.report import PAGE, load_average, machine_info, merge_page, render_machine, write_page
+from bench.report import (
+    PAGE,
+    load_average,
+    machine_info,
+    merge_page,
+    page_path,
+    render_machine,
+    write_page,
+)
 
 # "checkpoint-io" is the checkpoint work's own analysis; the runner adds "checkpoint-io-run" after it.
 ORDER = [
@@ -117,13 +131,82 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
 }
 
 
-def render_saved(results: dict) -> dict[str, str]:
-    """Every section of a saved results.json, rendered again (after a change to the page's wording)."""
-    sections = {name: render(results[name]) for name, render in RENDERERS.items() if name in results}
-    if all(name in results for name in SECTIONS):
-        sections["machine"] = render_machine(results["machine"], results["command"], results.get("load_end"))
-        sections[LINKS] = links_section()
-    sections["usage"] = usage_section()
+# The sections rendered from the kept runs (bench/results/bench-*.json), every kept run on the page.
+KEPT_SECTIONS = ["machine", "matmul-peak", "overhead", "startup", "checkpoint-io-run"]
+KEPT_PREFIX = "bench-"
+# A run these sections showed before any run was kept: named, not shown (its raw results are lost).
+LEFT_OUT = (
+    "Not shown: the full `python -m bench` run of 2026-11-22 (commit 27f86d8) whose figures these sections "
+    "held before runs were kept; its raw results were never kept, so none of its figures can be rebuilt "
+    "(the page's history in the repository has them)."
+)
+
+
+def kept_runs() -> list[Path]:
+    """Every kept `python -m bench` run, oldest first (the names sort by UTC date and time)."""
+    return sorted(kept.RESULTS_DIR.glob(f"{KEPT_PREFIX}*.json"))
+
+
+def _loads(values: list[float] | None) -> str:
+    return " / ".join(f"{v:.2f}" for v in values) if values else "unknown"
+
+
+def measured_by(data: dict) -> str:
+    """When, where and by what command a kept run measured its figures."""
+    m = data["machine"]
+    said = (
+        f"Measured {m['date']} by `{data['command']}` on {m['cpu']}, {m['cores']} cores (load average "
+        f"1/5/15 min {_loads(m.get('load_start'))} at the start, {_loads(data.get('load_end'))} at the end)."
+    )
+    first = [values[0] for values in (m.get("load_start"), data.get("load_end")) if values]
+    if first and max(first) > (m.get("cores") or 1):
+        said += (
+            " The load exceeded the core count: other processes held the cores, so these figures (and any "
+            "verdict against a target below) measure the shared machine more than the code."
+        )
+    return said
+
+
+def _render_one(name: str, data: dict) -> str:
+    if name == "machine":
+        return render_machine(data["machine"], data["command"], data.get("load_end"))
+    return RENDERERS[name](data[name])
+
+
+def _after_heading(body: str, lines: list[str]) -> str:
+    """`lines` as paragraphs after the section's heading (or first, where it has none)."""
+    insert = "\n\n".join(lines)
+    if body.startswith("#"):
+        heading, _, rest = body.partition("\n\n")
+        return f"{heading}\n\n{insert}\n\n{rest}"
+    return f"{insert}\n\n{body}"
+
+
+def render_kept(paths: list[str | Path]) -> dict[str, str]:
+    """The CPU sections from kept results files only: each section shows every run that measured it, the
+    latest in full first, then each earlier one, and names the command that rewrites it from these files."""
+    runs = [(kept.relative(path), kept.load(path)) for path in paths]
+    names = [name for name, _ in runs]
+    source = (
+        f"Results: {', '.join(f'`{name}`' for name in names)}. Rewritten from the kept results by "
+        f"`python -m bench --page-from {' '.join(names)}`."
+    )
+    sections: dict[str, str] = {}
+    for section in KEPT_SECTIONS:
+        have = [(name, data) for name, data in runs if section == "machine" or section in data]
+        parts = []
+        for i, (name, data) in enumerate(reversed(have)):
+            body = _render_one(section, data).rstrip("\n")
+            if i == 0:
+                parts.append(_after_heading(body, [source, measured_by(data)]))
+                continue
+            if body.startswith("#"):
+                body = body.partition("\n\n")[2]
+            parts.append(f"**An earlier run**, `{name}`. {measured_by(data)}\n\n{body}")
+        if section == "machine":
+            parts.append(LEFT_OUT)
+        if parts:
+            sections[section] = "\n\n".join(parts) + "\n"
     return sections
 
 
@@ -136,13 +219,17 @@ def usage_section() -> str:
         "python -m bench --quick    # ~2 min smoke run; writes bench/out/benchmarks.md, not this page\n"
         "python -m bench --only overhead,startup   # a subset; other sections stay as they are\n"
         "python -m bench.overhead --pairs=4 --model.dim=512   # one benchmark, any config override\n"
+        "python -m bench --page-from bench/results/bench-<date>-<time>.json   # measure nothing; see below\n"
         "```\n\n"
         "Sections: `matmul-peak` (bench/matmul_peak.py), `overhead` (bench/overhead.py, "
         "bench/plain_loop.py, bench/step_ab.py), `startup` (bench/startup.py), `checkpoint-io-run` "
         "(bench/checkpoint_io.py via bench/checkpoint_section.py), `torchtitan` "
         "(bench/torchtitan_gpu.py), `gpu` (bench/gpu_mfu.py). "
-        "Raw results of the last run: bench/out/results.json (not committed). A section that fails keeps "
-        "its previous text and the run exits 1. Each figure names the command that produced it. Runs are "
+        "Each run keeps its raw results in bench/results/bench-<UTC date>-<time>.json; the sections "
+        "`machine`, `matmul-peak`, `overhead`, `startup` and `checkpoint-io-run` show every kept run, the "
+        "latest first, and `python -m bench --page-from FILE...` rewrites them from kept files only, "
+        "measuring nothing. A section that fails keeps its previous text and the run exits 1; without a GPU "
+        "the GPU sections stay as they are. Each figure names the command that produced it. Runs are "
         "separate processes with `OMP_NUM_THREADS` = cores unless `--threads` says otherwise.\n\n"
         "On a machine with CUDA GPUs, run `bench/gpu_first_hour.sh` first (it needs no network and no "
         "installed console script; it is `python -m bench.gpu_first_hour`): in order it prints the versions "
@@ -178,7 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page", type=Path, default=None, help="page to rewrite (default: see above)")
     parser.add_argument("--no-write", action="store_true", help="print the sections instead of writing")
     parser.add_argument(
-        "--render-only", action="store_true", help="measure nothing: render bench/out/results.json again"
+        "--page-from",
+        nargs="+",
+        type=Path,
+        help=f"measure nothing: rewrite {', '.join(KEPT_SECTIONS)} from these kept results files",
+    )
+    parser.add_argument(
+        "--render-only", action="store_true", help="--page-from every kept run (bench/results/bench-*.json)"
     )
     parser.add_argument(
         "--threads", type=int, default=0, help="threads per measured process (default: cores)"
@@ -189,16 +282,19 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    if args.page_from or args.render_only:
+        paths = args.page_from or kept_runs()
+        try:
+            sections = render_kept(paths)
+        except (ValueError, KeyError) as err:
+            parser.error(f"--page-from: {err!r}")
+        return publish(sections, [*ORDER, LINKS], args.page or page_path(), args.no_write, failed=[])
     page = args.page or (WORK / "benchmarks.md" if args.quick else PAGE)
     if args.quick and args.page is None and PAGE.exists() and not page.exists():
         WORK.mkdir(parents=True, exist_ok=True)
         page.write_text(PAGE.read_text())  # a quick run previews the whole page without touching docs/
 
     order = [*ORDER, LINKS]
-    if args.render_only:
-        saved = json.loads((WORK / "results.json").read_text())
-        return publish(render_saved(saved), order, page, args.no_write, failed=[])
-
     plan = Plan(quick=args.quick, threads=args.threads or os.cpu_count() or 1)
     command = (
         "python -m bench" + (" --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "")
@@ -220,14 +316,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {name}: skipped (not available)", file=sys.stderr)
             continue
         results[name], sections[name] = outcome
+        if outcome[0].get("ran") is False:  # no GPU here: the page keeps its GPU run's text
+            del sections[name]
         print(f"[bench] {name} done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     results["load_end"] = load_average()
     if set(names) == set(SECTIONS):
-        sections["machine"] = render_machine(info, command, results["load_end"])
         sections[LINKS] = links_section()
     sections["usage"] = usage_section()
     WORK.mkdir(parents=True, exist_ok=True)
     (WORK / "results.json").write_text(json.dumps(results, indent=1))
+    # Kept with the page, one file per run (a second run the same day is kept beside the first).
+    stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime())
+    kept_path = kept.save(f"bench-{stamp}.json", results)
+    print(f"[bench] kept: {kept.relative(kept_path)}", file=sys.stderr, flush=True)
+    sections.update(render_kept(kept_runs()))  # every kept run, this one included, from its file
     return publish(sections, order, page, args.no_write, failed)
 
 

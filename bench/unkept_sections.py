@@ -30,10 +30,6 @@ def digest(body: str) -> str:
     return hashlib.sha256(body.encode()).hexdigest()
 
 
-BENCH_RUN = (
-    "Transcribed, not rebuilt: the raw results of the `python -m bench` run that measured this section went "
-    "to bench/out/results.json, which is not committed."
-)
 GPU_RUN = (
     "Transcribed, not rebuilt: the raw output of this GPU run (2026-11-27) was not kept; the GPU scripts "
     "now keep each run's results under bench/results/ and rewrite this section from them."
@@ -50,10 +46,6 @@ UNKEPT: dict[str, Unkept] = {
         "measures or keeps these figures.",
         "d1c48c7d3a0f59a39c7f8e05f75f7865d863b724554d0c25cd6e79c7703ac671",
     ),
-    "machine": Unkept(BENCH_RUN, "de9898baf40891dd1a423c3efb6706cc8cd61a88160aaa7527c92c45a98b140b"),
-    "matmul-peak": Unkept(BENCH_RUN, "7c3584543445f8fbff158f3754b37ee704233a838bea02fc409962113b8e1553"),
-    "overhead": Unkept(BENCH_RUN, "cd0c476b26c9f20d4ebcb8d130acec8bc801e46dd503d69deff241ed67701c95"),
-    "startup": Unkept(BENCH_RUN, "4e7f02fad3a52453c8baba00cf9b5c9a67d421c2a9852b38c7b5cfe05116b486"),
     "config-error": Unkept(
         "Measured by hand, not rebuilt: no command measures or keeps these timings.",
         "cfed531da20326d8ed5f559c108742aaad0fa2cc74f14dcbe377b6d6bbf2fc9e",
@@ -62,9 +54,6 @@ UNKEPT: dict[str, Unkept] = {
         "Transcribed, not rebuilt: an analysis of three runs of `python bench/checkpoint_io.py` whose "
         "outputs were not kept.",
         "0b59667a5e50ea3608965924d85c146d0b87ffef36ba2a578b2d65d434356445",
-    ),
-    "checkpoint-io-run": Unkept(
-        BENCH_RUN, "c67941a1e7b7323bf2fe405bee8f3b093e4eaf4c60033668f4cd9e1bae6f988c"
     ),
     "snapshots": Unkept(
         "Transcribed, not rebuilt: written by hand from runs of `python bench/snapshot.py` whose own "

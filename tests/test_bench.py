@@ -343,12 +343,10 @@ def test_step_ab_times_both_step_functions_in_one_process():
     assert len(out["plain"]) == len(out["relaytrain"]) == 2
 
 
-def test_render_saved_results_rebuilds_every_section():
-    from bench.__main__ import render_saved
-
-    saved = {
+def _kept_run(date: str, load: float) -> dict:
+    return {
         "machine": {
-            "date": "d",
+            "date": date,
             "cpu": "X",
             "cores": 2,
             "torch_threads": 2,
@@ -356,42 +354,66 @@ def test_render_saved_results_rebuilds_every_section():
             "gpu": None,
             "python": "3.11",
             "torch": "2.13",
-            "load_start": [0.5, 0.5, 0.5],
+            "load_start": [load, 0.5, 0.5],
         },
-        "command": "python -m bench",
+        "command": "python -m bench --quick",
         "load_end": [0.4, 0.4, 0.4],
         "overhead": fake_overhead(),
         "torchtitan": torchtitan_gpu.not_run(),
         "gpu": gpu_mfu.not_run(),
     }
-    sections = render_saved(saved)
-    assert set(sections) == {"overhead", "torchtitan", "gpu", "usage"}  # not all measured: no machine block
-    for name in ("matmul-peak", "startup", "checkpoint-io-run"):
-        saved[name] = {}
-    from bench import __main__ as runner
 
-    renderers = dict(runner.RENDERERS)
-    try:
-        for name in ("matmul-peak", "startup", "checkpoint-io-run"):
-            runner.RENDERERS[name] = lambda result, name=name: f"## {name}"
-        sections = render_saved(saved)
-    finally:
-        runner.RENDERERS.update(renderers)
-    assert "machine" in sections and "links" in sections and sections["startup"] == "## startup"
+
+def test_page_from_renders_the_cpu_sections_from_every_kept_run_latest_first(tmp_path, monkeypatch):
+    from bench import __main__ as runner
+    from bench import kept
+
+    monkeypatch.setattr(kept, "RESULTS_DIR", tmp_path)
+    first, second = _kept_run("2026-01-01 10:00 UTC", 0.5), _kept_run("2026-01-02 11:00 UTC", 7.5)
+    first["startup"] = {"fake": 1}  # only the first run measured startup
+    kept.save("bench-2026-01-01-1000.json", first)
+    kept.save("bench-2026-01-02-1100.json", second)
+    monkeypatch.setitem(runner.RENDERERS, "startup", lambda result: f"## startup\n\nfake {result['fake']}\n")
+    paths = runner.kept_runs()
+    assert [p.name for p in paths] == ["bench-2026-01-01-1000.json", "bench-2026-01-02-1100.json"]
+    sections = runner.render_kept(paths)
+    assert set(sections) == {"machine", "overhead", "startup"}  # the GPU sections are not these runs'
+    rewritten = f"`python -m bench --page-from {paths[0]} {paths[1]}`"
+    for body in sections.values():
+        assert f"Rewritten from the kept results by {rewritten}." in body
+    machine = sections["machine"]
+    assert (
+        machine.index("2026-01-02 11:00 UTC")
+        < machine.index("**An earlier run**")
+        < machine.index("2026-01-01 10:00 UTC")
+    )
+    assert "The load average exceeded the core count" in machine  # the second run's load, said
+    assert sections["overhead"].count("## Framework overhead") == 1  # one heading, two runs
+    assert sections["overhead"].count("**An earlier run**") == 1
+    assert sections["startup"].startswith("## startup\n\nResults:") and "fake 1" in sections["startup"]
+    assert "Measured 2026-01-01 10:00 UTC by `python -m bench --quick`" in sections["startup"]
     assert "The pairs disagree" not in sections["overhead"]  # fake pairs agree within 6 points
 
 
-def test_only_accepts_the_checkpoint_issue_name(tmp_path, monkeypatch, capsys):
+def test_a_run_keeps_its_results_and_renders_its_sections_from_the_kept_file(tmp_path, monkeypatch, capsys):
     from bench import __main__ as runner
+    from bench import kept
 
     monkeypatch.setattr(runner, "WORK", tmp_path)
+    monkeypatch.setattr(kept, "RESULTS_DIR", tmp_path / "results")
     monkeypatch.setitem(runner.SECTIONS, "checkpoint-io-run", lambda plan: ({"x": 1}, "### fake run"))
+    monkeypatch.setitem(runner.RENDERERS, "checkpoint-io-run", lambda result: f"### fake run {result['x']}")
     page = tmp_path / "page.md"
     assert runner.main(["--only", "checkpoint-io", "--page", str(page), "--no-write"]) == 0
-    assert "### fake run" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    (saved,) = (tmp_path / "results").glob("bench-*.json")
+    assert json.loads(saved.read_text())["checkpoint-io-run"] == {"x": 1}
     assert json.loads((tmp_path / "results.json").read_text())["checkpoint-io-run"] == {"x": 1}
+    assert f"### fake run 1\n\nResults: `{saved}`. Rewritten from the kept results by" in out
     with pytest.raises(SystemExit):
         runner.main(["--only", "checkpoint-iox", "--page", str(page), "--no-write"])
+    assert runner.main(["--page-from", str(saved), "--page", str(page)]) == 0
+    assert "### fake run 1" in page.read_text() and "| cores |" in page.read_text()
 
 
 def test_gpu_first_hour_without_a_gpu_says_so_in_one_line_and_exits_0():

@@ -98,6 +98,10 @@ def test_the_chaos_crash_and_goodput_sections_are_rebuilt_from_kept_results():
     assert {"goodput-extrapolation", "fault-matrix", "straggler-rules", "snapshot-budget"} <= REBUILT
 
 
+def test_the_sections_python_m_bench_measures_on_cpu_are_rebuilt_from_its_kept_runs():
+    assert {"machine", "matmul-peak", "overhead", "startup", "checkpoint-io-run"} <= REBUILT
+
+
 def test_every_kept_results_file_is_named_on_a_page():
     """No kept run disappears: each file under bench/results/ is named by the section that shows it (or,
     for inputs of other pages, by that page)."""
@@ -129,3 +133,15 @@ def test_a_section_rebuilt_from_kept_results_comes_out_of_its_command_byte_for_b
     regenerated = copy.read_text()
     assert section_body(regenerated, name) == section_body(TEXT, name)
     assert regenerated == TEXT  # and nothing else on the page moved
+
+
+def test_the_readme_states_the_figures_of_the_latest_kept_run_of_its_first_command():
+    """README.md's time and losses of `relaytrain train` are the last kept `python -m bench.quickstart`
+    run's, as bench/quickstart.readme_figures words them (the README's line breaks aside)."""
+    from bench import kept, quickstart
+
+    runs = quickstart.kept_runs()
+    assert runs, "no kept run of `python -m bench.quickstart` under bench/results/"
+    sentence = quickstart.readme_figures(kept.load(runs[-1]), kept.relative(runs[-1]))
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert sentence in readme, f"README.md must say, word for word: {sentence}"
