@@ -40,8 +40,9 @@ V1_SHARES, V2_WEIGHT = 1024, 100  # a process's CPU weight when nobody set one
 PREFIX = "relaytrain-throttle-"
 
 
-def rank_pid(job: str, rank: int, proc: Path = Path("/proc")) -> int | None:
-    """The training process of `rank` in Slurm job `job` on this machine, or None."""
+def job_process(job: str, marks: tuple[bytes, ...], command: bytes, proc: Path = Path("/proc")) -> int | None:
+    """A process of Slurm job `job` on this machine whose environment holds every one of `marks` and whose
+    command line runs `relaytrain COMMAND` in this process (not through a launcher), or None."""
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -50,13 +51,18 @@ def rank_pid(job: str, rank: int, proc: Path = Path("/proc")) -> int | None:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if f"SLURM_JOB_ID={job}".encode() not in environ or b"relaytrain.cli\0train" not in cmdline:
+        if f"SLURM_JOB_ID={job}".encode() not in environ or b"relaytrain.cli\0" + command not in cmdline:
             continue
         if b"torch.distributed.run" in cmdline or b"relaytrain.job.torchrun" in cmdline:
             continue
-        if f"RANK={rank}".encode() in environ:
+        if all(mark in environ for mark in marks):
             return int(entry.name)
     return None
+
+
+def rank_pid(job: str, rank: int, proc: Path = Path("/proc")) -> int | None:
+    """The training process of `rank` in Slurm job `job` on this machine, or None."""
+    return job_process(job, (f"RANK={rank}".encode(),), b"train", proc)
 
 
 def _environ(pid: int) -> dict[str, str]:
