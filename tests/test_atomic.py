@@ -20,6 +20,7 @@ FSYNC_ELSEWHERE = {
     "monitor/gpu_monitor.py": "appended GPU samples",
     "checkpoint/storage.py": "a DCP data file streamed under its own name; the COMPLETE manifest commits it",
     "resilience/run_lock.py": "the lock is created exclusively (a hard link), never replaced",
+    "preflight/measure.py": "the storage check times a probe file's write, fsync and read-back",
 }
 # A rename that is not a file's: prepare-data publishes a whole folder of shards at once.
 RENAMES_ELSEWHERE = {"data/prepare.py": "a folder of shards, renamed into place"}

@@ -35,6 +35,8 @@ PROCESS_STARTERS = {
     "localcluster/daemons.py": "apt-get, munged, slurmctld, slurmd",
     "localcluster/net.py": "ip",
     "localcluster/node_memory.py": "nsenter",
+    "preflight/commands.py": "the checks' ranks under torchrun (relaytrain preflight outside Slurm)",
+    "resilience/notify_send.py": "the user's [notify] command, the event on its stdin",
 }
 REQUEUE_OWNER = "resilience/requeue.py"
 
