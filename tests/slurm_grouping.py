@@ -59,6 +59,8 @@ LANES = {
 ALONE = {
     "test_local_cluster.py": "stops, restarts and kills nodes; preempts through the high partition",
     "test_local_cluster_lock.py": "starts and stops clusters of its own beside the suite's",
+    "test_readme.py": "its documented cluster walkthroughs end with `relaytrain cluster down`, which cancels "
+    "every job on the cluster (beside a shared module it cancelled that module's jobs)",
     "test_hang_slurm.py": "times how soon a stopped rank is named",
     "test_spare_slurm.py": "needs all three nodes: a 2-node job and its spare",
     "test_e2e_slurm.py": "kills a node and preempts through the high partition; fills the cluster",

@@ -37,7 +37,7 @@ EVENTS = ("usr2", "preempt", "sigkill_rank", "kill_node")
 # Files a finished run may hold: everything else is a leftover.
 ALLOWED = re.compile(
     r"^(config\.toml|run_kind\.json|metrics\.jsonl|run_state\.json|crashes\.jsonl|slurm/.*|logs/.*|"
-    r"tensorboard/.*|hang/.*|samples/.*|"
+    r"tensorboard/.*|hang/.*|samples/.*|preflight/.*|"
     r"checkpoints/latest|checkpoints/step_\d+/.*)$"
 )
 
