@@ -86,6 +86,16 @@ def test_the_session_fails_when_slurm_tests_ran_on_two_workers(tmp_path):
     assert "Slurm tests of slurm-lane-1 ran on 2 xdist workers" in done.stdout
 
 
+def _run_grouped(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """The small suite in `tmp_path` under ``-n 2 --dist loadgroup`` with the grouping plugin."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "slurm_grouping", "-p", "no:cacheprovider", "-n", "2",
+         "--dist", "loadgroup"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(TESTS), **env}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
 # Modules named as in slurm_grouping's tables: two that share the cluster, one per lane, and two that
 # need it alone, one per lane. Each test notes when it held the cluster.
 TIMED_MODULE = """
@@ -114,12 +124,7 @@ def test_lanes_share_the_cluster_and_a_module_that_needs_it_alone_never_overlaps
     for name in (*SHARED, *ALONE):
         (tmp_path / name).write_text(TIMED_MODULE)
     where = tmp_path / "where.txt"
-    env = {**os.environ, "WHERE": str(where), "PYTHONPATH": str(TESTS)}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "slurm_grouping", "-p", "no:cacheprovider", "-n", "2",
-         "--dist", "loadgroup"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = _run_grouped(tmp_path, WHERE=str(where))
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in where.read_text().splitlines()]
     spans: dict[str, tuple[float, float]] = {}
@@ -198,13 +203,7 @@ def test_the_cluster_a_worker_started_is_stopped_after_every_worker_is_done(tmp_
     (tmp_path / quick).write_text(LANE_MODULE.format(before=0, after=0))
     (tmp_path / slow).write_text(LANE_MODULE.format(before=1.5, after=3))
     where = tmp_path / "where.txt"
-    env = {**os.environ, "WHERE": str(where), "PYTHONPATH": str(TESTS)}
-    env["CLUSTER_STATE"] = str(tmp_path / "state")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "slurm_grouping", "-p", "no:cacheprovider", "-n", "2",
-         "--dist", "loadgroup"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = _run_grouped(tmp_path, WHERE=str(where), CLUSTER_STATE=str(tmp_path / "state"))
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in where.read_text().splitlines()]
     downs = [row for row in rows if row[0] == "down"]
