@@ -31,6 +31,7 @@ from bench import kept
 from bench.bounds import rate
 from bench.report import table, write_page
 from bench.straggler_records import matrix_from_record, phase_timed, stages_from_record
+from bench.stragglers import TEST
 
 SECTION = "straggler-rules"
 NAMED_WITHIN = 50  # issue target: a rank >= 20 % slower named within this many steps of its slowdown
@@ -41,6 +42,8 @@ TYPICAL = (True, False)  # the typical (median) step must agree, or the fastest 
 SHOWN = 8  # rules listed besides the shipped one
 RULE = "rule"  # a loaded trial's key: the rule its run judged by (run_rule)
 SOURCE = "source"  # and the kept file it came from
+SHAPE = "shape"  # and that run's model shape and the machine's load average
+TESTS = "test"  # and whether that run is a test of the shipped rule (bench.stragglers --test)
 
 
 @dataclass(frozen=True, order=True)
@@ -183,12 +186,22 @@ def load_trials(paths: list[str]) -> tuple[list[dict[str, Any]], int, list[str]]
             raise ValueError(f"kept results {kept.relative(path)} keep no trial's windows to replay")
         every.add(int(data["settings"]["every"]))
         rule = run_rule(data["settings"])
-        usable = [{**t, RULE: rule, SOURCE: kept.relative(path)} for t in usable]
+        test = bool(data.get(TEST))
+        shape = f"dim {data.get('dim', 128)}, seq {data.get('seq_len', 64)}, {_load(data)}"
+        usable = [{**t, RULE: rule, SOURCE: kept.relative(path), TESTS: test, SHAPE: shape} for t in usable]
         trials += usable
         commands.append(f"`{data.get('command', '?')}` ({data.get('date', '?')}, {kept.relative(path)})")
     if len(every) != 1:
         raise ValueError(f"the kept runs judged windows of different lengths ({sorted(every)} steps)")
     return trials, every.pop(), commands
+
+
+def _load(data: dict[str, Any]) -> str:
+    """The machine's 1-minute load average over a run, as it recorded it (at its start and end)."""
+    if "load_start" in data:
+        start, end = data["load_start"][0], data["load_end"][0]
+        return f"1-minute load average {start:.2f} at the start, {end:.2f} at the end"
+    return f"load average {data.get('load', '?')} at the end"
 
 
 def default_results() -> list[str]:
@@ -203,15 +216,18 @@ TUNING = (
     "from 1 to 10 ms (commit 2c85bfc) and from 10 to 20 ms (30aedf5) after false reports in runs of this "
     "set, and the rule changed from 5 of 7 to 5 of 8 windows (324fa34) after false reports in runs 1548 and "
     "1622; six of the seven ran one command, and all one model and one step time on one machine on one "
-    "day. Still "
-    "open: two fresh runs that play no part in any choice, with another model shape and step time (e.g. a "
-    "3x longer forward, and a phase-heavy data step), as the rule's test."
+    "day."
+)
+STILL_OPEN = (
+    "Still open: two fresh runs that play no part in any choice, with another model shape and step time "
+    "(e.g. a 3x longer forward, and a phase-heavy data step), as the rule's test."
 )
 
 
 def render(paths: list[str]) -> str:
     trials, every, commands = load_trials(paths)
-    timed = [t for t in trials if phase_timed(t["windows"], "forward")]
+    tests = [t for t in trials if t[TESTS]]  # the shipped rule's test: judged by it alone, never chosen on
+    timed = [t for t in trials if phase_timed(t["windows"], "forward") and not t[TESTS]]
     runs = sorted({t[SOURCE] for t in timed})
     per_run = {(rule, run): judge_trials(rule, [t for t in timed if t[SOURCE] == run], every)
                for rule in all_rules() for run in runs}  # fmt: skip
@@ -253,7 +269,7 @@ def render(paths: list[str]) -> str:
         f"* {_best(outcomes, slowed)}",
         f"* {_held_out(per_run, runs, len(timed))}",
         f"* {_untuned(per_run, runs)}",
-        f"* {TUNING}",
+        f"* {TUNING} {_tested(tests, every)}",
         "",
         table(["rule", f"named within {NAMED_WITHIN} steps", "steps from throttle to the line",
                "trials with a false report", "false reports in"], rows),  # fmt: skip
@@ -267,7 +283,9 @@ def _on_run(path: str, trials: list[dict[str, Any]], every: int) -> str:
     o = judge_trials(shipped_rule(), mine, every)
     text = (f"{path} (judged by {mine[0][RULE].label}): {o.within} of {len(o.steps)} named within "
             f"{NAMED_WITHIN} steps, {len(o.false)} of {len(mine)} with a false report")  # fmt: skip
-    if not phase_timed(mine[0]["windows"], "forward"):
+    if mine[0][TESTS]:
+        text += " (a test of the shipped rule: kept out of every choice and of the ranking)"
+    elif not phase_timed(mine[0]["windows"], "forward"):
         text += (" (superseded code that did not time the forward phase, which the shipped rule watches: "
                  "left out of the ranking)")  # fmt: skip
     return text
@@ -332,6 +350,41 @@ def _untuned(per_run: dict[tuple[Rule, str], Outcome], runs: list[str]) -> str:
     return (f"The only run untouched by tuning ({run}), judged by the shipped rule: "
             f"{rate(o.within, len(o.steps), 'lower')} slowed trials named within {NAMED_WITHIN} steps; "
             f"clean trials with a report {rate(o.clean_false, clean, 'upper')}.")  # fmt: skip
+
+
+def _tested(tests: list[dict[str, Any]], every: int) -> str:
+    """The shipped rule on the runs kept as its test (`bench.stragglers --test`): runs that played no part
+    in any choice, judged by the rule as shipped, with 95 % bounds; each failure named with what it was."""
+    if not tests:
+        return STILL_OPEN
+    rule = shipped_rule()
+    runs = sorted({t[SOURCE] for t in tests})
+    o = judge_trials(rule, tests, every)
+    clean = o.trials - len(o.steps)
+    late = [f"{t['name']} ({'never' if s is None else f'{s} steps'})"
+            for t, s in zip([t for t in tests if t.get("throttled_at") is not None], o.steps, strict=True)
+            if s is None or s > NAMED_WITHIN]  # fmt: skip
+    busy = {}
+    for t in tests:
+        if t.get("throttled_at") is None:
+            kind = "without busy processes" if not t["hog"] else f"beside {int(t['hog'])} busy process(es)"
+            busy.setdefault(kind, []).append(t["name"] in o.false)
+    kinds = "; ".join(f"{sum(v)} of {len(v)} {k}" for k, v in busy.items())
+    verdict = "holds" if not o.false and o.within == len(o.steps) else "fails"
+    shapes = "; ".join(f"{run}: {next(t[SHAPE] for t in tests if t[SOURCE] == run)}" for run in runs)
+    text = (
+        f"The rule's test: {len(runs)} run(s) kept as a test of the shipped rule and seen by no choice "
+        f"({shapes}; the runs above: dim 128, seq 64), judged by the shipped rule ({rule.label}): "
+        f"{rate(o.within, len(o.steps), 'lower')} slowed trials named within {NAMED_WITHIN} steps; clean "
+        f"trials with a report {rate(o.clean_false, clean, 'upper')} ({kinds}); trials with a false report "
+        f"{rate(len(o.false), o.trials, 'upper')}. On these runs the rule {verdict}"
+    )
+    if verdict == "holds":
+        return text + "."
+    wrong = ", ".join([*late, *(f"{n} (false report)" for n in o.false)])
+    return (
+        f"{text}: {wrong}. {STILL_OPEN.replace('Still open: two fresh runs', 'A new rule needs fresh runs')}"
+    )
 
 
 def _merged(rule: Rule, outcomes: list[Outcome]) -> Outcome:

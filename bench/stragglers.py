@@ -32,6 +32,9 @@ from bench import kept
 from bench.report import REPO, load_average, machine_info, table, write_page
 
 SECTION = "stragglers"
+# A run kept as the shipped rule's test (`--test`): bench.straggler_rules judges it by the shipped rule
+# alone and keeps it out of every choice (the ranking of rules, the leave-one-run-out check).
+TEST = "test_of_shipped_rule"
 
 
 def results_name() -> str:
@@ -45,12 +48,24 @@ COST_TARGET = 0.01  # of the step time
 COST_STEPS = 300
 
 
-def measure(factors: list[float], clean: int, hog: int, load: int = 0, command: str = "") -> dict:
+def measure(factors: list[float], clean: int, hog: int, load: int = 0, command: str = "",
+            dim: int = 0, seq_len: int = 0, test: bool = False, lock: bool = True) -> dict:  # fmt: skip
     from bench.cluster.harness import OUT_ROOT, cluster_lock, start_cluster
-    from bench.cluster.stragglers import STEPS, THROTTLE_AT, Trial, run_trial
+    from bench.cluster.stragglers import (
+        STEPS,
+        THROTTLE_AT,
+        TRIAL_DIM,
+        TRIAL_SEQ_LEN,
+        Trial,
+        run_trial,
+        trial_model,
+    )
     from bench.cluster.stragglers import TRIAL_VOCAB as VOCAB
 
-    start_cluster()
+    dim, seq_len = dim or TRIAL_DIM, seq_len or TRIAL_SEQ_LEN
+    model = trial_model(dim, seq_len)
+    load_start = load_average()
+    start_cluster(lock=lock)
     runs = OUT_ROOT / "stragglers" / time.strftime("%Y%m%d-%H%M%S") / "runs"
     runs.mkdir(parents=True)
     names = [f"slow{f:g}".replace(".", "_") for f in factors]
@@ -68,16 +83,17 @@ def measure(factors: list[float], clean: int, hog: int, load: int = 0, command: 
     # neighbour of one node that no real node has.
     rounds = [[t] for t in [*slowed, *clean]]
     trials = []
-    with cluster_lock():
+    with cluster_lock(lock):
         for (trial,) in rounds:
-            trials.append(run_trial(trial, runs).as_json())
+            trials.append(run_trial(trial, runs, model).as_json())
             print(f"{trial.name}: {json.dumps(trial.named)[:300]} {trial.error}", flush=True)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return {"command": command or "python -m bench.stragglers", "date": date,
             "cpu": machine_info().get("cpu", "?"), "cores": os.cpu_count(), "load": str(load_average()),
+            "load_start": load_start, "dim": dim, "seq_len": seq_len, TEST: test,
             "steps": STEPS, "throttle_at": THROTTLE_AT, "vocab_size": VOCAB,
             "settings": _settings(), "rounds": [[t.name for t in r] for r in rounds], "trials": trials,
-            "cost": measure_cost()}  # fmt: skip
+            "cost": measure_cost(), "load_end": load_average()}  # fmt: skip
 
 
 def measure_cost() -> dict:
@@ -254,6 +270,18 @@ def _pinning(trials: list[dict]) -> str:
     )
 
 
+def _loads(data: dict) -> str:
+    """The machine's load average (1/5/15 min) as the run recorded it: at the end of the trials (results
+    kept before the start was recorded), or at the start and at the end of the whole run."""
+    if "load_start" not in data:
+        return f"load {data['load']}"
+    start, end = (" / ".join(f"{v:.2f}" for v in data[k]) for k in ("load_start", "load_end"))
+    said = f"load average 1/5/15 min {start} at the start, {end} at the end"
+    if max(data["load_start"][0], data["load_end"][0]) > data["cores"]:
+        said += ": above the core count, other processes held the cores"
+    return said
+
+
 def _model(data: dict) -> str:
     """The trials' model beyond dim 128 and seq 64 (results kept before it was recorded: vocabulary 320)."""
     return f", vocabulary {data.get('vocab_size', 320)}"
@@ -311,8 +339,8 @@ def render(data: dict, source: str) -> str:
         "",
         f"Rewritten from the kept results by `python -m bench.stragglers --page-from {source}`; measured by "
         f"`{data.get('command', 'python -m bench.stragglers')}` on {data['date']} ({data['cpu']}, "
-        f"{data['cores']} cores, load "
-        f"{data['load']}), on the local Slurm cluster: 2 nodes x 1 task, a small model (dim 128, seq 64) "
+        f"{data['cores']} cores, {_loads(data)}), on the local Slurm cluster: 2 nodes x 1 task, a small "
+        f"model (dim {data.get('dim', 128)}, seq {data.get('seq_len', 64)}) "
         f"for {data['steps']} steps with {_described(data.get('settings'))}"
         f"{_model(data)}. After step "
         f"{data['throttle_at']} rank 1's process gets a CPU quota of 1/factor of its one compute thread "
@@ -365,13 +393,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=int, default=0, help="clean runs beside one busy process per core")
     parser.add_argument("--page", action="store_true", help="write the section of docs/benchmarks.md")
     parser.add_argument("--page-from", help="only write the section, from this kept results file")
+    parser.add_argument("--dim", type=int, default=0, help="the trials' model width (default 128)")
+    parser.add_argument("--seq-len", type=int, default=0, help="the trials' sequence length (default 64)")
+    parser.add_argument(
+        "--test",
+        action="store_true",
+        help="a test of the shipped rule: bench.straggler_rules keeps this run out of every choice",
+    )
+    parser.add_argument(
+        "--no-lock", action="store_true", help="the caller holds the cluster's lock (flock LOCK python ...)"
+    )
     args = parser.parse_args(argv)
     if args.page_from:
         write_page({SECTION: render(kept.load(args.page_from), kept.relative(args.page_from))})
         return 0
     command = "python -m bench.stragglers " + " ".join(argv if argv is not None else sys.argv[1:])
     factors = [float(f) for f in args.factors.split(",")]
-    data = measure(factors, args.clean, args.hog, args.load, command.strip())
+    data = measure(factors, args.clean, args.hog, args.load, command.strip(), args.dim, args.seq_len,
+                   args.test, not args.no_lock)  # fmt: skip
     path = kept.save(results_name(), data)
     print(f"wrote {kept.relative(path)}")
     if args.page:

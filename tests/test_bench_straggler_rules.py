@@ -178,3 +178,50 @@ def test_a_rule_is_judged_on_each_run_by_the_rule_chosen_without_it():
     assert f"{strict.label} without a; {loose.label} without b (cb falsely named)" in text
     assert loose.label.endswith(", phases from 5 ms")
     assert rules._held_out(per_run, ["a"], 1).startswith("Under two kept runs timed the forward phase")
+
+
+def test_a_run_kept_as_the_shipped_rules_test_is_judged_by_it_alone_and_kept_out_of_every_choice(
+    tmp_path, monkeypatch
+):
+    """A run of `bench.stragglers --test` is not ranked and not in the leave-one-run-out check: its trials
+    are judged by the shipped rule, with their bounds, and a failure is named with what it was."""
+    monkeypatch.setattr(rules, "phase_timed", lambda windows, phase: True)
+    shipped = rules.shipped_rule()
+    settings = {"threshold": shipped.threshold, "every": EVERY, "windows": shipped.windows,
+                "needed": shipped.needed, "min_phase_s": shipped.min_phase_s}  # fmt: skip
+
+    def keep(name: str, trials: list[dict], test: bool) -> str:
+        for trial in trials:
+            trial["named"] = [
+                {"step": s, "rank": r} for s, r in rules.replay(shipped, trial["windows"], EVERY)
+            ]
+        path = tmp_path / name
+        data = {
+            "command": "c",
+            "date": "d",
+            "settings": settings,
+            "trials": trials,
+            "dim": 192,
+            "seq_len": 128,
+        }
+        path.write_text(json.dumps(data | ({rules.TEST: True} if test else {})))
+        return str(path)
+
+    chosen = keep("chosen.json", [slowed("s0", [1.3] * 18), clean("c0", [1.0] * 24)], False)
+    # the test run: one slowed rank named, one never (2 % slower), a clean run over 30 % in every window
+    tested = [slowed("t0", [1.3] * 18), slowed("t1", [1.02] * 18), clean("t2", [1.3] * 24)]
+    test = keep("test.json", tested, True)
+    text = rules.render([chosen, test])
+    assert (
+        "Ranked over the 1 runs that timed the forward phase (each layer's forward computation, as " in text
+    )
+    assert ": 1 slowed trials, 1 clean ones." in text  # the test's trials are not ranked
+    assert f"| {shipped.label} (shipped) | 1 of 1 |" in text
+    assert "(a test of the shipped rule: kept out of every choice and of the ranking)" in text
+    assert "The rule's test: 1 run(s) kept as a test of the shipped rule and seen by no choice" in text
+    assert "dim 192, seq 128" in text
+    assert "1 of 2 (95 % lower bound 3 %) slowed trials named within 50 steps" in text
+    assert "clean trials with a report 1 of 1 (95 % upper bound 100 %)" in text
+    assert "On these runs the rule fails: t1 (never), t2 (false report). A new rule needs fresh runs" in text
+    assert "Still open" not in text
+    assert "Still open: two fresh runs" in rules.render([chosen])

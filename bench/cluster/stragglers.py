@@ -50,6 +50,15 @@ TRIAL_MODEL = MODEL.replace("vocab_size = 320", f"vocab_size = {TRIAL_VOCAB}")
 # took 12-17 ms, under the floor, so no phase was compared and the test named no one: the quick model
 # is now 32768 entries over sequences of 128, a forward well above the floor on either CPU.
 QUICK_TRIAL_MODEL = TRIAL_MODEL.replace("seq_len = 64", "seq_len = 128")
+TRIAL_DIM, TRIAL_SEQ_LEN = 128, 64
+
+
+def trial_model(dim: int = TRIAL_DIM, seq_len: int = TRIAL_SEQ_LEN) -> str:
+    """The trials' model with another width and sequence length (`python -m bench.stragglers --dim
+    --seq-len`): another model shape and step time for a test of the rule chosen on the default one."""
+    return TRIAL_MODEL.replace(f"dim = {TRIAL_DIM}", f"dim = {dim}").replace(
+        f"seq_len = {TRIAL_SEQ_LEN}", f"seq_len = {seq_len}"
+    )
 
 
 def straggler_config(name: str, runs: Path, steps: int, model: str = MODEL) -> str:
@@ -226,10 +235,10 @@ def pin_threads(pid: int, cpu: int) -> set[int]:
     return on
 
 
-def run_trial(trial: Trial, runs: Path) -> Trial:
+def run_trial(trial: Trial, runs: Path, model: str = TRIAL_MODEL) -> Trial:
     start = time.time()
     config = runs.parent / f"{trial.name}.toml"
-    config.write_text(straggler_config(trial.name, runs, STEPS, TRIAL_MODEL))
+    config.write_text(straggler_config(trial.name, runs, STEPS, model))
     out = relaytrain("launch", str(config), "--nodes", "2", "--tasks-per-node", "1")
     trial.job = out.split("submitted job ", 1)[1].split()[0] if "submitted job " in out else ""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(int(trial.hog))]
