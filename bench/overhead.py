@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from bench.overhead_page import TARGET, render
+from bench.overhead_page import judged, render
 from bench.procs import WORK, last_json_line, read_metrics, relaytrain_argv, run, shown, train_records
 from bench.report import median
 
@@ -253,7 +253,7 @@ def summarise(result: dict) -> dict:
             "median_pair_overhead": median(pair_ratios),
             "pair_forward_backward_diffs": fwd_bwd_diffs,
             "sectioned_overhead": sectioned / plain,
-            "met": overhead <= TARGET,
+            "verdict": judged(pair_ratios),
         },
         "sides": per_side,
     }

@@ -137,10 +137,32 @@ def test_merge_into_empty_page_creates_title_and_ordered_blocks(tmp_path):
     assert block("x", "body\n\n").endswith("body\n<!-- /bench:x -->\n")
 
 
+def test_the_overhead_verdict_comes_from_the_pairs_spread_not_from_one_point_estimate():
+    """met: the median pair overhead's 95 % upper bound (sign test) at or under 3 %; missed: its lower bound
+    over 3 %; not shown: the bounds straddle 3 % (noise larger than the margin) or under 5 pairs."""
+    from bench.overhead_page import judged
+
+    assert judged([0.0, 0.01, 0.02, 0.01, 0.025])["verdict"] == "met"
+    assert judged([0.0, 0.01, 0.02, 0.01, 0.031])["verdict"] == "not shown"  # one pair over: the max bounds
+    assert judged([0.04, 0.05, 0.06, 0.07, 0.031])["verdict"] == "missed"
+    assert judged([0.04, 0.05, 0.06, 0.07, 0.03])["verdict"] == "not shown"
+    assert judged([-0.5, -0.5, -0.5, -0.5])["verdict"] == "not shown"  # 4 pairs: no 95 % bound
+    eight = judged([0.08, -0.1, 0.0, 0.01, 0.02, 0.025, 0.015, 0.005])  # 8 pairs: the 2nd largest bounds
+    assert (eight["verdict"], eight["high"], eight["low"]) == ("met", 0.025, 0.0)
+    assert round(eight["confidence"], 4) == round(247 / 256, 4)
+    result = fake_overhead()
+    result["summary"]["pair_overheads"] = [0.0, 0.01, 0.02, 0.01, 0.025]
+    assert "target ≤ 3%: **met**: the median pair overhead lies between +0.0% and +2.5%" in overhead.render(
+        result
+    )
+
+
 def test_rendering_fake_results():
     text = overhead.render(fake_overhead())
     assert "+3.3%" in text  # 0.31 / 0.30 - 1
-    assert "**missed**" in text and "monitor.metrics.log_train" in text
+    # two pairs at +3.3 %: over the target, but two pairs bound nothing: no verdict from one point estimate
+    assert "target ≤ 3%: **not shown**: 2 pair(s) of runs give no bound" in text
+    assert "**missed**" not in text and "**met**" not in text and "monitor.metrics.log_train" in text
     assert "relaytrain train --x=1" in text
 
     fresh = [{"to_setup_s": 3.0, "to_first_step_s": 4.0, "first_step_s": 1.0, "wall_s": 6.0}]
