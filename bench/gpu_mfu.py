@@ -113,6 +113,8 @@ def not_run(reason: str = "") -> dict:
 
 def render(result: dict) -> str:
     out = "## GPU: bf16 matmul peak and MFU of the 1B preset\n\n"
+    if result.get("transcribed"):  # kept history: a file copied from an earlier page (bench/kept.py)
+        out += f"*Kept history, transcribed, not measured again: {result['transcribed']}.*\n\n"
     out += f"Command: `{result['command']}`\n\n"
     if not result["ran"]:
         return out + (

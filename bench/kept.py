@@ -85,6 +85,13 @@ def page_from(path: str | Path) -> dict[str, Any]:
     return {**load(path), "kept": relative(path)}
 
 
+def transcription(path: str | Path) -> str:
+    """Where a kept file is a transcription (its `transcribed` field), the sentence by which a page that
+    reads it says so, in the file's own words; "" for a file a run wrote."""
+    said = load(path).get("transcribed")
+    return f"`{relative(path)}` is kept history, transcribed: {said.rstrip('.')}." if said else ""
+
+
 def rewritten(command: str, path: str) -> str:
     """The sentence by which a section says where it comes from (bench.report.REWRITTEN reads it)."""
     return f"Results: `{path}`. Rewritten from the kept results by `{command} --page-from {path}`.\n"

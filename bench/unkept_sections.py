@@ -62,7 +62,6 @@ UNKEPT: dict[str, Unkept] = {
     ),
     "torchtitan": Unkept(GPU_RUN, "538cc549b956df2b8d05975bf79aa92f7a11f181ef83058e0a90921c8808f460"),
     "gpu-first-hour": Unkept(GPU_RUN, "261c91d01e91b0c7cbd5d2ff9fcc1f4db110a73909ab8d56966eaacd4648db12"),
-    "gpu": Unkept(GPU_RUN, "5e9a0802cd1afff2c6b3bdf18a210f9fa088b789a2f98785669557b6757e12da"),
     "slurm-e2e": Unkept(
         "Measured by hand, not rebuilt: the figures are the `e2e timing:` lines the tests printed, copied "
         "by hand; no results were kept.",

@@ -145,3 +145,21 @@ def test_the_readme_states_the_figures_of_the_latest_kept_run_of_its_first_comma
     sentence = quickstart.readme_figures(kept.load(runs[-1]), kept.relative(runs[-1]))
     readme = " ".join((REPO / "README.md").read_text().split())
     assert sentence in readme, f"README.md must say, word for word: {sentence}"
+
+
+RESULTS_NAMED = re.compile(r"bench/results/[\w./-]+?\.json")
+
+
+@pytest.mark.parametrize("name", sorted(REBUILT))
+def test_a_section_rebuilt_from_a_transcribed_kept_file_says_it_is_transcribed(name):
+    """A kept file copied from an earlier page (its `transcribed` field, bench/kept.py) is history, not a
+    measurement: the section rebuilt from it says so in the file's own words."""
+    import json
+
+    body = " ".join(section_body(TEXT, name).split())
+    for path in sorted(set(RESULTS_NAMED.findall(body))):
+        if not (REPO / path).is_file():  # a pattern such as bench/results/simulated/ID.json
+            continue
+        said = json.loads((REPO / path).read_text()).get("transcribed")
+        if said:
+            assert " ".join(said.split()).rstrip(".") in body, f"{name}: {path} is a transcription; say so"

@@ -225,6 +225,8 @@ def mean_detection(rows: list[dict]) -> float:
 def render_crashes(kept: dict, results: str) -> str:
     """The section of docs/benchmarks.md from a kept results file (`kept`, named `results`): one row per
     crash run, then the file's notes."""
+    said = kept.get("transcribed")  # a file copied from an earlier page (bench/kept.py) is history
+    history = f"\n*Kept history, transcribed: {said.rstrip('.')}.*\n" if said else ""
     rows = []
     for r in kept["runs"]:
         split = (f"{fmt(r['total'])} ({fmt(r['detection'])} + {fmt(r['queue'])} + {fmt(r['startup'])} + "
@@ -260,6 +262,7 @@ def render_crashes(kept: dict, results: str) -> str:
         "when every step was logged and it finished at its last step (else its end of run says what "
         "is missing).\n"
         + notes
+        + history
         + f"\nResults: `{results}`. Rewritten from the kept results by "
         f"`python -m bench.goodput --crash-page-from {results}`.\n"
     )  # fmt: skip

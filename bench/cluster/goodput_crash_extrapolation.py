@@ -163,7 +163,14 @@ def measured_line(runs: list[SnapshotRun], models: list[CrashExtrapolation], cra
         + "; ".join(parts)
         + f"; detection {models[0].detection_s:.2f} s (the mean over the {crashes} crashes of "
         f'`{kept.relative(CRASH_RUN)}`, section "Crashes: restart in place against requeue").'
+        + "".join(f" {said}" for said in (kept.transcription(p) for p in sources(runs)) if said)
     )
+
+
+def sources(runs: list[SnapshotRun]) -> list[str]:
+    """The kept files the measured inputs are read from, each once, in the order the line names them."""
+    names = [name for r in runs for name in (r.name, r.blocking_from)] + [kept.relative(CRASH_RUN)]
+    return list(dict.fromkeys(names))
 
 
 def assumed_line(c: CrashExtrapolation, runs: list[SnapshotRun], models: list[CrashExtrapolation]) -> str:
