@@ -270,6 +270,16 @@ def _pinning(trials: list[dict]) -> str:
     )
 
 
+def _tested(data: dict) -> str:
+    """Whether the run shown is kept as a test of the shipped rule (`--test`)."""
+    if not data.get(TEST):
+        return ""
+    return (
+        ', kept as a test of the shipped rule: no choice of a rule saw it ("Straggler rules, replayed" '
+        "judges it by the shipped rule alone)"
+    )
+
+
 def _loads(data: dict) -> str:
     """The machine's load average (1/5/15 min) as the run recorded it: at the end of the trials (results
     kept before the start was recorded), or at the start and at the end of the whole run."""
@@ -379,9 +389,10 @@ def render(data: dict, source: str) -> str:
         "step after\" is the job's median step time over the windows after the throttle against before it: "
         "a synchronous job runs at its slowest rank's pace, and the phases a rank does alone are a part of "
         "its step.",
-        "* This section shows one run. Every kept straggler run, with the shipped rule's counts on each "
-        "(those measured with code that did not time the forward phase included), the rule judged on runs "
-        "it was not chosen by, and how it was tuned on them: \"Straggler rules, replayed\", below.",
+        f"* This section shows one run{_tested(data)}. Every kept straggler run, with the shipped rule's "
+        "counts on each (those measured with code that did not time the forward phase included), the rule "
+        "judged on runs it was not chosen by, and how it was tuned on them: \"Straggler rules, replayed\", "
+        "below.",
     ])  # fmt: skip
 
 

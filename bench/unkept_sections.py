@@ -7,6 +7,8 @@ Every section of the page is one of three kinds, and tests/test_bench_pages.py h
 * written from code alone (`FROM_CODE`: how to run, links; no measured figure): the test compares it with
   the function that writes it;
 * listed here (`UNKEPT`): a transcription of runs whose raw output was lost, or figures measured by hand.
+  Kept history (a reason that starts with `HISTORY`) names the kept results files its figures come from
+  (`sources`, each named in the section and present under bench/results/), or says that none holds them.
   The section says its reason word for word, and its text is pinned by its SHA-256: a hand edit of any
   figure in it fails the test as surely as in a rebuilt section. A correction of the transcription
   itself changes the digest here, in the same commit, where a reviewer sees it.
@@ -24,6 +26,17 @@ from dataclasses import dataclass
 class Unkept:
     reason: str  # said in the section, word for word
     sha256: str  # of the section's text between its markers
+    sources: tuple[str, ...] = ()  # kept history: the results files its figures come from
+
+
+HISTORY = "Kept history, not rebuilt:"
+NO_SOURCE = "no results file holds these figures"
+STRAGGLER_RUNS = ("0558", "0628", "0700", "0916", "0946", "1243", "1503", "1548", "1622", "1828")
+
+
+def sources_line(unkept: Unkept) -> str:
+    """The sentence by which a kept-history section names the results files its figures come from."""
+    return "Kept results it draws on: " + ", ".join(f"`{path}`" for path in unkept.sources) + "."
 
 
 def digest(body: str) -> str:
@@ -37,14 +50,16 @@ GPU_RUN = (
 
 UNKEPT: dict[str, Unkept] = {
     "straggler-history": Unkept(
-        "Transcribed, not rebuilt: the straggler rule's tuning history, moved from docs/resilience.md; its "
-        'figures come from the runs of the sections "Stragglers" and "Straggler rules, replayed".',
-        "9d528b439050abfc74efd8c1973965073361f36d24f09b1697867554c5161d86",
+        f"{HISTORY} the straggler rule's tuning history, moved from docs/resilience.md; its figures come "
+        'from the kept runs named below, which the sections "Stragglers" and "Straggler rules, replayed" '
+        "rebuild.",
+        "0" * 64,
+        tuple(f"bench/results/stragglers-2026-11-28-{t}.json" for t in STRAGGLER_RUNS),
     ),
     "checkpoint-history": Unkept(
-        "Transcribed, not rebuilt: measurement narrative moved from docs/checkpointing.md; no command "
-        "measures or keeps these figures.",
-        "d1c48c7d3a0f59a39c7f8e05f75f7865d863b724554d0c25cd6e79c7703ac671",
+        f"{HISTORY} measured by hand while the checkpoint code was written (moved from "
+        f"docs/checkpointing.md); {NO_SOURCE}.",
+        "b0a215f8729f540130fb9b4ebad1ccd981b0110237cb02ff881b93b258df8f77",
     ),
     "config-error": Unkept(
         "Measured by hand, not rebuilt: no command measures or keeps these timings.",

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench.report import REWRITTEN, section_body, section_names
-from bench.unkept_sections import FROM_CODE, UNKEPT, digest
+from bench.unkept_sections import FROM_CODE, HISTORY, NO_SOURCE, UNKEPT, digest, sources_line
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "benchmarks.md"
@@ -163,3 +163,23 @@ def test_a_section_rebuilt_from_a_transcribed_kept_file_says_it_is_transcribed(n
         said = json.loads((REPO / path).read_text()).get("transcribed")
         if said:
             assert " ".join(said.split()).rstrip(".") in body, f"{name}: {path} is a transcription; say so"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, u in UNKEPT.items() if u.reason.startswith(HISTORY)))
+def test_kept_history_names_the_kept_results_its_figures_come_from_or_says_none_does(name):
+    """A section kept as history (not rebuilt) names its source results files, each one kept under
+    bench/results/, in one sentence; a history with none says that no results file holds its figures."""
+    unkept = UNKEPT[name]
+    body = " ".join(section_body(TEXT, name).split())
+    if not unkept.sources:
+        assert NO_SOURCE in unkept.reason, f"{name}: name its kept results, or say {NO_SOURCE!r}"
+        return
+    missing = [path for path in unkept.sources if not (REPO / path).is_file()]
+    assert missing == [], f"{name}: its sources are not kept: {missing}"
+    assert sources_line(unkept) in body, f"{name} must say: {sources_line(unkept)}"
+
+
+def test_the_hand_written_histories_are_marked_as_kept_history():
+    assert {"straggler-history", "checkpoint-history"} <= {
+        name for name, unkept in UNKEPT.items() if unkept.reason.startswith(HISTORY)
+    }
