@@ -74,3 +74,33 @@ def test_two_nodes_sum_each_settings_jobs_run_in_mirrored_order():
     # each setting's two jobs apart (steps 5-10: 6 steps of 10 + position s): the noise floor
     spread = budget._spread(runs)
     assert spread.startswith("2 nodes, each job's steady steps: off 60.0 / 90.0 s (50.0% apart);")
+
+
+def test_the_chooser_is_judged_on_runs_kept_as_its_test_with_enough_intervals():
+    """Runs kept with --test judge the chooser (within the budget, with a 95 % lower bound) only in parts
+    whose automatic run chose 3 intervals or more; the others are named, not judged; under two such runs
+    the test is still open."""
+
+    def run(test: bool, auto_step: float, chosen: int, name: str) -> dict:
+        steps = range(1, 31)
+        off = budget.summarize(_records({s: 10.0 for s in steps}, []))
+        every = budget.summarize(_records({s: 12.0 for s in steps}, []))
+        picks = [(3 + 8 * i, 8) for i in range(chosen)]
+        auto = budget.summarize(_records({s: auto_step for s in steps}, [], picks))
+        return {"args": {"budget": 0.02, "steps": 30, "test": test}, "commit": "c", "kept": name,
+                "parts": {"one": {"off": off, "every step": every, "auto": auto}}}  # fmt: skip
+
+    old = run(False, 10.0, 3, "snapshot-budget-a.json")
+    one = run(True, 10.1, 3, "snapshot-budget-b.json")
+    assert budget.chooser_test([old, one]).startswith("Still open: the chooser judged out of sample, on 2")
+    assert "kept so far: 1 such run(s) (bench/results/snapshot-budget-b.json (one): +1.0% measured" in (
+        budget.chooser_test([old, one])
+    )
+    over, short = run(True, 10.5, 4, "snapshot-budget-c.json"), run(True, 10.0, 2, "snapshot-budget-d.json")
+    text = budget.chooser_test([old, one, over, short])
+    assert text.startswith("The chooser's test (3 runs kept as its test")
+    assert "within the budget in 1 of 2 (95 % lower bound 3 %) parts" in text
+    assert "snapshot-budget-c.json (one): +5.0% measured" in text
+    assert text.endswith(
+        "Not judged (too few intervals): bench/results/snapshot-budget-d.json (one): 2 interval(s) chosen."
+    )
