@@ -31,7 +31,7 @@ from bench import kept
 from bench.bounds import rate
 from bench.report import table, write_page
 from bench.straggler_records import matrix_from_record, phase_timed, stages_from_record
-from bench.stragglers import TEST
+from bench.stragglers import TEST, _spread
 
 SECTION = "straggler-rules"
 NAMED_WITHIN = 50  # issue target: a rank >= 20 % slower named within this many steps of its slowdown
@@ -172,7 +172,17 @@ def agrees(trials: list[dict[str, Any]], every: int) -> tuple[int, list[str]]:
         named = replay(trial[RULE], trial["windows"], every)
         measured = [(int(n["step"]), int(n["rank"])) for n in trial["named"]]
         if named[:1] != measured[:1]:
-            wrong.append(trial["name"])
+            restarted = any(int(n.get("restart") or 0) > 0 for n in trial["named"])
+            # a job requeued mid-trial: its judge began again there; the replay weighs every window
+            wrong.append(
+                trial["name"]
+                + (
+                    " (its job restarted mid-run: the run's judge began again there, "
+                    "the replay weighs the windows before it too)"
+                    if restarted
+                    else ""
+                )
+            )
     return len(trials) - len(wrong), wrong
 
 
@@ -382,9 +392,9 @@ def _tested(tests: list[dict[str, Any]], every: int) -> str:
     if verdict == "holds":
         return text + "."
     wrong = ", ".join([*late, *(f"{n} (false report)" for n in o.false)])
-    return (
-        f"{text}: {wrong}. {STILL_OPEN.replace('Still open: two fresh runs', 'A new rule needs fresh runs')}"
-    )
+    again = STILL_OPEN.replace("Still open: two fresh runs", "A new rule needs fresh runs")
+    noise = _spread({"trials": tests, "settings": {"min_phase_s": rule.min_phase_s}})
+    return f"{text}: {wrong}. Against the threshold of {100 * rule.threshold:.0f} %: {noise} {again}"
 
 
 def _merged(rule: Rule, outcomes: list[Outcome]) -> Outcome:

@@ -324,7 +324,7 @@ def render(data: dict, source: str) -> str:
         first = t["named"][0] if t["named"] else None
         steps = None if first is None or t["throttled_at"] is None else first["step"] - t["throttled_at"]
         right = first is not None and first["rank"] == t["rank"] and first["node"] == t["node"]
-        within.append(steps is not None and steps <= NAMED_WITHIN and right)
+        within.append(steps is not None and 0 < steps <= NAMED_WITHIN and right)  # at the throttle: before it
         measured = "–" if first is None else f"{1 + first['slower']:.2f}x in {first['phase']}"
         applied = "–" if t.get("applied") is None else f"{t['applied']:.2f}x"
         peer = "–" if t.get("against_peer") is None else f"{t['against_peer']:.2f}x"
@@ -344,6 +344,8 @@ def render(data: dict, source: str) -> str:
     false_table = table(["run", "busy processes beside it", "job", "false reports", "error"], false)
     cost = data["cost"]
     wrong = sum(1 for t in slowed if any(n["rank"] != t["rank"] for n in t["named"]))
+    early = sum(1 for t in slowed if t["throttled_at"] is not None and t["named"]
+                and t["named"][0]["step"] <= t["throttled_at"])  # fmt: skip
     return "\n".join([
         "## Stragglers",
         "",
@@ -366,7 +368,9 @@ def render(data: dict, source: str) -> str:
         false_table,
         "",
         f"* Named within {NAMED_WITHIN} steps with the right rank and node: {_within(slowed, within)}; "
-        f"a rank that was not throttled named in a slowed run: {wrong} of {len(slowed)}; false reports on "
+        f"a rank that was not throttled named in a slowed run: {wrong} of {len(slowed)}; the throttled "
+        f"rank named at or before its throttle's step (a false report): {early} of {len(slowed)}; false "
+        "reports on "
         f"clean runs: {_false_reports(clean, data['cores'])}.",
         f"* The detection's own cost, measured inside one {cost['steps']}-step torchrun run of 2 ranks on "
         f"this machine (bench/straggler_cost.py: the timing around the phases and every step's bookkeeping "

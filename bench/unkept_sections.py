@@ -31,7 +31,8 @@ class Unkept:
 
 HISTORY = "Kept history, not rebuilt:"
 NO_SOURCE = "no results file holds these figures"
-STRAGGLER_RUNS = ("0558", "0628", "0700", "0916", "0946", "1243", "1503", "1548", "1622", "1828")
+STRAGGLER_RUNS = tuple(f"2026-11-28-{t}" for t in ("0558", "0628", "0700", "0916", "0946", "1243", "1503"))
+STRAGGLER_RUNS += ("2026-11-28-1548", "2026-11-28-1622", "2026-11-28-1828", "2026-12-07-0126")
 
 
 def sources_line(unkept: Unkept) -> str:
@@ -53,8 +54,8 @@ UNKEPT: dict[str, Unkept] = {
         f"{HISTORY} the straggler rule's tuning history, moved from docs/resilience.md; its figures come "
         'from the kept runs named below, which the sections "Stragglers" and "Straggler rules, replayed" '
         "rebuild.",
-        "d6e02f7949b707169cd73de82316f22725d1805d2a75b65ea84a0345138cfcda",
-        tuple(f"bench/results/stragglers-2026-11-28-{t}.json" for t in STRAGGLER_RUNS),
+        "dc81bb34d9e3256b47b26b8c621d889a66b087f4f915b00fe5cfc892ee2fe51f",
+        tuple(f"bench/results/stragglers-{t}.json" for t in STRAGGLER_RUNS),
     ),
     "checkpoint-history": Unkept(
         f"{HISTORY} measured by hand while the checkpoint code was written (moved from "

@@ -222,6 +222,9 @@ def test_a_run_kept_as_the_shipped_rules_test_is_judged_by_it_alone_and_kept_out
     assert "dim 192, seq 128" in text
     assert "1 of 2 (95 % lower bound 3 %) slowed trials named within 50 steps" in text
     assert "clean trials with a report 1 of 1 (95 % upper bound 100 %)" in text
-    assert "On these runs the rule fails: t1 (never), t2 (false report). A new rule needs fresh runs" in text
+    assert (
+        "On these runs the rule fails: t1 (never), t2 (false report). Against the threshold of 10 %: " in text
+    )
+    assert "A new rule needs fresh runs" in text
     assert "Still open" not in text
     assert "Still open: two fresh runs" in rules.render([chosen])
