@@ -127,3 +127,20 @@ def test_pinning_moves_every_thread_of_a_running_process_and_reads_it_back():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_rank_named_at_or_before_its_throttle_is_a_false_report_not_a_detection():
+    trial = {
+        "rank": 1,
+        "node": "n2",
+        "throttled_at": 30,
+        "error": "",
+        "factor": 1.3,
+        "hog": 0,
+        "applied": 1.3,
+    }
+    early = {"step": 30, "rank": 1, "node": "n2", "slower": 0.36, "phase": "forward"}
+    late = {"step": 70, "rank": 1, "node": "n2", "slower": 0.28, "phase": "forward"}
+    text = page({**trial, "named": [early]}, {**trial, "named": [late]})
+    assert "1 of 2 slowed runs whose throttle caused a slowdown of 1.2x or more" in text
+    assert "the throttled rank named at or before its throttle's step (a false report): 1 of 2" in text
