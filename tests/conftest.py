@@ -13,7 +13,7 @@ import pytest
 
 import needs
 import prebuilt
-from slurm_fixtures import slurm_cluster  # noqa: F401  (the real-Slurm fixture)
+from slurm_fixtures import slurm_cluster, suite_cluster  # noqa: F401  (the real-Slurm fixtures)
 from slurm_grouping import (  # noqa: F401  (the Slurm tests' lanes, their lock, a guard)
     pytest_collection_finish,
     pytest_configure_node,
@@ -44,7 +44,7 @@ def deepspeed_ops():
 
 @pytest.fixture(autouse=True)
 def _no_cluster_unless_asked(request, monkeypatch):
-    """The slurm_cluster fixture exports SLURM_CONF for the rest of its worker's session; a test that does
+    """The suite_cluster fixture exports SLURM_CONF for the rest of its worker's session; a test that does
     not ask for the cluster sees none, whichever worker runs it (the README's `plan` lines read the
     cluster's node memory through sinfo when one is reachable, and came out "impossible" on 7.8 GiB
     nodes on a worker that had started the cluster)."""
