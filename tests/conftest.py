@@ -57,19 +57,23 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` need a CUDA GPU: without one they are deselected, not skipped (CI has no GPU
     to install, and a skip under CI is a failure: tests/needs.py). A session that will run a test needing
     DeepSpeed's ops starts building them now, beside the first tests (one process: the first xdist worker,
-    or the session itself without xdist)."""
+    or the session itself without xdist). Under xdist the tests marked ``slow`` are handed out first."""
     import torch
 
     worker = getattr(config, "workerinput", {}).get("workerid", "gw0")
     if worker == "gw0" and any("deepspeed_ops" in getattr(item, "fixturenames", ()) for item in items):
         config._relaytrain_prebuild = prebuilt.start_in_background()
 
-    if torch.cuda.is_available():
-        return
-    gpu_only = [item for item in items if item.get_closest_marker("cuda")]
+    gpu_only = (
+        [] if torch.cuda.is_available() else [item for item in items if item.get_closest_marker("cuda")]
+    )
     if gpu_only:
         config.hook.pytest_deselected(items=gpu_only)
         items[:] = [item for item in items if not item.get_closest_marker("cuda")]
+    if hasattr(config, "workerinput"):
+        # Under xdist the long tests go first: a worker takes the next test whenever it finishes one, so a
+        # long test left for the end runs alone while the other workers have nothing left to do.
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 # A model small enough that a step takes milliseconds on one CPU core.
