@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,15 +69,9 @@ def _why_slurm_cannot_start() -> str | None:
     return "no local Slurm cluster is up and starting one needs root: sudo relaytrain cluster up"
 
 
-def _give_up(reason: str) -> None:
-    needs.skip_or_fail(f"Slurm tests need the local cluster: {reason}")
-
-
-@pytest.fixture(scope="session")
-def suite_cluster(pytestconfig):
-    """The running local cluster (ClusterInfo), with SLURM_CONF exported for the whole session."""
+def _the_suites_cluster():
+    """(ClusterInfo, started here): the running cluster when it fits the suite, else one (re)started."""
     info = local_cluster.running_cluster()
-    started_here = False
     if info is not None and (
         not local_cluster.has_node_memory(info.base_dir) or len(info.nodes) < CLUSTER_NODES
     ):
@@ -86,16 +81,31 @@ def suite_cluster(pytestconfig):
         nodes = max(len(info.nodes), CLUSTER_NODES)
         local_cluster.cluster_down(info.base_dir)
         info = local_cluster.cluster_up(nodes=nodes, cpus_per_node=info.cpus_per_node)
-    if info is None:
-        reason = _why_slurm_cannot_start()
-        if reason:
-            _give_up(reason)
-        try:
-            # cluster_up waits for a start already in progress (another process) and reuses it.
-            info = local_cluster.cluster_up(nodes=CLUSTER_NODES, cpus_per_node=CLUSTER_CPUS_PER_NODE)
-        except (UserError, RuntimeError, OSError, subprocess.SubprocessError) as error:
-            pytest.fail(f"could not start the local Slurm cluster: {error}", pytrace=False)
-        started_here = info.started
+    if info is not None:
+        return info, False
+    reason = _why_slurm_cannot_start()
+    if reason:
+        _give_up(reason)
+    try:
+        # cluster_up waits for a start already in progress (another process) and reuses it.
+        info = local_cluster.cluster_up(nodes=CLUSTER_NODES, cpus_per_node=CLUSTER_CPUS_PER_NODE)
+    except (UserError, RuntimeError, OSError, subprocess.SubprocessError) as error:
+        pytest.fail(f"could not start the local Slurm cluster: {error}", pytrace=False)
+    return info, info.started
+
+
+def _give_up(reason: str) -> None:
+    needs.skip_or_fail(f"Slurm tests need the local cluster: {reason}")
+
+
+@pytest.fixture(scope="session")
+def suite_cluster(pytestconfig):
+    """The running local cluster (ClusterInfo), with SLURM_CONF exported for the whole session."""
+    # The lanes' workers ask at once: one looks and starts or restarts, the others then find it up (a
+    # second restart would cancel the first lane's jobs).
+    with open(Path(tempfile.gettempdir()) / "relaytrain-suite-cluster.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        info, started_here = _the_suites_cluster()
     saved = {key: os.environ.get(key) for key in info.env}
     os.environ.update(info.env)
     try:

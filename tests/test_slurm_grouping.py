@@ -96,8 +96,8 @@ def _run_grouped(tmp_path: Path, workers: int = 2, **env: str) -> subprocess.Com
     )  # fmt: skip
 
 
-# Modules named as in slurm_grouping's tables: one of each lane that has its lane's nodes, and one that
-# needs the whole cluster. Each test notes when it held the cluster.
+# Modules named as in slurm_grouping's tables: one of each lane that shares the cluster, one that needs the
+# whole cluster and one that needs it quiet. Each test notes when it held the cluster.
 TIMED_MODULE = """
 import json, os, time, pytest
 pytestmark = pytest.mark.slurm
@@ -110,18 +110,19 @@ def test_on_the_cluster(i):
         f.write(json.dumps([__name__, os.environ["PYTEST_XDIST_WORKER"], start, time.monotonic()]) + "\\n")
 """
 IN_LANES = ("test_crash_recovery.py", "test_hang_slurm.py", "test_e2e_stacks.py")
-WHOLE = "test_local_cluster.py"
+ALONE = ("test_local_cluster.py", "test_straggler_slurm.py")
 
 
-def test_the_lanes_run_at_once_and_a_module_that_needs_the_whole_cluster_never_beside_another(tmp_path):
+def test_the_lanes_run_at_once_and_a_module_that_runs_alone_never_beside_another(tmp_path):
     import json
 
     import slurm_grouping
 
     assert [slurm_grouping.LANES[m] for m in IN_LANES] == list(range(1, slurm_grouping.LANE_COUNT + 1))
-    assert not set(IN_LANES) & set(slurm_grouping.WHOLE_CLUSTER) and WHOLE in slurm_grouping.WHOLE_CLUSTER
+    assert not any(slurm_grouping.runs_alone(m) for m in IN_LANES)
+    assert ALONE[0] in slurm_grouping.WHOLE_CLUSTER and ALONE[1] in slurm_grouping.QUIET
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slurm: uses the cluster\naddopts =\n")
-    for name in (*IN_LANES, WHOLE):
+    for name in (*IN_LANES, *ALONE):
         (tmp_path / name).write_text(TIMED_MODULE)
     where = tmp_path / "where.txt"
     done = _run_grouped(tmp_path, workers=len(IN_LANES), WHERE=str(where))
@@ -139,8 +140,8 @@ def test_the_lanes_run_at_once_and_a_module_that_needs_the_whole_cluster_never_b
     def overlap(a: str, b: str) -> bool:
         return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
 
-    whole = WHOLE.removesuffix(".py")
-    assert not any(overlap(whole, other) for other in spans if other != whole), spans
+    for alone in (name.removesuffix(".py") for name in ALONE):
+        assert not any(overlap(alone, other) for other in spans if other != alone), spans
     names = [name.removesuffix(".py") for name in IN_LANES]
     assert all(overlap(a, b) for a in names for b in names if a < b), spans
 
