@@ -214,3 +214,60 @@ def test_the_cluster_a_worker_started_is_stopped_after_every_worker_is_done(tmp_
     assert set(ends) == {"test_readme", "test_hang_slurm"}, rows
     assert len(downs) == 1 and downs[0][1] == str(tmp_path / "state"), rows  # stopped once, the one started
     assert downs[0][2] > max(ends.values()), rows  # not while the slow lane still used it
+
+
+# A running cluster too small for the suite's lanes: each lane's worker asks for it at once, and each
+# looks at it for a while first (the race forced: every look would see the small one without the lock).
+SMALL_CLUSTER_CONFTEST = """
+import json, os, time, types
+import slurm_fixtures
+from slurm_fixtures import slurm_cluster, suite_cluster  # noqa: F401
+
+STATE = os.environ["CLUSTER_STATE"]
+
+def _note(what):
+    with open(os.environ["WHERE"], "a") as f:
+        f.write(json.dumps([what, time.monotonic()]) + "\\n")
+
+def running_cluster():
+    if not os.path.exists(STATE):
+        return None
+    nodes = int(open(STATE).read())
+    time.sleep(1.5)
+    return types.SimpleNamespace(base_dir=STATE, nodes=[f"n{k}" for k in range(nodes)], env={},
+                                 started=False, cpus_per_node=4)
+
+def cluster_up(nodes, cpus_per_node):
+    _note("up")
+    open(STATE, "w").write(str(nodes))
+    return types.SimpleNamespace(base_dir=STATE, nodes=[f"n{k}" for k in range(nodes)], env={},
+                                 started=True, cpus_per_node=4)
+
+def cluster_down(base_dir):
+    _note("down")
+    os.remove(STATE)
+
+slurm_fixtures.local_cluster = types.SimpleNamespace(
+    running_cluster=running_cluster, cluster_up=cluster_up, cluster_down=cluster_down,
+    has_node_memory=lambda base: True)
+slurm_fixtures._why_slurm_cannot_start = lambda: None
+slurm_fixtures.lane_view = lambda info, module: info
+"""
+
+
+def test_a_cluster_too_small_for_the_lanes_is_restarted_once_while_every_lane_asks_for_it(tmp_path):
+    import json
+
+    import slurm_fixtures
+
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slurm: uses the cluster\naddopts =\n")
+    (tmp_path / "conftest.py").write_text(SMALL_CLUSTER_CONFTEST)
+    for name in IN_LANES:
+        (tmp_path / name).write_text(LANE_MODULE.format(before=0, after=0))
+    state, where = tmp_path / "state", tmp_path / "where.txt"
+    state.write_text(str(slurm_fixtures.NODES_PER_LANE))
+    done = _run_grouped(tmp_path, workers=len(IN_LANES), WHERE=str(where), CLUSTER_STATE=str(state))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in where.read_text().splitlines()]
+    assert [row[0] for row in rows if row[0] in ("down", "up")] == ["down", "up"], rows
+    assert sum(row[0] == "test" for row in rows) == len(IN_LANES), rows
