@@ -13,7 +13,7 @@ import pytest
 
 import needs
 import prebuilt
-from slurm_fixtures import slurm_cluster  # noqa: F401  (the real-Slurm fixture)
+from slurm_fixtures import slurm_cluster, suite_cluster  # noqa: F401  (the real-Slurm fixtures)
 from slurm_grouping import (  # noqa: F401  (the Slurm tests' lanes, their lock, a guard)
     pytest_collection_finish,
     pytest_configure_node,
@@ -44,7 +44,7 @@ def deepspeed_ops():
 
 @pytest.fixture(autouse=True)
 def _no_cluster_unless_asked(request, monkeypatch):
-    """The slurm_cluster fixture exports SLURM_CONF for the rest of its worker's session; a test that does
+    """The suite_cluster fixture exports SLURM_CONF for the rest of its worker's session; a test that does
     not ask for the cluster sees none, whichever worker runs it (the README's `plan` lines read the
     cluster's node memory through sinfo when one is reachable, and came out "impossible" on 7.8 GiB
     nodes on a worker that had started the cluster)."""
@@ -57,19 +57,23 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` need a CUDA GPU: without one they are deselected, not skipped (CI has no GPU
     to install, and a skip under CI is a failure: tests/needs.py). A session that will run a test needing
     DeepSpeed's ops starts building them now, beside the first tests (one process: the first xdist worker,
-    or the session itself without xdist)."""
+    or the session itself without xdist). Under xdist the tests marked ``slow`` are handed out first."""
     import torch
 
     worker = getattr(config, "workerinput", {}).get("workerid", "gw0")
     if worker == "gw0" and any("deepspeed_ops" in getattr(item, "fixturenames", ()) for item in items):
         config._relaytrain_prebuild = prebuilt.start_in_background()
 
-    if torch.cuda.is_available():
-        return
-    gpu_only = [item for item in items if item.get_closest_marker("cuda")]
+    gpu_only = (
+        [] if torch.cuda.is_available() else [item for item in items if item.get_closest_marker("cuda")]
+    )
     if gpu_only:
         config.hook.pytest_deselected(items=gpu_only)
         items[:] = [item for item in items if not item.get_closest_marker("cuda")]
+    if hasattr(config, "workerinput"):
+        # Under xdist the long tests go first: a worker takes the next test whenever it finishes one, so a
+        # long test left for the end runs alone while the other workers have nothing left to do.
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 # A model small enough that a step takes milliseconds on one CPU core.

@@ -1,12 +1,14 @@
-"""The Slurm tests in two lanes, each on one xdist worker, sharing the one local cluster under a lock.
+"""The Slurm tests in lanes, each on one xdist worker and on nodes of its own of the one local cluster.
 
-The tests marked ``slurm`` share the one local cluster. Each test module is in one of two lanes
-(``LANES``); the controller schedules each lane as one unit of work, so a lane's tests run one after
-another on one worker, and two modules of different lanes can use the cluster at the same time. A
-module that needs the cluster to itself (it kills or restarts nodes, needs every node idle, or times
-ranks) is listed in ``ALONE`` with the reason: it holds the cluster lock exclusively, the others hold
-it shared, so it never overlaps another module's jobs. A module not listed in either table is alone,
-in lane 1.
+The tests marked ``slurm`` share the one local cluster. Each test module is in one lane (``LANES``); the
+controller schedules each lane as one unit of work, so a lane's modules run one after another on one
+worker, and the lanes run at once. Each lane has nodes and partitions of its own
+(tests/slurm_fixtures.py), so a module that kills nodes or needs idle nodes has its lane's nodes to
+itself. Two kinds of module run while no other lane has jobs: one that needs the whole cluster (it stops
+the cluster, or starts clusters of its own: ``WHOLE_CLUSTER``) and one that times ranks against each
+other, which other lanes' processes on the same 2 cores would disturb (``QUIET``); each is listed with
+the reason. Such a module holds the cluster lock exclusively, the others hold it shared. A module not
+listed in ``LANES`` is in lane 1 and needs the whole cluster.
 
 pytest-xdist's own ``xdist_group`` mark renames each item's node id on the worker (``item._nodeid``);
 from pytest 9.1 on a node id is computed from ``item._id`` and the rename is lost, so the groups
@@ -34,41 +36,42 @@ import pytest
 GROUP = "slurm"
 _DIR_KEY = "relaytrain_slurm_group_dir"
 
-# Each Slurm test module's lane, balanced by the modules' measured durations (--durations=0).
+# Each Slurm test module's lane, balanced by the modules' measured durations (--durations=0): the modules
+# that run alone (WHOLE_CLUSTER, QUIET) stop every lane while they run, so lane 1 holds them, and the
+# others are shared out evenly.
 LANES = {
     "test_local_cluster.py": 1,
-    "test_hang_slurm.py": 1,
-    "test_e2e_stacks.py": 1,
-    "test_readme.py": 1,
-    "test_bench_goodput.py": 1,
-    "test_spare_slurm.py": 1,
-    "test_snapshot_slurm.py": 1,
     "test_local_cluster_lock.py": 1,
-    "test_e2e_slurm.py": 2,
-    "test_straggler_slurm.py": 2,
-    "test_crash_recovery.py": 2,
-    "test_e2e_programs.py": 2,
-    "test_elastic_slurm.py": 2,
-    "test_bench_chaos.py": 2,
-    "test_run_lock.py": 2,
-    "test_cli_without_slurm.py": 2,
+    "test_readme.py": 1,
+    "test_straggler_slurm.py": 1,
+    "test_preflight_slurm.py": 1,
+    "test_e2e_slurm.py": 1,
+    "test_crash_recovery.py": 1,
+    "test_run_lock.py": 1,
+    "test_snapshot_slurm.py": 1,
     "test_notify_slurm.py": 2,
-    "test_preflight_slurm.py": 2,
+    "test_elastic_slurm.py": 2,
+    "test_hang_slurm.py": 2,
+    "test_cli_without_slurm.py": 2,
+    "test_e2e_stacks.py": 3,
+    "test_bench_chaos.py": 3,
+    "test_bench_goodput.py": 3,
+    "test_spare_slurm.py": 3,
+    "test_e2e_programs.py": 3,
 }
-# The modules that need the cluster to themselves, and why. Every other module of LANES shares it.
-ALONE = {
-    "test_local_cluster.py": "stops, restarts and kills nodes; preempts through the high partition",
+LANE_COUNT = max(LANES.values())
+# The modules that need the whole cluster, and why. Every other module has its lane's nodes.
+WHOLE_CLUSTER = {
+    "test_local_cluster.py": "stops and restarts the cluster; preempts a job on every node",
     "test_local_cluster_lock.py": "starts and stops clusters of its own beside the suite's",
-    "test_readme.py": "its documented cluster walkthroughs end with `relaytrain cluster down`, which cancels "
-    "every job on the cluster (beside a shared module it cancelled that module's jobs)",
-    "test_hang_slurm.py": "times how soon a stopped rank is named",
-    "test_spare_slurm.py": "needs all three nodes: a 2-node job and its spare",
-    "test_e2e_slurm.py": "kills a node and preempts through the high partition; fills the cluster",
-    "test_straggler_slurm.py": "times each rank's steps against its peers",
-    "test_preflight_slurm.py": "times each node's compute against the others'",
-    "test_elastic_slurm.py": "kills a node and needs two idle nodes",
-    "test_bench_goodput.py": "times a run's goodput through preemptions",
-    "test_bench_chaos.py": "kills and stops ranks and nodes, and times the recoveries",
+    "test_readme.py": "its documented cluster walkthroughs start the cluster and end with "
+    "`relaytrain cluster down`, which cancels every job on the cluster",
+}
+# The modules that run on their lane's nodes while no other lane has jobs, and why.
+QUIET = {
+    "test_straggler_slurm.py": "a clean run beside the throttled one must name no straggler: other lanes' "
+    "ranks on the same cores make one rank's steps slower than its peer's",
+    "test_preflight_slurm.py": "a clean node's compute must stay within 40 % of the others'",
 }
 
 
@@ -80,12 +83,21 @@ def _module(nodeid: str) -> str:
     return Path(nodeid.split("::")[0]).name
 
 
+def lane_number(nodeid: str) -> int:
+    return LANES.get(_module(nodeid), 1)
+
+
 def lane_of(nodeid: str) -> str:
-    return f"{GROUP}-lane-{LANES.get(_module(nodeid), 1)}"
+    return f"{GROUP}-lane-{lane_number(nodeid)}"
 
 
-def alone(nodeid: str) -> bool:
-    return _module(nodeid) in ALONE or _module(nodeid) not in LANES
+def needs_whole_cluster(nodeid: str) -> bool:
+    return _module(nodeid) in WHOLE_CLUSTER or _module(nodeid) not in LANES
+
+
+def runs_alone(nodeid: str) -> bool:
+    """Whether the module runs while no other lane has jobs."""
+    return needs_whole_cluster(nodeid) or _module(nodeid) in QUIET
 
 
 def _group_dir(config: pytest.Config) -> Path:
@@ -170,7 +182,7 @@ class _ClusterLock:
             return
         cls.let_go()
         cls.file = open(folder / "cluster.lock", "a")  # noqa: SIM115 - held across tests
-        fcntl.flock(cls.file, fcntl.LOCK_EX if alone(nodeid) else fcntl.LOCK_SH)
+        fcntl.flock(cls.file, fcntl.LOCK_EX if runs_alone(nodeid) else fcntl.LOCK_SH)
         cls.module = _module(nodeid)
 
     @classmethod
@@ -182,8 +194,8 @@ class _ClusterLock:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """Worker: a Slurm test runs under the cluster lock, exclusive for a module that needs the cluster
-    alone, shared otherwise."""
+    """Worker: a Slurm test runs under the cluster lock, exclusive for a module that runs alone, shared
+    otherwise."""
     folder = worker_dir(item.config)
     if folder is None or not is_slurm_test(item):
         yield

@@ -295,9 +295,9 @@ def second_wave(e2e, reference_losses):
     jobs["preempted"] = launch(str(e2e.res), "--run.name=preempted", *one_node,
                                f"--slurm.extra_sbatch=['--nodelist={other}']")  # fmt: skip
     wait_step(e2e.runs / "preempted", jobs["preempted"], 5)
-    high = sbatch("--partition=high", f"--nodelist={other}", "--nodes=1", "--ntasks=1",
-                  f"--cpus-per-task={e2e.cluster.cpus_per_node}", f"--output={e2e.base / 'high.out'}",
-                  "--wrap=sleep 2")  # fmt: skip
+    high = sbatch(f"--partition={e2e.cluster.preempting_partition}", f"--nodelist={other}", "--nodes=1",
+                  "--ntasks=1", f"--cpus-per-task={e2e.cluster.cpus_per_node}",
+                  f"--output={e2e.base / 'high.out'}", "--wrap=sleep 2")  # fmt: skip
     high_submitted = time.time()
     wait_job_finished(high, timeout=120)  # before the kill: the requeued job must not meet the high job
     wait_step(e2e.runs / "killed", jobs["killed"], 30)

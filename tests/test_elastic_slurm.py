@@ -54,7 +54,9 @@ def running_on(job: str, nodes: int, restarts: int) -> bool:
 
 
 def idle_nodes(cluster) -> int:
-    return sum(state == "idle" for state in local_cluster.node_states(cluster.base_dir).values())
+    """Idle nodes of the module's lane."""
+    states = local_cluster.node_states(cluster.base_dir)
+    return sum(states.get(node) == "idle" for node in cluster.nodes)
 
 
 def last_step_in_place(run_dir) -> int:

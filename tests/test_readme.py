@@ -165,6 +165,14 @@ def _exported_slurm_conf(lines: list[str]) -> str:
     return shlex.split(line, comments=True)[1].split("=", 1)[1]
 
 
+def _take_down(slurm_cluster) -> None:
+    """The suite's cluster (a node set for each lane of tests/slurm_grouping.py) is not the documented
+    size: the walkthrough starts its own, from nothing, as a reader would."""
+    from relaytrain.localcluster import cluster as local_cluster
+
+    local_cluster.cluster_down(slurm_cluster.base_dir)
+
+
 def _bring_back(slurm_cluster) -> None:
     from relaytrain.localcluster import cluster as local_cluster
 
@@ -178,6 +186,7 @@ def test_local_cluster_walkthrough_runs_verbatim(slurm_cluster, tmp_path):
         needs.skip_or_fail(f"the session's cluster is not the documented one ({slurm_cluster.slurm_conf})")
     assert lines[-1] == "relaytrain cluster down"
     try:
+        _take_down(slurm_cluster)
         done = _run_in_shell("\n".join(lines), tmp_path, timeout=300)
     finally:
         _bring_back(slurm_cluster)
@@ -199,6 +208,7 @@ def test_readme_cluster_example_runs_verbatim(slurm_cluster, tmp_path):
     export = next(line for line in lines if line.startswith("export "))
     shutil.copytree(REPO / "configs", tmp_path / "configs")  # the README runs from a checkout
     try:
+        _take_down(slurm_cluster)
         done = _run_in_shell("\n".join(lines[:down]), tmp_path, timeout=300)
         job_id = int(re.search(r"submitted job (\d+)", done.stdout).group(1))
         assert re.search(rf"^│ {job_id} ", done.stdout, re.M), f"relaytrain status lists no job {job_id}"

@@ -1,7 +1,7 @@
-"""The Slurm tests share one local cluster: each lane on one xdist worker, a module that needs the cluster
-alone never beside another (slurm_grouping.py).
+"""The Slurm tests share one local cluster: each lane on one xdist worker, the lanes at once, a module
+that needs the whole cluster never beside another (slurm_grouping.py).
 
-Each test here runs a small suite of its own under ``-n 2`` with the project's grouping plugin, whose
+Each test here runs a small suite of its own under xdist with the project's grouping plugin, whose
 tests note the worker that ran them, and reads where they ran.
 """
 
@@ -86,18 +86,18 @@ def test_the_session_fails_when_slurm_tests_ran_on_two_workers(tmp_path):
     assert "Slurm tests of slurm-lane-1 ran on 2 xdist workers" in done.stdout
 
 
-def _run_grouped(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    """The small suite in `tmp_path` under ``-n 2 --dist loadgroup`` with the grouping plugin."""
+def _run_grouped(tmp_path: Path, workers: int = 2, **env: str) -> subprocess.CompletedProcess:
+    """The small suite in `tmp_path` under ``-n workers --dist loadgroup`` with the grouping plugin."""
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "slurm_grouping", "-p", "no:cacheprovider", "-n", "2",
+        [sys.executable, "-m", "pytest", "-p", "slurm_grouping", "-p", "no:cacheprovider", "-n", str(workers),
          "--dist", "loadgroup"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(TESTS), **env}, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
 
 
-# Modules named as in slurm_grouping's tables: two that share the cluster, one per lane, and two that
-# need it alone, one per lane. Each test notes when it held the cluster.
+# Modules named as in slurm_grouping's tables: one of each lane that shares the cluster, one that needs the
+# whole cluster and one that needs it quiet. Each test notes when it held the cluster.
 TIMED_MODULE = """
 import json, os, time, pytest
 pytestmark = pytest.mark.slurm
@@ -109,22 +109,23 @@ def test_on_the_cluster(i):
     with open(os.environ["WHERE"], "a") as f:
         f.write(json.dumps([__name__, os.environ["PYTEST_XDIST_WORKER"], start, time.monotonic()]) + "\\n")
 """
-SHARED = ("test_e2e_stacks.py", "test_crash_recovery.py")
-ALONE = ("test_local_cluster.py", "test_elastic_slurm.py")
+IN_LANES = ("test_crash_recovery.py", "test_hang_slurm.py", "test_e2e_stacks.py")
+ALONE = ("test_local_cluster.py", "test_straggler_slurm.py")
 
 
-def test_lanes_share_the_cluster_and_a_module_that_needs_it_alone_never_overlaps_another(tmp_path):
+def test_the_lanes_run_at_once_and_a_module_that_runs_alone_never_beside_another(tmp_path):
     import json
 
     import slurm_grouping
 
-    assert [slurm_grouping.LANES[m] for m in SHARED] == [1, 2] == [slurm_grouping.LANES[m] for m in ALONE]
-    assert not set(SHARED) & set(slurm_grouping.ALONE) and set(ALONE) <= set(slurm_grouping.ALONE)
+    assert [slurm_grouping.LANES[m] for m in IN_LANES] == list(range(1, slurm_grouping.LANE_COUNT + 1))
+    assert not any(slurm_grouping.runs_alone(m) for m in IN_LANES)
+    assert ALONE[0] in slurm_grouping.WHOLE_CLUSTER and ALONE[1] in slurm_grouping.QUIET
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slurm: uses the cluster\naddopts =\n")
-    for name in (*SHARED, *ALONE):
+    for name in (*IN_LANES, *ALONE):
         (tmp_path / name).write_text(TIMED_MODULE)
     where = tmp_path / "where.txt"
-    done = _run_grouped(tmp_path, WHERE=str(where))
+    done = _run_grouped(tmp_path, workers=len(IN_LANES), WHERE=str(where))
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in where.read_text().splitlines()]
     spans: dict[str, tuple[float, float]] = {}
@@ -133,15 +134,16 @@ def test_lanes_share_the_cluster_and_a_module_that_needs_it_alone_never_overlaps
         spans[module] = (min(first, start), max(last, end))
     workers = {module: {w for m, w, *_ in rows if m == module} for module in spans}
     assert all(len(w) == 1 for w in workers.values()), workers
-    assert workers["test_e2e_stacks"] != workers["test_crash_recovery"], workers  # two lanes, two workers
+    lanes = [next(iter(workers[name.removesuffix(".py")])) for name in IN_LANES]
+    assert len(set(lanes)) == len(IN_LANES), workers  # a worker a lane
 
     def overlap(a: str, b: str) -> bool:
         return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
 
-    for module in ("test_local_cluster", "test_elastic_slurm"):
-        others = [m for m in spans if m != module]
-        assert not any(overlap(module, other) for other in others), spans
-    assert overlap("test_e2e_stacks", "test_crash_recovery"), spans
+    for alone in (name.removesuffix(".py") for name in ALONE):
+        assert not any(overlap(alone, other) for other in spans if other != alone), spans
+    names = [name.removesuffix(".py") for name in IN_LANES]
+    assert all(overlap(a, b) for a in names for b in names if a < b), spans
 
 
 # The cluster's life in a small suite: a stand-in for relaytrain.localcluster.cluster that notes when it
@@ -149,13 +151,13 @@ def test_lanes_share_the_cluster_and_a_module_that_needs_it_alone_never_overlaps
 FAKE_CLUSTER_CONFTEST = """
 import json, os, time, types
 import slurm_fixtures
-from slurm_fixtures import slurm_cluster  # noqa: F401
+from slurm_fixtures import slurm_cluster, suite_cluster  # noqa: F401
 
 STATE = os.environ["CLUSTER_STATE"]
 
 def _info(started):
-    return types.SimpleNamespace(base_dir=STATE, nodes=["n1", "n2", "n3"], env={}, started=started,
-                                 cpus_per_node=4)
+    nodes = [f"n{k}" for k in range(1, slurm_fixtures.CLUSTER_NODES + 1)]
+    return types.SimpleNamespace(base_dir=STATE, nodes=nodes, env={}, started=started, cpus_per_node=4)
 
 def running_cluster():
     return _info(False) if os.path.exists(STATE) else None
@@ -175,6 +177,7 @@ slurm_fixtures.local_cluster = types.SimpleNamespace(
     running_cluster=running_cluster, cluster_up=cluster_up, cluster_down=cluster_down,
     has_node_memory=lambda base: True)
 slurm_fixtures._why_slurm_cannot_start = lambda: None
+slurm_fixtures.lane_view = lambda info, module: info
 """
 # One lane starts the cluster and is done at once; the other asks for it a moment later and is still
 # using it a few seconds after the first lane's worker has finished.
@@ -196,7 +199,7 @@ def test_the_cluster_a_worker_started_is_stopped_after_every_worker_is_done(tmp_
 
     import slurm_grouping
 
-    quick, slow = "test_readme.py", "test_crash_recovery.py"
+    quick, slow = "test_readme.py", "test_hang_slurm.py"
     assert (slurm_grouping.LANES[quick], slurm_grouping.LANES[slow]) == (1, 2)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slurm: uses the cluster\naddopts =\n")
     (tmp_path / "conftest.py").write_text(FAKE_CLUSTER_CONFTEST)
@@ -208,6 +211,63 @@ def test_the_cluster_a_worker_started_is_stopped_after_every_worker_is_done(tmp_
     rows = [json.loads(line) for line in where.read_text().splitlines()]
     downs = [row for row in rows if row[0] == "down"]
     ends = {row[1]: row[2] for row in rows if row[0] == "test"}
-    assert set(ends) == {"test_readme", "test_crash_recovery"}, rows
+    assert set(ends) == {"test_readme", "test_hang_slurm"}, rows
     assert len(downs) == 1 and downs[0][1] == str(tmp_path / "state"), rows  # stopped once, the one started
     assert downs[0][2] > max(ends.values()), rows  # not while the slow lane still used it
+
+
+# A running cluster too small for the suite's lanes: each lane's worker asks for it at once, and each
+# looks at it for a while first (the race forced: every look would see the small one without the lock).
+SMALL_CLUSTER_CONFTEST = """
+import json, os, time, types
+import slurm_fixtures
+from slurm_fixtures import slurm_cluster, suite_cluster  # noqa: F401
+
+STATE = os.environ["CLUSTER_STATE"]
+
+def _note(what):
+    with open(os.environ["WHERE"], "a") as f:
+        f.write(json.dumps([what, time.monotonic()]) + "\\n")
+
+def running_cluster():
+    if not os.path.exists(STATE):
+        return None
+    nodes = int(open(STATE).read())
+    time.sleep(1.5)
+    return types.SimpleNamespace(base_dir=STATE, nodes=[f"n{k}" for k in range(nodes)], env={},
+                                 started=False, cpus_per_node=4)
+
+def cluster_up(nodes, cpus_per_node):
+    _note("up")
+    open(STATE, "w").write(str(nodes))
+    return types.SimpleNamespace(base_dir=STATE, nodes=[f"n{k}" for k in range(nodes)], env={},
+                                 started=True, cpus_per_node=4)
+
+def cluster_down(base_dir):
+    _note("down")
+    os.remove(STATE)
+
+slurm_fixtures.local_cluster = types.SimpleNamespace(
+    running_cluster=running_cluster, cluster_up=cluster_up, cluster_down=cluster_down,
+    has_node_memory=lambda base: True)
+slurm_fixtures._why_slurm_cannot_start = lambda: None
+slurm_fixtures.lane_view = lambda info, module: info
+"""
+
+
+def test_a_cluster_too_small_for_the_lanes_is_restarted_once_while_every_lane_asks_for_it(tmp_path):
+    import json
+
+    import slurm_fixtures
+
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slurm: uses the cluster\naddopts =\n")
+    (tmp_path / "conftest.py").write_text(SMALL_CLUSTER_CONFTEST)
+    for name in IN_LANES:
+        (tmp_path / name).write_text(LANE_MODULE.format(before=0, after=0))
+    state, where = tmp_path / "state", tmp_path / "where.txt"
+    state.write_text(str(slurm_fixtures.NODES_PER_LANE))
+    done = _run_grouped(tmp_path, workers=len(IN_LANES), WHERE=str(where), CLUSTER_STATE=str(state))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in where.read_text().splitlines()]
+    assert [row[0] for row in rows if row[0] in ("down", "up")] == ["down", "up"], rows
+    assert sum(row[0] == "test" for row in rows) == len(IN_LANES), rows

@@ -166,14 +166,21 @@ def wait_job_end(job: str, timeout: float, interval: float = 1.0) -> dict[str, s
     )
 
 
+def preempting_partition() -> str:
+    """The partition whose jobs preempt the benchmark's (PreemptMode=REQUEUE): the local cluster's `high`,
+    or the one RELAYTRAIN_PREEMPT_PARTITION names (the test suite's lanes have one each)."""
+    return os.environ.get("RELAYTRAIN_PREEMPT_PARTITION") or "high"
+
+
 def preempt(job: str, cpus: int, hold_s: float, check: bool = False) -> str:
-    """Take the node `job` runs on with a job on the `high` partition (PreemptMode=REQUEUE); the node.
-    With `check`, sbatch's refusal (or no node to take) raises."""
+    """Take the node `job` runs on with a job on the preempting partition; the node. With `check`,
+    sbatch's refusal (or no node to take) raises."""
     node = scontrol_job(job).get("BatchHost", "")
     if check and not node:
         raise RuntimeError(f"job {job} runs on no node to preempt")
-    subprocess.run(["sbatch", "--partition=high", f"--nodelist={node}", "--nodes=1", "--ntasks=1",
-                    f"--cpus-per-task={cpus}", "--output=/dev/null", f"--wrap=sleep {hold_s:g}"],
+    high, where = f"--partition={preempting_partition()}", f"--nodelist={node}"
+    subprocess.run(["sbatch", high, where, "--nodes=1", "--ntasks=1", f"--cpus-per-task={cpus}",
+                    "--output=/dev/null", f"--wrap=sleep {hold_s:g}"],
                    check=check, capture_output=True, timeout=30)  # fmt: skip
     return node
 
