@@ -13,11 +13,9 @@ part trains `--steps` steps without snapshots, with `snapshot_every = 1` and wit
 machine's other load weighs on all three alike. On 2 nodes three jobs at once would not fit the machine's
 memory, so they run one after the other in mirrored order (off, every step, auto, auto, every step, off):
 each setting's figures are the sum over its two jobs, and a load that rises or falls steadily during the
-part weighs on the three alike. From each
-run's metrics.jsonl: the wall time of its steps (`time_step_s`, one record per step), its `snapshot`
-events (each snapshot's blocking and background seconds and the slowdown of the steps its background work
-overlapped) and its `snapshot_interval` events.
-
+part weighs on the three alike. From each run's metrics.jsonl: the wall time of its steps (`time_step_s`,
+one record per step), its `snapshot` events (each snapshot's blocking and background seconds and the
+slowdown of the steps its background work overlapped) and its `snapshot_interval` events.
 The measured overhead of a run is its steps' time over the run without snapshots', minus 1, over the
 steady steps: from step FIRST_AUTO_STEP + 2 on, after the automatic run's start-up snapshot (which waits
 for its own background work once, to measure it) and the step that pays for it; the whole run's figure

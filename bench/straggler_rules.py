@@ -30,19 +30,17 @@ from relaytrain.resilience.straggler_watch import judged_times
 from bench import kept
 from bench.bounds import rate
 from bench.report import table, write_page
+from bench.straggler_noise import TEST
 from bench.straggler_records import matrix_from_record, phase_timed, stages_from_record
-from bench.stragglers import TEST, _spread
+from bench.straggler_rule_test import NAMED_WITHIN, SHAPE, SOURCE, tested
 
 SECTION = "straggler-rules"
-NAMED_WITHIN = 50  # issue target: a rank >= 20 % slower named within this many steps of its slowdown
 THRESHOLDS = (0.10, 0.15, 0.20)
 WINDOWS = range(3, 9)
 FLOORS = (0.005, 0.010, MIN_HOST_PHASE_S)  # the shortest phase compared: part of the rule, chosen with it
 TYPICAL = (True, False)  # the typical (median) step must agree, or the fastest times alone decide
 SHOWN = 8  # rules listed besides the shipped one
 RULE = "rule"  # a loaded trial's key: the rule its run judged by (run_rule)
-SOURCE = "source"  # and the kept file it came from
-SHAPE = "shape"  # and that run's model shape and the machine's load average
 TESTS = "test"  # and whether that run is a test of the shipped rule (bench.stragglers --test)
 
 
@@ -228,10 +226,6 @@ TUNING = (
     "1622; six of the seven ran one command, and all one model and one step time on one machine on one "
     "day."
 )
-STILL_OPEN = (
-    "Still open: two fresh runs that play no part in any choice, with another model shape and step time "
-    "(e.g. a 3x longer forward, and a phase-heavy data step), as the rule's test."
-)
 
 
 def render(paths: list[str]) -> str:
@@ -243,7 +237,8 @@ def render(paths: list[str]) -> str:
                for rule in all_rules() for run in runs}  # fmt: skip
     pooled = {rule: _merged(rule, [per_run[rule, run] for run in runs]) for rule in all_rules()}
     outcomes = sorted(pooled.values(), key=Outcome.key)
-    shipped = pooled[shipped_rule()]
+    rule = shipped_rule()
+    shipped = pooled[rule]
     same, differ = agrees(trials, every)
     slowed = len(shipped.steps)
 
@@ -279,7 +274,7 @@ def render(paths: list[str]) -> str:
         f"* {_best(outcomes, slowed)}",
         f"* {_held_out(per_run, runs, len(timed))}",
         f"* {_untuned(per_run, runs)}",
-        f"* {TUNING} {_tested(tests, every)}",
+        f"* {TUNING} {tested(tests, rule, judge_trials(rule, tests, every) if tests else None)}",
         "",
         table(["rule", f"named within {NAMED_WITHIN} steps", "steps from throttle to the line",
                "trials with a false report", "false reports in"], rows),  # fmt: skip
@@ -360,41 +355,6 @@ def _untuned(per_run: dict[tuple[Rule, str], Outcome], runs: list[str]) -> str:
     return (f"The only run untouched by tuning ({run}), judged by the shipped rule: "
             f"{rate(o.within, len(o.steps), 'lower')} slowed trials named within {NAMED_WITHIN} steps; "
             f"clean trials with a report {rate(o.clean_false, clean, 'upper')}.")  # fmt: skip
-
-
-def _tested(tests: list[dict[str, Any]], every: int) -> str:
-    """The shipped rule on the runs kept as its test (`bench.stragglers --test`): runs that played no part
-    in any choice, judged by the rule as shipped, with 95 % bounds; each failure named with what it was."""
-    if not tests:
-        return STILL_OPEN
-    rule = shipped_rule()
-    runs = sorted({t[SOURCE] for t in tests})
-    o = judge_trials(rule, tests, every)
-    clean = o.trials - len(o.steps)
-    late = [f"{t['name']} ({'never' if s is None else f'{s} steps'})"
-            for t, s in zip([t for t in tests if t.get("throttled_at") is not None], o.steps, strict=True)
-            if s is None or s > NAMED_WITHIN]  # fmt: skip
-    busy = {}
-    for t in tests:
-        if t.get("throttled_at") is None:
-            kind = "without busy processes" if not t["hog"] else f"beside {int(t['hog'])} busy process(es)"
-            busy.setdefault(kind, []).append(t["name"] in o.false)
-    kinds = "; ".join(f"{sum(v)} of {len(v)} {k}" for k, v in busy.items())
-    verdict = "holds" if not o.false and o.within == len(o.steps) else "fails"
-    shapes = "; ".join(f"{run}: {next(t[SHAPE] for t in tests if t[SOURCE] == run)}" for run in runs)
-    text = (
-        f"The rule's test: {len(runs)} run(s) kept as a test of the shipped rule and seen by no choice "
-        f"({shapes}; the runs above: dim 128, seq 64), judged by the shipped rule ({rule.label}): "
-        f"{rate(o.within, len(o.steps), 'lower')} slowed trials named within {NAMED_WITHIN} steps; clean "
-        f"trials with a report {rate(o.clean_false, clean, 'upper')} ({kinds}); trials with a false report "
-        f"{rate(len(o.false), o.trials, 'upper')}. On these runs the rule {verdict}"
-    )
-    if verdict == "holds":
-        return text + "."
-    wrong = ", ".join([*late, *(f"{n} (false report)" for n in o.false)])
-    again = STILL_OPEN.replace("Still open: two fresh runs", "A new rule needs fresh runs")
-    noise = _spread({"trials": tests, "settings": {"min_phase_s": rule.min_phase_s}})
-    return f"{text}: {wrong}. Against the threshold of {100 * rule.threshold:.0f} %: {noise} {again}"
 
 
 def _merged(rule: Rule, outcomes: list[Outcome]) -> Outcome:

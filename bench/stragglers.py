@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,11 +29,12 @@ from pathlib import Path
 
 from bench import kept
 from bench.report import REPO, load_average, machine_info, table, write_page
+from bench.straggler_noise import TEST, spread
 
 SECTION = "stragglers"
-# A run kept as the shipped rule's test (`--test`): bench.straggler_rules judges it by the shipped rule
-# alone and keeps it out of every choice (the ranking of rules, the leave-one-run-out check).
-TEST = "test_of_shipped_rule"
+# A run kept as the shipped rule's test (`--test`, its key straggler_noise.TEST): bench.straggler_rules
+# judges it by the shipped rule alone and keeps it out of every choice (the ranking of rules, the
+# leave-one-run-out check).
 
 
 def results_name() -> str:
@@ -125,53 +125,6 @@ def _false_reports(clean: list[dict], cores: int) -> str:
 def _measured_in(slowed: list[dict]) -> str:
     """The phase the slowed trials' slowdowns were measured in (results kept before: the optimizer's)."""
     return " and ".join(sorted({t.get("measured_in") or "optimizer" for t in slowed})) or "optimizer"
-
-
-def _spread(data: dict) -> str:
-    """How far apart the two ranks' fastest times per phase were in windows where nothing slowed either
-    (the clean runs without busy processes, the slowed runs before their throttle): the noise a threshold
-    must clear, per phase the detector compares."""
-    from relaytrain.resilience.straggler import MIN_PHASE_S, PHASES
-    from relaytrain.resilience.straggler_watch import judged_times
-
-    from bench.straggler_records import matrix_from_record
-
-    # the floor the runs compared phases from (results kept before it was recorded: MIN_PHASE_S)
-    floor = float(data.get("settings", {}).get("min_phase_s", MIN_PHASE_S))
-    apart: dict[str, list[float]] = {p: [] for p in PHASES}
-    for trial in data["trials"]:
-        if trial["hog"] or trial.get("error"):
-            continue
-        for window in trial.get("windows", []):
-            if trial["throttled_at"] is not None and int(window["step"]) > trial["throttled_at"]:
-                continue
-            if "rank0_optimizer_fastest_s" not in window:  # kept before the fastest times were recorded
-                continue
-            judged = judged_times(matrix_from_record(window, 2))
-            if judged is None:
-                continue
-            for i, phase in enumerate(PHASES):
-                a, b = judged[0][0][i], judged[0][1][i]
-                if min(a, b) >= floor:
-                    apart[phase].append(abs(b / a - 1))
-    shown = [
-        f"{phase} {100 * statistics.median(v):.1f} % (95th percentile {100 * _percentile(v, 0.95):.1f} %, "
-        f"{len(v)} windows)"
-        for phase, v in apart.items()
-        if v
-    ]
-    if not shown:
-        return "No window kept its fastest times (results kept before they were recorded)."
-    return (
-        "Noise the threshold must clear: in windows where nothing slowed either rank (the clean runs "
-        "without busy processes, the slowed runs before their throttle), the ranks' fastest times per phase "
-        "differed by (median over the windows) " + "; ".join(shown) + "."
-    )
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _against_quota(slowed: list[dict]) -> str:
@@ -377,7 +330,7 @@ def render(data: dict, source: str) -> str:
         f"and window gather, summed on the rank that spent most): {1e6 * cost['cost_per_step_s']:.0f} µs per "
         f"step against a {1e3 * cost['mean_step_s']:.0f} ms step, {100 * cost['cost_share']:.2f} % "
         f"(target < {100 * COST_TARGET:.0f} %).",
-        f"* {_spread(data)}",
+        f"* {spread(data)}",
         "* \"Slowdown it caused\" is measured apart from the detector, from the run's `rank_times` records "
         f"(each rank's median {_measured_in(slowed)} phase per window): rank 1's against rank 0's over the "
         "windows after "
