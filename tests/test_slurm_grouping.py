@@ -13,6 +13,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 SLURM_MODULE = """
@@ -96,13 +98,15 @@ def _run_grouped(tmp_path: Path, workers: int = 2, **env: str) -> subprocess.Com
     )  # fmt: skip
 
 
-# Modules named as in slurm_grouping's tables: one of each lane that shares the cluster, one that needs the
-# whole cluster and one that needs it quiet. Each test notes when it held the cluster.
+# Modules named as in slurm_grouping's tables: one of each lane that shares the cluster, and one that runs
+# alone: it needs the whole cluster, or the cluster quiet. Each test notes when it held the cluster. Lane 1's
+# shared module is short and the others long, so the lone module (in lane 1, after it) is ready to start
+# while the other lanes still have tests to run.
 TIMED_MODULE = """
 import json, os, time, pytest
 pytestmark = pytest.mark.slurm
 
-@pytest.mark.parametrize("i", range(3))
+@pytest.mark.parametrize("i", range({n}))
 def test_on_the_cluster(i):
     start = time.monotonic()
     time.sleep(0.4)
@@ -113,17 +117,24 @@ IN_LANES = ("test_crash_recovery.py", "test_hang_slurm.py", "test_e2e_stacks.py"
 ALONE = ("test_local_cluster.py", "test_straggler_slurm.py")
 
 
-def test_the_lanes_run_at_once_and_a_module_that_runs_alone_never_beside_another(tmp_path):
+@pytest.mark.parametrize("alone", ALONE)
+def test_the_lanes_run_at_once_and_a_module_that_runs_alone_never_beside_another(tmp_path, alone):
     import json
 
     import slurm_grouping
 
-    assert [slurm_grouping.LANES[m] for m in IN_LANES] == list(range(1, slurm_grouping.LANE_COUNT + 1))
-    assert not any(slurm_grouping.runs_alone(m) for m in IN_LANES)
+    assert [slurm_grouping.LANES[m] for m in (*IN_LANES, alone)] == [
+        1,
+        2,
+        3,
+        1,
+    ] and slurm_grouping.LANE_COUNT == 3
+    assert not any(slurm_grouping.runs_alone(m) for m in IN_LANES) and slurm_grouping.runs_alone(alone)
     assert ALONE[0] in slurm_grouping.WHOLE_CLUSTER and ALONE[1] in slurm_grouping.QUIET
+    assert IN_LANES[0] < alone  # lane 1 runs its modules in this order
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slurm: uses the cluster\naddopts =\n")
-    for name in (*IN_LANES, *ALONE):
-        (tmp_path / name).write_text(TIMED_MODULE)
+    for name, tests in ((IN_LANES[0], 2), (IN_LANES[1], 10), (IN_LANES[2], 10), (alone, 2)):
+        (tmp_path / name).write_text(TIMED_MODULE.format(n=tests))
     where = tmp_path / "where.txt"
     done = _run_grouped(tmp_path, workers=len(IN_LANES), WHERE=str(where))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -140,8 +151,8 @@ def test_the_lanes_run_at_once_and_a_module_that_runs_alone_never_beside_another
     def overlap(a: str, b: str) -> bool:
         return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
 
-    for alone in (name.removesuffix(".py") for name in ALONE):
-        assert not any(overlap(alone, other) for other in spans if other != alone), spans
+    lone = alone.removesuffix(".py")
+    assert not any(overlap(lone, other) for other in spans if other != lone), spans
     names = [name.removesuffix(".py") for name in IN_LANES]
     assert all(overlap(a, b) for a in names for b in names if a < b), spans
 
