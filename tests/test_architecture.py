@@ -32,6 +32,7 @@ LAYERS: list[set[str]] = [
     {"parallel", "checkpoint", "resilience", "monitor"},
     {"plan"},  # the memory model and estimates of `relaytrain plan`: pure, no Slurm
     {"slurm", "localcluster", "preflight"},  # login-node side: launcher and job tools; the local test cluster
+    {"inspection"},  # status, logs, report, verify: a run directory read back (a job id: slurm/)
     {"trainer", "program"},
     {"cli", "__init__"},
 ]
@@ -235,8 +236,8 @@ def test_the_cycle_check_reads_the_benchmarks():
 
 
 def test_a_main_block_alias_counts_as_an_import():
-    alias = 'if __name__ == "__main__":\n    from relaytrain.resilience.step_end import main\n'
-    assert "relaytrain.resilience.step_end" in _imports_of(alias)
+    alias = 'if __name__ == "__main__":\n    from relaytrain.resilience.batch.step_end import main\n'
+    assert "relaytrain.resilience.batch.step_end" in _imports_of(alias)
 
 
 def test_the_architecture_page_names_every_checkpoint_module():
@@ -318,7 +319,7 @@ def test_every_entry_point_the_architecture_page_names_runs_as_a_module():
             main.name != "__main__.py" and '__name__ == "__main__"' not in main.read_text()
         ):
             broken.append(module)
-    assert {"relaytrain.job.task", "relaytrain.resilience.job_driver"} <= named and not broken, broken
+    assert {"relaytrain.job.task", "relaytrain.resilience.batch.driver"} <= named and not broken, broken
 
 
 def test_the_batch_template_only_hands_over():

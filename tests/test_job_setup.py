@@ -1,11 +1,12 @@
-"""What the batch job's driver sets up before its first step (resilience/job_setup.py), formerly the batch
+"""What the batch job's driver sets up before its first step (resilience/batch/job_setup.py), formerly
+the batch
 shell's: the training nodes and spares, the master, and the job log's record of the environment."""
 
 from __future__ import annotations
 
 from relaytrain.job import JobFacts
 from relaytrain.job.ports import PORT_MAX, PORT_MIN
-from relaytrain.resilience import job_setup
+from relaytrain.resilience.batch import job_setup
 
 
 def test_the_first_nodes_train_and_the_others_are_spares(monkeypatch):

@@ -9,14 +9,15 @@ import pytest
 from relaytrain.config import load_config
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.errors import UserError
+from relaytrain.inspection.run_view import run_rows
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience import bad_nodes, requeue, step_end
-from relaytrain.resilience.crash import CrashLog, describe_crash
-from relaytrain.resilience.job_driver import StepLaunch
+from relaytrain.resilience import requeue
+from relaytrain.resilience.batch import bad_nodes, step_end
+from relaytrain.resilience.batch.crash import CrashLog, describe_crash
+from relaytrain.resilience.batch.driver import StepLaunch
+from relaytrain.resilience.batch.step_decision import Action, Restartable, RunFacts, decide
+from relaytrain.resilience.batch.step_restart import StepFacts, plan_restart
 from relaytrain.resilience.run_state import RunState, RunStateFile
-from relaytrain.resilience.step_decision import Action, Restartable, RunFacts, decide
-from relaytrain.resilience.step_restart import StepFacts, plan_restart
-from relaytrain.slurm.run_view import run_rows
 from relaytrain.slurm.script import JobSpec, render_script, sbatch_options
 
 from conftest import REPO

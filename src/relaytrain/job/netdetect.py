@@ -1,7 +1,7 @@
 """Pick the high-speed network interface for NCCL/Gloo from `ip -br addr` output.
 
 InfiniBand (`ib*`) comes first, then HPE Slingshot (`hsn*`). Without either, NCCL and Gloo keep their
-own choice. The batch job's driver sets it for the job step (resilience/job_setup.py), and the task
+own choice. The batch job's driver sets it for the job step (resilience/batch/job_setup.py), and the task
 wrapper of a step the batch shell runs alone (job/task.py), unless the config names one.
 """
 

@@ -8,7 +8,7 @@
   (PR_SET_PDEATHSIG), so no helper outlives the task.
 * With ``--hang-watch RUN_DIR`` every task gets ``RELAYTRAIN_PROGRESS_DIR``, the node's progress board
   for this job step (``relaytrain.job.progress``, on the node's tmpfs), and local rank 0 starts the node's
-  hang watcher (``relaytrain.resilience.hang_watch``) as such a child too.
+  hang watcher (``relaytrain.resilience.hangs.watch``) as such a child too.
 * Then it execs CMD, so CMD keeps the task's pid and receives the signals srun forwards.
 
 A stop signal that srun forwards while this wrapper starts (Slurm's pre-timeout signal of a job whose
@@ -37,7 +37,7 @@ from relaytrain.job.netdetect import detect_interface, read_ip_brief
 from relaytrain.job.progress import PROGRESS_DIR_ENV
 
 GPU_MONITOR_MODULE = "relaytrain.monitor.gpu_monitor"
-HANG_WATCH_MODULE = "relaytrain.resilience.hang_watch"
+HANG_WATCH_MODULE = "relaytrain.resilience.hangs.watch"
 NODE_MEMORY = Path("/dev/shm")  # the node's tmpfs: the board lives and dies with the node's memory
 _PR_SET_PDEATHSIG = 1
 EARLY_SIGNALS_ENV = "RELAYTRAIN_EARLY_SIGNALS"  # stop signals that arrived before CMD started

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from relaytrain.job import JobFacts
 from relaytrain.job.netdetect import detect_interface, read_ip_brief
 from relaytrain.job.ports import choose_port, has_no_listener
-from relaytrain.resilience.job_step import log
+from relaytrain.resilience.batch.job_step import log
 
 RECORDED = re.compile(r"^(SLURM_|NCCL_|GLOO_|CUDA_|ROCR_|HIP_|TORCH|OMP_|MASTER_|PYTHON|MIOPEN_)")
 SECRET = re.compile(r"^[^=]*(TOKEN|SECRET|PASSWORD|KEY)[^=]*=", re.IGNORECASE)

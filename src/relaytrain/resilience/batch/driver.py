@@ -1,11 +1,11 @@
 """The batch job's driver: the generated batch script prepares the environment, then ``exec``s
-``python -m relaytrain.resilience.job_driver ... -- COMMAND``, which runs the job:
+``python -m relaytrain.resilience.batch.driver ... -- COMMAND``, which runs the job:
 
 * one job step after the other (``srun OPTIONS COMMAND``), each announced in the job log by
   ``step_decision.step_marker``, the line the decision after the step finds the step's output by;
 * Slurm's pre-timeout signal passed on to the step that runs (``job_step.SignalForwarder``), and a
   heartbeat line every few minutes;
-* while a step of relaytrain's trainer runs, the hang monitor (``hang_monitor.HangMonitor``), which
+* while a step of relaytrain's trainer runs, the hang monitor (``monitor.HangMonitor``), which
   reads every node's hang watcher, names a hang's culprit and ends the step;
 * after each step the end-of-step decision (``step_end.after_step``): finished, requeued, failed, or
   started again in place, on the nodes it names (the step's ``srun`` then gets ``--overlap``, the narrower
@@ -45,17 +45,17 @@ from relaytrain.job.facts import SPARE_NODES_ENV, STEP_RESTARTS_ENV
 from relaytrain.job.jsonl import append_job_record
 from relaytrain.job.ports import choose_port, has_no_listener
 from relaytrain.job.slurm_command import run_slurm_command
-from relaytrain.resilience.hang_detect import HangPolicy
-from relaytrain.resilience.hang_monitor import HangMonitor
-from relaytrain.resilience.hang_record import HangRecordFile
-from relaytrain.resilience.job_setup import prepare, record_environment
-from relaytrain.resilience.job_step import Heartbeat, SignalForwarder, job_log_path, log
-from relaytrain.resilience.notify import Alerts
+from relaytrain.resilience.batch.job_setup import prepare, record_environment
+from relaytrain.resilience.batch.job_step import Heartbeat, SignalForwarder, job_log_path, log
+from relaytrain.resilience.batch.notify import Alerts
+from relaytrain.resilience.batch.step_decision import Action, Decision, step_marker
+from relaytrain.resilience.batch.step_end import after_step
+from relaytrain.resilience.batch.step_restart import StepFacts
+from relaytrain.resilience.hangs.detect import HangPolicy
+from relaytrain.resilience.hangs.monitor import HangMonitor
+from relaytrain.resilience.hangs.record import HangRecordFile
 from relaytrain.resilience.requeue import requeue
 from relaytrain.resilience.run_state import RunStateFile
-from relaytrain.resilience.step_decision import Action, Decision, step_marker
-from relaytrain.resilience.step_end import after_step
-from relaytrain.resilience.step_restart import StepFacts
 
 HEARTBEAT_S = 300.0
 CLEANUP_TIMEOUT_S = 300.0  # removing the snapshots from the nodes' memory: seconds, unless a node is stuck
@@ -212,7 +212,8 @@ def decide(plan: JobPlan, exit_code: int, launch: StepLaunch, seconds: float) ->
         traceback.print_exc()
         if plan.program:
             print(
-                "relaytrain: the end-of-step decision (relaytrain.resilience.step_end) failed: no requeue",
+                "relaytrain: the end-of-step decision (relaytrain.resilience.batch.step_end) failed: "
+                "no requeue",
                 file=sys.stderr,
                 flush=True,
             )
@@ -285,7 +286,7 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
 
 def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalForwarder]:
     parser = argparse.ArgumentParser(
-        prog="python -m relaytrain.resilience.job_driver", description=__doc__.split("\n\n")[0]
+        prog="python -m relaytrain.resilience.batch.driver", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--config", required=True, help="the run's resolved config (TOML)")
