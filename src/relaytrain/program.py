@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+from relaytrain.entry_points import PROGRAM as PROGRAM_MODULE
 from relaytrain.job import JobFacts
 from relaytrain.job.jsonl import append_event
 from relaytrain.job.rundir import RunDir
@@ -149,7 +150,7 @@ def _take_run_lock(run: RunDir) -> None:
     from relaytrain.errors import USAGE_EXIT_CODE, UserError
 
     try:
-        RunLock(run).acquire("relaytrain.program")  # released at exit
+        RunLock(run).acquire(PROGRAM_MODULE)  # released at exit
         claim_kind(run, RunKind(PROGRAM))  # never a trainer's run directory
     except UserError as error:
         print(f"relaytrain: error: {error}", file=sys.stderr, flush=True)
@@ -303,9 +304,9 @@ def finish(step: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relaytrain.program")
+    parser = argparse.ArgumentParser(prog=f"python -m {PROGRAM_MODULE}")
     sub = parser.add_subparsers(dest="what", required=True)
-    p = sub.add_parser("after-step", help="python -m relaytrain.resilience.batch.step_end --program")
+    p = sub.add_parser("after-step", help="the end-of-step decision after a program's step")
     p.add_argument("exit_code", type=int)
     p.add_argument("--run-dir", default=os.environ.get(RUN_DIR_ENV, ""))
     p.add_argument("--config", default=os.environ.get(CONFIG_ENV, ""))

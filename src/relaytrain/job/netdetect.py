@@ -11,6 +11,8 @@ import argparse
 import subprocess
 import sys
 
+from relaytrain.entry_points import NETDETECT
+
 HIGH_SPEED_PREFIXES = ("ib", "hsn")
 
 
@@ -58,7 +60,7 @@ def read_ip_brief() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relaytrain.job.netdetect", description=__doc__)
+    parser = argparse.ArgumentParser(prog=f"python -m {NETDETECT}", description=__doc__)
     parser.add_argument("--prefer", default="", help="use this interface (the profile's network_interface)")
     args = parser.parse_args(argv)
     name = detect_interface(read_ip_brief(), args.prefer)

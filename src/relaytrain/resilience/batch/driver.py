@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from relaytrain.entry_points import BATCH_DRIVER, SNAPSHOT
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.env import narrow_to_nodes, place_by_hostfile
 from relaytrain.job.facts import SPARE_NODES_ENV, STEP_RESTARTS_ENV
@@ -164,7 +165,7 @@ def free_snapshots(python: list[str], config: str, nodes: list[str], what: str =
         f"--nodelist={','.join(nodes)}",
         *python,
         "-m",
-        "relaytrain.checkpoint.snapshot",
+        SNAPSHOT,
         "cleanup",
         "--config",
         config,
@@ -285,9 +286,7 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
 
 
 def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalForwarder]:
-    parser = argparse.ArgumentParser(
-        prog="python -m relaytrain.resilience.batch.driver", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog=f"python -m {BATCH_DRIVER}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--config", required=True, help="the run's resolved config (TOML)")
     parser.add_argument("--program", action="store_true", help="the step runs a --command program")

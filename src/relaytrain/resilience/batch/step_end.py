@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
+from relaytrain.entry_points import STEP_END
 from relaytrain.job import JobFacts, RunDir, jsonl
 from relaytrain.job.jsonl import append_event
 from relaytrain.job.slurmctld import usable_job_nodes
@@ -154,7 +155,7 @@ def end_step(
     return decision
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m relaytrain.resilience.batch.step_end") -> int:
+def main(argv: list[str] | None = None, prog: str = f"python -m {STEP_END}") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--exit-code", type=int, required=True, help="the job step's exit code")
     parser.add_argument("--run-dir", required=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.atomic import write_atomic
+from relaytrain.entry_points import HANG_WATCH
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.progress import Phase, ProgressRecord, read_board
 from relaytrain.resilience.hangs.stacks import describe_rank, process_state
@@ -163,9 +164,7 @@ def clear_old_boards(progress_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m relaytrain.resilience.hangs.watch", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog=f"python -m {HANG_WATCH}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--progress-dir", required=True, help="the node's progress board (tmpfs)")
     parser.add_argument("--node", default="")
