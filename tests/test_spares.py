@@ -4,6 +4,8 @@ one is excluded; the job script's sbatch/srun options and the driver's placement
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from relaytrain.config import load_config
@@ -238,3 +240,26 @@ def test_a_requeue_excluding_nodes_holds_updates_and_releases_the_job(monkeypatc
     monkeypatch.setattr(requeue, "expand_nodelist", lambda text: text.split(",") if text else [])
     assert requeue.scontrol_requeue("41", ("n2",))[0]
     assert calls == [("requeuehold", "41"), ("update", "JobId=41", "ExcNodeList=n9,n2"), ("release", "41")]
+
+
+def test_the_batch_program_asks_one_owner_about_spares():
+    """resilience/batch/spares.py alone names the idle spares to a step (RELAYTRAIN_SPARE_NODES, read back
+    by JobFacts) and computes which spare takes whose place; the driver, the decision and its restart
+    plan call it."""
+    from relaytrain.resilience.batch import spares
+
+    src = REPO / "src" / "relaytrain"
+    writers = sorted(
+        str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if re.search("SPARE_NODES_ENV|RELAYTRAIN_SPARE_NODES", p.read_text())
+    )
+    assert writers == ["job/facts.py", "resilience/batch/spares.py"]
+    for caller in ("driver.py", "step_end.py", "step_restart.py", "job_setup.py"):
+        text = (src / "resilience" / "batch" / caller).read_text()
+        asks = r"from relaytrain\.resilience\.batch import .*\bspares\b|batch\.spares import"
+        assert re.search(asks, text), caller
+    assert spares.swap_in(["n1", "n2"], {"n2"}, ["n2", "n3", "n4"], excluded=()) == (("n2", "n3"),)
+    assert spares.left_out(["n1", "n2", "n3"], ["n1", "n3"], []) == ["n2"]
+    assert spares.out_of_order(["n3", "n2"], ["n1", "n2", "n3"])
+    assert not spares.out_of_order(["n2", "n3"], ["n1", "n2", "n3"])

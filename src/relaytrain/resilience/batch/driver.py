@@ -12,7 +12,7 @@
   node set, and a fresh rendezvous port);
 * with spare nodes (``slurm.spare_nodes``): the step runs on the training nodes alone (``--nodelist``, the
   job's node variables narrowed to them), the idle spares are named to the decision
-  (``RELAYTRAIN_SPARE_NODES``), and a spare that takes a node's place takes its position: where that
+  (``spares.publish``), and a spare that takes a node's place takes its position: where that
   order is not Slurm's, the step's tasks are placed by a host file (``--distribution=arbitrary``);
 * when that decision itself failed, the requeue the run asked for and could not do (``requeue_pending``);
 * at the job's end for good (not requeued), the in-memory snapshots freed on every node of the job;
@@ -42,10 +42,11 @@ from typing import NamedTuple
 from relaytrain.entry_points import BATCH_DRIVER, SNAPSHOT
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.env import narrow_to_nodes, place_by_hostfile
-from relaytrain.job.facts import SPARE_NODES_ENV, STEP_RESTARTS_ENV
+from relaytrain.job.facts import STEP_RESTARTS_ENV
 from relaytrain.job.jsonl import append_job_record
 from relaytrain.job.ports import choose_port, has_no_listener
 from relaytrain.job.slurm_command import run_slurm_command
+from relaytrain.resilience.batch import spares
 from relaytrain.resilience.batch.job_setup import prepare, record_environment
 from relaytrain.resilience.batch.job_step import Heartbeat, SignalForwarder, job_log_path, log
 from relaytrain.resilience.batch.notify import Alerts
@@ -80,7 +81,7 @@ class StepLaunch:
     @property
     def replaced(self) -> list[str]:
         """The job's nodes a restart left out (a failed or slow node a spare took the place of)."""
-        return [node for node in self.order if node not in self.nodes and node not in self.spares]
+        return spares.left_out(self.order, self.nodes, self.spares)
 
     def argv(self) -> list[str]:
         # After the script's own options: a later srun option wins over an earlier one (--nodes).
@@ -95,7 +96,7 @@ class StepLaunch:
             # shares those CPUs (the old step's processes are gone).
             self.extra.append("--overlap")
         if nodes and list(nodes) != self.nodes:
-            self.spares = [spare for spare in self.spares if spare not in nodes]
+            self.spares = spares.still_idle(self.spares, nodes)
             self.place(list(nodes), environ)
         # Hashed, not job id + restarts: that is the next job's own first port, and two jobs sharing a first
         # node then joined each other's rendezvous.
@@ -110,8 +111,7 @@ class StepLaunch:
         # the placement replaces an earlier restart's (srun would take the last, but the log shows them all)
         self.extra = [option for option in self.extra if not option.startswith(_PLACEMENT)]
         self.extra += [f"--nodes={count}", f"--nodelist={','.join(self.nodes)}", f"--ntasks={tasks}"]
-        in_order = sorted(nodes, key=lambda n: order.index(n) if n in order else len(order))
-        if nodes != in_order and self.hostfile is not None:
+        if spares.out_of_order(nodes, order) and self.hostfile is not None:
             # srun orders tasks by Slurm's node order; a spare in a lower node's position needs a host file
             lines = [node for node in nodes for _ in range(self.tasks_per_node)]
             self.hostfile.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -247,7 +247,7 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
         launch.hostfile = plan.run.slurm / f"hosts-{JobFacts.from_env().job_id or 'local'}"
         launch.place(launch.nodes, environ)  # the training nodes alone; the spares wait
     while True:
-        environ[SPARE_NODES_ENV] = ",".join(launch.spares)
+        spares.publish(environ, launch.spares)
         job = JobFacts.from_env()
         environ[STEP_RESTARTS_ENV] = str(launch.restarts)
         log(f"{step_marker(job.restart_count, launch.restarts)} on {','.join(launch.nodes)}")

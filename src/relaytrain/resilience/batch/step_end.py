@@ -54,6 +54,7 @@ from relaytrain.entry_points import STEP_END
 from relaytrain.job import JobFacts, RunDir, jsonl
 from relaytrain.job.jsonl import append_event
 from relaytrain.job.slurmctld import usable_job_nodes
+from relaytrain.resilience.batch import spares
 from relaytrain.resilience.batch.crash import CrashLog
 from relaytrain.resilience.batch.step_decision import (  # noqa: F401  (the decision's names, for callers)
     Action,
@@ -148,8 +149,7 @@ def end_step(
     if exit_code != 0 and step.can_restart and job.in_slurm and (len(step.nodes) > 1 or job.spare_nodes):
         # a node that failed under `--no-kill`: Slurm drops it from the job and shows it down
         usable = usable_job_nodes(job.job_id)
-    spares = tuple(node for node in job.spare_nodes if usable is None or node in usable)
-    restartable = Restartable(step, min_nodes, usable, spares)
+    restartable = Restartable(step, min_nodes, usable, spares.usable(job.spare_nodes, usable))
     decision = decide(exit_code, facts, resilience, job, program=program, restartable=restartable)
     perform(decision, job, run, restart_file)
     return decision
