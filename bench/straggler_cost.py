@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from relaytrain.job.clock import StepClock
-from relaytrain.resilience.straggler_watch import StragglerWatch
+from relaytrain.resilience.rank.straggler_watch import StragglerWatch
 
 SPENT = [0.0]
 

@@ -12,8 +12,8 @@ def spread(data: dict) -> str:
     """How far apart the two ranks' fastest times per phase were in windows where nothing slowed either
     (the clean runs without busy processes, the slowed runs before their throttle): the noise a threshold
     must clear, per phase the detector compares."""
-    from relaytrain.resilience.straggler import MIN_PHASE_S, PHASES
-    from relaytrain.resilience.straggler_watch import judged_times
+    from relaytrain.resilience.rank.straggler import MIN_PHASE_S, PHASES
+    from relaytrain.resilience.rank.straggler_watch import judged_times
 
     from bench.straggler_records import matrix_from_record
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from relaytrain.resilience.straggler import MIN_PHASE_S
-from relaytrain.resilience.straggler_watch import RECORD_COLUMNS
+from relaytrain.resilience.rank.straggler import MIN_PHASE_S
+from relaytrain.resilience.rank.straggler_watch import RECORD_COLUMNS
 
 # phases timed since the record began: a run recorded before one was timed has no column of it
 ADDED_PHASES = ("forward",)

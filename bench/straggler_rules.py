@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
-from relaytrain.resilience.straggler import MIN_HOST_PHASE_S, MIN_PHASE_S, StragglerJudge
-from relaytrain.resilience.straggler_watch import judged_times
+from relaytrain.resilience.rank.straggler import MIN_HOST_PHASE_S, MIN_PHASE_S, StragglerJudge
+from relaytrain.resilience.rank.straggler_watch import judged_times
 
 from bench import kept
 from bench.bounds import rate

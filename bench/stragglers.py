@@ -142,7 +142,7 @@ def _yes(ok: bool) -> str:
 
 def _settings() -> dict:
     from relaytrain.config.schema import ResilienceConfig
-    from relaytrain.resilience.straggler import phase_floor
+    from relaytrain.resilience.rank.straggler import phase_floor
 
     r = ResilienceConfig()
     return {"threshold": r.straggler_threshold, "every": r.straggler_every, "windows": r.straggler_windows,

@@ -31,7 +31,7 @@ from relaytrain.config.loader import load_config
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
 from relaytrain.resilience import HangWatchdog, RunStateFile, ShutdownController
-from relaytrain.resilience.early_signals import capture_early_signals
+from relaytrain.resilience.rank.early_signals import capture_early_signals
 from relaytrain.resilience.run_state import RunState
 
 from conftest import TINY

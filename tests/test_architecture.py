@@ -25,13 +25,14 @@ ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 # Bottom to top; the same table is drawn in docs/architecture.md.
 LAYERS: list[set[str]] = [
     # leaves; torch_private: the seam to torch's privates (job/torchrun.py patches torchrun through it)
-    {"errors", "lazy", "version", "torch_private", "atomic"},
+    {"errors", "lazy", "version", "torch_private", "atomic", "entry_points"},
     {"job"},  # the in-job layer: facts of the job this process runs in
     {"config"},
     {"model", "data", "optim"},
     {"parallel", "checkpoint", "resilience", "monitor"},
     {"plan"},  # the memory model and estimates of `relaytrain plan`: pure, no Slurm
     {"slurm", "localcluster", "preflight"},  # login-node side: launcher and job tools; the local test cluster
+    {"inspection"},  # status, logs, report, verify: a run directory read back (a job id: slurm/)
     {"trainer", "program"},
     {"cli", "__init__"},
 ]
@@ -235,8 +236,8 @@ def test_the_cycle_check_reads_the_benchmarks():
 
 
 def test_a_main_block_alias_counts_as_an_import():
-    alias = 'if __name__ == "__main__":\n    from relaytrain.resilience.step_end import main\n'
-    assert "relaytrain.resilience.step_end" in _imports_of(alias)
+    alias = 'if __name__ == "__main__":\n    from relaytrain.resilience.batch.step_end import main\n'
+    assert "relaytrain.resilience.batch.step_end" in _imports_of(alias)
 
 
 def test_the_architecture_page_names_every_checkpoint_module():
@@ -318,9 +319,194 @@ def test_every_entry_point_the_architecture_page_names_runs_as_a_module():
             main.name != "__main__.py" and '__name__ == "__main__"' not in main.read_text()
         ):
             broken.append(module)
-    assert {"relaytrain.job.task", "relaytrain.resilience.job_driver"} <= named and not broken, broken
+    assert {"relaytrain.job.task", "relaytrain.resilience.batch.driver"} <= named and not broken, broken
 
 
 def test_the_batch_template_only_hands_over():
     lines = len((SRC / "slurm" / "templates" / "job.sh.j2").read_text().splitlines())
     assert lines <= 150, f"job.sh.j2 has {lines} lines: move what it computes into the driver"
+
+
+# Processes: every `python -m relaytrain.X` is a row of relaytrain/entry_points.py, and a module that starts
+# one names it through the table, so each process edge is an arrow the layer rule checks.
+from relaytrain.entry_points import ENTRY_POINTS  # noqa: E402
+
+TABLE = SRC / "entry_points.py"
+RUN_BY_NAME = re.compile(r"-m\s+relaytrain\.|import relaytrain\.")
+# Process edges against the layer rule, each with its reason; a new one fails, one gone fails too.
+UPWARD_PROCESS_EDGES: dict[tuple[str, str], str] = {
+    ("relaytrain.job.task", "relaytrain.resilience.hangs.watch"): (
+        "the task wrapper (no torch import, so layer 1) starts the node's helpers beside the ranks"
+    ),
+    ("relaytrain.job.task", "relaytrain.monitor.gpu_monitor"): "as the hang watcher",
+    (
+        "relaytrain.slurm.script",
+        "relaytrain.cli",
+    ): "each task of a job step runs `relaytrain train`, as a person would",
+    ("relaytrain.preflight.commands", "relaytrain.cli"): "`relaytrain preflight` runs itself again as ranks",
+    ("relaytrain.resilience.batch.driver", "relaytrain.checkpoint.snapshot"): (
+        "the batch job frees the nodes' snapshots with the snapshot tier's own cleanup (one layer)"
+    ),
+}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, kinds) and node.body and isinstance(node.body[0], ast.Expr)
+    }
+
+
+def _process_names(paths: list[Path]) -> list[str]:
+    """Strings that start one of relaytrain's processes by name (`"relaytrain.job.task"`, `-m relaytrain.x`,
+    a template's `-m relaytrain.x` or `import relaytrain.x`), outside docstrings and the table."""
+    modules, found = {e.module for e in ENTRY_POINTS}, []
+    for path in paths:
+        text = path.read_text()
+        if path.suffix != ".py":
+            found += [
+                f"{path.name}:{i}" for i, line in enumerate(text.splitlines(), 1) if RUN_BY_NAME.search(line)
+            ]
+            continue
+        tree = ast.parse(text)
+        skip = _docstrings(tree)
+        found += [
+            f"{path.name}:{node.lineno}: {node.value!r}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in skip
+            and (node.value in modules or re.search(r"-m\s+relaytrain\.", node.value))
+        ]
+    return found
+
+
+def test_no_process_is_started_by_a_name_outside_the_table():
+    paths = [p for p in sorted([*SRC.rglob("*.py"), *SRC.rglob("*.j2")]) if p != TABLE]
+    found = _process_names(paths)
+    assert not found, f"name these processes through relaytrain.entry_points: {found}"
+
+
+def test_the_table_check_sees_a_process_started_by_name(tmp_path):
+    planted = tmp_path / "starter.py"
+    planted.write_text('"""python -m relaytrain.job.task in a docstring is fine."""\nimport subprocess\n')
+    assert not _process_names([planted])
+    planted.write_text(planted.read_text() + 'subprocess.run(["python", "-m", "relaytrain.job.task"])\n')
+    template = tmp_path / "job.sh.j2"
+    template.write_text("srun python -m relaytrain.cli train\n")
+    assert len(_process_names([planted, template])) == 2
+
+
+def _runnable_modules() -> set[str]:
+    found = set()
+    for path in SRC.rglob("*.py"):
+        name = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+        if path.name == "__main__.py":
+            found.add(name.removesuffix(".__main__"))
+        elif '__name__ == "__main__"' in path.read_text():
+            found.add(name)
+    return found
+
+
+def test_every_entry_point_is_a_row_of_the_table():
+    assert _runnable_modules() == {e.module for e in ENTRY_POINTS}
+
+
+def _module_of(path: Path) -> str:
+    return ".".join(path.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def test_each_starter_is_declared_in_the_table():
+    """A module that imports an entry point's name from the table starts that process (or is it)."""
+    import relaytrain.entry_points as table
+
+    used: set[tuple[str, str]] = set()
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "relaytrain.entry_points":
+                starter = _module_of(path).removesuffix(".__main__")
+                used |= {(starter, getattr(table, a.name)) for a in node.names if a.name.isupper()}
+    used = {(starter, module) for starter, module in used if starter != module}
+    declared = {(starter, e.module) for e in ENTRY_POINTS for starter in e.started_by if starter != e.module}
+    assert used == declared, (
+        f"starting, not declared: {used - declared}; declared, not starting: {declared - used}"
+    )
+
+
+def _unit_of(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_process_edges_follow_the_layer_rule():
+    edges = {(starter, e.module) for e in ENTRY_POINTS for starter in e.started_by}
+    upward = {
+        (a, b)
+        for a, b in edges
+        if _unit_of(a) != _unit_of(b) and LAYER_OF[_unit_of(b)] >= LAYER_OF[_unit_of(a)]
+    }
+    new = sorted(upward - set(UPWARD_PROCESS_EDGES))
+    gone = sorted(set(UPWARD_PROCESS_EDGES) - upward)
+    assert not new and not gone, f"process edges against the layer rule: {new}; listed but gone: {gone}"
+
+
+def test_the_launch_drawing_shows_the_processes_of_a_job():
+    text = ARCHITECTURE.read_text()
+    section = text[text.index("## The launch path") :]
+    drawing = section.split("```")[1]
+    named = set(re.findall(r"relaytrain(?:\.[a-z_]+)+", drawing))
+    assert named == {e.module for e in ENTRY_POINTS if e.in_job}
+
+
+def _drawn_layers() -> dict[str, int]:
+    """The layer drawing of docs/architecture.md read back: package or module -> its layer. Names stand
+    left of column 44, where the descriptions begin (a line of names only may run on)."""
+    block = ARCHITECTURE.read_text().split("## The layers", 1)[1].split("```")[1]
+    drawn: dict[str, int] = {}
+    layer = -1
+    for line in block.splitlines():
+        if match := re.match(r"^\s?(\d)\s", line):
+            layer = int(match.group(1))
+        names = line if len(line) > 44 and line[43] != " " else line[:44]
+        for token in re.findall(r"relaytrain/__init__|\b[a-z_]+/|\b[a-z_]+\.py\b", names):
+            name = token.removesuffix("/").removesuffix(".py")
+            name = "__init__" if token == "relaytrain/__init__" else name
+            drawn[name] = layer
+    return drawn
+
+
+def test_the_layer_drawing_is_the_layer_rule():
+    """Each package the drawing names exists, at the layer the rule gives it."""
+    drawn = _drawn_layers()
+    units = {_unit(p) for p in SRC.rglob("*.py")}
+    assert drawn == LAYER_OF and set(drawn) == units, (drawn, LAYER_OF)
+
+
+def test_the_architecture_page_names_every_resilience_module_in_its_process():
+    """Each module of resilience/ is named in its sub-package's row (the top's in the first table)."""
+    text = ARCHITECTURE.read_text()
+    section = text[text.index("## Inside resilience/") : text.index("## The launch path")]
+    rows = {row.split("|")[1].strip(" `"): row for row in section.splitlines() if row.startswith("| `")}
+    missing = []
+    for path in sorted((SRC / "resilience").rglob("*.py")):
+        rel = path.relative_to(SRC / "resilience")
+        if path.stem in ("__init__", "__main__"):
+            continue
+        row = rows.get(f"{rel.parts[0]}/" if len(rel.parts) > 1 else rel.name, "")
+        if f"`{path.name}`" not in row:
+            missing.append(str(rel))
+    assert not missing, f"docs/architecture.md's resilience/ tables do not list {missing}"
+
+
+def test_an_earlier_name_runs_the_entry_point_it_names():
+    """Batch scripts of earlier versions run the driver and the decision by their earlier names."""
+    import subprocess
+
+    earlier = [e for e in ENTRY_POINTS if e.replaced_by]
+    assert earlier
+    for entry in earlier:
+        main = SRC.parent.joinpath(*entry.module.split("."), "__main__.py")
+        assert f"from {entry.replaced_by} import main" in main.read_text(), entry.module
+        done = subprocess.run([sys.executable, "-m", entry.module, "--help"], capture_output=True, text=True)
+        assert done.returncode == 0 and "--run-dir" in done.stdout, (entry.module, done.stderr)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from relaytrain.resilience.straggler import MIN_HOST_PHASE_S, MIN_PHASE_S, phase_floor
+from relaytrain.resilience.rank.straggler import MIN_HOST_PHASE_S, MIN_PHASE_S, phase_floor
 
 from bench import straggler_rules as rules
 from bench.straggler_rules import Rule

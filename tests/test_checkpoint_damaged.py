@@ -13,7 +13,7 @@ from relaytrain.checkpoint import UnloadableCheckpoints, files
 from relaytrain.checkpoint.schedule import retention_victims
 from relaytrain.errors import UserError
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience import crash
+from relaytrain.resilience.batch import crash
 from relaytrain.resilience.run_state import RunState, RunStateFile, recorded_checkpoint_step
 from test_checkpoint import make, train_step
 

@@ -13,7 +13,7 @@ import pytest
 
 from relaytrain.checkpoint.save_errors import disk_full_error
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience import crash
+from relaytrain.resilience.batch import crash
 from relaytrain.resilience.run_state import RunStateFile
 from tiny_config import TINY_TOML
 

@@ -1,6 +1,6 @@
 """Crash recovery: a job step that crashed is requeued from the last complete checkpoint, capped per job.
 
-The unit tests drive the end-of-step decision (``relaytrain.resilience.step_end``) with a fake requeue;
+The unit tests drive the end-of-step decision (``relaytrain.resilience.batch.step_end``) with a fake requeue;
 the Slurm tests SIGKILL one rank of a real job on the local cluster and check the resumed run against an
 uninterrupted one.
 """
@@ -32,7 +32,8 @@ from e2e_slurm_jobs import (
 )
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience import crash, requeue, step_end
+from relaytrain.resilience import requeue
+from relaytrain.resilience.batch import crash, step_end
 from relaytrain.resilience.run_state import RunState, RunStateFile
 
 import faults
@@ -151,8 +152,10 @@ def test_torchrun_failure_summary_names_the_signal():
 def test_crash_check_block_of_the_batch_script_and_the_default_cap():
     from relaytrain.config import load_config
 
-    template = (Path(crash.__file__).parents[1] / "slurm" / "templates" / "job.sh.j2").read_text()
-    assert template.count("-m relaytrain.resilience.job_driver --run-dir") == 1  # with or without a container
+    template = (Path(crash.__file__).parents[2] / "slurm" / "templates" / "job.sh.j2").read_text()
+    assert (
+        template.count("-m relaytrain.resilience.batch.driver --run-dir") == 1
+    )  # with or without a container
     assert "step_end" not in template and "-m relaytrain.program" not in template
     assert load_config(None).resilience.max_crash_requeues == 3
 
@@ -313,7 +316,7 @@ def fake(requeue_id):
 requeue.scontrol_requeue = fake
 sys.argv = ["step_end", "--config", {str(config)!r}, "--run-dir", {str(run_dir)!r}, "--exit-code", "137"]
 try:
-    runpy.run_module("relaytrain.resilience.step_end", run_name="__main__")
+    runpy.run_module("relaytrain.resilience.batch.step_end", run_name="__main__")
 except SystemExit as done:
     code = done.code
 os.kill(os.getpid(), signal.SIGTERM)  # ... or just after it returned

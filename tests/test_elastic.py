@@ -113,7 +113,7 @@ def test_a_world_no_layout_fits_is_one_line_before_the_run_starts(tmp_path, tiny
 
 def test_in_a_slurm_job_a_world_no_layout_fits_is_recorded_and_not_requeued(tmp_path, tiny_args):
     from relaytrain.job import JobFacts
-    from relaytrain.resilience.crash import classify
+    from relaytrain.resilience.batch.crash import classify
     from relaytrain.resilience.run_state import RunState
 
     job = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}
@@ -136,10 +136,10 @@ def _record(kind: str, step: int, restart: int, t: float, **fields) -> str:
 
 
 def test_status_and_report_show_the_node_count_of_each_run(tmp_path):
+    from relaytrain.inspection.report import make_report
     from relaytrain.job import RunDir
     from relaytrain.monitor.history import load_history
     from relaytrain.monitor.plots import _restarts_by_step
-    from relaytrain.monitor.report import make_report
     from relaytrain.slurm.jobs import nodes_per_run
 
     lines = [_record("event", 0, 0, 1.0, event="start", world_size=4, nodes=2)]

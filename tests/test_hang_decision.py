@@ -13,14 +13,14 @@ import pytest
 
 from relaytrain.cli import main
 from relaytrain.config.schema import ResilienceConfig
+from relaytrain.inspection.run_view import run_rows
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience import step_end
-from relaytrain.resilience.crash import CrashLog, describe_crash
-from relaytrain.resilience.hang_record import MAX_RECORD_BYTES, HangRecord, HangRecordFile
+from relaytrain.resilience.batch import step_end
+from relaytrain.resilience.batch.crash import CrashLog, describe_crash
+from relaytrain.resilience.batch.step_end import Action, Restartable, RunFacts, decide
+from relaytrain.resilience.batch.step_restart import StepFacts
+from relaytrain.resilience.hangs.record import MAX_RECORD_BYTES, HangRecord, HangRecordFile
 from relaytrain.resilience.run_state import RunState, RunStateFile
-from relaytrain.resilience.step_end import Action, Restartable, RunFacts, decide
-from relaytrain.resilience.step_restart import StepFacts
-from relaytrain.slurm.run_view import run_rows
 
 JOB_ENV = {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "0", "RELAYTRAIN_STEP_RESTARTS": "1"}
 JOB = JobFacts.from_env(JOB_ENV)

@@ -14,7 +14,7 @@ import pytest
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job.progress import Phase, ProgressRecord
-from relaytrain.resilience.hang_detect import (
+from relaytrain.resilience.hangs.detect import (
     HangPolicy,
     RankView,
     assess,
@@ -22,9 +22,9 @@ from relaytrain.resilience.hang_detect import (
     phase_limit,
     progress_key,
 )
-from relaytrain.resilience.hang_monitor import INTERVAL_S
-from relaytrain.resilience.hang_report import render_report
-from relaytrain.resilience.slow_ranks import SlowRankTracker, at_one_instant, sample_gap
+from relaytrain.resilience.hangs.monitor import INTERVAL_S
+from relaytrain.resilience.hangs.report import render_report
+from relaytrain.resilience.hangs.slow_ranks import SlowRankTracker, at_one_instant, sample_gap
 
 POLICY = HangPolicy(floor_s=40.0, multiple=10.0, cap_s=1800.0)
 MEDIANS = {Phase.DATA: 0.01, Phase.FORWARD_BACKWARD: 0.3, Phase.OPTIMIZER: 0.05}

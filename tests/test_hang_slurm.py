@@ -36,7 +36,7 @@ from e2e_slurm_jobs import (
     write_config,
 )
 from relaytrain.job import RunDir
-from relaytrain.resilience.crash import CrashLog
+from relaytrain.resilience.batch.crash import CrashLog
 
 import faults
 from bench.cluster.harness import node_of, rank_pids

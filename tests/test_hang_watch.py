@@ -19,9 +19,9 @@ from pathlib import Path
 
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.progress import PROGRESS_DIR_ENV, read_board
-from relaytrain.resilience.hang_detect import HangPolicy
-from relaytrain.resilience.hang_monitor import HangMonitor
-from relaytrain.resilience.hang_record import HangRecordFile
+from relaytrain.resilience.hangs.detect import HangPolicy
+from relaytrain.resilience.hangs.monitor import HangMonitor
+from relaytrain.resilience.hangs.record import HangRecordFile
 
 from conftest import child_env
 
@@ -72,7 +72,7 @@ def wait_for(predicate, timeout: float, what: str):
 def test_the_monitor_names_the_stopped_rank_gets_the_others_stacks_and_ends_the_step(tmp_path, capsys):
     run, board = RunDir(tmp_path / "run"), tmp_path / "board"
     ranks = [start_rank(r, run, board) for r in (0, 1)]
-    watcher = subprocess.Popen([sys.executable, "-m", "relaytrain.resilience.hang_watch", "--run-dir",
+    watcher = subprocess.Popen([sys.executable, "-m", "relaytrain.resilience.hangs.watch", "--run-dir",
                                 str(run.root), "--progress-dir", str(board), "--node", "n1", "--job-id", "7",
                                 "--interval", "0.2"], env=child_env())  # fmt: skip
     ended: list[bool] = []

@@ -1,4 +1,4 @@
-"""The batch job's driver (relaytrain.resilience.job_driver): one step after the other with its marker,
+"""The batch job's driver (relaytrain.resilience.batch.driver): one step after the other with its marker,
 Slurm's signal passed on, a restart in place with the nodes left and a fresh port, the pending requeue
 when the decision failed, the snapshots freed only when the job ends for good."""
 
@@ -18,12 +18,12 @@ import pytest
 from relaytrain.job import RunDir
 from relaytrain.job.facts import STEP_RESTARTS_ENV
 from relaytrain.job.ports import base_port, choose_port, has_no_listener
-from relaytrain.resilience import job_driver
-from relaytrain.resilience.crash import CrashLog
-from relaytrain.resilience.job_driver import JobPlan, StepLaunch, requeue_state
-from relaytrain.resilience.job_step import SignalForwarder, exit_status
+from relaytrain.resilience.batch import driver as job_driver
+from relaytrain.resilience.batch.crash import CrashLog
+from relaytrain.resilience.batch.driver import JobPlan, StepLaunch, requeue_state
+from relaytrain.resilience.batch.job_step import SignalForwarder, exit_status
+from relaytrain.resilience.batch.step_decision import step_marker
 from relaytrain.resilience.run_state import RunState, RunStateFile
-from relaytrain.resilience.step_decision import step_marker
 
 from conftest import child_env, fake_tool
 
@@ -181,7 +181,7 @@ def test_the_decision_reads_only_its_own_steps_part_of_the_job_log(job, tmp_path
     fake_tool(job / "bin", "srun",
          '[[ $RELAYTRAIN_STEP_RESTARTS == 0 ]] || exit 0\n'
          'echo "srun: error: node2: task 1: Killed"; exit 137\n')  # fmt: skip
-    command = [sys.executable, "-m", "relaytrain.resilience.job_driver", "--run-dir", str(tmp_path / "run"),
+    command = [sys.executable, "-m", "relaytrain.resilience.batch.driver", "--run-dir", str(tmp_path / "run"),
                "--config", "", "--nodes", "node1,node2", "--", "python", "t.py"]  # fmt: skip
     env = child_env(SLURM_JOB_ID="123")
     with open(log_file, "a") as out:

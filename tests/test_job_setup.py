@@ -1,17 +1,17 @@
-"""What the batch job's driver sets up before its first step (resilience/job_setup.py), formerly the batch
-shell's: the training nodes and spares, the master, and the job log's record of the environment."""
+"""What the batch job's driver sets up before its first step (resilience/batch/job_setup.py), formerly
+the batch shell's: the training nodes and spares, the master, and the job log's record of the environment."""
 
 from __future__ import annotations
 
 from relaytrain.job import JobFacts
 from relaytrain.job.ports import PORT_MAX, PORT_MIN
-from relaytrain.resilience import job_setup
+from relaytrain.resilience.batch import job_setup, spares
 
 
 def test_the_first_nodes_train_and_the_others_are_spares(monkeypatch):
     job = JobFacts.from_env({"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n1,n2,n3"})
-    assert job_setup.split_nodes(job, 2) == (["n1", "n2"], ["n3"])
-    assert job_setup.split_nodes(job, 0) == (["n1", "n2", "n3"], [])
+    assert spares.split_nodes(job, 2) == (["n1", "n2"], ["n3"])
+    assert spares.split_nodes(job, 0) == (["n1", "n2", "n3"], [])
     environ = {"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n1,n2,n3"}
     monkeypatch.setattr(job_setup, "read_ip_brief", lambda: "ib0 UP 10.0.0.1/16\n")
     nodes = job_setup.prepare(environ, 2, 8)

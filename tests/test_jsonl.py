@@ -18,8 +18,8 @@ NOT_A_RUN_FILE = {"data/readers.py"}
 TEXT_APPENDERS = {
     "monitor/gpu_monitor.py",
     "monitor/logs.py",
-    "resilience/watchdog.py",
-    "resilience/stack_signal.py",  # faulthandler's stacks, plain text
+    "resilience/rank/watchdog.py",
+    "resilience/rank/stack_signal.py",  # faulthandler's stacks, plain text
     "data/sources.py",
 }
 

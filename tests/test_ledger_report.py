@@ -13,11 +13,11 @@ import pytest
 import relaytrain.monitor.run_ledger as run_ledger
 import test_monitor_report
 from relaytrain.cli import main
+from relaytrain.inspection.report import make_report
 from relaytrain.job import RunDir
 from relaytrain.job.allocations import JobRun
 from relaytrain.monitor.ledger import BUCKET_MEANING, BUCKETS
 from relaytrain.monitor.ledger_plot import BUCKET_COLORS
-from relaytrain.monitor.report import make_report
 from test_ledger import T0, _crashed_step, _trained, begin, driver, end, ident, window
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from relaytrain.errors import UserError
+from relaytrain.inspection.report import make_report
+from relaytrain.inspection.report_command import register
 from relaytrain.job import RunDir
-from relaytrain.monitor.commands import register
 from relaytrain.monitor.gpu_monitor import COLUMNS
 from relaytrain.monitor.history import load_history
-from relaytrain.monitor.report import make_report
 
 TOKENS_PER_STEP = 524_288
 DEVICES = 16

@@ -1,5 +1,5 @@
-"""Alerts ([notify], relaytrain.resilience.notify): the events a run's records tell, the bounded queue that
-never blocks, retries, the webhook's URL as a secret, the messages; and a real run under the batch driver
+"""Alerts ([notify], relaytrain.resilience.batch.notify): the events a run's records tell, the bounded queue
+that never blocks, retries, the webhook's URL as a secret, the messages; and a real run under the batch driver
 (a fake srun, no Slurm) whose events reach a real HTTP receiver in order, each once, with losses that do
 not change when the receiver is down."""
 
@@ -21,8 +21,8 @@ from relaytrain.config import config_to_toml, load_config
 from relaytrain.config.schema import NOTIFY_EVENTS, NotifyConfig
 from relaytrain.errors import ConfigError
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience.notify import Alerts, Watcher, at_job_end
-from relaytrain.resilience.notify_send import (
+from relaytrain.resilience.batch.notify import Alerts, Watcher, at_job_end
+from relaytrain.resilience.batch.notify_send import (
     Alert,
     DeliveryError,
     NotifyError,
@@ -435,7 +435,7 @@ def drive_a_crashing_run(tmp_path: Path, name: str, notify: list[str], env: dict
     bin_dir = tmp_path / "bin"
     fake_tool(bin_dir, "srun", CRASHING_SRUN)
     fake_tool(bin_dir, "scontrol", "exit 0\n")
-    command = [sys.executable, "-m", "relaytrain.resilience.job_driver", "--run-dir", str(run_dir),
+    command = [sys.executable, "-m", "relaytrain.resilience.batch.driver", "--run-dir", str(run_dir),
                "--config", str(config), "--nodes", "node1", "--",
                sys.executable, "-m", "relaytrain.cli", "train", str(config)]  # fmt: skip
     fault = faults.env(step_delay_s=0.05)  # steps slow enough for the kill to land mid-run

@@ -110,7 +110,7 @@ def test_the_needs_are_the_plans_figures():
 
 
 def test_status_shows_the_newest_preflight(tmp_path):
-    from relaytrain.slurm.run_view import run_rows
+    from relaytrain.inspection.run_view import run_rows
 
     run = RunDir(tmp_path / "r")
     run.preflights.mkdir(parents=True)

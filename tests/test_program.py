@@ -17,7 +17,7 @@ import test_slurm_script
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
-from relaytrain.resilience import step_end
+from relaytrain.resilience.batch import step_end
 from relaytrain.slurm.launch import LaunchRequest, launch
 from test_slurm_script import SHELLCHECK, dry, quiet, run_script
 
@@ -165,7 +165,7 @@ def test_command_default_sends_no_signal_and_trainer_default_is_unchanged(work):
     text = command_script()
     assert "#SBATCH --signal" not in text and "trap 'forward_signal" not in text
     assert "export RELAYTRAIN_RUN_DIR=$run_dir RELAYTRAIN_CONFIG=$config_file" in text
-    assert "-m relaytrain.resilience.job_driver --run-dir" in text and "--signal none" in text
+    assert "-m relaytrain.resilience.batch.driver --run-dir" in text and "--signal none" in text
     assert "--heartbeat-s 300 --program" in text
     trainer = dry("7b", slurm={"nodes": 1})
     assert "#SBATCH --signal=B:USR2@180" in trainer and "--program" not in trainer

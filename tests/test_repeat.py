@@ -1,5 +1,6 @@
-"""The repeat rule (relaytrain.resilience.repeat) through the end-of-step decision: a crash that reproduces
-the previous crash of the job (same exception and message at the same step, or the same error at start-up)
+"""The repeat rule (relaytrain.resilience.batch.repeat) through the end-of-step decision: a crash that
+reproduces the previous crash of the job (same exception and message at the same step, or the same error at
+start-up)
 stops it with the cause named, after one reproduction, never requeued; a fault of the machines (a signal,
 a lost node, a hang, a broken connection, a full disk) is restarted or requeued however often it comes."""
 
@@ -9,11 +10,11 @@ import pytest
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts
-from relaytrain.resilience import repeat
-from relaytrain.resilience.hang_record import HangRecord
+from relaytrain.resilience.batch import repeat
+from relaytrain.resilience.batch.step_end import Action, Restartable, RunFacts, decide
+from relaytrain.resilience.batch.step_restart import StepFacts
+from relaytrain.resilience.hangs.record import HangRecord
 from relaytrain.resilience.run_state import RunState
-from relaytrain.resilience.step_end import Action, Restartable, RunFacts, decide
-from relaytrain.resilience.step_restart import StepFacts
 
 JOB_ENV = {"SLURM_JOB_ID": "41", "SLURM_RESTART_COUNT": "0"}
 SHAPE = "RuntimeError('mat1 and mat2 shapes cannot be multiplied (4x64 and 32x64)')"

@@ -35,7 +35,7 @@ from relaytrain.resilience import (
     mark_finished,
     mark_running,
 )
-from relaytrain.resilience.early_signals import capture_early_signals
+from relaytrain.resilience.rank.early_signals import capture_early_signals
 from relaytrain.resilience.run_state import RunState
 
 REPO = Path(__file__).resolve().parents[1]

@@ -56,7 +56,8 @@ def _import_cli_as(argv: list[str]) -> subprocess.CompletedProcess:
     code = (
         f"import os, signal, sys; sys.argv = {argv!r}; import relaytrain.cli; "
         "os.kill(os.getpid(), signal.SIGUSR2); "
-        "from relaytrain.resilience.early_signals import drain_early_signals; print(drain_early_signals())"
+        "from relaytrain.resilience.rank.early_signals import drain_early_signals; "
+        "print(drain_early_signals())"
     )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env())
 

@@ -19,7 +19,7 @@ import pytest
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
-from relaytrain.resilience import crash, step_end
+from relaytrain.resilience.batch import crash, step_end
 from relaytrain.resilience.run_lock import Holder, RunLock, process_start
 from relaytrain.resilience.run_state import RunState, RunStateFile
 from relaytrain.slurm.submit import read_jobs

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience.crash import classify
+from relaytrain.resilience.batch.crash import classify
 from relaytrain.resilience.run_state import (
     RunState,
     RunStateError,

@@ -11,10 +11,10 @@ import pytest
 import test_slurm_script
 from relaytrain.cli import main
 from relaytrain.errors import UserError
+from relaytrain.inspection.report import make_report
 from relaytrain.job import RunDir
 from relaytrain.monitor import plots
 from relaytrain.monitor.history import load_history
-from relaytrain.monitor.report import make_report
 from tiny_config import TINY_TOML
 
 from conftest import REPO, run_cli

@@ -22,10 +22,10 @@ SLURM_TOOLS = {"scontrol", "squeue", "sacct", "sacctmgr", "sbatch", "scancel", "
 PROCESS_STARTERS = {
     "job/task.py": "the node's GPU monitor and hang watcher",
     "job/netdetect.py": "ip",
-    "resilience/job_step.py": "the job step itself (srun, argv from the batch script): a long process "
+    "resilience/batch/job_step.py": "the job step itself (srun, argv from the batch script): a long process "
     "whose signals are forwarded, not a client command",
-    "resilience/hang_stacks.py": "py-spy",
-    "resilience/job_setup.py": "nvidia-smi / rocm-smi and pip freeze, for the job log",
+    "resilience/hangs/stacks.py": "py-spy",
+    "resilience/batch/job_setup.py": "nvidia-smi / rocm-smi and pip freeze, for the job log",
     "monitor/gpu_monitor.py": "nvidia-smi / rocm-smi",
     "parallel/simulate.py": "the fake-tensor step in a fresh interpreter",
     "parallel/sim_reshard.py": "the resharding simulation in a fresh interpreter",
@@ -36,7 +36,7 @@ PROCESS_STARTERS = {
     "localcluster/net.py": "ip",
     "localcluster/node_memory.py": "nsenter",
     "preflight/commands.py": "the checks' ranks under torchrun (relaytrain preflight outside Slurm)",
-    "resilience/notify_send.py": "the user's [notify] command, the event on its stdin",
+    "resilience/batch/notify_send.py": "the user's [notify] command, the event on its stdin",
 }
 REQUEUE_OWNER = "resilience/requeue.py"
 
@@ -170,7 +170,7 @@ def test_the_requeue_scan_sees_a_second_path():
 
 def test_the_batch_template_keeps_no_copy_of_the_driver():
     """The batch script sets up the environment and hands over: no requeue, no run_state.json read, no
-    port or interface rule of its own (the driver's, resilience/job_setup.py)."""
+    port or interface rule of its own (the driver's, resilience/batch/job_setup.py)."""
     template = (SRC / "slurm" / "templates" / "job.sh.j2").read_text()
     for copy in ("scontrol requeue", "run_state", "requeue_pending", "pick_port", "port_in_use", "ip -br"):
         assert copy not in template, copy

@@ -35,7 +35,7 @@ from e2e_slurm_jobs import (
 from relaytrain.job import RunDir
 from relaytrain.job.env import expand_nodelist
 from relaytrain.localcluster import cluster as local_cluster
-from relaytrain.resilience.crash import CrashLog
+from relaytrain.resilience.batch.crash import CrashLog
 
 import faults
 from bench.cluster.harness import rank_pids

@@ -4,19 +4,22 @@ one is excluded; the job script's sbatch/srun options and the driver's placement
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from relaytrain.config import load_config
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.errors import UserError
+from relaytrain.inspection.run_view import run_rows
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience import bad_nodes, requeue, step_end
-from relaytrain.resilience.crash import CrashLog, describe_crash
-from relaytrain.resilience.job_driver import StepLaunch
+from relaytrain.resilience import requeue
+from relaytrain.resilience.batch import bad_nodes, step_end
+from relaytrain.resilience.batch.crash import CrashLog, describe_crash
+from relaytrain.resilience.batch.driver import StepLaunch
+from relaytrain.resilience.batch.step_decision import Action, Restartable, RunFacts, decide
+from relaytrain.resilience.batch.step_restart import StepFacts, plan_restart
 from relaytrain.resilience.run_state import RunState, RunStateFile
-from relaytrain.resilience.step_decision import Action, Restartable, RunFacts, decide
-from relaytrain.resilience.step_restart import StepFacts, plan_restart
-from relaytrain.slurm.run_view import run_rows
 from relaytrain.slurm.script import JobSpec, render_script, sbatch_options
 
 from conftest import REPO
@@ -237,3 +240,26 @@ def test_a_requeue_excluding_nodes_holds_updates_and_releases_the_job(monkeypatc
     monkeypatch.setattr(requeue, "expand_nodelist", lambda text: text.split(",") if text else [])
     assert requeue.scontrol_requeue("41", ("n2",))[0]
     assert calls == [("requeuehold", "41"), ("update", "JobId=41", "ExcNodeList=n9,n2"), ("release", "41")]
+
+
+def test_the_batch_program_asks_one_owner_about_spares():
+    """resilience/batch/spares.py alone names the idle spares to a step (RELAYTRAIN_SPARE_NODES, read back
+    by JobFacts) and computes which spare takes whose place; the driver, the decision and its restart
+    plan call it."""
+    from relaytrain.resilience.batch import spares
+
+    src = REPO / "src" / "relaytrain"
+    writers = sorted(
+        str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if re.search("SPARE_NODES_ENV|RELAYTRAIN_SPARE_NODES", p.read_text())
+    )
+    assert writers == ["job/facts.py", "resilience/batch/spares.py"]
+    for caller in ("driver.py", "step_end.py", "step_restart.py", "job_setup.py"):
+        text = (src / "resilience" / "batch" / caller).read_text()
+        asks = r"from relaytrain\.resilience\.batch import .*\bspares\b|batch\.spares import"
+        assert re.search(asks, text), caller
+    assert spares.swap_in(["n1", "n2"], {"n2"}, ["n2", "n3", "n4"], excluded=()) == (("n2", "n3"),)
+    assert spares.left_out(["n1", "n2", "n3"], ["n1", "n3"], []) == ["n2"]
+    assert spares.out_of_order(["n3", "n2"], ["n1", "n2", "n3"])
+    assert not spares.out_of_order(["n2", "n3"], ["n1", "n2", "n3"])

@@ -1,4 +1,4 @@
-"""The end of a job step (relaytrain.resilience.step_end): every exit code and run_state.json the batch
+"""The end of a job step (relaytrain.resilience.batch.step_end): every exit code and run_state.json the batch
 script can meet gives one action and its reason; performing it writes the records and requeues once."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import pytest
 import test_slurm_script
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience import requeue, step_end
-from relaytrain.resilience.crash import CrashLog
+from relaytrain.resilience import requeue
+from relaytrain.resilience.batch import step_end
+from relaytrain.resilience.batch.crash import CrashLog
+from relaytrain.resilience.batch.step_end import Action, RunFacts, decide
 from relaytrain.resilience.run_state import RunState, RunStateFile
-from relaytrain.resilience.step_end import Action, RunFacts, decide
 from test_slurm_script import dry, run_script
 
 from conftest import child_env, fake_tool
@@ -145,7 +146,7 @@ def test_the_batch_script_requeues_a_crashed_step_through_the_one_call(work):
     dry("debug", slurm={"gpus_per_node": 0, "tasks_per_node": 1})
     script = Path(work) / "runs/debug/slurm/job.sh"
     text = script.read_text()
-    assert "-m relaytrain.resilience.job_driver --run-dir" in text and "step_end" not in text
+    assert "-m relaytrain.resilience.batch.driver --run-dir" in text and "step_end" not in text
     fake_tool(work / "bin", "srun", "exit 3\n")
     fake_tool(
         work / "bin", "scontrol", '[[ $1 == requeue ]] && echo "requeue $2" >> "$FAKE_LOG.requeue"; exit 0\n'

@@ -1,4 +1,4 @@
-"""Restart in place (relaytrain.resilience.step_restart and the end-of-step decision): a crash starts
+"""Restart in place (relaytrain.resilience.batch.step_restart and the end-of-step decision): a crash starts
 the job step again inside the allocation while the caps allow, on the nodes left after a node failure,
 and falls back to the requeue otherwise; the batch script carries it out with a fresh port."""
 
@@ -13,11 +13,11 @@ import test_slurm_script
 from relaytrain import program
 from relaytrain.config.schema import ResilienceConfig, SlurmConfig
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience import step_end
-from relaytrain.resilience.crash import CrashLog
+from relaytrain.resilience.batch import step_end
+from relaytrain.resilience.batch.crash import CrashLog
+from relaytrain.resilience.batch.step_end import Action, Restartable, RunFacts, decide
+from relaytrain.resilience.batch.step_restart import StepFacts
 from relaytrain.resilience.run_state import RunState, RunStateFile
-from relaytrain.resilience.step_end import Action, Restartable, RunFacts, decide
-from relaytrain.resilience.step_restart import StepFacts
 from relaytrain.slurm.script import keeps_job_on_node_failure
 from test_slurm_script import dry, run_script
 

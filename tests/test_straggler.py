@@ -24,12 +24,10 @@ from relaytrain.monitor.history import build_history
 from relaytrain.monitor.rank_plot import plot_rank_times, straggler_lines, work_by_rank
 from relaytrain.parallel import parallelize
 from relaytrain.parallel.sim_comm import CollectiveCounter
+from relaytrain.resilience.batch.step_decision import Action, Restartable, RunFacts, decide
+from relaytrain.resilience.batch.step_restart import StepFacts
 from relaytrain.resilience.codes import EXIT_STRAGGLER, StopReason
-from relaytrain.resilience.requeue import exit_code_for, handle_stop
-from relaytrain.resilience.run_state import RunStateFile, RunStatus
-from relaytrain.resilience.step_decision import Action, Restartable, RunFacts, decide
-from relaytrain.resilience.step_restart import StepFacts
-from relaytrain.resilience.straggler import (
+from relaytrain.resilience.rank.straggler import (
     MIN_HOST_PHASE_S,
     MIN_PHASE_S,
     PHASES,
@@ -40,7 +38,9 @@ from relaytrain.resilience.straggler import (
     phase_floor,
     slower_by,
 )
-from relaytrain.resilience.straggler_watch import PHASE_NAMES, StragglerWatch
+from relaytrain.resilience.rank.straggler_watch import PHASE_NAMES, StragglerWatch
+from relaytrain.resilience.requeue import exit_code_for, handle_stop
+from relaytrain.resilience.run_state import RunStateFile, RunStatus
 from relaytrain.torch_private import fake_store
 
 import faults.throttle as throttle
@@ -418,7 +418,7 @@ def test_the_supervision_front_stops_for_a_verdict_after_the_next_snapshot_or_at
     every rank once a snapshot or checkpoint of the step is taken, at once when the run takes neither by
     itself, never at the last step; no verdict, no stop."""
     from relaytrain.config import Config
-    from relaytrain.resilience.supervision import Supervision
+    from relaytrain.resilience.rank.supervision import Supervision
 
     cfg = load_config(None, [*TINY, "--train.max_steps=50", "--resilience.straggler_threshold=0.15"])
     assert isinstance(cfg, Config)

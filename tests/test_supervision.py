@@ -1,4 +1,4 @@
-"""The supervision front (resilience/supervision.py) is the loop's one way to watch itself: the trainer
+"""The supervision front (resilience/rank/supervision.py) is the loop's one way to watch itself: the trainer
 builds none of its parts and reaches none of them past it."""
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from relaytrain.resilience.crash import RESTARTED
+from relaytrain.resilience.batch.crash import RESTARTED
 
 import faults
 from bench import kept

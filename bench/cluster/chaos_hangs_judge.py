@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from relaytrain.resilience.crash import RESTARTED
+from relaytrain.resilience.batch.crash import RESTARTED
 
 from bench.cluster.ledger_figures import time_adds_up
 

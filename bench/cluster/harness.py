@@ -28,7 +28,7 @@ from relaytrain.errors import UserError
 from relaytrain.job import RunDir
 from relaytrain.monitor.history import History, build_history, read_records
 from relaytrain.monitor.run_ledger import RunTime, run_time
-from relaytrain.resilience.crash import CrashLog
+from relaytrain.resilience.batch.crash import CrashLog
 from relaytrain.resilience.run_state import RunStateFile
 
 from bench.report import REPO

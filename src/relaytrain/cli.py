@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from relaytrain.resilience.early_signals import capture_early_signals
+from relaytrain.resilience.rank.early_signals import capture_early_signals
 
 
 def runs_training(argv: list[str]) -> bool:
@@ -39,9 +39,10 @@ COMMAND_MODULES = [
     "relaytrain.data.commands",
     "relaytrain.checkpoint.commands",
     "relaytrain.slurm.commands",
+    "relaytrain.inspection.status",
     "relaytrain.localcluster.commands",
-    "relaytrain.monitor.commands",
-    "relaytrain.slurm.verify",
+    "relaytrain.inspection.report_command",
+    "relaytrain.inspection.verify",
     "relaytrain.preflight.commands",
 ]
 

@@ -14,7 +14,7 @@ program.finish(step)
 ```
 
 Nothing here is a second signal handler or a second requeue path: ``install()`` is the early capture
-of ``relaytrain.resilience.early_signals``; the first ``should_stop()`` builds a
+of ``relaytrain.resilience.rank.early_signals``; the first ``should_stop()`` builds a
 ``ShutdownController`` (handlers, time budget, hard deadline, agreement); ``exit_for_requeue()`` is
 its ``finish()``, i.e. ``handle_stop``. The resilience settings come from the config the launcher
 wrote (``RELAYTRAIN_CONFIG``), else from ``install(config=...)``, else the defaults; the run directory
@@ -22,7 +22,7 @@ wrote (``RELAYTRAIN_CONFIG``), else from ``install(config=...)``, else the defau
 under the working directory. torch is imported only when the controller is built.
 
 When the step of ``relaytrain launch --command`` ended, the batch script's end-of-step decision
-(``python -m relaytrain.resilience.step_end --program``) turns an exit code 75 that the program did not
+(``python -m relaytrain.resilience.batch.step_end --program``) turns an exit code 75 that the program did not
 record through this API into a requeue (capped by resilience.max_requeues) with reason ``program_exit``.
 ``python -m relaytrain.program after-step RC`` is the same (batch scripts of earlier versions call it).
 """
@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+from relaytrain.entry_points import PROGRAM as PROGRAM_MODULE
 from relaytrain.job import JobFacts
 from relaytrain.job.jsonl import append_event
 from relaytrain.job.rundir import RunDir
@@ -47,7 +48,7 @@ from relaytrain.resilience.codes import (
     EXIT_RESTART_STEP,  # noqa: F401  (the API's exit 76)
     StopReason,
 )
-from relaytrain.resilience.early_signals import capture_early_signals
+from relaytrain.resilience.rank.early_signals import capture_early_signals
 from relaytrain.resilience.run_kind import PROGRAM, RunKind, claim_kind
 from relaytrain.resilience.run_lock import RunLock
 from relaytrain.resilience.run_state import RunStateFile, RunStatus
@@ -149,7 +150,7 @@ def _take_run_lock(run: RunDir) -> None:
     from relaytrain.errors import USAGE_EXIT_CODE, UserError
 
     try:
-        RunLock(run).acquire("relaytrain.program")  # released at exit
+        RunLock(run).acquire(PROGRAM_MODULE)  # released at exit
         claim_kind(run, RunKind(PROGRAM))  # never a trainer's run directory
     except UserError as error:
         print(f"relaytrain: error: {error}", file=sys.stderr, flush=True)
@@ -163,7 +164,7 @@ def _controller():
     install()
     import torch.distributed as dist
 
-    from relaytrain.resilience.shutdown import ShutdownController
+    from relaytrain.resilience.rank.shutdown import ShutdownController
 
     cfg = _load_config(_state["config"])
     _state["config"] = cfg
@@ -303,16 +304,16 @@ def finish(step: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relaytrain.program")
+    parser = argparse.ArgumentParser(prog=f"python -m {PROGRAM_MODULE}")
     sub = parser.add_subparsers(dest="what", required=True)
-    p = sub.add_parser("after-step", help="python -m relaytrain.resilience.step_end --program")
+    p = sub.add_parser("after-step", help="the end-of-step decision after a program's step")
     p.add_argument("exit_code", type=int)
     p.add_argument("--run-dir", default=os.environ.get(RUN_DIR_ENV, ""))
     p.add_argument("--config", default=os.environ.get(CONFIG_ENV, ""))
     args = parser.parse_args(argv)
     if not args.run_dir:
         parser.error(f"--run-dir (or {RUN_DIR_ENV}) is required")
-    from relaytrain.resilience.step_end import run
+    from relaytrain.resilience.batch.step_end import run
 
     return run(RunDir(Path(args.run_dir)), args.exit_code, args.config, program=True)
 

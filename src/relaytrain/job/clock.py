@@ -10,7 +10,7 @@ anything themselves:
   step's sections from the second step on: the first step, compilation and first allocations, stays
   start-up, whose limit is the hang cap), with the section's budget (a save's estimate);
 - the metrics' phase times (``monitor/timer.py`` ``StepTimer``);
-- the straggler windows (``resilience/straggler_watch.py``), which read the work a rank does alone:
+- the straggler windows (``resilience/rank/straggler_watch.py``), which read the work a rank does alone:
   a section entered ``alone`` (its data), the part of a section under ``alone()`` (its optimizer
   update) and the forward of the modules ``time_alone`` hooks (no collective inside);
 - the time ledger (``monitor/time_ledger.py``), which reads ``seconds()``: host seconds per phase so far

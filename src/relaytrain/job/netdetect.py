@@ -1,7 +1,7 @@
 """Pick the high-speed network interface for NCCL/Gloo from `ip -br addr` output.
 
 InfiniBand (`ib*`) comes first, then HPE Slingshot (`hsn*`). Without either, NCCL and Gloo keep their
-own choice. The batch job's driver sets it for the job step (resilience/job_setup.py), and the task
+own choice. The batch job's driver sets it for the job step (resilience/batch/job_setup.py), and the task
 wrapper of a step the batch shell runs alone (job/task.py), unless the config names one.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+
+from relaytrain.entry_points import NETDETECT
 
 HIGH_SPEED_PREFIXES = ("ib", "hsn")
 
@@ -58,7 +60,7 @@ def read_ip_brief() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relaytrain.job.netdetect", description=__doc__)
+    parser = argparse.ArgumentParser(prog=f"python -m {NETDETECT}", description=__doc__)
     parser.add_argument("--prefer", default="", help="use this interface (the profile's network_interface)")
     args = parser.parse_args(argv)
     name = detect_interface(read_ip_brief(), args.prefer)

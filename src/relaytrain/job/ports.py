@@ -1,7 +1,8 @@
 """MASTER_PORT: derived from the job id so every rank computes the same port, then checked for use.
 
 The batch job's driver picks the first step's port on the first node, where rank 0 listens
-(``resilience/job_setup.py``; an attached script runs ``python -m relaytrain.job.ports JOB_ID`` there), and
+(``resilience/batch/job_setup.py``; an attached script runs ``python -m relaytrain.job.ports JOB_ID``
+there), and
 exports it, so all ranks share it; it picks the port of a job step restarted in place with
 ``choose_port(f"{job_id}+{restarts}", has_no_listener)``: hashed, so it is not
 another job's first port.

@@ -6,7 +6,7 @@ its step, its phase (start-up, data, forward/backward, optimizer, evaluation, ch
 snapshot, stop), when the phase began, the collectives relaytrain issued that it entered and left (and
 the last one's name), how many it entered per step, and the recent median length of each phase. A
 write is a ``struct.pack_into`` into the mapping (no system call), so publishing every phase of every
-step costs microseconds. The watcher (``relaytrain.resilience.hang_watch``) reads the files from
+step costs microseconds. The watcher (``relaytrain.resilience.hangs.watch``) reads the files from
 another process, so a rank that is stopped, in uninterruptible sleep or holding the GIL in a C call
 still shows where it stopped.
 
@@ -41,7 +41,7 @@ RECENT = 16  # phase lengths kept per phase for its median
 
 class Phase(enum.IntEnum):
     """What a rank is doing. The codes are the record's; the order within a step is
-    ``hang_detect.progress_key``'s (a phase after a step belongs to the step just finished)."""
+    ``detect.progress_key``'s (a phase after a step belongs to the step just finished)."""
 
     STARTUP = 0  # from the process start to its first step: init, restore, compilation, the first step
     DATA = 1

@@ -8,7 +8,7 @@
   (PR_SET_PDEATHSIG), so no helper outlives the task.
 * With ``--hang-watch RUN_DIR`` every task gets ``RELAYTRAIN_PROGRESS_DIR``, the node's progress board
   for this job step (``relaytrain.job.progress``, on the node's tmpfs), and local rank 0 starts the node's
-  hang watcher (``relaytrain.resilience.hang_watch``) as such a child too.
+  hang watcher (``relaytrain.resilience.hangs.watch``) as such a child too.
 * Then it execs CMD, so CMD keeps the task's pid and receives the signals srun forwards.
 
 A stop signal that srun forwards while this wrapper starts (Slurm's pre-timeout signal of a job whose
@@ -31,13 +31,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from relaytrain.entry_points import GPU_MONITOR, HANG_WATCH, TASK
 from relaytrain.job.env import apply_slurm_env
 from relaytrain.job.facts import STEP_RESTARTS_ENV
 from relaytrain.job.netdetect import detect_interface, read_ip_brief
 from relaytrain.job.progress import PROGRESS_DIR_ENV
 
-GPU_MONITOR_MODULE = "relaytrain.monitor.gpu_monitor"
-HANG_WATCH_MODULE = "relaytrain.resilience.hang_watch"
 NODE_MEMORY = Path("/dev/shm")  # the node's tmpfs: the board lives and dies with the node's memory
 _PR_SET_PDEATHSIG = 1
 EARLY_SIGNALS_ENV = "RELAYTRAIN_EARLY_SIGNALS"  # stop signals that arrived before CMD started
@@ -79,13 +78,13 @@ def start_gpu_monitor(out_dir: str, interval: float, environ: dict[str, str]) ->
     """Start the GPU monitor on local rank 0, or return None (other ranks, module not installed)."""
     if environ.get("SLURM_LOCALID", "0") != "0":
         return None
-    if importlib.util.find_spec(GPU_MONITOR_MODULE) is None:
+    if importlib.util.find_spec(GPU_MONITOR) is None:
         print(
-            f"relaytrain.job.task: {GPU_MONITOR_MODULE} is not installed; no GPU monitoring",
+            f"relaytrain.job.task: {GPU_MONITOR} is not installed; no GPU monitoring",
             file=sys.stderr,
         )
         return None
-    cmd = [sys.executable, "-m", GPU_MONITOR_MODULE, "--out", out_dir, "--interval", str(interval)]
+    cmd = [sys.executable, "-m", GPU_MONITOR, "--out", out_dir, "--interval", str(interval)]
     return subprocess.Popen(cmd, env=environ, stdin=subprocess.DEVNULL, preexec_fn=_monitor_preexec)
 
 
@@ -103,7 +102,7 @@ def start_hang_watch(run_dir: str, board: Path, environ: dict[str, str]) -> subp
     cmd = [
         sys.executable,
         "-m",
-        HANG_WATCH_MODULE,
+        HANG_WATCH,
         "--run-dir",
         run_dir,
         "--progress-dir",
@@ -122,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     capture_stop_signals()
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
-        print("usage: python -m relaytrain.job.task [options] -- COMMAND [ARGS...]", file=sys.stderr)
+        print(f"usage: python -m {TASK} [options] -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m relaytrain.job.task")
+    parser = argparse.ArgumentParser(prog=f"python -m {TASK}")
     parser.add_argument("--map-env", action="store_true")
     parser.add_argument("--gpu-monitor-dir", default="")
     parser.add_argument("--gpu-monitor-interval", type=float, default=5.0)

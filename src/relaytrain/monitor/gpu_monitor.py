@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from relaytrain.entry_points import GPU_MONITOR
 from relaytrain.job import JobFacts
 
 COLUMNS = (
@@ -249,9 +250,7 @@ def run_dmon(out: GpuCsv, interval: float, stop: threading.Event, nvidia_smi: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m relaytrain.monitor.gpu_monitor", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog=f"python -m {GPU_MONITOR}", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="directory for <host>.csv (e.g. RUN_DIR/gpu)")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between samples (default 5)")
     args = parser.parse_args(argv)

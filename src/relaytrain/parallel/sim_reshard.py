@@ -16,6 +16,7 @@ import itertools
 import math
 
 from relaytrain.config import Config
+from relaytrain.entry_points import SIM_RESHARD
 
 Chunk = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -120,7 +121,7 @@ def chunks_of_layout(cfg: Config, world_size: int, gpus_per_node: int) -> dict[s
     with tempfile.TemporaryDirectory(prefix="relaytrain-reshard-") as tmp:
         result = Path(tmp) / "chunks.pickle"
         proc = subprocess.run(
-            [sys.executable, "-m", "relaytrain.parallel.sim_reshard", str(result)],
+            [sys.executable, "-m", SIM_RESHARD, str(result)],
             input=pickle.dumps((cfg, world_size, gpus_per_node)),
             capture_output=True,
             check=False,

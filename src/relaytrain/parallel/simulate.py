@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from relaytrain.config import Config
+from relaytrain.entry_points import SIMULATE
 from relaytrain.parallel.dims import ParallelDims
 
 
@@ -296,7 +297,7 @@ def _run_child(arguments: tuple) -> RankSimulation | str:
     with tempfile.TemporaryDirectory(prefix="relaytrain-sim-") as tmp:
         result = Path(tmp) / "result.pickle"
         proc = subprocess.run(
-            [sys.executable, "-m", "relaytrain.parallel.simulate", str(result)],
+            [sys.executable, "-m", SIMULATE, str(result)],
             input=pickle.dumps(arguments),
             capture_output=True,
             check=False,

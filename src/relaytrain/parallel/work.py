@@ -1,5 +1,5 @@
 """Which modules' forward is a rank's own computation: the straggler watch times them, and compares the
-times with those of the ranks doing the same work (resilience/straggler.py says why those and not the
+times with those of the ranks doing the same work (resilience/rank/straggler.py says why those and not the
 whole step)."""
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ def _checkpoint_check(cfg: Config, plan: Plan) -> tuple[str, str, str]:
 
 
 def _time_limit_check(cfg: Config, plan: Plan) -> tuple[str, str, str]:
-    """A job must have time to train before its own time budget stops it (resilience/shutdown.py stops
+    """A job must have time to train before its own time budget stops it (resilience/rank/shutdown.py stops
     when less than the save estimate + time_budget_margin_s remain, or at Slurm's signal, whichever comes
     first), after loading the checkpoint it resumes from: else the chain spends its jobs starting and
     stopping. Fewer than MIN_JOB_STEPS steps, or less than MIN_TRAIN_SHARE of the limit training, warns

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from relaytrain.entry_points import CLI
 from relaytrain.errors import UserError
 
 STEP_TIMEOUT_S = 300.0  # the job step's srun: start-up plus the checks' budget, with room
@@ -97,7 +98,7 @@ def preflight_command(args: argparse.Namespace) -> int:
             "--standalone",
             ranks,
             "-m",
-            "relaytrain.cli",
+            CLI,
         ]
         torchrun.append("preflight")
         return subprocess.run([*torchrun, *_forwarded(args)], check=False).returncode
@@ -115,7 +116,7 @@ def _job_step(args: argparse.Namespace) -> int:
         "--ntasks-per-node=1",
         sys.executable,
         "-m",
-        "relaytrain.cli",
+        CLI,
         "preflight",
         *_forwarded(args),
     ]

@@ -1,14 +1,19 @@
-"""CLI: launch, sweep, chain, status, logs, cancel, plan, doctor (status and logs: status_commands)."""
+"""CLI: launch, sweep, chain, cancel, plan, doctor (status and logs: relaytrain.inspection.status)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rich.console import Console
 from rich.table import Table
 
 from relaytrain.errors import UserError
-from relaytrain.slurm.status_commands import _console, cmd_logs, cmd_status
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=False, width=150 if not sys.stdout.isatty() else None)
+
 
 _SLURM_FLAGS = {  # CLI flag -> (SlurmConfig key, type)
     "nodes": ("nodes", int),
@@ -285,19 +290,6 @@ def register(subparsers) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the plan (and simulation) as one JSON record")
     p.set_defaults(func=cmd_plan, accepts_overrides=True, after=None, dry_run=False, force=False)
-
-    p = subparsers.add_parser("status", help="your queued jobs, a job, or a run's state and its jobs")
-    p.add_argument("target", nargs="?", help="job id or run name/directory (default: your queued jobs)")
-    p.add_argument("--all", action="store_true", help="every user's jobs")
-    p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
-    p.add_argument("--json", action="store_true", help="a run's state and its time ledger as one JSON record")
-    p.set_defaults(func=cmd_status)
-
-    p = subparsers.add_parser("logs", help="print a job's or a run's output")
-    p.add_argument("target", metavar="JOBID|RUN", help="a job id, or a run name or directory")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
-    p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
-    p.set_defaults(func=cmd_logs)
 
     p = subparsers.add_parser("cancel", help="cancel a job, or send its training processes a signal")
     p.add_argument("jobid", metavar="JOBID", help="the Slurm job id")

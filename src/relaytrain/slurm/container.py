@@ -91,7 +91,7 @@ def check_container(cfg: Config, run_dir: Path, launch_dir: Path) -> list[str]:
     if s.container_image.startswith(("/", "./", "~")) and not image.exists():
         lines.append(f"container warning: image file {s.container_image} does not exist here")
     lines += [
-        f"container: each task runs `python -m relaytrain.job.task ... relaytrain.cli train` with the "
+        f"container: each task runs `relaytrain.job.task ... relaytrain.cli train` with the "
         f"image's python: relaytrain must be installed in the image ({DOCS}; examples/container/Dockerfile); "
         "an image without it fails at the first task with 'No module named relaytrain'",
         "container: left out: the pip freeze summary of the job log (the batch shell is outside the "

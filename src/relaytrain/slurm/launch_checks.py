@@ -69,7 +69,7 @@ def train_data_checked(req: Any, cfg: Config) -> Config:
     if req.command is None:
         check_data_fits(cfg)
     if cfg.notify.url_file:  # its mode, here, where the user can fix it: the job would only log it
-        from relaytrain.resilience.notify_send import webhook_url
+        from relaytrain.resilience.batch.notify_send import webhook_url
 
         webhook_url(cfg.notify, {})
     return cfg

@@ -18,6 +18,7 @@ from typing import Literal
 import jinja2
 
 from relaytrain.config import Config, SlurmConfig
+from relaytrain.entry_points import BATCH_DRIVER, CLI, PORTS, TASK, TORCHRUN
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
 from relaytrain.slurm.container import step_workdir
@@ -322,11 +323,13 @@ def render_script(spec: JobSpec) -> str:
         "shutdown_timeout_s": math.ceil(r.hard_deadline_s + SHUTDOWN_MARGIN_S),
         "command": spec.command,
         "snapshots": bool(spec.cfg.checkpoint.snapshot_every),  # an interval, or "auto"
+        # the processes the script starts (relaytrain.entry_points)
+        "entry": {"cli": CLI, "torchrun": TORCHRUN, "ports": PORTS, "driver": BATCH_DRIVER},
     }
     signal = context["signal_name"] if context["signal_name"] and not spec.attach_jobid else "none"
     where = context["in_run_dir"]
     context["environment"] = environment_lines(s, is_rocm(s), signal, where["logs"], where["flight_recorder"])
-    wrapper = [*map(shlex.quote, python_command(s)), "-m", "relaytrain.job.task"]
+    wrapper = [*map(shlex.quote, python_command(s)), "-m", TASK]
     wrapper += ["--map-env"] if context["map_env"] else []
     if context["gpu_monitor"]:
         wrapper += ["--gpu-monitor-dir", f'"$run_dir/{where["gpu"]}"', "--gpu-monitor-interval"]

@@ -10,12 +10,13 @@ import sys
 
 from relaytrain.checkpoint.snapshot.store import remove_job
 from relaytrain.config import load_config
+from relaytrain.entry_points import SNAPSHOT
 from relaytrain.errors import UserError
 from relaytrain.job.facts import JobFacts
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relaytrain.checkpoint.snapshot")
+    parser = argparse.ArgumentParser(prog=f"python -m {SNAPSHOT}")
     sub = parser.add_subparsers(dest="command", required=True)
     cleanup = sub.add_parser("cleanup", help="remove this job's snapshots from this node")
     cleanup.add_argument("--config", required=True, help="the run's resolved config (its snapshot_dir)")

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts
+from relaytrain.resilience.batch.spares import swap_in
 
 # A restarted step that fails again sooner than this after its launch is failing at start-up.
 RESTART_TOO_SOON_S = 20.0
@@ -112,8 +113,7 @@ def plan_restart(
     lost = tuple(node for node in step.nodes if node not in usable)
     asked = tuple(node for node in step.nodes if node in usable and node in excluded)
     # A spare takes each lost or left-out node's position, as far as there are spares.
-    idle = [spare for spare in spares if spare not in step.nodes and spare not in excluded]
-    replaced = tuple(zip([n for n in step.nodes if n in lost or n in asked], idle, strict=False))
+    replaced = swap_in(step.nodes, {*lost, *asked}, spares, excluded)
     swap = dict(replaced)
     current = tuple(swap.get(node, node) for node in step.nodes)
     left = tuple(node for node in current if node not in lost)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 def report_command(args: argparse.Namespace) -> int:
     from relaytrain.errors import UserError
+    from relaytrain.inspection.report import write_report, written_line  # matplotlib only when it runs
     from relaytrain.job import RunDir
-    from relaytrain.monitor.report import write_report, written_line  # matplotlib only when it runs
 
     run = RunDir.find(args.run_dir, Path(args.runs))
     if run is None:

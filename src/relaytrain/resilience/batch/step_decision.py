@@ -11,29 +11,29 @@ from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts
-from relaytrain.resilience import repeat
-from relaytrain.resilience.bad_nodes import (
+from relaytrain.resilience.batch import repeat
+from relaytrain.resilience.batch.bad_nodes import (
     IMPLICATED,
     Exclusion,
     exclusions,
     implicated_nodes,
     recorded,
 )
-from relaytrain.resilience.bad_nodes import why_of as excluded_why
-from relaytrain.resilience.codes import EXIT_RESTART_STEP, EXIT_RESUME, StopReason
-from relaytrain.resilience.crash import CRASH_LOG_FILE, RESTARTED, cause_of, classify
-from relaytrain.resilience.decision_facts import (  # noqa: F401  (the decision's names, for callers)
+from relaytrain.resilience.batch.bad_nodes import why_of as excluded_why
+from relaytrain.resilience.batch.crash import CRASH_LOG_FILE, RESTARTED, cause_of, classify
+from relaytrain.resilience.batch.decision_facts import (  # noqa: F401  (the decision's names, for callers)
     Action,
     Decision,
     Restartable,
     RunFacts,
     step_marker,
 )
-from relaytrain.resilience.replace_node import after_straggler, straggler_of
+from relaytrain.resilience.batch.replace_node import after_straggler, straggler_of
+from relaytrain.resilience.batch.step_restart import RestartPlan, plan_restart
+from relaytrain.resilience.codes import EXIT_RESTART_STEP, EXIT_RESUME, StopReason
 from relaytrain.resilience.requeue import decide_requeue
 from relaytrain.resilience.run_lock import is_busy_refusal
 from relaytrain.resilience.run_state import RunState, RunStatus
-from relaytrain.resilience.step_restart import RestartPlan, plan_restart
 
 
 def decide(

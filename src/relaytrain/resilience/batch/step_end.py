@@ -1,7 +1,7 @@
 """After a job step ended: one decision about what happens to the job, and why.
 
-The batch job's driver (``job_driver.py``) calls ``after_step`` once after each job step (it runs
-outside the step, so it survives the ranks); ``python -m relaytrain.resilience.step_end --exit-code N
+The batch job's driver (``driver.py``) calls ``after_step`` once after each job step (it runs
+outside the step, so it survives the ranks); ``python -m relaytrain.resilience.batch.step_end --exit-code N
 ...`` is the same call for batch scripts of earlier versions. ``decide`` reads the facts (the
 step's exit code, ``run_state.json`` as the step left it, this job's crashes, the step's hang record,
 the job log) and says:
@@ -16,7 +16,7 @@ the job log) and says:
   ``resilience.max_step_restarts`` restarts in place, with an idle spare node in the place of a lost or
   excluded one, else on the nodes left where the node range allows; a node implicated in failures of this
   job ``resilience.exclude_node_after`` times is excluded, ``bad_nodes.py``); a crash of a step
-  the job's hang monitor found hung (``hang_record``: ``hang/last.json`` of this step) is recorded as
+  the job's hang monitor found hung (``hangs.record``: ``hang/last.json`` of this step) is recorded as
   the hang, with its culprit rank(s) and node(s);
 * **restart** in place after a straggler's stop (``replace_node.py``: a spare in its node's place, or
   without it), not counted as a crash;
@@ -50,13 +50,13 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
+from relaytrain.entry_points import STEP_END
 from relaytrain.job import JobFacts, RunDir, jsonl
 from relaytrain.job.jsonl import append_event
 from relaytrain.job.slurmctld import usable_job_nodes
-from relaytrain.resilience.crash import CrashLog
-from relaytrain.resilience.requeue import requeue
-from relaytrain.resilience.run_state import RunState, RunStateFile
-from relaytrain.resilience.step_decision import (  # noqa: F401  (the decision's names, for callers)
+from relaytrain.resilience.batch import spares
+from relaytrain.resilience.batch.crash import CrashLog
+from relaytrain.resilience.batch.step_decision import (  # noqa: F401  (the decision's names, for callers)
     Action,
     Decision,
     Restartable,
@@ -64,7 +64,9 @@ from relaytrain.resilience.step_decision import (  # noqa: F401  (the decision's
     decide,
     step_marker,
 )
-from relaytrain.resilience.step_restart import StepFacts
+from relaytrain.resilience.batch.step_restart import StepFacts
+from relaytrain.resilience.requeue import requeue
+from relaytrain.resilience.run_state import RunState, RunStateFile
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +149,13 @@ def end_step(
     if exit_code != 0 and step.can_restart and job.in_slurm and (len(step.nodes) > 1 or job.spare_nodes):
         # a node that failed under `--no-kill`: Slurm drops it from the job and shows it down
         usable = usable_job_nodes(job.job_id)
-    spares = tuple(node for node in job.spare_nodes if usable is None or node in usable)
-    restartable = Restartable(step, min_nodes, usable, spares)
+    restartable = Restartable(step, min_nodes, usable, spares.usable(job.spare_nodes, usable))
     decision = decide(exit_code, facts, resilience, job, program=program, restartable=restartable)
     perform(decision, job, run, restart_file)
     return decision
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m relaytrain.resilience.step_end") -> int:
+def main(argv: list[str] | None = None, prog: str = f"python -m {STEP_END}") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--exit-code", type=int, required=True, help="the job step's exit code")
     parser.add_argument("--run-dir", required=True)

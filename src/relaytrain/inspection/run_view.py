@@ -15,10 +15,10 @@ from relaytrain.errors import UserError
 from relaytrain.job import RunDir, jsonl
 from relaytrain.monitor.ledger import Ledger
 from relaytrain.monitor.run_ledger import run_ledger
-from relaytrain.resilience.bad_nodes import excluded_in_run
-from relaytrain.resilience.crash import RESTARTED, CrashLog, describe_crash
+from relaytrain.resilience.batch.bad_nodes import excluded_in_run
+from relaytrain.resilience.batch.crash import RESTARTED, CrashLog, describe_crash
+from relaytrain.resilience.rank.straggler import describe_latest
 from relaytrain.resilience.run_state import RUN_STATE_FILE, RunStateFile
-from relaytrain.resilience.straggler import describe_latest
 from relaytrain.slurm.jobs import entry_log, last_step
 from relaytrain.slurm.submit import read_jobs
 

@@ -29,12 +29,12 @@ from relaytrain.job.clock import StepClock
 from relaytrain.job.progress import Phase, ProgressBoard
 from relaytrain.job.rundir import RunDir
 from relaytrain.resilience.codes import StopReason
-from relaytrain.resilience.nan_guard import NanGuard
+from relaytrain.resilience.rank.nan_guard import NanGuard
+from relaytrain.resilience.rank.shutdown import ShutdownController
+from relaytrain.resilience.rank.stack_signal import StackSignal
+from relaytrain.resilience.rank.straggler_watch import Metrics, Ranks, StragglerWatch
+from relaytrain.resilience.rank.watchdog import HangWatchdog
 from relaytrain.resilience.requeue import stop_fields
-from relaytrain.resilience.shutdown import ShutdownController
-from relaytrain.resilience.stack_signal import StackSignal
-from relaytrain.resilience.straggler_watch import Metrics, Ranks, StragglerWatch
-from relaytrain.resilience.watchdog import HangWatchdog
 
 log = logging.getLogger("relaytrain")
 

@@ -1,7 +1,7 @@
 """One job step run by the batch job's driver: launch it, pass Slurm's signals on, wait for its end.
 
 Slurm sends the pre-timeout signal (``--signal=B:USR2@180``) to the batch process only, which is the
-driver (``job_driver.py``; the batch script ``exec``s it). The driver passes it on to the running step,
+driver (``driver.py``; the batch script ``exec``s it). The driver passes it on to the running step,
 whose ``srun``/torchrun forwards it to every training process, and keeps waiting while they save; a
 signal that comes between two steps goes to the next one as soon as it can take it (below). SIGTERM (scancel,
 preemption, the time limit) reaches the job step directly from Slurm: the driver only notes it and

@@ -8,12 +8,12 @@ from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts
-from relaytrain.resilience.bad_nodes import IMPLICATED, exclusions, recorded
+from relaytrain.resilience.batch.bad_nodes import IMPLICATED, exclusions, recorded
+from relaytrain.resilience.batch.crash import RESTARTED, STRAGGLER
+from relaytrain.resilience.batch.decision_facts import Action, Decision, Restartable, RunFacts
+from relaytrain.resilience.batch.step_restart import plan_restart
 from relaytrain.resilience.codes import StopReason
-from relaytrain.resilience.crash import RESTARTED, STRAGGLER
-from relaytrain.resilience.decision_facts import Action, Decision, Restartable, RunFacts
 from relaytrain.resilience.run_state import RunState, RunStatus
-from relaytrain.resilience.step_restart import plan_restart
 
 
 def straggler_of(state: RunState | None, job: JobFacts) -> dict[str, Any] | None:

@@ -1,18 +1,18 @@
 """The batch job's driver: the generated batch script prepares the environment, then ``exec``s
-``python -m relaytrain.resilience.job_driver ... -- COMMAND``, which runs the job:
+``python -m relaytrain.resilience.batch.driver ... -- COMMAND``, which runs the job:
 
 * one job step after the other (``srun OPTIONS COMMAND``), each announced in the job log by
   ``step_decision.step_marker``, the line the decision after the step finds the step's output by;
 * Slurm's pre-timeout signal passed on to the step that runs (``job_step.SignalForwarder``), and a
   heartbeat line every few minutes;
-* while a step of relaytrain's trainer runs, the hang monitor (``hang_monitor.HangMonitor``), which
+* while a step of relaytrain's trainer runs, the hang monitor (``monitor.HangMonitor``), which
   reads every node's hang watcher, names a hang's culprit and ends the step;
 * after each step the end-of-step decision (``step_end.after_step``): finished, requeued, failed, or
   started again in place, on the nodes it names (the step's ``srun`` then gets ``--overlap``, the narrower
   node set, and a fresh rendezvous port);
 * with spare nodes (``slurm.spare_nodes``): the step runs on the training nodes alone (``--nodelist``, the
   job's node variables narrowed to them), the idle spares are named to the decision
-  (``RELAYTRAIN_SPARE_NODES``), and a spare that takes a node's place takes its position: where that
+  (``spares.publish``), and a spare that takes a node's place takes its position: where that
   order is not Slurm's, the step's tasks are placed by a host file (``--distribution=arbitrary``);
 * when that decision itself failed, the requeue the run asked for and could not do (``requeue_pending``);
 * at the job's end for good (not requeued), the in-memory snapshots freed on every node of the job;
@@ -39,23 +39,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from relaytrain.entry_points import BATCH_DRIVER, SNAPSHOT
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.env import narrow_to_nodes, place_by_hostfile
-from relaytrain.job.facts import SPARE_NODES_ENV, STEP_RESTARTS_ENV
+from relaytrain.job.facts import STEP_RESTARTS_ENV
 from relaytrain.job.jsonl import append_job_record
 from relaytrain.job.ports import choose_port, has_no_listener
 from relaytrain.job.slurm_command import run_slurm_command
-from relaytrain.resilience.hang_detect import HangPolicy
-from relaytrain.resilience.hang_monitor import HangMonitor
-from relaytrain.resilience.hang_record import HangRecordFile
-from relaytrain.resilience.job_setup import prepare, record_environment
-from relaytrain.resilience.job_step import Heartbeat, SignalForwarder, job_log_path, log
-from relaytrain.resilience.notify import Alerts
+from relaytrain.resilience.batch import spares
+from relaytrain.resilience.batch.job_setup import prepare, record_environment
+from relaytrain.resilience.batch.job_step import Heartbeat, SignalForwarder, job_log_path, log
+from relaytrain.resilience.batch.notify import Alerts
+from relaytrain.resilience.batch.step_decision import Action, Decision, step_marker
+from relaytrain.resilience.batch.step_end import after_step
+from relaytrain.resilience.batch.step_restart import StepFacts
+from relaytrain.resilience.hangs.detect import HangPolicy
+from relaytrain.resilience.hangs.monitor import HangMonitor
+from relaytrain.resilience.hangs.record import HangRecordFile
 from relaytrain.resilience.requeue import requeue
 from relaytrain.resilience.run_state import RunStateFile
-from relaytrain.resilience.step_decision import Action, Decision, step_marker
-from relaytrain.resilience.step_end import after_step
-from relaytrain.resilience.step_restart import StepFacts
 
 HEARTBEAT_S = 300.0
 CLEANUP_TIMEOUT_S = 300.0  # removing the snapshots from the nodes' memory: seconds, unless a node is stuck
@@ -79,7 +81,7 @@ class StepLaunch:
     @property
     def replaced(self) -> list[str]:
         """The job's nodes a restart left out (a failed or slow node a spare took the place of)."""
-        return [node for node in self.order if node not in self.nodes and node not in self.spares]
+        return spares.left_out(self.order, self.nodes, self.spares)
 
     def argv(self) -> list[str]:
         # After the script's own options: a later srun option wins over an earlier one (--nodes).
@@ -94,7 +96,7 @@ class StepLaunch:
             # shares those CPUs (the old step's processes are gone).
             self.extra.append("--overlap")
         if nodes and list(nodes) != self.nodes:
-            self.spares = [spare for spare in self.spares if spare not in nodes]
+            self.spares = spares.still_idle(self.spares, nodes)
             self.place(list(nodes), environ)
         # Hashed, not job id + restarts: that is the next job's own first port, and two jobs sharing a first
         # node then joined each other's rendezvous.
@@ -109,8 +111,7 @@ class StepLaunch:
         # the placement replaces an earlier restart's (srun would take the last, but the log shows them all)
         self.extra = [option for option in self.extra if not option.startswith(_PLACEMENT)]
         self.extra += [f"--nodes={count}", f"--nodelist={','.join(self.nodes)}", f"--ntasks={tasks}"]
-        in_order = sorted(nodes, key=lambda n: order.index(n) if n in order else len(order))
-        if nodes != in_order and self.hostfile is not None:
+        if spares.out_of_order(nodes, order) and self.hostfile is not None:
             # srun orders tasks by Slurm's node order; a spare in a lower node's position needs a host file
             lines = [node for node in nodes for _ in range(self.tasks_per_node)]
             self.hostfile.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -164,7 +165,7 @@ def free_snapshots(python: list[str], config: str, nodes: list[str], what: str =
         f"--nodelist={','.join(nodes)}",
         *python,
         "-m",
-        "relaytrain.checkpoint.snapshot",
+        SNAPSHOT,
         "cleanup",
         "--config",
         config,
@@ -212,7 +213,8 @@ def decide(plan: JobPlan, exit_code: int, launch: StepLaunch, seconds: float) ->
         traceback.print_exc()
         if plan.program:
             print(
-                "relaytrain: the end-of-step decision (relaytrain.resilience.step_end) failed: no requeue",
+                "relaytrain: the end-of-step decision (relaytrain.resilience.batch.step_end) failed: "
+                "no requeue",
                 file=sys.stderr,
                 flush=True,
             )
@@ -245,7 +247,7 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
         launch.hostfile = plan.run.slurm / f"hosts-{JobFacts.from_env().job_id or 'local'}"
         launch.place(launch.nodes, environ)  # the training nodes alone; the spares wait
     while True:
-        environ[SPARE_NODES_ENV] = ",".join(launch.spares)
+        spares.publish(environ, launch.spares)
         job = JobFacts.from_env()
         environ[STEP_RESTARTS_ENV] = str(launch.restarts)
         log(f"{step_marker(job.restart_count, launch.restarts)} on {','.join(launch.nodes)}")
@@ -284,9 +286,7 @@ def drive(plan: JobPlan, launch: StepLaunch, forwarder: SignalForwarder) -> int:
 
 
 def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalForwarder]:
-    parser = argparse.ArgumentParser(
-        prog="python -m relaytrain.resilience.job_driver", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog=f"python -m {BATCH_DRIVER}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--config", required=True, help="the run's resolved config (TOML)")
     parser.add_argument("--program", action="store_true", help="the step runs a --command program")

@@ -1,6 +1,6 @@
 """CLI: `relaytrain status` and `relaytrain logs`, for a job id or a run (a name under --runs, or a path).
 
-A run's own files answer with or without Slurm (relaytrain.slurm.run_view); its jobs are added where
+A run's own files answer with or without Slurm (relaytrain.inspection.run_view); its jobs are added where
 Slurm can be asked.
 """
 
@@ -13,16 +13,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from relaytrain.errors import UserError
 from relaytrain.job import RunDir
-
-
-def _console() -> Console:
-    return Console(highlight=False, soft_wrap=False, width=150 if not sys.stdout.isatty() else None)
+from relaytrain.slurm.commands import _console
 
 
 def _job_table(jobs) -> Table:
@@ -61,9 +57,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 job.run_dir, job.last_step = str(found_run.root), jobs.last_step(found_run)
         console.print(_job_table(found) if found else "no pending or running jobs")
         return 0
+    from relaytrain.inspection.run_view import find_run, run_json, run_rows
     from relaytrain.resilience.run_state import RunStateFile
     from relaytrain.slurm.client import SlurmUnavailable
-    from relaytrain.slurm.run_view import find_run, run_json, run_rows
 
     run = find_run(args.target, runs)
     if run is not None and getattr(args, "json", False):
@@ -107,9 +103,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    from relaytrain.inspection.run_view import JOB_ID, find_run, run_log
     from relaytrain.resilience.run_lock import RunLock
     from relaytrain.slurm import jobs
-    from relaytrain.slurm.run_view import JOB_ID, find_run, run_log
 
     run = find_run(args.target, Path(args.runs))
     if run is not None:
@@ -146,3 +142,18 @@ def _print_log(path: Path, follow: bool, running: Callable[[], bool]) -> int:
                 sys.stdout.write(f.read())
                 return 0
             time.sleep(1.0)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("status", help="your queued jobs, a job, or a run's state and its jobs")
+    p.add_argument("target", nargs="?", help="job id or run name/directory (default: your queued jobs)")
+    p.add_argument("--all", action="store_true", help="every user's jobs")
+    p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
+    p.add_argument("--json", action="store_true", help="a run's state and its time ledger as one JSON record")
+    p.set_defaults(func=cmd_status)
+
+    p = subparsers.add_parser("logs", help="print a job's or a run's output")
+    p.add_argument("target", metavar="JOBID|RUN", help="a job id, or a run name or directory")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
+    p.set_defaults(func=cmd_logs)

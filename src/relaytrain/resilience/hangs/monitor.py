@@ -2,14 +2,14 @@
 
 It lives outside the training processes and survives any one of them (a stopped rank 0 that hosts the
 rendezvous store included). Every ``interval_s`` or so (``slow_ranks.sample_gap``) it reads the node
-files the node watchers rewrite (``RunDir.hang_node``), turns them into ``hang_detect.RankView`` s and
-asks ``hang_detect.assess``:
+files the node watchers rewrite (``RunDir.hang_node``), turns them into ``detect.RankView`` s and
+asks ``detect.assess``:
 
 * a job that still moves may have a slow rank: one ``slow rank:`` line in the job log (no restart);
 * a job where no rank moved for longer than its limit hangs. Before anything is killed the monitor asks
   every node watcher for its ranks' stacks (``RunDir.hang_request``), writes the report
   (``RunDir.hang_report(step)``), prints one job-log line starting ``hang detected:``, records the hang
-  for the end-of-step decision (``hang_record.HangRecordFile``), then asks the watchers to end their
+  for the end-of-step decision (``record.HangRecordFile``), then asks the watchers to end their
   ranks. The step ends; the decision restarts it in place (docs/resilience.md, Hangs).
 """
 
@@ -25,17 +25,17 @@ from typing import Any
 
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.progress import Phase, ProgressRecord
-from relaytrain.resilience.hang_detect import (
+from relaytrain.resilience.hangs.detect import (
     HangPolicy,
     RankView,
     Verdict,
     assess,
     hang_line,
 )
-from relaytrain.resilience.hang_record import HangRecord, HangRecordFile
-from relaytrain.resilience.hang_report import render_report
-from relaytrain.resilience.hang_watch import read_json, write_json
-from relaytrain.resilience.slow_ranks import SlowRankTracker, sample_gap
+from relaytrain.resilience.hangs.record import HangRecord, HangRecordFile
+from relaytrain.resilience.hangs.report import render_report
+from relaytrain.resilience.hangs.slow_ranks import SlowRankTracker, sample_gap
+from relaytrain.resilience.hangs.watch import read_json, write_json
 
 INTERVAL_S = 2.0
 STACKS_WAIT_S = 20.0  # how long the watchers get to answer with their ranks' stacks

@@ -1,5 +1,5 @@
 """A rank that keeps the others waiting while the job still moves: slow, not hung (the hang monitor's
-``slow rank:`` line). Pure: the monitor feeds it the ``hang_detect.RankView`` s of each look."""
+``slow rank:`` line). Pure: the monitor feeds it the ``detect.RankView`` s of each look."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 from collections import Counter, deque
 
 from relaytrain.job.progress import Phase
-from relaytrain.resilience.hang_detect import TRAINING_PHASES, RankView, one_line, progress_key, seconds
+from relaytrain.resilience.hangs.detect import TRAINING_PHASES, RankView, one_line, progress_key, seconds
 
 
 def sample_gap(interval_s: float, rng: random.Random) -> float:

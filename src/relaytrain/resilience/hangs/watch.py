@@ -3,8 +3,8 @@
 The task wrapper (``relaytrain.job.task``) starts it on each node's first task of a job step, as a child
 that ignores the stop signals and dies with the task. Every second it reads its node's progress board
 (``relaytrain.job.progress``: each rank's step, phase and collectives), notes how long each rank has not
-moved and its process state (``hang_stacks.process_state``), and rewrites ``RunDir.hang_node(node)``,
-which the job's hang monitor (``hang_monitor.py``, in the batch driver) reads for every node.
+moved and its process state (``stacks.process_state``), and rewrites ``RunDir.hang_node(node)``,
+which the job's hang monitor (``monitor.py``, in the batch driver) reads for every node.
 
 A rank that is stopped, blocked in the kernel, or holding the GIL cannot report on itself; this process
 can. When the monitor decides the job hangs it writes ``RunDir.hang_request``; each watcher answers
@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.atomic import write_atomic
+from relaytrain.entry_points import HANG_WATCH
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.progress import Phase, ProgressRecord, read_board
-from relaytrain.resilience.hang_stacks import describe_rank, process_state
+from relaytrain.resilience.hangs.stacks import describe_rank, process_state
 
 INTERVAL_S = 1.0
 
@@ -163,9 +164,7 @@ def clear_old_boards(progress_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m relaytrain.resilience.hang_watch", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog=f"python -m {HANG_WATCH}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--progress-dir", required=True, help="the node's progress board (tmpfs)")
     parser.add_argument("--node", default="")

@@ -10,7 +10,7 @@ On a hang the culprits are named, most certain first: a process that is gone, st
 sleep (it cannot run Python, so its own stack may be missing); a rank outside any collective while others
 wait in one; a rank that skipped a collective (desynchronised); else the ranks furthest behind. A rank that
 is slower but still moving is no hang: ``slow_ranks.SlowRankTracker`` reports it. The markdown report is
-``relaytrain.resilience.hang_report``.
+``relaytrain.resilience.hangs.report``.
 """
 
 from __future__ import annotations

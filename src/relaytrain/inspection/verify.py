@@ -124,7 +124,7 @@ def verify(run: RunDir, opts: Options = Options()) -> tuple[list[str], list[str]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from relaytrain.slurm.run_view import find_run
+    from relaytrain.inspection.run_view import find_run
 
     run = find_run(args.run, Path(args.runs))
     if run is None:

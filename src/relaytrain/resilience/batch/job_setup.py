@@ -15,28 +15,16 @@ import re
 import subprocess
 from collections.abc import MutableMapping
 from pathlib import Path
-from typing import NamedTuple
 
 from relaytrain.job import JobFacts
 from relaytrain.job.netdetect import detect_interface, read_ip_brief
 from relaytrain.job.ports import choose_port, has_no_listener
-from relaytrain.resilience.job_step import log
+from relaytrain.resilience.batch.job_step import log
+from relaytrain.resilience.batch.spares import JobNodes, split_nodes
 
 RECORDED = re.compile(r"^(SLURM_|NCCL_|GLOO_|CUDA_|ROCR_|HIP_|TORCH|OMP_|MASTER_|PYTHON|MIOPEN_)")
 SECRET = re.compile(r"^[^=]*(TOKEN|SECRET|PASSWORD|KEY)[^=]*=", re.IGNORECASE)
 PACKAGES = re.compile(r"^(torch|relaytrain|numpy|triton|nvidia-nccl|deepspeed|lightning|megatron)", re.I)
-
-
-class JobNodes(NamedTuple):
-    training: list[str]
-    spares: list[str]
-
-
-def split_nodes(job: JobFacts, training: int) -> JobNodes:
-    """The job's nodes in Slurm's order: the first ``training`` train (0: all), the others wait as spares."""
-    hosts = job.nodes()
-    count = training or len(hosts)
-    return JobNodes(hosts[:count], hosts[count:])
 
 
 def set_master(environ: MutableMapping[str, str], job: JobFacts, nodes: list[str]) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 from relaytrain.config.schema import NOTIFY_EVENTS, NotifyConfig
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.jsonl import append_job_record, read_from
-from relaytrain.resilience.notify_send import (
+from relaytrain.resilience.batch.notify_send import (
     Alert,
     Counts,
     NotifyError,

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.resilience import repeat
-from relaytrain.resilience.bad_nodes import job_implicated
-from relaytrain.resilience.crash import CrashLog
-from relaytrain.resilience.hang_record import HangRecord, HangRecordFile
+from relaytrain.resilience.batch import repeat
+from relaytrain.resilience.batch.bad_nodes import job_implicated
+from relaytrain.resilience.batch.crash import CrashLog
+from relaytrain.resilience.batch.step_restart import RestartPlan, StepFacts
+from relaytrain.resilience.hangs.record import HangRecord, HangRecordFile
 from relaytrain.resilience.run_state import RunState, RunStateFile
-from relaytrain.resilience.step_restart import RestartPlan, StepFacts
 
 
 class Action(enum.Enum):
@@ -61,7 +61,7 @@ class RunFacts:
 
 
 def step_marker(restart_count: int, step_restarts: int) -> str:
-    """The job-log line before each launch of a step: the batch job's driver (``job_driver.py``) writes
+    """The job-log line before each launch of a step: the batch job's driver (``driver.py``) writes
     it, the decision after the step finds the step's part of the job log by it."""
     return f"job step of restart count {restart_count}, step restart {step_restarts}:"
 

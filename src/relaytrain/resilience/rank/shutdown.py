@@ -23,9 +23,9 @@ from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.job.progress import ProgressBoard
 from relaytrain.resilience.codes import EXIT_DOUBLE_INTERRUPT, StopReason
-from relaytrain.resilience.early_signals import EARLY_SIGNALS, drain_early_signals
+from relaytrain.resilience.rank.early_signals import EARLY_SIGNALS, drain_early_signals
+from relaytrain.resilience.rank.watchdog import HardDeadline
 from relaytrain.resilience.requeue import handle_stop
-from relaytrain.resilience.watchdog import HardDeadline
 
 log = logging.getLogger(__name__)
 

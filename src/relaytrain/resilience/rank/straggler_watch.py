@@ -28,7 +28,7 @@ from relaytrain.config.schema import ResilienceConfig
 from relaytrain.job import JobFacts
 from relaytrain.job.clock import Span
 from relaytrain.job.progress import Phase, ProgressBoard
-from relaytrain.resilience.straggler import (
+from relaytrain.resilience.rank.straggler import (
     PHASES,
     Straggler,
     StragglerJudge,

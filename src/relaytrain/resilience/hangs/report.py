@@ -7,7 +7,7 @@ says.
 
 from __future__ import annotations
 
-from relaytrain.resilience.hang_detect import RankView, Verdict, one_line, phase_label, ranks, seconds
+from relaytrain.resilience.hangs.detect import RankView, Verdict, one_line, phase_label, ranks, seconds
 
 COLUMNS = (
     "rank",

@@ -15,7 +15,7 @@ ranks) asks ``classify`` here, which decides from ``run_state.json``:
 * ``failed`` with reason ``error`` or ``hang``, ``running``, or a marker written by an earlier run (the
   process died before or while loading its checkpoint): a crash.
 
-When the job's hang monitor detected a hang in the step (``hang_record.HangRecord``) and had its ranks
+When the job's hang monitor detected a hang in the step (``record.HangRecord``) and had its ranks
 killed, the crash's cause says so: ``why`` is the monitor's ``hang detected: ...`` line and ``hang`` names
 the step, the culprit rank(s) and node(s), the report and the limit that was passed.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.job import JobFacts, RunDir, jsonl
-from relaytrain.resilience.hang_record import HangRecord
+from relaytrain.resilience.hangs.record import HangRecord
 from relaytrain.resilience.run_state import RunState, RunStatus
 
 CRASH_LOG_FILE = RunDir(Path()).crashes.name  # for messages; the path is RunDir.crashes

@@ -1,0 +1,5 @@
+import sys
+
+from relaytrain.resilience.batch.driver import main
+
+sys.exit(main())
