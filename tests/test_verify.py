@@ -224,6 +224,58 @@ def test_a_running_allocations_tail_past_its_last_record_is_not_unaccounted_yet(
     assert "is unaccounted (no record covers it)" in line and "job 8 at +25.0 s for 75.0 s" in line
 
 
+def test_a_stop_tail_longer_than_the_sources_agree_on_is_not_confirmed():
+    """The trainer's finished event and the driver's job end come 1.5 s before the job's last record
+    ends: a tail to Slurm's End within 1 % of the allocation and sacct's second is the batch script's
+    exit; a longer one is time no record holds, put in `stop` by rule, and verify names it."""
+    records = slurm_job("7", 1000.0, 20)
+    run = JobRun("7", 0, 1000.0, 1027.0, running=False)
+    assert check_ledger(build_ledger(records, [ledger_run(run)]), records, [run]).violations == []
+    late = run._replace(end=1060.0)  # Slurm's End 33.5 s after the job's last record
+    (line,) = check_ledger(build_ledger(records, [ledger_run(late)]), records, [late]).violations
+    assert line.startswith("33.5s of 1m00s allocated (55.8%) is inferred by rule with no other source to ")
+    assert line.endswith(": stop 33.5s (job 7: the last record to Slurm's End: job end)")
+
+
+def requeued(job: str, start: float, restart: int) -> list[dict]:
+    return [{**r, "restart": restart} for r in slurm_job(job, start, 20)]
+
+
+def test_the_queue_before_a_requeue_is_checked_against_saccts_submit():
+    """Job 7 ran 1000-1027, was requeued at its end and ran again 1040-1067 (13 s queued)."""
+    records = requeued("7", 1000.0, 0) + requeued("7", 1040.0, 1)
+    runs = [JobRun("7", 0, 1000.0, 1027.0, False, submit=990.0), JobRun("7", 1, 1040.0, 1067.0, False)]
+    runs[1] = runs[1]._replace(submit=1027.0)
+    report = check_ledger(build_ledger(records, map(ledger_run, runs)), records, runs)
+    assert report.violations == [] and "queue: 1 requeue(s) checked against sacct's Submit to Start" in (
+        report.summary()
+    )
+    # sacct says the second run waited 3 s: the ledger's 13 s of queue are 10 s Slurm did not queue
+    late = [runs[0], runs[1]._replace(submit=1037.0)]
+    (line,) = check_ledger(build_ledger(records, map(ledger_run, late)), records, late).violations
+    assert line == (
+        "queue: the ledger's queue before job 7 (requeue 1) is 13.0 s (the previous run's End to its "
+        "Start), sacct's Submit to Start of that run 3.0 s: +10.0 s, more than 1% of its allocation and "
+        "sacct's second"
+    )
+    # no Submit from sacct: said, not checked
+    bare = [r._replace(submit=None) for r in runs]
+    report = check_ledger(build_ledger(records, map(ledger_run, bare)), records, bare)
+    assert "queue: 0 requeue(s) checked against sacct's Submit to Start, 1 not (sacct gave no Submit)" in (
+        report.summary()
+    )
+
+
+def test_saccts_submit_is_read_per_run():
+    from relaytrain.job.allocations import parse_runs
+
+    day = "2026-11-27T16:"
+    text = f"5|{day}11:05|{day}11:42|REQUEUED|{day}11:00\n5|{day}12:00|{day}12:32|COMPLETED|{day}11:42\n"
+    runs = parse_runs("5", text, now=0.0)
+    assert [r.start - r.submit for r in runs] == [5.0, 18.0]
+    assert parse_runs("5", f"5|{day}11:05|{day}11:42|COMPLETED", now=0.0)[0].submit is None
+
+
 def ledger_run(run: JobRun):
     from relaytrain.monitor.ledger import Allocation
 

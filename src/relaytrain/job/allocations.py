@@ -20,9 +20,13 @@ from typing import NamedTuple
 from relaytrain.job.slurm_command import run_slurm_command
 from relaytrain.job.slurmctld import SLURM_QUERY_TIMEOUT_S, parse_slurm_time
 
-QUERIES = (
-    ["sacct", "-D", "-X", "-n", "-P", "-o", "JobID,Start,End,State"],
-    ["sacct", "-c", "-n", "-P", "-o", "JobID,Start,End,State"],
+FIELDS = "JobID,Start,End,State"
+# Submit too where sacct gives it (a requeued run's is its requeue: the queue before it, for verify); each
+# source asked with it first, then without
+QUERIES = tuple(
+    ["sacct", *source, "-n", "-P", "-o", fields]
+    for source in (["-D", "-X"], ["-c"])
+    for fields in (FIELDS + ",Submit", FIELDS)
 )
 
 
@@ -33,11 +37,14 @@ class JobRun(NamedTuple):
     end: float
     running: bool  # not ended yet: `end` is when it was asked
     trusted: bool = True  # False: the job's records overlap (a resize in the job completion file)
+    submit: float | None = None  # sacct's Submit of this run (a requeue's: when it was requeued)
 
 
 def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
-    """The runs of `job_id` in sacct's `JobID|Start|End|State` lines (steps and other jobs left out)."""
+    """The runs of `job_id` in sacct's `JobID|Start|End|State[|Submit]` lines (steps and other jobs left
+    out)."""
     found: list[tuple[float, float, bool, bool]] = []
+    submits: dict[float, float] = {}  # a run's Submit by its start
     for line in text.splitlines():
         parts = line.split("|")
         if len(parts) < 3 or parts[0].strip() != job_id:
@@ -48,6 +55,9 @@ def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
         end = parse_slurm_time(parts[2])
         resizing = len(parts) > 3 and parts[3].strip().upper().startswith("RESIZING")
         found.append((start, end if end is not None else now, end is None, resizing))
+        submit = parse_slurm_time(parts[4]) if len(parts) > 4 and not resizing else None
+        if submit is not None:
+            submits.setdefault(start, submit)
     runs: list[tuple[float, float, bool]] = []
     carried: float | None = None  # the start of a run whose RESIZING record came before this one
     for start, end, running, resizing in sorted(set(found), key=lambda f: (f[0], f[1], f[3])):
@@ -60,7 +70,7 @@ def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
         runs.append((carried, now, True))
     trusted = all(later[0] >= earlier[1] for earlier, later in zip(runs, runs[1:], strict=False))
     return [
-        JobRun(job_id, index, start, end, running, trusted)
+        JobRun(job_id, index, start, end, running, trusted, submits.get(start))
         for index, (start, end, running) in enumerate(runs)
     ]
 
