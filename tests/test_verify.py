@@ -266,6 +266,25 @@ def test_the_queue_before_a_requeue_is_checked_against_saccts_submit():
     )
 
 
+def test_a_crash_record_confirms_a_tail_of_its_own_job_run_only():
+    """A requeued run whose step ended (exit 0) without the trainer's stop: 1 s from its last window to
+    the step's end is `lost`, 0.5 s from the job's end to Slurm's End `restart`, both by rule. The
+    crash line the end-of-step decision wrote then (`restart_count` 1, at the step's end) confirms them;
+    one of the job's first run does not."""
+    records = [r for r in requeued("7", 1000.0, 1) if r.get("event") != "finished"]
+    run = JobRun("7", 1, 1000.0, 1027.0, running=False)
+    ledger = build_ledger(records, [ledger_run(run)])
+    assert ledger.inferred == {"lost": 1.0, "restart": 0.5}
+    crash = {"job_id": "7", "restart_count": 1, "time": 1026.01, "action": "requeue"}
+    assert check_ledger(ledger, records, [run], [crash]).violations == []
+    (line,) = check_ledger(ledger, records, [run], [{**crash, "restart_count": 0}]).violations
+    assert "is inferred by rule with no other source to confirm it" in line and ": lost 1.0s (" in line
+    # written 15 s before the failed step's end: not that failure's (the tail to Slurm's End it still
+    # confirms: the job's last record came after it)
+    (line,) = check_ledger(ledger, records, [run], [{**crash, "time": 1011.0}]).violations
+    assert line.endswith(": lost 1.0s (job 7 (requeue 1): a failed step's last record to its end)")
+
+
 def test_saccts_submit_is_read_per_run():
     from relaytrain.job.allocations import parse_runs
 
