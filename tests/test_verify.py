@@ -285,6 +285,18 @@ def test_a_crash_record_confirms_a_tail_of_its_own_job_run_only():
     assert line.endswith(": lost 1.0s (job 7 (requeue 1): a failed step's last record to its end)")
 
 
+def test_records_older_than_saccts_start_fail():
+    """The driver's job_start 1 s after Slurm's Start is the batch script; a Start 4 s after it would put
+    recorded time in the queue (the ledger clips it away)."""
+    records = slurm_job("7", 1000.0, 20)
+    late = JobRun("7", 0, 1005.0, 1027.0, running=False)
+    violations = check_ledger(build_ledger(records, [ledger_run(late)]), records, [late]).violations
+    assert violations[-1] == (
+        "queue: job 7's first record is 4.0 s older than sacct's Start of that run: the ledger counts time "
+        "the run's records show running as queue"
+    )
+
+
 def test_saccts_submit_is_read_per_run():
     from relaytrain.job.allocations import parse_runs
 

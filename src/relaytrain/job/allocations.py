@@ -1,8 +1,9 @@
 """Each run of a Slurm job as accounting knows it: Start..End, one per requeue, for the time ledger.
 
-``sacct -D -X`` (every run of a requeued job, the allocation alone) where accounting storage runs, else
-``sacct -c`` (the job completion file, one line per run). A run not finished yet ends now. Runs are
-numbered by their start, which is Slurm's restart count for a job that was requeued in place.
+``sacct -D -X`` (every run of a requeued job, the allocation alone, with its Submit) where accounting
+storage runs, else ``sacct -c`` (the job completion file, one line per run; no Submit). A run not
+finished yet ends now. Runs are numbered by their start, which is Slurm's restart count for a job that
+was requeued in place.
 
 A job that shrank (a node lost, the run going on with the nodes left) gets a `RESIZING` record that ends
 at the resize: the run goes on in the next record, so the two are one run. Slurm's job completion file
@@ -21,12 +22,12 @@ from relaytrain.job.slurm_command import run_slurm_command
 from relaytrain.job.slurmctld import SLURM_QUERY_TIMEOUT_S, parse_slurm_time
 
 FIELDS = "JobID,Start,End,State"
-# Submit too where sacct gives it (a requeued run's is its requeue: the queue before it, for verify); each
-# source asked with it first, then without
-QUERIES = tuple(
-    ["sacct", *source, "-n", "-P", "-o", fields]
-    for source in (["-D", "-X"], ["-c"])
-    for fields in (FIELDS + ",Submit", FIELDS)
+# From accounting storage, Submit too (a requeued run's is when Slurm requeued it: the queue before it,
+# for verify), then without it. The job completion file's Submit is not read (sacct -c prints the Start).
+QUERIES = (
+    ["sacct", "-D", "-X", "-n", "-P", "-o", FIELDS + ",Submit"],
+    ["sacct", "-D", "-X", "-n", "-P", "-o", FIELDS],
+    ["sacct", "-c", "-n", "-P", "-o", FIELDS],
 )
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from relaytrain.job.allocations import JobRun
 from relaytrain.monitor.ledger import Ledger, duration
-from relaytrain.monitor.ledger_queue import queue_against_submit
+from relaytrain.monitor.ledger_queue import queue_against_submit, records_before_start
 from relaytrain.monitor.ledger_sources import commits_outside, steps_without_window, unconfirmed
 from relaytrain.monitor.ledger_spans import window_end
 from relaytrain.monitor.ledger_steps import productive_against_steps
@@ -122,7 +122,7 @@ def check_ledger(
     report.notes.append(productive_note)
     report.notes.append(_against_sacct(ledger, slurm_runs, report.violations, records))
     queue, queue_note = queue_against_submit(ledger, slurm_runs)
-    report.violations += queue
+    report.violations += queue + records_before_start(ledger, records)
     report.notes += [queue_note] if queue_note else []
     return report
 

@@ -1,18 +1,27 @@
 """The ledger's queue time against Slurm's Submit (`relaytrain verify`).
 
 The ledger's queue is the time between allocations: one run's End to the next run's Start. For a job that
-Slurm requeued, the next run's own `Submit` in sacct is when it was requeued, so that run waited from its
-Submit to its Start: a second account of the same queue time, from a field the ledger does not read. The
-two agree within `AGREE` of the later run's allocation and sacct's whole second; more is a violation
-naming the bucket (an allocation the ledger bounded wrongly, or a run between the two it does not hold).
+Slurm requeued, the next run's own `Submit` in accounting storage (`sacct -D`) is when Slurm requeued it,
+once the previous run's steps and epilog were done, so that run waited from its Submit to its Start: a
+second account of the same queue time, from a field the ledger does not read. The two agree within
+`AGREE` of the later run's allocation and sacct's whole second; more is a violation naming the bucket (an
+allocation the ledger bounded wrongly, a run between the two it does not hold, or an epilog that kept
+the nodes that long). The job completion file (`sacct -c`) gives no Submit: there the requeues are not
+checked, and the note says so.
 
 Queue time between two different jobs of a run (a job submitted again by hand) is not checked: nothing
 relates one job's Submit to the other's End.
+
+Wherever sacct gave the bounds (the job completion file too), the run's own clock checks Slurm's Start:
+no record of a job run (the driver's `job_start` first, the trainer's `process_start`) is older than
+that run's Start, but for sacct's whole second. An older one is time the records show running that the
+ledger counts as queue, or as the run before (`records_before_start`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from relaytrain.job.allocations import JobRun
 from relaytrain.monitor.ledger import Ledger
@@ -49,3 +58,26 @@ def queue_against_submit(ledger: Ledger, slurm_runs: Sequence[JobRun] | None) ->
     if unknown:
         note += f", {unknown} not (sacct gave no Submit)"
     return violations, note
+
+
+def records_before_start(ledger: Ledger, records: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per allocation bounded by sacct whose records begin before its Start (see above)."""
+    found = []
+    for job in ledger.jobs:
+        a = job.allocation
+        if a.source != "sacct" or a.job_id is None:
+            continue
+        times = [
+            float(value)
+            for r in records
+            if r.get("job_id") == a.job_id and int(r.get("restart") or 0) == a.restart
+            for value in (r.get("time"), r.get("process_start"))
+            if isinstance(value, int | float) and not isinstance(value, bool)
+        ]
+        first = min(times, default=a.start)
+        if first < a.start - SACCT_RESOLUTION_S:
+            found.append(
+                f"queue: {job.label}'s first record is {a.start - first:.1f} s older than sacct's Start of "
+                "that run: the ledger counts time the run's records show running as queue"
+            )
+    return found
