@@ -247,16 +247,22 @@ def test_the_queue_before_a_requeue_is_checked_against_saccts_submit():
     runs = [JobRun("7", 0, 1000.0, 1027.0, False, submit=990.0), JobRun("7", 1, 1040.0, 1067.0, False)]
     runs[1] = runs[1]._replace(submit=1027.0)
     report = check_ledger(build_ledger(records, map(ledger_run, runs)), records, runs)
-    assert report.violations == [] and "queue: 1 requeue(s) checked against sacct's Submit to Start" in (
+    assert report.violations == [] and "queue: 1 requeue(s) checked against sacct's Submit to Start (0 s" in (
         report.summary()
     )
-    # sacct says the second run waited 3 s: the ledger's 13 s of queue are 10 s Slurm did not queue
+    # Slurm requeued it 10 s after its End (its nodes completing): in the ledger's queue, said
     late = [runs[0], runs[1]._replace(submit=1037.0)]
-    (line,) = check_ledger(build_ledger(records, map(ledger_run, late)), records, late).violations
+    report = check_ledger(build_ledger(records, map(ledger_run, late)), records, late)
+    assert report.violations == [] and "(10 s of the queue Slurm's completing before a requeue)" in (
+        report.summary()
+    )
+    # sacct says the second run waited 20 s: the ledger's 13 s of queue miss 7 s Slurm says it waited
+    early = [runs[0], runs[1]._replace(submit=1020.0)]
+    (line,) = check_ledger(build_ledger(records, map(ledger_run, early)), records, early).violations
     assert line == (
         "queue: the ledger's queue before job 7 (requeue 1) is 13.0 s (the previous run's End to its "
-        "Start), sacct's Submit to Start of that run 3.0 s: +10.0 s, more than 1% of its allocation and "
-        "sacct's second"
+        "Start), shorter than sacct's Submit to Start of that run, 20.0 s, by more than 1% of its allocation "
+        "and sacct's second"
     )
     # no Submit from sacct: said, not checked
     bare = [r._replace(submit=None) for r in runs]

@@ -2,12 +2,14 @@
 
 The ledger's queue is the time between allocations: one run's End to the next run's Start. For a job that
 Slurm requeued, the next run's own `Submit` in accounting storage (`sacct -D`) is when Slurm requeued it,
-once the previous run's steps and epilog were done, so that run waited from its Submit to its Start: a
-second account of the same queue time, from a field the ledger does not read. The two agree within
-`AGREE` of the later run's allocation and sacct's whole second; more is a violation naming the bucket (an
-allocation the ledger bounded wrongly, a run between the two it does not hold, or an epilog that kept
-the nodes that long). The job completion file (`sacct -c`) gives no Submit: there the requeues are not
-checked, and the note says so.
+once the previous run's steps and epilog were done (its nodes completing), so that run waited from its
+Submit to its Start: a second account of the queue, from a field the ledger does not read. The ledger's
+queue holds that wait and the completing before it (on the local cluster 11-12 s between a run's End
+and its requeue's Submit, in the job completion file), so it may be longer, never shorter: a ledger
+queue shorter than Slurm's wait by more than `AGREE` of the later run's allocation and sacct's whole
+second is a violation naming the bucket (allocations the ledger stretched over time Slurm says the job
+waited). The note gives the completing time the ledger's queue holds. The job completion file (`sacct
+-c`) gives no Submit (sacct prints the Start): there the requeues are not checked, and the note says so.
 
 Queue time between two different jobs of a run (a job submitted again by hand) is not checked: nothing
 relates one job's Submit to the other's End.
@@ -33,7 +35,7 @@ SACCT_RESOLUTION_S = 1.0  # sacct's times are whole seconds
 def queue_against_submit(ledger: Ledger, slurm_runs: Sequence[JobRun] | None) -> tuple[list[str], str]:
     """Violations (one line each) and a note ("" when the run had no requeue Slurm accounted)."""
     runs = {(r.job_id, r.restart): r for r in slurm_runs or () if r.trusted}
-    violations, checked, unknown = [], 0, 0
+    violations, checked, unknown, completing = [], 0, 0, 0.0
     for before, job in zip(ledger.jobs, ledger.jobs[1:], strict=False):
         a, b = before.allocation, job.allocation
         if a.job_id is None or a.job_id != b.job_id or b.restart <= a.restart:
@@ -46,15 +48,17 @@ def queue_against_submit(ledger: Ledger, slurm_runs: Sequence[JobRun] | None) ->
             continue
         checked += 1
         gap, waited = max(0.0, b.start - a.end), max(0.0, run.start - run.submit)
-        if abs(gap - waited) > AGREE * job.seconds + SACCT_RESOLUTION_S:
+        completing += max(0.0, gap - waited)
+        if waited - gap > AGREE * job.seconds + SACCT_RESOLUTION_S:
             violations.append(
                 f"queue: the ledger's queue before {job.label} is {gap:.1f} s (the previous run's End to its "
-                f"Start), sacct's Submit to Start of that run {waited:.1f} s: {gap - waited:+.1f} s, more "
-                f"than {AGREE:.0%} of its allocation and sacct's second"
+                f"Start), shorter than sacct's Submit to Start of that run, {waited:.1f} s, by more than "
+                f"{AGREE:.0%} of its allocation and sacct's second"
             )
     if not checked and not unknown:
         return violations, ""
     note = f"queue: {checked} requeue(s) checked against sacct's Submit to Start"
+    note += f" ({completing:.0f} s of the queue Slurm's completing before a requeue)" if checked else ""
     if unknown:
         note += f", {unknown} not (sacct gave no Submit)"
     return violations, note
