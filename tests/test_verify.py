@@ -209,6 +209,9 @@ def test_a_resized_job_is_one_run_and_overlapping_runs_are_left_to_the_records()
     filetxt += f"{day}16:11:42|2026-11-27T16:12:32|PENDING\n{day}16:11:42|2026-11-27T16:13:23|COMPLETED\n"
     runs = parse_runs("9", filetxt, now=0.0)
     assert len(runs) == 3 and not any(r.trusted for r in runs)  # the later runs overlap the first
+    # a job that gave back its spare node: one run, its start in the file the resize's (a minute late)
+    spares = f"{day}16:11:42|2026-11-27T16:11:42|RESIZING\n{day}16:11:42|2026-11-27T16:12:38|COMPLETED\n"
+    assert [r.trusted for r in parse_runs("9", spares, now=0.0)] == [False]
     records = slurm_job("9", 1000.0, 20)
     note = check_ledger(build_ledger(records), records, runs)
     assert note.violations == [] and "job(s) 9 not checked: Slurm's job completion file" in note.summary()

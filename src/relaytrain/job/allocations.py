@@ -9,7 +9,8 @@ A job that shrank (a node lost, the run going on with the nodes left) gets a `RE
 at the resize: the run goes on in the next record, so the two are one run. Slurm's job completion file
 then gives every later record of the job the resize's time as its start, so its runs overlap; such a
 job's runs are marked untrusted (`trusted`), and the time ledger bounds its allocations by the run's own
-records instead.
+records instead. So is a job whose `RESIZING` record starts and ends at the resize (the job completion
+file's, for a job that gave back its spare nodes): its run's Start is the resize's, not the run's.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class JobRun(NamedTuple):
     start: float
     end: float
     running: bool  # not ended yet: `end` is when it was asked
-    trusted: bool = True  # False: the job's records overlap (a resize in the job completion file)
+    trusted: bool = True  # False: a resize in the job completion file (its records' starts are the resize's)
     submit: float | None = None  # sacct's Submit of this run (a requeue's: when it was requeued)
 
 
@@ -69,7 +70,10 @@ def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
         carried = None
     if carried is not None:  # the resize is the newest record: the run goes on
         runs.append((carried, now, True))
-    trusted = all(later[0] >= earlier[1] for earlier, later in zip(runs, runs[1:], strict=False))
+    # the job completion file's RESIZING record starts and ends at the resize: the run's own start is lost
+    blind = any(resizing and start == end for start, end, _, resizing in found)
+    apart = all(later[0] >= earlier[1] for earlier, later in zip(runs, runs[1:], strict=False))
+    trusted = apart and not blind
     return [
         JobRun(job_id, index, start, end, running, trusted, submits.get(start))
         for index, (start, end, running) in enumerate(runs)

@@ -137,8 +137,9 @@ def _against_sacct(
         return "Slurm's accounting did not answer: each allocation bounded by the run's own records"
     untrusted = sorted({r.job_id for r in slurm_runs if not r.trusted})
     unchecked = (
-        f"; job(s) {', '.join(untrusted)} not checked: Slurm's job completion file gives every run after a "
-        "resize the resize's time as its start, so their allocations are bounded by the run's own records"
+        f"; job(s) {', '.join(untrusted)} not checked: Slurm's job completion file gives a job's runs from "
+        "a resize on the resize's time as their start, so their allocations are bounded by the run's own "
+        "records"
         if untrusted
         else ""
     )
