@@ -13,8 +13,9 @@ read, evaluation left out, and its per-step means are in the record (``time_step
 
 They differ by the milliseconds between the two clocks' readings (a window closes after the step's
 evaluation and save, the timer reads before them: those are taken out on both sides). Per allocation, a
-difference over `MAX_APART` of the allocated time is a violation naming the bucket: time the ledger put
-in `productive` that no step took (or steps it did not count).
+difference over `MAX_APART` of the allocated time (and sacct's whole second, where sacct bounds it) is a
+violation naming the bucket: time the ledger put in `productive` that no step took (or steps it did not
+count).
 
 Compared per process, up to its last step that both a train record and a ledger window end at (a stop's
 window and the steps after the last log step have no train record). A process with a NaN rollback is not
@@ -29,6 +30,9 @@ from typing import Any
 from relaytrain.monitor.ledger import Ledger, duration
 
 MAX_APART = 0.01  # of the allocation's seconds
+# and, where sacct bounds the allocation, its whole second: its End is truncated, so up to a second of
+# the last steps of a run that stopped right after them lies past it (a preempted job on the local cluster)
+SACCT_RESOLUTION_S = 1.0
 STEP_DETAILS = {
     "productive": None,  # any detail
     "replayed": None,
@@ -110,7 +114,10 @@ def _ledger_step_seconds(ledger: Ledger, alloc: tuple, start: float, end: float)
 def productive_against_steps(ledger: Ledger, records: Sequence[dict[str, Any]]) -> tuple[list[str], str]:
     """Violations (one line each, per allocation) and a note: the ledger's step time against the train
     records' (see above)."""
-    seconds = {(j.allocation.job_id, j.allocation.restart): (j.seconds, j.label) for j in ledger.jobs}
+    seconds = {
+        (j.allocation.job_id, j.allocation.restart): (j.seconds, j.label, j.allocation.source == "sacct")
+        for j in ledger.jobs
+    }
     compared: dict[tuple, list[float]] = {}  # alloc -> [ledger s, train s, steps]
     skipped = 0
     for proc in _processes(records):
@@ -136,14 +143,14 @@ def productive_against_steps(ledger: Ledger, records: Sequence[dict[str, Any]]) 
         sums[2] += last - proc["begin"]
     violations = []
     for alloc, (ledger_s, train_s, _) in compared.items():
-        allocated, label = seconds[alloc]
+        allocated, label, sacct = seconds[alloc]
         apart = ledger_s - train_s
-        if abs(apart) > MAX_APART * allocated:
+        if abs(apart) > MAX_APART * allocated + (SACCT_RESOLUTION_S if sacct else 0.0):
             violations.append(
                 f"productive: {label}'s ledger puts {ledger_s:.3f} s in its steps (productive, replayed, the "
                 f"first step's start-up, snapshot slowdown), its train records' step times add up to "
                 f"{train_s:.3f} s: {apart:+.3f} s, more than {MAX_APART:.0%} of its {duration(allocated)} "
-                "allocated"
+                "allocated" + (" and sacct's whole second" if sacct else "")
             )
     if not compared:
         note = "productive: no steps logged by both the ledger windows and the train records, not compared"
