@@ -7,7 +7,9 @@ break what the run does, not the files it leaves:
 - `skip_batch`: the resume position one global batch ahead of the saved one;
 - `other_shard`: each data-parallel rank of two reads the other rank's share (its record says its own);
 - `drop_windows`: the trainer's ledger windows never written;
-- `unrecorded_stop`: a stop whose event (and so its time) is never written.
+- `unrecorded_stop`: a stop whose event (and so its time) is never written;
+- `saves_productive`: the ledger windows' checkpoint saves not taken out of their step time (productive
+  inflated by the saves' time).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 
 from relaytrain.cli import main
 from relaytrain.data.loader import TrainLoader
+from relaytrain.monitor import time_ledger
 from relaytrain.monitor.metrics import MetricsLogger
 from relaytrain.monitor.time_ledger import LedgerWindows
 
@@ -64,12 +67,17 @@ def _unrecorded_stop() -> None:
     MetricsLogger.log_event = without_stop
 
 
+def _saves_productive() -> None:
+    time_ledger.PART_OF = {phase: part for phase, part in time_ledger.PART_OF.items() if part != "checkpoint"}
+
+
 MUTATIONS = {
     "reseed": _reseed,
     "skip_batch": _skip_batch,
     "other_shard": _other_shard,
     "drop_windows": _drop_windows,
     "unrecorded_stop": _unrecorded_stop,
+    "saves_productive": _saves_productive,
 }
 
 if __name__ == "__main__":

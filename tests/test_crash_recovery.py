@@ -260,6 +260,12 @@ def test_restarts_in_place_then_requeues_then_a_crash_loop_stops_the_job(slurm_c
     assert "max_step_restarts=1 reached" in entries[1]["not_restarted_in_place"]
     code, out = cli("status", job, "--runs", str(runs))
     assert code == 0 and "crash_loop" in out, out
+    # the ledger against what it did not build: the steps' time against the train records'
+    code, out = cli("verify", str(run_dir))
+    assert code == 0, out
+    # the local cluster's sacct reads the job completion file, which gives no Submit: said, not checked
+    assert "queue: 0 requeue(s) checked against sacct's Submit to Start, 1 not (sacct gave no Submit)" in out
+    assert "productive: the ledger's step time of " in out, out
 
 
 @pytest.mark.slurm

@@ -209,6 +209,9 @@ def test_a_resized_job_is_one_run_and_overlapping_runs_are_left_to_the_records()
     filetxt += f"{day}16:11:42|2026-11-27T16:12:32|PENDING\n{day}16:11:42|2026-11-27T16:13:23|COMPLETED\n"
     runs = parse_runs("9", filetxt, now=0.0)
     assert len(runs) == 3 and not any(r.trusted for r in runs)  # the later runs overlap the first
+    # a job that gave back its spare node: one run, its start in the file the resize's (a minute late)
+    spares = f"{day}16:11:42|2026-11-27T16:11:42|RESIZING\n{day}16:11:42|2026-11-27T16:12:38|COMPLETED\n"
+    assert [r.trusted for r in parse_runs("9", spares, now=0.0)] == [False]
     records = slurm_job("9", 1000.0, 20)
     note = check_ledger(build_ledger(records), records, runs)
     assert note.violations == [] and "job(s) 9 not checked: Slurm's job completion file" in note.summary()
@@ -222,6 +225,95 @@ def test_a_running_allocations_tail_past_its_last_record_is_not_unaccounted_yet(
     ended = running._replace(running=False)
     (line,) = check_ledger(build_ledger(records, [ledger_run(ended)]), records, [ended]).violations
     assert "is unaccounted (no record covers it)" in line and "job 8 at +25.0 s for 75.0 s" in line
+
+
+def test_a_stop_tail_longer_than_the_sources_agree_on_is_not_confirmed():
+    """The trainer's finished event and the driver's job end come 1.5 s before the job's last record
+    ends: a tail to Slurm's End within 1 % of the allocation and sacct's second is the batch script's
+    exit; a longer one is time no record holds, put in `stop` by rule, and verify names it."""
+    records = slurm_job("7", 1000.0, 20)
+    run = JobRun("7", 0, 1000.0, 1027.0, running=False)
+    assert check_ledger(build_ledger(records, [ledger_run(run)]), records, [run]).violations == []
+    late = run._replace(end=1060.0)  # Slurm's End 33.5 s after the job's last record
+    (line,) = check_ledger(build_ledger(records, [ledger_run(late)]), records, [late]).violations
+    assert line.startswith("33.5s of 1m00s allocated (55.8%) is inferred by rule with no other source to ")
+    assert line.endswith(": stop 33.5s (job 7: the last record to Slurm's End: job end)")
+
+
+def requeued(job: str, start: float, restart: int) -> list[dict]:
+    return [{**r, "restart": restart} for r in slurm_job(job, start, 20)]
+
+
+def test_the_queue_before_a_requeue_is_checked_against_saccts_submit():
+    """Job 7 ran 1000-1027, was requeued at its end and ran again 1040-1067 (13 s queued)."""
+    records = requeued("7", 1000.0, 0) + requeued("7", 1040.0, 1)
+    runs = [JobRun("7", 0, 1000.0, 1027.0, False, submit=990.0), JobRun("7", 1, 1040.0, 1067.0, False)]
+    runs[1] = runs[1]._replace(submit=1027.0)
+    report = check_ledger(build_ledger(records, map(ledger_run, runs)), records, runs)
+    assert report.violations == [] and "queue: 1 requeue(s) checked against sacct's Submit to Start (0 s" in (
+        report.summary()
+    )
+    # Slurm requeued it 10 s after its End (its nodes completing): in the ledger's queue, said
+    late = [runs[0], runs[1]._replace(submit=1037.0)]
+    report = check_ledger(build_ledger(records, map(ledger_run, late)), records, late)
+    assert report.violations == [] and "(10 s of the queue Slurm's completing before a requeue)" in (
+        report.summary()
+    )
+    # sacct says the second run waited 20 s: the ledger's 13 s of queue miss 7 s Slurm says it waited
+    early = [runs[0], runs[1]._replace(submit=1020.0)]
+    (line,) = check_ledger(build_ledger(records, map(ledger_run, early)), records, early).violations
+    assert line == (
+        "queue: the ledger's queue before job 7 (requeue 1) is 13.0 s (the previous run's End to its "
+        "Start), shorter than sacct's Submit to Start of that run, 20.0 s, by more than 1% of its allocation "
+        "and sacct's second"
+    )
+    # no Submit from sacct: said, not checked
+    bare = [r._replace(submit=None) for r in runs]
+    report = check_ledger(build_ledger(records, map(ledger_run, bare)), records, bare)
+    assert "queue: 0 requeue(s) checked against sacct's Submit to Start, 1 not (sacct gave no Submit)" in (
+        report.summary()
+    )
+
+
+def test_a_crash_record_confirms_a_tail_of_its_own_job_run_only():
+    """A requeued run whose step ended (exit 0) without the trainer's stop: 1 s from its last window to
+    the step's end is `lost`, 0.5 s from the job's end to Slurm's End `restart`, both by rule. The
+    crash line the end-of-step decision wrote then (`restart_count` 1, at the step's end) confirms them;
+    one of the job's first run does not."""
+    records = [r for r in requeued("7", 1000.0, 1) if r.get("event") != "finished"]
+    run = JobRun("7", 1, 1000.0, 1027.0, running=False)
+    ledger = build_ledger(records, [ledger_run(run)])
+    assert ledger.inferred == {"lost": 1.0, "restart": 0.5}
+    crash = {"job_id": "7", "restart_count": 1, "time": 1026.01, "action": "requeue"}
+    assert check_ledger(ledger, records, [run], [crash]).violations == []
+    (line,) = check_ledger(ledger, records, [run], [{**crash, "restart_count": 0}]).violations
+    assert "is inferred by rule with no other source to confirm it" in line and ": lost 1.0s (" in line
+    # written 15 s before the failed step's end: not that failure's (the tail to Slurm's End it still
+    # confirms: the job's last record came after it)
+    (line,) = check_ledger(ledger, records, [run], [{**crash, "time": 1011.0}]).violations
+    assert line.endswith(": lost 1.0s (job 7 (requeue 1): a failed step's last record to its end)")
+
+
+def test_records_older_than_saccts_start_fail():
+    """The driver's job_start 1 s after Slurm's Start is the batch script; a Start 4 s after it would put
+    recorded time in the queue (the ledger clips it away)."""
+    records = slurm_job("7", 1000.0, 20)
+    late = JobRun("7", 0, 1005.0, 1027.0, running=False)
+    violations = check_ledger(build_ledger(records, [ledger_run(late)]), records, [late]).violations
+    assert violations[-1] == (
+        "queue: job 7's first record is 4.0 s older than sacct's Start of that run: the ledger counts time "
+        "the run's records show running as queue"
+    )
+
+
+def test_saccts_submit_is_read_per_run():
+    from relaytrain.job.allocations import parse_runs
+
+    day = "2026-11-27T16:"
+    text = f"5|{day}11:05|{day}11:42|REQUEUED|{day}11:00\n5|{day}12:00|{day}12:32|COMPLETED|{day}11:42\n"
+    runs = parse_runs("5", text, now=0.0)
+    assert [r.start - r.submit for r in runs] == [5.0, 18.0]
+    assert parse_runs("5", f"5|{day}11:05|{day}11:42|COMPLETED", now=0.0)[0].submit is None
 
 
 def ledger_run(run: JobRun):

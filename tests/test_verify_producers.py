@@ -79,6 +79,7 @@ def test_an_unmutated_resume_verifies(workdir, stopped):
     assert code == 0, out
     assert out[1].startswith("data: the tokens of 6 step record(s) match the prepared data read again")
     assert "2 source(s)" in out[1]
+    assert "productive: the ledger's step time of 6 logged step(s) is " in out[3]  # both processes'
 
 
 def test_a_loader_reseeded_on_resume_fails(workdir, stopped):
@@ -137,6 +138,14 @@ def test_a_stop_whose_time_is_not_recorded_fails(workdir):
         " s after the last record of process, before the next allocation began: that process's stop (its "
         "save and its exit) is not recorded"
     )
+
+
+def test_checkpoint_saves_counted_productive_fail(workdir):
+    train(workdir, "saves", mutation="saves_productive")
+    code, out = verify(workdir, "saves")
+    assert code == 1
+    assert out[0].startswith("ledger: productive: process's ledger puts ")
+    assert "its train records' step times add up to " in out[0] and " more than 1% of its " in out[0]
 
 
 @pytest.mark.parametrize("mutation", ["", "other_shard"])

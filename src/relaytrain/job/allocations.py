@@ -1,14 +1,16 @@
 """Each run of a Slurm job as accounting knows it: Start..End, one per requeue, for the time ledger.
 
-``sacct -D -X`` (every run of a requeued job, the allocation alone) where accounting storage runs, else
-``sacct -c`` (the job completion file, one line per run). A run not finished yet ends now. Runs are
-numbered by their start, which is Slurm's restart count for a job that was requeued in place.
+``sacct -D -X`` (every run of a requeued job, the allocation alone, with its Submit) where accounting
+storage runs, else ``sacct -c`` (the job completion file, one line per run; no Submit). A run not
+finished yet ends now. Runs are numbered by their start, which is Slurm's restart count for a job that
+was requeued in place.
 
 A job that shrank (a node lost, the run going on with the nodes left) gets a `RESIZING` record that ends
 at the resize: the run goes on in the next record, so the two are one run. Slurm's job completion file
 then gives every later record of the job the resize's time as its start, so its runs overlap; such a
 job's runs are marked untrusted (`trusted`), and the time ledger bounds its allocations by the run's own
-records instead.
+records instead. So is a job whose `RESIZING` record starts and ends at the resize (the job completion
+file's, for a job that gave back its spare nodes): its run's Start is the resize's, not the run's.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ from typing import NamedTuple
 from relaytrain.job.slurm_command import run_slurm_command
 from relaytrain.job.slurmctld import SLURM_QUERY_TIMEOUT_S, parse_slurm_time
 
+FIELDS = "JobID,Start,End,State"
+# From accounting storage, Submit too (a requeued run's is when Slurm requeued it: the queue before it,
+# for verify), then without it. The job completion file's Submit is not read (sacct -c prints the Start).
 QUERIES = (
-    ["sacct", "-D", "-X", "-n", "-P", "-o", "JobID,Start,End,State"],
-    ["sacct", "-c", "-n", "-P", "-o", "JobID,Start,End,State"],
+    ["sacct", "-D", "-X", "-n", "-P", "-o", FIELDS + ",Submit"],
+    ["sacct", "-D", "-X", "-n", "-P", "-o", FIELDS],
+    ["sacct", "-c", "-n", "-P", "-o", FIELDS],
 )
 
 
@@ -32,12 +38,15 @@ class JobRun(NamedTuple):
     start: float
     end: float
     running: bool  # not ended yet: `end` is when it was asked
-    trusted: bool = True  # False: the job's records overlap (a resize in the job completion file)
+    trusted: bool = True  # False: a resize in the job completion file (its records' starts are the resize's)
+    submit: float | None = None  # sacct's Submit of this run (a requeue's: when it was requeued)
 
 
 def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
-    """The runs of `job_id` in sacct's `JobID|Start|End|State` lines (steps and other jobs left out)."""
+    """The runs of `job_id` in sacct's `JobID|Start|End|State[|Submit]` lines (steps and other jobs left
+    out)."""
     found: list[tuple[float, float, bool, bool]] = []
+    submits: dict[float, float] = {}  # a run's Submit by its start
     for line in text.splitlines():
         parts = line.split("|")
         if len(parts) < 3 or parts[0].strip() != job_id:
@@ -48,6 +57,9 @@ def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
         end = parse_slurm_time(parts[2])
         resizing = len(parts) > 3 and parts[3].strip().upper().startswith("RESIZING")
         found.append((start, end if end is not None else now, end is None, resizing))
+        submit = parse_slurm_time(parts[4]) if len(parts) > 4 and not resizing else None
+        if submit is not None:
+            submits.setdefault(start, submit)
     runs: list[tuple[float, float, bool]] = []
     carried: float | None = None  # the start of a run whose RESIZING record came before this one
     for start, end, running, resizing in sorted(set(found), key=lambda f: (f[0], f[1], f[3])):
@@ -58,9 +70,12 @@ def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
         carried = None
     if carried is not None:  # the resize is the newest record: the run goes on
         runs.append((carried, now, True))
-    trusted = all(later[0] >= earlier[1] for earlier, later in zip(runs, runs[1:], strict=False))
+    # the job completion file's RESIZING record starts and ends at the resize: the run's own start is lost
+    blind = any(resizing and start == end for start, end, _, resizing in found)
+    apart = all(later[0] >= earlier[1] for earlier, later in zip(runs, runs[1:], strict=False))
+    trusted = apart and not blind
     return [
-        JobRun(job_id, index, start, end, running, trusted)
+        JobRun(job_id, index, start, end, running, trusted, submits.get(start))
         for index, (start, end, running) in enumerate(runs)
     ]
 

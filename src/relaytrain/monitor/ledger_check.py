@@ -10,6 +10,9 @@
   rule put in a bucket without another source to confirm it (monitor/ledger_sources.py), the bucket named;
 - every step a process logged lies in one of its ledger windows, and no checkpoint was committed outside
   the allocations (monitor/ledger_sources.py);
+- `productive` (with the other step time) agrees with the train records' step times within 1 % of each
+  allocation (monitor/ledger_steps.py), and the queue before a requeued run with sacct's Submit to Start
+  of that run (monitor/ledger_queue.py);
 - where Slurm's accounting answered, the ledger's Slurm allocations add up to sacct's elapsed time of
   every run of the run's jobs within `SACCT_TOLERANCE` (a job run that recorded nothing, or that the
   records number differently from sacct, is missing from the ledger).
@@ -26,8 +29,10 @@ from typing import Any
 
 from relaytrain.job.allocations import JobRun
 from relaytrain.monitor.ledger import Ledger, duration
+from relaytrain.monitor.ledger_queue import queue_against_submit, records_before_start
 from relaytrain.monitor.ledger_sources import commits_outside, steps_without_window, unconfirmed
 from relaytrain.monitor.ledger_spans import window_end
+from relaytrain.monitor.ledger_steps import productive_against_steps
 
 SUM_TOLERANCE = 1e-6  # relative: float sums of spans that tile the allocation
 MAX_UNACCOUNTED = 0.01  # of the allocated time
@@ -105,6 +110,8 @@ def check_ledger(
             )
     report.violations += steps_without_window(records)
     report.violations += commits_outside(ledger, commits)
+    productive, productive_note = productive_against_steps(ledger, records)
+    report.violations += productive
     jobs, lost = len(ledger.jobs), buckets["unaccounted"]
     inferred = sum(ledger.inferred.values())
     report.notes.append(
@@ -112,7 +119,11 @@ def check_ledger(
         f"unaccounted {duration(lost)} ({lost / allocated if allocated else 0.0:.1%}), inferred by rule "
         f"{duration(inferred)} ({inferred / allocated if allocated else 0.0:.1%})"
     )
+    report.notes.append(productive_note)
     report.notes.append(_against_sacct(ledger, slurm_runs, report.violations, records))
+    queue, queue_note = queue_against_submit(ledger, slurm_runs)
+    report.violations += queue + records_before_start(ledger, records)
+    report.notes += [queue_note] if queue_note else []
     return report
 
 
@@ -126,8 +137,9 @@ def _against_sacct(
         return "Slurm's accounting did not answer: each allocation bounded by the run's own records"
     untrusted = sorted({r.job_id for r in slurm_runs if not r.trusted})
     unchecked = (
-        f"; job(s) {', '.join(untrusted)} not checked: Slurm's job completion file gives every run after a "
-        "resize the resize's time as its start, so their allocations are bounded by the run's own records"
+        f"; job(s) {', '.join(untrusted)} not checked: Slurm's job completion file gives a job's runs from "
+        "a resize on the resize's time as their start, so their allocations are bounded by the run's own "
+        "records"
         if untrusted
         else ""
     )
