@@ -1,0 +1,68 @@
+"""A rank stopped during the start-up is named within the start-up's own limit (issue 53), without Slurm.
+
+Two ranks start under torchrun (gloo, CPU, the tests' tiny config) on a progress board; a real node
+watcher process reads it and the driver's hang monitor runs here. Rank 1 stops itself with SIGSTOP as it
+publishes the rendezvous (faults/: ``stop_in_phase``, before its process group exists), so rank 0 waits
+in the rendezvous for it. The monitor's cap is set far above the floor: before issue 53 the start-up's
+limit was the cap (and a rank without a process group had no board at all), so only a start-up phase
+with a limit of its own names rank 1 within the floor.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from relaytrain.job import JobFacts, RunDir
+from relaytrain.job.progress import PROGRESS_DIR_ENV, Phase, read_board
+from relaytrain.resilience.hang_detect import HangPolicy
+from relaytrain.resilience.hang_monitor import HangMonitor
+
+import faults
+from conftest import TINY, child_env
+
+FLOOR_S = 4.0
+SLACK_S = 4.0  # the watcher's and the monitor's looks (0.2 s, 0.3 s apart) on 2 shared cores
+
+
+def test_a_rank_stopped_in_the_rendezvous_is_named_within_the_floor(tmp_path):
+    run, board, log = RunDir(tmp_path / "run"), tmp_path / "board", tmp_path / "torchrun.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "relaytrain.cli", "train", *TINY, "--train.max_steps=3", "--checkpoint.interval=0",
+           f"--run.dir={run.root.parent}", f"--run.name={run.root.name}"]  # fmt: skip
+    env = child_env(**faults.env(stop_in_phase="rendezvous"), TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3",
+                    **{PROGRESS_DIR_ENV: str(board)})  # fmt: skip
+    with open(log, "w") as out:
+        ranks = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    watcher = subprocess.Popen([sys.executable, "-m", "relaytrain.resilience.hang_watch", "--run-dir",
+                                str(run.root), "--progress-dir", str(board), "--node", "n1", "--job-id", "7",
+                                "--interval", "0.2"], env=child_env())  # fmt: skip
+    job = JobFacts.from_env({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"})
+    policy = HangPolicy(floor_s=FLOOR_S, multiple=10.0, cap_s=600.0)
+    said: list[str] = []
+    monitor = HangMonitor(run, policy, job, lambda: None, said.append, interval_s=0.3).start()
+    try:
+        deadline = time.monotonic() + 180
+        while monitor.verdict is None and time.monotonic() < deadline and ranks.poll() is None:
+            time.sleep(0.2)
+        verdict, detected = monitor.verdict, time.time()
+        records = read_board(board)
+        monitor.stop()
+        ranks.wait(timeout=60)  # the watcher ended both ranks; torchrun's agent follows
+    finally:
+        for p in (ranks, watcher):
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+    output = log.read_text()
+    landed = faults.landed_at(output)
+    assert [text for text, _ in landed] == ["SIGSTOP in rendezvous on rank 1"], output[-3000:]
+    assert verdict is not None and verdict.hung, (said, output[-3000:])
+    assert [(c.rank, c.node, c.phase) for c in verdict.culprits] == [(1, "n1", "rendezvous")], verdict
+    assert "stopped (state T" in verdict.culprits[0].why
+    assert verdict.limit_s == FLOOR_S and "rendezvous: the floor" in verdict.limit_why, verdict
+    # named within the floor (plus the looks), long before the cap or the backend's init timeout
+    assert detected - landed[0][1] < FLOOR_S + SLACK_S, (detected - landed[0][1], verdict)
+    assert {r.rank: r.phase for r in records} == {0: Phase.RENDEZVOUS, 1: Phase.RENDEZVOUS}, records
