@@ -269,13 +269,6 @@ class ProgressBoard:
             self._left += 1
             self._write()
 
-    def close_quietly(self) -> None:
-        """Unmap, leaving the record as it is (the task wrapper's, for the command it execs)."""
-        if self._map is not None:
-            with contextlib.suppress(ValueError, OSError):
-                self._map.close()
-            self._map = None
-
     def close(self) -> None:
         if self._map is not None:
             with contextlib.suppress(ValueError, OSError):

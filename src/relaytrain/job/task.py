@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hang_watch:  # the rank's board first: a task stuck from here on is visible to the watcher
         board = progress_dir(os.environ)
         os.environ[PROGRESS_DIR_ENV] = str(board)
-        ProgressBoard.open_from_env(*env_ranks(os.environ), phase=Phase.LAUNCH).close_quietly()
+        ProgressBoard.open_from_env(*env_ranks(os.environ), phase=Phase.LAUNCH)  # unmapped by the exec
     if args.map_env:
         apply_slurm_env(os.environ)
     if not os.environ.get("NCCL_SOCKET_IFNAME") and (name := detect_interface(read_ip_brief())):

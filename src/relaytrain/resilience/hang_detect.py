@@ -307,7 +307,7 @@ def progress_key(view: RankView) -> tuple[int, int, int]:
 
 
 def phase_label(view: RankView) -> str:
-    return view.record.phase.label if view.record is not None else Phase.STARTUP.label
+    return view.record.phase.label if view.record is not None else "start-up"
 
 
 def hang_line(verdict: Verdict, report: str) -> str:
