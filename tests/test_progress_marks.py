@@ -144,7 +144,8 @@ def test_the_task_wrapper_opens_the_ranks_board_in_launch_before_the_command_run
         "print(r.rank, r.local_rank, r.phase.label, r.pid == os.getpid())"
     )
     env = child_env(SLURM_JOB_ID=job, SLURM_STEP_ID="0", SLURM_PROCID="5", SLURM_LOCALID="1")
-    cmd = [sys.executable, "-m", "relaytrain.job.task", "--hang-watch", str(tmp_path), "--", sys.executable]
+    cmd = [sys.executable, "-m", "relaytrain.job.task", "--map-env", "--hang-watch", str(tmp_path), "--",
+           sys.executable]  # fmt: skip
     done = subprocess.run([*cmd, "-c", read], env=env, capture_output=True, text=True, timeout=120)
     try:
         assert done.returncode == 0, done.stderr

@@ -8,9 +8,10 @@
   (PR_SET_PDEATHSIG), so no helper outlives the task.
 * With ``--hang-watch RUN_DIR`` every task gets ``RELAYTRAIN_PROGRESS_DIR``, the node's progress board
   for this job step (``relaytrain.job.progress``, on the node's tmpfs), and local rank 0 starts the node's
-  hang watcher (``relaytrain.resilience.hang_watch``) as such a child too. Each task opens its rank's
-  board first, in the start-up's ``launch`` phase (``job/startup.py``): the exec keeps the pid, so the
-  watcher sees the rank, and its process state, from the wrapper's first instruction on.
+  hang watcher (``relaytrain.resilience.hang_watch``) as such a child too. Each task that is one rank
+  (``--map-env``) opens its rank's board first, in the start-up's ``launch`` phase (``job/startup.py``):
+  the exec keeps the pid, so the watcher sees the rank, and its process state, from the wrapper's first
+  instruction on.
 * Then it execs CMD, so CMD keeps the task's pid and receives the signals srun forwards.
 
 A stop signal that srun forwards while this wrapper starts (Slurm's pre-timeout signal of a job whose
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.hang_watch:  # the rank's board first: a task stuck from here on is visible to the watcher
         board = progress_dir(os.environ)
         os.environ[PROGRESS_DIR_ENV] = str(board)
-        ProgressBoard.open_from_env(*env_ranks(os.environ), phase=Phase.LAUNCH)  # unmapped by the exec
+        if args.map_env:  # the task is one rank (under torchrun, its workers publish from their rendezvous)
+            ProgressBoard.open_from_env(*env_ranks(os.environ), phase=Phase.LAUNCH)  # unmapped by the exec
     if args.map_env:
         apply_slurm_env(os.environ)
     if not os.environ.get("NCCL_SOCKET_IFNAME") and (name := detect_interface(read_ip_brief())):
