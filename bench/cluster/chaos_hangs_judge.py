@@ -56,7 +56,7 @@ class HangTrial:
     culprit_correct: bool = False
     restart_s: float | None = None  # fault -> the first step after the restart
     step_restarts: int = 0  # restarts in place (the highest step_restart in metrics.jsonl)
-    slow_lines: list[str] = field(default_factory=list)  # `slow rank:` lines that name the faulted rank
+    slow_lines: list[str] = field(default_factory=list)  # `straggler hint:` lines that name the faulted rank
     restarts: int = 0  # Slurm requeues
     resubmits: int = 0
     bit_exact: bool = False
