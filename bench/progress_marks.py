@@ -167,10 +167,12 @@ RATIONALE = """
   (`launch`: the exec keeps the pid, so the watcher reads the process state from then on); the trainer
   publishes `rendezvous` before `init_process_group`, then `set-up`, the restore (its estimate shared per
   tensor), each graph's `compilation` and the `first step` (its layers marked). Each gets the floor since
-  its last move; a graph's first compilation, which marks nothing while Inductor works, 3 x the floor,
-  then 10 x its measured pause.
-- **What stays unbounded by marks.** Work between two moves: a model build (set-up) or an import longer
-  than the floor, a single graph compiling longer than 3 floors the first time, one tensor of a save
+  its last move; the work that marks little gets 3 x the floor until its pause is measured: a graph's
+  first compilation (nothing is marked while Inductor works), the imports and the set-up (the model's
+  build, the loaders: each module imported marks progress, from the training command's first act until
+  the state is restored).
+- **What stays unbounded by marks.** Work between two moves: a model build (set-up) or one import longer
+  than 3 floors, a single graph compiling longer than 3 floors the first time, one tensor of a save
   slower than twice its share, a collective of FSDP or tensor parallelism (not relaytrain's own, so not on
   the board) waiting longer than the floor inside a forward/backward that marks nothing else. Such a run
   needs a larger `hang_floor_s`. A rank that never published waits the cap: under a launcher other than

@@ -135,6 +135,22 @@ def test_the_start_up_publishes_the_rendezvous_before_the_process_group_and_hand
     board.close()
 
 
+def test_each_module_imported_in_the_start_up_marks_progress(tmp_path, monkeypatch):
+    monkeypatch.setenv(PROGRESS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    startup.watch_imports()
+    try:
+        assert read_record(tmp_path / "rank0").phase is Phase.LAUNCH
+        time.sleep(MARK_GAP_S * 2)
+        import relaytrain.job.i53_no_such_module  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        startup.stop_watching_imports()
+    assert read_record(tmp_path / "rank0").marks >= 1
+    startup.take(0, 0).close()
+
+
 def test_the_task_wrapper_opens_the_ranks_board_in_launch_before_the_command_runs(tmp_path):
     """The board exists before the process group, with the command's pid (the wrapper execs it)."""
     job = f"i53test{os.getpid()}"

@@ -10,7 +10,7 @@ multiple of the phase's usual longest pause between moves (its recent median), n
 never above ``resilience.hang_timeout_s`` (the cap); a phase with a budget (a save's or restore's
 estimate) may take twice it. The start-up is phases of its own, from the task wrapper's first instruction
 on (launch, rendezvous, set-up, the restore, compilation, the first step), each bounded the same way
-(``STARTUP_LIMITS``), so a rank stuck before its process group exists is named within the floor.
+(``STARTUP_LIMITS``), so a rank stuck in its rendezvous or restore is named within the floor.
 
 On a hang the culprits are named, most certain first: a process that is gone, stopped or in uninterruptible
 sleep (it cannot run Python, so its own stack may be missing); a rank outside any collective while others
@@ -57,11 +57,14 @@ BUDGET_MULTIPLE = 2.0  # a phase with a budget may take twice its estimate befor
 # A graph's first compilation, not measured yet, may pause this many floors between two graphs: a long
 # but moving compilation (each graph marked) is never called hung, a stuck one is within a few minutes.
 COMPILE_FLOORS = 3.0
+# The same for the work of the start-up that marks only per module imported: the process start and its
+# imports (launch), the model's build and the loaders (set-up).
+FIRST_WORK = {Phase.COMPILE: "a graph's compilation", Phase.LAUNCH: "the imports", Phase.STARTUP: "set-up"}
 # What bounds each start-up phase before its pause is measured (after: the floor and the multiple).
 STARTUP_LIMITS = {
-    Phase.LAUNCH: "the floor",
+    Phase.LAUNCH: f"{COMPILE_FLOORS:g} x the floor (each module imported marked)",
     Phase.RENDEZVOUS: "the floor",
-    Phase.STARTUP: "the floor",
+    Phase.STARTUP: f"{COMPILE_FLOORS:g} x the floor (each module imported marked)",
     Phase.CHECKPOINT_LOAD: f"the floor, or {BUDGET_MULTIPLE:g} x its estimate (per shard read)",
     Phase.COMPILE: f"{COMPILE_FLOORS:g} x the floor per graph",
     Phase.FIRST_STEP: "the floor (each layer's forward and backward marked)",
@@ -135,10 +138,9 @@ def phase_limit(view: RankView, policy: HangPolicy) -> tuple[float, str]:
         candidates.append(
             (policy.multiple * pause, f"{policy.multiple:g} x its usual longest pause {seconds(pause)}")
         )
-    elif record.phase is Phase.COMPILE:
-        candidates.append(
-            (COMPILE_FLOORS * policy.floor_s, f"{COMPILE_FLOORS:g} x the floor for a graph's compilation")
-        )
+    elif record.phase in FIRST_WORK:
+        why = f"{COMPILE_FLOORS:g} x the floor for {FIRST_WORK[record.phase]}"
+        candidates.append((COMPILE_FLOORS * policy.floor_s, why))
     if (record.phase in BUDGETED_PHASES or record.phase is Phase.COMPILE) and record.budget_s > 0:
         candidates.append(
             (

@@ -114,7 +114,8 @@ class Supervision:
         self.controller.install()
 
     def running(self) -> None:
-        """The state is restored: the in-rank watchdog starts."""
+        """The state is restored: the in-rank watchdog starts; imports no longer mark progress."""
+        startup.stop_watching_imports()
         self.watchdog.start()
 
     # -- every step ---------------------------------------------------------------------------------
