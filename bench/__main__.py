@@ -8,8 +8,8 @@
 
 Each run keeps its raw results as bench/results/bench-<UTC date>-<time>.json (a second run the same day is
 kept beside the first; bench/out/results.json holds a copy of the last), and the sections `machine`,
-`matmul-peak`, `overhead`, `startup` and `checkpoint-io-run` are rendered from every kept run, the latest
-first, each section naming its files and the command that rewrites it (`--page-from`), so
+`matmul-peak`, `overhead`, `startup`, `progress-marks` and `checkpoint-io-run` are rendered from every kept
+run, the latest first, each section naming its files and the command that rewrites it (`--page-from`), so
 tests/test_bench_pages.py rebuilds them byte for byte. A section that fails keeps its previous text on the
 page; the run then exits 1 after writing the others. A GPU section that did not run (no GPU) is left as it
 is on the page.
@@ -29,7 +29,16 @@ from pathlib import Path
 
 import torch
 
-from bench import checkpoint_section, gpu_mfu, kept, matmul_peak, overhead, startup, torchtitan_gpu
+from bench import (
+    checkpoint_section,
+    gpu_mfu,
+    kept,
+    matmul_peak,
+    overhead,
+    progress_marks,
+    startup,
+    torchtitan_gpu,
+)
 from bench.procs import WORK
 from bench.report import (
     PAGE,
@@ -48,6 +57,7 @@ ORDER = [
     "matmul-peak",
     "overhead",
     "startup",
+    "progress-marks",
     "checkpoint-io",
     "checkpoint-io-run",
     "torchtitan",
@@ -82,6 +92,11 @@ def _startup(plan: Plan) -> tuple[dict, str]:
     return result, startup.render(result)
 
 
+def _progress_marks(plan: Plan) -> tuple[dict, str]:
+    result = progress_marks.measure(steps=10 if plan.quick else 30, threads=plan.threads)
+    return result, progress_marks.render(result)
+
+
 def _checkpoint(plan: Plan) -> tuple[dict, str] | None:
     if not checkpoint_section.available():
         return None  # the checkpoint benchmark script is not in this checkout; keep the page's text
@@ -111,6 +126,7 @@ SECTIONS: dict[str, Callable[[Plan], tuple[dict, str] | None]] = {
     "matmul-peak": _matmul,
     "overhead": _overhead,
     "startup": _startup,
+    "progress-marks": _progress_marks,
     "checkpoint-io-run": _checkpoint,
     "torchtitan": _torchtitan,
     "gpu": _gpu,
@@ -125,6 +141,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
     "matmul-peak": matmul_peak.render,
     "overhead": overhead.render,
     "startup": startup.render,
+    "progress-marks": progress_marks.render,
     "checkpoint-io-run": checkpoint_section.render,
     "torchtitan": torchtitan_gpu.render,
     "gpu": gpu_mfu.render,
@@ -132,7 +149,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {
 
 
 # The sections rendered from the kept runs (bench/results/bench-*.json), every kept run on the page.
-KEPT_SECTIONS = ["machine", "matmul-peak", "overhead", "startup", "checkpoint-io-run"]
+KEPT_SECTIONS = ["machine", "matmul-peak", "overhead", "startup", "progress-marks", "checkpoint-io-run"]
 KEPT_PREFIX = "bench-"
 # A run these sections showed before any run was kept: named, not shown (its raw results are lost).
 LEFT_OUT = (
@@ -222,14 +239,16 @@ def usage_section() -> str:
         "python -m bench --page-from bench/results/bench-<date>-<time>.json   # measure nothing; see below\n"
         "```\n\n"
         "Sections: `matmul-peak` (bench/matmul_peak.py), `overhead` (bench/overhead.py, "
-        "bench/plain_loop.py, bench/step_ab.py), `startup` (bench/startup.py), `checkpoint-io-run` "
+        "bench/plain_loop.py, bench/step_ab.py), `startup` (bench/startup.py), `progress-marks` "
+        "(bench/progress_marks.py: the progress board's publishing cost as a ratio), `checkpoint-io-run` "
         "(bench/checkpoint_io.py via bench/checkpoint_section.py), `torchtitan` "
         "(bench/torchtitan_gpu.py), `gpu` (bench/gpu_mfu.py). "
         "Each run keeps its raw results in bench/results/bench-<UTC date>-<time>.json; the sections "
-        "`machine`, `matmul-peak`, `overhead`, `startup` and `checkpoint-io-run` show every kept run, the "
-        "latest first, and `python -m bench --page-from FILE...` rewrites them from kept files only, "
-        "measuring nothing. A section that fails keeps its previous text and the run exits 1; without a GPU "
-        "the GPU sections stay as they are. Each figure names the command that produced it. Runs are "
+        "`machine`, `matmul-peak`, `overhead`, `startup`, `progress-marks` and `checkpoint-io-run` show "
+        "every kept run, the latest first, and `python -m bench --page-from FILE...` rewrites them from "
+        "kept files only, measuring nothing. A section that fails keeps its previous text and the run "
+        "exits 1; without a GPU the GPU sections stay as they are. Each figure names the command that "
+        "produced it. Runs are "
         "separate processes with `OMP_NUM_THREADS` = cores unless `--threads` says otherwise.\n\n"
         "On a machine with CUDA GPUs, run `bench/gpu_first_hour.sh` first (it needs no network and no "
         "installed console script; it is `python -m bench.gpu_first_hour`): in order it prints the versions "

@@ -27,6 +27,7 @@ from faults.pythonpath.relaytrain_faults import (
     SLOW_FROM_STEP_ENV,
     STALL_AT_STEP_ENV,
     STEP_DELAY_ENV,
+    STOP_IN_PHASE_ENV,
 )
 
 PYTHONPATH_DIR = Path(__file__).resolve().parent / "pythonpath"
@@ -40,6 +41,7 @@ HANG_FAULTS = {
     "skip_collective_at_step": SKIP_COLLECTIVE_AT_STEP_ENV,
     "slow_factor": SLOW_FACTOR_ENV,
     "slow_from_step": SLOW_FROM_STEP_ENV,
+    "stop_in_phase": STOP_IN_PHASE_ENV,
 }
 
 
@@ -66,7 +68,7 @@ def variables(
         out[SHAPE_ERROR_AT_STEP_ENV] = str(shape_error_at_step)
     if import_module:
         out[IMPORT_MODULE_ENV] = import_module
-    out |= {HANG_FAULTS[k]: f"{v:g}" for k, v in hang.items() if v is not None}
+    out |= {HANG_FAULTS[k]: v if isinstance(v, str) else f"{v:g}" for k, v in hang.items() if v is not None}
     return out
 
 

@@ -9,7 +9,7 @@ steps and a hang floor of 10 s (``resilience.hang_floor_s``), the first run slow
   ended and restarted in place from the snapshot, and the run ends with the uninterrupted run's losses;
 * rank 1 blocks opening a FIFO that no one writes (a dead mount's stand-in) in its data phase
   (``RELAYTRAIN_FAULT_FIFO_AT_STEP``): named with the data phase;
-* rank 1 runs 8x slower from step 2 (``RELAYTRAIN_FAULT_SLOW_FACTOR``): reported as ``slow rank:``, never
+* rank 1 runs 8x slower from step 2 (``RELAYTRAIN_FAULT_SLOW_FACTOR``): reported as ``straggler hint:``, never
   as a hang, no restart.
 """
 
@@ -157,6 +157,6 @@ def test_a_slow_rank_is_reported_slow_and_never_restarted(hangs):
     fields = hangs["fields"]["slow"]
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", text[-4000:]
     assert not hang_lines(run_dir, job) and not CrashLog(RunDir(run_dir)).entries(), text[-4000:]
-    slow = [line for line in text.splitlines() if "slow rank: rank 1 " in line]
+    slow = [line for line in text.splitlines() if "straggler hint: rank 1 " in line]
     assert slow, text[-4000:]
     assert_losses_match(run_dir, hangs["losses"])

@@ -206,6 +206,8 @@ def test_hung_rank_dumps_stacks_and_fails_fast(tmp_path):
     assert rc != 0 and "86" in exit_codes(out), out[-3000:]
     dump = (run_dir / "logs" / "hang_rank0.txt").read_text()
     assert "relaytrain hang watchdog: rank 0 step" in dump and "trainer.py" in dump
+    # the hang monitor's backstop, after its cap (issue 53), and its line says so
+    assert "(the backstop at 22.5 s = 1.5 x resilience.hang_timeout_s, after the hang monitor's cap" in dump
     state = marker(run_dir)
     assert (state["status"], state["reason"], state["requeue_requested"]) == ("failed", "hang", False)
 

@@ -19,7 +19,7 @@ hang monitor, with its default floor and multiple, is what acts. The kinds
 * ``hang_skip_collective``: the rank skips the all-reduce of its logged loss once (desynchronised). On
   gloo its next collective is paired with the one the others wait in and gloo fails both at once (size
   mismatch): a crash, restarted in place, which the trial records as such (no hang to detect).
-* ``slow_rank``: the rank runs 5x slower from step 3, still moving: a `slow rank:` line, no restart.
+* ``slow_rank``: the rank runs 5x slower from step 3, still moving: a `straggler hint:` line, no restart.
 * ``clean``: no hang, with checkpoint.mode async and sync in turn, evaluations, and a CPU-bound process
   beside the run the whole time: any `hang detected:` line is a false detection. Its variants, by trial
   index (bench/cluster/chaos_hangs_clean.py; `--clean-variants` picks some): ``debug``; ``wide`` (about

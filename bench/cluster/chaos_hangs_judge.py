@@ -26,7 +26,8 @@ from bench.cluster.ledger_figures import time_adds_up
 DETECTED = "hang detected:"
 MISMATCH = "Is there a distributed collective mismatch"  # gloo's error when a rank skipped a collective
 STAMP = re.compile(r"^\[[^\]]*\]\s*")  # `[relaytrain 2026-11-27T03:07:48] ` in front of a line
-SLOW = "slow rank:"
+SLOW = "straggler hint:"  # the hang monitor's line of a rank behind (issue 53)
+SLOW_BEFORE = "slow rank:"  # its name in trials kept before issue 53
 DETECTION_TARGET_S = 60.0  # the issue's target for the debug config
 HANG_KINDS = ("hang_stop_rank0", "hang_stop_rank1", "hang_fifo", "hang_loader_stall", "hang_skip_collective")
 KINDS = (*HANG_KINDS, "slow_rank", "clean")
@@ -55,7 +56,7 @@ class HangTrial:
     culprit_correct: bool = False
     restart_s: float | None = None  # fault -> the first step after the restart
     step_restarts: int = 0  # restarts in place (the highest step_restart in metrics.jsonl)
-    slow_lines: list[str] = field(default_factory=list)  # `slow rank:` lines that name the faulted rank
+    slow_lines: list[str] = field(default_factory=list)  # `straggler hint:` lines that name the faulted rank
     restarts: int = 0  # Slurm requeues
     resubmits: int = 0
     bit_exact: bool = False
@@ -146,9 +147,12 @@ def first_step_after_restart(records: list[dict[str, Any]]) -> dict[str, Any] | 
 
 
 def slow_lines(log: str, rank: int) -> list[str]:
-    """The `slow rank:` lines of the job log that name `rank`."""
-    named = re.compile(rf"{re.escape(SLOW)}.*\brank {rank}\b")
-    return [line[line.index(SLOW) :].strip() for line in log.splitlines() if named.search(line)]
+    """The `straggler hint:` lines (`slow rank:` in older logs) of the job log that name `rank`."""
+    lines = []
+    for start in (SLOW, SLOW_BEFORE):
+        named = re.compile(rf"{re.escape(start)}.*\brank {rank}\b")
+        lines += [line[line.index(start) :].strip() for line in log.splitlines() if named.search(line)]
+    return lines
 
 
 def _judge_backend_mismatch(trial: HangTrial, records: list[dict[str, Any]]) -> None:

@@ -69,7 +69,8 @@ def rows_table(trials: list[HangTrial]) -> str:
     header = ["#", "kind", "rank on node", "what happened", "evidence that the fault landed",
               "fault → `hang detected:` s", "`hang detected:` lines", "culprit named",
               "fault → first step again s", "restarts in place", "steps replayed", "bit-exact",
-              "`slow rank:` line", "checks", "final status", "s", "error"]  # fmt: skip
+              "`straggler hint:` line (`slow rank:` before issue 53)", "checks", "final status", "s",
+              "error"]  # fmt: skip
     return table(header, rows)
 
 

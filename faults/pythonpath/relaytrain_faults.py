@@ -20,6 +20,10 @@ loader, and its supervision front's watchdog):
   its real ImportError, as a user's plugin would).
 - The hang faults (``HangFaults`` below: a FIFO read, a stalled loader, a skipped collective, a
   slow rank) on one rank (``RELAYTRAIN_FAULT_RANK``) at one step.
+- ``RELAYTRAIN_FAULT_STOP_IN_PHASE=rendezvous``: the rank (``RELAYTRAIN_FAULT_RANK``, default the last)
+  stops itself with SIGSTOP as its progress board first publishes the phase of that label (a start-up
+  phase such as ``rendezvous`` or ``checkpoint load``, before any Trainer exists): a process stopped as
+  one stopped from outside is, once per process, in the first job step only.
 
 Each fault that lands says so on stderr (a line starting with ``LANDED``, ending with the Unix time it
 landed at, ``[t=1764212345.123]``), once per NaN and once per process for the others: a test checks that
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -51,7 +56,9 @@ STALL_AT_STEP_ENV = "RELAYTRAIN_FAULT_STALL_AT_STEP"
 SKIP_COLLECTIVE_AT_STEP_ENV = "RELAYTRAIN_FAULT_SKIP_COLLECTIVE_AT_STEP"
 SLOW_FACTOR_ENV = "RELAYTRAIN_FAULT_SLOW_FACTOR"
 SLOW_FROM_STEP_ENV = "RELAYTRAIN_FAULT_SLOW_FROM_STEP"
+STOP_IN_PHASE_ENV = "RELAYTRAIN_FAULT_STOP_IN_PHASE"
 HANG_KNOWN = (
+    STOP_IN_PHASE_ENV,
     FAULT_RANK_ENV,
     FIFO_AT_STEP_ENV,
     STALL_AT_STEP_ENV,
@@ -182,6 +189,28 @@ class HangFaults:
         if self.slow_factor is not None and self.slow_factor <= 1:
             raise SystemExit(f"relaytrain-faults: {SLOW_FACTOR_ENV}={self.slow_factor:g} must be > 1")
         self.first_job_step = env.get(STEP_RESTARTS_ENV, "").strip() in ("", "0")
+        self.stop_in_phase = env.get(STOP_IN_PHASE_ENV, "").strip()
+
+    def stop_in_phase_of(self, progress, say) -> None:
+        """Wrap the progress board's write (module ``progress``, relaytrain.job.progress) so that the faulted
+        rank stops itself right after it published the phase labelled ``stop_in_phase``."""
+        label, world = self.stop_in_phase, int(os.environ.get("WORLD_SIZE", "1") or 1)
+        target = world - 1 if self.rank is None else self.rank
+        if not label or not self.first_job_step:
+            return
+        if label not in {p.label for p in progress.Phase}:
+            raise SystemExit(f"relaytrain-faults: {STOP_IN_PHASE_ENV}={label!r} names no phase")
+        write, stopped = progress.ProgressBoard._write_locked, [False]
+
+        @functools.wraps(write)
+        def write_then_stop(board, now):
+            write(board, now)
+            if board.rank == target and board.phase_now.label == label and not stopped[0]:
+                stopped[0] = True
+                say(f"SIGSTOP in {label} on rank {board.rank}")
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        progress.ProgressBoard._write_locked = write_then_stop
 
     def attach(self, trainer, say) -> None:
         """Wrap this trainer's ``loader.next_batch``, ``model.reduce_mean`` and
@@ -292,6 +321,7 @@ class _AfterImport:
                 importlib.import_module(self.faults.import_module)  # its ImportError ends the start-up
             exec_module(module)
             _patch_trainer(module, self.faults)
+            self.faults.hang.stop_in_phase_of(sys.modules["relaytrain.job.progress"], say)
 
         spec.loader.exec_module = exec_then_patch  # this module's own loader object
         return spec
@@ -304,6 +334,7 @@ def install(env=os.environ) -> bool:
     faults = Faults(env)  # a malformed value stops the process now, before any training
     if TARGET in sys.modules:
         _patch_trainer(sys.modules[TARGET], faults)
+        faults.hang.stop_in_phase_of(sys.modules["relaytrain.job.progress"], say)
     else:
         sys.meta_path.insert(0, _AfterImport(faults))
     return True

@@ -65,6 +65,9 @@ def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     capture_early_signals()  # main(argv) called from Python: before importing torch (idempotent)
+    from relaytrain.job import startup
+
+    startup.watch_imports()  # on the progress board of a watched job: each import marks progress
     from relaytrain.config import load_config
 
     config, overrides = split_config_args(args)

@@ -27,7 +27,7 @@ from relaytrain.config import Config, config_hash, config_to_toml
 from relaytrain.config.run_dir import prepare_run_dir
 from relaytrain.data import SampleRecorder, build_train_loader, build_val_loader, to_device
 from relaytrain.errors import UserError
-from relaytrain.job import JobFacts, RunDir
+from relaytrain.job import JobFacts, RunDir, startup
 from relaytrain.job.machine import process_start_time
 from relaytrain.job.progress import Phase
 from relaytrain.model import flops_per_token
@@ -94,6 +94,7 @@ class Trainer:
         self.supervision.watch(
             self.metrics,
             self.model.work_modules(),
+            layers=[layer for part in self.model.model_parts for layer in part.layers.values()],
             compiled=self.model.compiled,
             stages=self.model.dims.pipeline_stages(),  # a rank's straggler peers: the ranks of its stage
         )
@@ -334,7 +335,9 @@ def check_world(cfg: Config, env: DistEnv, run: RunDir | None) -> None:
 
 def train(cfg: Config) -> int:
     """Run (or continue) the configured training job; returns the process exit code."""
+    startup.enter(Phase.RENDEZVOUS)  # on the progress board before the process group exists
     env = init_distributed(cfg)
+    startup.enter(Phase.STARTUP)
     if not JobFacts.from_env().in_slurm:
         # No batch shell reads run_state.json: an impossible layout is a usage error like a config
         # mistake, one line and exit 2 before the run directory is touched.

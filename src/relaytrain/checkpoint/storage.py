@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import queue
 from collections.abc import Iterable
@@ -40,6 +41,7 @@ from torch.futures import Future
 from relaytrain.checkpoint.checksums import Checksum
 from relaytrain.checkpoint.host import DeviceCopy, HostStage, on_host
 from relaytrain.errors import UserError
+from relaytrain.job import marks
 from relaytrain.torch_private import narrow_tensor_by_index, split_write_items, storage_info
 
 RAW = "relaytrain-raw-v1"  # transform descriptor of a tensor stored as its bare bytes
@@ -79,6 +81,9 @@ class RawWriter(dcp.FileSystemWriter):
     def _write_file(self, name: str, items: list, planner, stage: HostStage) -> list[WriteResult]:
         results, checksum, offset = [], Checksum(), 0
         entries = ((item, planner.resolve_data(item)) for item in items)
+        # each thread writes its file alongside the others: a tensor's share of the save's estimate is its
+        # share of this file (progress marked per tensor written, ``job/marks.py``)
+        total = sum(_item_bytes(item) for item in items) or 1
         with open(Path(self.path) / name, "wb") as f:
             # host tensors as they are; device tensors copied to the host buffer a fill at a time
             for batch in stage.batches(entries):
@@ -89,10 +94,19 @@ class RawWriter(dcp.FileSystemWriter):
                     info = storage_info(name, offset, len(buf), transform_descriptors=raw)
                     results.append(WriteResult(index=item.index, size_in_bytes=len(buf), storage_data=info))
                     offset += len(buf)
+                    marks.mark(share=len(buf) / total)
             f.flush()
             os.fsync(f.fileno())
         self.checksums[name] = checksum.text()
         return results
+
+
+def _item_bytes(item) -> int:
+    """A write item's bytes (a tensor's shape and dtype; a pickled entry counts as small)."""
+    data = getattr(item, "tensor_data", None)
+    if data is None:
+        return 1
+    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
 
 
 class LiveStager(AsyncStager):
@@ -206,6 +220,7 @@ class RawReader(dcp.FileSystemReader):
                     deferred_bytes += [(req, buf) for req in group]
                 else:
                     buf = self._read_tensor(f, name, index, info, group, planner, stage)
+                marks.mark(share=info.length / size if size else None)  # per tensor read
                 if checksum is None:
                     continue
                 if covered == info.offset:

@@ -212,7 +212,8 @@ class ResilienceConfig(Section):
     # every process group's timeout; 0: derived, max(hang_timeout_s, hang_floor_s) + 120, so the hang
     # monitor acts before the backend's own timeout
     collective_timeout_s: float = setting(0.0, seconds())
-    # watchdog: no finished step for this long dumps stacks and exits; the hang monitor's cap
+    # the hang monitor's cap: no phase waits longer without progress; the in-rank watchdog, its backstop,
+    # dumps stacks and exits after 1.5 x this without a finished step (0: no cap, no watchdog)
     hang_timeout_s: float = setting(1800.0, seconds())
     # hang monitor: no phase counts as hung before this many seconds without progress
     hang_floor_s: float = setting(40.0, seconds(zero_ok=False))

@@ -26,6 +26,7 @@ from relaytrain.data.readers import expand_inputs, input_size, read_documents
 from relaytrain.data.shards import FORMAT_NAME, FORMAT_VERSION, META_NAME, ShardWriter, dtype_for_vocab
 from relaytrain.data.tokenizer import build_tokenizer
 from relaytrain.errors import UserError
+from relaytrain.job import marks
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_VAL_FRACTION = 0.005
@@ -172,6 +173,7 @@ def _write_shards(tmp: Path, spec: str, entries, dtype: np.dtype, args: dict, pr
                 writers["val"].write(val, n_val)
                 docs, tokens = docs + n_train + n_val, tokens + len(train) + len(val)
                 bar.update(task, advance=disk, docs=docs, tokens=tokens)
+                marks.mark()  # a corpus prepared at a run's set-up: progress for the hang monitor
     finally:
         jobs.close()  # a failed write: cancel what is queued, wait for what runs
     return {s: w.finish() for s, w in writers.items()}

@@ -7,8 +7,11 @@ the section that launched it). The clock hands each timed section to its readers
 anything themselves:
 
 - the progress board (``job/progress.py``): the phase a section enters, published as it begins (the
-  step's sections from the second step on: the first step, compilation and first allocations, stays
-  start-up, whose limit is the hang cap), with the section's budget (a save's estimate);
+  step's sections from the second step on: the first step is published as one phase, ``FIRST_STEP``),
+  with the section's budget (a save's estimate); and the progress inside a phase (``mark``): each layer's
+  forward and backward (``mark_layers``), each graph Dynamo compiles (published as ``COMPILE``, then back
+  to the phase it interrupted: ``watch_compilation``), and whatever else marks (an evaluation batch, a
+  shard read or written by the checkpoint's files);
 - the metrics' phase times (``monitor/timer.py`` ``StepTimer``);
 - the straggler windows (``resilience/rank/straggler_watch.py``), which read the work a rank does alone:
   a section entered ``alone`` (its data), the part of a section under ``alone()`` (its optimizer
@@ -34,7 +37,9 @@ STEP_PHASES = frozenset({Phase.DATA, Phase.FORWARD_BACKWARD, Phase.OPTIMIZER})
 # A section entered from one of these goes back to it when it ends: they span what runs inside them
 # (a restore during start-up, the save of a stop). After a section of the loop the board stays on the
 # section until the loop enters the next one (going back would add a short second piece to the median).
-_SPANNING = (Phase.STARTUP, Phase.STOP)
+_SPANNING = (Phase.STARTUP, Phase.STOP, Phase.FIRST_STEP)
+# The clock whose board a graph's compilation is published on (Dynamo's callbacks are the process's)
+_compiling: list[StepClock] = []
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ class StepClock:
         published = self._stepped or phase not in STEP_PHASES
         if published:
             self.board.phase(phase, budget_s=budget_s)
+        elif before is not Phase.FIRST_STEP and before is not Phase.COMPILE:
+            self.board.phase(Phase.FIRST_STEP)
         outer, self._current = self._current, phase
         started, begin = self._begin()
         try:
@@ -161,6 +168,42 @@ class StepClock:
             for read in self._alone:
                 read(span)
 
+    def mark(self, budget_s: float | None = None) -> None:
+        """Progress inside the phase under way (an evaluation batch, a shard read or written)."""
+        self.board.mark(budget_s)
+
+    def mark_layers(self, modules: Sequence[torch.nn.Module], compiled: bool = False) -> None:
+        """Mark progress after each of ``modules``' forward (every micro batch's, a recomputation's) and
+        when its output's gradient is computed (its backward); the gradient is left as it is. Only on a
+        board that publishes. ``compiled``: the modules are compiled blocks (hooks run eagerly)."""
+        if not self.board.enabled:
+            return
+        hook = torch.compiler.disable(self._layer_done) if compiled else self._layer_done
+        for module in modules:
+            module.register_forward_hook(hook)
+
+    def _layer_done(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
+        self.board.mark()
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._gradient_done)
+
+    def _gradient_done(self, _grad: torch.Tensor) -> None:
+        self.board.mark()  # returns None: the gradient flows on unchanged
+
+    def watch_compilation(self) -> None:
+        """Publish each graph Dynamo compiles as ``COMPILE`` (a graph begun, a graph done: two moves), then
+        go back to the phase it interrupted. The latest clock of the process is the one told."""
+        if not self.board.enabled:
+            return
+        import torch._dynamo.callback as callbacks  # noqa: PLC0415 - torch's, loaded on first use
+
+        handler = callbacks.callback_handler  # registered again after a torch._dynamo.reset() cleared it
+        if _compile_start not in handler.start_callbacks:
+            callbacks.on_compile_start(_compile_start)
+            callbacks.on_compile_end(_compile_end)
+        _compiling[:] = [self]
+        self._interrupted: Phase | None = None
+
     def step_done(self, step: int) -> None:
         """A step finished: the board counts it (and shows the time after it), the readers close it, each
         told the step's wall seconds since the previous step's readers were done (None for this process's
@@ -189,3 +232,19 @@ class StepClock:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
         return Span(phase, started, time.perf_counter() - started, begin, end)
+
+
+def _compile_start(_args: Any = None) -> None:
+    clock = _compiling[0]
+    if clock.board.phase_now is Phase.COMPILE:
+        clock.board.mark()
+        return
+    clock._interrupted = clock.board.phase_now
+    clock.board.phase(Phase.COMPILE)
+
+
+def _compile_end(_args: Any = None) -> None:
+    clock = _compiling[0]
+    if clock._interrupted is not None and clock.board.phase_now is Phase.COMPILE:
+        clock.board.phase(clock._interrupted)
+        clock._interrupted = None

@@ -2,13 +2,16 @@
 
 Every rank of a job step keeps one small memory-mapped file in a node-local folder
 (``RELAYTRAIN_PROGRESS_DIR``, on the node's tmpfs, set by the task wrapper that starts the watcher):
-its step, its phase (start-up, data, forward/backward, optimizer, evaluation, checkpoint save or load,
-snapshot, stop), when the phase began, the collectives relaytrain issued that it entered and left (and
-the last one's name), how many it entered per step, and the recent median length of each phase. A
-write is a ``struct.pack_into`` into the mapping (no system call), so publishing every phase of every
-step costs microseconds. The watcher (``relaytrain.resilience.hangs.watch``) reads the files from
-another process, so a rank that is stopped, in uninterruptible sleep or holding the GIL in a C call
-still shows where it stopped.
+its step, its phase (the start-up's launch, rendezvous, set-up, compilation and first step; data,
+forward/backward, optimizer, evaluation, checkpoint save or load, snapshot, stop), when the phase began,
+its progress marks inside the phase (``mark``: a layer's forward or backward, an evaluation batch, a
+shard read or written, a graph compiled), the collectives relaytrain issued that it entered and left (and
+the last one's name), how many it entered per step, and per phase the recent median of its length and
+of its longest pause between two marks (what the hang monitor's limit is measured on). A write is a
+``struct.pack_into`` into the mapping (no system call), so publishing every phase of every step costs
+microseconds; marks closer together than ``MARK_GAP_S`` are counted but not written. The watcher
+(``relaytrain.resilience.hangs.watch``) reads the files from another process, so a rank that is stopped,
+in uninterruptible sleep or holding the GIL in a C call still shows where it stopped.
 
 A record is written under a sequence lock: the sequence number is odd while a write is under way, and a
 reader retries until it reads the same even number before and after.
@@ -23,10 +26,11 @@ import os
 import signal
 import statistics
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PROGRESS_DIR_ENV = "RELAYTRAIN_PROGRESS_DIR"
@@ -35,15 +39,18 @@ PROGRESS_DIR_ENV = "RELAYTRAIN_PROGRESS_DIR"
 # program) is not harmed by it.
 STACK_SIGNAL = signal.SIGURG
 MAGIC = b"RTPB"
-VERSION = 2
-RECENT = 16  # phase lengths kept per phase for its median
+VERSION = 3
+RECENT = 16  # phase lengths (and longest pauses) kept per phase for their medians
+# A mark this soon after the last write is counted (its pause measured) but not written: a rank marking
+# every layer of a fast step publishes at most 1 / MARK_GAP_S times a second, so marking costs nanoseconds.
+MARK_GAP_S = 0.01
 
 
 class Phase(enum.IntEnum):
     """What a rank is doing. The codes are the record's; the order within a step is
     ``detect.progress_key``'s (a phase after a step belongs to the step just finished)."""
 
-    STARTUP = 0  # from the process start to its first step: init, restore, compilation, the first step
+    STARTUP = 0  # the rest of the start-up: the model's build, the loaders, the logs (set-up)
     DATA = 1
     FORWARD_BACKWARD = 2
     OPTIMIZER = 3
@@ -54,6 +61,11 @@ class Phase(enum.IntEnum):
     STOP = 8  # the save after a stop was agreed, then the exit
     DONE = 9  # the run finished or the process is leaving
     AFTER_STEP = 10  # from the end of a step to the next (logging, the stop agreement after a save)
+    # The start-up's own phases (issue 53), each with its own limit (hang_detect.phase_limit)
+    LAUNCH = 11  # from the task wrapper's first instruction: the process start and the imports
+    RENDEZVOUS = 12  # the process group's creation and the first health all-reduce
+    COMPILE = 13  # a graph compiled (marked per graph); goes back to the phase it interrupted
+    FIRST_STEP = 14  # the process's first step: its data, forward/backward (layers marked), optimizer
 
     @property
     def label(self) -> str:
@@ -61,7 +73,7 @@ class Phase(enum.IntEnum):
 
 
 PHASE_LABELS = {
-    Phase.STARTUP: "start-up",
+    Phase.STARTUP: "set-up",
     Phase.DATA: "data",
     Phase.FORWARD_BACKWARD: "forward/backward",
     Phase.OPTIMIZER: "optimizer",
@@ -72,13 +84,17 @@ PHASE_LABELS = {
     Phase.STOP: "stop",
     Phase.DONE: "done",
     Phase.AFTER_STEP: "after the step",
+    Phase.LAUNCH: "launch",
+    Phase.RENDEZVOUS: "rendezvous",
+    Phase.COMPILE: "compilation",
+    Phase.FIRST_STEP: "first step",
 }
 NAME_BYTES = 24
 # magic, version, seq | rank, local_rank, pid | step, phase, phase_started, updated, budget |
 # entered, left, name, expected name | step_collectives, last_step_collectives, usual_step_collectives |
-# medians
+# marks | medians | pauses
 _HEAD = struct.Struct("<4sHxxQ")
-_BODY = struct.Struct(f"<iiiqBdddQQ{NAME_BYTES}s{NAME_BYTES}sIII{len(Phase)}d")
+_BODY = struct.Struct(f"<iiiqBdddQQ{NAME_BYTES}s{NAME_BYTES}sIIIQ{len(Phase)}d{len(Phase)}d")
 SIZE = _HEAD.size + _BODY.size
 
 
@@ -104,14 +120,17 @@ class ProgressRecord:
     # the collective the rank entered at the same place in the step before (its n-th since that step
     # ended): "" when that step had fewer. Ranks that agree on it and differ in `collective` desynchronised.
     expected_collective: str = ""
+    marks: int = 0  # progress marks published so far (a layer's forward, a shard written, ...)
+    # the recent median of each phase's longest pause between two moves (entry, marks, collectives, end)
+    pauses: dict[Phase, float] = field(default_factory=dict)
 
     @property
     def in_collective(self) -> bool:
         return self.collectives_entered > self.collectives_left
 
-    def token(self) -> tuple[int, int, int, int]:
-        """Changes whenever the rank moves: a new step or phase, a collective entered or left."""
-        return (self.step, int(self.phase), self.collectives_entered, self.collectives_left)
+    def token(self) -> tuple[int, int, int, int, int]:
+        """Changes whenever the rank moves: a new step or phase, a collective entered or left, a mark."""
+        return (self.step, int(self.phase), self.collectives_entered, self.collectives_left, self.marks)
 
 
 class ProgressBoard:
@@ -125,7 +144,7 @@ class ProgressBoard:
         self._step = 0
         self._phase = Phase.STARTUP
         self._phase_started = time.time()
-        self._budget = 0.0
+        self._budget = self._phase_budget = 0.0
         self._entered = self._left = 0
         self._name = b""
         self._expected = b""
@@ -136,19 +155,29 @@ class ProgressBoard:
         self._usual = 0
         self._lengths: dict[Phase, deque[float]] = {p: deque(maxlen=RECENT) for p in Phase}
         self._medians: dict[Phase, float] = {}
+        self._marks = 0
+        self._moved = self._written = self._phase_started  # the last move; the last write
+        self._longest = 0.0  # the longest pause between two moves in the phase under way
+        self._pause_lengths: dict[Phase, deque[float]] = {p: deque(maxlen=RECENT) for p in Phase}
+        self._pauses: dict[Phase, float] = {}
+        self._lock = threading.Lock()  # marks may come from a checkpoint writer's threads
         if directory is not None:
             self._map = _create(directory / f"rank{rank}", SIZE)
             self._write()
 
     @classmethod
-    def open_from_env(cls, rank: int, local_rank: int) -> ProgressBoard:
+    def open_from_env(cls, rank: int, local_rank: int, phase: Phase = Phase.STARTUP) -> ProgressBoard:
+        """The rank's board, in ``phase``; one that writes nothing outside a watched job step."""
+        board = cls(None, rank, local_rank)
         directory = os.environ.get(PROGRESS_DIR_ENV, "")
-        if not directory:
-            return cls(None, rank, local_rank)
-        try:
-            return cls(Path(directory), rank, local_rank)
-        except OSError:  # a full or missing tmpfs costs the watcher's view, never the run
-            return cls(None, rank, local_rank)
+        if directory:
+            board._phase = phase
+            try:
+                board._map = _create(Path(directory) / f"rank{rank}", SIZE)
+                board._write()
+            except OSError:  # a full or missing tmpfs costs the watcher's view, never the run
+                board._map = None
+        return board
 
     @property
     def enabled(self) -> bool:
@@ -165,16 +194,46 @@ class ProgressBoard:
             return
         now = time.time()
         self._enter(phase, now)
-        self._budget = float(budget_s)
+        self._budget = self._phase_budget = float(budget_s)
         self._write(now)
+
+    def mark(self, budget_s: float | None = None, share: float | None = None) -> None:
+        """Progress inside the phase under way (a layer's forward or backward, an evaluation batch, a shard
+        read or written, a graph compiled): its pause since the last move is measured, and the mark is
+        published unless the last write is under ``MARK_GAP_S`` old. ``budget_s``: how long the work up to
+        the next mark may take by the rank's own estimate; ``share``: that work's share of the phase's
+        budget (a shard's bytes of a save's, so the save's estimate bounds each shard, not the whole)."""
+        if self._map is None:
+            return
+        now = time.time()
+        self._move(now)
+        self._marks += 1
+        if share is not None and self._phase_budget > 0:
+            budget_s = self._phase_budget * share
+        if budget_s is not None:
+            self._budget = float(budget_s)
+        elif now - self._written < MARK_GAP_S:
+            return
+        self._write(now)
+
+    def _move(self, now: float) -> None:
+        pause = now - self._moved
+        if pause > self._longest:
+            self._longest = pause
+        self._moved = now
 
     def _enter(self, phase: Phase, now: float) -> None:
         if phase is not self._phase:
+            self._move(now)
             lengths = self._lengths[self._phase]
             lengths.append(now - self._phase_started)
             self._medians[self._phase] = statistics.median(lengths)
+            pauses = self._pause_lengths[self._phase]
+            pauses.append(self._longest)
+            self._pauses[self._phase] = statistics.median(pauses)
             self._phase, self._phase_started = phase, now
-            self._budget = 0.0
+            self._longest = 0.0
+            self._budget = self._phase_budget = 0.0
 
     def step_done(self, step: int) -> None:
         """A step finished: the collectives it entered are counted for the next step's comparison."""
@@ -195,6 +254,7 @@ class ProgressBoard:
         if self._map is None:
             yield
             return
+        self._move(time.time())
         self._entered += 1
         self._step_collectives += 1
         self._name = name.encode()[:NAME_BYTES]
@@ -205,6 +265,7 @@ class ProgressBoard:
         try:
             yield
         finally:
+            self._move(time.time())
             self._left += 1
             self._write()
 
@@ -216,11 +277,17 @@ class ProgressBoard:
             self._map = None
 
     def _write(self, now: float | None = None) -> None:
+        with self._lock:
+            self._write_locked(time.time() if now is None else now)
+
+    def _write_locked(self, now: float) -> None:
         m = self._map
         assert m is not None
+        self._written = now
         self._seq += 1  # odd: a write is under way
         _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
         medians = [self._medians.get(p, 0.0) for p in Phase]
+        pauses = [self._pauses.get(p, 0.0) for p in Phase]
         _BODY.pack_into(
             m,
             _HEAD.size,
@@ -230,7 +297,7 @@ class ProgressBoard:
             self._step,
             int(self._phase),
             self._phase_started,
-            time.time() if now is None else now,
+            now,
             self._budget,
             self._entered,
             self._left,
@@ -239,7 +306,9 @@ class ProgressBoard:
             self._step_collectives,
             self._last_step_collectives,
             self._usual,
+            self._marks,
             *medians,
+            *pauses,
         )
         self._seq += 1
         _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
@@ -305,8 +374,10 @@ def _record(body: tuple) -> ProgressRecord:
         step_coll,
         last_coll,
         usual,
-        *medians,
+        marks,
+        *rest,
     ) = body
+    medians, pauses = rest[: len(Phase)], rest[len(Phase) :]
     return ProgressRecord(
         rank=rank,
         local_rank=local_rank,
@@ -324,4 +395,6 @@ def _record(body: tuple) -> ProgressRecord:
         last_step_collectives=last_coll,
         usual_step_collectives=usual,
         medians={p: v for p, v in zip(Phase, medians, strict=True) if v > 0},
+        marks=marks,
+        pauses={p: v for p, v in zip(Phase, pauses, strict=True) if v > 0},
     )

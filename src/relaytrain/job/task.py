@@ -8,7 +8,10 @@
   (PR_SET_PDEATHSIG), so no helper outlives the task.
 * With ``--hang-watch RUN_DIR`` every task gets ``RELAYTRAIN_PROGRESS_DIR``, the node's progress board
   for this job step (``relaytrain.job.progress``, on the node's tmpfs), and local rank 0 starts the node's
-  hang watcher (``relaytrain.resilience.hangs.watch``) as such a child too.
+  hang watcher (``relaytrain.resilience.hangs.watch``) as such a child too. Each task that is one rank
+  (``--map-env``) opens its rank's board first, in the start-up's ``launch`` phase (``job/startup.py``):
+  the exec keeps the pid, so the watcher sees the rank, and its process state, from the wrapper's first
+  instruction on.
 * Then it execs CMD, so CMD keeps the task's pid and receives the signals srun forwards.
 
 A stop signal that srun forwards while this wrapper starts (Slurm's pre-timeout signal of a job whose
@@ -35,7 +38,8 @@ from relaytrain.entry_points import GPU_MONITOR, HANG_WATCH, TASK
 from relaytrain.job.env import apply_slurm_env
 from relaytrain.job.facts import STEP_RESTARTS_ENV
 from relaytrain.job.netdetect import detect_interface, read_ip_brief
-from relaytrain.job.progress import PROGRESS_DIR_ENV
+from relaytrain.job.progress import PROGRESS_DIR_ENV, Phase, ProgressBoard
+from relaytrain.job.startup import env_ranks
 
 NODE_MEMORY = Path("/dev/shm")  # the node's tmpfs: the board lives and dies with the node's memory
 _PR_SET_PDEATHSIG = 1
@@ -134,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         print("relaytrain.job.task: no command after --", file=sys.stderr)
         return 2
+    if args.hang_watch:  # the rank's board first: a task stuck from here on is visible to the watcher
+        board = progress_dir(os.environ)
+        os.environ[PROGRESS_DIR_ENV] = str(board)
+        if args.map_env:  # the task is one rank (under torchrun, its workers publish from their rendezvous)
+            ProgressBoard.open_from_env(*env_ranks(os.environ), phase=Phase.LAUNCH)  # unmapped by the exec
     if args.map_env:
         apply_slurm_env(os.environ)
     if not os.environ.get("NCCL_SOCKET_IFNAME") and (name := detect_interface(read_ip_brief())):
@@ -143,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu_monitor_dir and args.gpu_monitor_interval > 0:
         start_gpu_monitor(args.gpu_monitor_dir, args.gpu_monitor_interval, dict(os.environ))
     if args.hang_watch:
-        board = progress_dir(os.environ)
-        os.environ[PROGRESS_DIR_ENV] = str(board)
         start_hang_watch(args.hang_watch, board, dict(os.environ))
     hand_over_stop_signals(os.environ)
     try:

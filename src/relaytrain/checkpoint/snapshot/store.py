@@ -23,6 +23,7 @@ from typing import Any
 
 from relaytrain.atomic import write_chunks
 from relaytrain.checkpoint.checksums import Checksum
+from relaytrain.job import marks
 from relaytrain.job.facts import JobFacts
 
 log = logging.getLogger("relaytrain.checkpoint")
@@ -69,6 +70,7 @@ def _durable(path: Path, chunks) -> tuple[int, str]:
             checksum.update(chunk)
             size += len(chunk)
             yield chunk
+            marks.mark()  # a chunk written: progress of the snapshot (or its restore's replica)
 
     write_chunks(path, counted(), durable=True)
     return size, checksum.text()

@@ -2,9 +2,15 @@
 
 The job's hang monitor (in the batch driver) reads the node watchers' files, builds one ``RankView`` per
 rank and calls ``assess``. The job is hung when no rank moved for longer than the largest ``phase_limit``
-over the ranks, so one rank in a long, budgeted phase (a checkpoint save, start-up with compilation)
-protects them all. A rank's limit comes from the run's own timing: a multiple of the phase's recent median,
-never below the floor, never above ``resilience.hang_timeout_s`` (the cap).
+over the ranks, so one rank in a long, budgeted phase (a checkpoint save, a graph's compilation) protects
+them all. A rank moves when it changes phase, enters or leaves a collective, or marks progress inside a
+phase (a layer's forward or backward, an evaluation batch, a shard read or written, a graph compiled), so
+a limit bounds the pause since the last move, not a whole phase. It comes from the run's own timing: a
+multiple of the phase's usual longest pause between moves (its recent median), never below the floor,
+never above ``resilience.hang_timeout_s`` (the cap); a phase with a budget (a save's or restore's
+estimate) may take twice it. The start-up is phases of its own, from the task wrapper's first instruction
+on (launch, rendezvous, set-up, the restore, compilation, the first step), each bounded the same way
+(``STARTUP_LIMITS``), so a rank stuck in its rendezvous or restore is named within the floor.
 
 On a hang the culprits are named, most certain first: a process that is gone, stopped or in uninterruptible
 sleep (it cannot run Python, so its own stack may be missing); a rank outside any collective while others
@@ -25,8 +31,12 @@ TRAINING_PHASES = frozenset({Phase.DATA, Phase.FORWARD_BACKWARD, Phase.OPTIMIZER
 # Phases of the step under way (the record's step is the last finished one) and their order in it; every
 # other phase comes after the step the record names (AFTER_STEP, evaluation, a save) or before the first.
 IN_STEP_ORDER = {
+    Phase.LAUNCH: -2,
+    Phase.RENDEZVOUS: -1,
     Phase.STARTUP: 0,
     Phase.CHECKPOINT_LOAD: 0,
+    Phase.FIRST_STEP: 1,
+    Phase.COMPILE: 1,
     Phase.DATA: 1,
     Phase.FORWARD_BACKWARD: 2,
     Phase.OPTIMIZER: 3,
@@ -44,6 +54,21 @@ BUDGETED_PHASES = frozenset(
     {Phase.EVALUATION, Phase.CHECKPOINT_SAVE, Phase.SNAPSHOT, Phase.CHECKPOINT_LOAD, Phase.STOP}
 )
 BUDGET_MULTIPLE = 2.0  # a phase with a budget may take twice its estimate before it is a hang
+# A graph's first compilation, not measured yet, may pause this many floors between two graphs: a long
+# but moving compilation (each graph marked) is never called hung, a stuck one is within a few minutes.
+COMPILE_FLOORS = 3.0
+# The same for the work of the start-up that marks only per module imported: the process start and its
+# imports (launch), the model's build and the loaders (set-up).
+FIRST_WORK = {Phase.COMPILE: "a graph's compilation", Phase.LAUNCH: "the imports", Phase.STARTUP: "set-up"}
+# What bounds each start-up phase before its pause is measured (after: the floor and the multiple).
+STARTUP_LIMITS = {
+    Phase.LAUNCH: f"{COMPILE_FLOORS:g} x the floor (each module imported marked)",
+    Phase.RENDEZVOUS: "the floor",
+    Phase.STARTUP: f"{COMPILE_FLOORS:g} x the floor (each module imported marked)",
+    Phase.CHECKPOINT_LOAD: f"the floor, or {BUDGET_MULTIPLE:g} x its estimate (per shard read)",
+    Phase.COMPILE: f"{COMPILE_FLOORS:g} x the floor per graph",
+    Phase.FIRST_STEP: "the floor (each layer's forward and backward marked)",
+}
 MAX_NAMED = 4  # culprits named in the one-line summary; the report lists them all
 GONE_STATES = {"X": "process gone (state X)", "Z": "process exited (state Z, not yet reaped)"}
 STOPPED_STATES = frozenset({"T", "t"})
@@ -101,19 +126,22 @@ def phase_limit(view: RankView, policy: HangPolicy) -> tuple[float, str]:
     cap_name = _cap_name(policy)
     if view.state in GONE_STATES:  # nothing left to wait for: a gone process protects nobody
         return policy.floor_s, f"{phase_label(view)}, process gone: the floor resilience.hang_floor_s"
-    if record is None:
+    if record is None:  # no task wrapper opened its board (a launcher other than relaytrain's)
         return policy.cap_s, f"start-up (no progress published yet): {cap_name}"
-    if record.phase not in TRAINING_PHASES and record.phase not in BUDGETED_PHASES:
-        # start-up holds the first step and its compilation; done may still finish an asynchronous save
+    if record.phase is Phase.DONE or record.phase is Phase.STOP and record.budget_s <= 0:
+        # done may still finish an asynchronous save; a stop without an estimate is the hard deadline's
         return policy.cap_s, f"{record.phase.label}: {cap_name}"
-    median = record.medians.get(record.phase)
-    if record.phase in BUDGETED_PHASES and median is None and record.budget_s <= 0:
-        # Its first time, unmeasured and unannounced (the first evaluation compiles its graph): the cap.
-        return policy.cap_s, f"{record.phase.label}, the first one (not measured yet): {cap_name}"
+    # The phase's usual longest pause between two moves (its length where it marks nothing inside)
+    pause = record.pauses.get(record.phase)
     candidates = [(policy.floor_s, "the floor resilience.hang_floor_s")]
-    if median is not None:
-        candidates.append((policy.multiple * median, f"{policy.multiple:g} x its median {seconds(median)}"))
-    if record.phase in BUDGETED_PHASES and record.budget_s > 0:
+    if pause is not None:
+        candidates.append(
+            (policy.multiple * pause, f"{policy.multiple:g} x its usual longest pause {seconds(pause)}")
+        )
+    elif record.phase in FIRST_WORK:
+        why = f"{COMPILE_FLOORS:g} x the floor for {FIRST_WORK[record.phase]}"
+        candidates.append((COMPILE_FLOORS * policy.floor_s, why))
+    if (record.phase in BUDGETED_PHASES or record.phase is Phase.COMPILE) and record.budget_s > 0:
         candidates.append(
             (
                 BUDGET_MULTIPLE * record.budget_s,
@@ -281,7 +309,7 @@ def progress_key(view: RankView) -> tuple[int, int, int]:
 
 
 def phase_label(view: RankView) -> str:
-    return view.record.phase.label if view.record is not None else Phase.STARTUP.label
+    return view.record.phase.label if view.record is not None else "start-up"
 
 
 def hang_line(verdict: Verdict, report: str) -> str:

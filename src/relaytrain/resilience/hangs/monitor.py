@@ -5,7 +5,8 @@ rendezvous store included). Every ``interval_s`` or so (``slow_ranks.sample_gap`
 files the node watchers rewrite (``RunDir.hang_node``), turns them into ``detect.RankView`` s and
 asks ``detect.assess``:
 
-* a job that still moves may have a slow rank: one ``slow rank:`` line in the job log (no restart);
+* a job that still moves may have a straggler: one ``straggler hint:`` line in the job log, a hint of the
+  straggler concept (the straggler watch measures and acts; the hint restarts nothing);
 * a job where no rank moved for longer than its limit hangs. Before anything is killed the monitor asks
   every node watcher for its ranks' stacks (``RunDir.hang_request``), writes the report
   (``RunDir.hang_report(step)``), prints one job-log line starting ``hang detected:``, records the hang
@@ -46,6 +47,7 @@ def rank_view(fields: dict[str, Any], node: str, read_at: float, now: float) -> 
     """One rank of a node file its watcher wrote at ``read_at`` (time.time()), seen at ``now``; raises
     KeyError/TypeError/ValueError on a damaged one."""
     medians = {p: float(fields["medians"][p.label]) for p in Phase if p.label in fields["medians"]}
+    pauses = {p: float(v) for p in Phase if (v := fields.get("pauses", {}).get(p.label)) is not None}
     record = ProgressRecord(
         rank=int(fields["rank"]),
         local_rank=int(fields["local_rank"]),
@@ -63,6 +65,8 @@ def rank_view(fields: dict[str, Any], node: str, read_at: float, now: float) -> 
         last_step_collectives=int(fields["last_step_collectives"]),
         usual_step_collectives=int(fields["usual_step_collectives"]),
         medians=medians,
+        marks=int(fields.get("marks", 0)),
+        pauses=pauses,
     )
     # The file is up to a watcher interval old: the rank has been idle at least that much longer.
     idle = float(fields["idle_s"]) + max(now - read_at, 0.0)

@@ -1,5 +1,8 @@
-"""A rank that keeps the others waiting while the job still moves: slow, not hung (the hang monitor's
-``slow rank:`` line). Pure: the monitor feeds it the ``detect.RankView`` s of each look."""
+"""A rank that keeps the others waiting while the job still moves: a straggler, not a hang. The hang
+monitor's ``straggler hint:`` line names it from the progress boards it reads anyway; the straggler watch
+(``straggler_watch.py``: the ``straggler`` events) is what measures stragglers and acts on them, so the
+hint names that concept and acts on nothing (one vocabulary, issue 53). Pure: the monitor feeds it the
+``detect.RankView`` s of each look."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from collections import Counter, deque
 
 from relaytrain.job.progress import Phase
 from relaytrain.resilience.hangs.detect import TRAINING_PHASES, RankView, one_line, progress_key, seconds
+
+HINT = "straggler hint:"  # the line's start: the hang monitor's hint of a straggler (was `slow rank:`)
 
 
 def sample_gap(interval_s: float, rng: random.Random) -> float:
@@ -63,7 +68,8 @@ class SlowRankTracker:
             self._samples.popleft()
 
     def report(self, now: float) -> str | None:
-        """One ``slow rank:`` line, for the rank most often behind, at most once per ``repeat_s`` a rank."""
+        """One ``straggler hint:`` line, for the rank most often behind, at most once per ``repeat_s`` a
+        rank."""
         recent = [behind for t, behind in self._samples if t >= now - self.window_s]
         if sum(1 for behind in recent if behind) < self.min_samples:
             return None
@@ -81,9 +87,9 @@ class SlowRankTracker:
         view = self._latest.get(rank)
         node = f" on {view.node}" if view is not None else ""
         return one_line(
-            f"slow rank: rank {rank}{node} behind the others in {share:.0%} of {len(recent)} samples "
+            f"{HINT} rank {rank}{node} behind the others in {share:.0%} of {len(recent)} samples "
             f"over the last {seconds(self.window_s)}{self._step_times(rank)}; "
-            "the job still moves, so no restart"
+            "the job still moves, so no hang and no restart (the straggler watch decides on stragglers)"
         )
 
     def _step_times(self, rank: int) -> str:

@@ -60,6 +60,7 @@ def rank_fields(record: ProgressRecord, node: str, idle_s: float) -> dict[str, A
         phase=record.phase.label,
         phase_code=int(record.phase),
         medians={p.label: v for p, v in record.medians.items()},
+        pauses={p.label: v for p, v in record.pauses.items()},
         idle_s=round(idle_s, 3),
         state=state.state,
         wchan=state.wchan,
@@ -84,7 +85,7 @@ class NodeWatcher:
         # which step of which run of the job this is: a request names the same three
         self.job_id, self.step_restarts, self.restart_count = job_id, step_restarts, restart_count
         self.clock = clock
-        self._seen: dict[int, tuple[tuple[int, int, int, int], float]] = {}  # rank -> (token, since)
+        self._seen: dict[int, tuple[tuple[int, ...], float]] = {}  # rank -> (token, since)
         self._answered: set[str] = set()
         self._records: list[ProgressRecord] = []
 

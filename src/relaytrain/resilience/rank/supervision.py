@@ -25,15 +25,16 @@ from typing import Any, Protocol
 import torch
 
 from relaytrain.config import Config
+from relaytrain.job import marks, startup
 from relaytrain.job.clock import StepClock
-from relaytrain.job.progress import Phase, ProgressBoard
+from relaytrain.job.progress import Phase
 from relaytrain.job.rundir import RunDir
 from relaytrain.resilience.codes import StopReason
 from relaytrain.resilience.rank.nan_guard import NanGuard
 from relaytrain.resilience.rank.shutdown import ShutdownController
 from relaytrain.resilience.rank.stack_signal import StackSignal
 from relaytrain.resilience.rank.straggler_watch import Metrics, Ranks, StragglerWatch
-from relaytrain.resilience.rank.watchdog import HangWatchdog
+from relaytrain.resilience.rank.watchdog import HangWatchdog, backstop_timeout_s
 from relaytrain.resilience.requeue import stop_fields
 
 log = logging.getLogger("relaytrain")
@@ -67,9 +68,10 @@ class Supervision:
     def __init__(self, cfg: Config, env: Process, run: RunDir):
         self.cfg, self.env, self.run = cfg, env, run
         # Where this rank is, for the node's hang watcher (only in a job step that runs one), and its
-        # stacks on the watcher's request. Start-up lasts until this process's first step finished.
-        self.board = ProgressBoard.open_from_env(env.rank, env.local_rank)
+        # stacks on the watcher's request: the board its start-up published its launch and rendezvous on.
+        self.board = startup.take(env.rank, env.local_rank)
         self.clock = StepClock(self.board, env.device)
+        marks.publish_to(self.board)  # a checkpoint's tensors and a snapshot's chunks mark progress
         self.stacks = StackSignal.register(run.stack_dump(env.rank), self.board.enabled)
 
     def watch(
@@ -77,19 +79,21 @@ class Supervision:
         metrics: Metrics,
         work_modules: Sequence[torch.nn.Module] = (),
         *,
+        layers: Sequence[torch.nn.Module] = (),
         compiled: bool = False,
         stages: Sequence[int] | None = None,
     ) -> None:
         """The stop agreement (one collective: the job's end time), the watchdog, the NaN guard and the
         straggler watch. ``metrics``: where events go (rank 0's straggler events and per-rank times too);
         ``work_modules`` and ``compiled``: the modules whose forward is the rank's own computation
-        (``ParallelModel.work_modules``), timed for the straggler watch; ``stages``: each rank's pipeline
-        stage (``ParallelDims.pipeline_stages``), a rank's straggler peers."""
+        (``ParallelModel.work_modules``), timed for the straggler watch; ``layers``: the model's layers,
+        whose forward and backward mark progress on the board (and each graph compiled); ``stages``: each
+        rank's pipeline stage (``ParallelDims.pipeline_stages``), a rank's straggler peers."""
         cfg, env, run = self.cfg, self.env, self.run
         self.metrics = metrics
         self.controller = ShutdownController(cfg.resilience, env.rank, env.device, run, board=self.board)
-        self.watchdog = HangWatchdog(
-            cfg.resilience.hang_timeout_s,
+        self.watchdog = HangWatchdog(  # the hang monitor's backstop, after its cap
+            backstop_timeout_s(cfg.resilience.hang_timeout_s),
             env.rank,
             run.hang_dump(env.rank),
             on_fire=lambda step: self.controller.finish(StopReason.HANG, step),
@@ -99,6 +103,9 @@ class Supervision:
         if self.straggler.enabled:
             self.clock.add_reader(self.straggler)
             self.clock.time_alone(work_modules, compiled=compiled)
+        self.clock.mark_layers(layers, compiled=compiled)
+        if compiled:
+            self.clock.watch_compilation()
 
     # -- the start ----------------------------------------------------------------------------------
 
@@ -107,7 +114,8 @@ class Supervision:
         self.controller.install()
 
     def running(self) -> None:
-        """The state is restored: the in-rank watchdog starts."""
+        """The state is restored: the in-rank watchdog starts; imports no longer mark progress."""
+        startup.stop_watching_imports()
         self.watchdog.start()
 
     # -- every step ---------------------------------------------------------------------------------
@@ -151,8 +159,9 @@ class Supervision:
         return reason
 
     def beat(self) -> None:
-        """Long work under way (an evaluation batch, a rollback's load): not a hang."""
+        """Long work under way (an evaluation batch, a rollback's load): not a hang, and progress marked."""
         self.watchdog.beat()
+        self.clock.mark()
 
     # -- the end ------------------------------------------------------------------------------------
 

@@ -23,6 +23,16 @@ from relaytrain.resilience.codes import EXIT_DEADLINE, EXIT_HANG
 
 log = logging.getLogger(__name__)
 
+# One authority (issue 53): the batch driver's hang monitor decides, within its cap
+# resilience.hang_timeout_s; the in-rank watchdog is its backstop, this much later (a rank outside a
+# watched Slurm job step has only the watchdog).
+BACKSTOP_MULTIPLE = 1.5
+
+
+def backstop_timeout_s(hang_timeout_s: float) -> float:
+    """The watchdog's timeout: clearly after the hang monitor's largest limit (0: off)."""
+    return BACKSTOP_MULTIPLE * float(hang_timeout_s)
+
 
 def dump_stacks(header: str, path: Path | None) -> None:
     """Write ``header`` and the stacks of all threads to stderr and (appending) to ``path``."""
@@ -59,7 +69,8 @@ def dump_and_exit(header: str, path: Path, callback: Callable[[], object] | None
 
 
 class HangWatchdog:
-    """Exits the rank with EXIT_HANG when no step finishes within ``timeout_s``.
+    """Exits the rank with EXIT_HANG when no step finishes within ``timeout_s``: the backstop of the job's
+    hang monitor (``backstop_timeout_s``: after the monitor's cap), which decides in a watched job step.
 
     ``beat(step)`` after every step (and around long work such as evaluation or a save). A Python thread
     checks the time since the last beat. That thread needs the GIL, so a C call that holds the GIL
@@ -143,8 +154,9 @@ class HangWatchdog:
                 continue
             header = (
                 f"relaytrain hang watchdog: rank {self.rank} step {self._step}: no step finished for "
-                f"{idle:.0f} s (resilience.hang_timeout_s={self.timeout_s:g}); stacks follow, "
-                f"exiting with code {EXIT_HANG}"
+                f"{idle:.0f} s (the backstop at {self.timeout_s:g} s = {BACKSTOP_MULTIPLE:g} x "
+                f"resilience.hang_timeout_s, after the hang monitor's cap: the monitor decides in a Slurm "
+                f"job, this fires only where it did not); stacks follow, exiting with code {EXIT_HANG}"
             )
             on_fire = functools.partial(self.on_fire, self._step) if self.on_fire else None
             dump_and_exit(header, self.path, on_fire, EXIT_HANG)
