@@ -46,7 +46,7 @@ def test_nothing_else_times_or_publishes_a_steps_phases():
 
 def test_the_straggler_watch_reads_no_clock_of_its_own():
     """Its phase times and step lengths are the step clock's (the window's gather excluded there)."""
-    source = (SRC / "resilience" / "straggler_watch.py").read_text()
+    source = (SRC / "resilience" / "rank" / "straggler_watch.py").read_text()
     tree = ast.parse(source)
     calls = {getattr(n.func, "attr", None) for n in ast.walk(tree) if isinstance(n, ast.Call)}
     assert not {"perf_counter", "monotonic", "time", "Event"} & calls
