@@ -29,8 +29,9 @@ from relaytrain.resilience.decision_facts import (  # noqa: F401  (the decision'
     RunFacts,
     step_marker,
 )
+from relaytrain.resilience.preflight_exclude import after_preflight, preflight_of
 from relaytrain.resilience.replace_node import after_straggler, straggler_of
-from relaytrain.resilience.requeue import decide_requeue
+from relaytrain.resilience.requeue import EXCLUDED_FACT, decide_requeue
 from relaytrain.resilience.run_lock import is_busy_refusal
 from relaytrain.resilience.run_state import RunState, RunStatus
 from relaytrain.resilience.step_restart import RestartPlan, plan_restart
@@ -55,6 +56,9 @@ def decide(
     verdict = None if program else straggler_of(run.state, job)
     if verdict is not None:
         return after_straggler(exit_code, verdict, run, resilience, job, restartable)
+    named = None if program else preflight_of(run.state, job)
+    if named is not None:  # resilience.preflight = "exclude": nodes left out before the first step
+        return after_preflight(exit_code, named, run, resilience, job, restartable)
     if program and exit_code == EXIT_RESTART_STEP:
         why = f"the program exited {EXIT_RESTART_STEP}: it asks for its step to be started again"
         return _after_crash(exit_code, why, run, resilience, job, restartable)
@@ -260,7 +264,11 @@ def _pending(run: RunFacts, job: JobFacts, say: tuple[str, ...] = ()) -> Decisio
     why = "the run asked for a requeue it could not do"
     record = state  # rewritten as it is, its time and host included, with the requeue's flags
     line = f"{why}: scontrol requeue {job.requeue_id}"
-    return Decision(Action.REQUEUE, why, (*say, line), record, requeue_why="what the run asked for")
+    excluded = state.fact(EXCLUDED_FACT)  # the nodes the requeue it could not do was to exclude
+    exclude = tuple(n for n in excluded if isinstance(n, str) and n) if isinstance(excluded, list) else ()
+    return Decision(
+        Action.REQUEUE, why, (*say, line), record, requeue_why="what the run asked for", exclude=exclude
+    )
 
 
 def _settled(exit_code: int, state: RunState | None, job: JobFacts) -> Action:
