@@ -65,7 +65,7 @@ ALONE = {
     "test_spare_slurm.py": "needs all three nodes: a 2-node job and its spare",
     "test_e2e_slurm.py": "kills a node and preempts through the high partition; fills the cluster",
     "test_straggler_slurm.py": "times each rank's steps against its peers",
-    "test_preflight_slurm.py": "times each node's compute against the others'",
+    "test_preflight_slurm.py": "times each node's compute against the others'; a 2-node job and its spare",
     "test_elastic_slurm.py": "kills a node and needs two idle nodes",
     "test_bench_goodput.py": "times a run's goodput through preemptions",
     "test_bench_chaos.py": "kills and stops ranks and nodes, and times the recoveries",
