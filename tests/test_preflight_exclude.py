@@ -115,15 +115,6 @@ def test_without_spare_or_range_the_job_is_requeued_with_the_node_excluded_once(
     assert "ExcNodeList" in alerts[1].fields["why"]
 
 
-def test_a_requeue_the_run_could_not_do_is_done_by_the_driver_still_excluding_the_node(run, monkeypatch):
-    named(run)
-    monkeypatch.setattr(requeue, "scontrol_requeue", lambda job_id, exclude=(): (False, "no scontrol"))
-    step_end.perform(decision(run, spares=()), JOB, run)
-    assert RunStateFile(run).read().requeue_pending
-    again = decide(1, RunFacts.read(run, JOB), ResilienceConfig(), JOB)
-    assert again.action is Action.REQUEUE and again.exclude == ("n2",), again
-
-
 @pytest.mark.parametrize(
     ("settings", "earlier", "says"),
     [

@@ -31,7 +31,7 @@ from relaytrain.resilience.decision_facts import (  # noqa: F401  (the decision'
 )
 from relaytrain.resilience.preflight_exclude import after_preflight, preflight_of
 from relaytrain.resilience.replace_node import after_straggler, straggler_of
-from relaytrain.resilience.requeue import EXCLUDED_FACT, decide_requeue
+from relaytrain.resilience.requeue import decide_requeue
 from relaytrain.resilience.run_lock import is_busy_refusal
 from relaytrain.resilience.run_state import RunState, RunStatus
 from relaytrain.resilience.step_restart import RestartPlan, plan_restart
@@ -264,11 +264,7 @@ def _pending(run: RunFacts, job: JobFacts, say: tuple[str, ...] = ()) -> Decisio
     why = "the run asked for a requeue it could not do"
     record = state  # rewritten as it is, its time and host included, with the requeue's flags
     line = f"{why}: scontrol requeue {job.requeue_id}"
-    excluded = state.fact(EXCLUDED_FACT)  # the nodes the requeue it could not do was to exclude
-    exclude = tuple(n for n in excluded if isinstance(n, str) and n) if isinstance(excluded, list) else ()
-    return Decision(
-        Action.REQUEUE, why, (*say, line), record, requeue_why="what the run asked for", exclude=exclude
-    )
+    return Decision(Action.REQUEUE, why, (*say, line), record, requeue_why="what the run asked for")
 
 
 def _settled(exit_code: int, state: RunState | None, job: JobFacts) -> Action:
