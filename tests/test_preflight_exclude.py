@@ -161,3 +161,30 @@ def test_status_shows_the_alerts_counts_of_the_runs_jobs(run):
         "retries": 2,
         "jobs": 2,
     }
+
+
+@pytest.mark.parametrize(("mode", "code"), [("report", 0), ("exclude", EXIT_PREFLIGHT), ("off", 0)])
+def test_the_checks_before_the_first_step_stop_the_step_only_with_exclude(run, monkeypatch, mode, code):
+    """check_in_job (the trainer calls it before Trainer.run and returns its code): every rank's results
+    judged; `exclude` records the node and returns the code to stop with, `report` only names it."""
+    import torch
+
+    from relaytrain.preflight import run as preflight_run
+
+    ranks = [{"rank": 0, "node": "n1", "figures": {"gflops": 100.0}},
+             {"rank": 1, "node": "n2", "figures": {"gflops": 40.0}}]  # fmt: skip
+    monkeypatch.setattr(preflight_run, "measure_rank", lambda cfg, env, budget: {})
+    monkeypatch.setattr(preflight_run, "gather", lambda result, env: ranks)
+    cfg = load_config(
+        None, [f"--run.dir={run.root.parent}", "--run.name=run", f"--resilience.preflight={mode}"]
+    )
+    env = SimpleNamespace(is_main=True, distributed=False, local_world_size=1, device=torch.device("cpu"),
+                          num_nodes=2, rank=0, local_rank=0)  # fmt: skip
+    assert preflight_run.check_in_job(cfg, env, run) == code
+    record = RunStateFile(run).read()
+    if mode == "exclude":
+        assert record.reason == "preflight" and record.fact("preflight")["nodes"] == ["n2"]
+        assert record.fact("preflight")["results"].endswith("preflight/41.json")
+    else:
+        assert record is None
+    assert (run.preflight("41").exists()) == (mode != "off")
