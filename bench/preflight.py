@@ -82,18 +82,34 @@ def render(data: dict, path: str) -> str:
             named,
         ]
         rows.append("| " + " | ".join(str(cell) for cell in cells) + " |")
-    limits = data["thresholds"]
     return (
         "## Preflight: a clean node against the median\n\n"
         f"{kept.rewritten(COMMAND, path)}\n"
         f"Measured {data['date']} with `{data['command']}`: two gloo ranks on this machine, each standing "
-        f"for a node, budget {data['budget']} s. Its thresholds: {limits['compute_pct']:g} % "
-        f"below the median in compute and {limits['network_pct']:g} % below it in network.\n\n"
+        f"for a node, budget {data['budget']} s. {thresholds_prose(data['thresholds'])}\n\n"
         "| runs | count | worst compute shortfall (%) | worst network shortfall (%) | checks median (s) "
         "| command median (s) | runs that named a node |\n| --- | --- | --- | --- | --- | --- | --- |\n"
         + "\n".join(rows)
         + "\n"
     )
+
+
+def thresholds_prose(measured: dict) -> str:
+    """The thresholds relaytrain ships (judge.Thresholds), and those the kept runs were judged with (their
+    last column) where they differ."""
+    from relaytrain.preflight.judge import Thresholds
+
+    now = Thresholds().as_dict()
+    text = (
+        f"The thresholds: {now['compute_pct']:g} % below the median in compute and {now['network_pct']:g} % "
+        "below it in network."
+    )
+    if (measured.get("compute_pct"), measured.get("network_pct")) != (now["compute_pct"], now["network_pct"]):
+        text += (
+            f" These runs were judged with {measured.get('compute_pct', '?'):g} % and "
+            f"{measured.get('network_pct', '?'):g} % (the last column)."
+        )
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -201,3 +201,15 @@ def test_the_in_job_check_runs_only_in_slurm_and_when_not_off(tmp_path, monkeypa
     assert torch.equal(torch.random.get_rng_state(), before)  # the run's random stream is untouched
     record = json.loads(run.preflight("91-r2").read_text())
     assert record["summary"] == "1 node(s) passed" and record["ranks"][0]["node"] == "n1"
+
+
+def test_the_benchmarks_page_names_the_shipped_compute_threshold():
+    """The section is written by bench.preflight from kept results (test_bench_pages rebuilds it): its prose
+    names the thresholds relaytrain ships, not those the kept runs were judged with."""
+    from conftest import REPO
+
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    section = text[text.index("<!-- bench:preflight -->") : text.index("<!-- /bench:preflight -->")]
+    limits = Thresholds()
+    assert f"The thresholds: {limits.compute_pct:g} % below the median in compute" in section
+    assert f"and {limits.network_pct:g} % below it in network" in section

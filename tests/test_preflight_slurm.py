@@ -1,6 +1,8 @@
 """`relaytrain preflight` in a real Slurm allocation of 2 nodes: run as a job step, one task per node, it
 names the node whose rank a CPU quota slows from outside (faults.throttle, as the straggler tests do), in
-one line, and writes both nodes' results to the run's preflight folder."""
+one line, and writes both nodes' results to the run's preflight folder. The same checks before a training
+job's first step, with `resilience.preflight = "exclude"` and a spare: a node slowed the same way is left
+out, the spare in its place."""
 
 from __future__ import annotations
 
@@ -58,25 +60,65 @@ def test_a_node_slowed_from_outside_is_named(slurm_cluster, tmp_path):
     assert record["nodes"][node]["passed"] is False and record["summary"].endswith(f"below threshold: {node}")
 
 
-def test_every_job_step_is_checked_before_its_first_step_unless_off(slurm_cluster, tmp_path):
-    from e2e_slurm_jobs import job_output, launch, records, write_config
+def throttle_now(pid: int) -> str:
+    """A CPU quota on `pid` (FACTOR times slower); its node."""
+    node = throttle._environ(pid)["SLURMD_NODENAME"]
+    done = subprocess.run(
+        [sys.executable, "-m", "faults.throttle", "--pid", str(pid), "--factor", str(FACTOR)],
+        cwd=REPO, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return node
 
+
+def test_every_job_step_is_checked_before_its_first_step_and_exclude_leaves_a_slow_node_out(
+    slurm_cluster, tmp_path
+):
+    """`exclude` with a spare: the training job's rank 1, slowed from its start, is named by the checks
+    before the first step, and the step starts again in place with the spare in its node's place (same
+    job, no requeue); the checks run again on the new nodes. `off`: no checks."""
+    from e2e_slurm_jobs import events, job_log, job_output, launch, records, write_config
+    from relaytrain.job import RunDir
+    from relaytrain.resilience.batch.crash import CrashLog
+
+    if len(slurm_cluster.nodes) < 3:
+        pytest.fail(f"this test needs 3 nodes; the running cluster has {len(slurm_cluster.nodes)}")
     runs = tmp_path / "runs"
     jobs = {}
-    for name, value in (("on", "report"), ("off", "off")):
+    for name, value in (("on", "exclude"), ("off", "off")):
         cfg = write_config(tmp_path / f"{name}.toml", runs, name, steps=3)
+        spare = ("--spare-nodes", "1") if value == "exclude" else ()
         jobs[name] = launch(
-            str(cfg), "--nodes", "2", "--tasks-per-node", "1", f"--resilience.preflight={value}"
+            str(cfg), "--nodes", "2", *spare, "--tasks-per-node", "1", f"--resilience.preflight={value}"
         )
-    fields = {name: wait_job_finished(int(job), timeout=300) for name, job in jobs.items()}
-    assert all(f["JobState"] == "COMPLETED" for f in fields.values()), fields
-    out = job_output(runs / "on", jobs["on"])
-    # its summary (the shared cores may make a clean node look slow: it is named, and the run goes on)
-    told = re.compile(r"^preflight: (2 node\(s\) passed|1 of 2 node\(s\) below threshold: \S+) in ", re.M)
-    assert told.search(out), out[-4000:]
-    record = json.loads((runs / "on" / "preflight" / f"{jobs['on']}.json").read_text())
-    assert record["time"] < min(r["time"] for r in records(runs / "on", "train"))  # before the first step
-    assert len(record["nodes"]) == 2 and all(r["figures"]["gbps"] > 0 for r in record["ranks"])
+    pid = None
+    try:
+        # rank 1 of the first step, slowed as soon as it runs: long before its checks
+        pid = wait_for(lambda: throttle.rank_pid(jobs["on"], 1), 180, "rank 1 of the job", interval=0.05)
+        slow = throttle_now(pid)
+        fields = {name: wait_job_finished(int(job), timeout=400) for name, job in jobs.items()}
+    finally:
+        if pid is not None:
+            throttle.release(pid)
+    run_dir = runs / "on"
+    assert all(f["JobState"] == "COMPLETED" for f in fields.values()), (fields, job_log(run_dir, jobs["on"]))
+    assert fields["on"]["Restarts"] == "0", fields["on"]  # left out in place: no requeue
+    out = job_output(run_dir, jobs["on"])
+    assert re.search(rf"^preflight: {slow} compute \d+ % below the median", out, re.M), out[-4000:]
+    first = json.loads((run_dir / "preflight" / f"{jobs['on']}.json").read_text())
+    assert first["time"] < min(r["time"] for r in records(run_dir, "train"))  # before the first step
+    assert len(first["nodes"]) == 2 and all(r["figures"]["gbps"] > 0 for r in first["ranks"])
+    assert first["nodes"][slow]["passed"] is False
+    (restart,) = [e for e in events(run_dir) if e["event"] == "step_restart"]
+    (spare,) = restart["nodes_replaced"]
+    assert spare[0] == slow and restart["nodes_left_out"] == [slow] and slow not in restart["nodes"], restart
+    (entry,) = CrashLog(RunDir(run_dir)).entries()
+    assert (entry["kind"], entry["action"], entry["nodes_implicated"]) == ("preflight", "restart", [slow])
+    # the restarted step was checked again, on the nodes without the slow one, and trained there
+    again = json.loads((run_dir / "preflight" / f"{jobs['on']}-s1.json").read_text())
+    assert slow not in again["nodes"] and spare[1] in again["nodes"], again["nodes"]
+    assert max(r["step"] for r in records(run_dir, "train")) == 3
+    assert all(r.get("step_restart") == 1 for r in records(run_dir, "train")), "trained before the checks"
     assert (
         "preflight: " not in job_output(runs / "off", jobs["off"])
         and not (runs / "off" / "preflight").exists()

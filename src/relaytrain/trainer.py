@@ -357,7 +357,11 @@ def train(cfg: Config) -> int:
     torch.manual_seed(cfg.run.seed)
     try:
         check_world(cfg, env, run)
-        check_in_job(cfg, env)  # resilience.preflight: each node measured first (docs/howto/preflight.md)
+        # resilience.preflight: each node measured first (docs/howto/preflight.md); exclude: a node named
+        # is left out by the batch job's driver, this step ends before training
+        stop = check_in_job(cfg, env, run)
+        if stop:
+            return stop
         return Trainer(cfg, env).run()
     finally:
         lock.release()

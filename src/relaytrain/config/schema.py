@@ -238,8 +238,10 @@ class ResilienceConfig(Section):
     # the job is faster without it (else report)
     straggler_action: Literal["report", "replace", "auto"] = "report"
     # in Slurm jobs, before the first step of every job step: relaytrain preflight's checks of each node
-    # (about 2 s); report: name a node below threshold in the job log and preflight/JOB.json; off: none
-    preflight: Literal["off", "report"] = "report"
+    # (about 2 s); report: name a node below threshold in the job log and preflight/JOB.json; exclude: also
+    # leave it out before training (a spare in its place, else fewer nodes where slurm.min_nodes allows,
+    # else a requeue that excludes it, else the job stops); off: none
+    preflight: Literal["off", "report", "exclude"] = "report"
 
     def effective_collective_timeout_s(self) -> float:
         """The process groups' timeout: an explicit collective_timeout_s, else (0) the hang monitor's

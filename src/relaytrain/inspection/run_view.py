@@ -17,6 +17,8 @@ from relaytrain.monitor.ledger import Ledger
 from relaytrain.monitor.run_ledger import run_ledger
 from relaytrain.resilience.batch.bad_nodes import excluded_in_run
 from relaytrain.resilience.batch.crash import RESTARTED, CrashLog, describe_crash
+from relaytrain.resilience.batch.notify_counts import describe as describe_alerts
+from relaytrain.resilience.batch.notify_counts import run_counts
 from relaytrain.resilience.rank.straggler import describe_latest
 from relaytrain.resilience.run_state import RUN_STATE_FILE, RunStateFile
 from relaytrain.slurm.jobs import entry_log, last_step
@@ -119,9 +121,13 @@ def run_rows(run: RunDir) -> list[tuple[str, str]]:
         for job, node, why in excluded_in_run(crashes):
             rows.append(("excluded node", f"{node} from job {job}: {why}"))
     rows += preflight_rows(run)
-    straggler = describe_latest(jsonl.read(run.metrics).records) if run.metrics.is_file() else None
+    records = jsonl.read(run.metrics).records if run.metrics.is_file() else []
+    straggler = describe_latest(records)
     if straggler:
         rows.append(("straggler", straggler))
+    alerts = run_counts(records)
+    if alerts is not None:
+        rows.append(("alerts", describe_alerts(alerts)))
     step = last_step(run)
     rows.append(("last logged step", "none yet" if step is None else str(step)))
     latest = read_latest(run.checkpoints)
@@ -147,7 +153,8 @@ def ledger_of(run: RunDir) -> Ledger | None:
 
 
 def run_json(run: RunDir) -> dict[str, Any]:
-    """`relaytrain status RUN --json`: the run's record, last step, latest checkpoint and time ledger."""
+    """`relaytrain status RUN --json`: the run's record, last step, latest checkpoint, time ledger and the
+    alerts' counts ([notify]; None when no job sent any)."""
     record = RunStateFile(run).read()
     latest = read_latest(run.checkpoints)
     ledger = ledger_of(run)
@@ -157,4 +164,5 @@ def run_json(run: RunDir) -> dict[str, Any]:
         "last_step": last_step(run),
         "latest_checkpoint": None if latest is None else str(latest),
         "ledger": None if ledger is None else ledger.as_json(),
+        "alerts": run_counts(jsonl.read(run.metrics).records) if run.metrics.is_file() else None,
     }

@@ -14,7 +14,7 @@ from relaytrain.config import Config
 from relaytrain.job import JobFacts, RunDir
 from relaytrain.preflight import judge as judging
 from relaytrain.preflight import measure
-from relaytrain.preflight.needs import run_needs
+from relaytrain.preflight.needs import Needs, run_needs
 
 log = logging.getLogger(__name__)
 BELOW_THRESHOLD_EXIT = 1
@@ -108,29 +108,45 @@ def run_preflight(
         ranks = gather(measure_rank(cfg, env, budget_s), env)
     finally:
         shutdown_distributed()
-    return report(cfg, env, ranks, nodes, limits, started)
+    return report(cfg, env, ranks, nodes, limits, started)[0]
 
 
-def check_in_job(cfg: Config, env) -> int:
-    """`resilience.preflight = "report"` in a Slurm job: the checks on the training job's ranks and process
-    group, before its first step (called by relaytrain.trainer); the lines go to the job log."""
-    if cfg.resilience.preflight != "report" or not JobFacts.from_env().in_slurm:
+def check_in_job(cfg: Config, env, run: RunDir | None = None) -> int:
+    """`resilience.preflight` in a Slurm job: the checks on the training job's ranks and process group,
+    before its first step (called by relaytrain.trainer); the lines go to the job log. Every rank returns
+    the exit code to stop with: 0 to train, EXIT_PREFLIGHT when `exclude` leaves nodes out (exclude.py)."""
+    mode = cfg.resilience.preflight
+    if mode == "off" or not JobFacts.from_env().in_slurm:
         return 0
     started = time.perf_counter()
     ranks = gather(measure_rank(cfg, env, IN_JOB_BUDGET_S), env)
-    return report(cfg, env, ranks, 0, DEFAULT_LIMITS, started)
+    path = report(cfg, env, ranks, 0, DEFAULT_LIMITS, started)[1]
+    if mode != "exclude":
+        return 0
+    from relaytrain.preflight.exclude import stop_for
+
+    problems = judged(cfg, env, ranks, 0, DEFAULT_LIMITS)[1]  # every rank: the same verdict
+    return stop_for(problems, judging.report_lines(problems), str(path or ""), env, run)
+
+
+def judged(
+    cfg: Config, env, ranks: list[dict], nodes: int, limits: judging.Thresholds
+) -> tuple[Needs, dict[str, list[str]]]:
+    """(the run's needs, {node: what falls short}) from every rank's results: pure, the same on each rank."""
+    per_node = env.local_world_size
+    gpus = per_node if env.device.type == "cuda" else 0
+    needs = run_needs(cfg, nodes or env.num_nodes, per_node, gpus)
+    return needs, judging.judge(ranks, needs.as_dict(), limits)
 
 
 def report(
     cfg: Config, env, ranks: list[dict], nodes: int, limits: judging.Thresholds, started: float
-) -> int:
-    """Rank 0: judge, print one line per node below threshold and the summary, write the results."""
+) -> tuple[int, Path | None]:
+    """Rank 0: judge, print one line per node below threshold and the summary, write the results.
+    (1 when a node is below threshold else 0, the results file); (0, None) on the other ranks."""
     if not env.is_main:
-        return 0
-    per_node = env.local_world_size
-    gpus = per_node if env.device.type == "cuda" else 0
-    needs = run_needs(cfg, nodes or env.num_nodes, per_node, gpus)
-    problems = judging.judge(ranks, needs.as_dict(), limits)
+        return 0, None
+    needs, problems = judged(cfg, env, ranks, nodes, limits)
     lines = judging.report_lines(problems)
     for line in lines:
         print(line, flush=True)
@@ -150,4 +166,4 @@ def report(
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(record, indent=1, default=str) + "\n", durable=False)
     print(f"preflight: {record['summary']} in {record['seconds']:.1f} s ({path})", flush=True)
-    return BELOW_THRESHOLD_EXIT if lines else 0
+    return (BELOW_THRESHOLD_EXIT if lines else 0), path

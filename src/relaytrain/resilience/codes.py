@@ -23,6 +23,9 @@ EXIT_NONFINITE = 88  # NaN/Inf loss or grad norm and the NaN policy said stop
 # every rank stopped after a snapshot to have a straggler's node replaced by a spare or dropped
 # (resilience.straggler_action): the batch job's driver starts the step again in place without it
 EXIT_STRAGGLER = 89
+# resilience.preflight = "exclude": every rank stopped before the first step, the nodes preflight named
+# recorded in run_state.json; the same agreed stop as a straggler's (the driver decides from the record)
+EXIT_PREFLIGHT = EXIT_STRAGGLER
 EXIT_DOUBLE_INTERRUPT = 130  # a second Ctrl-C: exit at once, no save (128 + SIGINT, the shell convention)
 
 

@@ -38,6 +38,7 @@ from relaytrain.resilience.run_state import RunState, RunStateFile, RunStatus
 log = logging.getLogger(__name__)
 
 SCONTROL_REQUEUE_TIMEOUT_S = 30.0
+EXCLUDED_FACT = "requeue_excluded"  # run_state.json: the nodes the requeued job's ExcNodeList got
 
 
 def decide_requeue(
@@ -127,6 +128,8 @@ def requeue(
     ``requeue_pending`` (the batch job's driver requeues it when the run cannot, docs/resilience.md).
     Slurm ends the job at once after a successful call: the record is written before it.
     """
+    if exclude:  # the nodes the next allocation excludes: the job's end tells them (notify, node_excluded)
+        record = replace(record, facts={**record.facts, EXCLUDED_FACT: list(dict.fromkeys(exclude))})
     run_state.write(replace(record, requeue_requested=True, requeue_pending=True, requeued=False))
     done, how = scontrol_requeue(job.requeue_id, exclude) if exclude else scontrol_requeue(job.requeue_id)
     if not done:

@@ -38,6 +38,7 @@ from relaytrain.resilience.batch.notify_send import (
     webhook_sender,
     webhook_url,
 )
+from relaytrain.resilience.requeue import EXCLUDED_FACT
 from relaytrain.resilience.run_state import RunStateFile, RunStatus
 
 POLL_S = 1.0  # how often the driver reads the run's new records
@@ -111,13 +112,18 @@ def _time(record: Mapping[str, Any]) -> float:
 
 
 def at_job_end(run: RunDir, job: JobFacts) -> list[Alert]:
-    """What run_state.json says this job ended with: requeued, or failed (nothing for a stop or a finish,
-    which their events told)."""
+    """What run_state.json says this job ended with: requeued (and the nodes its ExcNodeList got), or
+    failed (nothing for a stop or a finish, which their events told)."""
     record = RunStateFile(run).read()
     if record is None or not record.written_by(job):
         return []
     if record.requeued or record.requeue_requested:
-        return [Alert("requeued", record.step, {"reason": record.reason})]
+        alerts = [Alert("requeued", record.step, {"reason": record.reason})]
+        excluded = record.fact(EXCLUDED_FACT)
+        if isinstance(excluded, list) and excluded:
+            why = f"the requeued job's next allocation excludes them (ExcNodeList), after: {record.reason}"
+            alerts.append(Alert("node_excluded", record.step, {"nodes": excluded, "why": why}))
+        return alerts
     if record.status is RunStatus.FAILED:
         why = {"reason": record.reason, "error": record.user_error or record.message}
         return [Alert("failed", record.step, why)]

@@ -28,6 +28,7 @@ from relaytrain.resilience.batch.decision_facts import (  # noqa: F401  (the dec
     RunFacts,
     step_marker,
 )
+from relaytrain.resilience.batch.preflight_exclude import after_preflight, preflight_of
 from relaytrain.resilience.batch.replace_node import after_straggler, straggler_of
 from relaytrain.resilience.batch.step_restart import RestartPlan, plan_restart
 from relaytrain.resilience.codes import EXIT_RESTART_STEP, EXIT_RESUME, StopReason
@@ -55,6 +56,9 @@ def decide(
     verdict = None if program else straggler_of(run.state, job)
     if verdict is not None:
         return after_straggler(exit_code, verdict, run, resilience, job, restartable)
+    named = None if program else preflight_of(run.state, job)
+    if named is not None:  # resilience.preflight = "exclude": nodes left out before the first step
+        return after_preflight(exit_code, named, run, resilience, job, restartable)
     if program and exit_code == EXIT_RESTART_STEP:
         why = f"the program exited {EXIT_RESTART_STEP}: it asks for its step to be started again"
         return _after_crash(exit_code, why, run, resilience, job, restartable)
