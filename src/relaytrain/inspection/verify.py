@@ -153,7 +153,9 @@ def register(subparsers) -> None:
         "global sample was read exactly once, in the order of an uninterrupted run. The data check: the "
         "tokens each rank read are those the prepared data holds there. The checkpoints check: every "
         "committed checkpoint matches its checksums and `latest` names a committed one. The ledger check: "
-        "the time ledger adds up (at most 1 % unaccounted). Exit 0: all hold (one summary line per "
+        "the time ledger adds up, at most 1 % of it unaccounted or inferred without a source to confirm it, "
+        "and its productive time agrees with the train records' step times within 1 %. Exit 0: all hold "
+        "(one summary line per "
         "check). Exit 1: one line per violation. "
         "Exit 2: the run cannot be read.",
     )
