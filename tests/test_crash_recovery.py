@@ -153,9 +153,8 @@ def test_crash_check_block_of_the_batch_script_and_the_default_cap():
     from relaytrain.config import load_config
 
     template = (Path(crash.__file__).parents[2] / "slurm" / "templates" / "job.sh.j2").read_text()
-    assert (
-        template.count("-m relaytrain.resilience.batch.driver --run-dir") == 1
-    )  # with or without a container
+    # the driver's module from the entry-point table (relaytrain/entry_points.py), with or without a container
+    assert template.count("-m {{ entry.driver }} --run-dir") == 1
     assert "step_end" not in template and "-m relaytrain.program" not in template
     assert load_config(None).resilience.max_crash_requeues == 3
 

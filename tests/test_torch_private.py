@@ -332,3 +332,22 @@ def test_no_private_torch_name_outside_the_seam():
 )
 def test_the_rule_sees_a_private_name(source):
     assert private_torch_names(source)
+
+
+def test_on_dynamo_compile_calls_each_once_around_a_compiled_graph():
+    seen: list[str] = []
+
+    def start(*_args):
+        seen.append("start")
+
+    def end(*_args):
+        seen.append("end")
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    tp.on_dynamo_compile(start, end)
+    tp.on_dynamo_compile(start, end)  # registered once
+    torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+    assert seen == ["start", "end"]
+    torch._dynamo.reset()

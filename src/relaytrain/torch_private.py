@@ -92,6 +92,16 @@ def object_collective_device() -> str:
     return dist.distributed_c10d._get_object_coll_device()
 
 
+def on_dynamo_compile(start, end) -> None:
+    """`torch._dynamo.callback`: `start` and `end` called around each graph Dynamo compiles, registered once
+    (again after a `torch._dynamo.reset()` cleared them). Checked: 2.14.1."""
+    import torch._dynamo.callback as callbacks  # noqa: PLC0415 - loaded on first use
+
+    if start not in callbacks.callback_handler.start_callbacks:
+        callbacks.on_compile_start(start)
+        callbacks.on_compile_end(end)
+
+
 def record_cuda_memory_history(enabled: bool, max_entries: int) -> None:
     """`torch.cuda.memory._record_memory_history` (CUDA only). Checked: 2.13 (signature, on CPU)."""
     torch.cuda.memory._record_memory_history(enabled="all" if enabled else None, max_entries=max_entries)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from relaytrain import torch_private
 from relaytrain.job.progress import Phase, ProgressBoard
 
 # The sections of a training step: published from the process's second step on (see above)
@@ -195,12 +196,7 @@ class StepClock:
         go back to the phase it interrupted. The latest clock of the process is the one told."""
         if not self.board.enabled:
             return
-        import torch._dynamo.callback as callbacks  # noqa: PLC0415 - torch's, loaded on first use
-
-        handler = callbacks.callback_handler  # registered again after a torch._dynamo.reset() cleared it
-        if _compile_start not in handler.start_callbacks:
-            callbacks.on_compile_start(_compile_start)
-            callbacks.on_compile_end(_compile_end)
+        torch_private.on_dynamo_compile(_compile_start, _compile_end)
         _compiling[:] = [self]
         self._interrupted: Phase | None = None
 
