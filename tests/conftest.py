@@ -15,14 +15,12 @@ import needs
 import prebuilt
 from slurm_fixtures import slurm_cluster, suite_cluster  # noqa: F401  (the real-Slurm fixtures)
 from slurm_grouping import (  # noqa: F401  (the Slurm tests' lanes, their lock, a guard)
-    is_slurm_test,
     pytest_collection_finish,
     pytest_configure_node,
     pytest_runtest_protocol,
     pytest_runtest_setup,
     pytest_sessionfinish,
     pytest_xdist_make_scheduler,
-    runs_alone,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,13 +72,8 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("cuda")]
     if hasattr(config, "workerinput"):
         # Under xdist the long tests go first: a worker takes the next test whenever it finishes one, so a
-        # long test left for the end runs alone while the other workers have nothing left to do. And the
-        # Slurm modules that run alone go first of all: at the start the other lanes' workers wait on
-        # the cluster lock, so one worker runs tests beside them, not three (rank timings stay quiet).
-        def alone(item) -> bool:
-            return is_slurm_test(item) and runs_alone(item.nodeid)
-
-        items.sort(key=lambda item: (not alone(item), item.get_closest_marker("slow") is None))
+        # long test left for the end runs alone while the other workers have nothing left to do.
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 # A model small enough that a step takes milliseconds on one CPU core.
