@@ -22,6 +22,7 @@ cluster's own partitions.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import os
@@ -106,16 +107,10 @@ def suite_cluster(pytestconfig):
     with open(Path(tempfile.gettempdir()) / "relaytrain-suite-cluster.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         info, started_here = _the_suites_cluster()
-    saved = {key: os.environ.get(key) for key in info.env}
-    os.environ.update(info.env)
     try:
-        yield info
+        with _exported(info.env):
+            yield info
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         if started_here:
             folder = worker_dir(pytestconfig)
             if folder is None:
@@ -203,10 +198,17 @@ def lane_view(info, module: str) -> LaneCluster:
 def slurm_cluster(suite_cluster, request):
     """The local cluster as this module sees it (LaneCluster), its environment exported while it runs."""
     view = lane_view(suite_cluster, request.node.nodeid)
-    saved = {key: os.environ.get(key) for key in view.env}
-    os.environ.update(view.env)
-    try:
+    with _exported(view.env):
         yield view
+
+
+@contextlib.contextmanager
+def _exported(env: dict[str, str]):
+    """``env`` in os.environ while the block runs; what was there before, after it."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
