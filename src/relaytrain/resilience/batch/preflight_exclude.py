@@ -97,12 +97,7 @@ def after_preflight(
             step_restart=number,
             max_step_restarts=cap,
         )
-        placed = {
-            "nodes_lost": list(plan.lost),
-            "nodes_left_out": list(plan.left_out),
-            "nodes_left_out_why": plan.left_out_why,
-            **({"nodes_replaced": [list(pair) for pair in plan.replaced]} if plan.replaced else {}),
-        }
+        placed = {"nodes_lost": list(plan.lost), **plan.placed()}
         crash = {**entry, "action": RESTARTED, "step_restart": number, **placed}
         return Decision(Action.RESTART, message, (message,), record, crash=crash, restart=plan)
     allowed = r.requeue and job.in_slurm and run.earlier_crashes < r.max_crash_requeues

@@ -90,13 +90,7 @@ def after_straggler(
         f"{why}: restarting the job step in place {plan.describe()}{same}, from its snapshot "
         f"(restart in place {number} of resilience.max_step_restarts={cap})"
     )
-    placed = {
-        "nodes_lost": list(plan.lost),
-        "nodes_left_out": list(plan.left_out),
-        **({"nodes_left_out_why": plan.left_out_why} if plan.left_out else {}),
-        **({"nodes_kept": plan.kept} if plan.kept else {}),
-        **({"nodes_replaced": [list(pair) for pair in plan.replaced]} if plan.replaced else {}),
-    }
+    placed = {"nodes_lost": list(plan.lost), **plan.placed()}
     record = RunState.of(
         RunStatus.STOPPED,
         STRAGGLER,

@@ -193,12 +193,7 @@ def _restart_in_place(
         "max_step_restarts": cap,
     }
     lost = list(plan.lost)
-    left_out = {
-        "nodes_left_out": list(plan.left_out),
-        **({"nodes_left_out_why": plan.left_out_why} if plan.left_out else {}),
-        **({"nodes_kept": plan.kept} if plan.kept else {}),
-        **({"nodes_replaced": [list(pair) for pair in plan.replaced]} if plan.replaced else {}),
-    }
+    left_out = plan.placed()
     return Decision(
         Action.RESTART,
         message,

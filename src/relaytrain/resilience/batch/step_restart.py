@@ -66,6 +66,15 @@ class RestartPlan:
             return f"left out: {','.join(self.left_out)}{why}"
         return self.kept
 
+    def placed(self) -> dict:
+        """The plan's nodes for a crash entry: those left out and why, those kept, the spares' swaps."""
+        return {
+            "nodes_left_out": list(self.left_out),
+            **({"nodes_left_out_why": self.left_out_why} if self.left_out else {}),
+            **({"nodes_kept": self.kept} if self.kept else {}),
+            **({"nodes_replaced": [list(pair) for pair in self.replaced]} if self.replaced else {}),
+        }
+
     def describe(self) -> str:
         where = f"on the {len(self.nodes)} node(s) left ({','.join(self.nodes)})" if self.nodes else ""
         if self.replaced:
