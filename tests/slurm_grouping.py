@@ -8,7 +8,10 @@ itself. Two kinds of module run while no other lane has jobs: one that needs the
 the cluster, or starts clusters of its own: ``WHOLE_CLUSTER``) and one that times ranks against each
 other, which other lanes' processes on the same 2 cores would disturb (``QUIET``); each is listed with
 the reason. Such a module holds the cluster lock exclusively, the others hold it shared. A module not
-listed in ``LANES`` is in lane 1 and needs the whole cluster.
+listed in ``LANES`` is in lane 1 and needs the whole cluster. A ``QUIET`` module also holds the machine's
+lock exclusively, which every test not marked ``slurm`` holds shared while it runs: the tests that time
+ranks against each other run with nothing else on the cores. Both locks let a waiting exclusive holder in
+before new shared ones (``_hold``): without it the shared holders, one after another, keep it out.
 
 pytest-xdist's own ``xdist_group`` mark renames each item's node id on the worker (``item._nodeid``);
 from pytest 9.1 on a node id is computed from ``item._id`` and the rename is lost, so the groups
@@ -67,10 +70,11 @@ WHOLE_CLUSTER = {
     "test_readme.py": "its documented cluster walkthroughs start the cluster and end with "
     "`relaytrain cluster down`, which cancels every job on the cluster",
 }
-# The modules that run on their lane's nodes while no other lane has jobs, and why.
+# The modules that run on their lane's nodes while no other lane has jobs and no other test runs, and why.
 QUIET = {
     "test_straggler_slurm.py": "a clean run beside the throttled one must name no straggler: other lanes' "
-    "ranks on the same cores make one rank's steps slower than its peer's",
+    "ranks and other tests on the same cores make one rank's steps slower than its peer's (the CI run of "
+    "2026-12-07 beside 3 busy workers: rank 0 17 % slower in forward)",
     "test_preflight_slurm.py": "a clean node's compute must stay within 40 % of the others'; a 2-node job "
     "and its spare",
 }
@@ -170,36 +174,54 @@ def pytest_runtest_setup(item: pytest.Item):
     yield
 
 
+def _hold(path: Path, exclusive: bool):
+    """``path`` opened and flocked, exclusively or shared; closing it lets go. A waiting exclusive holder
+    goes before shared ones that come after it: every taker first takes ``<path>.turnstile``, a shared
+    one for as long as it waits, an exclusive one until it holds ``path`` (flock itself lets shared holders
+    in while an exclusive one waits, so back-to-back shared holds would keep it out for good)."""
+    with open(path.with_name(path.name + ".turnstile"), "a") as turnstile:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        held = open(path, "a")  # noqa: SIM115 - the caller closes it
+        fcntl.flock(held, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    return held
+
+
 class _ClusterLock:
     """This worker's hold on the cluster lock: taken before a module's first Slurm test (its module
-    fixtures' jobs included), let go after the last one on this worker (their teardown included)."""
+    fixtures' jobs included), let go after the last one on this worker (their teardown included). A
+    ``QUIET`` module holds the machine's lock too."""
 
     module: str | None = None
-    file = None
+    files: tuple = ()
 
     @classmethod
     def take(cls, folder: Path, nodeid: str) -> None:
         if cls.module == _module(nodeid):
             return
         cls.let_go()
-        cls.file = open(folder / "cluster.lock", "a")  # noqa: SIM115 - held across tests
-        fcntl.flock(cls.file, fcntl.LOCK_EX if runs_alone(nodeid) else fcntl.LOCK_SH)
-        cls.module = _module(nodeid)
+        files = [_hold(folder / "cluster.lock", runs_alone(nodeid))]
+        if _module(nodeid) in QUIET:  # after the cluster's: one order for every taker of both
+            files.append(_hold(folder / "machine.lock", exclusive=True))
+        cls.files, cls.module = tuple(files), _module(nodeid)
 
     @classmethod
     def let_go(cls) -> None:
-        if cls.file is not None:
-            cls.file.close()  # releases the flock
-        cls.file, cls.module = None, None
+        for held in cls.files:
+            held.close()  # releases the flock
+        cls.files, cls.module = (), None
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Worker: a Slurm test runs under the cluster lock, exclusive for a module that runs alone, shared
-    otherwise."""
+    otherwise; any other test under the machine's lock, shared."""
     folder = worker_dir(item.config)
-    if folder is None or not is_slurm_test(item):
+    if folder is None:
         yield
+        return
+    if not is_slurm_test(item):
+        with _hold(folder / "machine.lock", exclusive=False):
+            yield
         return
     _ClusterLock.take(folder, item.nodeid)
     yield

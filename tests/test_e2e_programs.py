@@ -3,7 +3,7 @@
 All jobs are submitted at once, then polled:
 
 * the plain DDP example on 2 nodes x 2 tasks and the Hugging Face Trainer example on one node get
-  the pre-timeout signal (`--time 2 --signal USR2@60`, first run slowed down), save, are requeued by
+  the pre-timeout signal (`--time 3 --signal USR2@60`, first run slowed down), save, are requeued by
   relaytrain.program and resume; each ends with exactly the uninterrupted run's loss;
 * a program that ignores the signal, and one run with the --command default (no signal), end
   TIMEOUT and are not requeued;
@@ -29,10 +29,13 @@ from slurm_fixtures import FINISHED_STATES, job_fields, slurm, wait_for, wait_jo
 pytestmark = pytest.mark.slurm
 
 PROFILE = ("--profile", str(REPO / "configs" / "clusters" / "local.toml"), "--gpus-per-node", "0")
-SIGNALLED = ("--time", "2", "--signal", "USR2@60")
+# 3-minute jobs, the signal 60 s before the end: the requeued run has 2 minutes before its own signal to
+# start (torch, transformers) and finish, on a machine whose 2 cores the rest of the suite loads (in 60 s
+# the Hugging Face run did not always finish, and was stopped and requeued once more).
+SIGNALLED = ("--time", "3", "--signal", "USR2@60")
 # The jobs' config: runs under the test's directory, a 5 s time-budget margin and a save deadline
-# shorter than the 30-60 s signal leads (2-minute jobs), and a first run slowed down by STEP_DELAY_S
-# so that the signal comes mid-training.
+# shorter than the 30-60 s signal leads, and a first run slowed down by STEP_DELAY_S (40 steps: 160 s,
+# past the signal at 120 s) so that the signal comes mid-training.
 CONFIG = """[run]
 dir = "{runs}"
 
@@ -83,7 +86,7 @@ def programs(slurm_cluster, tmp_path_factory, monkeypatch_module):
     jobs: dict[str, str] = {}
 
     config = base / "programs.toml"
-    config.write_text(CONFIG.format(runs=runs, setup=FIRST_RUN_ONLY.format("export STEP_DELAY_S=2")))
+    config.write_text(CONFIG.format(runs=runs, setup=FIRST_RUN_ONLY.format("export STEP_DELAY_S=4")))
 
     def go(name: str, *args: str) -> None:
         jobs[name] = launch(str(config), "--name", name, *PROFILE, *args)

@@ -97,7 +97,11 @@ def test_a_node_range_job_continues_in_place_on_fewer_nodes_then_grows_back(slur
         resumed_at = [e for e in events(run_dir) if e["event"] == "resume"][-1]["step"]
         wait_for(lambda: last_step_in_place(run_dir) >= resumed_at + 3, left(), "steps on the node left")
         local_cluster.restart_node(doomed, slurm_cluster.base_dir)
-        doomed = None
+        node, doomed = doomed, None
+        # Back in service is not free yet: the step that lost it stays `completing` there a while (on a
+        # loaded machine, past the requeue's start), and the range 1-2 then starts on the other node.
+        states = local_cluster.node_states
+        wait_for(lambda: states(slurm_cluster.base_dir).get(node) == "idle", left(), f"{node} to be idle")
         assert last_step(run_dir) < STEPS, "the first run ended before the test could stop it"
         # A stop that requeues (SIGTERM to the steps, as a preemption): the next run gets both nodes.
         code, out = cli("cancel", job, "--signal", "TERM")
@@ -114,11 +118,14 @@ def test_a_node_range_job_continues_in_place_on_fewer_nodes_then_grows_back(slur
     assert int(fields["Restarts"]) >= 1
     starts = [e for e in events(run_dir) if e["event"] in ("start", "resume")]
     keys = ("event", "restart", "step_restart", "nodes", "world_size")
-    assert [tuple(e.get(k, 0) for k in keys) for e in starts][:3] == [
+    assert [tuple(e.get(k, 0) for k in keys) for e in starts][:2] == [
         ("start", 0, 0, 2, 4),
         ("resume", 0, 1, 1, 2),
-        ("resume", 1, 0, 2, 4),
     ]
+    # the requeued run on both nodes again (its job step maybe restarted in place after a late
+    # cancellation, below, on the same 2 nodes)
+    third = tuple(starts[2].get(k) for k in ("event", "restart", "nodes", "world_size"))
+    assert third == ("resume", 1, 2, 4), starts
     restart, *late = [e for e in events(run_dir) if e["event"] == "step_restart"]
     assert restart["nodes_lost"] == [lost] and restart["nodes"] == [batch_host], restart
     # Slurm may also deliver the requeue's cancellation of step <job>.0 late, to the next run's step of

@@ -282,3 +282,71 @@ def test_a_cluster_too_small_for_the_lanes_is_restarted_once_while_every_lane_as
     rows = [json.loads(line) for line in where.read_text().splitlines()]
     assert [row[0] for row in rows if row[0] in ("down", "up")] == ["down", "up"], rows
     assert sum(row[0] == "test" for row in rows) == len(IN_LANES), rows
+
+
+PLAIN_MODULE = """
+import json, os, time
+
+def test_plain(i=0):
+    pass
+
+def _note(start):
+    with open(os.environ["WHERE"], "a") as f:
+        f.write(json.dumps(["plain", os.environ["PYTEST_XDIST_WORKER"], start, time.monotonic()]) + "\\n")
+""" + "".join(
+    f"\ndef test_plain_{k}():\n    start = time.monotonic()\n    time.sleep(0.15)\n    _note(start)\n"
+    for k in range(24)
+)
+
+
+@pytest.mark.parametrize("alone", ALONE)
+def test_a_quiet_module_runs_while_no_other_test_runs(tmp_path, alone):
+    """A ``QUIET`` module holds the machine's lock: no plain test runs beside it on another worker; a
+    module that only needs the whole cluster lets them (the check sees an overlap where there is one)."""
+    import json
+
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slurm: uses the cluster\naddopts =\n")
+    (tmp_path / alone).write_text(TIMED_MODULE.format(n=3))
+    (tmp_path / "test_plain.py").write_text(PLAIN_MODULE)
+    where = tmp_path / "where.txt"
+    done = _run_grouped(tmp_path, workers=2, WHERE=str(where))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in where.read_text().splitlines()]
+    lone = [(start, end) for name, _, start, end in rows if name != "plain"]
+    first, last = min(s for s, _ in lone), max(e for _, e in lone)
+    plain = [(start, end) for name, _, start, end in rows if name == "plain"]
+    assert len(lone) == 3 and len(plain) == 24, rows
+    beside = [(s, e) for s, e in plain if s < last and first < e]
+    if alone == "test_straggler_slurm.py":
+        assert not beside, (first, last, beside)
+    else:
+        assert beside, (first, last, plain)
+
+
+def test_a_waiting_exclusive_holder_goes_before_later_shared_ones(tmp_path):
+    """The locks' turnstile: with a shared hold taken, an exclusive taker waits; a shared taker that comes
+    after it waits behind it, where flock alone would let it in at once."""
+    import threading
+    import time
+
+    import slurm_grouping
+
+    path, order = tmp_path / "cluster.lock", []
+    first = slurm_grouping._hold(path, exclusive=False)
+
+    def take(name: str, exclusive: bool) -> None:
+        with slurm_grouping._hold(path, exclusive):
+            order.append(name)
+            time.sleep(0.1)
+
+    writer = threading.Thread(target=take, args=("exclusive", True))
+    reader = threading.Thread(target=take, args=("shared", False))
+    writer.start()
+    time.sleep(0.3)  # the exclusive taker is waiting
+    reader.start()
+    time.sleep(0.3)
+    assert order == [], order  # neither got in while the first shared hold is kept
+    first.close()
+    writer.join(10)
+    reader.join(10)
+    assert order == ["exclusive", "shared"], order
