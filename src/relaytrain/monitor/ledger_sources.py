@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from relaytrain.monitor.ledger import JobTime, Ledger, Span
+from relaytrain.monitor.ledger_processes import processes
 
 COMMIT_SLACK_S = 0.01  # a commit this much after an allocation's recorded end is outside it
 AGREE = 0.01  # of the allocation: how far two sources of one span's time may be apart
@@ -105,50 +106,22 @@ def unconfirmed(
     return out
 
 
-def _process_key(record: dict[str, Any]) -> tuple:
-    return record.get("job_id"), int(record.get("restart") or 0), int(record.get("step_restart") or 0)
-
-
 def steps_without_window(records: Sequence[dict[str, Any]]) -> list[str]:
     """One line per process with logged steps that none of its ledger windows covers (see above)."""
-    processes: list[dict[str, Any]] = []
-    current: dict[tuple, dict[str, Any]] = {}
-    for record in records:
-        key = _process_key(record)
-        if record.get("kind") == "event" and record.get("event") in ("start", "resume"):
-            current[key] = {
-                "begin": record.get("step"),
-                "windows": [],
-                "steps": [],
-                "ended": False,
-                "job": key[0],
-            }
-            processes.append(current[key])
-            continue
-        proc = current.get(key)
-        if proc is None:
-            continue
-        kind = record.get("kind", "train")
-        if kind == "ledger" and isinstance(record.get("window"), dict):
-            first = record["window"].get("from_step", record.get("step"))
-            proc["windows"].append((int(first), int(record["step"])))
-        elif kind == "train" and isinstance(record.get("step"), int):
-            proc["steps"].append(record["step"])
-        elif kind == "event" and record.get("event") in ("stop", "finished"):
-            proc["ended"] = True
     found = []
-    for proc in processes:
-        last = max((end for _, end in proc["windows"]), default=None)
+    for proc in processes(records):
+        spans = [(w.first, w.last) for w in proc.windows]
+        last = max((end for _, end in spans), default=None)
         uncovered = [
             step
-            for step in proc["steps"]
-            if not any(a <= step <= b for a, b in proc["windows"])
-            and (proc["ended"] or (last is not None and step <= last))
+            for step in (int(r["step"]) for r in proc.train)
+            if not any(a <= step <= b for a, b in spans)
+            and (proc.ended or (last is not None and step <= last))
         ]
         if uncovered:
-            where = f"job {proc['job']}'s process" if proc["job"] else "the process"
+            where = f"job {proc.job}'s process" if proc.job else "the process"
             found.append(
-                f"{where} that began at step {proc['begin']} logged steps {_ranges(uncovered)} (its train "
+                f"{where} that began at step {proc.begin} logged steps {_ranges(uncovered)} (its train "
                 "records) that no ledger window covers: their time is not measured"
             )
     return found
