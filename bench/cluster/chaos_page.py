@@ -15,7 +15,13 @@ from bench import kept
 from bench.cluster import chaos_kinds
 from bench.cluster.chaos_kinds import SPECIAL_KINDS, SpecialTrial
 from bench.cluster.chaos_run import EVAL_EVERY, INTERVAL, STEPS, Trial
-from bench.cluster.ledger_figures import LEDGER_COLUMN, ledger_cell, ledger_sentence, time_adds_up
+from bench.cluster.ledger_figures import (
+    inferred_recorded,
+    ledger_cell,
+    ledger_column,
+    ledger_sentence,
+    time_adds_up,
+)
 from bench.report import REPO, table
 
 # Named on the page: the module that defines the targeted kinds.
@@ -153,16 +159,17 @@ def render(trials: list[Trial]) -> str:
     ok = sum(t.ok for t in trials)
     unproven = sum(not t.evidence for t in trials)
     ledger = any(t.verify_exit is not None for t in trials)  # older kept results did not record it
+    inferred = inferred_recorded(trials)
     rows = [
         (t.index, t.phase, t.event, t.fired_at_step, evidence_cell(t), t.restarts, t.resubmits,
          "yes" if t.bit_exact else "**no**", t.steps_replayed, "yes" if t.latest_complete else "**no**",
-         ", ".join(t.leftovers) or "none", t.final_status, *((ledger_cell(t),) if ledger else ()), t.seconds,
-         t.error or "")
+         ", ".join(t.leftovers) or "none", t.final_status, *((ledger_cell(t, inferred),) if ledger else ()),
+         t.seconds, t.error or "")
         for t in trials
     ]  # fmt: skip
     header = ["#", "phase", "event", "fired at step", "evidence that the fault landed", "restarts",
               "resubmits", "bit-exact", "steps replayed", "latest complete", "leftovers", "final status",
-              *((LEDGER_COLUMN,) if ledger else ()), "s", "error"]  # fmt: skip
+              *((ledger_column(trials),) if ledger else ()), "s", "error"]  # fmt: skip
     return (
         f"\n**{ok} of {len(trials)} trials passed** (evidence that the fault landed, bit-exact losses and "
         "val_losses, latest complete, no leftovers, finished"
@@ -234,12 +241,13 @@ def render_special(trials: list[SpecialTrial], merged: MergedSpecial | None = No
         return ""
     seeds = merged is not None
     ledger = any(t.verify_exit is not None for t in trials)  # older kept results did not record it
+    inferred = inferred_recorded(trials)
     rows = [
         ((t.index, t.seed) if seeds else (t.index,)) + (t.kind, t.detail or "–",
          "; ".join(f"{name}: {'yes' if ok else '**no**'}" for name, ok in t.checks.items()) or "–",
          evidence_cell(t), "yes" if t.bit_exact else "**no**", t.steps_replayed, t.restarts, t.resubmits,
          "yes" if t.latest_complete else "**no**", ", ".join(t.leftovers) or "none", t.final_status,
-         *((ledger_cell(t),) if ledger else ()), t.seconds, t.error or "")
+         *((ledger_cell(t, inferred),) if ledger else ()), t.seconds, t.error or "")
         for t in trials
     ]  # fmt: skip
     header = ["#", "seed"] if seeds else ["#"]
@@ -264,7 +272,7 @@ def render_special(trials: list[SpecialTrial], merged: MergedSpecial | None = No
         + "\n\n"
         + table(header + ["kind", "what happened", "checks", "evidence that the fault landed", "bit-exact",
                           "steps replayed", "restarts", "resubmits", "latest complete", "leftovers",
-                          "final status", *((LEDGER_COLUMN,) if ledger else ()), "s", "error"], rows)
+                          "final status", *((ledger_column(trials),) if ledger else ()), "s", "error"], rows)
     )  # fmt: skip
 
 

@@ -11,7 +11,7 @@
 - every step a process logged lies in one of its ledger windows, and no checkpoint was committed outside
   the allocations (monitor/ledger_sources.py);
 - `productive` (with the other step time) agrees with the train records' step times within 1 % of each
-  allocation (monitor/ledger_steps.py), and the queue before a requeued run with sacct's Submit to Start
+  allocation (monitor/ledger_steps.py), and the queue before a requeued run with Slurm's Submit to Start
   of that run (monitor/ledger_queue.py);
 - where Slurm's accounting answered, the ledger's Slurm allocations add up to sacct's elapsed time of
   every run of the run's jobs within `SACCT_TOLERANCE` (a job run that recorded nothing, or that the
@@ -96,7 +96,8 @@ def check_ledger(
             f"unaccounted (no record covers it), more than {MAX_UNACCOUNTED:.0%}; largest gaps: {where}"
         )
     elif ended_s > 0:
-        guessed = unconfirmed(ledger, records, crashes, ended)
+        states = {(r.job_id, r.restart): r.state for r in slurm_runs or ()}
+        guessed = unconfirmed(ledger, records, crashes, ended, states)
         guessed_s = sum(seconds for seconds, _ in guessed.values())
         if unaccounted + guessed_s > MAX_UNACCOUNTED * ended_s:
             largest = sorted(guessed.items(), key=lambda item: -item[1][0])
