@@ -75,9 +75,12 @@ SECTIONS = {
         "The same kinds of trials as above (at random phases: Slurm's USR2 time-limit signal, a preemption, "
         "a rank SIGKILLed, a node killed; a time limit; a kill with snapshots; a node's snapshots wiped), "
         "each also judged by the run's own accounts: `relaytrain verify RUN` must exit 0 (every sample "
-        "read exactly once and in order across the interruptions, every checkpoint intact, the time "
-        "ledger adding up), and the ledger's allocations must add up to sacct's elapsed time of the run's "
-        "jobs within 1 %, with at most 1 % of it unaccounted.",
+        "read exactly once and in order across the interruptions, the tokens each rank read those the "
+        "prepared data holds there, every checkpoint intact, the time ledger adding up, at most 1 % of it "
+        "unaccounted or inferred by rule with no other source to confirm it), and the ledger's allocations "
+        "must add up to sacct's elapsed time of the run's jobs within 1 %, with at most 1 % of it "
+        "unaccounted. The column's last figure is the share of the allocated time the ledger inferred by "
+        "rule (a tail to Slurm's End, a failed step's tail) rather than measured, confirmed or not.",
     ),
 }
 
