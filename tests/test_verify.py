@@ -337,6 +337,35 @@ def test_the_job_completion_files_submit_is_read_from_the_file(tmp_path):
     assert completion_submits(None, {"5"}) == {} and completion_submits(tmp_path / "gone", {"5"}) == {}
 
 
+def test_without_accounting_storage_the_submit_comes_from_the_job_completion_file(tmp_path, monkeypatch):
+    """sacct -D answers nothing (accounting_storage/none), sacct -c does; scontrol show config names a
+    text job completion file: each run's Submit is its line's SubmitTime. A file of another kind, none."""
+    from relaytrain.job import allocations
+    from relaytrain.job.slurm_command import Outcome, SlurmResult
+
+    day = "2026-12-07T03:"
+    (tmp_path / "jobcomp.txt").write_text(
+        f"JobId=5 JobState=PENDING StartTime={day}41:15 EndTime={day}42:16 SubmitTime={day}41:13\n"
+        f"JobId=5 JobState=COMPLETED StartTime={day}42:40 EndTime={day}43:10 SubmitTime={day}42:28\n"
+    )
+    kind = {"type": "jobcomp/filetxt"}
+
+    def answer(args, timeout=None):
+        if args[:2] == ["sacct", "-c"]:
+            out = f"5|{day}41:15|{day}42:16|PENDING\n5|{day}42:40|{day}43:10|COMPLETED\n"
+        elif args[0] == "scontrol":
+            out = f"JobCompLoc              = {tmp_path / 'jobcomp.txt'}\nJobCompType = {kind['type']}\n"
+        else:
+            return SlurmResult(tuple(args), Outcome.FAILED, returncode=1)
+        return SlurmResult(tuple(args), Outcome.ANSWERED, returncode=0, stdout=out)
+
+    monkeypatch.setattr(allocations, "run_slurm_command", answer)
+    runs = allocations.job_runs(["5"])
+    assert [(r.start - r.submit, r.state) for r in runs] == [(2.0, "PENDING"), (12.0, "COMPLETED")]
+    kind["type"] = "jobcomp/elasticsearch"
+    assert [r.submit for r in allocations.job_runs(["5"])] == [None, None]
+
+
 def test_a_job_that_ended_inside_a_step_is_confirmed_lost_by_slurms_state():
     """The driver died with its node 3 s after the last window: no step_end, no job_end. The tail to
     Slurm's End is `lost`, confirmed by Slurm's State of that run (it ended the run from outside); a run
