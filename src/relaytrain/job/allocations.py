@@ -6,8 +6,8 @@ Start as Submit; where the job completion file is a text file this host can read
 ``jobcomp/filetxt``, its ``JobCompLoc`` from ``scontrol show config``), each run's Submit is read from
 its line's ``SubmitTime`` (a requeued run's: when Slurm requeued it). A run not finished yet ends now.
 Runs are numbered by their start, which is Slurm's restart count for a job that was requeued in place.
-Each run keeps its State (how it ended: COMPLETED, NODE_FAIL, PREEMPTED, ...; in the job completion
-file a requeued run's is the state the job went back to, PENDING).
+Each run keeps its State: how it ended (COMPLETED, NODE_FAIL, PREEMPTED, CANCELLED, ...; in the job
+completion file a run that gave way to a resize or requeue may say PENDING, the state the job went on in).
 
 A job that shrank (a node lost, the run going on with the nodes left) gets a `RESIZING` record that ends
 at the resize: the run goes on in the next record, so the two are one run. Slurm's job completion file
