@@ -323,6 +323,16 @@ def test_a_trial_counts_only_when_verify_passes_and_the_ledger_adds_up_to_sacct(
     assert "in **1 of 2** trials (column `verify exit; ledger − sacct; unaccounted`)" in page
     assert "| 0; -0.4%; 0.2% |" in page and "| **0; +2.0%; 0.2%** |" in page
     assert "ledger" not in render([Trial(0, "mid_step", "usr2", evidence=LANDED, **DONE)])
+    # results that kept the ledger's inferred share show it, and the sentence sums it over the trials
+    inferred = {**within, "allocated_s": 60.0, "inferred_s": 3.0, "inferred_share": 0.05}
+    measured = {**inferred, "inferred_s": 0.0, "inferred_share": 0.0}
+    page = render([replace(trial, ledger=inferred), replace(trial, index=1, ledger=measured)])
+    assert "(column `verify exit; ledger − sacct; unaccounted; inferred`)" in page
+    assert "| 0; -0.4%; 0.2%; 5.0% |" in page and "| 0; -0.4%; 0.2%; 0.0% |" in page
+    assert (
+        " The ledgers inferred by rule (no record measured it) 2.5% of 120 s allocated in all, at most 5.0% "
+        in page
+    )
 
 
 @pytest.mark.slurm

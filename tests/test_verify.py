@@ -250,7 +250,7 @@ def test_the_queue_before_a_requeue_is_checked_against_saccts_submit():
     runs = [JobRun("7", 0, 1000.0, 1027.0, False, submit=990.0), JobRun("7", 1, 1040.0, 1067.0, False)]
     runs[1] = runs[1]._replace(submit=1027.0)
     report = check_ledger(build_ledger(records, map(ledger_run, runs)), records, runs)
-    assert report.violations == [] and "queue: 1 requeue(s) checked against sacct's Submit to Start (0 s" in (
+    assert report.violations == [] and "queue: 1 requeue(s) checked against Slurm's Submit to Start (0 s" in (
         report.summary()
     )
     # Slurm requeued it 10 s after its End (its nodes completing): in the ledger's queue, said
@@ -264,14 +264,15 @@ def test_the_queue_before_a_requeue_is_checked_against_saccts_submit():
     (line,) = check_ledger(build_ledger(records, map(ledger_run, early)), records, early).violations
     assert line == (
         "queue: the ledger's queue before job 7 (requeue 1) is 13.0 s (the previous run's End to its "
-        "Start), shorter than sacct's Submit to Start of that run, 20.0 s, by more than 1% of its allocation "
+        "Start), shorter than Slurm's Submit to Start of that run, 20.0 s, by more than 1% of its allocation "
         "and sacct's second"
     )
     # no Submit from sacct: said, not checked
     bare = [r._replace(submit=None) for r in runs]
     report = check_ledger(build_ledger(records, map(ledger_run, bare)), records, bare)
-    assert "queue: 0 requeue(s) checked against sacct's Submit to Start, 1 not (sacct gave no Submit)" in (
-        report.summary()
+    assert (
+        "queue: 0 requeue(s) checked against Slurm's Submit to Start, 1 not (Slurm's accounting gave no "
+        "Submit, and its job completion file was not read)" in report.summary()
     )
 
 
@@ -314,6 +315,73 @@ def test_saccts_submit_is_read_per_run():
     runs = parse_runs("5", text, now=0.0)
     assert [r.start - r.submit for r in runs] == [5.0, 18.0]
     assert parse_runs("5", f"5|{day}11:05|{day}11:42|COMPLETED", now=0.0)[0].submit is None
+
+
+def test_the_job_completion_files_submit_is_read_from_the_file(tmp_path):
+    """`sacct -c` prints a run's Start as its Submit: each run's SubmitTime comes from the file's line
+    (Slurm's filetxt lines, as the local cluster writes them), matched by job and StartTime."""
+    from relaytrain.job.allocations import completion_submits, parse_runs
+
+    day = "2026-12-07T03:"
+    line = ("JobId={job} UserId=root(0) GroupId=root(0) Name=a b JobState={state} Partition=debug "
+            "TimeLimit=10 StartTime={day}{start} EndTime={day}{end} NodeList=nsnode1 "
+            "SubmitTime={day}{submit} EligibleTime={day}{submit} ExitCode=0:0 \n")  # fmt: skip
+    text = line.format(job=5, state="NODE_FAIL", day=day, start="41:15", end="42:16", submit="41:13")
+    text += line.format(job=6, state="COMPLETED", day=day, start="41:20", end="42:00", submit="41:19")
+    text += line.format(job=5, state="COMPLETED", day=day, start="42:40", end="43:10", submit="42:28")
+    (tmp_path / "jobcomp.txt").write_text(text)
+    submits = completion_submits(tmp_path / "jobcomp.txt", {"5"})
+    sacct_c = f"5|{day}41:15|{day}42:16|NODE_FAIL\n5|{day}42:40|{day}43:10|COMPLETED\n"
+    runs = [r._replace(submit=submits.get((r.job_id, r.start))) for r in parse_runs("5", sacct_c, 0.0)]
+    assert [(r.start - r.submit, r.state) for r in runs] == [(2.0, "NODE_FAIL"), (12.0, "COMPLETED")]
+    assert completion_submits(None, {"5"}) == {} and completion_submits(tmp_path / "gone", {"5"}) == {}
+
+
+def test_without_accounting_storage_the_submit_comes_from_the_job_completion_file(tmp_path, monkeypatch):
+    """sacct -D answers nothing (accounting_storage/none), sacct -c does; scontrol show config names a
+    text job completion file: each run's Submit is its line's SubmitTime. A file of another kind, none."""
+    from relaytrain.job import allocations
+    from relaytrain.job.slurm_command import Outcome, SlurmResult
+
+    day = "2026-12-07T03:"
+    (tmp_path / "jobcomp.txt").write_text(
+        f"JobId=5 JobState=PENDING StartTime={day}41:15 EndTime={day}42:16 SubmitTime={day}41:13\n"
+        f"JobId=5 JobState=COMPLETED StartTime={day}42:40 EndTime={day}43:10 SubmitTime={day}42:28\n"
+    )
+    kind = {"type": "jobcomp/filetxt"}
+
+    def answer(args, timeout=None):
+        if args[:2] == ["sacct", "-c"]:
+            out = f"5|{day}41:15|{day}42:16|PENDING\n5|{day}42:40|{day}43:10|COMPLETED\n"
+        elif args[0] == "scontrol":
+            out = f"JobCompLoc              = {tmp_path / 'jobcomp.txt'}\nJobCompType = {kind['type']}\n"
+        else:
+            return SlurmResult(tuple(args), Outcome.FAILED, returncode=1)
+        return SlurmResult(tuple(args), Outcome.ANSWERED, returncode=0, stdout=out)
+
+    monkeypatch.setattr(allocations, "run_slurm_command", answer)
+    runs = allocations.job_runs(["5"])
+    assert [(r.start - r.submit, r.state) for r in runs] == [(2.0, "PENDING"), (12.0, "COMPLETED")]
+    kind["type"] = "jobcomp/elasticsearch"
+    assert [r.submit for r in allocations.job_runs(["5"])] == [None, None]
+
+
+def test_a_job_that_ended_inside_a_step_is_confirmed_lost_by_slurms_state():
+    """The driver died with its node 3 s after the last window: no step_end, no job_end. The tail to
+    Slurm's End is `lost`, confirmed by Slurm's State of that run (it ended the run from outside); a run
+    Slurm saw complete by itself would have ended its step, so there the tail is not confirmed."""
+    records = [r for r in slurm_job("7", 1000.0, 20) if r["kind"] != "job" or r["event"] == "job_start"]
+    records = [r for r in records if r.get("event") != "finished"]
+    failed = JobRun("7", 0, 1000.0, 1028.0, running=False, state="NODE_FAIL")
+    ledger = build_ledger(records, [ledger_run(failed)])
+    assert ledger.inferred == {"lost": 3.0}
+    assert check_ledger(ledger, records, [failed]).violations == []
+    completed = failed._replace(state="COMPLETED")
+    (line,) = check_ledger(ledger, records, [completed]).violations
+    assert line.endswith(
+        "more than 1%: lost 3.0s (job 7: the last record to Slurm's End: the job ended inside a step: its "
+        "work since the last record)"
+    )
 
 
 def ledger_run(run: JobRun):

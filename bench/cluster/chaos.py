@@ -22,7 +22,7 @@ crashes.jsonl line, a stop or resume event, a requeue or resubmission, the kille
 whose fault reached nothing proves nothing and does not count. Each finished run must also pass
 `relaytrain verify RUN` (exit 0), and its time ledger add up to sacct's elapsed time of its jobs within
 1 %, at most 1 % unaccounted (bench/cluster/ledger_figures.py); each trial keeps both (`verify_exit`,
-`ledger`: the ledger's seconds per bucket).
+`ledger`: the ledger's seconds per bucket and the share of them inferred by rule, not measured).
 
 The benchmark holds /tmp/relaytrain-slurm.lock (the cluster is shared) for chunks of `--chunk` trials.
 The random trials are in chaos_run.py, the targeted ones in chaos_kinds.py, the page in chaos_page.py.

@@ -13,7 +13,7 @@ summary line:
 - ledger: the run's time ledger adds up: its buckets to the allocated time, no second counted twice, at
   most 1 % unaccounted or inferred by rule without another source to confirm it, every logged step in a
   window, no checkpoint committed outside the allocations, the steps' time to the train records' and a
-  requeue's queue to sacct's Submit to Start, and the Slurm allocations to sacct's elapsed time of the
+  requeue's queue to Slurm's Submit to Start, and the Slurm allocations to sacct's elapsed time of the
   jobs' runs within 1 % (relaytrain/monitor/ledger_check.py, ledger_sources.py, ledger_steps.py,
   ledger_queue.py).
 

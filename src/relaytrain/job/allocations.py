@@ -1,9 +1,13 @@
 """Each run of a Slurm job as accounting knows it: Start..End, one per requeue, for the time ledger.
 
 ``sacct -D -X`` (every run of a requeued job, the allocation alone, with its Submit) where accounting
-storage runs, else ``sacct -c`` (the job completion file, one line per run; no Submit). A run not
-finished yet ends now. Runs are numbered by their start, which is Slurm's restart count for a job that
-was requeued in place.
+storage runs, else ``sacct -c`` (the job completion file, one line per run). ``sacct -c`` prints the
+Start as Submit; where the job completion file is a text file this host can read (``JobCompType``
+``jobcomp/filetxt``, its ``JobCompLoc`` from ``scontrol show config``), each run's Submit is read from
+its line's ``SubmitTime`` (a requeued run's: when Slurm requeued it). A run not finished yet ends now.
+Runs are numbered by their start, which is Slurm's restart count for a job that was requeued in place.
+Each run keeps its State: how it ended (COMPLETED, NODE_FAIL, PREEMPTED, CANCELLED, ...; in the job
+completion file a run that gave way to a resize or requeue may say PENDING, the state the job went on in).
 
 A job that shrank (a node lost, the run going on with the nodes left) gets a `RESIZING` record that ends
 at the resize: the run goes on in the next record, so the two are one run. Slurm's job completion file
@@ -15,8 +19,10 @@ file's, for a job that gave back its spare nodes): its run's Start is the resize
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import NamedTuple
 
 from relaytrain.job.slurm_command import run_slurm_command
@@ -24,7 +30,8 @@ from relaytrain.job.slurmctld import SLURM_QUERY_TIMEOUT_S, parse_slurm_time
 
 FIELDS = "JobID,Start,End,State"
 # From accounting storage, Submit too (a requeued run's is when Slurm requeued it: the queue before it,
-# for verify), then without it. The job completion file's Submit is not read (sacct -c prints the Start).
+# for verify), then without it. The job completion file's Submit is read from the file itself
+# (`completion_submits`: sacct -c prints the Start).
 QUERIES = (
     ["sacct", "-D", "-X", "-n", "-P", "-o", FIELDS + ",Submit"],
     ["sacct", "-D", "-X", "-n", "-P", "-o", FIELDS],
@@ -39,7 +46,8 @@ class JobRun(NamedTuple):
     end: float
     running: bool  # not ended yet: `end` is when it was asked
     trusted: bool = True  # False: a resize in the job completion file (its records' starts are the resize's)
-    submit: float | None = None  # sacct's Submit of this run (a requeue's: when it was requeued)
+    submit: float | None = None  # Slurm's Submit of this run (a requeue's: when it was requeued)
+    state: str = ""  # sacct's State of the run (its last record's, for a resized run): how it ended
 
 
 def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
@@ -47,6 +55,7 @@ def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
     out)."""
     found: list[tuple[float, float, bool, bool]] = []
     submits: dict[float, float] = {}  # a run's Submit by its start
+    states: dict[tuple[float, float], str] = {}  # a run's State by its start and end
     for line in text.splitlines():
         parts = line.split("|")
         if len(parts) < 3 or parts[0].strip() != job_id:
@@ -57,26 +66,28 @@ def parse_runs(job_id: str, text: str, now: float) -> list[JobRun]:
         end = parse_slurm_time(parts[2])
         resizing = len(parts) > 3 and parts[3].strip().upper().startswith("RESIZING")
         found.append((start, end if end is not None else now, end is None, resizing))
+        if len(parts) > 3 and not resizing:
+            states.setdefault((start, found[-1][1]), parts[3].strip().split()[0] if parts[3].strip() else "")
         submit = parse_slurm_time(parts[4]) if len(parts) > 4 and not resizing else None
         if submit is not None:
             submits.setdefault(start, submit)
-    runs: list[tuple[float, float, bool]] = []
+    runs: list[tuple[float, float, bool, float]] = []  # start, end, running, its own record's start
     carried: float | None = None  # the start of a run whose RESIZING record came before this one
     for start, end, running, resizing in sorted(set(found), key=lambda f: (f[0], f[1], f[3])):
         if resizing:
             carried = start if carried is None else carried
             continue
-        runs.append((min(start, carried) if carried is not None else start, end, running))
+        runs.append((min(start, carried) if carried is not None else start, end, running, start))
         carried = None
     if carried is not None:  # the resize is the newest record: the run goes on
-        runs.append((carried, now, True))
+        runs.append((carried, now, True, carried))
     # the job completion file's RESIZING record starts and ends at the resize: the run's own start is lost
     blind = any(resizing and start == end for start, end, _, resizing in found)
     apart = all(later[0] >= earlier[1] for earlier, later in zip(runs, runs[1:], strict=False))
     trusted = apart and not blind
     return [
-        JobRun(job_id, index, start, end, running, trusted, submits.get(start))
-        for index, (start, end, running) in enumerate(runs)
+        JobRun(job_id, index, start, end, running, trusted, submits.get(start), states.get((own, end), ""))
+        for index, (start, end, running, own) in enumerate(runs)
     ]
 
 
@@ -91,5 +102,40 @@ def job_runs(job_ids: Iterable[str], timeout: float = SLURM_QUERY_TIMEOUT_S) -> 
         if not done.ran:
             return None  # no sacct, or it did not answer
         if done.ok and done.stdout.strip():
-            return [run for job in ids for run in parse_runs(job, done.stdout, now)]
+            runs = [run for job in ids for run in parse_runs(job, done.stdout, now)]
+            if "-c" not in query:
+                return runs
+            submits = completion_submits(completion_file(timeout), set(ids))
+            return [r._replace(submit=submits.get((r.job_id, r.start), r.submit)) for r in runs]
     return None
+
+
+def completion_file(timeout: float = SLURM_QUERY_TIMEOUT_S) -> Path | None:
+    """Slurm's job completion file where it is a text file (``jobcomp/filetxt``) this host can read."""
+    done = run_slurm_command(["scontrol", "show", "config"], timeout)
+    if not done.ok:
+        return None
+    conf = dict(re.findall(r"^(JobComp(?:Type|Loc))\s*=\s*(\S+)", done.stdout, re.MULTILINE))
+    path = Path(conf.get("JobCompLoc", ""))
+    return path if conf.get("JobCompType") == "jobcomp/filetxt" and path.is_file() else None
+
+
+def completion_submits(path: Path | None, job_ids: set[str]) -> dict[tuple[str, float], float]:
+    """(job id, StartTime) -> SubmitTime of each line of the job completion file at `path` for `job_ids`
+    (Slurm writes one line as each run ends; a requeued run's SubmitTime is its requeue's)."""
+    if path is None:
+        return {}
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return {}
+    found: dict[tuple[str, float], float] = {}
+    for line in text.splitlines():
+        fields = dict(re.findall(r"(?:^|\s)(JobId|StartTime|SubmitTime)=(\S+)", line))
+        if fields.get("JobId") not in job_ids:
+            continue
+        start = parse_slurm_time(fields.get("StartTime", ""))
+        submit = parse_slurm_time(fields.get("SubmitTime", ""))
+        if start is not None and submit is not None:
+            found.setdefault((fields["JobId"], start), submit)
+    return found

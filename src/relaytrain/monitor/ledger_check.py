@@ -11,7 +11,7 @@
 - every step a process logged lies in one of its ledger windows, and no checkpoint was committed outside
   the allocations (monitor/ledger_sources.py);
 - `productive` (with the other step time) agrees with the train records' step times within 1 % of each
-  allocation (monitor/ledger_steps.py), and the queue before a requeued run with sacct's Submit to Start
+  allocation (monitor/ledger_steps.py), and the queue before a requeued run with Slurm's Submit to Start
   of that run (monitor/ledger_queue.py);
 - where Slurm's accounting answered, the ledger's Slurm allocations add up to sacct's elapsed time of
   every run of the run's jobs within `SACCT_TOLERANCE` (a job run that recorded nothing, or that the
@@ -29,9 +29,9 @@ from typing import Any
 
 from relaytrain.job.allocations import JobRun
 from relaytrain.monitor.ledger import Ledger, duration
+from relaytrain.monitor.ledger_processes import Window, processes
 from relaytrain.monitor.ledger_queue import queue_against_submit, records_before_start
 from relaytrain.monitor.ledger_sources import commits_outside, steps_without_window, unconfirmed
-from relaytrain.monitor.ledger_spans import window_end
 from relaytrain.monitor.ledger_steps import productive_against_steps
 
 SUM_TOLERANCE = 1e-6  # relative: float sums of spans that tile the allocation
@@ -96,7 +96,8 @@ def check_ledger(
             f"unaccounted (no record covers it), more than {MAX_UNACCOUNTED:.0%}; largest gaps: {where}"
         )
     elif ended_s > 0:
-        guessed = unconfirmed(ledger, records, crashes, ended)
+        states = {(r.job_id, r.restart): r.state for r in slurm_runs or ()}
+        guessed = unconfirmed(ledger, records, crashes, ended, states)
         guessed_s = sum(seconds for seconds, _ in guessed.values())
         if unaccounted + guessed_s > MAX_UNACCOUNTED * ended_s:
             largest = sorted(guessed.items(), key=lambda item: -item[1][0])
@@ -184,32 +185,22 @@ def overlapping_windows(records: Sequence[dict[str, Any]], allocated_s: float) -
     `resume` event begins the next."""
     found: list[str] = []
     overlaps: list[tuple[float, str]] = []
-    last_end: dict[tuple, tuple[float, int]] = {}
-    for record in records:
-        key = (record.get("job_id"), int(record.get("restart") or 0), int(record.get("step_restart") or 0))
-        if record.get("kind") == "event" and record.get("event") in ("start", "resume"):
-            last_end.pop(key, None)
-            continue
-        window = record.get("window")
-        if record.get("kind") != "ledger" or not isinstance(window, dict):
-            continue
-        since, end, step = window.get("since"), window_end(record), int(record["step"])
-        if not isinstance(since, int | float) or not isinstance(end, int | float):
-            continue
-        steps = f"the ledger window of steps {window.get('from_step', step)}-{step}"
-        where = f" (job {key[0]})" if key[0] else ""
-        if end < since:
-            found.append(f"{steps}{where} ends {since - end:.3f} s before it begins")
-        previous = last_end.get(key)
-        if previous is not None and since < previous[0]:
-            overlaps.append(
-                (
-                    previous[0] - since,
-                    f"{steps}{where} begins {previous[0] - since:.3f} s before "
-                    f"the window of step {previous[1]} ended",
+    for proc in processes(records):
+        where = f" (job {proc.job})" if proc.job else ""
+        previous: Window | None = None
+        for window in proc.windows:
+            since, end = window.since, window.until
+            if since is None or end is None:
+                continue
+            steps = f"the ledger window of steps {window.first}-{window.last}{where}"
+            if end < since:
+                found.append(f"{steps} ends {since - end:.3f} s before it begins")
+            if previous is not None and since < previous.until:
+                ago = previous.until - since
+                overlaps.append(
+                    (ago, f"{steps} begins {ago:.3f} s before the window of step {previous.last} ended")
                 )
-            )
-        last_end[key] = (float(end), step)
+            previous = window
     twice = sum(seconds for seconds, _ in overlaps)
     if allocated_s > 0 and twice > MAX_TWICE * allocated_s:
         named = sorted((item for item in overlaps if item[0] >= MIN_GAP_S), key=lambda item: -item[0])

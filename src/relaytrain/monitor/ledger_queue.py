@@ -1,15 +1,17 @@
 """The ledger's queue time against Slurm's Submit (`relaytrain verify`).
 
 The ledger's queue is the time between allocations: one run's End to the next run's Start. For a job that
-Slurm requeued, the next run's own `Submit` in accounting storage (`sacct -D`) is when Slurm requeued it,
-once the previous run's steps and epilog were done (its nodes completing), so that run waited from its
-Submit to its Start: a second account of the queue, from a field the ledger does not read. The ledger's
-queue holds that wait and the completing before it (on the local cluster 11-12 s between a run's End
-and its requeue's Submit, in the job completion file), so it may be longer, never shorter: a ledger
-queue shorter than Slurm's wait by more than `AGREE` of the later run's allocation and sacct's whole
-second is a violation naming the bucket (allocations the ledger stretched over time Slurm says the job
-waited). The note gives the completing time the ledger's queue holds. The job completion file (`sacct
--c`) gives no Submit (sacct prints the Start): there the requeues are not checked, and the note says so.
+Slurm requeued, the next run's own Submit is when Slurm requeued it, once the previous run's steps and
+epilog were done (its nodes completing), so that run waited from its Submit to its Start: a second
+account of the queue, from a field the ledger does not read. Slurm keeps it in accounting storage
+(`sacct -D`'s Submit) and in a text job completion file (each run's line's `SubmitTime`, read from the
+file: `sacct -c` prints the Start there; job/allocations.py). The ledger's queue holds that wait and the
+completing before it (on the local cluster 11-12 s between a run's End and its requeue's Submit), so it
+may be longer, never shorter: a ledger queue shorter than Slurm's wait by more than `AGREE` of the later
+run's allocation and sacct's whole second is a violation naming the bucket (allocations the ledger
+stretched over time Slurm says the job waited). The note gives the completing time the ledger's queue
+holds. Where neither answers (no accounting storage, and a job completion file that is not text or that
+this host cannot read) the requeues are not checked, and the note says so.
 
 Queue time between two different jobs of a run (a job submitted again by hand) is not checked: nothing
 relates one job's Submit to the other's End.
@@ -52,15 +54,17 @@ def queue_against_submit(ledger: Ledger, slurm_runs: Sequence[JobRun] | None) ->
         if waited - gap > AGREE * job.seconds + SACCT_RESOLUTION_S:
             violations.append(
                 f"queue: the ledger's queue before {job.label} is {gap:.1f} s (the previous run's End to its "
-                f"Start), shorter than sacct's Submit to Start of that run, {waited:.1f} s, by more than "
+                f"Start), shorter than Slurm's Submit to Start of that run, {waited:.1f} s, by more than "
                 f"{AGREE:.0%} of its allocation and sacct's second"
             )
     if not checked and not unknown:
         return violations, ""
-    note = f"queue: {checked} requeue(s) checked against sacct's Submit to Start"
+    note = f"queue: {checked} requeue(s) checked against Slurm's Submit to Start"
     note += f" ({completing:.0f} s of the queue Slurm's completing before a requeue)" if checked else ""
     if unknown:
-        note += f", {unknown} not (sacct gave no Submit)"
+        note += (
+            f", {unknown} not (Slurm's accounting gave no Submit, and its job completion file was not read)"
+        )
     return violations, note
 
 

@@ -7,7 +7,10 @@ spans, and what other records say the ledger should hold.
   last record to Slurm's End) no longer than that and `EXIT_S`; a `restart` or `lost` tail of
   a Slurm job by crashes.jsonl (the end-of-step decision's record of the failure, of the same job run,
   written as the failed step ended: by the span's end, or before the job's last record for the tail to
-  Slurm's End) or a job step the driver saw end with a non-zero exit code; a `lost`
+  Slurm's End) or a job step the driver saw end with a non-zero exit code; the `lost` tail of a job run
+  whose step never ended (the driver killed with its node, the job preempted or cancelled: the time from
+  its last window to Slurm's End) by Slurm's End and its State of that run, which says Slurm ended it
+  from outside (not COMPLETED: a run that completed by itself ended its step); a `lost`
   tail of a process outside Slurm by the trainer's `train` records inside it (steps the process ran after
   its last window). A process's `stop` that no window of its step closed holds steps no window measured:
   nothing confirms it. What is not confirmed counts with `unaccounted` in verify's 1 % check.
@@ -25,6 +28,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from relaytrain.monitor.ledger import JobTime, Ledger, Span
+from relaytrain.monitor.ledger_processes import processes
+from relaytrain.monitor.ledger_spans import ENDED_INSIDE_STEP
 
 COMMIT_SLACK_S = 0.01  # a commit this much after an allocation's recorded end is outside it
 AGREE = 0.01  # of the allocation: how far two sources of one span's time may be apart
@@ -44,9 +49,14 @@ def _job_records(job: JobTime, records: Sequence[dict[str, Any]]) -> list[dict[s
 
 
 def confirmation(
-    job: JobTime, span: Span, records: Sequence[dict[str, Any]], crashes: Sequence[dict[str, Any]]
+    job: JobTime,
+    span: Span,
+    records: Sequence[dict[str, Any]],
+    crashes: Sequence[dict[str, Any]],
+    states: dict[tuple, str] | None = None,
 ) -> str:
-    """The source that confirms an inferred span's bucket, or "" when none does."""
+    """The source that confirms an inferred span's bucket, or "" when none does; `states`: Slurm's State
+    of each job run, by (job id, restart)."""
     a = job.allocation
     if a.job_id is None:
         if span.bucket == "lost":
@@ -66,6 +76,12 @@ def confirmation(
         ended = any(r.get("kind") == "event" and r.get("event") in ("stop", "finished") for r in own)
         agree = span.seconds <= AGREE * (a.end - a.start) + EXIT_S
         return "the trainer's stop event and Slurm's End" if ended and agree and a.source == "sacct" else ""
+    if span.bucket == "lost" and span.detail == ENDED_INSIDE_STEP:
+        # the step never ended as the driver saw it: Slurm ended the run from outside (a node failure, a
+        # preemption, a cancel, a requeue) at the End the tail runs to
+        state = (states or {}).get((a.job_id, a.restart), "")
+        ended = a.source == "sacct" and state not in ("", "COMPLETED", "RUNNING")
+        return f"Slurm's End and its State of the run ({state})" if ended else ""
     if span.bucket in ("restart", "lost"):
         tolerance = AGREE * (a.end - a.start)
         tail = span.inferred.startswith("the last record to Slurm's End")
@@ -92,12 +108,14 @@ def unconfirmed(
     records: Sequence[dict[str, Any]],
     crashes: Sequence[dict[str, Any]],
     jobs: Sequence[JobTime],
+    states: dict[tuple, str] | None = None,
 ) -> dict[str, tuple[float, list[str]]]:
-    """Per bucket: the seconds of `jobs`' inferred spans nothing confirms, and the rules that chose them."""
+    """Per bucket: the seconds of `jobs`' inferred spans nothing confirms, and the rules that chose them
+    (`states`: Slurm's State of each job run, by (job id, restart))."""
     out: dict[str, tuple[float, list[str]]] = {}
     for job in jobs:
         for span in job.spans:
-            if not span.inferred or span.seconds <= 0 or confirmation(job, span, records, crashes):
+            if not span.inferred or span.seconds <= 0 or confirmation(job, span, records, crashes, states):
                 continue
             seconds, rules = out.get(span.bucket, (0.0, []))
             rule = f"{job.label}: {span.inferred}"
@@ -105,50 +123,22 @@ def unconfirmed(
     return out
 
 
-def _process_key(record: dict[str, Any]) -> tuple:
-    return record.get("job_id"), int(record.get("restart") or 0), int(record.get("step_restart") or 0)
-
-
 def steps_without_window(records: Sequence[dict[str, Any]]) -> list[str]:
     """One line per process with logged steps that none of its ledger windows covers (see above)."""
-    processes: list[dict[str, Any]] = []
-    current: dict[tuple, dict[str, Any]] = {}
-    for record in records:
-        key = _process_key(record)
-        if record.get("kind") == "event" and record.get("event") in ("start", "resume"):
-            current[key] = {
-                "begin": record.get("step"),
-                "windows": [],
-                "steps": [],
-                "ended": False,
-                "job": key[0],
-            }
-            processes.append(current[key])
-            continue
-        proc = current.get(key)
-        if proc is None:
-            continue
-        kind = record.get("kind", "train")
-        if kind == "ledger" and isinstance(record.get("window"), dict):
-            first = record["window"].get("from_step", record.get("step"))
-            proc["windows"].append((int(first), int(record["step"])))
-        elif kind == "train" and isinstance(record.get("step"), int):
-            proc["steps"].append(record["step"])
-        elif kind == "event" and record.get("event") in ("stop", "finished"):
-            proc["ended"] = True
     found = []
-    for proc in processes:
-        last = max((end for _, end in proc["windows"]), default=None)
+    for proc in processes(records):
+        spans = [(w.first, w.last) for w in proc.windows]
+        last = max((end for _, end in spans), default=None)
         uncovered = [
             step
-            for step in proc["steps"]
-            if not any(a <= step <= b for a, b in proc["windows"])
-            and (proc["ended"] or (last is not None and step <= last))
+            for step in (int(r["step"]) for r in proc.train)
+            if not any(a <= step <= b for a, b in spans)
+            and (proc.ended or (last is not None and step <= last))
         ]
         if uncovered:
-            where = f"job {proc['job']}'s process" if proc["job"] else "the process"
+            where = f"job {proc.job}'s process" if proc.job else "the process"
             found.append(
-                f"{where} that began at step {proc['begin']} logged steps {_ranges(uncovered)} (its train "
+                f"{where} that began at step {proc.begin} logged steps {_ranges(uncovered)} (its train "
                 "records) that no ledger window covers: their time is not measured"
             )
     return found

@@ -149,6 +149,11 @@ def _job_spans(records: list[dict[str, Any]], alloc: Allocation, high_water: lis
     return spans
 
 
+# The detail of a job run's tail to Slurm's End when its step never ended (verify confirms it by Slurm's
+# State of the run: monitor/ledger_sources.py)
+ENDED_INSIDE_STEP = "the job ended inside a step: its work since the last record"
+
+
 def _allocation_tail(ended_well: bool, step_closed: bool) -> tuple[str, str]:
     """What the time from the job's last record to Slurm's End was: the exit after a stop; the decision
     and requeue after a failed step; or, when the step never ended (the driver was killed with its node,
@@ -157,7 +162,7 @@ def _allocation_tail(ended_well: bool, step_closed: bool) -> tuple[str, str]:
         return "stop", "job end"
     if step_closed:
         return "restart", "job end after a failed step"
-    return "lost", "the job ended inside a step: its work since the last record"
+    return "lost", ENDED_INSIDE_STEP
 
 
 def _outcome(records: list[dict[str, Any]]) -> str:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from relaytrain.monitor.ledger import Ledger, duration
+from relaytrain.monitor.ledger_processes import processes
 
 MAX_APART = 0.01  # of the allocation's seconds
 # and, where sacct bounds the allocation, its whole second: its End is truncated, so up to a second of
@@ -44,39 +45,6 @@ STEP_DETAILS = {
 def _num(record: dict[str, Any], key: str) -> float | None:
     value = record.get(key)
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _processes(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each trainer process (a `start`/`resume` event begins one) with its allocation's key, windows
-    (first step, last step, since, until) and train records."""
-    processes: list[dict[str, Any]] = []
-    current: dict[tuple, dict[str, Any]] = {}
-    local = -1
-    for record in records:
-        job = record.get("job_id")
-        key = (job, int(record.get("restart") or 0), int(record.get("step_restart") or 0))
-        if record.get("kind") == "event" and record.get("event") in ("start", "resume"):
-            local += job is None
-            alloc = (job, key[1]) if job is not None else (None, local)
-            current[key] = {"alloc": alloc, "begin": record.get("step"), "windows": [], "train": []}
-            current[key]["rollback"] = False
-            processes.append(current[key])
-            continue
-        proc = current.get(key)
-        if proc is None:
-            continue
-        kind = record.get("kind", "train")
-        window = record.get("window")
-        if kind == "ledger" and isinstance(window, dict) and isinstance(record.get("step"), int):
-            since, until = _num(window, "since"), _num(window, "until") or _num(record, "time")
-            if since is not None and until is not None:
-                first = int(window.get("from_step") or record["step"])
-                proc["windows"].append((first, int(record["step"]), since, until))
-        elif kind == "train" and isinstance(record.get("step"), int):
-            proc["train"].append(record)
-        elif kind == "event" and record.get("event") == "rollback":
-            proc["rollback"] = True
-    return processes
 
 
 def _train_seconds(trains: list[dict[str, Any]], begin: int, last: int) -> float | None:
@@ -120,27 +88,28 @@ def productive_against_steps(ledger: Ledger, records: Sequence[dict[str, Any]]) 
     }
     compared: dict[tuple, list[float]] = {}  # alloc -> [ledger s, train s, steps]
     skipped = 0
-    for proc in _processes(records):
-        if proc["alloc"] not in seconds or not proc["windows"] or not proc["train"]:
+    for proc in processes(records):
+        windows = [w for w in proc.windows if w.since is not None and w.until is not None]
+        if proc.alloc not in seconds or not windows or not proc.train:
             continue
-        if proc["rollback"] or not isinstance(proc["begin"], int):
+        if proc.rollback or not isinstance(proc.begin, int):
             skipped += 1
             continue
-        ends = {last: until for _, last, _, until in proc["windows"]}
-        both = [int(r["step"]) for r in proc["train"] if int(r["step"]) in ends]
+        ends = {w.last: w.until for w in windows}
+        both = [int(r["step"]) for r in proc.train if int(r["step"]) in ends]
         if not both:
             continue
         last = max(both)
-        train_s = _train_seconds(proc["train"], proc["begin"], last)
+        train_s = _train_seconds(proc.train, proc.begin, last)
         if train_s is None:
             skipped += 1
             continue
-        start = min(since for _, _, since, _ in proc["windows"])
-        ledger_s = _ledger_step_seconds(ledger, proc["alloc"], start, ends[last])
-        sums = compared.setdefault(proc["alloc"], [0.0, 0.0, 0.0])
+        start = min(w.since for w in windows)
+        ledger_s = _ledger_step_seconds(ledger, proc.alloc, start, ends[last])
+        sums = compared.setdefault(proc.alloc, [0.0, 0.0, 0.0])
         sums[0] += ledger_s
         sums[1] += train_s
-        sums[2] += last - proc["begin"]
+        sums[2] += last - proc.begin
     violations = []
     for alloc, (ledger_s, train_s, _) in compared.items():
         allocated, label, sacct = seconds[alloc]
