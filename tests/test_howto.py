@@ -166,8 +166,8 @@ def _llama3_sized_tokenizer(path: Path) -> None:
 def test_the_train_page_runs_on_a_corpus_of_its_own(tmp_path):
     """The train page's prepare-data, plan and launch lines, as written, in a directory holding corpus.jsonl
     and a tokenizer.json of Llama 3's size: the data it prepares is the one plan and launch read, and its
-    vocabulary fills the 8B model. A corpus of 60,000 tokens cannot feed 100,000 steps, so plan as written stops on the
-    epochs alone; with one step it gives a verdict, and launch --dry-run writes the job."""
+    vocabulary fills the 8B model. A corpus of 60,000 tokens cannot feed 100,000 steps, so plan as written
+    stops on the epochs alone; with one step it gives a verdict, and launch --dry-run writes the job."""
     import json
 
     (tmp_path / "configs").symlink_to(REPO / "configs")
