@@ -16,6 +16,7 @@ from relaytrain.config import load_config
 from relaytrain.data import prepare_dataset
 from relaytrain.data.fit import check_data_fits
 from relaytrain.data.sources import BUNDLED_CORPUS
+from relaytrain.data.tokenizer import tokenizer_name
 from relaytrain.errors import ConfigError
 
 from conftest import REPO, child_env
@@ -128,3 +129,35 @@ def test_data_this_machine_cannot_see_is_left_to_the_ranks(tmp_path):
     check_data_fits(load_config(DEBUG, [unseen, "--train.max_steps=1000000"]))
     with pytest.raises(ConfigError, match=r"model.vocab_size=2000 but data.tokenizer='byte' has 258 ids"):
         check_data_fits(load_config(DEBUG, [unseen, "--model.vocab_size=2000"]))
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_data_of_another_tokenizer_is_refused_before_the_job(command, tmp_path):
+    """Data prepared with a tokenizer.json, and a command line that leaves out data.tokenizer (so 'byte'):
+    the ranks would refuse it at their start (data.sources.check_tokenizer); train and launch refuse it
+    first, in one line naming the tokenizer to set, and launch writes nothing. allow_small lifts no part
+    of it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "</s>": 1, "a": 2, "b": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "t.txt").write_text("a b a\n\nb a b")
+    data = prepare_dataset(
+        [str(tmp_path / "t.txt")], tmp_path / "data", tokenizer=str(tmp_path / "tokenizer.json")
+    )
+    extra = ["--dry-run", "--nodes", "1", "--gpus-per-node", "0", "--tasks-per-node", "1"] * (
+        command == "launch"
+    )
+    argv = [command, DEBUG, f"--data.sources=['{data}']", "--data.allow_small=true", *extra]
+    proc = subprocess.run([sys.executable, "-c", WRAPPER, *argv], cwd=tmp_path, env=child_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    error, imported = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and imported == "torch imported: False", proc.stderr
+    theirs = tokenizer_name(str(tmp_path / "tokenizer.json"))
+    assert error == (
+        f"relaytrain: error: {data} was prepared with tokenizer '{theirs}' "
+        f"but data.tokenizer is 'byte'; set data.tokenizer to {data / 'tokenizer.json'}, or prepare the data "
+        "with the same tokenizer"
+    )
+    assert not (tmp_path / "runs").exists()

@@ -131,3 +131,50 @@ def test_the_docs_example_commands_parse(doc):
             parse_line(line)
         except SystemExit:
             pytest.fail(f"{doc.name}: does not parse: {line}")
+
+
+def _help_of(command: tuple[str, ...], flag: str | None = None) -> str:
+    """A command's description, or one flag's help, with argparse's line breaks undone."""
+    parser = COMMANDS[command]
+    if flag is None:
+        return " ".join(parser.description.split())
+    (action,) = [a for a in parser._actions if flag in a.option_strings]
+    return " ".join(action.help.split())
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if "--spare-nodes" in _flags(COMMANDS[c])])
+def test_spare_nodes_help_names_when_a_straggler_gets_a_spare(command):
+    """A spare takes a straggler's place only under the actions that replace: the help names each action
+    the schema allows and the default, read from the schema, so a new action or default fails here."""
+    import dataclasses
+    import typing
+
+    from relaytrain.config.schema import ResilienceConfig
+
+    (field,) = [f for f in dataclasses.fields(ResilienceConfig) if f.name == "straggler_action"]
+    actions = typing.get_args(typing.get_type_hints(ResilienceConfig)["straggler_action"])
+    default = field.default
+    text = _help_of(command, "--spare-nodes")
+    replacing = [action for action in actions if action != default]
+    assert f"straggler_action {' or '.join(replacing)} (the default, {default}, only names it)" in text, text
+
+
+def test_verify_help_names_each_check_and_the_exit_codes():
+    from relaytrain.inspection.verify import CHECKS
+
+    text = _help_of(("verify",))
+    names = [name for name, _ in CHECKS]
+    counts = {2: "Two", 3: "Three", 4: "Four", 5: "Five", 6: "Six"}
+    assert text.startswith(f"{counts[len(names)]} checks"), text
+    assert all(f"The {name} check:" in text for name in names), (names, text)
+    assert all(f"Exit {code}:" in text for code in (0, 1, 2)), text
+
+
+def test_launch_help_names_overrides_and_that_command_needs_a_name(tmp_path, monkeypatch, capsys):
+    """The description says so, and the launch refuses a --command without --name (one line, exit 2)."""
+    text = _help_of(("launch",))
+    assert "--train.max_steps=1000" in text and "--command 'CMD'" in text and "needs --name" in text, text
+    assert "required with --command" in _help_of(("launch",), "--name")
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", "--command", "python x.py", "--dry-run"]) == 2
+    assert "--command needs --name" in capsys.readouterr().err

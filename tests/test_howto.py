@@ -148,3 +148,42 @@ def test_export_runs_as_written(tmp_path, stopped_and_resumed_run):
     assert "llama" in out[1].split()
     assert (tmp_path / "hf-8b" / "config.json").is_file() and (tmp_path / "model-8b.pt").is_file()
     assert (tmp_path / "ckpt-8b").is_dir()
+
+
+def _llama3_sized_tokenizer(path: Path) -> None:
+    """A tokenizer.json of Llama 3's size (128,256 ids) whose words are w0, w1, ...: what the page's
+    tokenizer is to the data rule, without a download."""
+    needs.module("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 128_254)}}
+    vocab |= {"<|begin_of_text|>": 128_254, "<|end_of_text|>": 128_255}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+
+
+def test_the_train_page_runs_on_a_corpus_of_its_own(tmp_path):
+    """The train page's prepare-data, plan and launch lines, as written, in a directory holding corpus.jsonl
+    and a tokenizer.json of Llama 3's size: the data it prepares is the one plan and launch read, and its
+    vocabulary fills the 8B model. A corpus of 60,000 tokens cannot feed 100,000 steps, so plan as written
+    stops on the epochs alone; with one step it gives a verdict, and launch --dry-run writes the job."""
+    import json
+
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    _llama3_sized_tokenizer(tmp_path / "tokenizer.json")
+    docs = [{"text": " ".join(f"w{(7 * i + j) % 5000 + 1}" for j in range(200))} for i in range(300)]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    lines = bash_lines(HOWTO / "train-on-your-data.md")
+    (prepare,) = [line for line in lines if line.startswith("relaytrain prepare-data ")]
+    (plan,) = [line for line in lines if line.startswith("relaytrain plan ")]
+    (launch,) = [line for line in lines if line.startswith("relaytrain launch ")]
+    assert "vocab 128256" in _run(prepare, tmp_path).stdout
+    refused = subprocess.run(["bash", "-c", plan], cwd=tmp_path, env=child_env(), capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert refused.returncode == 2 and "epochs, over the 100 allowed" in refused.stderr, refused.stderr
+    assert "vocab_size" not in refused.stderr and "data.sources holds about" in refused.stderr
+    assert "verdict:" in _run(f"{plan} --train.max_steps=1", tmp_path).stdout
+    _run(f"{launch} --train.max_steps=1 --dry-run", tmp_path)
+    config = (tmp_path / "runs" / "8b" / "slurm" / "config.toml").read_text()
+    assert f'"{tmp_path / "data" / "mine"}"' in config and f'"{tmp_path / "tokenizer.json"}"' in config

@@ -175,6 +175,27 @@ def test_report_takes_a_run_name_like_status_logs_and_verify(tmp_path):
         args.func(args)
 
 
+def test_report_reads_run_like_status_logs_and_verify(tmp_path, monkeypatch):
+    """A bare number is a Slurm job id to status and logs, not a directory of the working directory:
+    report reads its RUN through the same owner (run_view.find_run), so it refuses what they refuse."""
+    from relaytrain.inspection.run_view import find_run
+
+    write_synthetic_run(tmp_path / "4711")
+    write_synthetic_run(tmp_path / "runs" / "4712")
+    monkeypatch.chdir(tmp_path)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    for target in ["4711", "4712", "runs/4712", str(tmp_path / "4711")]:
+        args = parser.parse_args(["report", target])
+        found = find_run(target, Path("runs"))
+        if found is None:
+            with pytest.raises(UserError, match=f"no run '{target}' under runs/"):
+                args.func(args)
+        else:
+            assert args.func(args) == 0 and (found.root / "report" / "report.md").is_file(), target
+    assert find_run("4711", Path("runs")) is None and find_run("4712", Path("runs")) is not None
+
+
 def test_report_out_dir_and_missing_metrics(tmp_path):
     run = tmp_path / "run"
     write_synthetic_run(run)

@@ -40,7 +40,7 @@ What is inside a checkpoint is described in [checkpointing.md](../checkpointing.
 # Sample arguments of RunDir's path methods, by parameter name.
 SAMPLE = {"rank": "RANK", "job": "JOBID", "job_id": "JOBID", "node": "NODE", "step": "STEP"}
 # RunDir members that are not one of its files.
-NOT_FILES = {"of", "holding_job_log", "find", "holds_run", "absolute", "markers", "record_rank", "relative"}
+NOT_FILES = {"of", "holding_job_log", "holds_run", "absolute", "markers", "record_rank", "relative"}
 
 
 def _cell(text: str) -> str:

@@ -254,7 +254,8 @@ class ResilienceConfig(Section):
 
 @dataclass(kw_only=True)
 class SlurmConfig(Section):
-    profile: str = ""  # cluster profile TOML (partition, account, gpus per node, network, env)
+    # cluster profile: a name (configs/clusters/NAME.toml, ...) or the path of a TOML of [slurm] keys
+    profile: str = ""
     partition: str = ""  # sbatch --partition (empty: the cluster's default)
     account: str = ""  # sbatch --account
     qos: str = ""  # sbatch --qos
@@ -268,12 +269,14 @@ class SlurmConfig(Section):
     # node's place goes to one, same world size and layout, no requeue (docs/elastic.md); a straggling
     # node's only when resilience.straggler_action is "replace" or "auto"
     spare_nodes: int = setting(0, in_range(0, MAX_NODES))
-    # -1: from the profile, else 8; 0: CPU-only nodes (set tasks_per_node)
+    # -1: from the profile, else the partition's GPU GRES in sinfo (gpu:h100:4 -> 4; none -> 0), else 8
+    # where sinfo cannot answer; 0: CPU-only nodes (set tasks_per_node)
     gpus_per_node: int = setting(-1, in_range(-1, MAX_PER_NODE))
     gpu_type: str = ""  # h100, h200, a100, mi250x, ... (relaytrain plan); mi*: AMD ROCm/RCCL
     # 0: one task per GPU (CPU-only clusters set this)
     tasks_per_node: int = setting(0, in_range(0, MAX_PER_NODE))
-    cpus_per_task: int = setting(0, at_least(0))  # unset: chosen at launch; sets OMP_NUM_THREADS
+    # CPUs per process, exported as OMP_NUM_THREADS; 0: chosen at launch (with mem and exclusive)
+    cpus_per_task: int = setting(0, at_least(0))
     mem: str = ""  # sbatch --mem per node, e.g. "500G" (empty: the partition's default)
     time: str = setting("01:00:00", slurm_time())  # each job's limit (sbatch --time); longer runs requeue
     exclusive: bool = False  # sbatch --exclusive: no other job on the nodes
@@ -282,17 +285,20 @@ class SlurmConfig(Section):
     constraint: str = ""  # sbatch --constraint (node features)
     extra_sbatch: list[str] = field(default_factory=list)  # more "#SBATCH ..." option strings
     env: dict[str, str] = setting(domain=env_table(), factory=dict)  # exported before launch
-    setup: list[str] = field(default_factory=list)  # pre-launch shell lines (module load, ...)
-    venv: str = ""  # activate this virtualenv
+    # pre-launch shell lines (module load, ...): the only values inserted unquoted, they are code
+    setup: list[str] = field(default_factory=list)
+    venv: str = ""  # activate this virtualenv (source VENV/bin/activate)
     conda_env: str = ""  # activate this conda environment
-    container_image: str = ""  # pyxis/enroot image
+    container_image: str = ""  # pyxis/enroot image on the job's srun (building one: docs/containers.md)
     # pyxis mounts, "SRC:DST[:FLAGS]" or "PATH"; the run directory must be mounted at its own path
     container_mounts: list[str] = field(default_factory=list)
     container_workdir: str = ""  # working directory inside the image (empty: the launch directory)
     container_remap_root: bool = False  # pyxis --container-remap-root
     network_interface: str = ""  # empty: detect ib*/hsn*; sets NCCL/GLOO_SOCKET_IFNAME
-    nccl_ib_gid_index: int = setting(-1, at_least(-1))  # -1: leave unset
-    debug: bool = False  # PYTHONFAULTHANDLER, NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL, set -x
+    nccl_ib_gid_index: int = setting(-1, at_least(-1))  # NCCL_IB_GID_INDEX; -1: leave unset
+    # set -x, PYTHONFAULTHANDLER=1, NCCL_DEBUG=INFO, TORCH_DISTRIBUTED_DEBUG=DETAIL, TORCH_CPP_LOG_LEVEL=INFO,
+    # TORCH_SHOW_CPP_STACKTRACES=1 (never CUDA_LAUNCH_BLOCKING: it can deadlock unbatched send/recv)
+    debug: bool = False
     modules: list[str] = field(default_factory=list)  # `module load` these before launch
     uv_project: str = ""  # run python through `uv run --project DIR`
     # NCCL_NET_GDR_LEVEL (GPU-direct RDMA); -1 leaves it unset (NCCL detects the topology)

@@ -6,6 +6,10 @@ Two refusals, each lifted by `data.allow_small = true`:
   trained (a 128,256-entry Llama-3 model on the 258-id byte tokenizer);
 - the planned tokens (train.max_steps x train.global_batch_size x train.seq_len) would read the
   training data more than MAX_EPOCHS times over.
+
+Prepared sources tokenized by another tokenizer than data.tokenizer are refused too, as the ranks would
+refuse them at their start (`sources.check_tokenizer`): a launch that leaves out data.tokenizer stops on
+the login node, not in its job.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 
 from relaytrain.config.schema import Config
 from relaytrain.data.shards import META_NAME, PreparedDataset
-from relaytrain.data.sources import BUNDLED_CORPUS
+from relaytrain.data.sources import BUNDLED_CORPUS, check_tokenizer
 from relaytrain.data.tokenizer import BYTE_SPEC, build_tokenizer
 from relaytrain.errors import ConfigError
 
@@ -67,8 +71,20 @@ def _data_facts(cfg: Config) -> tuple[int | None, int | None, str, str]:
     )
 
 
+def _check_tokenizers(cfg: Config) -> None:
+    """The ranks' tokenizer check on each prepared source, where this machine sees them and the tokenizer."""
+    d = cfg.data
+    paths = [Path(s).expanduser() for s in d.sources]
+    if d.tokenizer != BYTE_SPEC and not Path(d.tokenizer).expanduser().exists():
+        return
+    for path in paths:
+        if (path / META_NAME).is_file():
+            check_tokenizer(d, path, PreparedDataset(path))
+
+
 def check_data_fits(cfg: Config) -> None:
     """Raise a one-line ConfigError naming what does not fit and the fixes, unless data.allow_small."""
+    _check_tokenizers(cfg)
     if cfg.data.allow_small:
         return
     vocab, tokens, what, tokenizer = _data_facts(cfg)

@@ -70,25 +70,32 @@ def resolve_sources(data: DataConfig, *, vocab_size: int, runs_dir: str | Path) 
             f"data.weights has {len(data.weights)} entries but data.sources has {len(paths)}; "
             "give one weight per source"
         )
-    expected = tokenizer_name(data.tokenizer)
     for path in paths:
         ds = PreparedDataset(path)  # raises a UserError naming the path and prepare-data when not prepared
-        if ds.tokenizer_name != expected:
-            hint = (
-                f"set data.tokenizer to {ds.tokenizer_file}"
-                if ds.tokenizer_file is not None
-                else 'set data.tokenizer = "byte"'
-            )
-            ours = repr(data.tokenizer)
-            if data.tokenizer != expected:  # a file: name the tokenizer it holds
-                ours += f" (that is {expected!r})"
-            raise UserError(
-                f"{path} was prepared with tokenizer {ds.tokenizer_name!r} but data.tokenizer is {ours}; "
-                f"{hint}, or prepare the data with the same tokenizer"
-            )
+        check_tokenizer(data, path, ds)
         if ds.vocab_size > vocab_size:
             raise UserError(
                 f"{path} has vocab_size {ds.vocab_size} but model.vocab_size is {vocab_size}; "
                 f"set model.vocab_size >= {ds.vocab_size}"
             )
     return paths
+
+
+def check_tokenizer(data: DataConfig, path: Path, ds: PreparedDataset) -> None:
+    """One line when the prepared dataset at `path` was tokenized by another tokenizer than data.tokenizer
+    (the ranks at their start, and `relaytrain.data.fit` before a run is planned or launched)."""
+    expected = tokenizer_name(data.tokenizer)
+    if ds.tokenizer_name == expected:
+        return
+    hint = (
+        f"set data.tokenizer to {ds.tokenizer_file}"
+        if ds.tokenizer_file is not None
+        else 'set data.tokenizer = "byte"'
+    )
+    ours = repr(data.tokenizer)
+    if data.tokenizer != expected:  # a file: name the tokenizer it holds
+        ours += f" (that is {expected!r})"
+    raise UserError(
+        f"{path} was prepared with tokenizer {ds.tokenizer_name!r} but data.tokenizer is {ours}; "
+        f"{hint}, or prepare the data with the same tokenizer"
+    )

@@ -7,13 +7,10 @@ from pathlib import Path
 
 
 def report_command(args: argparse.Namespace) -> int:
-    from relaytrain.errors import UserError
     from relaytrain.inspection.report import write_report, written_line  # matplotlib only when it runs
-    from relaytrain.job import RunDir
+    from relaytrain.inspection.run_view import required_run
 
-    run = RunDir.find(args.run_dir, Path(args.runs))
-    if run is None:
-        raise UserError(f"no run {args.run_dir!r} under {args.runs}/ or at that path")
+    run = required_run(args.run_dir, Path(args.runs))  # the RUN of status, logs and verify
     report, images = write_report(run, Path(args.out) if args.out else None)
     print(written_line(report, images))
     return 0

@@ -30,16 +30,22 @@ JOB_ID = re.compile(r"\d+(_\d+)?")
 _NOTE_KEY = re.compile(r"reason|error|message|problem|damage", re.IGNORECASE)
 
 
-def is_run_dir(path: Path) -> bool:
-    return path.is_dir() and any(marker.exists() for marker in RunDir(path).markers)
-
-
 def find_run(target: str, runs_root: Path) -> RunDir | None:
-    """A run name under `runs_root`, or the path of a run directory; None when it is neither."""
+    """A run name under `runs_root`, or the path of a run directory; None when it is neither.
+
+    The one reading of a RUN argument: status, logs, verify and report all resolve theirs here."""
     candidates = [runs_root / target]
     if not JOB_ID.fullmatch(target):  # a bare number is a job id unless runs_root holds a run of that name
         candidates.append(Path(target))
-    return next((RunDir(path) for path in candidates if is_run_dir(path)), None)
+    return next((RunDir(path) for path in candidates if RunDir(path).holds_run()), None)
+
+
+def required_run(target: str, runs_root: Path) -> RunDir:
+    """`find_run`, or one line saying that `target` names no run (verify and report need one)."""
+    run = find_run(target, runs_root)
+    if run is None:
+        raise UserError(f"no run {target!r} under {runs_root}/ or at that path")
+    return run
 
 
 def preflight_rows(run: RunDir) -> list[tuple[str, str]]:

@@ -126,11 +126,9 @@ def verify(run: RunDir, opts: Options = Options()) -> tuple[list[str], list[str]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from relaytrain.inspection.run_view import find_run
+    from relaytrain.inspection.run_view import required_run
 
-    run = find_run(args.run, Path(args.runs))
-    if run is None:
-        raise UserError(f"no run {args.run!r} under {args.runs}/ or at that path")
+    run = required_run(args.run, Path(args.runs))
     violations, summaries = verify(run, Options(allow_data_change=args.allow_data_change))
     for line in violations[:MAX_LINES]:
         print(line)

@@ -37,11 +37,6 @@ class RunDir:
         run = cls(job_log.parent.parent)
         return run if job_log.parent == run.slurm else None
 
-    @classmethod
-    def find(cls, target: str, runs_root: Path) -> RunDir | None:
-        """A run name under `runs_root`, or the path of a run directory; None when it is neither."""
-        return next((run for run in (cls(runs_root / target), cls(Path(target))) if run.holds_run()), None)
-
     def holds_run(self) -> bool:
         """Is this a run directory (one of the files only a run directory holds exists)?"""
         return self.root.is_dir() and any(marker.exists() for marker in self.markers)
