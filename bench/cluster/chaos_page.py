@@ -134,8 +134,8 @@ def evidence_cell(t: Trial | SpecialTrial) -> str:
 
 
 def preamble(runs: list[KeptRun], section: str) -> str:
-    first = runs[0]
     dates = ", ".join(dict.fromkeys(r.date for r in runs))
+    machines = ", ".join(dict.fromkeys(f"{r.cpu} ({r.cores} cores)" for r in runs))
     seeds = ", ".join(r.seed for r in runs)
     commands = "; ".join(f"`{r.command}`" for r in runs)
     loads = "; ".join(
@@ -145,7 +145,7 @@ def preamble(runs: list[KeptRun], section: str) -> str:
     return (
         f"## {head.title}\n\n"
         + (f"{head.intro}\n\n" if head.intro else "")
-        + f"Date {dates}, machine: {first.cpu} ({first.cores} cores), local Slurm cluster (`relaytrain "
+        + f"Date {dates}, machine: {machines}, local Slurm cluster (`relaytrain "
         f"cluster up`). Seed(s) **{seeds}**. Command(s): {commands}.\n"
         f"Load average (1/5/15 min) at the start → end: {loads}.\n"
         f"A 2-rank tiny run ({STEPS} steps, async checkpoint every {INTERVAL}, eval every {EVAL_EVERY}) "
