@@ -196,11 +196,11 @@ class Trainer:
             # Failed, not a crash: the job is not requeued into the same refusal. The record keeps the step
             # the run had reached (and its checkpoint_step), so the next attempt still knows what is at stake.
             reached = recorded_step(self.run_dir) or 0
-            self.supervision.fail(StopReason.DAMAGED_CHECKPOINT, reached, saved=False, message=str(exc))
+            self.supervision.record(StopReason.DAMAGED_CHECKPOINT, reached, saved=False, message=str(exc))
             raise
         except BaseException as exc:
             user_error = str(exc) if isinstance(exc, UserError) else ""  # the step's end won't retry it
-            self.supervision.fail(StopReason.ERROR, state.step, message=repr(exc), user_error=user_error)
+            self.supervision.record(StopReason.ERROR, state.step, message=repr(exc), user_error=user_error)
             raise
         finally:
             # Before the watchdog stops: a pending async save that never commits is still a hang.
