@@ -36,6 +36,7 @@ from relaytrain.monitor.logs import setup_logging
 from relaytrain.monitor.time_ledger import LedgerWindows
 from relaytrain.optim import build_optimizer, lr_at, schedule_fit_warning, set_lr
 from relaytrain.parallel import parallelize
+from relaytrain.parallel.compile_cache import CompileCache
 from relaytrain.parallel.distributed import DistEnv, init_distributed, rank0_token, shutdown_distributed
 from relaytrain.parallel.layout import validate_layout
 from relaytrain.parallel.resize import resize_fields
@@ -117,6 +118,8 @@ class Trainer:
             on_event=self.metrics.log_event,
             clock=self.clock,
         )
+        if self.model.compiled:  # loaded before the first compile; written after a step that compiled
+            self.clock.add_reader(CompileCache.open(self.run_dir, env.rank, self.metrics.log_event))
         self.profiler = StepProfiler(cfg.metrics, self.run_dir, env.rank, env.device)
         self.timer = StepTimer(env.device)  # the metrics' phase times, read from the step clock
         self.clock.add_reader(self.timer)
