@@ -18,9 +18,10 @@ OWNER = "job/rundir.py"
 FILES = {"config.toml", "metrics.jsonl", "run_state.json", "crashes.jsonl", "run.lock", "wandb_id"}
 FILES |= {"run_kind.json"}
 FILES |= {"jobs.jsonl", "job.sh", "attach.sh", "sweep.tsv", "sweep.json", "%j.out", "%A_%a.out"}
-FOLDERS = {"slurm", "logs", "gpu", "checkpoints", "tensorboard", "profile", "report", "preflight"}
+FOLDERS = {"slurm", "logs", "gpu", "checkpoints", "tensorboard", "profile", "report", "preflight", "compile"}
 PATTERNS = (
     "rank_{}.log",
+    "rank_{}.bin",
     "hang_rank{}.txt",
     "deadline_rank{}.txt",
     "pip-freeze-{}.txt",
@@ -138,6 +139,7 @@ def test_the_layout_of_a_run_directory():
     assert run.deadline_dump(1) == run.root / "logs" / "deadline_rank1.txt"
     assert run.hang_report(12) == run.root / "logs" / "hang-step12.md"
     assert run.stack_dump(1) == run.root / "logs" / "stacks_rank1.txt"
+    assert run.compile_cache(1) == run.root / "compile" / "rank_1.bin"
     assert run.hang_node("n2") == run.root / "hang" / "nodes" / "n2.json"
     assert run.hang_stacks("n2") == run.root / "hang" / "stacks" / "n2.md"
     assert run.job_log("%A_%a") == run.root / "slurm" / "%A_%a.out"

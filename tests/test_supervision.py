@@ -1,5 +1,5 @@
-"""The supervision front (resilience/rank/supervision.py) is the loop's one way to watch itself: the trainer
-builds none of its parts and reaches none of them past it."""
+"""The supervision front (resilience/rank/supervision.py) is the loop's one way to watch itself: the trainer,
+and `relaytrain.program` for a user's own loop, build none of its parts and reach none of them past it."""
 
 from __future__ import annotations
 
@@ -8,27 +8,29 @@ from pathlib import Path
 
 import pytest
 
-TRAINER = Path(__file__).resolve().parents[1] / "src" / "relaytrain" / "trainer.py"
+SRC = Path(__file__).resolve().parents[1] / "src" / "relaytrain"
+LOOPS = [SRC / "trainer.py", SRC / "program.py"]
 # What the front owns: the trainer names none of them
 PARTS = {"ShutdownController", "NanGuard", "HangWatchdog", "StragglerWatch", "StackSignal", "ProgressBoard",
          "StepClock", "controller", "nan_guard", "straggler", "stacks", "progress"}  # fmt: skip
 
 
-def _offences(source: str) -> list[str]:
+def _offences(source: str, file: str = "trainer.py") -> list[str]:
     found = []
     for node in ast.walk(ast.parse(source)):
         name = (
             node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
         )
         if name in PARTS:
-            found.append(f"trainer.py:{node.lineno}: {name}")
+            found.append(f"{file}:{node.lineno}: {name}")
         if isinstance(node, ast.alias) and node.name.rsplit(".", 1)[-1] in PARTS:
-            found.append(f"trainer.py:{node.lineno}: imports {node.name}")
+            found.append(f"{file}:{node.lineno}: imports {node.name}")
     return found
 
 
-def test_the_trainer_reaches_the_supervision_parts_only_through_the_front():
-    offenders = _offences(TRAINER.read_text())
+@pytest.mark.parametrize("loop", LOOPS, ids=lambda p: p.name)
+def test_the_loops_reach_the_supervision_parts_only_through_the_front(loop):
+    offenders = _offences(loop.read_text(), loop.name)
     assert not offenders, "go through Supervision:\n" + "\n".join(offenders)
 
 

@@ -351,3 +351,16 @@ def test_on_dynamo_compile_calls_each_once_around_a_compiled_graph():
     torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
     assert seen == ["start", "end"]
     torch._dynamo.reset()
+
+
+def test_compile_cache_counts_reads_inductor_s_graph_cache_counters():
+    from torch._dynamo.utils import counters
+
+    before = tp.compile_cache_counts()
+    counters["inductor"]["fxgraph_cache_miss"] += 2
+    counters["inductor"]["fxgraph_cache_bypass"] += 1
+    counters["inductor"]["fxgraph_cache_hit"] += 4
+    after = tp.compile_cache_counts()
+    assert after == {"cold": before["cold"] + 3, "cached": before["cached"] + 4}
+    for key, n in (("fxgraph_cache_miss", 2), ("fxgraph_cache_bypass", 1), ("fxgraph_cache_hit", 4)):
+        counters["inductor"][key] -= n

@@ -14,9 +14,10 @@ program.finish(step)
 ```
 
 Nothing here is a second signal handler or a second requeue path: ``install()`` is the early capture
-of ``relaytrain.resilience.rank.early_signals``; the first ``should_stop()`` builds a
-``ShutdownController`` (handlers, time budget, hard deadline, agreement); ``exit_for_requeue()`` is
-its ``finish()``, i.e. ``handle_stop``. The resilience settings come from the config the launcher
+of ``relaytrain.resilience.rank.early_signals``; the first ``should_stop()`` builds the rank's
+supervision front as the trainer's loop has it (``Supervision.for_program``: the stop agreement's
+handlers, time budget, hard deadline and agreement); ``exit_for_requeue()`` is its ``record()``, i.e.
+``handle_stop``. The resilience settings come from the config the launcher
 wrote (``RELAYTRAIN_CONFIG``), else from ``install(config=...)``, else the defaults; the run directory
 (run_state.json) from ``install(run_dir=...)``, else ``RELAYTRAIN_RUN_DIR``, else ``runs/<program>``
 under the working directory. torch is imported only when the controller is built.
@@ -63,7 +64,7 @@ _state: dict[str, Any] = {
     "run": None,  # the RunDir
     "config": None,
     "previous": None,  # run_state.json as it was when install() ran
-    "controller": None,
+    "supervision": None,  # resilience.rank.supervision.Supervision, built at the first should_stop()
     "save_s": 0.0,  # the longest measured save, for the time budget
     "reason": StopReason.NONE,
 }
@@ -104,8 +105,8 @@ def _load_config(config):
 
 
 def _rank() -> int:
-    controller = _state["controller"]
-    return controller.rank if controller is not None else int(os.environ.get("RANK", "0"))
+    supervision = _state["supervision"]
+    return supervision.env.rank if supervision is not None else int(os.environ.get("RANK", "0"))
 
 
 def _log_event(event: str, step: int, **fields: Any) -> None:
@@ -157,23 +158,23 @@ def _take_run_lock(run: RunDir) -> None:
         sys.exit(USAGE_EXIT_CODE)
 
 
-def _controller():
-    """The ShutdownController, built at the first call on every rank (a collective when distributed)."""
-    if _state["controller"] is not None:
-        return _state["controller"]
+def _supervision():
+    """The rank's supervision front, built at the first call on every rank (a collective when distributed)."""
+    if _state["supervision"] is not None:
+        return _state["supervision"]
     install()
     import torch.distributed as dist
 
-    from relaytrain.resilience.rank.shutdown import ShutdownController
+    from relaytrain.resilience.rank.supervision import Supervision
 
     cfg = _load_config(_state["config"])
     _state["config"] = cfg
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else int(os.environ.get("RANK", "0"))
-    controller = ShutdownController(cfg.resilience, rank, _collective_device(), _state["run"])
-    controller.install()
-    _state["controller"] = controller
-    return controller
+    supervision = Supervision.for_program(cfg, rank, _collective_device(), _state["run"])
+    supervision.starting()
+    _state["supervision"] = supervision
+    return supervision
 
 
 def _collective_device():
@@ -208,8 +209,8 @@ def should_stop(step: int | None = None) -> bool:
     Call it at the same points on every rank (it is one MAX all-reduce when torch.distributed is
     initialized). Outside Slurm it is True only after a stop signal (SIGTERM, SIGUSR2, Ctrl-C).
     """
-    controller = _controller()
-    reason = controller.agree(controller.last_step + 1 if step is None else step, _state["save_s"])
+    supervision = _supervision()
+    reason = supervision.agree_stop(supervision.last_step + 1 if step is None else step, _state["save_s"])
     _state["reason"] = reason
     return reason != StopReason.NONE
 
@@ -232,8 +233,8 @@ def saving() -> Iterator[None]:
 
 def time_left() -> float | None:
     """Seconds until the Slurm job's end time, or None (outside Slurm, or no end time known)."""
-    if _state["controller"] is not None:
-        return _state["controller"].time_left()
+    if _state["supervision"] is not None:
+        return _state["supervision"].time_left()
     end, _ = JobFacts.from_env().end_time()
     return None if end is None else end - time.time()
 
@@ -262,13 +263,14 @@ def exit_for_requeue(step: int | None = None, *, saved: bool = True) -> NoReturn
     program's own request to continue (``program_exit``, capped like a time-limit stop). The exit
     code is 75 for every resumable stop, 130 after a Ctrl-C (the user's stop, not a requeue request).
     """
-    controller = _controller()
-    reason = controller.stop_reason if controller.stop_reason != StopReason.NONE else StopReason.PROGRAM_EXIT
-    at = controller.stop_step if step is None and controller.stop_step >= 0 else step
-    at = controller.last_step if at is None else at
-    code = controller.finish(reason, at, saved=saved)
+    supervision = _supervision()
+    agreed, agreed_at = supervision.stop_requested
+    reason = agreed if agreed != StopReason.NONE else StopReason.PROGRAM_EXIT
+    at = agreed_at if step is None and agreed_at >= 0 else step
+    at = supervision.last_step if at is None else at
+    code = supervision.record(reason, at, saved=saved)
     _log_stop(at)
-    controller.uninstall(exiting=True)
+    supervision.close(finished=False)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -296,11 +298,11 @@ def finish(step: int) -> None:
     from relaytrain.resilience.requeue import mark_finished
 
     install()
-    controller = _state["controller"]
+    supervision = _state["supervision"]
     mark_finished(_state["run"], _rank(), step)
     _log_event("finished", step)
-    if controller is not None:
-        controller.uninstall()
+    if supervision is not None:
+        supervision.close(finished=True, exiting=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,6 +102,17 @@ def on_dynamo_compile(start, end) -> None:
         callbacks.on_compile_end(end)
 
 
+def compile_cache_counts() -> dict[str, int]:
+    """`torch._dynamo.utils.counters`: this process's graphs by Inductor's FX graph cache, ``cold`` (compiled
+    from scratch: a miss, or a bypass of a graph the cache cannot hold) and ``cached`` (a hit).
+    Checked: 2.14.1."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415 - loaded on first use
+
+    inductor = counters["inductor"]
+    cold = inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"]
+    return {"cold": int(cold), "cached": int(inductor["fxgraph_cache_hit"])}
+
+
 def record_cuda_memory_history(enabled: bool, max_entries: int) -> None:
     """`torch.cuda.memory._record_memory_history` (CUDA only). Checked: 2.13 (signature, on CPU)."""
     torch.cuda.memory._record_memory_history(enabled="all" if enabled else None, max_entries=max_entries)

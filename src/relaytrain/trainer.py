@@ -36,6 +36,7 @@ from relaytrain.monitor.logs import setup_logging
 from relaytrain.monitor.time_ledger import LedgerWindows
 from relaytrain.optim import build_optimizer, lr_at, schedule_fit_warning, set_lr
 from relaytrain.parallel import parallelize
+from relaytrain.parallel.compile_cache import CompileCache
 from relaytrain.parallel.distributed import DistEnv, init_distributed, rank0_token, shutdown_distributed
 from relaytrain.parallel.layout import validate_layout
 from relaytrain.parallel.resize import resize_fields
@@ -117,6 +118,8 @@ class Trainer:
             on_event=self.metrics.log_event,
             clock=self.clock,
         )
+        if self.model.compiled:  # loaded before the first compile; written after a step that compiled
+            self.clock.add_reader(CompileCache.open(self.run_dir, env.rank, self.metrics.log_event))
         self.profiler = StepProfiler(cfg.metrics, self.run_dir, env.rank, env.device)
         self.timer = StepTimer(env.device)  # the metrics' phase times, read from the step clock
         self.clock.add_reader(self.timer)
@@ -196,11 +199,11 @@ class Trainer:
             # Failed, not a crash: the job is not requeued into the same refusal. The record keeps the step
             # the run had reached (and its checkpoint_step), so the next attempt still knows what is at stake.
             reached = recorded_step(self.run_dir) or 0
-            self.supervision.fail(StopReason.DAMAGED_CHECKPOINT, reached, saved=False, message=str(exc))
+            self.supervision.record(StopReason.DAMAGED_CHECKPOINT, reached, saved=False, message=str(exc))
             raise
         except BaseException as exc:
             user_error = str(exc) if isinstance(exc, UserError) else ""  # the step's end won't retry it
-            self.supervision.fail(StopReason.ERROR, state.step, message=repr(exc), user_error=user_error)
+            self.supervision.record(StopReason.ERROR, state.step, message=repr(exc), user_error=user_error)
             raise
         finally:
             # Before the watchdog stops: a pending async save that never commits is still a hang.

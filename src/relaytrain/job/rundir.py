@@ -194,6 +194,11 @@ class RunDir:
         """The last hang detected (job, step, culprits): the end-of-step decision reads it."""
         return self.hang / "last.json"
 
+    # -- compiled code ---------------------------------------------------------------------------------
+    def compile_cache(self, rank: int) -> Path:
+        """A rank's compiled code (parallel.compile): what a restarted process loads before it compiles."""
+        return self.root / "compile" / f"rank_{rank}.bin"
+
     # -- the Slurm job files ---------------------------------------------------------------------------
     @property
     def slurm(self) -> Path:

@@ -12,14 +12,20 @@ the loop makes a handful of calls:
   and host read (all ranks' stop reasons and NaN flags), and the NaN policy's verdict;
 - ``step_done(step)`` after each step; ``agree_after(step, reason, slow, saves)`` after its evaluation and
   saves: the stop a rank agrees to there (a stop signalled during them, `stop_at_step`, a straggler);
-- ``beat()`` around long work; ``stop(reason, step, saves)`` for an agreed stop; ``fail(...)`` when the
+- ``beat()`` around long work; ``stop(reason, step, saves)`` for an agreed stop; ``record(...)`` when the
   run ends in an error; ``close(finished)`` at the end.
+
+A program's loop (``relaytrain.program``) faces the same front, built by ``Supervision.for_program``: the
+stop agreement alone (``starting``, ``agree_stop``, ``record``, ``close``), its board unpublished, as the
+node's hang watcher cannot count a program's steps.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -27,7 +33,7 @@ import torch
 from relaytrain.config import Config
 from relaytrain.job import marks, startup
 from relaytrain.job.clock import StepClock
-from relaytrain.job.progress import Phase
+from relaytrain.job.progress import Phase, ProgressBoard
 from relaytrain.job.rundir import RunDir
 from relaytrain.resilience.codes import StopReason
 from relaytrain.resilience.rank.nan_guard import NanGuard
@@ -59,20 +65,46 @@ class Process(Ranks, Protocol):
     local_rank: int
 
 
+@dataclass(frozen=True)
+class _ProgramPlace:
+    """A program's rank as its stop agreement needs it (the other fields serve the straggler watch)."""
+
+    rank: int
+    local_rank: int
+    device: torch.device
+
+
 class Supervision:
     """One rank's supervision, built in two steps: the board, the clock and the stack signal at the
     process's start (the node's hang watcher sees the rank, and can ask for its stacks, from then on: a
     hang while the model is built is named with them), then ``watch`` once the model and the metrics
     exist."""
 
-    def __init__(self, cfg: Config, env: Process, run: RunDir):
+    def __init__(self, cfg: Config, env: Process, run: RunDir, *, publish: bool = True):
         self.cfg, self.env, self.run = cfg, env, run
         # Where this rank is, for the node's hang watcher (only in a job step that runs one), and its
         # stacks on the watcher's request: the board its start-up published its launch and rendezvous on.
-        self.board = startup.take(env.rank, env.local_rank)
+        # Unpublished (``publish=False``, a program): the watcher sees no rank it cannot judge.
+        self.board = startup.take(env.rank, env.local_rank) if publish else ProgressBoard(None, env.rank, 0)
         self.clock = StepClock(self.board, env.device)
-        marks.publish_to(self.board)  # a checkpoint's tensors and a snapshot's chunks mark progress
+        if publish:
+            marks.publish_to(self.board)  # a checkpoint's tensors and a snapshot's chunks mark progress
         self.stacks = StackSignal.register(run.stack_dump(env.rank), self.board.enabled)
+        self.watchdog: HangWatchdog | None = None
+
+    @classmethod
+    def for_program(cls, cfg: Config, rank: int, device: torch.device, run: RunDir) -> Supervision:
+        """A program's supervision (``relaytrain.program``): the stop agreement alone, built on every rank
+        once the process group exists (its one collective: the job's end time)."""
+        place = _ProgramPlace(rank, int(os.environ.get("LOCAL_RANK", "0")), torch.device(device))
+        supervision = cls(cfg, place, run, publish=False)  # type: ignore[arg-type]  (no straggler watch)
+        supervision.controller = supervision._stop_agreement()
+        return supervision
+
+    def _stop_agreement(self) -> ShutdownController:
+        return ShutdownController(
+            self.cfg.resilience, self.env.rank, self.env.device, self.run, board=self.board
+        )
 
     def watch(
         self,
@@ -91,7 +123,7 @@ class Supervision:
         rank's pipeline stage (``ParallelDims.pipeline_stages``), a rank's straggler peers."""
         cfg, env, run = self.cfg, self.env, self.run
         self.metrics = metrics
-        self.controller = ShutdownController(cfg.resilience, env.rank, env.device, run, board=self.board)
+        self.controller = self._stop_agreement()
         self.watchdog = HangWatchdog(  # the hang monitor's backstop, after its cap
             backstop_timeout_s(cfg.resilience.hang_timeout_s),
             env.rank,
@@ -138,6 +170,24 @@ class Supervision:
         # the every-step count (stop_agreement); only the step after one shows a higher last count.
         self.clock.step_done(step)
 
+    def agree_stop(self, step: int, save_estimate_s: float = 0.0) -> StopReason:
+        """The stop reason every rank agreed at ``step`` (one MAX all-reduce), without the NaN guard."""
+        return self.controller.agree(step, save_estimate_s)
+
+    @property
+    def stop_requested(self) -> tuple[StopReason, int]:
+        """The agreed stop reason and its step (``StopReason.NONE``, -1: none agreed)."""
+        return self.controller.stop_reason, self.controller.stop_step
+
+    @property
+    def last_step(self) -> int:
+        """The last step the stop agreement ran at."""
+        return self.controller.last_step
+
+    def time_left(self) -> float | None:
+        """Seconds until the job's end time, as every rank agreed it (None: no end time)."""
+        return self.controller.time_left()
+
     def saved(self, step: int) -> None:
         """A save started after ``step``: progress, as the hang timeout is per unit of work."""
         self.watchdog.beat(step)
@@ -150,7 +200,7 @@ class Supervision:
         run takes neither by itself (the stop then saves)."""
         train = self.cfg.train
         if slow:
-            reason = max(reason, self.controller.agree(step, saves.save_seconds_estimate()))
+            reason = max(reason, self.agree_stop(step, saves.save_seconds_estimate()))
         if reason == StopReason.NONE and step == train.stop_at_step < train.max_steps:
             reason = StopReason.STOP_AT_STEP
         acts = self.straggler.verdict is not None and step < train.max_steps
@@ -181,14 +231,18 @@ class Supervision:
         self.metrics.log_event("stop", step, **stop_fields(reason, self.cfg.checkpoint))
         return self.controller.finish(reason, step, facts={"straggler": straggler} if straggler else None)
 
-    def fail(self, reason: StopReason, step: int, **fields: Any) -> int:
-        """The run ends in an error (or a damaged checkpoint): recorded, not saved where ``saved=False``."""
+    def record(self, reason: StopReason, step: int, **fields: Any) -> int:
+        """The run ends without the loop's save: an error (or a damaged checkpoint), or a program's own stop
+        after its save. Recorded in run_state.json (rank 0), requeued where the policy says; the exit code."""
         return self.controller.finish(reason, step, **fields)
 
-    def close(self, finished: bool) -> None:
-        """The watchdog stops, the handlers go (``finished``: the run reached max_steps)."""
-        self.watchdog.stop()
-        self.controller.uninstall(exiting=True, finished=finished)
+    def close(self, finished: bool, exiting: bool = True) -> None:
+        """The watchdog stops, the handlers go (``finished``: the run reached its end; ``exiting``: the
+        process exits next, so the stop signals stay ignored after a stop or the end, see
+        ``ShutdownController.uninstall``)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.controller.uninstall(exiting=exiting, finished=finished)
 
     def leave(self) -> None:
         """The process leaves: the watcher sees a rank that left, not one that stopped moving."""
