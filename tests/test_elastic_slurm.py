@@ -29,7 +29,7 @@ from relaytrain.localcluster import cluster as local_cluster
 from relaytrain.slurm.jobs import nodes_per_run
 
 import faults
-from slurm_fixtures import job_fields, wait_for, wait_job_finished
+from slurm_fixtures import job_fields, slurm, wait_for, wait_job_finished
 
 pytestmark = pytest.mark.slurm
 
@@ -97,15 +97,23 @@ def test_a_node_range_job_continues_in_place_on_fewer_nodes_then_grows_back(slur
         resumed_at = [e for e in events(run_dir) if e["event"] == "resume"][-1]["step"]
         wait_for(lambda: last_step_in_place(run_dir) >= resumed_at + 3, left(), "steps on the node left")
         local_cluster.restart_node(doomed, slurm_cluster.base_dir)
-        node, doomed = doomed, None
-        # Back in service is not free yet: the step that lost it stays `completing` there a while (on a
-        # loaded machine, past the requeue's start), and the range 1-2 then starts on the other node.
-        states = local_cluster.node_states
-        wait_for(lambda: states(slurm_cluster.base_dir).get(node) == "idle", left(), f"{node} to be idle")
+        doomed = None
         assert last_step(run_dir) < STEPS, "the first run ended before the test could stop it"
-        # A stop that requeues (SIGTERM to the steps, as a preemption): the next run gets both nodes.
+        # A stop that requeues (SIGTERM to the steps, as a preemption). The range 1-2 starts on the nodes
+        # free when the requeued job is due: on a loaded machine a node may still be completing the run
+        # before (the lost node's step, or this stop's), and the job then starts on one. Held until two of
+        # the lane's nodes are idle, as an admin could, the next run gets two.
         code, out = cli("cancel", job, "--signal", "TERM")
         assert code == 0, out
+
+        def requeued() -> bool:
+            fields = job_fields(int(job))
+            return fields.get("JobState") == "PENDING" and int(fields.get("Restarts", "0")) >= 1
+
+        wait_for(requeued, 300, f"job {job} to be requeued", interval=0.2)
+        slurm("scontrol", "hold", job)
+        wait_for(lambda: idle_nodes(slurm_cluster) >= 2, 120, "2 idle nodes for the requeued job")
+        slurm("scontrol", "release", job)
         fields = wait_job_finished(int(job), timeout=300)
     finally:
         if doomed is not None:
