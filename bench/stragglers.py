@@ -90,6 +90,7 @@ def measure(factors: list[float], clean: int, hog: int, load: int = 0, command: 
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return {"command": command or "python -m bench.stragglers", "date": date,
             "cpu": machine_info().get("cpu", "?"), "cores": os.cpu_count(), "load": str(load_average()),
+            "nice": os.nice(0),  # the bench's and its busy processes' (the ranks: Slurm's daemon's)
             "load_start": load_start, "dim": dim, "seq_len": seq_len, TEST: test,
             "steps": STEPS, "throttle_at": THROTTLE_AT, "vocab_size": VOCAB,
             "settings": _settings(), "rounds": [[t.name for t in r] for r in rounds], "trials": trials,
