@@ -49,10 +49,12 @@ def _kind(trial: dict[str, Any]) -> str:
 
 def _counts(tests: list[dict[str, Any]], o) -> dict[str, list[int]]:
     """The shipped rule's counts on `tests` (`o`: its Outcome): {"slowed": [named within NAMED_WITHIN, of],
-    QUIET and BUSY: [clean trials with a report, of], "false": [trials with a false report, of]}."""
+    "slowed_false": [slowed trials with a false report, of], QUIET and BUSY: [clean trials with a report,
+    of], "false": [trials with a false report, of]}."""
     slowed = [t for t in tests if t.get("throttled_at") is not None]
     within = sum(1 for s in o.steps if s is not None and s <= NAMED_WITHIN)
     out = {"slowed": [within, len(slowed)], QUIET: [0, 0], BUSY: [0, 0], "false": [len(o.false), o.trials]}
+    out["slowed_false"] = [sum(t["name"] in o.false for t in slowed), len(slowed)]
     for t in tests:
         if t.get("throttled_at") is None:
             out[_kind(t)][0] += t["name"] in o.false
@@ -66,7 +68,7 @@ def _run_line(run: str, tests: list[dict[str, Any]], judge) -> str:
     c = _counts(mine, judge(mine))
     clean = "; ".join(f"clean {k} {c[k][0]} of {c[k][1]} with a report" for k in (QUIET, BUSY) if c[k][1])
     return (f"{run} ({mine[0][SHAPE]}): slowed {c['slowed'][0]} of {c['slowed'][1]} named within "
-            f"{NAMED_WITHIN} steps; {clean}")  # fmt: skip
+            f"{NAMED_WITHIN} steps ({c['slowed_false'][0]} with a false report); {clean}")  # fmt: skip
 
 
 def tested(tests: list[dict[str, Any]], rule, judge) -> str:

@@ -227,7 +227,10 @@ def test_a_run_kept_as_the_shipped_rules_test_is_judged_by_it_alone_and_kept_out
     assert (
         f"{test} (dim 192, seq 128, load average ? at the end, forward noise not recorded): slowed " in text
     )
-    assert "slowed 1 of 2 named within 50 steps; clean beside busy processes 1 of 1 with a report" in text
+    assert (
+        "slowed 1 of 2 named within 50 steps (0 with a false report); clean beside busy processes 1 of 1"
+        in text
+    )
     assert "Over all 1: 1 of 2 (95 % lower bound 3 %) slowed trials named within 50 steps" in text
     assert "clean trials with a report: beside busy processes 1 of 1 (95 % upper bound 100 %)" in text
     assert "without busy processes 0 of" not in text  # no such clean trial: no count
