@@ -7,6 +7,7 @@ from typing import Any
 
 from bench.bounds import rate
 from bench.straggler_noise import forward_noise, spread
+from bench.straggler_records import niceness
 
 NAMED_WITHIN = 50  # issue target: a rank >= 20 % slower named within this many steps of its slowdown
 SOURCE = "source"  # a loaded trial's key: the kept file it came from
@@ -21,8 +22,8 @@ QUIET, BUSY = "without busy processes", "beside busy processes"
 def conditions(data: dict[str, Any]) -> str:
     """A kept run's model shape, the machine's load over it, the niceness its processes ran at and the
     ranks' noise: what the rule's counts on it hold under."""
-    shape = f"dim {data.get('dim', 128)}, seq {data.get('seq_len', 64)}, {_load(data)}{_nice(data)}"
-    return f"{shape}, {forward_noise(data)}"
+    parts = [f"dim {data.get('dim', 128)}", f"seq {data.get('seq_len', 64)}", _load(data), niceness(data)]
+    return ", ".join([p for p in parts if p] + [forward_noise(data)])
 
 
 def _load(data: dict[str, Any]) -> str:
@@ -31,16 +32,6 @@ def _load(data: dict[str, Any]) -> str:
         start, end = data["load_start"][0], data["load_end"][0]
         return f"1-minute load average {start:.2f} at the start, {end:.2f} at the end"
     return f"load average {data.get('load', '?')} at the end"
-
-
-def _nice(data: dict[str, Any]) -> str:
-    """The niceness the run's busy processes and ranks ran at (results kept before it was recorded: none
-    said; they ran at the default, 0)."""
-    if "nice" not in data:
-        return ""
-    ranks = sorted({n for t in data["trials"] for n in t.get("nice", {}).values()})
-    said = f", the bench and its busy processes at nice {data['nice']}"
-    return said + (f", the ranks at nice {', '.join(map(str, ranks))}" if ranks else "")
 
 
 def _kind(trial: dict[str, Any]) -> str:
