@@ -62,7 +62,22 @@ def _run_line(run: str, tests: list[dict[str, Any]], judge) -> str:
             f"{NAMED_WITHIN} steps ({c['slowed_false'][0]} with a false report); {clean}")  # fmt: skip
 
 
-def tested(tests: list[dict[str, Any]], rule, judge) -> str:
+def too_soon(tests: list[dict[str, Any]], o, rule, every: int) -> str:
+    """The slowed trials named sooner after their throttle than the rule can see a slowdown (``needed``
+    whole windows after it): windows from before the throttle counted towards the naming, so the rank
+    was over the threshold before anything slowed it."""
+    slowed = [t for t in tests if t.get("throttled_at") is not None]
+    soon = [f"{t['name']} ({s} steps)" for t, s in zip(slowed, o.steps, strict=True)
+            if s is not None and s < rule.needed * every]  # fmt: skip
+    if not soon:
+        return ""
+    return (
+        f" Named sooner than {rule.needed} windows of {every} steps after the throttle, so with windows "
+        f"from before it over the threshold: {len(soon)} of {len(slowed)} slowed trials ({', '.join(soon)})."
+    )
+
+
+def tested(tests: list[dict[str, Any]], rule, judge, every: int) -> str:
     """The shipped rule on the runs kept as its test (`bench.stragglers --test`): runs that played no part
     in any choice, judged by the rule as shipped (`judge`: trials -> Outcome), run by run with the
     conditions each ran under, then pooled with 95 % bounds, the clean trials apart by whether busy
@@ -82,7 +97,7 @@ def tested(tests: list[dict[str, Any]], rule, judge) -> str:
         + "; ".join(_run_line(run, tests, judge) for run in runs)
         + f". Over all {len(runs)}: {rate(*c['slowed'], 'lower')} slowed trials named within {NAMED_WITHIN} "
         f"steps; clean trials with a report: {clean}; trials with a false report "
-        f"{rate(*c['false'], 'upper')}."
+        f"{rate(*c['false'], 'upper')}.{too_soon(tests, o, rule, every)}"
     )
     wrong = ", ".join([*late, *(f"{n} (false report)" for n in o.false)])
     if not wrong:

@@ -266,7 +266,7 @@ def render(paths: list[str]) -> str:
         f"* {_best(outcomes, slowed)}",
         f"* {_held_out(per_run, runs, len(timed))}",
         f"* {_untuned(per_run, runs)}",
-        f"* {TUNING} {tested(tests, rule, lambda trials: judge_trials(rule, trials, every))}",
+        f"* {TUNING} {tested(tests, rule, lambda trials: judge_trials(rule, trials, every), every)}",
         "",
         table(["rule", f"named within {NAMED_WITHIN} steps", "steps from throttle to the line",
                "trials with a false report", "false reports in"], rows),  # fmt: skip

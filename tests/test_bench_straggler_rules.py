@@ -239,3 +239,20 @@ def test_a_run_kept_as_the_shipped_rules_test_is_judged_by_it_alone_and_kept_out
     )
     assert "Still open" not in text
     assert "Still open: two fresh runs" in rules.render([chosen])
+
+
+def test_a_slowed_rank_named_before_the_rule_could_see_its_slowdown_is_named_as_such():
+    """Named 10 steps after its throttle, with 5 windows of 5 steps needed: three windows from before the
+    throttle were over the threshold, so the naming is not the throttle's alone, and the page says so."""
+    from bench.straggler_rule_test import too_soon
+
+    rule = rules.shipped_rule()
+    early = {**slowed("early", []), "windows": windows([1.0] * 3 + [1.3] * 21)}  # over from step 16 on
+    trials = [early, slowed("normal", [1.3] * 18), clean("c", [1.0] * 24)]
+    o = rules.judge_trials(rule, trials, EVERY)
+    assert o.steps == [10, 25] and o.false == []
+    assert too_soon(trials, o, rule, EVERY) == (
+        " Named sooner than 5 windows of 5 steps after the throttle, so with windows from before it over the "
+        "threshold: 1 of 2 slowed trials (early (10 steps))."
+    )
+    assert too_soon(trials[1:], rules.judge_trials(rule, trials[1:], EVERY), rule, EVERY) == ""
