@@ -244,15 +244,35 @@ def test_a_run_kept_as_the_shipped_rules_test_is_judged_by_it_alone_and_kept_out
 def test_a_slowed_rank_named_before_the_rule_could_see_its_slowdown_is_named_as_such():
     """Named 10 steps after its throttle, with 5 windows of 5 steps needed: three windows from before the
     throttle were over the threshold, so the naming is not the throttle's alone, and the page says so."""
-    from bench.straggler_rule_test import too_soon
+    from bench.straggler_rule_test import _failures, too_soon
 
     rule = rules.shipped_rule()
     early = {**slowed("early", []), "windows": windows([1.0] * 3 + [1.3] * 21)}  # over from step 16 on
     trials = [early, slowed("normal", [1.3] * 18), clean("c", [1.0] * 24)]
     o = rules.judge_trials(rule, trials, EVERY)
     assert o.steps == [10, 25] and o.false == []
-    assert too_soon(trials, o, rule, EVERY) == (
+    failed, soon = _failures(trials, o, rule, EVERY, lambda name: f"{name} of run")
+    assert failed == [] and soon == ["early of run (10 steps)"]
+    assert too_soon(soon, 2, rule, EVERY) == (
         " Named sooner than 5 windows of 5 steps after the throttle, so with windows from before it over the "
-        "threshold: 1 of 2 slowed trials (early (10 steps))."
+        "threshold: 1 of 2 slowed trials (early of run (10 steps))."
     )
-    assert too_soon(trials[1:], rules.judge_trials(rule, trials[1:], EVERY), rule, EVERY) == ""
+    assert _failures(trials[1:], rules.judge_trials(rule, trials[1:], EVERY), rule, EVERY, str)[1] == []
+    assert too_soon([], 1, rule, EVERY) == ""
+
+
+def test_the_rules_test_sums_its_runs_counts_though_their_trials_share_names():
+    """Two test runs each with a clean trial "c0", reported in one only: 1 of 2 with a report, the failure
+    named with its run (a count over the pooled trials by name would say 2 of 2)."""
+    from bench.straggler_rule_test import SHAPE, SOURCE, tested
+
+    rule = rules.shipped_rule()
+    tests = [{**clean("c0", [1.3] * 24), SOURCE: "bench/results/a.json", SHAPE: "shape a"},
+             {**clean("c0", [1.0] * 24), SOURCE: "bench/results/b.json", SHAPE: "shape b"}]  # fmt: skip
+    text = tested(tests, rule, lambda trials: rules.judge_trials(rule, trials, EVERY), EVERY)
+    assert (
+        "bench/results/a.json (shape a): slowed 0 of 0 named within 50 steps (0 with a false report); "
+        in text
+    )
+    assert "clean trials with a report: beside busy processes 1 of 2 (95 % upper bound 97 %);" in text
+    assert "On these runs the rule fails: c0 of a (false report)." in text
