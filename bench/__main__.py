@@ -316,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     order = [*ORDER, LINKS]
     plan = Plan(quick=args.quick, threads=args.threads or os.cpu_count() or 1)
     command = (
-        "python -m bench" + (" --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "")
+        "python -m bench"
+        + (" --quick" if args.quick else "")
+        + (f" --only {args.only}" if args.only else "")
+        + (f" --threads {args.threads}" if args.threads else "")
     )
     info = machine_info()
     results: dict = {"machine": info, "command": command}

@@ -8,10 +8,10 @@ import statistics
 TEST = "test_of_shipped_rule"  # a kept run's key: it tests the shipped rule (bench.stragglers --test)
 
 
-def spread(data: dict) -> str:
-    """How far apart the two ranks' fastest times per phase were in windows where nothing slowed either
-    (the clean runs without busy processes, the slowed runs before their throttle): the noise a threshold
-    must clear, per phase the detector compares."""
+def apart(data: dict) -> dict[str, list[float]]:
+    """Per phase the detector compares, how far apart the two ranks' fastest times were in each window
+    where nothing slowed either (the clean runs without busy processes, the slowed runs before their
+    throttle): the noise a threshold must clear."""
     from relaytrain.resilience.rank.straggler import MIN_PHASE_S, PHASES
     from relaytrain.resilience.rank.straggler_watch import judged_times
 
@@ -19,7 +19,7 @@ def spread(data: dict) -> str:
 
     # the floor the runs compared phases from (results kept before it was recorded: MIN_PHASE_S)
     floor = float(data.get("settings", {}).get("min_phase_s", MIN_PHASE_S))
-    apart: dict[str, list[float]] = {p: [] for p in PHASES}
+    out: dict[str, list[float]] = {p: [] for p in PHASES}
     for trial in data["trials"]:
         if trial["hog"] or trial.get("error"):
             continue
@@ -34,11 +34,25 @@ def spread(data: dict) -> str:
             for i, phase in enumerate(PHASES):
                 a, b = judged[0][0][i], judged[0][1][i]
                 if min(a, b) >= floor:
-                    apart[phase].append(abs(b / a - 1))
+                    out[phase].append(abs(b / a - 1))
+    return out
+
+
+def forward_noise(data: dict) -> str:
+    """One run's noise in the phase the shipped rule names ranks by ("forward"), for a line per run."""
+    values = apart(data)["forward"]
+    if not values:
+        return "forward noise not recorded"
+    return f"forward noise {100 * statistics.median(values):.1f} % (median of {len(values)} windows)"
+
+
+def spread(data: dict) -> str:
+    """How far apart the two ranks' fastest times per phase were in windows where nothing slowed either
+    (`apart`), per phase the detector compares."""
     shown = [
         f"{phase} {100 * statistics.median(v):.1f} % (95th percentile {100 * _percentile(v, 0.95):.1f} %, "
         f"{len(v)} windows)"
-        for phase, v in apart.items()
+        for phase, v in apart(data).items()
         if v
     ]
     if not shown:

@@ -37,3 +37,13 @@ def matrix_from_record(record: dict[str, Any], ranks: int) -> list[list[float]]:
         return float(record[key])
 
     return [[value(rank, column) for column in RECORD_COLUMNS] for rank in range(ranks)]
+
+
+def niceness(data: dict) -> str:
+    """The niceness a kept straggler run's bench (and its busy processes) and ranks ran at; results kept
+    before it was recorded: "" (all ran at the default, 0)."""
+    if "nice" not in data:
+        return ""
+    ranks = sorted({n for t in data["trials"] for n in t.get("nice", {}).values()})
+    said = f"the bench and its busy processes at nice {data['nice']}"
+    return said + (f", the ranks (started by Slurm) at nice {', '.join(map(str, ranks))}" if ranks else "")

@@ -30,9 +30,9 @@ from relaytrain.resilience.rank.straggler_watch import judged_times
 from bench import kept
 from bench.bounds import rate
 from bench.report import table, write_page
-from bench.straggler_noise import TEST
+from bench.straggler_noise import TEST, forward_noise
 from bench.straggler_records import matrix_from_record, phase_timed, stages_from_record
-from bench.straggler_rule_test import NAMED_WITHIN, SHAPE, SOURCE, tested
+from bench.straggler_rule_test import NAMED_WITHIN, SHAPE, SOURCE, conditions, tested
 
 SECTION = "straggler-rules"
 THRESHOLDS = (0.10, 0.15, 0.20)
@@ -195,21 +195,13 @@ def load_trials(paths: list[str]) -> tuple[list[dict[str, Any]], int, list[str]]
         every.add(int(data["settings"]["every"]))
         rule = run_rule(data["settings"])
         test = bool(data.get(TEST))
-        shape = f"dim {data.get('dim', 128)}, seq {data.get('seq_len', 64)}, {_load(data)}"
+        shape = conditions(data) if test else ""  # the conditions a test of the shipped rule ran under
         usable = [{**t, RULE: rule, SOURCE: kept.relative(path), TESTS: test, SHAPE: shape} for t in usable]
         trials += usable
         commands.append(f"`{data.get('command', '?')}` ({data.get('date', '?')}, {kept.relative(path)})")
     if len(every) != 1:
         raise ValueError(f"the kept runs judged windows of different lengths ({sorted(every)} steps)")
     return trials, every.pop(), commands
-
-
-def _load(data: dict[str, Any]) -> str:
-    """The machine's 1-minute load average over a run, as it recorded it (at its start and end)."""
-    if "load_start" in data:
-        start, end = data["load_start"][0], data["load_end"][0]
-        return f"1-minute load average {start:.2f} at the start, {end:.2f} at the end"
-    return f"load average {data.get('load', '?')} at the end"
 
 
 def default_results() -> list[str]:
@@ -274,7 +266,7 @@ def render(paths: list[str]) -> str:
         f"* {_best(outcomes, slowed)}",
         f"* {_held_out(per_run, runs, len(timed))}",
         f"* {_untuned(per_run, runs)}",
-        f"* {TUNING} {tested(tests, rule, judge_trials(rule, tests, every) if tests else None)}",
+        f"* {TUNING} {tested(tests, rule, lambda trials: judge_trials(rule, trials, every), every)}",
         "",
         table(["rule", f"named within {NAMED_WITHIN} steps", "steps from throttle to the line",
                "trials with a false report", "false reports in"], rows),  # fmt: skip
@@ -286,7 +278,8 @@ def _on_run(path: str, trials: list[dict[str, Any]], every: int) -> str:
     the ranking, with why."""
     mine = [t for t in trials if t[SOURCE] == kept.relative(path)]
     o = judge_trials(shipped_rule(), mine, every)
-    text = (f"{path} (judged by {mine[0][RULE].label}): {o.within} of {len(o.steps)} named within "
+    noise = forward_noise({"trials": mine, "settings": {"min_phase_s": mine[0][RULE].min_phase_s}})
+    text = (f"{path} (judged by {mine[0][RULE].label}; {noise}): {o.within} of {len(o.steps)} named within "
             f"{NAMED_WITHIN} steps, {len(o.false)} of {len(mine)} with a false report")  # fmt: skip
     if mine[0][TESTS]:
         text += " (a test of the shipped rule: kept out of every choice and of the ranking)"

@@ -30,6 +30,7 @@ from pathlib import Path
 from bench import kept
 from bench.report import REPO, load_average, machine_info, table, write_page
 from bench.straggler_noise import TEST, spread
+from bench.straggler_records import niceness
 
 SECTION = "stragglers"
 # A run kept as the shipped rule's test (`--test`, its key straggler_noise.TEST): bench.straggler_rules
@@ -90,6 +91,7 @@ def measure(factors: list[float], clean: int, hog: int, load: int = 0, command: 
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return {"command": command or "python -m bench.stragglers", "date": date,
             "cpu": machine_info().get("cpu", "?"), "cores": os.cpu_count(), "load": str(load_average()),
+            "nice": os.nice(0),  # the bench's and its busy processes' (the ranks: Slurm's daemon's)
             "load_start": load_start, "dim": dim, "seq_len": seq_len, TEST: test,
             "steps": STEPS, "throttle_at": THROTTLE_AT, "vocab_size": VOCAB,
             "settings": _settings(), "rounds": [[t.name for t in r] for r in rounds], "trials": trials,
@@ -242,7 +244,12 @@ def _loads(data: dict) -> str:
     said = f"load average 1/5/15 min {start} at the start, {end} at the end"
     if max(data["load_start"][0], data["load_end"][0]) > data["cores"]:
         said += ": above the core count, other processes held the cores"
-    return said
+    return said + "; " * ("nice" in data) + niceness(data)
+
+
+def _trial_load(trial: dict) -> str:
+    """The machine's 1-minute load average at a trial's start and end (results kept before: "–")."""
+    return " → ".join(f"{v:.1f}" for v in trial["load"]) if trial.get("load") else "–"
 
 
 def _model(data: dict) -> str:
@@ -292,9 +299,10 @@ def render(data: dict, source: str) -> str:
                         "named at step", "steps to the line", "named", "rank and node right",
                         "detector's measure", "error"],
                        rows)  # fmt: skip
-    false = [(t["name"], _busy(t["hog"], data["cores"]), t["state"], len(t["named"]), t["error"] or "")
-             for t in clean]  # fmt: skip
-    false_table = table(["run", "busy processes beside it", "job", "false reports", "error"], false)
+    false = [(t["name"], _busy(t["hog"], data["cores"]), _trial_load(t), t["state"], len(t["named"]),
+              t["error"] or "") for t in clean]  # fmt: skip
+    false_table = table(["run", "busy processes beside it", "load average (1 min)", "job", "false reports",
+                         "error"], false)  # fmt: skip
     cost = data["cost"]
     wrong = sum(1 for t in slowed if any(n["rank"] != t["rank"] for n in t["named"]))
     early = sum(1 for t in slowed if t["throttled_at"] is not None and t["named"]

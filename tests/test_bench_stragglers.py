@@ -144,3 +144,21 @@ def test_a_rank_named_at_or_before_its_throttle_is_a_false_report_not_a_detectio
     text = page({**trial, "named": [early]}, {**trial, "named": [late]})
     assert "1 of 2 slowed runs whose throttle caused a slowdown of 1.2x or more" in text
     assert "the throttled rank named at or before its throttle's step (a false report): 1 of 2" in text
+
+
+def test_the_page_says_the_niceness_and_each_clean_trials_load():
+    """The conditions a run was measured under: the bench's niceness (its busy processes inherit it), the
+    ranks' as read back, and the machine's load at each clean trial's start and end."""
+    clean = {"name": "clean0", "factor": 1.0, "hog": 0, "named": [], "state": "COMPLETED", "error": "",
+             "nice": {"0": 0, "1": 0}, "load": [3.04, 12.5]}  # fmt: skip
+    data = {"date": "d", "cpu": "c", "cores": 2, "steps": 120, "throttle_at": 30, "nice": 10,
+            "load_start": [3.0, 2.0, 1.0], "load_end": [12.5, 9.0, 5.0],
+            "cost": {"steps": 1, "cost_per_step_s": 1e-4, "mean_step_s": 0.1, "cost_share": 0.001},
+            "trials": [clean]}  # fmt: skip
+    text = stragglers.render(data, "bench/results/stragglers.json")
+    assert (
+        "at the end: above the core count, other processes held the cores; the bench and its busy processes "
+        "at nice 10, the ranks (started by Slurm) at nice 0)" in text
+    )
+    assert "| clean0 | none | 3.0 → 12.5 | COMPLETED | 0 |" in text
+    assert "| clean0 | none | – |" in page({**clean, "load": []})  # results kept before: no load

@@ -120,6 +120,8 @@ class Trial:
     state: str = ""
     seconds: float = 0.0
     error: str = ""
+    load: list[float] = field(default_factory=list)  # the machine's 1-minute load average: start, end
+    nice: dict[str, int] = field(default_factory=dict)  # each rank's process's niceness, read back
 
     @property
     def first(self) -> dict | None:
@@ -210,17 +212,21 @@ def _last_step(run_dir: Path) -> int:
     return max((int(r["step"]) for r in _records(run_dir, "train")), default=0)
 
 
-def pin_ranks(job: str, run_dir: Path, ranks: int = 2) -> dict[str, list[int]]:
-    """Every thread of rank r's process onto CPU r (of this machine's), from outside the run, once the
-    run logged its first step (its threads are started): each node of the cluster then has a core of its
-    own, as a real node does, so a quota of 1/factor of a CPU slows the rank by factor. The evidence it
-    landed: {rank: the CPUs its threads were read back on}; RuntimeError where one is elsewhere."""
+def started_ranks(job: str, run_dir: Path, ranks: int = 2) -> dict[int, int]:
+    """{rank: its process's pid} once the run logged its first step (its threads are started)."""
 
     def started() -> dict[int, int] | None:
         pids = {r: throttle.rank_pid(job, r) for r in range(ranks)} if _last_step(run_dir) >= 1 else {}
         return pids if pids and all(pids.values()) else None  # type: ignore[return-value]
 
-    pids = wait(started, 180, f"job {job}'s ranks to start", interval=0.2)
+    return wait(started, 180, f"job {job}'s ranks to start", interval=0.2)
+
+
+def pin_ranks(pids: dict[int, int]) -> dict[str, list[int]]:
+    """Every thread of rank r's process (`pids`: started_ranks) onto CPU r (of this machine's), from
+    outside the run: each node of the cluster then has a core of its own, as a real node does, so a quota
+    of 1/factor of a CPU slows the rank by factor. The evidence it landed: {rank: the CPUs its threads
+    were read back on}; RuntimeError where one is elsewhere."""
     landed = {}
     for rank, pid in pids.items():
         cpu = rank % (os.cpu_count() or 1)
@@ -245,6 +251,7 @@ def pin_threads(pid: int, cpu: int) -> set[int]:
 
 def run_trial(trial: Trial, runs: Path, model: str = TRIAL_MODEL) -> Trial:
     start = time.time()
+    trial.load = [round(os.getloadavg()[0], 2)]
     config = runs.parent / f"{trial.name}.toml"
     config.write_text(straggler_config(trial.name, runs, STEPS, model, TRIAL_TIME))
     out = relaytrain("launch", str(config), "--nodes", "2", "--tasks-per-node", "1")
@@ -253,8 +260,10 @@ def run_trial(trial: Trial, runs: Path, model: str = TRIAL_MODEL) -> Trial:
     pid = None
     try:
         run_dir = runs / trial.name
+        pids = started_ranks(trial.job, run_dir)
+        trial.nice = {str(r): os.getpriority(os.PRIO_PROCESS, pid) for r, pid in pids.items()}
         if trial.pinned:
-            trial.pinned_to = pin_ranks(trial.job, run_dir)
+            trial.pinned_to = pin_ranks(pids)
         if trial.factor > 1:
             pid = wait(lambda: _last_step(run_dir) >= THROTTLE_AT and throttle.rank_pid(trial.job, 1),
                        180, f"job {trial.job} to reach step {THROTTLE_AT}", interval=0.2)  # fmt: skip
@@ -285,4 +294,5 @@ def run_trial(trial: Trial, runs: Path, model: str = TRIAL_MODEL) -> Trial:
         if trial.job:
             subprocess.run(["scancel", trial.job], capture_output=True, timeout=30)
     trial.seconds = round(time.time() - start, 1)
+    trial.load.append(round(os.getloadavg()[0], 2))
     return trial
