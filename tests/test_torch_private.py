@@ -351,3 +351,22 @@ def test_on_dynamo_compile_calls_each_once_around_a_compiled_graph():
     torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
     assert seen == ["start", "end"]
     torch._dynamo.reset()
+
+
+def test_published_fsdp_comms_run_fsdps_own_calls_inside_the_named_collective(world):
+    import contextlib
+
+    inside: list[str] = []
+
+    @contextlib.contextmanager
+    def collective(name):
+        inside.append(name)
+        yield
+        inside.append("left")
+
+    gather, scatter = tp.published_fsdp_comms(collective)
+    out = torch.zeros(3)
+    assert gather(output_tensor=out, input_tensor=torch.ones(3), group=world) is None
+    scatter(output_tensor=out, input_tensor=torch.full((3,), 2.0), group=world, op=dist.ReduceOp.SUM)
+    assert torch.equal(out, torch.full((3,), 2.0))
+    assert inside == ["fsdp_all_gather", "left", "fsdp_reduce_scatter", "left"]
