@@ -82,7 +82,8 @@ def env(**faults) -> dict[str, str]:
 def setup_line(**faults) -> str:
     """A shell line (no single quotes: it goes into TOML literal strings) that arms the faults for the
     rest of a Slurm batch script and its job steps (srun passes the environment on)."""
-    exports = [f"{k}={v}" for k, v in variables(**faults).items()]
+    # a value with a space (a phase's label: `checkpoint save`) in double quotes
+    exports = [f'{k}="{v}"' if " " in v else f"{k}={v}" for k, v in variables(**faults).items()]
     return f"export {' '.join(exports)} PYTHONPATH={PYTHONPATH_DIR}${{PYTHONPATH:+:$PYTHONPATH}}"
 
 

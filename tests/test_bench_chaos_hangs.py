@@ -4,6 +4,8 @@ are read and judged, and how its section is written, on synthetic runs (fast, no
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import tomllib
 from dataclasses import asdict
 from datetime import datetime
@@ -154,6 +156,26 @@ def test_the_faults_own_landed_line_gives_its_time_not_the_step_delays():
     assert fault_landed(job_log, "hang_loader_stall", 1) == ("data loader stall at step 9 on rank 1", 102.75)
     assert fault_landed(job_log, "hang_fifo", 1) is None
     assert fault_landed(job_log, "slow_rank", 1) is None
+
+
+def test_a_phase_kinds_landed_line_is_the_ranks_own_sigstop_in_that_phase():
+    job_log = log(
+        "relaytrain-faults: landed: SIGSTOP in evaluation on rank 0 [t=100.5]",
+        "relaytrain-faults: landed: SIGSTOP in checkpoint save on rank 1 [t=101.25]",
+    )
+    assert fault_landed(job_log, "hang_stop_eval", 0) == ("SIGSTOP in evaluation on rank 0", 100.5)
+    assert fault_landed(job_log, "hang_stop_save", 1) == ("SIGSTOP in checkpoint save on rank 1", 101.25)
+    assert (
+        fault_landed(job_log, "hang_stop_eval", 1) is None
+        and fault_landed(job_log, "hang_stop_compile", 0) is None
+    )
+    setup = first_run_setup(rank=1, stop_in_phase="checkpoint save")  # a shell line: the label quoted
+    assert 'RELAYTRAIN_FAULT_STOP_IN_PHASE="checkpoint save"' in setup and "'" not in setup
+    echo = f'{setup}; echo "$RELAYTRAIN_FAULT_STOP_IN_PHASE"'
+    shown = subprocess.run(
+        ["sh", "-c", echo], capture_output=True, text=True, env={"PATH": os.environ["PATH"]}, check=True
+    )
+    assert shown.stdout == "checkpoint save\n"
 
 
 def test_kinds_are_interleaved_and_checked():

@@ -29,7 +29,16 @@ STAMP = re.compile(r"^\[[^\]]*\]\s*")  # `[relaytrain 2026-11-27T03:07:48] ` in 
 SLOW = "straggler hint:"  # the hang monitor's line of a rank behind (issue 53)
 SLOW_BEFORE = "slow rank:"  # its name in trials kept before issue 53
 DETECTION_TARGET_S = 60.0  # the issue's target for the debug config
+# A rank that stops itself (SIGSTOP) as it publishes a phase (faults/: stop_in_phase), issue 53's cases:
+# (b) a graph's compilation, (e) a sync save of the 1.2 GB wide state, (f) an evaluation. Each runs the
+# config of the clean variant named (chaos_hangs_clean.py), with that checkpoint.mode.
+PHASE_KINDS = {
+    "hang_stop_compile": ("compilation", "compile", "async"),
+    "hang_stop_save": ("checkpoint save", "wide", "sync"),
+    "hang_stop_eval": ("evaluation", "debug", "async"),
+}
 HANG_KINDS = ("hang_stop_rank0", "hang_stop_rank1", "hang_fifo", "hang_loader_stall", "hang_skip_collective")
+HANG_KINDS += tuple(PHASE_KINDS)
 KINDS = (*HANG_KINDS, "slow_rank", "clean")
 _STAMPS = (
     re.compile(r"\[relaytrain (\d{4}-\d\d-\d\d)T(\d\d:\d\d:\d\d(?:\.\d+)?)\]"),  # the batch driver's log()
