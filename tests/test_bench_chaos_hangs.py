@@ -12,6 +12,8 @@ from datetime import datetime
 
 import pytest
 
+from relaytrain.resilience.hangs.monitor import NEAREST
+
 from bench.cluster import chaos
 from bench.cluster.chaos_hangs import HANG_ALLOWED, draw, fault_landed, first_run_setup, watched_rank
 from bench.cluster.chaos_hangs_clean import (
@@ -31,7 +33,7 @@ from bench.cluster.chaos_hangs_judge import (
     line_time,
     slow_lines,
 )
-from bench.cluster.chaos_hangs_page import render_hangs_section
+from bench.cluster.chaos_hangs_page import render_hangs_section, targets
 from bench.cluster.chaos_page import results_data
 from bench.cluster.chaos_run import STEPS, Bench
 from bench.cluster.harness import RunFiles
@@ -145,6 +147,23 @@ def test_a_clean_run_fails_on_any_hang_line():
     assert false.detections == 1 and not false.ok
     with pytest.raises(ValueError, match="no hang trial kind 'hang'"):
         judge(hang_trial(kind="hang"), log(), {}, [])
+
+
+def test_a_clean_run_keeps_per_phase_the_pause_nearest_its_limit_over_its_job_steps(tmp_path):
+    no_restart = [r for r in records() if not r.get("step_restart")]
+    clean = hang_trial(kind="clean", rank=-1, node="")
+    steps = [
+        f"{NEAREST} forward/backward 3.0 s of 40 s; set-up 10.5 s of 120 s",
+        f"{NEAREST} checkpoint save 30.0 s of 80 s; forward/backward 8.0 s of 40 s",
+    ]
+    judge(clean, log(*steps), {}, no_restart)
+    assert clean.nearest == {"forward/backward": [8.0, 40.0], "set-up": [10.5, 120.0],
+                             "checkpoint save": [30.0, 80.0]}  # fmt: skip
+    page = targets([clean])
+    assert (
+        "checkpoint save 30 s of 80 s (38%); forward/backward 8 s of 40 s (20%); set-up 10.5 s of 120 s"
+        in page
+    )
 
 
 def test_the_faults_own_landed_line_gives_its_time_not_the_step_delays():

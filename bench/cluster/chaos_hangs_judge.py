@@ -20,6 +20,7 @@ from datetime import datetime
 from typing import Any
 
 from relaytrain.resilience.batch.crash import RESTARTED
+from relaytrain.resilience.hangs.monitor import NEAREST
 
 from bench.cluster.ledger_figures import time_adds_up
 
@@ -82,6 +83,9 @@ class HangTrial:
     verify_exit: int | None = None  # as chaos_run.Trial's
     verify: list[str] = field(default_factory=list)
     ledger: dict = field(default_factory=dict)
+    # a clean trial's: per phase, the pause that came nearest its limit over the run's job steps (the hang
+    # monitor's line), as [pause s, limit s]
+    nearest: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -183,6 +187,27 @@ def _judge_backend_mismatch(trial: HangTrial, records: list[dict[str, Any]]) -> 
     )
 
 
+NEAREST_PART = re.compile(r"(?P<phase>[^;]+?) (?P<idle>\d+(?:\.\d+)?) s of (?P<limit>\d+(?:\.\d+)?) s")
+
+
+def nearest_pauses(log: str) -> dict[str, list[float]]:
+    """Per phase, the pause nearest its limit over every `hang monitor: the pause nearest its limit, per
+    phase:` line of a job log (one per job step that ended without a hang), as [pause, limit]."""
+    nearest: dict[str, list[float]] = {}
+    for line in log.splitlines():
+        if NEAREST not in line:
+            continue
+        for part in line.split(NEAREST, 1)[1].split(";"):
+            m = NEAREST_PART.fullmatch(part.strip())
+            if m is None:
+                continue
+            idle, limit = float(m["idle"]), float(m["limit"])
+            was = nearest.get(m["phase"])
+            if limit > 0 and (was is None or idle / limit > was[0] / was[1]):
+                nearest[m["phase"]] = [idle, limit]
+    return nearest
+
+
 def restarted_for_the_kill(crashes: Sequence[dict[str, Any]]) -> bool:
     """crashes.jsonl holds a restart in place whose cause is not a hang (the killed rank's crash)."""
     return any(c.get("action") == RESTARTED and not c.get("hang") for c in crashes)
@@ -204,6 +229,8 @@ def judge(
     if again is not None and trial.fault_time is not None:
         trial.restart_s = round(float(again["time"]) - trial.fault_time, 1)
     trial.culprits = [c for c in record.get("culprits") or [] if isinstance(c, dict)]
+    if trial.kind == "clean":
+        trial.nearest = nearest_pauses(log)
     if trial.kind == "hang_skip_collective" and not found and MISMATCH in log:
         _judge_backend_mismatch(trial, records)
     elif trial.kind in HANG_KINDS:
