@@ -27,6 +27,7 @@ from faults.pythonpath.relaytrain_faults import (
     SLOW_FROM_STEP_ENV,
     STALL_AT_STEP_ENV,
     STEP_DELAY_ENV,
+    STOP_IN_JOB_STEP_ENV,
     STOP_IN_PHASE_ENV,
 )
 
@@ -42,6 +43,7 @@ HANG_FAULTS = {
     "slow_factor": SLOW_FACTOR_ENV,
     "slow_from_step": SLOW_FROM_STEP_ENV,
     "stop_in_phase": STOP_IN_PHASE_ENV,
+    "stop_in_job_step": STOP_IN_JOB_STEP_ENV,
 }
 
 

@@ -17,10 +17,12 @@ hang monitor, with its default floor and multiple, is what acts. The kinds
   afterwards if nothing did.
 * ``hang_fifo``: the rank's data fetch opens a FIFO with no writer (blocked in the kernel: a dead mount).
 * ``hang_loader_stall``: the rank's data fetch waits forever on an Event (a deadlocked loader).
-* ``hang_stop_compile``, ``hang_stop_save``, ``hang_stop_eval`` (issue 53's cases b, e, f): the rank
-  (index % 2) SIGSTOPs itself right after it published the phase (faults/: ``stop_in_phase``; its landed
-  line gives the time): a graph's compilation (the ``compile`` variant's config), a sync checkpoint save
-  of the 1.2 GB ``wide`` state, the debug run's first evaluation.
+* ``hang_stop_restore``, ``hang_stop_compile``, ``hang_stop_rendezvous``, ``hang_stop_save``,
+  ``hang_stop_eval`` (issue 53's cases a, b, c, e, f): the rank (index % 2) SIGSTOPs itself right after
+  it published the phase (faults/: ``stop_in_phase``; its landed line gives the time): the restore of the
+  1.2 GB ``wide`` state and the rendezvous, both in the restart in place that follows the bench's
+  SIGKILL of the other rank (after step 3 of wide, 5 of debug); a graph's compilation (the ``compile``
+  variant's config); a sync checkpoint save of the ``wide`` state; the debug run's first evaluation.
 * ``hang_skip_collective``: the rank skips the all-reduce of its logged loss once (desynchronised). On
   gloo its next collective is paired with the one the others wait in and gloo fails both at once (size
   mismatch): a crash, restarted in place, which the trial records as such (no hang to detect).
@@ -165,7 +167,7 @@ class HangTrials:
         bench = self.bench
         if trial.kind == "clean" or trial.kind in PHASE_KINDS:
             trial.variant, trial.mode = (
-                PHASE_KINDS[trial.kind][1:]
+                PHASE_KINDS[trial.kind][1:3]
                 if trial.kind in PHASE_KINDS
                 else clean_variant(trial.index, self.variants)
             )
@@ -263,9 +265,18 @@ class HangTrials:
         """The rank SIGSTOPs itself as it publishes the kind's phase (faults/: stop_in_phase), in its
         variant's config; detected, named and restarted in place like a SIGSTOP from outside."""
         trial.rank = trial.index % 2
+        label, _, _, job_step = PHASE_KINDS[trial.kind]
         overrides = (*OVERRIDES, f"--checkpoint.mode={trial.mode}")
-        setup = first_run_setup(rank=trial.rank, stop_in_phase=PHASE_KINDS[trial.kind][0])
+        setup = first_run_setup(rank=trial.rank, stop_in_phase=label, stop_in_job_step=job_step)
         trial.job = bench.launch(run.name, *overrides, setup=setup, nodes=NODES)
+        if job_step == 1:  # the other rank SIGKILLed after a save: the step restarts in place, and restores
+            killed, after = 1 - trial.rank, 3 if trial.variant == "wide" else 5
+            wait(lambda: self._last_step(run) >= after, 600, f"step {after}")
+            pid, node, source = locate(run, trial.job, killed)
+            trial.hit += [
+                *kill_pids(trial.job, [pid], killed),
+                f"pid {pid} (rank {killed} on {node}) from {source}",
+            ]
         text, trial.fault_time = wait(lambda: fault_landed(run.job_log(), trial.kind, trial.rank), 600,
                                       "the fault's landed line in the job log")  # fmt: skip
         pid, trial.node, source = locate(run, trial.job, trial.rank)

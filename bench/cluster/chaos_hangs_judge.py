@@ -31,12 +31,16 @@ SLOW = "straggler hint:"  # the hang monitor's line of a rank behind (issue 53)
 SLOW_BEFORE = "slow rank:"  # its name in trials kept before issue 53
 DETECTION_TARGET_S = 60.0  # the issue's target for the debug config
 # A rank that stops itself (SIGSTOP) as it publishes a phase (faults/: stop_in_phase), issue 53's cases:
-# (b) a graph's compilation, (e) a sync save of the 1.2 GB wide state, (f) an evaluation. Each runs the
-# config of the clean variant named (chaos_hangs_clean.py), with that checkpoint.mode.
+# (a) the restore of the 1.2 GB wide state, (b) a graph's compilation, (c) the rendezvous of a restart in
+# place, (e) a sync save of the wide state, (f) an evaluation: (the phase's label, the clean variant whose
+# config it runs (chaos_hangs_clean.py), checkpoint.mode, the job step it stops in: 1 is the restart in
+# place after the bench SIGKILLed a rank).
 PHASE_KINDS = {
-    "hang_stop_compile": ("compilation", "compile", "async"),
-    "hang_stop_save": ("checkpoint save", "wide", "sync"),
-    "hang_stop_eval": ("evaluation", "debug", "async"),
+    "hang_stop_restore": ("checkpoint load", "wide", "sync", 1),
+    "hang_stop_compile": ("compilation", "compile", "async", 0),
+    "hang_stop_rendezvous": ("rendezvous", "debug", "async", 1),
+    "hang_stop_save": ("checkpoint save", "wide", "sync", 0),
+    "hang_stop_eval": ("evaluation", "debug", "async", 0),
 }
 HANG_KINDS = ("hang_stop_rank0", "hang_stop_rank1", "hang_fifo", "hang_loader_stall", "hang_skip_collective")
 HANG_KINDS += tuple(PHASE_KINDS)
