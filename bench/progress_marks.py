@@ -233,8 +233,10 @@ RATIONALE = """
 - **What was measured for this.** The unit tests of the limits and marks, and a real start-up hang: two
   ranks under torchrun (gloo, CPU), rank 1 stopped with SIGSTOP as it publishes the rendezvous, the real
   node watcher and hang monitor named it with the floor at 4 s within the floor plus the looks
-  (tests/test_hang_startup.py). The cluster trials of every phase (restore, compilation, rendezvous of a
-  restart, a 20 s step, a sync save, an evaluation) are the Hangs section's to run.
+  (tests/test_hang_startup.py). The cluster trials of the phases (a rank stopped in the restore, a
+  compilation, the rendezvous of a restart, a sync save, an evaluation: `python -m bench.chaos --hangs
+  hang_stop_restore,hang_stop_compile,hang_stop_rendezvous,hang_stop_save,hang_stop_eval`) are on the
+  Hangs section, each as far as it ran.
 """
 
 
