@@ -1,18 +1,21 @@
 """What publishing progress costs a step: the progress board's writes and marks, as a ratio, in one run.
 
-One training process (the debug config, evaluations and a checkpoint save included) runs with a progress
-board, as a rank of a watched Slurm job step does; every call that publishes (a phase entered, a step
-counted, a collective's entry and exit, a mark: each layer's forward and backward, an evaluation batch,
-a tensor written by the save) and the layers' hooks themselves are timed with ``time.perf_counter`` around
-them (the timing's own cost included: the figure is an upper bound). The ratio is their seconds over the
-seconds of the training loop of the same run.
+One training run (the debug config, evaluations and a checkpoint save included; ``--ranks 2``, the
+default: two ranks under torchrun on gloo, so FSDP shards the model and its all-gathers and reduce-scatters
+are published too) runs with a progress board, as the ranks of a watched Slurm job step do; every call
+that publishes (a phase entered, a step counted, a collective's entry and exit, FSDP's included, a mark:
+each layer's forward and backward, an evaluation batch, a tensor written by the save) and the layers'
+hooks themselves are timed with ``time.perf_counter`` around them (the timing's own cost included: the
+figure is an upper bound). The ratio is their seconds over the seconds of the training loop of the same
+run, on each rank; the worst rank's is reported.
 
-    python -m bench.progress_marks [--steps 30] [--section.key=value ...]
+    python -m bench.progress_marks [--steps 30] [--ranks 2] [--section.key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -24,11 +27,12 @@ from bench.procs import run
 from bench.report import fmt, table
 
 MODULE = "bench.progress_marks"
+RESULT = "progress-marks result: "  # a rank's figures on its output
 TARGET = 0.005  # issue 53: publishing stays under 0.5 % of a step
 
 
-def child(steps: int, overrides: list[str]) -> dict:
-    """The measured run, in this process."""
+def child(steps: int, overrides: list[str], root: str) -> dict:
+    """The measured run, in this process (one rank of it under torchrun); ``root``: the run's directory."""
     from relaytrain.config import load_config
     from relaytrain.job import clock as clock_mod
     from relaytrain.job import progress as progress_mod
@@ -60,6 +64,27 @@ def child(steps: int, overrides: list[str]) -> dict:
         timed(board, name)
     for name in ("_layer_done", "_gradient_done"):
         timed(clock_mod.StepClock, name)
+    collective = board.collective
+
+    @contextlib.contextmanager
+    def timed_collective(self, name):  # its entry and its exit, not the collective inside
+        published = collective(self, name)
+        depth[0] += 1
+        started = time.perf_counter()
+        published.__enter__()
+        spent["s"] += time.perf_counter() - started
+        depth[0] -= 1
+        try:
+            yield
+        finally:
+            depth[0] += 1
+            started = time.perf_counter()
+            published.__exit__(None, None, None)
+            spent["s"] += time.perf_counter() - started
+            calls["collective"] = calls.get("collective", 0) + 1
+            depth[0] -= 1
+
+    board.collective = timed_collective
     written = [0]
     write = board._write_locked
 
@@ -79,15 +104,17 @@ def child(steps: int, overrides: list[str]) -> dict:
             loop_s[0] = time.perf_counter() - started
 
     Trainer._loop = timed_loop
-    with tempfile.TemporaryDirectory(prefix="relaytrain-bench-marks-") as root:
-        os.environ[progress_mod.PROGRESS_DIR_ENV] = str(Path(root) / "board")
-        args = [f"--run.dir={root}", f"--train.max_steps={steps}", "--train.eval_every=10",
-                f"--checkpoint.interval={steps // 2}", *overrides]  # fmt: skip
-        code = train(load_config(None, args))
-        (record,) = progress_mod.read_board(Path(root) / "board")
+    rank = int(os.environ.get("RANK", "0"))
+    os.environ[progress_mod.PROGRESS_DIR_ENV] = str(Path(root) / "board")
+    args = [f"--run.dir={root}", f"--train.max_steps={steps}", "--train.eval_every=10",
+            f"--checkpoint.interval={steps // 2}", *overrides]  # fmt: skip
+    code = train(load_config(None, args))
+    (record,) = [r for r in progress_mod.read_board(Path(root) / "board") if r.rank == rank]
     if code != 0:
         raise RuntimeError(f"the measured run exited {code}")
     return {
+        "rank": rank,
+        "collectives_per_step": record.usual_step_collectives,
         "steps": steps,
         "args": args[1:],
         "loop_s": loop_s[0],
@@ -101,12 +128,19 @@ def child(steps: int, overrides: list[str]) -> dict:
     }
 
 
-def measure(steps: int = 30, threads: int = 1, overrides: list[str] | None = None) -> dict:
-    """The run in a fresh process (``threads`` threads); its figures and the command."""
-    argv = [sys.executable, "-m", MODULE, "--child", f"--steps={steps}", *(overrides or [])]
-    done = run(argv, threads, timeout=1800)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["command"] = f"python -m {MODULE} --steps={steps}"
+def measure(steps: int = 30, threads: int = 1, overrides: list[str] | None = None, ranks: int = 2) -> dict:
+    """The run in fresh processes (``ranks`` ranks under torchrun, ``threads`` threads each); the figures of
+    the rank whose ratio is the worst, every rank's ratio, and the command."""
+    with tempfile.TemporaryDirectory(prefix="relaytrain-bench-marks-") as root:
+        child_argv = ["-m", MODULE, "--child", f"--steps={steps}", f"--root={root}", *(overrides or [])]
+        launcher = ["-m", "relaytrain.job.torchrun", "--standalone", f"--nproc_per_node={ranks}"]
+        done = run([sys.executable, *(launcher if ranks > 1 else []), *child_argv], threads, timeout=1800)
+    lines = [line[len(RESULT) :] for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    per_rank = sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
+    result = max(per_rank, key=lambda r: r["ratio"])
+    result["ranks"] = ranks
+    result["ratios"] = [r["ratio"] for r in per_rank]
+    result["command"] = f"python -m {MODULE} --steps={steps} --ranks={ranks}"
     result["threads"] = threads
     return result
 
@@ -126,12 +160,23 @@ def render(result: dict) -> str:
             f"{fmt(result['forward_backward_median_s'])} s / {fmt(result['forward_backward_pause_s'])} s",
         ),
     ]
+    ranks = result.get("ranks", 1)
+    if ranks > 1:  # runs kept before FSDP's collectives were published measured one process
+        rows.insert(3, ("ratio of each rank", ", ".join(f"{r:.3%}" for r in result["ratios"])))
+        rows.insert(6, ("collectives published per step", str(result["collectives_per_step"])))
     verdict = "under" if result["ratio"] < TARGET else "**over**"
     out = "## Progress marks: the cost of publishing\n\n"
     out += f"Command: `{result['command']}` ({result['threads']} thread(s)).\n\n"
+    who = "a rank of a watched job step publishes"
+    if ranks > 1:
+        who = (
+            f"the {ranks} ranks of a watched job step publish (torchrun, gloo; FSDP shards the model, "
+            "and its all-gathers and reduce-scatters are collectives on the board; the worst rank's "
+            "figures below)"
+        )
     out += (
         f"One run of {result['steps']} steps of the debug config (`{' '.join(result['args'])}`) with a "
-        "progress board, as a rank of a watched job step publishes: every phase entered, every collective "
+        f"progress board, as {who}: every phase entered, every collective "
         "relaytrain issues, every mark (each layer's forward and backward, each evaluation batch, each "
         "tensor the save writes; a mark within 10 ms of the last write is counted, not written). Each "
         "publishing call and the layers' hooks are timed around themselves (the timing's cost included: "
@@ -173,11 +218,13 @@ RATIONALE = """
   the state is restored).
 - **What stays unbounded by marks.** Work between two moves: a model build (set-up) or one import longer
   than 3 floors, a single graph compiling longer than 3 floors the first time, one tensor of a save
-  slower than twice its share, a collective of FSDP or tensor parallelism (not relaytrain's own, so not on
-  the board) waiting longer than the floor inside a forward/backward that marks nothing else. Such a run
-  needs a larger `hang_floor_s`. A rank that never published waits the cap: under a launcher other than
-  relaytrain's task wrapper, or under its single-node torchrun launcher before the worker's rendezvous
-  (the wrapper's task is torchrun's agent there, no rank).
+  slower than twice its share, a collective of tensor parallelism (DTensor's redistributions, not on the
+  board) waiting longer than the floor inside a forward/backward that marks nothing else. Such a run
+  needs a larger `hang_floor_s`. FSDP's all-gathers and reduce-scatters are on the board (entered, left:
+  a rank outside one while the others wait in it is named); on CUDA a call returns once the collective
+  is queued, so there the board shows the call, not the wait on the device. A rank that never published
+  waits the cap: under a launcher other than relaytrain's task wrapper, or under its single-node torchrun
+  launcher before the worker's rendezvous (the wrapper's task is torchrun's agent there, no rank).
 - **One authority.** The batch driver's hang monitor decides. The in-rank watchdog, which once fired at
   the same cap, is its backstop at 1.5 x `hang_timeout_s` (after the monitor's cap, and after the
   backend's collective timeout, `hang_timeout_s` + 120 s) and says so in its line. The monitor's line for a
@@ -186,8 +233,10 @@ RATIONALE = """
 - **What was measured for this.** The unit tests of the limits and marks, and a real start-up hang: two
   ranks under torchrun (gloo, CPU), rank 1 stopped with SIGSTOP as it publishes the rendezvous, the real
   node watcher and hang monitor named it with the floor at 4 s within the floor plus the looks
-  (tests/test_hang_startup.py). The cluster trials of every phase (restore, compilation, rendezvous of a
-  restart, a 20 s step, a sync save, an evaluation) are the Hangs section's to run.
+  (tests/test_hang_startup.py). The cluster trials of the phases (a rank stopped in the restore, a
+  compilation, the rendezvous of a restart, a sync save, an evaluation: `python -m bench.chaos --hangs
+  hang_stop_restore,hang_stop_compile,hang_stop_rendezvous,hang_stop_save,hang_stop_eval`) are on the
+  Hangs section, each as far as it ran.
 """
 
 
@@ -195,12 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks under torchrun (1: one process, no FSDP)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
     args, overrides = parser.parse_known_args(argv)
     if args.child:
-        print(json.dumps(child(args.steps, overrides)), flush=True)
+        print(RESULT + json.dumps(child(args.steps, overrides, args.root)), flush=True)
         return 0
-    print(render(measure(args.steps, args.threads, overrides)))
+    print(render(measure(args.steps, args.threads, overrides, args.ranks)))
     return 0
 
 

@@ -27,6 +27,7 @@ from faults.pythonpath.relaytrain_faults import (
     SLOW_FROM_STEP_ENV,
     STALL_AT_STEP_ENV,
     STEP_DELAY_ENV,
+    STOP_IN_JOB_STEP_ENV,
     STOP_IN_PHASE_ENV,
 )
 
@@ -42,6 +43,7 @@ HANG_FAULTS = {
     "slow_factor": SLOW_FACTOR_ENV,
     "slow_from_step": SLOW_FROM_STEP_ENV,
     "stop_in_phase": STOP_IN_PHASE_ENV,
+    "stop_in_job_step": STOP_IN_JOB_STEP_ENV,
 }
 
 
@@ -82,7 +84,8 @@ def env(**faults) -> dict[str, str]:
 def setup_line(**faults) -> str:
     """A shell line (no single quotes: it goes into TOML literal strings) that arms the faults for the
     rest of a Slurm batch script and its job steps (srun passes the environment on)."""
-    exports = [f"{k}={v}" for k, v in variables(**faults).items()]
+    # a value with a space (a phase's label: `checkpoint save`) in double quotes
+    exports = [f'{k}="{v}"' if " " in v else f"{k}={v}" for k, v in variables(**faults).items()]
     return f"export {' '.join(exports)} PYTHONPATH={PYTHONPATH_DIR}${{PYTHONPATH:+:$PYTHONPATH}}"
 
 

@@ -4,11 +4,15 @@ are read and judged, and how its section is written, on synthetic runs (fast, no
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import tomllib
 from dataclasses import asdict
 from datetime import datetime
 
 import pytest
+
+from relaytrain.resilience.hangs.monitor import NEAREST
 
 from bench.cluster import chaos
 from bench.cluster.chaos_hangs import HANG_ALLOWED, draw, fault_landed, first_run_setup, watched_rank
@@ -29,7 +33,7 @@ from bench.cluster.chaos_hangs_judge import (
     line_time,
     slow_lines,
 )
-from bench.cluster.chaos_hangs_page import render_hangs_section
+from bench.cluster.chaos_hangs_page import render_hangs_section, targets
 from bench.cluster.chaos_page import results_data
 from bench.cluster.chaos_run import STEPS, Bench
 from bench.cluster.harness import RunFiles
@@ -145,6 +149,23 @@ def test_a_clean_run_fails_on_any_hang_line():
         judge(hang_trial(kind="hang"), log(), {}, [])
 
 
+def test_a_clean_run_keeps_per_phase_the_pause_nearest_its_limit_over_its_job_steps(tmp_path):
+    no_restart = [r for r in records() if not r.get("step_restart")]
+    clean = hang_trial(kind="clean", rank=-1, node="")
+    steps = [
+        f"{NEAREST} forward/backward 3.0 s of 40 s; set-up 10.5 s of 120 s",
+        f"{NEAREST} checkpoint save 30.0 s of 80 s; forward/backward 8.0 s of 40 s",
+    ]
+    judge(clean, log(*steps), {}, no_restart)
+    assert clean.nearest == {"forward/backward": [8.0, 40.0], "set-up": [10.5, 120.0],
+                             "checkpoint save": [30.0, 80.0]}  # fmt: skip
+    page = targets([clean])
+    assert (
+        "checkpoint save 30 s of 80 s (38%); forward/backward 8 s of 40 s (20%); set-up 10.5 s of 120 s"
+        in page
+    )
+
+
 def test_the_faults_own_landed_line_gives_its_time_not_the_step_delays():
     job_log = log(
         "relaytrain-faults: landed: 0.3 s step delay after step 1 on rank 1 [t=100.5]",
@@ -154,6 +175,26 @@ def test_the_faults_own_landed_line_gives_its_time_not_the_step_delays():
     assert fault_landed(job_log, "hang_loader_stall", 1) == ("data loader stall at step 9 on rank 1", 102.75)
     assert fault_landed(job_log, "hang_fifo", 1) is None
     assert fault_landed(job_log, "slow_rank", 1) is None
+
+
+def test_a_phase_kinds_landed_line_is_the_ranks_own_sigstop_in_that_phase():
+    job_log = log(
+        "relaytrain-faults: landed: SIGSTOP in evaluation on rank 0 [t=100.5]",
+        "relaytrain-faults: landed: SIGSTOP in checkpoint save on rank 1 [t=101.25]",
+    )
+    assert fault_landed(job_log, "hang_stop_eval", 0) == ("SIGSTOP in evaluation on rank 0", 100.5)
+    assert fault_landed(job_log, "hang_stop_save", 1) == ("SIGSTOP in checkpoint save on rank 1", 101.25)
+    assert (
+        fault_landed(job_log, "hang_stop_eval", 1) is None
+        and fault_landed(job_log, "hang_stop_compile", 0) is None
+    )
+    setup = first_run_setup(rank=1, stop_in_phase="checkpoint save")  # a shell line: the label quoted
+    assert 'RELAYTRAIN_FAULT_STOP_IN_PHASE="checkpoint save"' in setup and "'" not in setup
+    echo = f'{setup}; echo "$RELAYTRAIN_FAULT_STOP_IN_PHASE"'
+    shown = subprocess.run(
+        ["sh", "-c", echo], capture_output=True, text=True, env={"PATH": os.environ["PATH"]}, check=True
+    )
+    assert shown.stdout == "checkpoint save\n"
 
 
 def test_kinds_are_interleaved_and_checked():

@@ -10,6 +10,7 @@ relies on each of them landing, and on its landed line's time.
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -109,6 +110,22 @@ def test_the_fault_rank_picks_the_rank_and_a_restarted_step_runs_clean():
     env = faults.variables(skip_collective_at_step=1) | {STEP_RESTARTS_ENV: "1"}
     relaytrain_faults.HangFaults(env).attach(restarted, print)
     assert restarted.model.reduce_mean(0.5, None, "loss_mean") == -1.0
+
+
+@pytest.mark.parametrize(("job_step", "restarts", "stops"), [(None, "0", True), (None, "1", False),
+                                                             (1, "0", False), (1, "1", True)])  # fmt: skip
+def test_a_stop_in_a_phase_lands_in_the_job_step_asked_for(tmp_path, monkeypatch, job_step, restarts, stops):
+    from relaytrain.job import progress
+
+    stopped: list[int] = []
+    monkeypatch.setattr(relaytrain_faults.os, "kill", lambda pid, sig: stopped.append(sig))
+    monkeypatch.setattr(progress.ProgressBoard, "_write_locked", progress.ProgressBoard._write_locked)
+    env = faults.variables(rank=0, stop_in_phase="rendezvous", stop_in_job_step=job_step)
+    relaytrain_faults.HangFaults(env | {STEP_RESTARTS_ENV: restarts}).stop_in_phase_of(progress, print)
+    board = progress.ProgressBoard(tmp_path, rank=0, local_rank=0)
+    board.phase(progress.Phase.RENDEZVOUS)
+    board.close()
+    assert stopped == ([signal.SIGSTOP] if stops else [])
 
 
 def test_a_stalled_fetch_blocks_after_its_landed_line(monkeypatch):

@@ -489,3 +489,24 @@ def test_the_first_evaluation_waits_the_floor_since_its_last_batch():
     first = record(0, Phase.EVALUATION, pauses=dict(MEDIANS))
     floor = (POLICY.floor_s, "evaluation: the floor resilience.hang_floor_s")
     assert phase_limit(view(first), POLICY) == floor
+
+
+def test_a_clean_step_reports_per_phase_the_pause_nearest_its_limit(tmp_path):
+    from relaytrain.job import JobFacts, RunDir
+    from relaytrain.resilience.hangs.monitor import NEAREST, HangMonitor
+
+    said: list[str] = []
+    job = JobFacts.from_env({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"})
+    monitor = HangMonitor(RunDir(tmp_path / "run"), POLICY, job, lambda: None, said.append)
+    looks = [
+        [view(record(0), idle=10.0), view(record(1), idle=12.0)],  # forward/backward: 10 s of the floor 40
+        [view(record(0), idle=30.0), view(record(1), idle=31.0)],  # nearer: 30 s
+        [view(record(0), idle=5.0), view(record(1), idle=5.0)],
+        [view(record(0, Phase.EVALUATION), idle=20.0), view(record(1, Phase.EVALUATION), idle=20.0)],
+        [view(None, idle=900.0, rank=0), view(None, idle=900.0, rank=1)],  # never published: the cap's
+    ]
+    for look in looks:
+        monitor.views = lambda look=look: look
+        assert monitor.check() is None
+    monitor.stop()
+    assert said[-1] == f"{NEAREST} evaluation 20.0 s of 40 s; forward/backward 30.0 s of 40 s", said

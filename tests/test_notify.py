@@ -307,8 +307,8 @@ def records_of_a_crash_restart_and_finish() -> list[dict]:
         {"kind": "event", "event": "straggler", "step": 1, "rank": 1, "node": "n2", "time": 2.0},
         {"kind": "job", "event": "step_end", "step": 0, "exit_code": 137,
          "hang": {"detected_at": 3.0, "idle_s": 60}},
-        {"kind": "event", "event": "step_restart", "step": 0, "exit_code": 137, "nodes_left_out": ["n2"],
-         "nodes_note": "n2 named twice", "time": 4.0},
+        {"kind": "event", "event": "step_restart", "step": 0, "reason": "crash", "exit_code": 137,
+         "nodes_left_out": ["n2"], "nodes_note": "n2 named twice", "time": 4.0},
         {"kind": "job", "event": "step_start", "step": 0},
         {"kind": "event", "event": "resume", "step": 1, "time": 5.0},
         {"kind": "event", "event": "stop", "step": 2, "reason": "preemption", "saved": True, "time": 6.0},
@@ -326,6 +326,24 @@ def test_the_run_records_become_the_events_in_order():
     assert alerts[0].fields == {"resumed": False, "nodes": 1} and alerts[5].fields["resumed"] is True
     assert alerts[4].fields == {"nodes": ["n2"], "why": "n2 named twice"}
     assert "nodes_left_out" not in alerts[3].fields and alerts[3].fields["exit_code"] == 137
+    assert "reason" not in alerts[3].fields
+
+
+@pytest.mark.parametrize("reason", ["preflight", "straggler"])
+def test_a_restart_after_a_stop_that_was_no_crash_tells_only_its_excluded_nodes(reason):
+    restart = {
+        "kind": "event",
+        "event": "step_restart",
+        "step": 0,
+        "reason": reason,
+        "exit_code": 89,
+        "nodes_left_out": ["n2"],
+        "nodes_note": f"left out: n2, named by {reason}",
+        "time": 4.0,
+    }
+    assert [a.event for a in Watcher(no_progress_s=0).feed(restart, 0.0)] == ["node_excluded"]
+    older = {k: v for k, v in restart.items() if k != "reason"}  # a record written before the reason was
+    assert [a.event for a in Watcher(no_progress_s=0).feed(older, 0.0)] == ["crash_restart", "node_excluded"]
 
 
 def test_no_progress_is_told_once_per_stall_while_a_step_runs():

@@ -80,11 +80,13 @@ def test_a_spare_takes_the_named_nodes_place_in_a_restart_in_place(run):
     assert (entry["kind"], entry["action"], entry["nodes_implicated"]) == ("preflight", "restart", ["n2"])
     assert entry["nodes_excluded"] == {"n2": f"named by preflight ({LINE.removeprefix('preflight: n2 ')})"}
     assert describe_crash(entry).startswith("at step 0: preflight named n2 below threshold; restarted")
-    # the step_restart event the driver's alerts follow: node_excluded, with why
+    # the step_restart event the driver's alerts follow: node_excluded, with why, and no crash_restart (no
+    # crash happened)
     (event,) = [json.loads(line) for line in run.metrics.read_text().splitlines()]
+    assert event["reason"] == "preflight"
     alerts = Watcher(0).feed(event, 0.0)
-    assert [a.event for a in alerts] == ["crash_restart", "node_excluded"]
-    assert alerts[1].fields == {"nodes": ["n2"], "why": "left out: n2, named by preflight"}
+    assert [a.event for a in alerts] == ["node_excluded"]
+    assert alerts[0].fields == {"nodes": ["n2"], "why": "left out: n2, named by preflight"}
     assert ("excluded node", f"n2 from job 41: {entry['nodes_excluded']['n2']}") in run_rows(run)
 
 

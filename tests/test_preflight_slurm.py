@@ -123,3 +123,39 @@ def test_every_job_step_is_checked_before_its_first_step_and_exclude_leaves_a_sl
         "preflight: " not in job_output(runs / "off", jobs["off"])
         and not (runs / "off" / "preflight").exists()
     )
+
+
+def test_a_node_whose_checkpoint_folder_is_full_is_named(slurm_cluster, tmp_path):
+    """Issue 58's case (b): the checkpoint folder is a small full tmpfs on one node only (mounted in that
+    node's own mount namespace, as a node's local disk fills up), the other node's is the shared folder."""
+    from relaytrain.localcluster.cluster import on_node
+
+    runs = tmp_path / "runs"
+    folder = runs / "debug" / "checkpoints"
+    folder.mkdir(parents=True)
+    good, full = slurm_cluster.nodes[:2]
+    base = slurm_cluster.base_dir
+    mounted = on_node(full, ["mount", "-t", "tmpfs", "-o", "size=1m", "relaytrain-full", str(folder)], base)
+    assert mounted.returncode == 0, mounted.stderr
+    try:
+        on_node(full, ["dd", "if=/dev/zero", f"of={folder}/filler", "bs=64k", "count=64"], base)  # ENOSPC
+        seen = on_node(full, ["df", "--output=avail", str(folder)], base).stdout.split()
+        assert seen[-1] == "0", seen  # the fault landed: that node sees its checkpoint folder full
+        script = tmp_path / "preflight.sh"
+        script.write_text(
+            f"#!/bin/bash\nexec {sys.executable} -m relaytrain.cli preflight --budget 8 --run.dir={runs}\n"
+        )
+        job = sbatch("--nodes=2", f"--nodelist={good},{full}", "--ntasks-per-node=1",
+                     f"--output={tmp_path}/%j.out", str(script))  # fmt: skip
+        fields = wait_job_finished(job, timeout=300)
+    finally:
+        on_node(full, ["umount", str(folder)], base)
+    time.sleep(0.5)
+    out = (tmp_path / f"{job}.out").read_text(errors="replace")
+    named = [
+        line for line in out.splitlines() if line.startswith("preflight: ") and "checkpoint storage" in line
+    ]
+    assert len(named) == 1 and named[0].startswith(f"preflight: {full} "), out[-4000:]
+    assert fields["ExitCode"].startswith("1:"), fields
+    record = json.loads((runs / "debug" / "preflight" / f"{job}.json").read_text())
+    assert record["nodes"][full]["passed"] is False and record["nodes"][good]["passed"] is True, record

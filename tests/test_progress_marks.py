@@ -1,8 +1,9 @@
 """Progress inside a phase and the start-up's own phases on the progress board (issue 53): marks measure a
 phase's longest pause (what the hang monitor's limit is judged on), are published at most every
 MARK_GAP_S, carry a share of the phase's budget; the layers mark their forward and backward without
-touching a gradient; each graph compiled is a phase of its own; the task wrapper opens the board before
-the command runs. Fast: no process group, no training."""
+touching a gradient; FSDP's all-gathers and reduce-scatters are collectives on the board (a rank waiting
+in one shows it while it waits); each graph compiled is a phase of its own; the task wrapper opens the
+board before the command runs. Fast: no real process group (a fake one for FSDP), no training."""
 
 from __future__ import annotations
 
@@ -14,11 +15,16 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
+from relaytrain import torch_private
 from relaytrain.job import marks, startup
 from relaytrain.job.clock import StepClock
 from relaytrain.job.progress import MARK_GAP_S, PROGRESS_DIR_ENV, Phase, ProgressBoard, read_record
 
+import needs
 from conftest import child_env
 
 
@@ -105,6 +111,45 @@ def test_layers_mark_their_forward_and_backward_and_leave_the_gradients_as_they_
     assert len(counted) == 4  # two forwards, two backwards
     StepClock(ProgressBoard(None, 0, 0)).mark_layers([plain[0]])  # no board: no hook at all
     assert not plain[0]._forward_hooks
+    board.close()
+
+
+@pytest.fixture
+def two_fake_ranks():
+    """A process group of two ranks whose collectives do nothing (PyTorch's fake group): FSDP issues its
+    all-gathers and reduce-scatters as in a real world of two."""
+    if dist.is_initialized():
+        needs.skip_or_fail("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=torch_private.fake_store(), rank=0, world_size=2)
+    yield init_device_mesh("cpu", (2,))
+    dist.destroy_process_group()
+
+
+def test_fsdp_collectives_are_on_the_board_and_a_rank_waiting_in_one_shows_it(
+    tmp_path, two_fake_ranks, monkeypatch
+):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    for module in (net[0], net[2], net):
+        fully_shard(module, mesh=two_fake_ranks)
+    board = ProgressBoard(tmp_path, rank=0, local_rank=0)
+    StepClock(board).publish_collectives([net])
+    seen = []
+    gather = dist.all_gather_single
+
+    def waiting(*args, **kwargs):  # what a rank stuck in this all-gather shows its node's watcher
+        seen.append(read_record(tmp_path / "rank0"))
+        return gather(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_gather_single", waiting)
+    board.phase(Phase.FORWARD_BACKWARD)
+    net(torch.ones(4, 8)).sum().backward()
+    board.step_done(1)
+    record = read_record(tmp_path / "rank0")
+    # two blocks with parameters: an all-gather each in the forward and the backward, a reduce-scatter each
+    assert record.last_step_collectives == 6 and record.collectives_left == 6
+    assert record.collective == "fsdp_reduce_scatter" and not record.in_collective
+    assert len(seen) == 4 and all(r.in_collective and r.collective == "fsdp_all_gather" for r in seen)
     board.close()
 
 

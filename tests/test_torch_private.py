@@ -364,3 +364,22 @@ def test_compile_cache_counts_reads_inductor_s_graph_cache_counters():
     assert after == {"cold": before["cold"] + 3, "cached": before["cached"] + 4}
     for key, n in (("fxgraph_cache_miss", 2), ("fxgraph_cache_bypass", 1), ("fxgraph_cache_hit", 4)):
         counters["inductor"][key] -= n
+
+
+def test_published_fsdp_comms_run_fsdps_own_calls_inside_the_named_collective(world):
+    import contextlib
+
+    inside: list[str] = []
+
+    @contextlib.contextmanager
+    def collective(name):
+        inside.append(name)
+        yield
+        inside.append("left")
+
+    gather, scatter = tp.published_fsdp_comms(collective)
+    out = torch.zeros(3)
+    assert gather(output_tensor=out, input_tensor=torch.ones(3), group=world) is None
+    scatter(output_tensor=out, input_tensor=torch.full((3,), 2.0), group=world, op=dist.ReduceOp.SUM)
+    assert torch.equal(out, torch.full((3,), 2.0))
+    assert inside == ["fsdp_all_gather", "left", "fsdp_reduce_scatter", "left"]

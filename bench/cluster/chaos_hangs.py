@@ -2,6 +2,7 @@
 
     python -m bench.chaos --hangs all --trials 3 --seed 7     # every kind 3 times; writes the "hangs" section
     python -m bench.chaos --hangs clean --trials 20           # false detections over 20 clean runs
+    python -m bench.chaos --hangs hang_stop_compile,hang_stop_save,hang_stop_eval --trials 2   # in phases
     python -m bench.chaos --page-from hangs-seed7-DATE.json --section hangs   # the section from kept results
 
 Each trial is a run of the debug config's model and batch (configs/debug.toml: a step takes about half a
@@ -16,6 +17,12 @@ hang monitor, with its default floor and multiple, is what acts. The kinds
   afterwards if nothing did.
 * ``hang_fifo``: the rank's data fetch opens a FIFO with no writer (blocked in the kernel: a dead mount).
 * ``hang_loader_stall``: the rank's data fetch waits forever on an Event (a deadlocked loader).
+* ``hang_stop_restore``, ``hang_stop_compile``, ``hang_stop_rendezvous``, ``hang_stop_save``,
+  ``hang_stop_eval`` (issue 53's cases a, b, c, e, f): the rank (index % 2) SIGSTOPs itself right after
+  it published the phase (faults/: ``stop_in_phase``; its landed line gives the time): the restore of the
+  1.2 GB ``wide`` state and the rendezvous, both in the restart in place that follows the bench's
+  SIGKILL of the other rank (after step 3 of wide, 5 of debug); a graph's compilation (the ``compile``
+  variant's config); a sync checkpoint save of the ``wide`` state; the debug run's first evaluation.
 * ``hang_skip_collective``: the rank skips the all-reduce of its logged loss once (desynchronised). On
   gloo its next collective is paired with the one the others wait in and gloo fails both at once (size
   mismatch): a crash, restarted in place, which the trial records as such (no hang to detect).
@@ -60,7 +67,7 @@ from bench.cluster.chaos_hangs_clean import (
     parse_variants,
     write_clean_config,
 )
-from bench.cluster.chaos_hangs_judge import KINDS, MISMATCH, HangTrial, judge
+from bench.cluster.chaos_hangs_judge import DETECTED, KINDS, MISMATCH, PHASE_KINDS, HangTrial, judge
 from bench.cluster.chaos_hangs_page import SECTION, render_hangs_section
 from bench.cluster.chaos_page import results_data
 from bench.cluster.chaos_run import ALLOWED, STEPS, Bench, kill_pids
@@ -112,8 +119,9 @@ LANDED_SAYS = {
 
 def fault_landed(log: str, kind: str, rank: int) -> tuple[str, float] | None:
     """(text, Unix time) of the landed line of `kind`'s fault on `rank` in a job log, None before it lands."""
+    says = f"SIGSTOP in {PHASE_KINDS[kind][0]}" if kind in PHASE_KINDS else LANDED_SAYS[kind]
     for text, at in faults.landed_at(log):
-        if LANDED_SAYS[kind] in text and f" on rank {rank}" in text and at is not None:
+        if says in text and f" on rank {rank}" in text and at is not None:
             return text, at
     return None
 
@@ -157,8 +165,12 @@ class HangTrials:
 
     def run(self, trial: HangTrial, rng) -> None:
         bench = self.bench
-        if trial.kind == "clean":
-            trial.variant, trial.mode = clean_variant(trial.index, self.variants)
+        if trial.kind == "clean" or trial.kind in PHASE_KINDS:
+            trial.variant, trial.mode = (
+                PHASE_KINDS[trial.kind][1:3]
+                if trial.kind in PHASE_KINDS
+                else clean_variant(trial.index, self.variants)
+            )
             try:
                 bench = self.benches(trial.variant)  # its reference run first, outside the trial's time
             except (RuntimeError, OSError, subprocess.SubprocessError) as err:
@@ -173,6 +185,8 @@ class HangTrials:
                 self.stop(trial, run, rng, evidence)
             elif trial.kind == "clean":
                 self.clean(bench, trial, run, rng, evidence)
+            elif trial.kind in PHASE_KINDS:
+                self.in_phase(bench, trial, run, evidence)
             else:
                 self.injected(trial, run, rng, evidence)
             bench.check(trial, run)
@@ -246,6 +260,32 @@ class HangTrials:
         finally:
             if trial.kind == "hang_fifo":
                 remove_fifo(text)
+
+    def in_phase(self, bench: Bench, trial: HangTrial, run: RunFiles, evidence: list[str]) -> None:
+        """The rank SIGSTOPs itself as it publishes the kind's phase (faults/: stop_in_phase), in its
+        variant's config; detected, named and restarted in place like a SIGSTOP from outside."""
+        trial.rank = trial.index % 2
+        label, _, _, job_step = PHASE_KINDS[trial.kind]
+        overrides = (*OVERRIDES, f"--checkpoint.mode={trial.mode}")
+        setup = first_run_setup(rank=trial.rank, stop_in_phase=label, stop_in_job_step=job_step)
+        trial.job = bench.launch(run.name, *overrides, setup=setup, nodes=NODES)
+        if job_step == 1:  # the other rank SIGKILLed after a save: the step restarts in place, and restores
+            killed, after = 1 - trial.rank, 3 if trial.variant == "wide" else 5
+            wait(lambda: self._last_step(run) >= after, 600, f"step {after}")
+            pid, node, source = locate(run, trial.job, killed)
+            trial.hit += [
+                *kill_pids(trial.job, [pid], killed),
+                f"pid {pid} (rank {killed} on {node}) from {source}",
+            ]
+        text, trial.fault_time = wait(lambda: fault_landed(run.job_log(), trial.kind, trial.rank), 600,
+                                      "the fault's landed line in the job log")  # fmt: skip
+        pid, trial.node, source = locate(run, trial.job, trial.rank)
+        trial.at_step = self._last_step(run)
+        state = proc_state(pid)
+        evidence.append(f"landed: {text}; pid {pid} (rank {trial.rank}, from {source}) in state {state}")
+        trial.detail = f"{text} (after step {trial.at_step})"
+        wait(lambda: DETECTED in run.job_log(), DETECT_WAIT_S, "a `hang detected:` line in the job log")
+        bench.finish(trial, run, overrides, setup=NO_FAULT, nodes=NODES)
 
     def clean(self, bench: Bench, trial: HangTrial, run: RunFiles, rng, evidence: list[str]) -> None:
         """A run without a hang beside a CPU-bound process, of the trial's variant (chaos_hangs_clean.py);

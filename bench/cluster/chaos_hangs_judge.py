@@ -20,6 +20,7 @@ from datetime import datetime
 from typing import Any
 
 from relaytrain.resilience.batch.crash import RESTARTED
+from relaytrain.resilience.hangs.monitor import NEAREST
 
 from bench.cluster.ledger_figures import time_adds_up
 
@@ -29,7 +30,20 @@ STAMP = re.compile(r"^\[[^\]]*\]\s*")  # `[relaytrain 2026-11-27T03:07:48] ` in 
 SLOW = "straggler hint:"  # the hang monitor's line of a rank behind (issue 53)
 SLOW_BEFORE = "slow rank:"  # its name in trials kept before issue 53
 DETECTION_TARGET_S = 60.0  # the issue's target for the debug config
+# A rank that stops itself (SIGSTOP) as it publishes a phase (faults/: stop_in_phase), issue 53's cases:
+# (a) the restore of the 1.2 GB wide state, (b) a graph's compilation, (c) the rendezvous of a restart in
+# place, (e) a sync save of the wide state, (f) an evaluation: (the phase's label, the clean variant whose
+# config it runs (chaos_hangs_clean.py), checkpoint.mode, the job step it stops in: 1 is the restart in
+# place after the bench SIGKILLed a rank).
+PHASE_KINDS = {
+    "hang_stop_restore": ("checkpoint load", "wide", "sync", 1),
+    "hang_stop_compile": ("compilation", "compile", "async", 0),
+    "hang_stop_rendezvous": ("rendezvous", "debug", "async", 1),
+    "hang_stop_save": ("checkpoint save", "wide", "sync", 0),
+    "hang_stop_eval": ("evaluation", "debug", "async", 0),
+}
 HANG_KINDS = ("hang_stop_rank0", "hang_stop_rank1", "hang_fifo", "hang_loader_stall", "hang_skip_collective")
+HANG_KINDS += tuple(PHASE_KINDS)
 KINDS = (*HANG_KINDS, "slow_rank", "clean")
 _STAMPS = (
     re.compile(r"\[relaytrain (\d{4}-\d\d-\d\d)T(\d\d:\d\d:\d\d(?:\.\d+)?)\]"),  # the batch driver's log()
@@ -73,6 +87,9 @@ class HangTrial:
     verify_exit: int | None = None  # as chaos_run.Trial's
     verify: list[str] = field(default_factory=list)
     ledger: dict = field(default_factory=dict)
+    # a clean trial's: per phase, the pause that came nearest its limit over the run's job steps (the hang
+    # monitor's line), as [pause s, limit s]
+    nearest: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -174,6 +191,27 @@ def _judge_backend_mismatch(trial: HangTrial, records: list[dict[str, Any]]) -> 
     )
 
 
+NEAREST_PART = re.compile(r"(?P<phase>[^;]+?) (?P<idle>\d+(?:\.\d+)?) s of (?P<limit>\d+(?:\.\d+)?) s")
+
+
+def nearest_pauses(log: str) -> dict[str, list[float]]:
+    """Per phase, the pause nearest its limit over every `hang monitor: the pause nearest its limit, per
+    phase:` line of a job log (one per job step that ended without a hang), as [pause, limit]."""
+    nearest: dict[str, list[float]] = {}
+    for line in log.splitlines():
+        if NEAREST not in line:
+            continue
+        for part in line.split(NEAREST, 1)[1].split(";"):
+            m = NEAREST_PART.fullmatch(part.strip())
+            if m is None:
+                continue
+            idle, limit = float(m["idle"]), float(m["limit"])
+            was = nearest.get(m["phase"])
+            if limit > 0 and (was is None or idle / limit > was[0] / was[1]):
+                nearest[m["phase"]] = [idle, limit]
+    return nearest
+
+
 def restarted_for_the_kill(crashes: Sequence[dict[str, Any]]) -> bool:
     """crashes.jsonl holds a restart in place whose cause is not a hang (the killed rank's crash)."""
     return any(c.get("action") == RESTARTED and not c.get("hang") for c in crashes)
@@ -195,6 +233,8 @@ def judge(
     if again is not None and trial.fault_time is not None:
         trial.restart_s = round(float(again["time"]) - trial.fault_time, 1)
     trial.culprits = [c for c in record.get("culprits") or [] if isinstance(c, dict)]
+    if trial.kind == "clean":
+        trial.nearest = nearest_pauses(log)
     if trial.kind == "hang_skip_collective" and not found and MISMATCH in log:
         _judge_backend_mismatch(trial, records)
     elif trial.kind in HANG_KINDS:

@@ -111,6 +111,18 @@ def targets(trials: list[HangTrial]) -> str:
         enough = len(clean) >= CLEAN_TARGET and all(t.evidence for t in clean)
         lines.append(f"- 0 false detections in ≥ {CLEAN_TARGET} clean runs: {met(enough and false == 0)}: "
                      f"{false} `hang detected:` line(s) in {len(clean)} clean runs{short}.")  # fmt: skip
+        nearest: dict[str, list[float]] = {}  # per phase, the worst clean run's
+        for t in clean:
+            for phase, (idle, limit) in t.nearest.items():
+                if phase not in nearest or idle / limit > nearest[phase][0] / nearest[phase][1]:
+                    nearest[phase] = [idle, limit]
+        if nearest:
+            worst = "; ".join(
+                f"{p} {i:g} s of {x:g} s ({i / x:.0%})" for p, (i, x) in sorted(nearest.items())
+            )
+            measured = sum(bool(t.nearest) for t in clean)
+            lines.append(f"- The pause nearest its limit in the clean runs, per phase that set the job's "
+                         f"limit (the worst of {measured} runs that report it): {worst}.")  # fmt: skip
     exact = sum(t.bit_exact for t in trials)
     lines.append(f"- Losses bit-identical to the uninterrupted run: {met(exact == len(trials))}: "
                  f"{exact} of {len(trials)} trials.")  # fmt: skip

@@ -23,7 +23,8 @@ loader, and its supervision front's watchdog):
 - ``RELAYTRAIN_FAULT_STOP_IN_PHASE=rendezvous``: the rank (``RELAYTRAIN_FAULT_RANK``, default the last)
   stops itself with SIGSTOP as its progress board first publishes the phase of that label (a start-up
   phase such as ``rendezvous`` or ``checkpoint load``, before any Trainer exists): a process stopped as
-  one stopped from outside is, once per process, in the first job step only.
+  one stopped from outside is, once per process, in the first job step only, or in the job step
+  ``RELAYTRAIN_FAULT_STOP_IN_JOB_STEP`` (1: the first restart in place) instead.
 
 Each fault that lands says so on stderr (a line starting with ``LANDED``, ending with the Unix time it
 landed at, ``[t=1764212345.123]``), once per NaN and once per process for the others: a test checks that
@@ -57,8 +58,11 @@ SKIP_COLLECTIVE_AT_STEP_ENV = "RELAYTRAIN_FAULT_SKIP_COLLECTIVE_AT_STEP"
 SLOW_FACTOR_ENV = "RELAYTRAIN_FAULT_SLOW_FACTOR"
 SLOW_FROM_STEP_ENV = "RELAYTRAIN_FAULT_SLOW_FROM_STEP"
 STOP_IN_PHASE_ENV = "RELAYTRAIN_FAULT_STOP_IN_PHASE"
+# the job step (its restart in place: 0 the first) whose rank stops in that phase (default 0)
+STOP_IN_JOB_STEP_ENV = "RELAYTRAIN_FAULT_STOP_IN_JOB_STEP"
 HANG_KNOWN = (
     STOP_IN_PHASE_ENV,
+    STOP_IN_JOB_STEP_ENV,
     FAULT_RANK_ENV,
     FIFO_AT_STEP_ENV,
     STALL_AT_STEP_ENV,
@@ -190,13 +194,15 @@ class HangFaults:
             raise SystemExit(f"relaytrain-faults: {SLOW_FACTOR_ENV}={self.slow_factor:g} must be > 1")
         self.first_job_step = env.get(STEP_RESTARTS_ENV, "").strip() in ("", "0")
         self.stop_in_phase = env.get(STOP_IN_PHASE_ENV, "").strip()
+        job_step = read(STOP_IN_JOB_STEP_ENV, int) or 0
+        self.stop_job_step = job_step == int(env.get(STEP_RESTARTS_ENV, "").strip() or 0)
 
     def stop_in_phase_of(self, progress, say) -> None:
         """Wrap the progress board's write (module ``progress``, relaytrain.job.progress) so that the faulted
         rank stops itself right after it published the phase labelled ``stop_in_phase``."""
         label, world = self.stop_in_phase, int(os.environ.get("WORLD_SIZE", "1") or 1)
         target = world - 1 if self.rank is None else self.rank
-        if not label or not self.first_job_step:
+        if not label or not self.stop_job_step:
             return
         if label not in {p.label for p in progress.Phase}:
             raise SystemExit(f"relaytrain-faults: {STOP_IN_PHASE_ENV}={label!r} names no phase")

@@ -113,6 +113,27 @@ def compile_cache_counts() -> dict[str, int]:
     return {"cold": int(cold), "cached": int(inductor["fxgraph_cache_hit"])}
 
 
+def published_fsdp_comms(collective) -> tuple:
+    """FSDP2's default all-gather and reduce-scatter (`_fully_shard._fsdp_collectives.DefaultAllGather`,
+    `DefaultReduceScatter`) with each call inside `collective(name)` (a context manager: the progress
+    board's), named `fsdp_all_gather` and `fsdp_reduce_scatter`; for the public
+    `FSDPModule.set_custom_all_gather` / `set_custom_reduce_scatter`. Subclasses of the defaults, so the
+    collectives are the same calls and FSDP's checks for its default comms still pass. Checked: 2.14.1."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as comms
+
+    class AllGather(comms.DefaultAllGather):
+        def __call__(self, *args, **kwargs):
+            with collective("fsdp_all_gather"):
+                return super().__call__(*args, **kwargs)
+
+    class ReduceScatter(comms.DefaultReduceScatter):
+        def __call__(self, *args, **kwargs):
+            with collective("fsdp_reduce_scatter"):
+                return super().__call__(*args, **kwargs)
+
+    return AllGather(), ReduceScatter()
+
+
 def record_cuda_memory_history(enabled: bool, max_entries: int) -> None:
     """`torch.cuda.memory._record_memory_history` (CUDA only). Checked: 2.13 (signature, on CPU)."""
     torch.cuda.memory._record_memory_history(enabled="all" if enabled else None, max_entries=max_entries)

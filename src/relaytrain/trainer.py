@@ -95,7 +95,7 @@ class Trainer:
         self.supervision.watch(
             self.metrics,
             self.model.work_modules(),
-            layers=[layer for part in self.model.model_parts for layer in part.layers.values()],
+            parts=self.model.model_parts,
             compiled=self.model.compiled,
             stages=self.model.dims.pipeline_stages(),  # a rank's straggler peers: the ranks of its stage
         )

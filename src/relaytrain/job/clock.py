@@ -9,7 +9,8 @@ anything themselves:
 - the progress board (``job/progress.py``): the phase a section enters, published as it begins (the
   step's sections from the second step on: the first step is published as one phase, ``FIRST_STEP``),
   with the section's budget (a save's estimate); and the progress inside a phase (``mark``): each layer's
-  forward and backward (``mark_layers``), each graph Dynamo compiles (published as ``COMPILE``, then back
+  forward and backward (``mark_layers``), FSDP's all-gathers and reduce-scatters as collectives
+  (``publish_collectives``), each graph Dynamo compiles (published as ``COMPILE``, then back
   to the phase it interrupted: ``watch_compilation``), and whatever else marks (an evaluation batch, a
   shard read or written by the checkpoint's files);
 - the metrics' phase times (``monitor/timer.py`` ``StepTimer``);
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from relaytrain import torch_private
 from relaytrain.job.progress import Phase, ProgressBoard
@@ -190,6 +192,21 @@ class StepClock:
 
     def _gradient_done(self, _grad: torch.Tensor) -> None:
         self.board.mark()  # returns None: the gradient flows on unchanged
+
+    def publish_collectives(self, parts: Sequence[torch.nn.Module]) -> None:
+        """Publish FSDP's all-gathers and reduce-scatters of ``parts``' sharded modules on the board as
+        collectives (``fsdp_all_gather``, ``fsdp_reduce_scatter``: entered, then left), so a hang inside one
+        names the rank that is not in it. On CPU (gloo) a call returns when the collective is done; on CUDA
+        (NCCL) when it is queued, so there the board shows the call, not the wait. Only on a board that
+        publishes."""
+        if not self.board.enabled:
+            return
+        gather, scatter = torch_private.published_fsdp_comms(self.board.collective)
+        for part in parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_custom_all_gather(gather)
+                    module.set_custom_reduce_scatter(scatter)
 
     def watch_compilation(self) -> None:
         """Publish each graph Dynamo compiles as ``COMPILE`` (a graph begun, a graph done: two moves), then

@@ -94,6 +94,7 @@ NAME_BYTES = 24
 # entered, left, name, expected name | step_collectives, last_step_collectives, usual_step_collectives |
 # marks | medians | pauses
 _HEAD = struct.Struct("<4sHxxQ")
+_PHASES = tuple(Phase)  # in the record's order (iterating the enum on every write costs microseconds)
 _BODY = struct.Struct(f"<iiiqBdddQQ{NAME_BYTES}s{NAME_BYTES}sIIIQ{len(Phase)}d{len(Phase)}d")
 SIZE = _HEAD.size + _BODY.size
 
@@ -140,14 +141,13 @@ class ProgressBoard:
     def __init__(self, directory: Path | None, rank: int, local_rank: int):
         self.rank, self.local_rank = rank, local_rank
         self._map: mmap.mmap | None = None
-        self._seq = 0
-        self._step = 0
+        self._pid = os.getpid()  # the rank's process (the task wrapper's exec keeps it); read once
+        self._seq = self._step = 0
         self._phase = Phase.STARTUP
         self._phase_started = time.time()
         self._budget = self._phase_budget = 0.0
         self._entered = self._left = 0
-        self._name = b""
-        self._expected = b""
+        self._name = self._expected = b""
         self._names: list[bytes] = []  # entered since the last step ended, in order
         self._last_names: list[bytes] = []  # entered during the step before
         self._step_collectives = self._last_step_collectives = 0
@@ -160,6 +160,7 @@ class ProgressBoard:
         self._longest = 0.0  # the longest pause between two moves in the phase under way
         self._pause_lengths: dict[Phase, deque[float]] = {p: deque(maxlen=RECENT) for p in Phase}
         self._pauses: dict[Phase, float] = {}
+        self._stats = (0.0,) * (2 * len(_PHASES))  # the medians, then the pauses, as written (by phase)
         self._lock = threading.Lock()  # marks may come from a checkpoint writer's threads
         if directory is not None:
             self._map = _create(directory / f"rank{rank}", SIZE)
@@ -231,6 +232,8 @@ class ProgressBoard:
             pauses = self._pause_lengths[self._phase]
             pauses.append(self._longest)
             self._pauses[self._phase] = statistics.median(pauses)
+            stats = self._medians, self._pauses  # packed here once, not on every write
+            self._stats = tuple(d.get(p, 0.0) for d in stats for p in _PHASES)
             self._phase, self._phase_started = phase, now
             self._longest = 0.0
             self._budget = self._phase_budget = 0.0
@@ -286,14 +289,12 @@ class ProgressBoard:
         self._written = now
         self._seq += 1  # odd: a write is under way
         _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
-        medians = [self._medians.get(p, 0.0) for p in Phase]
-        pauses = [self._pauses.get(p, 0.0) for p in Phase]
         _BODY.pack_into(
             m,
             _HEAD.size,
             self.rank,
             self.local_rank,
-            os.getpid(),
+            self._pid,
             self._step,
             int(self._phase),
             self._phase_started,
@@ -307,8 +308,7 @@ class ProgressBoard:
             self._last_step_collectives,
             self._usual,
             self._marks,
-            *medians,
-            *pauses,
+            *self._stats,
         )
         self._seq += 1
         _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)

@@ -9,19 +9,30 @@ answer, `relaytrain.job.slurmctld`; a requeue: record it pending, `relaytrain.re
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import shutil
+import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 TIMEOUT_S = 15.0  # a query of slurmctld; the callers that wait longer say so
 
 # `scontrol requeuehold` ends the running job at once: Slurm sends SIGTERM to every process of the batch
 # step, the `scontrol update` and `scontrol release` that follow it included, which would then die
-# half-way and leave the job held for good. Such a command runs with SIGTERM ignored (inherited through
-# exec); SIGKILL after KillWait still ends it, and each takes a fraction of a second.
-_SIGTERM_IGNORED = ("sh", "-c", 'trap "" TERM; exec "$@"', "sh")
+# half-way and leave the job held for good, or requeued without its ExcNodeList. Such a command is started
+# with SIGTERM blocked (from the fork on) through this interpreter, which ignores SIGTERM and execs it: a
+# SIGTERM that comes before the ignore is set stays pending and is then dropped. (A shell's `trap "" TERM`
+# left a window: dash clears the blocked signals at its start; seen: an `update` killed, exit -15.)
+# SIGKILL after KillWait still ends it, and each takes a fraction of a second.
+_SIGTERM_IGNORED = (
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "os.execvp(sys.argv[1], sys.argv[1:])",
+)
 
 
 class Outcome(enum.Enum):
@@ -84,18 +95,33 @@ def run_slurm_command(
     if shutil.which(args[0], path=path) is None:
         return SlurmResult(args, Outcome.MISSING, timeout=timeout)
     argv = [*_SIGTERM_IGNORED, *args] if ignore_sigterm else list(args)
+    pipe = subprocess.PIPE if capture else None
     try:
-        done = subprocess.run(
-            argv,
-            capture_output=capture,
-            text=True,
-            timeout=timeout,
-            check=False,
-            env=None if env is None else dict(env),
-        )
-    except subprocess.TimeoutExpired:
-        return SlurmResult(args, Outcome.TIMED_OUT, timeout=timeout)
+        # the child inherits the blocked SIGTERM from its first instruction; this thread's mask comes back
+        with _sigterm_blocked(ignore_sigterm):
+            process = subprocess.Popen(
+                argv, stdout=pipe, stderr=pipe, text=True, env=None if env is None else dict(env)
+            )
+        with process:
+            try:
+                stdout, stderr = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+                return SlurmResult(args, Outcome.TIMED_OUT, timeout=timeout)
     except OSError as err:
         return SlurmResult(args, Outcome.NOT_STARTED, error=err.strerror or str(err), timeout=timeout)
-    outcome = Outcome.ANSWERED if done.returncode == 0 else Outcome.FAILED
-    return SlurmResult(args, outcome, done.returncode, done.stdout or "", done.stderr or "", timeout=timeout)
+    outcome = Outcome.ANSWERED if process.returncode == 0 else Outcome.FAILED
+    return SlurmResult(args, outcome, process.returncode, stdout or "", stderr or "", timeout=timeout)
+
+
+@contextlib.contextmanager
+def _sigterm_blocked(block: bool) -> Iterator[None]:
+    if not block:
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)

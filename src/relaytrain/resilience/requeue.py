@@ -38,6 +38,7 @@ from relaytrain.resilience.run_state import RunState, RunStateFile, RunStatus
 log = logging.getLogger(__name__)
 
 SCONTROL_REQUEUE_TIMEOUT_S = 30.0
+UPDATE_TRIES = 3  # a held job's ExcNodeList update, before its release
 EXCLUDED_FACT = "requeue_excluded"  # run_state.json: the nodes the requeued job's ExcNodeList got
 
 
@@ -110,7 +111,10 @@ def _requeue_excluding(requeue_id: str, exclude: Sequence[str]) -> tuple[bool, s
     if not done:
         return done, how
     nodes = dict.fromkeys([*expand_nodelist(earlier if earlier != "(null)" else ""), *exclude])
-    updated, update = _scontrol("update", f"JobId={requeue_id}", f"ExcNodeList={','.join(nodes)}")
+    for _ in range(UPDATE_TRIES):  # the job is held until the release: a failed update may be tried again
+        updated, update = _scontrol("update", f"JobId={requeue_id}", f"ExcNodeList={','.join(nodes)}")
+        if updated:
+            break
     if not updated:
         log.warning("the requeued job's next allocation does not exclude %s: %s", ",".join(exclude), update)
     released, release = _scontrol("release", requeue_id)

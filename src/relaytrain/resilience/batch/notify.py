@@ -2,8 +2,9 @@
 
 The events come from where the run already records them, never from a second source: the driver follows
 the run's ``metrics.jsonl`` (the trainer's ``start``/``resume``, ``stop``, ``finished`` and ``straggler``
-events; the end-of-step decision's ``step_restart``; the driver's own ``step_start``/``step_end`` records,
-a hang on the latter) and, at the job's end, reads ``run_state.json`` (requeued, failed). It judges
+events; the end-of-step decision's ``step_restart``: ``crash_restart`` for a crash's, ``node_excluded``
+alone for a restart after preflight's or a straggler's stop; the driver's own ``step_start``/``step_end``
+records, a hang on the latter) and, at the job's end, reads ``run_state.json`` (requeued, failed). It judges
 ``no_progress`` itself: a job step runs and the step count has not advanced for
 ``notify.no_progress_min`` minutes. The driver survives the ranks, so it tells of their crashes.
 
@@ -91,8 +92,10 @@ class Watcher:
         if event == "step_restart":
             # the step the crashed step had logged last (the decision's is the run's record, older)
             step = self.step if self.step is not None else step
-            restart = _own_fields(record, "nodes_left_out", "nodes_note")
-            alerts = [Alert("crash_restart", step, restart, _time(record))]
+            restart = _own_fields(record, "nodes_left_out", "nodes_note", "reason")
+            # a restart after preflight's or a straggler's stop is no crash: only its nodes are told
+            crashed = record.get("reason", "crash") == "crash"
+            alerts = [Alert("crash_restart", step, restart, _time(record))] if crashed else []
             if record.get("nodes_left_out"):
                 excluded = {"nodes": record["nodes_left_out"], "why": record.get("nodes_note")}
                 alerts.append(Alert("node_excluded", step, excluded, _time(record)))

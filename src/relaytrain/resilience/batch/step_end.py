@@ -100,6 +100,8 @@ def _restart_event(decision: Decision) -> dict[str, Any]:
     facts, plan, hang = decision.record.facts, decision.restart, decision.crash.get("hang")
     return {
         "step_restart": facts["step_restart"],
+        # why the step restarts: "crash", or a stop that was no crash ("preflight", "straggler")
+        "reason": decision.record.reason,
         "exit_code": facts["exit_code"],
         "signal": decision.crash.get("signal", ""),
         "nodes_lost": list(plan.lost),

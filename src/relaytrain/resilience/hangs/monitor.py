@@ -41,6 +41,9 @@ from relaytrain.resilience.hangs.watch import read_json, write_json
 INTERVAL_S = 2.0
 STACKS_WAIT_S = 20.0  # how long the watchers get to answer with their ranks' stacks
 END_WAIT_S = 30.0  # how long the ranks get to die after the watchers were told, before srun is told
+# A step that ended without a hang: per phase that set the job's limit, the pause nearest it (the bench's
+# clean trials read it: how close a clean run came to a false detection, phase by phase)
+NEAREST = "hang monitor: the pause nearest its limit, per phase:"
 
 
 def rank_view(fields: dict[str, Any], node: str, read_at: float, now: float) -> RankView:
@@ -90,6 +93,8 @@ class HangMonitor:
         self.slow = SlowRankTracker()
         self.verdict: Verdict | None = None
         self.longest = (0.0, 0.0)  # the longest time no rank moved without a hang, and the limit then
+        # per phase that set the job's limit (its label): the pause that came nearest it, and the limit
+        self.nearest: dict[str, tuple[float, float]] = {}
         self._stop = threading.Event()
         self._gaps = random.Random()  # the looks' spacing (slow_ranks.sample_gap)
         self._thread = threading.Thread(target=self._watch, name="hang-monitor", daemon=True)
@@ -115,6 +120,9 @@ class HangMonitor:
             self.say(
                 f"hang monitor: the longest pause of this step was {idle:.1f} s (limit then {limit:.0f} s)"
             )
+        if self.verdict is None and self.nearest:
+            per_phase = "; ".join(f"{p} {i:.1f} s of {x:.0f} s" for p, (i, x) in sorted(self.nearest.items()))
+            self.say(f"{NEAREST} {per_phase}")
 
     def nodes(self) -> dict[str, dict[str, Any]]:
         """The node files of this job step, by node."""
@@ -148,8 +156,13 @@ class HangMonitor:
         verdict = assess(views, self.policy, len(views))
         if verdict.hung:
             return verdict
-        if verdict.limit_s < self.policy.cap_s and verdict.idle_s > self.longest[0]:  # past start-up
-            self.longest = (verdict.idle_s, verdict.limit_s)
+        if verdict.limit_s < self.policy.cap_s:  # a phase bounded below the cap
+            if verdict.idle_s > self.longest[0]:
+                self.longest = (verdict.idle_s, verdict.limit_s)
+            phase = verdict.limit_why.split(":", 1)[0].split(" in ", 1)[-1]  # `rank 1 in PHASE: why`
+            idle, limit = self.nearest.get(phase, (0.0, 1.0))
+            if verdict.idle_s / verdict.limit_s > idle / limit:
+                self.nearest[phase] = (verdict.idle_s, verdict.limit_s)
         self.slow.sample(views, time.monotonic())
         line = self.slow.report(time.monotonic())
         if line:

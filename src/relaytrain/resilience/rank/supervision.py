@@ -111,15 +111,16 @@ class Supervision:
         metrics: Metrics,
         work_modules: Sequence[torch.nn.Module] = (),
         *,
-        layers: Sequence[torch.nn.Module] = (),
+        parts: Sequence[torch.nn.Module] = (),
         compiled: bool = False,
         stages: Sequence[int] | None = None,
     ) -> None:
         """The stop agreement (one collective: the job's end time), the watchdog, the NaN guard and the
         straggler watch. ``metrics``: where events go (rank 0's straggler events and per-rank times too);
         ``work_modules`` and ``compiled``: the modules whose forward is the rank's own computation
-        (``ParallelModel.work_modules``), timed for the straggler watch; ``layers``: the model's layers,
-        whose forward and backward mark progress on the board (and each graph compiled); ``stages``: each
+        (``ParallelModel.work_modules``), timed for the straggler watch; ``parts``: the model's parts, whose
+        layers' forward and backward mark progress on the board (and each graph compiled), and whose FSDP
+        all-gathers and reduce-scatters are collectives on it; ``stages``: each
         rank's pipeline stage (``ParallelDims.pipeline_stages``), a rank's straggler peers."""
         cfg, env, run = self.cfg, self.env, self.run
         self.metrics = metrics
@@ -135,7 +136,8 @@ class Supervision:
         if self.straggler.enabled:
             self.clock.add_reader(self.straggler)
             self.clock.time_alone(work_modules, compiled=compiled)
-        self.clock.mark_layers(layers, compiled=compiled)
+        self.clock.mark_layers([layer for part in parts for layer in part.layers.values()], compiled=compiled)
+        self.clock.publish_collectives(parts)
         if compiled:
             self.clock.watch_compilation()
 
