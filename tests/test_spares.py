@@ -69,10 +69,24 @@ def test_two_lost_nodes_one_spare_shrinks_only_where_the_range_allows():
 def test_implicated_nodes_hang_culprits_else_lost_else_the_first_dead_task():
     hang = {"hang": {"culprits": [{"node": "n2"}, {"node": "n2"}, {"node": 3}]}}
     assert bad_nodes.implicated_nodes(hang, ("n1",)) == ("n2",)
-    tasks = {"failed_tasks": [{"node": "n1"}, {"node": "n2"}]}
+    tasks = {
+        "failed_tasks": [{"node": "n1", "what": "Exited with exit code 1"}, {"node": "n2", "what": "Killed"}]
+    }
     assert bad_nodes.implicated_nodes(tasks, ("n2",)) == ("n2",)
     assert bad_nodes.implicated_nodes(tasks) == ("n1",)
     assert bad_nodes.implicated_nodes({"failed_tasks": "x"}) == ()
+
+
+def test_a_step_whose_tasks_were_killed_on_every_node_implicates_none():
+    """A cancellation (Slurm's, or one it delivered late to the next step of the same id) kills every
+    node's tasks alike: none of them failed on its own (the elastic Slurm test's run of 2026-12-07 left
+    a node out for it, as its second failure)."""
+    killed = [
+        {"node": "nsnode5", "tasks": "2-3", "what": "Killed"},
+        {"node": "nsnode4", "tasks": "0-1", "what": "Killed"},
+    ]
+    assert bad_nodes.implicated_nodes({"failed_tasks": killed}) == ()
+    assert bad_nodes.implicated_nodes({"failed_tasks": killed[:1]}) == ("nsnode5",)  # one node's tasks alone
 
 
 def test_a_node_implicated_twice_in_one_job_is_excluded():
