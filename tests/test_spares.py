@@ -77,16 +77,22 @@ def test_implicated_nodes_hang_culprits_else_lost_else_the_first_dead_task():
     assert bad_nodes.implicated_nodes({"failed_tasks": "x"}) == ()
 
 
-def test_a_step_whose_tasks_were_killed_on_every_node_implicates_none():
-    """A cancellation (Slurm's, or one it delivered late to the next step of the same id) kills every
-    node's tasks alike: none of them failed on its own (the elastic Slurm test's run of 2026-12-07 left
-    a node out for it, as its second failure)."""
-    killed = [
-        {"node": "nsnode5", "tasks": "2-3", "what": "Killed"},
-        {"node": "nsnode4", "tasks": "0-1", "what": "Killed"},
-    ]
-    assert bad_nodes.implicated_nodes({"failed_tasks": killed}) == ()
-    assert bad_nodes.implicated_nodes({"failed_tasks": killed[:1]}) == ("nsnode5",)  # one node's tasks alone
+def test_a_step_slurm_cancelled_implicates_no_node():
+    """A cancellation (Slurm's, or one it delivered late to the next step of the same id after a requeue)
+    kills every task: the first node srun lists did not fail on its own (the elastic Slurm test's run of
+    2026-12-07 left a healthy node out for it, as its second failure). A rank killed alone still
+    implicates its node, though srun reports the others killed after it."""
+    from relaytrain.resilience.batch.crash import cause_of
+
+    log = (
+        "slurmstepd-nsnode4: error: *** STEP 2.0 ON nsnode4 CANCELLED AT 2026-12-07T05:18:01 ***\n"
+        "srun: error: nsnode5: tasks 2-3: Killed\nsrun: error: nsnode4: tasks 0-1: Killed\n"
+    )
+    cancelled = cause_of(137, "start-up", None, log)
+    assert cancelled["step_cancelled"] and bad_nodes.implicated_nodes(cancelled) == ()
+    killed = cause_of(137, "start-up", None, log.split("\n", 1)[1])  # the same deaths, no cancellation
+    assert not killed["step_cancelled"] and bad_nodes.implicated_nodes(killed) == ("nsnode5",)
+    assert bad_nodes.implicated_nodes(cancelled, ("nsnode5",)) == ("nsnode5",)  # a lost node still is
 
 
 def test_a_node_implicated_twice_in_one_job_is_excluded():

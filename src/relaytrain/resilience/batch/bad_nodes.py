@@ -37,15 +37,12 @@ def implicated_nodes(cause: Mapping[str, Any], lost: Sequence[str] = ()) -> tupl
             return named
     if lost:
         return tuple(dict.fromkeys(lost))
-    tasks = [
-        t for t in cause.get("failed_tasks") or () if isinstance(t, dict) and isinstance(t.get("node"), str)
-    ]
-    tasks = [t for t in tasks if t["node"]]
-    if len({t["node"] for t in tasks}) > 1 and len({str(t.get("what")) for t in tasks}) == 1:
-        # Every node's tasks ended alike ("Killed" on each: Slurm cancelled the step, a cancellation it
-        # delivered late to the next step of the same id included): no node failed on its own.
+    if cause.get("step_cancelled"):  # Slurm killed every task: the first srun names is no culprit
         return ()
-    return (tasks[0]["node"],) if tasks else ()
+    for task in cause.get("failed_tasks") or ():
+        if isinstance(task, dict) and isinstance(task.get("node"), str) and task["node"]:
+            return (task["node"],)
+    return ()
 
 
 def implicated_by(entry: Mapping[str, Any]) -> tuple[str, ...]:

@@ -49,6 +49,9 @@ HANG_LINE_START = "hang detected: "  # the monitor's job-log line starts so, and
 _SRUN_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
 # torchrun (one node) exits 1 whatever killed its worker; its failure summary names the signal
 _TORCHRUN_SIGNAL = re.compile(r"Signal \d+ \((SIG[A-Z0-9]+)\) received by PID")
+# slurmstepd's line when Slurm cancels a step (scancel, or a cancellation it delivers late to the next
+# step of the same id after a requeue): every task is killed, none of them failed on its own
+_STEP_CANCELLED = re.compile(r"\*\*\* STEP \S+ ON \S+ CANCELLED AT ")
 
 
 def signal_of(exit_code: int) -> str:
@@ -205,6 +208,7 @@ def cause_of(
         "signal": signal_of(exit_code) or ",".join(torchrun_signals(job_log_tail)),
         "why": why if hang is None else hang_why(hang),
         "failed_tasks": errors,
+        "step_cancelled": bool(_STEP_CANCELLED.search(job_log_tail)),
         "nodes": sorted({e["node"] for e in errors}),
         "previous_state": None
         if state is None
