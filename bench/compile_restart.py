@@ -21,37 +21,19 @@ import argparse
 import os
 import shutil
 import tempfile
-from datetime import UTC, datetime
 from pathlib import Path
 
 from relaytrain.job.rundir import RunDir
 
-from bench import kept
-from bench.procs import WORK, events, read_metrics, relaytrain_argv, run, shown, train_records
-from bench.report import fmt, machine_info, python_command, table, write_page
+from bench import kept, startup
+from bench.procs import WORK, events, read_metrics, run, shown, train_records
+from bench.report import fmt, machine_info, python_command, table
 
 MODULE = "bench.compile_restart"
 SECTION = "compile-restart"
 ORDER = ["startup", SECTION]
-STOP_AT = 2
+STOP_AT = startup.STOP_AT  # the first job stops there, the second resumes (startup.job_argv)
 VARIANTS = {"kept": "the file kept", "none": "the file removed"}
-
-
-def job_argv(run_root: Path, name: str, extra: list[str]) -> list[str]:
-    return relaytrain_argv(
-        [
-            "train",
-            f"--run.dir={run_root}",
-            f"--run.name={name}",
-            f"--train.max_steps={STOP_AT + 2}",
-            f"--train.stop_at_step={STOP_AT}",
-            "--optim.warmup_steps=1",
-            "--metrics.log_every=1",
-            "--train.eval_every=0",
-            "--parallel.compile=true",
-            *extra,
-        ]
-    )
 
 
 def job(argv: list[str], threads: int, inductor: Path):
@@ -66,7 +48,7 @@ def variant(key: str, extra: list[str], threads: int) -> dict:
     root = WORK / "compile-restart"
     shutil.rmtree(root / key, ignore_errors=True)
     runs, name = root / key / "runs", "debug"
-    argv = job_argv(runs, name, extra)
+    argv = startup.job_argv(runs, name, ["--parallel.compile=true", *extra])  # startup's two jobs
     # Each job's Inductor cache: an empty folder outside the repository (it holds generated Python)
     with tempfile.TemporaryDirectory(prefix="compile-restart-") as nodes:
         return _jobs(argv, threads, Path(nodes), runs / name, key == "none")
@@ -152,19 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-from", default="")
     args, extra = parser.parse_known_args(argv)
     if args.page_from:
-        try:
-            data = {**kept.load(args.page_from), "kept": args.page_from}
-        except ValueError as err:
-            parser.error(f"--page-from: {err}")
-        print(f"wrote {write_page({SECTION: render(data)}, ORDER)}")
+        kept.rewrite_from(args.page_from, render, SECTION, ORDER, parser.error)
         return 0
     data = {"machine": machine_info(), "command": python_command(MODULE, extra), "threads": args.threads}
     data["variants"] = {key: variant(key, extra, args.threads) for key in VARIANTS}
-    name = f"compile-restart-{datetime.now(UTC).strftime('%Y-%m-%d-%H%M')}.json"
-    path = kept.save(name, data)
-    print(render({**data, "kept": path}))
-    if not args.no_write:
-        print(f"wrote {write_page({SECTION: render({**data, 'kept': name})}, ORDER)}")
+    kept.keep_and_show("compile-restart", data, render, SECTION, ORDER, write=not args.no_write)
     return 0
 
 

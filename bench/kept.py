@@ -12,10 +12,12 @@ were copied from.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.report import REPO
+from bench.report import REPO, write_page
 
 RESULTS_DIR = REPO / "bench" / "results"
 
@@ -41,6 +43,20 @@ def save(name: str, data: dict[str, Any]) -> Path:
     path = path_of(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def keep_and_show(
+    prefix: str, data: dict[str, Any], render: Callable[[dict[str, Any]], str], section: str,
+    order: Sequence[str], write: bool = True,
+) -> Path:  # fmt: skip
+    """Keep ``data`` as ``<prefix>-<UTC minute>.json``, print its section (``render`` of the data with
+    ``kept``: where it is) and, unless ``write`` is false, rewrite that section of docs/benchmarks.md."""
+    name = f"{prefix}-{datetime.now(UTC).strftime('%Y-%m-%d-%H%M')}.json"
+    path = save(name, data)
+    print(render({**data, "kept": path}))
+    if write:
+        print(f"wrote {write_page({section: render({**data, 'kept': name})}, order)}")
     return path
 
 
@@ -83,6 +99,18 @@ def keep_gpu_run(prefix: str, result: dict[str, Any]) -> dict[str, Any]:
 def page_from(path: str | Path) -> dict[str, Any]:
     """A kept GPU result as its section renders it (see keep_gpu_run)."""
     return {**load(path), "kept": relative(path)}
+
+
+def rewrite_from(
+    path: str, render: Callable[[dict[str, Any]], str], section: str, order: Sequence[str], error
+) -> None:
+    """``--page-from PATH``: the section rewritten from the kept results at ``path`` (``render`` of them
+    with ``kept``: that path); a file that is not kept results goes to ``error`` (the parser's)."""
+    try:
+        data = {**load(path), "kept": path}
+    except ValueError as err:
+        error(f"--page-from: {err}")
+    print(f"wrote {write_page({section: render(data)}, order)}")
 
 
 def transcription(path: str | Path) -> str:

@@ -30,11 +30,10 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import UTC
 
 from bench import kept
 from bench.procs import bench_env
-from bench.report import REPO, fmt, machine_info, python_command, table, write_page
+from bench.report import REPO, fmt, machine_info, python_command, table
 
 MODULE = "bench.survivor_regroup"
 SECTION = "survivor-regroup"
@@ -189,22 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-from", default="")
     args = parser.parse_args(argv)
     if args.page_from:
-        try:
-            data = {**kept.load(args.page_from), "kept": args.page_from}
-        except ValueError as err:
-            parser.error(f"--page-from: {err}")
-        print(f"wrote {write_page({SECTION: render(data)}, ORDER)}")
+        kept.rewrite_from(args.page_from, render, SECTION, ORDER, parser.error)
         return 0
     shown = [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("no_write", "page_from")
     ]
     data = {"machine": machine_info(), "command": python_command(MODULE, shown), "args": vars(args)}
     data["trials"] = [trial(args.ranks, args.kill_at, args.steps) for _ in range(args.trials)]
-    name = f"survivor-regroup-{datetime.datetime.now(UTC).strftime('%Y-%m-%d-%H%M')}.json"
-    path = kept.save(name, data)
-    print(render({**data, "kept": path}))
-    if not args.no_write:
-        print(f"wrote {write_page({SECTION: render({**data, 'kept': name})}, ORDER)}")
+    kept.keep_and_show("survivor-regroup", data, render, SECTION, ORDER, write=not args.no_write)
     return 0
 
 
