@@ -100,12 +100,18 @@ def programs(slurm_cluster, tmp_path_factory, monkeypatch_module):
            "--signal", "USR2@30")  # fmt: skip
         go("default", "--command", "sleep 600", "--nodes", "1", "--tasks-per-node", "1", "--time", "1")
         go("cancel", "--command", f"{DDP} --steps 300 --step-delay 1", "--nodes", "1",
-           "--tasks-per-node", "1", "--time", "5", "--signal", "USR2@30")  # fmt: skip
+           "--tasks-per-node", "1", "--time", "10", "--signal", "USR2@30")  # fmt: skip
         code, out = cli("sweep", str(config), "--command", ARRAY_TASK, "--name", "arr", "--grid", "value=a,b",
                         *PROFILE, "--nodes", "1", "--tasks-per-node", "1", "--time", "2")  # fmt: skip
         assert code == 0, out
         array = submitted_id(out)
         jobs["arr"] = array
+        # The stop by `scancel --signal=USR2` before the local reference runs, which take minutes on a loaded
+        # machine: a USR2 within signal_lead_s + 90 s of the job's end counts as Slurm's --signal (the
+        # time limit, requeued), which a 5-minute job reached once while they ran.
+        cancel_dir = runs / "cancel"
+        wait_for(lambda: losses(cancel_dir), 240, "the cancel job's first step", interval=1.0)
+        slurm("scancel", "--signal=USR2", jobs["cancel"])
         refs = base / "refs"
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
         ddp_ref = run_local([*torchrun, str(REPO / "examples" / "ddp_train.py"), "--out",
@@ -114,9 +120,6 @@ def programs(slurm_cluster, tmp_path_factory, monkeypatch_module):
         hf_ref = run_local([sys.executable, str(REPO / "examples" / "hf_trainer.py"), "--out",
                             str(refs / "hf" / "out"), "--steps", "40"], refs / "hf")  # fmt: skip
         assert hf_ref.wait(timeout=300) == 0, hf_ref.communicate()[0]
-        cancel_dir = runs / "cancel"
-        wait_for(lambda: losses(cancel_dir), 240, "the cancel job's first step", interval=1.0)
-        slurm("scancel", "--signal=USR2", jobs["cancel"])
         fields = {
             name: wait_job_finished(int(job), timeout=400) for name, job in jobs.items() if name != "arr"
         }
