@@ -72,9 +72,8 @@ WHOLE_CLUSTER = {
 }
 # The modules that run on their lane's nodes while no other lane has jobs and no other test runs, and why.
 QUIET = {
-    "test_straggler_slurm.py": "a clean run beside the throttled one must name no straggler: other lanes' "
-    "ranks and other tests on the same cores make one rank's steps slower than its peer's (the CI run of "
-    "2026-12-07 beside 3 busy workers: rank 0 17 % slower in forward)",
+    "test_straggler_slurm.py": "the throttled rank is named against its peer's times: other lanes' ranks "
+    "and other tests on the same cores slow one rank's steps more than the other's",
     "test_preflight_slurm.py": "a clean node's compute must stay within 40 % of the others'; a 2-node job "
     "and its spare",
 }

@@ -186,7 +186,8 @@ def test_two_ranks_publish_steps_phases_and_their_collectives(tmp_path):
     for r in records:
         assert (r.step, r.phase) == (steps, Phase.DONE), r
         assert r.collectives_entered == r.collectives_left > steps, r  # a stop agreement a step, and more
-        assert r.usual_step_collectives == r.last_step_collectives == 1, r  # the stop agreement
+        # FSDP's all-gathers and reduce-scatters (issue 53) and the stop agreement, the same every step
+        assert r.usual_step_collectives == r.last_step_collectives > 1, r
         assert TRAINING | {Phase.STARTUP, Phase.EVALUATION, Phase.CHECKPOINT_SAVE} <= set(r.medians), r
         # issue 53: the start-up's own phases, and marks inside the forward/backward (its layers)
         assert {Phase.RENDEZVOUS, Phase.FIRST_STEP} <= set(r.medians) and r.marks > 0, r

@@ -1,17 +1,18 @@
-"""Stragglers on the real local Slurm cluster: a rank slowed from outside the run is named, a clean run
-beside it is not.
+"""Stragglers on the real local Slurm cluster: a rank slowed from outside the run is named.
 
-Two jobs of 2 nodes x 1 task run at once (one module fixture), each training the benchmark's small model
-(bench/cluster/stragglers.py's QUICK_TRIAL_MODEL: a forward phase of 50-115 ms and an optimizer phase of
-about 30 ms beside busy processes, both above the 20 ms floor of phases timed by the host's clock; the
-model before it had a 12-17 ms forward on this project's faster CPUs, under the floor, and named no one)
-for ``STEPS`` steps with the default straggler settings:
+One job of 2 nodes x 1 task trains the benchmark's small model (bench/cluster/stragglers.py's
+QUICK_TRIAL_MODEL: a forward phase of 50-115 ms and an optimizer phase of about 30 ms, both above the
+20 ms floor of phases timed by the host's clock) for ``STEPS`` steps with the default straggler settings.
+Rank 1's process gets a CPU quota of a quarter of its one compute thread once the run has logged a few
+steps (``python -m faults.throttle``, from outside the job), lifted once it is named: one ``straggler:``
+line names rank 1 and its node within 50 steps, a ``straggler`` event is in metrics.jsonl and
+``relaytrain status`` shows it.
 
-* in the first, rank 1's process gets a CPU quota of a quarter of its one compute thread once the run
-  has logged a few steps (``python -m faults.throttle``, from outside the job), lifted once it is named:
-  one ``straggler:`` line names rank 1 and its node within 50 steps, a ``straggler`` event is in
-  metrics.jsonl and ``relaytrain status`` shows it;
-* the second runs clean beside the first: no straggler.
+A clean run names no straggler only where each rank's cores run nothing else (docs/resilience.md,
+"Where the rule holds"): on this machine's 2 shared cores the kept trials gave false reports in 7 of 12
+(docs/benchmarks.md), and a clean job beside this one did in the suite's runs of 2026-12-07 (rank 0 17 %,
+rank 1 15 % slower in forward). That claim is the benchmark's (``python -m bench.stragglers --test``),
+not this module's.
 """
 
 from __future__ import annotations
@@ -51,13 +52,9 @@ def stragglers(slurm_cluster, tmp_path_factory):
     jobs: dict[str, str] = {}
     pid = None
     try:
-        for name in ("slow", "clean"):
-            cfg = base / f"{name}.toml"
-            cfg.write_text(straggler_config(name, runs, STEPS, QUICK_TRIAL_MODEL))
-            jobs[name] = launch(str(cfg), *NODES)
-        # No busy processes beside them: with one per core, this quick model's clean run got a false
-        # report on this project's Intel CPUs in 2 of 2 runs (rank 0 19 % slower in forward); see the
-        # benchmarks page's stragglers sections for the rule beside busy processes.
+        cfg = base / "slow.toml"
+        cfg.write_text(straggler_config("slow", runs, STEPS, QUICK_TRIAL_MODEL))
+        jobs["slow"] = launch(str(cfg), *NODES)
 
         def reached():
             step = max((r["step"] for r in records(runs / "slow", "train")), default=0)
@@ -76,8 +73,7 @@ def stragglers(slurm_cluster, tmp_path_factory):
             named = any(r.get("event") == "straggler" for r in records(runs / "slow", "event"))
             return named or job_fields(int(jobs["slow"])).get("JobState") not in ("RUNNING", "PENDING")
 
-        # Once the rank is named, the rest of the run goes at full speed: the test's time is the clean
-        # run's horizon, not a quarter-speed tail.
+        # Once the rank is named, the rest of the run goes at full speed, not a quarter-speed tail.
         wait_for(named_or_ended, 600, f"job {jobs['slow']} to name a straggler", interval=0.5)
         throttle.release(pid)
         fields = {name: wait_job_finished(int(job), timeout=600) for name, job in jobs.items()}
@@ -107,11 +103,3 @@ def test_a_throttled_rank_is_named_with_its_node_within_50_steps(stragglers):
     assert all(r[f"rank{k}_forward_fastest_s"] > 0 for r in timed[1:] for k in (0, 1)), timed[-1]
     code, out = cli("status", str(runs / "slow"))
     assert code == 0 and f"rank 1 on {node}" in out, out
-
-
-def test_a_clean_run_beside_it_names_no_straggler(stragglers):
-    runs, job = stragglers["runs"], stragglers["jobs"]["clean"]
-    assert stragglers["fields"]["clean"]["JobState"] == "COMPLETED"
-    assert straggler_lines(runs / "clean", job) == []
-    assert not [r for r in records(runs / "clean", "event") if r.get("event") == "straggler"]
-    assert records(runs / "clean", "rank_times"), "the clean run compared no times"
