@@ -107,7 +107,7 @@ def rewrite_from(
     """``--page-from PATH``: the section rewritten from the kept results at ``path`` (``render`` of them
     with ``kept``: that path); a file that is not kept results goes to ``error`` (the parser's)."""
     try:
-        data = {**load(path), "kept": path}
+        data = page_from(path)
     except ValueError as err:
         error(f"--page-from: {err}")
     print(f"wrote {write_page({section: render(data)}, order)}")
