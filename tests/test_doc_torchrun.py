@@ -109,6 +109,8 @@ def test_the_parallelism_lines_train(line, tmp_path):
         ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    # The embedded config's micro batch divides each rank's sequences: no line says it was adapted.
+    assert "does not divide" not in done.stdout + done.stderr, done.stderr[-3000:]
     run = tmp_path / "runs" / "debug"
     assert json.loads((run / "run_state.json").read_text())["status"] == "finished"
     records = [json.loads(row) for row in (run / "metrics.jsonl").read_text().splitlines()]

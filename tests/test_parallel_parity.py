@@ -29,7 +29,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parallel_cases import BENCH_ONLY, LAYOUTS, mixed_precision_reference, run_case  # noqa: E402
+from parallel_cases import BENCH_ONLY, CASES, LAYOUTS, mixed_precision_reference, run_case  # noqa: E402
 
 WORKER = Path(__file__).parent / "parallel_cases.py"
 N2_CASES = [case for case in LAYOUTS[2] if case not in BENCH_ONLY]
@@ -118,16 +118,17 @@ def test_two_process_layouts_match_single_process(reference, bf16_references, tm
 
 
 @pytest.mark.slow
-def test_four_process_layouts_match_single_process(reference, bf16_references, tmp_path):
+def test_four_process_layouts_match_single_process_and_pipelines_evaluate_on_the_pp_group(
+    reference, bf16_references, tmp_path
+):
+    """Besides parity: a pipeline's evaluation sends stage to stage on the pp group (the default group
+    would cost NCCL another communicator, with the default group's timeout). Four ranks: with two, the
+    mesh's pp group spans the world and is the default group itself; here the pipelines run beside data
+    or tensor parallelism (pp_fsdp_pp_outer_order, pp_tp_interleaved), and a layout without one sends
+    nothing."""
     results = launch(4, N4_CASES, tmp_path)
+    pipelines = [case for case in N4_CASES if CASES[case][0].get("pp", 1) > 1]
+    assert len(pipelines) >= 2, N4_CASES
     for case in N4_CASES:
         assert_matches(results[case], reference, bf16_references)
-
-
-def test_pipeline_evaluation_sends_on_the_pipeline_group(tmp_path):
-    """Evaluation's stage-to-stage sends use the pp group (the default group would cost NCCL another
-    communicator, with the default group's timeout). Four ranks: with two, the mesh's pp group spans
-    the world and is the default group itself."""
-    results = launch(4, ["pp_fsdp"], tmp_path)
-    for case, result in results.items():
-        assert result["eval_p2p_groups"] == ["pp"], case
+        assert results[case]["eval_p2p_groups"] == (["pp"] if case in pipelines else []), case

@@ -12,10 +12,11 @@ import pytest
 import torch
 from tests.conftest import run_cli
 
+from forked_simulations import run_child
 from relaytrain.config import load_config
+from relaytrain.parallel import simulate as sim_module
 from relaytrain.parallel.layout import validate_layout
 from relaytrain.parallel.simulate import (
-    _run_child,
     rank_with,
     representative_ranks,
     simulate,
@@ -42,6 +43,14 @@ dp_shard = -1
 """
 
 TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+FRESH_INTERPRETER = sim_module._run_child  # the product's own: `python -m relaytrain.parallel.simulate`
+
+
+@pytest.fixture(autouse=True)
+def forked_ranks(monkeypatch):
+    """In-process simulations fork their ranks from a server that imported torch once
+    (tests/forked_simulations.py); `relaytrain plan --simulate` below still starts fresh interpreters."""
+    monkeypatch.setattr(sim_module, "_run_child", run_child)
 
 
 def small_cfg(tmp_path, *overrides: str):
@@ -146,7 +155,7 @@ def test_tp2_pp2_fsdp4_at_16_ranks_simulates_both_pipeline_ends(tmp_path, interl
     # 1F1B's last stage holds one micro batch in flight from the first: its first stage is the test.
     ends = ((first, 1024), (last, 1024 + 4)) if interleaved else ((first, 1024),)
     for sim, per_micro_batch in ends:
-        full = _run_child((simulation_config(cfg, whole), 16, sim.rank, 2, "", 0))
+        full = run_child((simulation_config(cfg, whole), 16, sim.rank, 2, "", 0))
         if TORCH < (2, 15):
             assert 0 <= full.peak_bytes - sim.peak_bytes <= (n - fewer) * per_micro_batch
         else:
@@ -178,6 +187,22 @@ def test_collectives_per_step_scale_the_simulated_micro_batches_to_the_whole_ste
     assert title == f"collectives per step of 16 micro batches: {scaled}"
 
 
+def test_a_forked_rank_simulates_what_a_fresh_interpreter_does(tmp_path, monkeypatch):
+    """The tests' forked ranks stand for the product's fresh interpreters: the same rank, role,
+    coordinates, peak and its moment, categories, collectives and kernels (only the time taken and the
+    process's own resident memory differ)."""
+    cfg = small_cfg(tmp_path)
+    dims = validate_layout(cfg.parallel, cfg.model, cfg.train, 2, 2, "cuda")
+    (forked,) = simulate(cfg, dims, 2)
+    monkeypatch.setattr(sim_module, "_run_child", FRESH_INTERPRETER)
+    (fresh,) = simulate(cfg, dims, 2)
+    own = {"seconds", "host_peak_bytes"}  # per process
+    forked, fresh = (
+        {k: v for k, v in dataclasses.asdict(r).items() if k not in own} for r in (forked, fresh)
+    )
+    assert forked == fresh and fresh["collectives"] and fresh["peak_bytes"] > 0
+
+
 def test_a_layout_the_fake_step_cannot_run_falls_back_to_the_plan_with_one_line(tmp_path):
     """Context parallel has no CPU attention strategy: the fake CPU step cannot shard attention."""
     (tmp_path / "small.toml").write_text(SMALL_TOML)
@@ -206,7 +231,7 @@ def test_hsdp_held_back_gradients_count_as_gradients(tmp_path):
     cfg = small_cfg(tmp_path, *hsdp)
     dims = validate_layout(cfg.parallel, cfg.model, cfg.train, 8, 8, "cuda")
     assert dims.grad_accum == 2
-    sim = _run_child((simulation_config(cfg, dims), 8, 0, 8, "", 0))
+    sim = run_child((simulation_config(cfg, dims), 8, 0, 8, "", 0))
     check_exact_states(cfg, dims, sim, range(4))
     rope = 4 * cfg.model.max_seq_len * (cfg.model.dim // cfg.model.n_heads)
     assert sim.categories["gradients"] == sim.categories["parameters"] - rope
