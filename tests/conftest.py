@@ -120,6 +120,29 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> sub
     )
 
 
+def cli_in_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`relaytrain ARGS` through the command's own entry (`relaytrain.cli:main`) in this process, its
+    stdout and stderr captured: for the commands that read a run (verify, status, report), whose
+    interpreter's start-up (torch) would cost more CPU than the command. Training keeps its processes."""
+    import contextlib
+    import io
+
+    from relaytrain.cli import main
+
+    assert args and args[0] != "train", "a training runs in its own process (run_cli)"
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse's usage errors
+                code = exc.code if isinstance(exc.code, int) else 2
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["relaytrain", *args], code, out.getvalue(), err.getvalue())
+
+
 def run_torchrun(nproc: int, args: list[str], cwd: Path, timeout: float = 600, **env: str):
     return subprocess.run(
         [

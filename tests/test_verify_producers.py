@@ -17,7 +17,7 @@ import pytest
 
 from relaytrain.data.prepare import prepare_dataset
 
-from conftest import TINY, child_env
+from conftest import TINY, child_env, cli_in_process
 
 HERE = Path(__file__).resolve().parent
 WRAPPER = HERE / "producer_mutations.py"
@@ -55,8 +55,7 @@ def train(workdir: Path, name: str, *extra: str, mutation: str = "", nproc: int 
 
 
 def verify(workdir: Path, name: str, *flags: str) -> tuple[int, list[str]]:
-    command = [sys.executable, "-m", "relaytrain.cli", "verify", str(workdir / "runs" / name), *flags]
-    proc = subprocess.run(command, cwd=workdir, env=child_env(), capture_output=True, text=True, timeout=300)
+    proc = cli_in_process(["verify", str(workdir / "runs" / name), *flags], workdir)
     assert proc.returncode in (0, 1), proc.stderr
     return proc.returncode, proc.stdout.splitlines()
 
