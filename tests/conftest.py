@@ -11,6 +11,14 @@ from pathlib import Path
 import hypothesis
 import pytest
 
+# Every process of the suite runs one intra-op thread: the tests' own, torchrun's ranks and the Slurm jobs'
+# tasks (which inherit the submitting environment). The tiny models gain nothing from more, and on the 2
+# cores the suite is sized for, a second thread's OpenMP spin beside the other processes' work cost 5 to
+# 10 times the CPU of a 1-thread run. Set before torch is first imported, which reads it then.
+os.environ["OMP_NUM_THREADS"] = "1"
+if "torch" in sys.modules:  # a plugin imported it first
+    sys.modules["torch"].set_num_threads(1)
+
 import needs
 import prebuilt
 from slurm_fixtures import slurm_cluster, suite_cluster  # noqa: F401  (the real-Slurm fixtures)

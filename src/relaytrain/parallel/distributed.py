@@ -55,6 +55,18 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def cpu_threads_per_rank(local_world_size: int, environ) -> int | None:
+    """The intra-op threads a CPU rank should use, or None to keep what torch chose. Where
+    OMP_NUM_THREADS is set (by the user, or by the job script from `slurm.cpus_per_task`) torch already
+    follows it. Otherwise each of the node's ranks gets its share of the cores this process may run on
+    (the affinity mask Slurm or taskset gave it, not the machine's): with more threads than cores, idle
+    OpenMP threads spin beside the other ranks' and gloo ranks crawl."""
+    if environ.get("OMP_NUM_THREADS", "").strip():
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_world_size))
+
+
 def init_distributed(cfg: Config) -> DistEnv:
     """Initialise torch.distributed when launched with several processes; no-op for one."""
     apply_slurm_env(os.environ)
@@ -66,9 +78,9 @@ def init_distributed(cfg: Config) -> DistEnv:
     backend = "nccl" if device.type == "cuda" else "gloo"
     env = DistEnv(rank, local_rank, world_size, local_world_size, device, backend, JobFacts.from_env().host())
     if world_size > 1 and not dist.is_initialized():
-        if device.type == "cpu":
-            # Each rank gets its share of the cores; oversubscription makes gloo ranks crawl.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+        threads = cpu_threads_per_rank(local_world_size, os.environ) if device.type == "cpu" else None
+        if threads is not None:
+            torch.set_num_threads(threads)
         dist.init_process_group(
             backend=backend,
             timeout=timedelta(seconds=cfg.resilience.init_timeout_s),
