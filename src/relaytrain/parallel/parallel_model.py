@@ -35,7 +35,6 @@ from relaytrain.parallel.dims import ParallelDims
 from relaytrain.parallel.fsdp import apply_fsdp, param_dtype
 from relaytrain.parallel.layout import batch_split_note, validate_layout
 from relaytrain.parallel.mesh import build_mesh, fsdp_mesh, submesh
-from relaytrain.parallel.pipeline import build_schedule, split_stage, stage_ids_of
 from relaytrain.parallel.work import own_work_modules
 
 log = logging.getLogger(__name__)
@@ -92,6 +91,8 @@ class ParallelModel:
     def _build_schedule(self, parallel: ParallelConfig):
         """The pipeline schedule over this rank's stages (the step simulation declares their shapes
         instead: relaytrain.parallel.sim_pipeline.DeclaredStagesModel)."""
+        from relaytrain.parallel.pipeline import build_schedule  # see the split below
+
         return build_schedule(
             parallel.pp_schedule,
             self.model_parts,
@@ -328,6 +329,10 @@ def shard_on_meta(
     with torch.device("meta"):
         whole = Transformer(model)
     if dims.pp > 1:
+        # Imported only for a pipeline: torch.distributed.pipelining brings torch.export, about 0.9 CPU
+        # seconds of every process's start-up (and of every restart's) where no pipeline runs.
+        from relaytrain.parallel.pipeline import split_stage, stage_ids_of
+
         n_stages = dims.pp * parallel.pp_virtual_stages
         stage_ids = stage_ids_of(mesh["pp"].get_local_rank(), dims.pp, parallel.pp_virtual_stages)
         parts = [split_stage(whole, sid, n_stages) for sid in stage_ids]
