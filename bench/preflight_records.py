@@ -1,0 +1,134 @@
+"""What the checks before a job step measured on real job starts: how far each node fell below the median
+of its job, against the thresholds that `resilience.preflight = "exclude"` would act on.
+
+    python -m bench.preflight_records FOLDER [FOLDER ...] [--no-write]
+    python -m bench.preflight_records --page-from bench/results/preflight-records-<date>.json
+
+Reads every `<run_dir>/preflight/<job>.json` under the FOLDERs (run directories of jobs on a Slurm
+cluster, such as those the Slurm test suite leaves in its temporary folders), one record per job step of
+2 or more nodes, each once (a folder reached twice through a link counts once). Keeps, per record, its
+path under its FOLDER, the node count, the worst compute and network shortfall below the median, the
+nodes it named and the checks' seconds, in bench/results/preflight-records-<UTC date and time>.json, and
+writes the `preflight-records` section of docs/benchmarks.md. The FOLDERs themselves are not kept: the
+section names each record by its FOLDER's last part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from bench import kept
+from bench.report import fmt, machine_info, python_command, table
+
+MODULE = "bench.preflight_records"
+SECTION = "preflight-records"
+ORDER = ["preflight", SECTION, "quickstart"]
+NEAR = 10.0  # points below a threshold that count as near it
+
+
+def _shortfall(ranks: list[dict], key: str) -> float | None:
+    values = [r.get("figures", {}).get(key) for r in ranks]
+    values = [v for v in values if v]
+    if len(values) < 2:
+        return None
+    mid = statistics.median(values)
+    return max(0.0, max((mid - v) / mid * 100 for v in values))
+
+
+def collect(folders: list[Path]) -> list[dict]:
+    rows, seen = [], set()
+    for folder in folders:
+        for path in sorted(folder.rglob("preflight/*.json")):
+            real = path.resolve()
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            identity = (record.get("job"), record.get("time"))
+            if real in seen or identity in seen or len(record.get("nodes", {})) < 2:
+                continue
+            seen.update({real, identity})
+            rows.append({
+                "record": f"{folder.name}/{path.relative_to(folder).as_posix()}",
+                "nodes": len(record["nodes"]),
+                "compute_shortfall_pct": _shortfall(record.get("ranks", []), "gflops"),
+                "network_shortfall_pct": _shortfall(record.get("ranks", []), "gbps"),
+                "named": sorted(n for n, v in record["nodes"].items() if not v.get("passed", True)),
+                "seconds": record.get("seconds"),
+                "thresholds": record.get("thresholds", {}),
+            })  # fmt: skip
+    return rows
+
+
+def render(data: dict) -> str:
+    rows, m = data["rows"], data["machine"]
+    compute = [r["compute_shortfall_pct"] for r in rows if r["compute_shortfall_pct"] is not None]
+    network = [r["network_shortfall_pct"] for r in rows if r["network_shortfall_pct"] is not None]
+    limits = rows[0]["thresholds"] if rows else {}
+    cpct, npct = limits.get("compute_pct", 40.0), limits.get("network_pct", 50.0)
+    named = [r for r in rows if r["named"]]
+    near = [c for c in compute if c >= cpct - NEAR]
+    body = [
+        (r["record"], r["nodes"], fmt(r["compute_shortfall_pct"]), fmt(r["network_shortfall_pct"]),
+         fmt(r["seconds"]), ", ".join(r["named"]) or "none")
+        for r in rows
+    ]  # fmt: skip
+    lines = [
+        "## Preflight on real job starts: how far a node fell below its job's median",
+        "",
+        f"Read {m['date']} on {m['cpu']} ({m['cores']} cores), commit {m['commit']}, by `{data['command']}`, "
+        f"from the run directories of {data['description']}. Thresholds of the records: compute "
+        f"{fmt(cpct)} %, network {fmt(npct)} % below the median.",
+        "",
+        table(
+            [
+                "record",
+                "nodes",
+                "worst compute shortfall (%)",
+                "worst network shortfall (%)",
+                "checks (s)",
+                "named",
+            ],
+            body,
+        ).rstrip(),  # fmt: skip
+        "",
+        f"* Job steps of 2 or more nodes: {len(rows)}; with a node named: {len(named)}.",
+        f"* Worst compute shortfall: median {fmt(statistics.median(compute)) if compute else '-'} %, "
+        f"largest {fmt(max(compute)) if compute else '-'} %; within {fmt(NEAR)} points of the threshold: "
+        f"{len(near)} of {len(compute)}.",
+        f"* Worst network shortfall: largest {fmt(max(network)) if network else '-'} %.",
+        f"* The checks took {fmt(statistics.median([r['seconds'] for r in rows if r['seconds']]))} s "
+        "(median) a job step."
+        if rows
+        else "* No record.",
+        "",
+        kept.rewritten(python_command(MODULE), kept.relative(data["kept"])).rstrip(),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="*", type=Path, help="folders holding run directories")
+    parser.add_argument("--describe", default="jobs on a Slurm cluster", help="what the folders hold")
+    parser.add_argument("--no-write", action="store_true", help="print the section, leave the page alone")
+    parser.add_argument("--page-from", default="", help="measure nothing: rewrite the section from this file")
+    args = parser.parse_args(argv)
+    if args.page_from:
+        kept.rewrite_from(args.page_from, render, SECTION, ORDER, parser.error)
+        return 0
+    if not args.folders:
+        parser.error("name the folders that hold run directories (or --page-from a kept file)")
+    command = python_command(MODULE, ["FOLDER ...", "--describe TEXT"])
+    data = {"machine": machine_info(), "command": command, "description": args.describe}
+    data["rows"] = collect(args.folders)
+    kept.keep_and_show("preflight-records", data, render, SECTION, ORDER, write=not args.no_write)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
