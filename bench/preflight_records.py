@@ -1,16 +1,19 @@
 """What the checks before a job step measured on real job starts: how far each node fell below the median
 of its job, against the thresholds that `resilience.preflight = "exclude"` would act on.
 
-    python -m bench.preflight_records FOLDER [FOLDER ...] [--no-write]
+    python -m bench.preflight_records FOLDER [FOLDER ...] [--section preflight-starts] [--no-write]
     python -m bench.preflight_records --page-from bench/results/preflight-records-<date>.json
 
 Reads every `<run_dir>/preflight/<job>.json` under the FOLDERs (run directories of jobs on a Slurm
 cluster, such as those the Slurm test suite leaves in its temporary folders), one record per job step of
 2 or more nodes, each once (a folder reached twice through a link counts once). Keeps, per record, its
 path under its FOLDER, the node count, the worst compute and network shortfall below the median, the
-nodes it named and the checks' seconds, in bench/results/preflight-records-<UTC date and time>.json, and
-writes the `preflight-records` section of docs/benchmarks.md. The FOLDERs themselves are not kept: the
-section names each record by its FOLDER's last part.
+nodes it named, the checks' seconds and each phase's (the slowest rank's), in
+bench/results/<section>-<UTC date and time>.json, and writes that section of docs/benchmarks.md:
+`preflight-records` (the records of any jobs) or `preflight-starts` (the clean starts of
+bench.preflight_starts). Where the records hold each phase's seconds, the section adds an estimate of the
+checks' time at 128 nodes. The FOLDERs themselves are not kept: the section names each record by its
+FOLDER's last part.
 """
 
 from __future__ import annotations
@@ -26,8 +29,14 @@ from bench.report import fmt, machine_info, python_command, table
 
 MODULE = "bench.preflight_records"
 SECTION = "preflight-records"
-ORDER = ["preflight", SECTION, "quickstart"]
+SECTIONS = {
+    SECTION: "Preflight on real job starts: how far a node fell below its job's median",
+    "preflight-starts": "Preflight on clean job starts with exclude: false exclusions, the time at 128 nodes",
+}
+ORDER = ["preflight", SECTION, "preflight-starts", "quickstart"]
 NEAR = 10.0  # points below a threshold that count as near it
+ESTIMATE_NODES = 128
+PHASES = ("compute", "network", "storage")
 
 
 def _shortfall(ranks: list[dict], key: str) -> float | None:
@@ -59,6 +68,8 @@ def collect(folders: list[Path]) -> list[dict]:
                 "network_shortfall_pct": _shortfall(record.get("ranks", []), "gbps"),
                 "named": sorted(n for n, v in record["nodes"].items() if not v.get("passed", True)),
                 "seconds": record.get("seconds"),
+                "phases": {k: max((r.get("seconds", {}).get(k, 0.0) for r in record.get("ranks", [])),
+                                  default=0.0) for k in PHASES},
                 "thresholds": record.get("thresholds", {}),
             })  # fmt: skip
     return rows
@@ -78,7 +89,7 @@ def render(data: dict) -> str:
         for r in rows
     ]  # fmt: skip
     lines = [
-        "## Preflight on real job starts: how far a node fell below its job's median",
+        f"## {SECTIONS[data.get('section', SECTION)]}",
         "",
         f"Read {m['date']} on {m['cpu']} ({m['cores']} cores), commit {m['commit']}, by `{data['command']}`, "
         f"from the run directories of {data['description']}. Thresholds of the records: compute "
@@ -105,28 +116,62 @@ def render(data: dict) -> str:
         "(median) a job step."
         if rows
         else "* No record.",
+        *estimate(rows),
         "",
         kept.rewritten(python_command(MODULE), kept.relative(data["kept"])).rstrip(),
     ]
     return "\n".join(lines) + "\n"
 
 
+def estimate(rows: list[dict]) -> list[str]:
+    """The checks' time at ESTIMATE_NODES nodes, from each record's phases (none where they are not kept):
+    the phases as measured (their budget bounds compute and network; storage runs on all nodes at once),
+    plus the rest of the checks' time (gathering, judging, writing the record) either as measured or scaled
+    linearly with the nodes: records of one node count cannot tell its fixed part from its per-node part."""
+    if not rows or any("phases" not in r or not r["seconds"] for r in rows):
+        return []
+    phases = statistics.median(sum(r["phases"].values()) for r in rows)
+    rest = statistics.median(max(0.0, r["seconds"] - sum(r["phases"].values())) for r in rows)
+    nodes = statistics.median(r["nodes"] for r in rows)
+    parts = ", ".join(f"{k} {fmt(statistics.median(r['phases'][k] for r in rows))} s" for k in PHASES)
+    low, high = phases + rest, phases + rest / nodes * ESTIMATE_NODES
+    return [
+        f"* Per job step (median): the phases {fmt(phases)} s ({parts}; the slowest rank's), the rest "
+        f"(gathering every rank's results, judging, writing the record) {fmt(rest)} s.",
+        f"* Estimate at {ESTIMATE_NODES} nodes: {fmt(low)} to {fmt(high)} s: the phases as measured, "
+        "plus the rest as measured (it does not grow with the nodes) or scaled from "
+        f"{nodes:g} to {ESTIMATE_NODES} nodes (all of it grows linearly); records of one node count "
+        "cannot separate the two. It holds where compute and network stay within their budget (one "
+        "4 MiB all-reduce over every node under a third of the network phase), and where the checkpoint "
+        "file system takes one 4 MiB write with fsync from every node at once as fast as from these.",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="*", type=Path, help="folders holding run directories")
     parser.add_argument("--describe", default="jobs on a Slurm cluster", help="what the folders hold")
+    parser.add_argument("--section", default=SECTION, choices=sorted(SECTIONS), help="the page's section")
     parser.add_argument("--no-write", action="store_true", help="print the section, leave the page alone")
     parser.add_argument("--page-from", default="", help="measure nothing: rewrite the section from this file")
     args = parser.parse_args(argv)
     if args.page_from:
-        kept.rewrite_from(args.page_from, render, SECTION, ORDER, parser.error)
+        try:
+            section = kept.load(args.page_from).get("section", SECTION)
+        except ValueError as err:
+            parser.error(f"--page-from: {err}")
+        kept.rewrite_from(args.page_from, render, section, ORDER, parser.error)
         return 0
     if not args.folders:
         parser.error("name the folders that hold run directories (or --page-from a kept file)")
     command = python_command(MODULE, ["FOLDER ...", "--describe TEXT"])
+    if args.section != SECTION:
+        command = python_command(MODULE, ["FOLDER ...", "--section", args.section, "--describe TEXT"])
     data = {"machine": machine_info(), "command": command, "description": args.describe}
     data["rows"] = collect(args.folders)
-    kept.keep_and_show("preflight-records", data, render, SECTION, ORDER, write=not args.no_write)
+    if args.section != SECTION:
+        data["section"] = args.section
+    kept.keep_and_show(args.section, data, render, args.section, ORDER, write=not args.no_write)
     return 0
 
 
