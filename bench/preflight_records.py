@@ -8,7 +8,7 @@ Reads every `<run_dir>/preflight/<job>.json` under the FOLDERs (run directories 
 cluster, such as those the Slurm test suite leaves in its temporary folders), one record per job step of
 2 or more nodes, each once (a folder reached twice through a link counts once). Keeps, per record, its
 path under its FOLDER, the node count, the worst compute and network shortfall below the median, the
-nodes it named, the checks' seconds and each phase's (the slowest rank's), in
+nodes it named, the checks' seconds and rank 0's seconds in each phase, in
 bench/results/<section>-<UTC date and time>.json, and writes that section of docs/benchmarks.md:
 `preflight-records` (the records of any jobs) or `preflight-starts` (the clean starts of
 bench.preflight_starts). Where the records hold each phase's seconds, the section adds an estimate of the
@@ -48,6 +48,13 @@ def _shortfall(ranks: list[dict], key: str) -> float | None:
     return max(0.0, max((mid - v) / mid * 100 for v in values))
 
 
+def _rank0_phases(ranks: list[dict]) -> dict[str, float]:
+    """The seconds rank 0 spent in each phase: the record's `seconds` are rank 0's, from the checks' start
+    to the record written, so what they hold beyond these is the gathering, judging and writing."""
+    first = next((r for r in ranks if r.get("rank") == 0), ranks[0] if ranks else {})
+    return {k: first.get("seconds", {}).get(k, 0.0) for k in PHASES}
+
+
 def collect(folders: list[Path]) -> list[dict]:
     rows, seen = [], set()
     for folder in folders:
@@ -68,8 +75,7 @@ def collect(folders: list[Path]) -> list[dict]:
                 "network_shortfall_pct": _shortfall(record.get("ranks", []), "gbps"),
                 "named": sorted(n for n, v in record["nodes"].items() if not v.get("passed", True)),
                 "seconds": record.get("seconds"),
-                "phases": {k: max((r.get("seconds", {}).get(k, 0.0) for r in record.get("ranks", [])),
-                                  default=0.0) for k in PHASES},
+                "phases": _rank0_phases(record.get("ranks", [])),
                 "thresholds": record.get("thresholds", {}),
             })  # fmt: skip
     return rows
@@ -125,9 +131,10 @@ def render(data: dict) -> str:
 
 def estimate(rows: list[dict]) -> list[str]:
     """The checks' time at ESTIMATE_NODES nodes, from each record's phases (none where they are not kept):
-    the phases as measured (their budget bounds compute and network; storage runs on all nodes at once),
-    plus the rest of the checks' time (gathering, judging, writing the record) either as measured or scaled
-    linearly with the nodes: records of one node count cannot tell its fixed part from its per-node part."""
+    rank 0's phases as measured (their budget bounds compute and network; storage runs on every node at
+    once), plus the rest of its time (waiting for the other ranks, gathering, judging, writing the record)
+    as measured or scaled linearly with the nodes: records of one node count cannot tell its fixed part from
+    its per-node part."""
     if not rows or any("phases" not in r or not r["seconds"] for r in rows):
         return []
     phases = statistics.median(sum(r["phases"].values()) for r in rows)
@@ -136,8 +143,8 @@ def estimate(rows: list[dict]) -> list[str]:
     parts = ", ".join(f"{k} {fmt(statistics.median(r['phases'][k] for r in rows))} s" for k in PHASES)
     low, high = phases + rest, phases + rest / nodes * ESTIMATE_NODES
     return [
-        f"* Per job step (median): the phases {fmt(phases)} s ({parts}; the slowest rank's), the rest "
-        f"(gathering every rank's results, judging, writing the record) {fmt(rest)} s.",
+        f"* Per job step (median): the phases {fmt(phases)} s ({parts}; rank 0's), the rest "
+        f"(waiting for the other ranks, gathering their results, judging, writing the record) {fmt(rest)} s.",
         f"* Estimate at {ESTIMATE_NODES} nodes: {fmt(low)} to {fmt(high)} s: the phases as measured, "
         "plus the rest as measured (it does not grow with the nodes) or scaled from "
         f"{nodes:g} to {ESTIMATE_NODES} nodes (all of it grows linearly); records of one node count "
