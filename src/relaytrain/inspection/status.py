@@ -175,6 +175,11 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("logs", help="print a job's or a run's output")
     p.add_argument("target", metavar="JOBID|RUN", help="a job id, or a run name or directory")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    p.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing until the job ends (waits for a queued job)",
+    )
     p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
     p.set_defaults(func=cmd_logs)
