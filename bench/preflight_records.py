@@ -55,6 +55,21 @@ def _rank0_phases(ranks: list[dict]) -> dict[str, float]:
     return {k: first.get("seconds", {}).get(k, 0.0) for k in PHASES}
 
 
+def _startup_s(run_dir: Path) -> float | None:
+    """The run's start-up in its time ledger (relaytrain.monitor), for a run of one job step checked once
+    (a start that was left out or restarted has time of other kinds in its start-up); else None."""
+    from relaytrain.errors import UserError
+    from relaytrain.job import RunDir
+    from relaytrain.monitor.run_ledger import run_ledger
+
+    if len(list((run_dir / "preflight").glob("*.json"))) != 1:
+        return None
+    try:
+        return run_ledger(RunDir(run_dir), ask_slurm=False).buckets.get("startup")
+    except (UserError, OSError, ValueError):
+        return None
+
+
 def collect(folders: list[Path]) -> list[dict]:
     rows, seen = [], set()
     for folder in folders:
@@ -77,6 +92,7 @@ def collect(folders: list[Path]) -> list[dict]:
                 "seconds": record.get("seconds"),
                 "phases": _rank0_phases(record.get("ranks", [])),
                 "thresholds": record.get("thresholds", {}),
+                "startup_s": _startup_s(path.parent.parent),
             })  # fmt: skip
     return rows
 
@@ -122,11 +138,26 @@ def render(data: dict) -> str:
         "(median) a job step."
         if rows
         else "* No record.",
+        *startup(rows),
         *estimate(rows),
         "",
         kept.rewritten(python_command(MODULE), kept.relative(data["kept"])).rstrip(),
     ]
     return "\n".join(lines) + "\n"
+
+
+def startup(rows: list[dict]) -> list[str]:
+    """The checks' share of a job step's start-up, where the records' runs have their start-up kept."""
+    pairs = [(r["seconds"], r["startup_s"]) for r in rows if r.get("startup_s") and r["seconds"]]
+    if not pairs:
+        return []
+    start = fmt(statistics.median(b for _, b in pairs))
+    share = fmt(statistics.median(a / b * 100 for a, b in pairs))
+    return [
+        f"* Start-up of a job step (the time ledger's `startup`, from the batch job's start to the first "
+        f"step), over the {len(pairs)} starts checked once: median {start} s; the checks were {share} % of "
+        "it (median)."
+    ]
 
 
 def estimate(rows: list[dict]) -> list[str]:

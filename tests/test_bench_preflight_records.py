@@ -47,3 +47,11 @@ def test_preflight_starts_refuses_bad_arguments_in_one_line(args, capsys):
     with pytest.raises(SystemExit) as exit_:
         preflight_starts.main(args)
     assert exit_.value.code == 2 and "at least" in capsys.readouterr().err
+
+
+def test_the_checks_share_of_the_start_up_where_the_run_kept_its_start_up(tmp_path):
+    record(tmp_path, "a", "7", 2.0, {"compute": 0.8, "network": 0.8, "storage": 0.1}, [10.0, 9.0])
+    (row,) = preflight_records.collect([tmp_path])
+    assert row["startup_s"] is None and preflight_records.startup([row]) == []  # no metrics: no ledger
+    (line,) = preflight_records.startup([{**row, "startup_s": 10.0}, {**row, "startup_s": 40.0}])
+    assert "over the 2 starts checked once: median 25.0 s; the checks were 12.5 % of it" in line, line
