@@ -266,9 +266,9 @@ def usage_section() -> str:
 def links_section() -> str:
     return (
         "## Elsewhere\n\n"
-        "- Throughput of every parallel layout (FSDP2, HSDP, TP, PP, ...) on CPU/gloo: "
-        "[docs/parallelism.md](parallelism.md), measured by `python bench/parallel_layouts.py` "
-        "(not part of `python -m bench`: it launches torchrun for each layout group).\n"
+        "- Throughput of every parallel layout (FSDP2, HSDP, TP, PP, ...) on CPU/gloo: the section "
+        '"Parallel layouts on CPU" above, measured by `python -m bench.parallel_layouts` (not part of '
+        "`python -m bench`: it launches torchrun for each layout group).\n"
         '- Real Slurm jobs end to end: the "Slurm end to end" section of this page, measured on the local '
         "Slurm cluster (docs/local-cluster.md) with the commands it names; `python -m bench` keeps it as it "
         "is, like the checkpoint section's analysis above.\n"

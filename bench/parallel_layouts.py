@@ -1,9 +1,12 @@
 """Tokens/s of the tiny model (dim 64, 4 layers, vocab 256, seq 32, global batch 8) per parallel layout.
 
-Usage: python bench/parallel_layouts.py [--steps 10] [--compile]
-Runs the one-process layouts in this process and the others under `torchrun --standalone` (gloo, CPU),
-running the layouts listed in tests/parallel_cases.py (LAYOUTS, shared with the parity tests), and
-prints a Markdown table (median step after the first).
+    python -m bench.parallel_layouts [--steps 10] [--compile] [--no-write]
+    python -m bench.parallel_layouts --page-from bench/results/parallel-layouts-<date>.json
+
+Runs the one-process layouts in this process and the others under `torchrun --standalone` (gloo, CPU, one
+thread per process), running the layouts listed in tests/parallel_cases.py (LAYOUTS, shared with the
+parity tests), and times the median step after the first. Writes the `parallel-layouts` section of
+docs/benchmarks.md and keeps the figures in bench/results/parallel-layouts-<UTC date and time>.json.
 """
 
 from __future__ import annotations
@@ -11,15 +14,46 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-from datetime import date
-from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
+from bench import kept
+from bench.report import REPO, fmt, load_average, machine_info, python_command, table
+
+MODULE = "bench.parallel_layouts"
+SECTION = "parallel-layouts"
+ORDER = ["gpu", SECTION, "links"]
+TESTS = REPO / "tests"
 WORKER = TESTS / "parallel_cases.py"
+
+# How the page names each case of tests/parallel_cases.py.
+LABELS = {
+    "single": "one process",
+    "ac_full": "AC full",
+    "ac_selective": "AC selective",
+    "autocast_bf16": "bf16 autocast",
+    "fsdp": "FSDP",
+    "fsdp_reshard_never": "FSDP, reshard never (micro batches of 1)",
+    "fsdp_cpu_offload": "FSDP + CPU offload",
+    "fsdp_ac_full": "FSDP + AC full",
+    "fsdp_ac_selective": "FSDP + AC selective",
+    "fsdp_compile": "FSDP + compile (inductor)",
+    "fsdp_bf16": "FSDP bf16 params, fp32 reduce",
+    "hsdp_2x1": "HSDP 2 x 1",
+    "tp": "TP 2 (+SP, loss parallel)",
+    "tp_no_loss_parallel": "TP 2 without loss parallel",
+    "tp_ac_selective": "TP 2 + AC selective",
+    "pp_gpipe": "PP 2, GPipe",
+    "pp_1f1b": "PP 2, 1F1B",
+    "pp_interleaved": "PP 2, interleaved 1F1B (2 virtual)",
+    "hsdp_2x2": "HSDP 2 x 2",
+    "fsdp_tp": "FSDP 2 x TP 2",
+    "pp_fsdp_pp_outer_order": "PP 2 x FSDP 2 (PP outermost)",
+    "pp_fsdp": "PP 2 x FSDP 2",
+    "pp_tp": "PP 2 x TP 2",
+    "pp_tp_interleaved": "PP 2 x TP 2, interleaved",
+}
 
 
 def run_torchrun(nproc: int, cases: list[str], steps: int, workdir: str) -> list[dict]:
@@ -42,31 +76,78 @@ def run_torchrun(nproc: int, cases: list[str], steps: int, workdir: str) -> list
     return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--compile", action="store_true", help="also time fsdp_compile (inductor, slow cold)")
-    args = parser.parse_args()
-    os.environ["PARALLEL_CASES_STEPS"] = str(args.steps)
+def measure(steps: int, compile_: bool) -> list[dict]:
+    """One row a layout: processes, case, median step after the first, tokens/s."""
+    os.environ["PARALLEL_CASES_STEPS"] = str(steps)
     sys.path.insert(0, str(TESTS))
     import torch
 
     from parallel_cases import BENCH_OPT_IN, LAYOUTS, run_case
 
-    torch.set_num_threads(1)  # as each torchrun rank; the machine is 2 cores
-    rows = [(1, run_case(name, 1, 0, 1)) for name in LAYOUTS[1]]
+    torch.set_num_threads(1)  # as each torchrun rank
+    results = [(1, run_case(name, 1, 0, 1)) for name in LAYOUTS[1]]
     with tempfile.TemporaryDirectory() as workdir:
         for nproc in (2, 4):
-            cases = [case for case in LAYOUTS[nproc] if args.compile or case not in BENCH_OPT_IN]
-            rows += [(nproc, r) for r in run_torchrun(nproc, cases, args.steps, workdir)]
-    print(
-        f"{date.today()} on {platform.node()}: {os.cpu_count()} CPUs "
-        f"({platform.processor() or platform.machine()}), torch {torch.__version__}, "
-        f"{args.steps} steps, median step after the first"
+            cases = [case for case in LAYOUTS[nproc] if compile_ or case not in BENCH_OPT_IN]
+            results += [(nproc, r) for r in run_torchrun(nproc, cases, steps, workdir)]
+    keys = ("case", "steady_step_s", "tokens_per_s", "total_s")
+    return [{"processes": nproc, **{k: r[k] for k in keys}} for nproc, r in results]
+
+
+def render(data: dict) -> str:
+    m, a = data["machine"], data["args"]
+    rows = [
+        (r["processes"], LABELS.get(r["case"], r["case"]), fmt(r["steady_step_s"]), fmt(r["tokens_per_s"]))
+        for r in data["rows"]
+    ]
+    loads = f"load average {m['load_start'][0]} at the start, {data['load_end'][0]} at the end"
+    timed = {r["case"] for r in data["rows"]}
+    untimed = "" if "fsdp_compile" in timed else " FSDP + compile is timed only with `--compile`."
+    single = next((r["tokens_per_s"] for r in data["rows"] if r["case"] == "single"), None)
+    others = [r for r in data["rows"] if r["processes"] > 1]
+    slower = sum(r["tokens_per_s"] < single for r in others) if single else 0
+    busy = max(m["load_start"][0], data["load_end"][0]) > m["cores"]
+    noisy = (
+        " The load average exceeded the core count: other work shared the cores, so the figures are low "
+        "and noisy."
+        if busy
+        else ""
     )
-    print("| processes | layout | step (s) | tokens/s |\n| --- | --- | --- | --- |")
-    for nproc, r in rows:
-        print(f"| {nproc} | {r['case']} | {r['steady_step_s']:.3f} | {r['tokens_per_s']:.0f} |")
+    lines = [
+        "## Parallel layouts on CPU",
+        "",
+        f"{m['date']}, {m['cpu']} ({m['cores']} cores, {loads}), torch {m['torch']}, commit "
+        f"{m['commit']}. The tiny model (dim 64, 4 layers, 4 heads, 2 KV heads, vocab 256, seq 32, global "
+        f"batch 8; AdamW), {a['steps']} steps a layout, the median step after the first; gloo, one thread "
+        f"a process. Command: `{data['command']}`.",
+        "",
+        table(["processes", "layout", "step (s)", "tokens/s"], rows).rstrip(),
+        "",
+        f"The figures show relative costs on CPU, not capabilities: {slower} of the {len(others)} layouts "
+        f"of 2 or 4 processes were slower than one process, on a model this small.{noisy} The layouts exist "
+        f"for GPUs; run the command on a GPU machine for figures there.{untimed} Which layout runs on which "
+        "device: [docs/parallelism.md](parallelism.md).",
+        "",
+        kept.rewritten(python_command(MODULE), kept.relative(data["kept"])).rstrip(),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--compile", action="store_true", help="also time fsdp_compile (inductor, slow cold)")
+    parser.add_argument("--no-write", action="store_true", help="print the section, leave the page alone")
+    parser.add_argument("--page-from", default="", help="measure nothing: rewrite the section from this file")
+    args = parser.parse_args(argv)
+    if args.page_from:
+        kept.rewrite_from(args.page_from, render, SECTION, ORDER, parser.error)
+        return 0
+    shown = [f"--steps={args.steps}"] + (["--compile"] if args.compile else [])
+    data = {"machine": machine_info(), "command": python_command(MODULE, shown), "args": vars(args)}
+    data["rows"] = measure(args.steps, args.compile)
+    data["load_end"] = load_average()
+    kept.keep_and_show("parallel-layouts", data, render, SECTION, ORDER, write=not args.no_write)
     return 0
 
 

@@ -55,7 +55,7 @@ UNKEPT: dict[str, Unkept] = {
         f"{HISTORY} the straggler rule's tuning history, moved from docs/resilience.md; its figures come "
         'from the kept runs named below, which the sections "Stragglers" and "Straggler rules, replayed" '
         "rebuild.",
-        "f9e33596c104716c5749e1ae6f9a603e4dbcc36e51b1a7422b3e2a75d91b3bd6",
+        "357b0f6d9687d64ce9bbf20dc12c16b50fa758bcd71fd822dde1c67999cb1d31",
         tuple(f"bench/results/stragglers-{t}.json" for t in STRAGGLER_RUNS),
     ),
     "checkpoint-history": Unkept(

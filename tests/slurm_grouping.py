@@ -53,6 +53,7 @@ LANES = {
     "test_run_lock.py": 1,
     "test_snapshot_slurm.py": 1,
     "test_notify_slurm.py": 2,
+    "test_howto_slurm.py": 2,
     "test_elastic_slurm.py": 2,
     "test_hang_slurm.py": 2,
     "test_cli_without_slurm.py": 2,

@@ -102,6 +102,14 @@ def test_the_sections_python_m_bench_measures_on_cpu_are_rebuilt_from_its_kept_r
     assert {"machine", "matmul-peak", "overhead", "startup", "checkpoint-io-run"} <= REBUILT
 
 
+def test_the_parallel_layouts_figures_are_rebuilt_here_and_docs_parallelism_md_links_them():
+    """docs/parallelism.md keeps which layout runs where; its tokens/s are this page's, from kept runs."""
+    assert "parallel-layouts" in REBUILT
+    user_page = (REPO / "docs" / "parallelism.md").read_text()
+    assert "benchmarks.md#parallel-layouts-on-cpu" in user_page
+    assert "tokens/s |" not in user_page and "step (s)" not in user_page, "a table of figures on a user page"
+
+
 def test_every_kept_results_file_is_named_on_a_page():
     """No kept run disappears: each file under bench/results/ is named by the section that shows it (or,
     for inputs of other pages, by that page)."""

@@ -112,6 +112,34 @@ def test_logs_print_and_follow_until_the_job_has_ended(cluster, capsys):
     assert "job 124: restart count 1" in capsys.readouterr().out
 
 
+def test_logs_follow_waits_for_a_queued_jobs_output(cluster, capsys, monkeypatch):
+    """`logs RUN -f` right after `launch` (docs/howto/your-own-program.md). Before: "has no log yet", exit 2,
+    while the job was still pending. Without -f, or once the job has left the queue, it still says so."""
+    import time
+
+    from relaytrain.slurm import jobs
+
+    run = cluster / "runs" / "fresh"
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "jobs.jsonl").write_text(json.dumps({"job_id": "125", "log": str(run / "slurm/%j.out")}))
+    assert main(["logs", "fresh"]) == 2 and "has no log yet" in capsys.readouterr().err
+    asked = []
+
+    def active(job_id):  # pending twice, then running with its output, then over
+        asked.append(job_id)
+        if len(asked) == 2:
+            (run / "slurm" / "125.out").write_text("job 125 started\n")
+        return len(asked) < 4
+
+    monkeypatch.setattr(jobs, "is_active", active)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    assert main(["logs", "fresh", "-f"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "job 125 started\n" and out.err.startswith("waiting for job 125 to start\n"), out
+    (run / "slurm" / "125.out").unlink()
+    assert main(["logs", "fresh", "-f"]) == 2 and "has no log yet" in capsys.readouterr().err  # not queued
+
+
 def test_cancel_plain_and_with_a_signal(cluster, capsys):
     assert main(["cancel", "123"]) == 0
     assert (cluster / "scancel.args").read_text().split() == ["--verbose", "123"]

@@ -103,13 +103,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from relaytrain.inspection.run_view import JOB_ID, find_run, run_log
+    from relaytrain.inspection.run_view import JOB_ID, find_run
     from relaytrain.resilience.run_lock import RunLock
     from relaytrain.slurm import jobs
 
     run = find_run(args.target, Path(args.runs))
     if run is not None:
-        path, job_id = run_log(run)  # a UserError when the run has no log yet
+        path, job_id = _run_log(run, args.follow)  # a UserError when the run has no log yet
         print(f"==> {path} <==", file=sys.stderr, flush=True)
         if job_id:
             return _print_log(path, args.follow, lambda: jobs.is_active(job_id))
@@ -121,6 +121,27 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if path is None:
         raise UserError(f"no output file found for job {args.target}; is it still pending?")
     return _print_log(path, args.follow, lambda: jobs.is_active(args.target))
+
+
+def _run_log(run: RunDir, follow: bool) -> tuple[Path, str]:
+    """The run's log (run_view.run_log). With `follow`, while the run's newest job is queued and has
+    written nothing yet (`logs -f` right after `launch`), wait for its output to appear."""
+    from relaytrain.inspection.run_view import run_log
+    from relaytrain.slurm import jobs
+    from relaytrain.slurm.submit import read_jobs
+
+    said = False
+    while True:
+        try:
+            return run_log(run)
+        except UserError:
+            newest = str((read_jobs(run.jobs) or [{}])[-1].get("job_id", ""))
+            if not follow or not newest or not jobs.is_active(newest):
+                raise
+        if not said:
+            print(f"waiting for job {newest} to start", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(1.0)
 
 
 def _print_log(path: Path, follow: bool, running: Callable[[], bool]) -> int:
@@ -154,6 +175,11 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("logs", help="print a job's or a run's output")
     p.add_argument("target", metavar="JOBID|RUN", help="a job id, or a run name or directory")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    p.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing until the job ends (waits for a queued job)",
+    )
     p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")
     p.set_defaults(func=cmd_logs)
