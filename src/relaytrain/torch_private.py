@@ -212,6 +212,47 @@ def bound_teardown_after_failure(seconds: float, agreed_codes: frozenset[int]) -
     PContext.close = close
 
 
+def replace_dead_workers(replacement_env) -> None:
+    """torchrun's agent, in this process: before each poll of its workers, a worker whose process exited
+    with a failure is started again alone, with the same command and environment plus
+    ``replacement_env(worker_group, local_rank, exit_code, worker_env)`` (a dict; None: leave it to torchrun,
+    which ends the others and restarts them all). Each replacement counts against ``--max-restarts``.
+    Patches ``LocalElasticAgent._monitor_workers`` and reads the ``SubprocessContext``'s handlers,
+    entrypoint, args, envs, stdouts, stderrs and NUMA options (``--start-method`` spawn/fork contexts
+    have no handlers: nothing is replaced). Checked: 2.14."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
+
+    original = getattr(LocalElasticAgent._monitor_workers, "relaytrain_original", None)
+    original = original or LocalElasticAgent._monitor_workers
+
+    def monitor(self, worker_group):
+        context = self._pcontext
+        handlers = getattr(context, "subprocess_handlers", None) or {}
+        for local_rank, handler in list(handlers.items()):
+            code = handler.proc.poll()
+            if not code or self._remaining_restarts <= 0:
+                continue
+            extra = replacement_env(worker_group, local_rank, code, context.envs[local_rank])
+            if extra is None:
+                continue
+            handlers[local_rank] = get_subprocess_handler(
+                entrypoint=context.entrypoint,
+                args=context.args[local_rank],
+                env={**context.envs[local_rank], **extra},
+                stdout=context.stdouts[local_rank],
+                stderr=context.stderrs[local_rank],
+                local_rank_id=local_rank,
+                numa_options=getattr(context, "_numa_options", None),
+            )
+            worker_group.workers[local_rank].id = handlers[local_rank].proc.pid
+            self._remaining_restarts -= 1
+        return original(self, worker_group)
+
+    monitor.relaytrain_original = original  # type: ignore[attr-defined]
+    LocalElasticAgent._monitor_workers = monitor
+
+
 # -- the simulation (relaytrain.parallel.simulate and sim_*) ------------------------------------------
 
 
