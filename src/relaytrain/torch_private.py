@@ -216,7 +216,8 @@ def replace_dead_workers(replacement_env) -> None:
     """torchrun's agent, in this process: before each poll of its workers, a worker whose process exited
     with a failure is started again alone, with the same command and environment plus
     ``replacement_env(worker_group, local_rank, exit_code, worker_env)`` (a dict; None: leave it to torchrun,
-    which ends the others and restarts them all). Each replacement counts against ``--max-restarts``.
+    which ends the others and restarts them all while ``--max-restarts`` allows; False: end them all and
+    restart none, the launcher's failure). Each replacement counts against ``--max-restarts``.
     Patches ``LocalElasticAgent._monitor_workers`` and reads the ``SubprocessContext``'s handlers,
     entrypoint, args, envs, stdouts, stderrs and NUMA options (``--start-method`` spawn/fork contexts
     have no handlers: nothing is replaced). Checked: 2.14."""
@@ -234,7 +235,9 @@ def replace_dead_workers(replacement_env) -> None:
             if not code or self._remaining_restarts <= 0:
                 continue
             extra = replacement_env(worker_group, local_rank, code, context.envs[local_rank])
-            if extra is None:
+            if extra is False:
+                self._remaining_restarts = 0
+            if not extra:
                 continue
             handlers[local_rank] = get_subprocess_handler(
                 entrypoint=context.entrypoint,

@@ -7,6 +7,7 @@ stopping and requeueing are decided collectively so that every rank acts at the 
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -376,9 +377,11 @@ def train(cfg: Config) -> int:
         while True:
             try:
                 return _train_in_group(cfg, env, survivors)
-            except RankLost as lost:  # resilience.survivors: another rank died, this process stays
-                rejoin = lambda store, timeout_s: rejoin_distributed(cfg, env, store, timeout_s)  # noqa: E731
-                survivors.rejoin(lost, rejoin)
+            except RankLost as caught:  # resilience.survivors: another rank died, this process stays
+                lost = caught.detached()  # its traceback holds the old trainer, its model and groups
+            gc.collect()
+            rejoin = lambda store, timeout_s: rejoin_distributed(cfg, env, store, timeout_s)  # noqa: E731
+            survivors.rejoin(lost, rejoin)
     finally:
         shutdown_distributed()
 

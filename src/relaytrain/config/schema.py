@@ -245,7 +245,7 @@ class ResilienceConfig(Section):
     # under torchrun: when a rank's process dies, the other ranks keep their processes, join a new round on
     # the launcher's store and roll back to their newest snapshot (or checkpoint) while the launcher starts
     # a replacement for the lost rank (each one counts against torchrun's --max-restarts); any failure of
-    # that path falls back to torchrun's restart of every process (docs/resilience.md)
+    # that path ends every process, and the job step restarts as without survivors (docs/resilience.md)
     survivors: bool = False
     # survivors: the longest wait for the new round (the replacement's start-up and join) before the
     # fallback restart

@@ -18,6 +18,7 @@ fallback, starts a fresh set):
 from __future__ import annotations
 
 import os
+import socket
 import time
 from datetime import timedelta
 
@@ -101,3 +102,32 @@ class SurvivorRounds:
         from torch.distributed import PrefixStore
 
         return PrefixStore(f"gen{generation}", self.store)
+
+
+def sever_group_connections(store_port: int) -> int:
+    """Shut down this process's TCP connections but those to or from the store at `store_port` (gloo's
+    pairs: the default group's and every subgroup's), so that each rank blocked in a collective with this
+    one fails at once. A survivor of a lost rank calls it first (resilience/rank/survivors.py): with gloo only
+    the dead rank's neighbours in a ring see its sockets close, the other ranks wait on the neighbours,
+    and neither destroying nor aborting a gloo group closes its pairs while anything still holds it.
+    `shutdown(2)` on a duplicate of each descriptor: the socket ends, the owner's descriptor stays valid.
+    Returns how many it shut down."""
+    severed = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:  # closed meanwhile, or not a socket after all
+            continue
+        with sock:
+            try:
+                if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                if store_port in (sock.getpeername()[1], sock.getsockname()[1]):
+                    continue
+                sock.shutdown(socket.SHUT_RDWR)
+                severed += 1
+            except OSError:  # not connected (a listening socket)
+                continue
+    return severed

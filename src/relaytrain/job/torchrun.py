@@ -18,8 +18,10 @@ a stop being the expected path rather than a failure:
 A run with ``resilience.survivors`` on (its ranks say so on the agent's store, ``job/survivors.py``) adds a
 third: a worker whose process dies (any exit but 0 and the agreed stops) is started again alone, with the
 same command and environment, while the others stay; it joins the survivors' next round and counts
-against ``--max-restarts``. After a rank reports that its in-process recovery failed, a dead worker is
-left to torchrun, which restarts them all.
+against ``--max-restarts``. After a rank reports that its in-process recovery failed, the next dead
+worker ends them all and the launcher fails, with no restart of its own (torchrun's restart of every
+worker would meet the old workers' keys on its store): what restarts a failed job step (the batch
+driver's restart in place) runs as without survivors.
 
 Any other worker failure keeps torchrun's own error summary and exit code. And after one, the workers
 still running get ``FAILURE_SHUTDOWN_S`` to end on torchrun's SIGTERM before its SIGKILL, not its 30 s:
@@ -81,7 +83,9 @@ class _Replacements:
     def __init__(self):
         self.rounds: dict[tuple, SurvivorRounds] = {}
 
-    def __call__(self, group, local_rank: int, code: int, env: dict[str, str]) -> dict[str, str] | None:
+    def __call__(
+        self, group, local_rank: int, code: int, env: dict[str, str]
+    ) -> dict[str, str] | bool | None:
         if code in AGREED_STOPS:
             return None
         worker = group.workers[local_rank]
@@ -90,8 +94,18 @@ class _Replacements:
         if key not in self.rounds:
             self.rounds[key] = SurvivorRounds.connect(*key, self.STORE_TIMEOUT_S)
         rounds = self.rounds[key]
-        if not rounds.enabled() or rounds.failed():
-            return None
+        if not rounds.enabled():
+            return None  # not a survivors run: torchrun's own handling
+        if rounds.failed():
+            # The in-process path failed: the launcher fails, and what restarts a failed job step does the
+            # rest (the batch driver's restart in place). Not torchrun's restart of every worker: on its
+            # store the new workers' process groups meet the old workers' keys.
+            print(
+                "relaytrain.job.torchrun: the survivors' in-process recovery failed; ending every worker",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
         generation = rounds.open_generation(worker.global_rank, time.time())
         print(
             f"relaytrain.job.torchrun: rank {worker.global_rank} (pid {worker.id}) exited {code}; the other "

@@ -1,6 +1,7 @@
 """A rank's side of `resilience.survivors`: when another rank's process dies, this one stays.
 
-Its failed collective ends the trainer's run with `RankLost` instead of a crash record when the launcher
+Its failed collective (or the closed connections of a survivor that saw the loss first:
+`sever_group_connections`) ends the trainer's run with `RankLost` instead of a crash record when the launcher
 (torchrun's agent, `job/torchrun.py`) confirms a lost rank by opening a new round on its store
 (`job/survivors.py`). The trainer's `train()` then rebuilds the process group in that round
 (`rejoin`), in the same process (its imports, its torch runtime, its compile cache on disk and in memory),
@@ -11,7 +12,8 @@ replacement the launcher started joins the same round and restores the lost rank
 
 Anything that goes wrong on that path (no round within `DETECT_WAIT_S`, a round that does not form
 within `resilience.survivor_timeout_s`, any exception of `rejoin`) marks the round failed on the store
-and ends this process as a crash: torchrun then restarts every worker, as without survivors.
+and ends this process as a crash: the launcher then ends every worker and fails, and the job step
+restarts as without survivors (the batch driver's restart in place).
 
 The recovery's cost is one `recovery` event in metrics.jsonl when the interrupted step is finished again:
 detect (the failed collective to the launcher's confirmation), repair (the new round's process group,
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.errors import UserError
-from relaytrain.job.survivors import GENERATION_ENV, SurvivorRounds, under_agent
+from relaytrain.job.survivors import GENERATION_ENV, SurvivorRounds, sever_group_connections, under_agent
 
 log = logging.getLogger("relaytrain")
 
@@ -43,6 +45,12 @@ class RankLost(Exception):
         super().__init__(f"rank {lost_rank} lost at step {lost_step}; joining round {generation}")
         self.generation, self.lost_rank, self.lost_step = generation, lost_rank, lost_step
         self.failed_at, self.seen_at = failed_at, seen_at
+
+    def detached(self) -> RankLost:
+        """This loss without its traceback and cause: what they hold (the failed step's frames, the old
+        trainer with its model, optimizer and process groups) can be freed before the next group."""
+        self.__cause__ = self.__context__ = None
+        return self.with_traceback(None)
 
 
 @dataclass
@@ -70,6 +78,7 @@ class Survivors:
         self.generation = int(environ.get(GENERATION_ENV, "0") or 0) if self.on else 0
         self.rounds = SurvivorRounds.from_env(cfg.init_timeout_s, environ) if self.on else None
         self.recovery: Recovery | None = None
+        self.store_port = int(environ.get("MASTER_PORT", "0") or 0)
         if cfg.survivors and not self.on and several:
             log.warning("resilience.survivors needs torchrun (python -m relaytrain.job.torchrun); off here")
         if self.rounds is not None:
@@ -87,6 +96,7 @@ class Survivors:
         if self.rounds is None or isinstance(exc, UserError | KeyboardInterrupt | SystemExit):
             return None
         failed_at = time.time()
+        sever_group_connections(self.store_port)  # the ranks blocked in a collective with this one fail now
         generation = self.rounds.wait_generation(self.generation, DETECT_WAIT_S)
         if generation is None:
             self.rounds.fail(f"no lost rank after {type(exc).__name__}")
@@ -101,9 +111,7 @@ class Survivors:
         trainer's `rejoin_distributed`, which destroys the old groups first); on any failure the round is
         marked failed and the exception raised, to end this process as a crash."""
         try:
-            assert self.rounds is not None
-            _rank, lost_at = self.rounds.lost(lost.generation)
-            join(self.rounds.group_store(lost.generation), self.timeout_s)
+            lost_at = self.join_round(lost, join)
         except BaseException as exc:
             self.fall_back(exc)
             raise
@@ -112,6 +120,13 @@ class Survivors:
         self.recovery = Recovery(lost.generation, lost.lost_rank, lost.lost_step, started,
                                  detect_s=lost.seen_at - lost.failed_at,
                                  repair_s=time.time() - lost.seen_at)  # fmt: skip
+
+    def join_round(self, lost: RankLost, join: Callable[[object, float], None]) -> float:
+        """The group built in the new round; returns when the launcher saw the lost rank exit."""
+        assert self.rounds is not None
+        _rank, lost_at = self.rounds.lost(lost.generation)
+        join(self.rounds.group_store(lost.generation), self.timeout_s)
+        return lost_at
 
     def fall_back(self, exc: BaseException) -> None:
         if self.rounds is not None:
