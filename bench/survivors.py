@@ -55,6 +55,7 @@ def launch(run_dir: Path, ranks: int, steps: int, survivors: bool) -> subprocess
     command += [f"--max_restarts={3 if survivors else 0}", "-m", "relaytrain.cli", "train", *MODEL]
     command += [f"--train.max_steps={steps}", f"--run.dir={run_dir.parent}", f"--run.name={run_dir.name}"]
     command += [f"--resilience.survivors={str(survivors).lower()}"]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = (run_dir.parent / f"{run_dir.name}.log").open("a")
     return subprocess.Popen(command, cwd=REPO, env=bench_env(1), stdout=log, stderr=subprocess.STDOUT)
 
@@ -134,22 +135,20 @@ def run_once(where: Path, args, reference: dict | None, rank: int, survivors: bo
 
 
 def measure(args) -> dict:
-    where = Path(tempfile.mkdtemp(prefix="bench-survivors-"))
-    try:
-        ref = where / "reference"
-        proc = launch(ref, args.ranks, args.steps, False)
-        if proc.wait(timeout=600) != 0:
-            raise RuntimeError(f"the reference run failed: {ref}.log")
-        reference = losses(ref)
-        draw = random.Random(args.seed)
-        trials = []
-        for n in range(args.trials):
-            rank = draw.randrange(args.ranks)
-            trials.append([run_once(where / f"t{n}", args, reference, rank, s) for s in (True, False)])
-            print(json.dumps(trials[-1]), flush=True)
-        return {"trials": trials}
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
+    where = Path(tempfile.mkdtemp(prefix="bench-survivors-"))  # kept when a run fails: its logs
+    ref = where / "reference"
+    proc = launch(ref, args.ranks, args.steps, False)
+    if proc.wait(timeout=600) != 0:
+        raise RuntimeError(f"the reference run failed: {ref}.log")
+    reference = losses(ref)
+    draw = random.Random(args.seed)
+    trials = []
+    for n in range(args.trials):
+        rank = draw.randrange(args.ranks)
+        trials.append([run_once(where / f"t{n}", args, reference, rank, s) for s in (True, False)])
+        print(json.dumps(trials[-1]), flush=True)
+    shutil.rmtree(where, ignore_errors=True)
+    return {"trials": trials}
 
 
 def render(data: dict) -> str:
