@@ -196,7 +196,7 @@ class Trainer:
                 nodes=self.env.num_nodes,
                 **self.ledger.begin(state.step, restore_start, self.persistence.restored_from),
             )
-            self.survivors.restored(state.step, time.time() - restore_start, self._max_over_ranks)
+            self.survivors.restored(state.step, time.time() - restore_start, self.env.device)
             resize = resize_fields(self.persistence.resumed_layout, self.model.dims, self.env.num_nodes)
             if resumed is not None and resize is not None:
                 self.metrics.log_event("resize", state.step, **resize)
@@ -258,9 +258,7 @@ class Trainer:
             state.tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
             self.supervision.step_done(step)
-            recovered = self.survivors.finished(step) if self.survivors.pending() else None
-            if recovered is not None:
-                self.metrics.log_event("recovery", step, **recovered)
+            self.survivors.step_done(step, self.metrics.log_event)  # a recovery's event once it is redone
             self.profiler.step(step)
             # Step 1 too: the loss curve starts at the initial loss, not log_every steps into it.
             if step % cfg.metrics.log_every == 0 or step in (1, train.max_steps):
@@ -298,13 +296,6 @@ class Trainer:
             )
         self.state.lr_scale *= self.cfg.resilience.nan_rollback_lr_scale
         self.metrics.log_event("rollback", self.state.step, lr_scale=self.state.lr_scale)
-
-    def _max_over_ranks(self, values: list[float]) -> list[float]:
-        import torch.distributed as dist
-
-        box = torch.tensor(values, dtype=torch.float64, device=self.env.device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return box.tolist()
 
     # -- reporting --------------------------------------------------------------------------------
 
@@ -380,15 +371,13 @@ def train(cfg: Config) -> int:
             except RankLost as caught:  # resilience.survivors: another rank died, this process stays
                 lost = caught.detached()  # its traceback holds the old trainer, its model and groups
             gc.collect()
-            rejoin = lambda store, timeout_s: rejoin_distributed(cfg, env, store, timeout_s)  # noqa: E731
-            survivors.rejoin(lost, rejoin)
+            survivors.rejoin(lost, lambda store, timeout_s: rejoin_distributed(cfg, env, store, timeout_s))
     finally:
         shutdown_distributed()
 
 
 def _train_in_group(cfg: Config, env: DistEnv, survivors: Survivors) -> int:
-    """Everything after the process group is up, once per group: a survivor of a lost rank runs it again
-    in the new group (`resilience/rank/survivors.py`), with the same collectives as the replacement's."""
+    """Everything after the process group is up: once per group (resilience/rank/survivors.py)."""
     # One writer per run directory: rank 0 takes its lock before anything is written into it.
     lock = take_run_lock(RunDir.of(cfg.run.dir, cfg.run.name), env.rank, env.device, "relaytrain train")
     run = prepare_run_dir(cfg, env.is_main)

@@ -43,7 +43,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
 from relaytrain.job.survivors import GENERATION_ENV, SurvivorRounds
-from relaytrain.torch_private import bound_teardown_after_failure, replace_dead_workers
+from relaytrain.torch_private.agent import bound_teardown_after_failure, replace_dead_workers
 
 EXIT_RESUME = 75  # relaytrain.resilience.codes.EXIT_RESUME (job/ is below resilience/: not imported)
 # relaytrain.resilience.codes: EXIT_RESUME, _RESTART_STEP, _NONFINITE, _STRAGGLER, _INTERRUPTED

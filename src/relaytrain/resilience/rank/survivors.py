@@ -80,7 +80,7 @@ class Survivors:
         self.recovery: Recovery | None = None
         self.store_port = int(environ.get("MASTER_PORT", "0") or 0)
         if cfg.survivors and not self.on and several:
-            log.warning("resilience.survivors needs torchrun (python -m relaytrain.job.torchrun); off here")
+            log.warning("resilience.survivors needs several ranks under torchrun's agent; off here")
         if self.rounds is not None:
             self.rounds.enable()
             if self.generation:  # a replacement: the round the launcher started it for
@@ -134,19 +134,23 @@ class Survivors:
                       type(exc).__name__, exc)  # fmt: skip
             self.rounds.fail(f"{type(exc).__name__}: {exc}")
 
-    def restored(self, step: int, restore_s: float, agree: Callable[[list[float]], list[float]]) -> None:
-        """After the trainer's restore: the ranks' recovery figures, their maxima (`agree`: one MAX
-        all-reduce, every rank calls it when any recovers; the others are not in a recovery)."""
+    def restored(self, step: int, restore_s: float, device) -> None:
+        """After the trainer's restore: the ranks' recovery figures, their maxima (one MAX all-reduce on
+        `device`: every rank is in the recovery when any is, the replacement too)."""
         rec = self.recovery
         if rec is None:
             return
-        figures = agree([rec.detect_s, rec.repair_s, restore_s, float(rec.lost_step), -rec.started_at])
+        box = [rec.detect_s, rec.repair_s, restore_s, float(rec.lost_step), -rec.started_at]
+        figures = _max_over_ranks(box, device)
         rec.detect_s, rec.repair_s, rec.transfer_s = figures[:3]
         rec.lost_step, rec.started_at = int(figures[3]), -figures[4]
         rec.restored_at, rec.restored_step = time.time(), step
 
-    def pending(self) -> bool:
-        return self.recovery is not None
+    def step_done(self, step: int, log_event: Callable[..., None]) -> None:
+        """`log_event("recovery", step, ...)` once `step` is the interrupted step finished again."""
+        recovered = self.finished(step) if self.recovery is not None else None
+        if recovered is not None:
+            log_event("recovery", step, **recovered)
 
     def finished(self, step: int) -> dict | None:
         """The `recovery` event's fields once `step` is the interrupted step finished again, else None."""
@@ -167,3 +171,12 @@ class Survivors:
             "redo_s": round(now - rec.restored_at, 4),
             "fault_to_step_s": round(now - rec.started_at, 4),
         }
+
+
+def _max_over_ranks(values: list[float], device) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    box = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return box.tolist()

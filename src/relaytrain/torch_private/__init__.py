@@ -10,6 +10,7 @@ names where it was written. Nothing else in src/ imports a private torch module 
 
 The simulation's memory trackers (relaytrain.parallel.sim_memory) subclass torch's private trackers and
 override their private hooks; the names they override and read are listed in TRACKER_HOOKS and checked.
+torchrun's agent is patched in `agent.py` here (job/torchrun.py), under the same rules.
 """
 
 from __future__ import annotations
@@ -188,72 +189,6 @@ def stager_reusable(stager) -> bool:
     every stage (`_deepcopy_dispatch` emptied, cached host buffers dropped), so a second async save with
     the same stager fails; 2.13 keeps it. Checked: 2.11 (closes), 2.13 (keeps)."""
     return bool(stager._state_dict_stager._deepcopy_dispatch)
-
-
-def bound_teardown_after_failure(seconds: float, agreed_codes: frozenset[int]) -> None:
-    """Once a worker has failed, torchrun ends the others (its poll's ``PContext.close()``): SIGTERM, then
-    SIGKILL after ``close``'s default of 30 s, which only its signal path overrides (with
-    ``--shutdown-timeout``). Patched in this process: when one of the failed workers' exit codes is not in
-    ``agreed_codes``, the others get ``seconds``; after agreed stops alone, the default. Checked: 2.13."""
-    import inspect
-
-    from torch.distributed.elastic.multiprocessing.api import PContext
-
-    original = getattr(PContext.close, "relaytrain_original", PContext.close)
-    default = inspect.signature(original).parameters["timeout"].default
-
-    def close(self, death_sig=None, timeout=None) -> None:
-        if timeout is None:
-            codes = [failure.exitcode for failure in getattr(self, "_failures", {}).values()]
-            timeout = seconds if any(code not in agreed_codes for code in codes) else default
-        original(self, death_sig, timeout)
-
-    close.relaytrain_original = original  # type: ignore[attr-defined]
-    PContext.close = close
-
-
-def replace_dead_workers(replacement_env) -> None:
-    """torchrun's agent, in this process: before each poll of its workers, a worker whose process exited
-    with a failure is started again alone, with the same command and environment plus
-    ``replacement_env(worker_group, local_rank, exit_code, worker_env)`` (a dict; None: leave it to torchrun,
-    which ends the others and restarts them all while ``--max-restarts`` allows; False: end them all and
-    restart none, the launcher's failure). Each replacement counts against ``--max-restarts``.
-    Patches ``LocalElasticAgent._monitor_workers`` and reads the ``SubprocessContext``'s handlers,
-    entrypoint, args, envs, stdouts, stderrs and NUMA options (``--start-method`` spawn/fork contexts
-    have no handlers: nothing is replaced). Checked: 2.14."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
-
-    original = getattr(LocalElasticAgent._monitor_workers, "relaytrain_original", None)
-    original = original or LocalElasticAgent._monitor_workers
-
-    def monitor(self, worker_group):
-        context = self._pcontext
-        handlers = getattr(context, "subprocess_handlers", None) or {}
-        for local_rank, handler in list(handlers.items()):
-            code = handler.proc.poll()
-            if not code or self._remaining_restarts <= 0:
-                continue
-            extra = replacement_env(worker_group, local_rank, code, context.envs[local_rank])
-            if extra is False:
-                self._remaining_restarts = 0
-            if not extra:
-                continue
-            handlers[local_rank] = get_subprocess_handler(
-                entrypoint=context.entrypoint,
-                args=context.args[local_rank],
-                env={**context.envs[local_rank], **extra},
-                stdout=context.stdouts[local_rank],
-                stderr=context.stderrs[local_rank],
-                local_rank_id=local_rank,
-                numa_options=getattr(context, "_numa_options", None),
-            )
-            worker_group.workers[local_rank].id = handlers[local_rank].proc.pid
-            self._remaining_restarts -= 1
-        return original(self, worker_group)
-
-    monitor.relaytrain_original = original  # type: ignore[attr-defined]
-    LocalElasticAgent._monitor_workers = monitor
 
 
 # -- the simulation (relaytrain.parallel.simulate and sim_*) ------------------------------------------
