@@ -13,7 +13,7 @@ receives the state from rank 0 by broadcast; the loop then redoes the failed ste
 processes' own clocks: detect (the kill to a survivor's exception), repair (destroying the group and
 building the next), transfer (the broadcast), kill -> the next completed all-reduce, and whether every
 rank's final state equals an uninterrupted run's (each step adds `--ranks`). It measures what the survivors
-and the spare cost at the collective layer only; the trainer still restarts every process after a kill.
+and the spare cost at the collective layer only; the trainer's own path is bench/survivors.py.
 Writes the `survivor-regroup` section of docs/benchmarks.md and keeps the figures in
 bench/results/survivor-regroup-<UTC date and time>.json.
 """
@@ -165,7 +165,8 @@ def render(data: dict) -> str:
         "",
         f"Final state equal to an uninterrupted run's on every rank: {exact} of {len(trials)} trials; "
         f"processes that exited besides the killed one: {sum(t['processes_exited'] - 1 for t in trials)}. "
-        "No model, no optimizer, no data: the trainer does not take this path yet.",
+        "No model, no optimizer, no data: the trainer's own path (a replacement process, no warm spare) "
+        "is the next section's.",
         "",
         f"Results: `{kept.relative(data['kept'])}`. Rewritten from the kept results by "
         f"`{python_command(MODULE, ['--page-from', kept.relative(data['kept'])])}`.",

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from faults.pythonpath.relaytrain_faults import (
+    BREAK_SURVIVORS_ENV,
     FAULT_RANK_ENV,
     FIFO_AT_STEP_ENV,
     IMPORT_MODULE_ENV,
@@ -53,6 +54,7 @@ def variables(
     step_delay_s: float = 0.0,
     shape_error_at_step: int | None = None,
     import_module: str = "",
+    break_survivors: bool = False,
     **hang,
 ) -> dict[str, str]:
     """The fault variables alone (empty when no fault is asked for); `hang`: HANG_FAULTS' keywords."""
@@ -70,6 +72,8 @@ def variables(
         out[SHAPE_ERROR_AT_STEP_ENV] = str(shape_error_at_step)
     if import_module:
         out[IMPORT_MODULE_ENV] = import_module
+    if break_survivors:
+        out[BREAK_SURVIVORS_ENV] = "1"
     out |= {HANG_FAULTS[k]: v if isinstance(v, str) else f"{v:g}" for k, v in hang.items() if v is not None}
     return out
 

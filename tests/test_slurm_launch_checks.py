@@ -91,6 +91,15 @@ CONTAINER = {
 }
 
 
+def test_survivors_are_refused_where_the_job_would_not_take_their_path(work, capsys):
+    """A setting accepted and left without effect would be worse than a refusal."""
+    code = main(["launch", str(REPO / "configs/debug.toml"), "--gpus-per-node", "0", "--tasks-per-node", "1",
+                 "--dry-run", "--resilience.survivors=true"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "resilience.survivors=true" in err[0], err
+    assert "torchrun with --max_restarts=3" in err[0] and not (work / "runs").exists()
+
+
 def test_a_container_job_whose_run_directory_is_not_mounted_is_refused(work, capsys):
     args = [f"--slurm.{key}={value}" for key, value in CONTAINER.items() if key != "container_mounts"]
     code = main(["launch", str(REPO / "configs/debug.toml"), "--gpus-per-node", "0", "--tasks-per-node", "1",

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from relaytrain import torch_private as tp
+from relaytrain.torch_private import agent as _agent  # noqa: F401 - tp.agent below
 
 import needs
 
@@ -136,7 +137,7 @@ def test_bound_teardown_after_failure(monkeypatch):
     assert "_failures" in inspect.getsource(SubprocessContext._poll)
     waits = []
     monkeypatch.setattr(PContext, "close", lambda self, death_sig=None, timeout=30: waits.append(timeout))
-    tp.bound_teardown_after_failure(2, frozenset({75}))
+    tp.agent.bound_teardown_after_failure(2, frozenset({75}))
 
     def context(*codes):
         return types.SimpleNamespace(
@@ -147,6 +148,36 @@ def test_bound_teardown_after_failure(monkeypatch):
     PContext.close(context(75))
     PContext.close(context(-9), None, 7)
     assert waits == [2, 30, 7]
+
+
+def test_replace_dead_workers(monkeypatch):
+    """A dead worker is started again alone with the extra variables (a dict), left to torchrun (None),
+    or ends the restarts (False); a live one is left alone. (tests/test_survivors.py runs it in torchrun.)"""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import subprocess_handler
+
+    wanted = {"entrypoint", "args", "env", "stdout", "stderr", "local_rank_id", "numa_options"}
+    assert wanted <= set(inspect.signature(subprocess_handler.get_subprocess_handler).parameters)
+    ns = types.SimpleNamespace
+    started = []
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: "torchrun's poll")
+    monkeypatch.setattr(
+        subprocess_handler, "get_subprocess_handler", lambda **kw: started.append(kw) or ns(proc=ns(pid=99))
+    )
+    answers = iter([{"EXTRA": "1"}, None, False])
+    tp.agent.replace_dead_workers(lambda group, local_rank, code, env: next(answers))
+
+    def poll(code):
+        dead = ns(proc=ns(poll=lambda: code))
+        handlers = {0: ns(proc=ns(poll=lambda: None)), 1: dead}
+        context = ns(subprocess_handlers=handlers, entrypoint="python", args={1: ("-m", "x")},
+                     envs={1: {"RANK": "1"}}, stdouts={1: ""}, stderrs={1: ""})  # fmt: skip
+        agent, group = ns(_pcontext=context, _remaining_restarts=2), ns(workers=[ns(id=1), ns(id=2)])
+        assert LocalElasticAgent._monitor_workers(agent, group) == "torchrun's poll"
+        return agent._remaining_restarts, group.workers[1].id, context.subprocess_handlers[1] is dead
+
+    assert poll(-9) == (1, 99, False) and started[0]["env"] == {"RANK": "1", "EXTRA": "1"}
+    assert poll(-9) == (2, 2, True) and poll(-9) == (0, 2, True) and len(started) == 1
 
 
 def test_optimizer_step_dtype():
@@ -277,17 +308,26 @@ def test_sharding_propagation_lock():
 # -- the rule ----------------------------------------------------------------------------------------
 
 
+SEAM = {"tp": tp, "tp.agent": tp.agent}  # the seam's modules, as this file names them
+
+
+def entries(module) -> dict:
+    return {
+        n: f for n, f in vars(module).items() if inspect.isfunction(f) and f.__module__ == module.__name__
+    }
+
+
 def test_every_entry_has_a_test_here():
     text = Path(__file__).read_text()
-    entries = [n for n, f in vars(tp).items() if inspect.isfunction(f) and f.__module__ == tp.__name__]
-    entries += ["TRACKER_HOOKS", "TRACKER_ATTRIBUTES"]
-    untested = [n for n in entries if not n.startswith("_") and f"tp.{n}" not in text]
+    names = [f"{alias}.{n}" for alias, module in SEAM.items() for n in entries(module)]
+    names += ["tp.TRACKER_HOOKS", "tp.TRACKER_ATTRIBUTES"]
+    untested = [n for n in names if not n.split(".")[-1].startswith("_") and n not in text]
     assert not untested, f"call these on the installed torch in this file: {untested}"
 
 
 def test_every_entry_says_which_torch_it_was_checked_on():
-    for name, f in vars(tp).items():
-        if inspect.isfunction(f) and f.__module__ == tp.__name__:
+    for module in SEAM.values():
+        for name, f in entries(module).items():
             checked = re.search(r"Checked: 2\.\d+", f.__doc__ or "")
             assert checked, f"{name}: say which torch versions it was checked on"
 
@@ -314,7 +354,7 @@ def test_no_private_torch_name_outside_the_seam():
     found = {
         str(p.relative_to(SRC)): names
         for p in SRC.rglob("*.py")
-        if p.name != "torch_private.py" and (names := private_torch_names(p.read_text()))
+        if p.relative_to(SRC).parts[0] != "torch_private" and (names := private_torch_names(p.read_text()))
     }
     assert not found, f"put these behind relaytrain.torch_private: {found}"
 

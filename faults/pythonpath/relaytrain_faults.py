@@ -18,6 +18,9 @@ loader, and its supervision front's watchdog):
 - ``RELAYTRAIN_FAULT_IMPORT_MODULE=name``: importing ``relaytrain.trainer`` first imports the module
   ``name`` (a module that is missing or broken on PYTHONPATH fails the start-up of every process with
   its real ImportError, as a user's plugin would).
+- ``RELAYTRAIN_FAULT_BREAK_SURVIVORS=1``: a survivor's in-process recovery (``resilience.survivors``)
+  fails as it joins the new round (``survivors.join_round`` raises a ``RuntimeError``), on every rank:
+  the run must fall back to the restart of every process.
 - The hang faults (``HangFaults`` below: a FIFO read, a stalled loader, a skipped collective, a
   slow rank) on one rank (``RELAYTRAIN_FAULT_RANK``) at one step.
 - ``RELAYTRAIN_FAULT_STOP_IN_PHASE=rendezvous``: the rank (``RELAYTRAIN_FAULT_RANK``, default the last)
@@ -47,6 +50,7 @@ NAN_RANK_ENV = "RELAYTRAIN_FAULT_NAN_RANK"
 STEP_DELAY_ENV = "RELAYTRAIN_FAULT_STEP_DELAY_S"
 SHAPE_ERROR_AT_STEP_ENV = "RELAYTRAIN_FAULT_SHAPE_ERROR_AT_STEP"
 IMPORT_MODULE_ENV = "RELAYTRAIN_FAULT_IMPORT_MODULE"
+BREAK_SURVIVORS_ENV = "RELAYTRAIN_FAULT_BREAK_SURVIVORS"
 ENV_PREFIX = "RELAYTRAIN_FAULT_"
 LANDED = "relaytrain-faults: landed:"
 TARGET = "relaytrain.trainer"
@@ -96,7 +100,7 @@ class Faults:
 
     def __init__(self, env=os.environ):
         known = (NAN_AT_STEPS_ENV, NAN_RANK_ENV, STEP_DELAY_ENV, SHAPE_ERROR_AT_STEP_ENV, IMPORT_MODULE_ENV,
-                 *HANG_KNOWN)  # fmt: skip
+                 BREAK_SURVIVORS_ENV, *HANG_KNOWN)  # fmt: skip
         unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
         if unknown:  # a misspelt fault would otherwise arm nothing, and a test would pass without it
             raise SystemExit(f"relaytrain-faults: unknown {', '.join(unknown)}; known: {', '.join(known)}")
@@ -111,6 +115,7 @@ class Faults:
         shape = env.get(SHAPE_ERROR_AT_STEP_ENV, "").strip()
         self.shape_error_at = number(SHAPE_ERROR_AT_STEP_ENV, shape, int) if shape else None
         self.import_module = env.get(IMPORT_MODULE_ENV, "").strip()
+        self.break_survivors = env.get(BREAK_SURVIVORS_ENV, "").strip() == "1"
 
     def attach(self, trainer) -> None:
         """Wrap this trainer's ``model.train_step`` and ``supervision.watchdog.beat`` (instance attributes
@@ -156,7 +161,14 @@ class Faults:
             trainer.model.train_step = faulty_train_step
         if delay:
             trainer.supervision.watchdog.beat = slow_beat
+        if self.break_survivors:
+            trainer.survivors.join_round = _broken_join_round
         self.hang.attach(trainer, say)  # over the delay: a slow rank's step time includes the delay
+
+
+def _broken_join_round(lost, _join):
+    say(f"survivors' join of round {lost.generation} broken")
+    raise RuntimeError("relaytrain-faults: the survivors' join_round is broken on purpose")
 
 
 class HangFaults:

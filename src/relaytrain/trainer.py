@@ -7,6 +7,7 @@ stopping and requeueing are decided collectively so that every rank acts at the 
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -37,7 +38,13 @@ from relaytrain.monitor.time_ledger import LedgerWindows
 from relaytrain.optim import build_optimizer, lr_at, schedule_fit_warning, set_lr
 from relaytrain.parallel import parallelize
 from relaytrain.parallel.compile_cache import CompileCache
-from relaytrain.parallel.distributed import DistEnv, init_distributed, rank0_token, shutdown_distributed
+from relaytrain.parallel.distributed import (
+    DistEnv,
+    init_distributed,
+    rank0_token,
+    rejoin_distributed,
+    shutdown_distributed,
+)
 from relaytrain.parallel.layout import validate_layout
 from relaytrain.parallel.resize import resize_fields
 from relaytrain.preflight.run import check_in_job
@@ -52,14 +59,16 @@ from relaytrain.resilience import (
     recorded_checkpoint_step,
     recorded_step,
 )
+from relaytrain.resilience.rank.survivors import RankLost, Survivors
 from relaytrain.resilience.run_lock import take_run_lock
 
 log = logging.getLogger("relaytrain")
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: DistEnv):
+    def __init__(self, cfg: Config, env: DistEnv, survivors: Survivors | None = None):
         self.cfg, self.env = cfg, env
+        self.survivors = survivors or Survivors(cfg.resilience, {})  # off unless train() built one
         self.run_dir = RunDir.of(cfg.run.dir, cfg.run.name)  # built once, passed to every part
         # The board, the step clock and the stack signal first: the hang watcher sees the model's build
         self.supervision = Supervision(cfg, env, self.run_dir)
@@ -187,6 +196,7 @@ class Trainer:
                 nodes=self.env.num_nodes,
                 **self.ledger.begin(state.step, restore_start, self.persistence.restored_from),
             )
+            self.survivors.restored(state.step, time.time() - restore_start, self.env.device)
             resize = resize_fields(self.persistence.resumed_layout, self.model.dims, self.env.num_nodes)
             if resumed is not None and resize is not None:
                 self.metrics.log_event("resize", state.step, **resize)
@@ -202,6 +212,9 @@ class Trainer:
             self.supervision.record(StopReason.DAMAGED_CHECKPOINT, reached, saved=False, message=str(exc))
             raise
         except BaseException as exc:
+            lost = self.survivors.caught(exc, state.step)  # another rank died: this one stays (no record)
+            if lost is not None:
+                raise lost from exc
             user_error = str(exc) if isinstance(exc, UserError) else ""  # the step's end won't retry it
             self.supervision.record(StopReason.ERROR, state.step, message=repr(exc), user_error=user_error)
             raise
@@ -245,6 +258,7 @@ class Trainer:
             state.tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
             self.supervision.step_done(step)
+            self.survivors.step_done(step, self.metrics.log_event)  # a recovery's event once it is redone
             self.profiler.step(step)
             # Step 1 too: the loss curve starts at the initial loss, not log_every steps into it.
             if step % cfg.metrics.log_every == 0 or step in (1, train.max_steps):
@@ -339,7 +353,8 @@ def check_world(cfg: Config, env: DistEnv, run: RunDir | None) -> None:
 def train(cfg: Config) -> int:
     """Run (or continue) the configured training job; returns the process exit code."""
     startup.enter(Phase.RENDEZVOUS)  # on the progress board before the process group exists
-    env = init_distributed(cfg)
+    survivors = Survivors(cfg.resilience)
+    env = init_distributed(cfg, survivors.replacement_store())
     startup.enter(Phase.STARTUP)
     if not JobFacts.from_env().in_slurm:
         # No batch shell reads run_state.json: an impossible layout is a usage error like a config
@@ -349,6 +364,20 @@ def train(cfg: Config) -> int:
         except UserError:
             shutdown_distributed()
             raise
+    try:
+        while True:
+            try:
+                return _train_in_group(cfg, env, survivors)
+            except RankLost as caught:  # resilience.survivors: another rank died, this process stays
+                lost = caught.detached()  # its traceback holds the old trainer, its model and groups
+            gc.collect()
+            survivors.rejoin(lost, lambda store, timeout_s: rejoin_distributed(cfg, env, store, timeout_s))
+    finally:
+        shutdown_distributed()
+
+
+def _train_in_group(cfg: Config, env: DistEnv, survivors: Survivors) -> int:
+    """Everything after the process group is up: once per group (resilience/rank/survivors.py)."""
     # One writer per run directory: rank 0 takes its lock before anything is written into it.
     lock = take_run_lock(RunDir.of(cfg.run.dir, cfg.run.name), env.rank, env.device, "relaytrain train")
     run = prepare_run_dir(cfg, env.is_main)
@@ -365,7 +394,6 @@ def train(cfg: Config) -> int:
         stop = check_in_job(cfg, env, run)
         if stop:
             return stop
-        return Trainer(cfg, env).run()
+        return Trainer(cfg, env, survivors).run()
     finally:
         lock.release()
-        shutdown_distributed()

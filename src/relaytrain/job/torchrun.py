@@ -15,6 +15,14 @@ a stop being the expected path rather than a failure:
   ``failed (exitcode: 75)``, prints a ``ChildFailedError`` traceback with a FAILED summary, and exits 1,
   so a batch script can no longer tell the agreed stop from a crash. Here it is one line and exit code 75.
 
+A run with ``resilience.survivors`` on (its ranks say so on the agent's store, ``job/survivors.py``) adds a
+third: a worker whose process dies (any exit but 0 and the agreed stops) is started again alone, with the
+same command and environment, while the others stay; it joins the survivors' next round and counts
+against ``--max-restarts``. After a rank reports that its in-process recovery failed, the next dead
+worker ends them all and the launcher fails, with no restart of its own (torchrun's restart of every
+worker would meet the old workers' keys on its store): what restarts a failed job step (the batch
+driver's restart in place) runs as without survivors.
+
 Any other worker failure keeps torchrun's own error summary and exit code. And after one, the workers
 still running get ``FAILURE_SHUTDOWN_S`` to end on torchrun's SIGTERM before its SIGKILL, not its 30 s:
 after a crash or a hang nothing is left for them to save (a collective with the failed rank never
@@ -28,12 +36,14 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
-from relaytrain.torch_private import bound_teardown_after_failure
+from relaytrain.job.survivors import GENERATION_ENV, SurvivorRounds
+from relaytrain.torch_private.agent import bound_teardown_after_failure, replace_dead_workers
 
 EXIT_RESUME = 75  # relaytrain.resilience.codes.EXIT_RESUME (job/ is below resilience/: not imported)
 # relaytrain.resilience.codes: EXIT_RESUME, _RESTART_STEP, _NONFINITE, _STRAGGLER, _INTERRUPTED
@@ -65,8 +75,50 @@ def _all_resume(exc: ChildFailedError) -> bool:
     return EXIT_RESUME in codes and all(c == EXIT_RESUME or c in _ENDED_BY_AGENT for c in codes)
 
 
+class _Replacements:
+    """The agent's side of the survivors' rounds: which dead worker is started again alone."""
+
+    STORE_TIMEOUT_S = 30.0
+
+    def __init__(self):
+        self.rounds: dict[tuple, SurvivorRounds] = {}
+
+    def __call__(
+        self, group, local_rank: int, code: int, env: dict[str, str]
+    ) -> dict[str, str] | bool | None:
+        if code in AGREED_STOPS:
+            return None
+        worker = group.workers[local_rank]
+        restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        key = (group.master_addr, group.master_port, restarts)
+        if key not in self.rounds:
+            self.rounds[key] = SurvivorRounds.connect(*key, self.STORE_TIMEOUT_S)
+        rounds = self.rounds[key]
+        if not rounds.enabled():
+            return None  # not a survivors run: torchrun's own handling
+        if rounds.failed():
+            # The in-process path failed: the launcher fails, and what restarts a failed job step does the
+            # rest (the batch driver's restart in place). Not torchrun's restart of every worker: on its
+            # store the new workers' process groups meet the old workers' keys.
+            print(
+                "relaytrain.job.torchrun: the survivors' in-process recovery failed; ending every worker",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        generation = rounds.open_generation(worker.global_rank, time.time())
+        print(
+            f"relaytrain.job.torchrun: rank {worker.global_rank} (pid {worker.id}) exited {code}; the other "
+            f"ranks stay: its replacement joins their round {generation}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return {GENERATION_ENV: str(generation)}
+
+
 def main(argv: list[str] | None = None) -> int:
     bound_teardown_after_failure(FAILURE_SHUTDOWN_S, AGREED_STOPS)
+    replace_dead_workers(_Replacements())
     hide = _HideResumeExits()
     logging.getLogger(_AGENT_LOGGER).addFilter(hide)
     try:

@@ -67,8 +67,10 @@ def cpu_threads_per_rank(local_world_size: int, environ) -> int | None:
     return max(1, cores // max(1, local_world_size))
 
 
-def init_distributed(cfg: Config) -> DistEnv:
-    """Initialise torch.distributed when launched with several processes; no-op for one."""
+def init_distributed(cfg: Config, store=None) -> DistEnv:
+    """Initialise torch.distributed when launched with several processes; no-op for one. `store`: the
+    store to build the default group on (a survivors' round, `resilience/rank/survivors.py`) instead of
+    the launcher's rendezvous."""
     apply_slurm_env(os.environ)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -81,16 +83,29 @@ def init_distributed(cfg: Config) -> DistEnv:
         threads = cpu_threads_per_rank(local_world_size, os.environ) if device.type == "cpu" else None
         if threads is not None:
             torch.set_num_threads(threads)
-        dist.init_process_group(
-            backend=backend,
-            timeout=timedelta(seconds=cfg.resilience.init_timeout_s),
-            device_id=device if device.type == "cuda" else None,
-        )
-        health_check(env, cfg.resilience.init_timeout_s)
-        # Training collectives may legitimately take longer than the start-up handshake; the hang
-        # monitor, not the backend, is the first to act on one that never returns.
-        set_group_timeouts(cfg.resilience.effective_collective_timeout_s())
+        _init_group(cfg, env, store, cfg.resilience.init_timeout_s)
     return env
+
+
+def _init_group(cfg: Config, env: DistEnv, store, timeout_s: float) -> None:
+    rendezvous = {} if store is None else {"store": store, "rank": env.rank, "world_size": env.world_size}
+    dist.init_process_group(
+        backend=env.backend,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=env.device if env.device.type == "cuda" else None,
+        **rendezvous,
+    )
+    health_check(env, timeout_s)
+    # Training collectives may legitimately take longer than the start-up handshake; the hang
+    # monitor, not the backend, is the first to act on one that never returns.
+    set_group_timeouts(cfg.resilience.effective_collective_timeout_s())
+
+
+def rejoin_distributed(cfg: Config, env: DistEnv, store, timeout_s: float) -> None:
+    """A survivor's new default group on `store` (its round), same rank and world size: every group of
+    the old one (the device mesh's, the checkpoint's) destroyed first."""
+    shutdown_distributed()
+    _init_group(cfg, env, store, timeout_s)
 
 
 def group_timeout(group=None) -> timedelta | None:

@@ -68,6 +68,13 @@ def train_data_checked(req: Any, cfg: Config) -> Config:
     trains (a --command program reads its own data), and its alerts' URL file is its owner's alone."""
     if req.command is None:
         check_data_fits(cfg)
+    if cfg.resilience.survivors:  # refused here rather than accepted and left without effect
+        raise UserError(
+            "resilience.survivors=true: relaytrain launch's jobs do not take the survivors' path (one "
+            "node's torchrun starts no replacement, several nodes' ranks are srun's tasks); there a dead "
+            "rank restarts the job step in place. Set it to false, or run on one machine under relaytrain's "
+            "torchrun with --max_restarts=3 (docs/resilience.md, Survivors)"
+        )
     if cfg.notify.url_file:  # its mode, here, where the user can fix it: the job would only log it
         from relaytrain.resilience.batch.notify_send import webhook_url
 

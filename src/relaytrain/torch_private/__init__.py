@@ -10,6 +10,7 @@ names where it was written. Nothing else in src/ imports a private torch module 
 
 The simulation's memory trackers (relaytrain.parallel.sim_memory) subclass torch's private trackers and
 override their private hooks; the names they override and read are listed in TRACKER_HOOKS and checked.
+torchrun's agent is patched in `agent.py` here (job/torchrun.py), under the same rules.
 """
 
 from __future__ import annotations
@@ -188,28 +189,6 @@ def stager_reusable(stager) -> bool:
     every stage (`_deepcopy_dispatch` emptied, cached host buffers dropped), so a second async save with
     the same stager fails; 2.13 keeps it. Checked: 2.11 (closes), 2.13 (keeps)."""
     return bool(stager._state_dict_stager._deepcopy_dispatch)
-
-
-def bound_teardown_after_failure(seconds: float, agreed_codes: frozenset[int]) -> None:
-    """Once a worker has failed, torchrun ends the others (its poll's ``PContext.close()``): SIGTERM, then
-    SIGKILL after ``close``'s default of 30 s, which only its signal path overrides (with
-    ``--shutdown-timeout``). Patched in this process: when one of the failed workers' exit codes is not in
-    ``agreed_codes``, the others get ``seconds``; after agreed stops alone, the default. Checked: 2.13."""
-    import inspect
-
-    from torch.distributed.elastic.multiprocessing.api import PContext
-
-    original = getattr(PContext.close, "relaytrain_original", PContext.close)
-    default = inspect.signature(original).parameters["timeout"].default
-
-    def close(self, death_sig=None, timeout=None) -> None:
-        if timeout is None:
-            codes = [failure.exitcode for failure in getattr(self, "_failures", {}).values()]
-            timeout = seconds if any(code not in agreed_codes for code in codes) else default
-        original(self, death_sig, timeout)
-
-    close.relaytrain_original = original  # type: ignore[attr-defined]
-    PContext.close = close
 
 
 # -- the simulation (relaytrain.parallel.simulate and sim_*) ------------------------------------------

@@ -1,0 +1,98 @@
+"""resilience.survivors end to end under `python -m relaytrain.job.torchrun` (gloo, CPU, 4 ranks): rank 0's
+process is SIGKILLed from outside at a step; the other three keep their processes, the launcher starts
+a replacement alone, and the run finishes with every loss equal to an uninterrupted run's. When the
+in-process path fails (a fault breaks the survivors' join), the launcher ends every worker and the
+restart that follows (the batch driver's, here the same command again) resumes bit-exact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_resilience_dist import finish, losses, records, wait_for_step, worker_pid
+
+import faults
+from conftest import TINY, child_env
+
+pytestmark = pytest.mark.slow
+
+RANKS, STEPS, KILL_AT = 4, 40, 5  # 40: the workers still run when the test reads their pids
+ARGS = [
+    *TINY,
+    "--train.micro_batch_size=2",
+    f"--train.max_steps={STEPS}",
+    "--checkpoint.interval=0",
+    "--checkpoint.snapshot_every=1",
+    "--resilience.survivor_timeout_s=60",
+]
+
+
+def launch(run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "relaytrain.job.torchrun", "--standalone", f"--nproc_per_node={RANKS}"]
+    command += ["--max_restarts=3", "-m", "relaytrain.cli", "train", *ARGS]
+    command += [f"--run.dir={run_dir.parent}", f"--run.name={run_dir.name}", *extra]
+    return subprocess.Popen(
+        command, env=child_env(**env), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    run_dir = tmp_path_factory.mktemp("survivors") / "reference"
+    rc, out = finish(launch(run_dir))
+    assert rc == 0, out[-3000:]
+    return losses(run_dir)
+
+
+def kill_rank_at(proc: subprocess.Popen, run_dir: Path, rank: int, step: int) -> dict[int, int]:
+    """SIGKILL `rank`'s process once `step` is logged; every worker's pid just before."""
+    wait_for_step(run_dir, step, proc)
+    pids = {r: worker_pid(proc.pid, r) for r in range(RANKS)}
+    os.kill(pids[rank], signal.SIGKILL)
+    return pids
+
+
+def test_the_survivors_of_a_killed_rank_0_keep_their_processes_and_the_losses(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--resilience.survivors=true")
+    before = kill_rank_at(proc, run_dir, 0, KILL_AT)
+    deadline = time.monotonic() + 300
+    while not [r for r in records(run_dir, "event") if r["event"] == "recovery"]:
+        assert proc.poll() is None and time.monotonic() < deadline, "no recovery event"
+        time.sleep(0.05)
+    after = {r: worker_pid(proc.pid, r) for r in range(RANKS)}
+    rc, out = finish(proc)
+    assert rc == 0, out[-4000:]
+    assert "rank 0 (pid" in out and "the other ranks stay: its replacement joins their round 1" in out
+    assert after[0] != before[0] and all(after[r] == before[r] for r in range(1, RANKS)), (before, after)
+    (event,) = [r for r in records(run_dir, "event") if r["event"] == "recovery"]
+    assert (event["lost_rank"], event["generation"]) == (0, 1), event
+    assert event["steps_replayed"] <= 1 and event["restored_step"] >= KILL_AT - 1, event
+    assert 0 < event["detect_s"] < event["fault_to_step_s"], event
+    assert "in-process recovery failed" not in out
+    assert losses(run_dir) == reference  # every step, the redone one included, bit for bit
+
+
+def test_a_failed_in_process_recovery_ends_every_worker_and_the_restart_resumes_bit_exact(
+    tmp_path, reference
+):
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--resilience.survivors=true", **faults.env(break_survivors=True))
+    kill_rank_at(proc, run_dir, 1, KILL_AT)
+    rc, out = finish(proc, timeout=300)
+    assert rc != 0, out[-3000:]
+    assert "survivors' join of round 1 broken" in faults.landed(out), out[-3000:]
+    assert "the survivors' in-process recovery failed; ending every worker" in out
+    assert not [r for r in records(run_dir, "event") if r["event"] == "recovery"]
+    # What restarts a failed job step (the batch driver's restart in place) starts the same command.
+    rc, out = finish(launch(run_dir, "--resilience.survivors=true"))
+    assert rc == 0, out[-3000:]
+    (resumed,) = [r for r in records(run_dir, "event") if r["event"] == "resume"]
+    assert resumed["restored_from"] == "node memory" and resumed["step"] >= KILL_AT - 1, resumed
+    assert losses(run_dir) == reference
