@@ -73,7 +73,9 @@ SECTIONS = {
     "chaos-ledger": Section(
         "Chaos with the time ledger and `relaytrain verify`",
         "The same kinds of trials as above (at random phases: Slurm's USR2 time-limit signal, a preemption, "
-        "a rank SIGKILLed, a node killed; a time limit; a kill with snapshots; a node's snapshots wiped), "
+        "a rank SIGKILLed, a node killed; a time limit; a kill with snapshots; a node's snapshots wiped; a "
+        "rank throttled from outside until the trainer named it a straggler and a spare node took its "
+        "node's place: `straggler_replace`, on the straggler trials' small model, its own reference run), "
         "each also judged by the run's own accounts: `relaytrain verify RUN` must exit 0 (every sample "
         "read exactly once and in order across the interruptions, the tokens each rank read those the "
         "prepared data holds there, every checkpoint intact, the time ledger adding up, at most 1 % of it "
