@@ -1,15 +1,17 @@
 """The chaos benchmark's straggler trial (SpecialTrials runs it; chaos_kinds.py).
 
 ``straggler_replace``: a ``--nodes 2`` job with one spare node (``slurm.spare_nodes=1``, 1 rank on each
-training node) of the straggler trials' small model (bench/cluster/stragglers.py: its forward is above
-the host clock's floor, the tiny model's is not), ``resilience.straggler_action=replace`` and snapshots
-every `SNAPSHOT_EVERY` steps. Once it logged `spares_straggler.THROTTLE_AT` steps, rank 1 is throttled
-`spares_straggler.FACTOR` times from outside the job (``python -m faults.throttle``, a CPU quota; its
-landed line, read back from the cgroup, is the first evidence). The trainer must name rank 1 on its node,
-every rank stop after a snapshot (exit 89), and the batch job's driver restart the step in place with
-the spare in that node's place, in the same job (no requeue); the finished run's losses bit-identical
-to an uninterrupted run of the same config, `relaytrain verify RUN` exit 0 and the time ledger within
-1 % of sacct's elapsed time, as every chaos trial.
+training node) of the straggler check's model (bench/cluster/stragglers.py QUICK_TRIAL_MODEL: its
+forward and optimizer phases are above the detector's floor, `MIN_HOST_PHASE_S`; the tiny model's are
+not, and a run of it, seed 71, named no one in 100 throttled steps), with
+``resilience.straggler_action=replace`` and snapshots every `SNAPSHOT_EVERY` steps. Once it logged
+`spares_straggler.THROTTLE_AT` steps, rank 1 is throttled `spares_straggler.FACTOR` times from outside
+the job (``python -m faults.throttle``, a CPU quota; its landed line, read back from the cgroup, is the
+first evidence). The trainer must name rank 1 on its node, every rank stop after a snapshot (exit 89),
+and the batch job's driver restart the step in place with the spare in that node's place, in the same
+job (no requeue); the finished run's losses bit-identical to an uninterrupted run of the same config,
+`relaytrain verify RUN` exit 0 and the time ledger within 1 % of sacct's elapsed time, as every chaos
+trial.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import spares_straggler
-from bench.cluster.stragglers import straggler_config
+from bench.cluster.stragglers import QUICK_TRIAL_MODEL, straggler_config
 
 STEPS = 120  # named about 35 steps after the throttle at step 20 (bench.spares): room to finish after
 SNAPSHOT_EVERY = 10
@@ -50,7 +52,7 @@ class StragglerTrials:
         bench = self.bench
         if getattr(self, "_straggler", None) is None:
             config = bench.base / "straggler.toml"
-            config.write_text(straggler_config("straggler-reference", bench.runs, STEPS))
+            config.write_text(straggler_config("straggler-reference", bench.runs, STEPS, QUICK_TRIAL_MODEL))
             self._straggler = (config, bench.run_reference(config))
         return self._straggler
 
