@@ -3,7 +3,9 @@
 ``straggler_replace``: a ``--nodes 2`` job with one spare node (``slurm.spare_nodes=1``, 1 rank on each
 training node) of the straggler check's model (bench/cluster/stragglers.py QUICK_TRIAL_MODEL: its
 forward and optimizer phases are above the detector's floor, `MIN_HOST_PHASE_S`; the tiny model's are
-not, and a run of it, seed 71, named no one in 100 throttled steps), with
+not, and a run of it, seed 71, named no one in 100 throttled steps), with the straggler trials' job
+limit (`TRIAL_TIME`: at 2 s a step on a loaded machine the profile's 10 min stopped a run for its time
+budget, seed 73, and the resume is a requeue),
 ``resilience.straggler_action=replace`` and snapshots every `SNAPSHOT_EVERY` steps. Once it logged
 `spares_straggler.THROTTLE_AT` steps, rank 1 is throttled `spares_straggler.FACTOR` times from outside
 the job (``python -m faults.throttle``, a CPU quota; its landed line, read back from the cgroup, is the
@@ -19,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import spares_straggler
-from bench.cluster.stragglers import QUICK_TRIAL_MODEL, straggler_config
+from bench.cluster.stragglers import QUICK_TRIAL_MODEL, TRIAL_TIME, straggler_config
 
 STEPS = 120  # named about 35 steps after the throttle at step 20 (bench.spares): room to finish after
 SNAPSHOT_EVERY = 10
@@ -52,7 +54,8 @@ class StragglerTrials:
         bench = self.bench
         if getattr(self, "_straggler", None) is None:
             config = bench.base / "straggler.toml"
-            config.write_text(straggler_config("straggler-reference", bench.runs, STEPS, QUICK_TRIAL_MODEL))
+            text = straggler_config("straggler-reference", bench.runs, STEPS, QUICK_TRIAL_MODEL, TRIAL_TIME)
+            config.write_text(text)
             self._straggler = (config, bench.run_reference(config))
         return self._straggler
 
