@@ -290,3 +290,20 @@ def test_an_automatic_interval_is_not_lengthened_by_a_load_spike():
     pacing.next_step = 10
     pacing.taken(10, _settled(5, blocking_s=0.1, waited_s=0.0, background_s=0.5, **figures))
     assert pacing.chooser.every == 38  # (0.1 + 0.5) / (0.8 * 0.02 * 1.0) = 37.5; 10.1 s would give 632
+
+
+def test_the_front_passes_the_tiers_end_of_background_work_to_the_pacing():
+    """`Persistence.after_step` ends the step's timing with when the snapshot's background work ended,
+    which caps the step's charge (None: none running, or no snapshots)."""
+    from types import SimpleNamespace
+
+    from relaytrain.checkpoint.front import Persistence
+
+    ended = []
+    pacing = SimpleNamespace(step_ended=ended.append, due=lambda step: False, resumed=lambda running: None)
+    checkpoints = SimpleNamespace(poll=lambda: None, should_save=lambda step, last: False)
+    tier = SimpleNamespace(background_ended_at=12.5, background_running=False)
+    front = SimpleNamespace(pacing=pacing, checkpoints=checkpoints, enabled=False, snapshots=tier)
+    Persistence.after_step(front, 7, False)
+    Persistence.after_step(SimpleNamespace(**{**vars(front), "snapshots": None}), 8, False)
+    assert ended == [12.5, None]
