@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.page_from:
         write_page({SECTION: render(kept.load(args.page_from), kept.relative(args.page_from))})
         return 0
-    harness.start_cluster(lock=not args.no_lock)
+    harness.start_cluster(lock=not args.no_lock, nodes=3)  # 2 nodes and the spare
     with harness.cluster_lock(not args.no_lock), tempfile.TemporaryDirectory(prefix="bench-spares-") as base:
         trials = [kill_trial(Path(base) / f"kill{i}") for i in range(args.trials) if "kill" in args.kinds]
         slowed = [spares_straggler.trial(Path(base) / f"straggler{i}") for i in range(args.trials)

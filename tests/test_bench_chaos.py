@@ -29,6 +29,7 @@ from bench.cluster.chaos_page import (
     load_results,
     merge_special,
     render,
+    render_section,
     render_special,
     results_data,
     summary,
@@ -100,12 +101,26 @@ def test_a_preemption_or_no_requeue_is_not_a_time_limit_requeue():
 
 
 def test_results_carry_their_runs_seed(tmp_path):
-    for seed, rows in (("17", [Trial(0, "mid_step", "usr2")]), ("20", [SpecialTrial(0, "hang")])):
+    for seed, rows in (("17", [Trial(0, "mid_step", "usr2")]), ("20", [SpecialTrial(0, "hang", job="5")])):
         data = results_data("python -m bench.chaos", "2026-11-25", seed, {"cpu": "CPU", "cores": 2}, "", rows)
         (tmp_path / f"chaos-seed{seed}.json").write_text(json.dumps(data))
     trials, targeted = load_results(sorted(str(p) for p in tmp_path.glob("*.json")))
     assert [t.phase for t in trials] == ["mid_step"]
     assert [(t.kind, t.seed) for t in targeted] == [("hang", "20")]
+
+
+def test_a_targeted_trial_the_stopped_benchmark_never_started_is_named_and_not_counted(tmp_path):
+    """A results file is saved after each trial with every trial drawn: one the benchmark was stopped
+    before (no job, no error, no seconds) is no row of the table and not scored; the page says so."""
+    ran = replace(special("straggler_replace", "73"), job="26", seconds=756.2, verify_exit=0)
+    rows = [ran, SpecialTrial(1, "straggler_replace"), SpecialTrial(2, "straggler_replace")]
+    data = results_data("python -m bench.chaos", "2026-12-07", "73", {"cpu": "CPU", "cores": 2}, "", rows)
+    path = tmp_path / "chaos-seed73.json"
+    path.write_text(json.dumps(data))
+    assert [t.job for t in load_results([str(path)])[1]] == ["26"]
+    page = render_section([str(path)], "chaos-ledger")
+    assert "never started (the benchmark was stopped before them), not counted: seed 73: 2 " in page
+    assert page.count("| straggler_replace |") == 1
 
 
 def test_merge_adds_up_kills_under_their_real_mode_and_keeps_the_latest_run_of_other_kinds():

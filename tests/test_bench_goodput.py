@@ -8,7 +8,7 @@ from datetime import datetime
 
 import pytest
 
-from relaytrain.job.allocations import JobRun
+from relaytrain.job.allocations import JobRun, SlurmRuns
 
 from bench import kept
 from bench.cluster import goodput
@@ -58,7 +58,8 @@ def test_goodput_and_the_split_of_one_preemption(tmp_path, monkeypatch):
     ])  # fmt: skip
     runs = [(t0 - 1, t0 + 9), (t0 + 20, t0 + 40)]
     sacct = [JobRun("5", i, start, end, running=False) for i, (start, end) in enumerate(runs)]
-    monkeypatch.setattr("relaytrain.monitor.run_ledger.job_runs", lambda jobs: sacct)  # what sacct answers
+    answer = SlurmRuns(sacct)  # what sacct answers
+    monkeypatch.setattr("relaytrain.monitor.run_ledger.slurm_runs", lambda jobs: answer)
     result = RunResult("preempt-60s", "preempted")
     analyse(result, RunFiles(tmp_path), runs, log)
 

@@ -15,7 +15,7 @@ import test_monitor_report
 from relaytrain.cli import main
 from relaytrain.inspection.report import make_report
 from relaytrain.job import RunDir
-from relaytrain.job.allocations import JobRun
+from relaytrain.job.allocations import JobRun, SlurmRuns
 from relaytrain.monitor.ledger import BUCKET_MEANING, BUCKETS
 from relaytrain.monitor.ledger_plot import BUCKET_COLORS
 from test_ledger import T0, _crashed_step, _trained, begin, driver, end, ident, window
@@ -80,7 +80,8 @@ def test_the_report_table_has_a_row_per_bucket_and_per_allocation(tmp_path, monk
     run = tmp_path / "slurm-run"
     write_slurm_run(run)
     sacct = [JobRun("7", 0, T0 - 2.0, T0 + 60.0, False), JobRun("8", 0, T0 + 120.0, T0 + 200.0, False)]
-    monkeypatch.setattr(run_ledger, "job_runs", lambda jobs: [r for r in sacct if r.job_id in jobs])
+    answer = lambda jobs: SlurmRuns([r for r in sacct if r.job_id in jobs])  # noqa: E731
+    monkeypatch.setattr(run_ledger, "slurm_runs", answer)
     md = make_report(RunDir(run)).read_text()
     # job 7: 62 s, 28.5 productive, 13 stop (10 of them after the driver's end, up to Slurm's End); job 8:
     # 80 s, 1 startup, 48 productive (steps 31-40), then 31 s no record covers

@@ -244,3 +244,66 @@ def test_a_run_with_auto_chooses_an_interval_and_takes_its_snapshots_there(tmp_p
     assert len(taken) >= 2 and taken[-1] + every[max(every)] >= 10  # the last one's cost recorded too
     assert "snapshot interval: every " in done.stdout + done.stderr
     assert all(r["background_s"] > 0 and r["blocking_s"] > 0 for r in records if r.get("event") == "snapshot")
+
+
+def test_a_load_spike_in_a_step_beside_a_snapshots_work_is_charged_at_most_the_overlap():
+    """A step is charged what it took beyond a clean step, but at most the time the snapshot's background
+    work ran during it: a 12 s step (a load spike, forced here by the clock) whose snapshot work ended
+    0.5 s into it is charged 0.5 s, the rest is not the snapshot's; a step the work ran through is
+    charged its whole excess."""
+    clock = Clock()
+    times = StepTimes(clock)
+    times.step_ended()  # the job's first step is not timed
+    for _ in range(3):
+        times.resumed(False)
+        clock.now += 1.0
+        times.step_ended()
+    times.resumed(True)
+    began = clock.now
+    clock.now += 12.0  # the spike
+    times.step_ended(background_ended=began + 0.5)
+    assert times.figures() == {"step_s": 1.0, "slowdown_s": 0.5} and times.slowdown_total_s == 0.5
+    assert times.uncharged_s == 10.5
+    times.resumed(True)
+    clock.now += 1.5  # the work still runs at the step's end: all of the 0.5 s beyond a clean step
+    times.step_ended(background_ended=None)
+    assert times.figures()["slowdown_s"] == 1.0 and times.uncharged_s == 10.5
+
+
+def test_an_automatic_interval_is_not_lengthened_by_a_load_spike():
+    """The pacing's figures, which the ranks agree on and the chooser reads, carry the capped slowdown: a
+    spike of 10 s in the step beside a 0.5 s background job leaves the interval where 0.5 s puts it."""
+    clock = Clock()
+    pacing = SnapshotPacing(_cfg("auto").checkpoint, 0)
+    pacing.times = StepTimes(clock)
+    pacing.step_ended()
+    for _ in range(FIRST_AUTO_STEP):
+        pacing.resumed(False)
+        clock.now += 1.0
+        pacing.step_ended()
+    pacing.resumed(True)
+    began = clock.now
+    clock.now += 11.0
+    pacing.step_ended(background_ended=began + 0.5)
+    figures = pacing.times.figures()
+    assert figures["slowdown_s"] == 0.5
+    pacing.next_step = 10
+    pacing.taken(10, _settled(5, blocking_s=0.1, waited_s=0.0, background_s=0.5, **figures))
+    assert pacing.chooser.every == 38  # (0.1 + 0.5) / (0.8 * 0.02 * 1.0) = 37.5; 10.1 s would give 632
+
+
+def test_the_front_passes_the_tiers_end_of_background_work_to_the_pacing():
+    """`Persistence.after_step` ends the step's timing with when the snapshot's background work ended,
+    which caps the step's charge (None: none running, or no snapshots)."""
+    from types import SimpleNamespace
+
+    from relaytrain.checkpoint.front import Persistence
+
+    ended = []
+    pacing = SimpleNamespace(step_ended=ended.append, due=lambda step: False, resumed=lambda running: None)
+    checkpoints = SimpleNamespace(poll=lambda: None, should_save=lambda step, last: False)
+    tier = SimpleNamespace(background_ended_at=12.5, background_running=False)
+    front = SimpleNamespace(pacing=pacing, checkpoints=checkpoints, enabled=False, snapshots=tier)
+    Persistence.after_step(front, 7, False)
+    Persistence.after_step(SimpleNamespace(**{**vars(front), "snapshots": None}), 8, False)
+    assert ended == [12.5, None]

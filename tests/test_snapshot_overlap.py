@@ -255,3 +255,17 @@ def test_a_fresh_run_allocates_once_for_the_state_its_first_adamw_step_creates(t
             assert torch.equal(tree["model"][name], value), name
     finally:
         tier.close(finished=False)
+
+
+def test_the_tier_says_when_its_background_work_ended_which_caps_the_steps_charge(side):
+    """The pacing charges a step beside a snapshot's work at most the time that work ran during it
+    (`pacing.py`): the tier gives that end time, none while the work still runs."""
+    device, state, tier = side
+    device.gate.clear()  # the writer waits for the copies, so the work runs until the gate opens
+    tier.take(1)
+    assert tier.background_running and tier.background_ended_at is None
+    released = time.perf_counter()
+    device.gate.set()
+    tier.wait()
+    assert not tier.background_running
+    assert released <= tier.background_ended_at <= time.perf_counter()

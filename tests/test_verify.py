@@ -270,9 +270,8 @@ def test_the_queue_before_a_requeue_is_checked_against_saccts_submit():
     # no Submit from sacct: said, not checked
     bare = [r._replace(submit=None) for r in runs]
     report = check_ledger(build_ledger(records, map(ledger_run, bare)), records, bare)
-    assert (
-        "queue: 0 requeue(s) checked against Slurm's Submit to Start, 1 not (Slurm's accounting gave no "
-        "Submit, and its job completion file was not read)" in report.summary()
+    assert "queue: 0 requeue(s) checked against Slurm's Submit to Start, 1 NOT checked: Slurm gave no " in (
+        report.summary()
     )
 
 
@@ -315,55 +314,6 @@ def test_saccts_submit_is_read_per_run():
     runs = parse_runs("5", text, now=0.0)
     assert [r.start - r.submit for r in runs] == [5.0, 18.0]
     assert parse_runs("5", f"5|{day}11:05|{day}11:42|COMPLETED", now=0.0)[0].submit is None
-
-
-def test_the_job_completion_files_submit_is_read_from_the_file(tmp_path):
-    """`sacct -c` prints a run's Start as its Submit: each run's SubmitTime comes from the file's line
-    (Slurm's filetxt lines, as the local cluster writes them), matched by job and StartTime."""
-    from relaytrain.job.allocations import completion_submits, parse_runs
-
-    day = "2026-12-07T03:"
-    line = ("JobId={job} UserId=root(0) GroupId=root(0) Name=a b JobState={state} Partition=debug "
-            "TimeLimit=10 StartTime={day}{start} EndTime={day}{end} NodeList=nsnode1 "
-            "SubmitTime={day}{submit} EligibleTime={day}{submit} ExitCode=0:0 \n")  # fmt: skip
-    text = line.format(job=5, state="NODE_FAIL", day=day, start="41:15", end="42:16", submit="41:13")
-    text += line.format(job=6, state="COMPLETED", day=day, start="41:20", end="42:00", submit="41:19")
-    text += line.format(job=5, state="COMPLETED", day=day, start="42:40", end="43:10", submit="42:28")
-    (tmp_path / "jobcomp.txt").write_text(text)
-    submits = completion_submits(tmp_path / "jobcomp.txt", {"5"})
-    sacct_c = f"5|{day}41:15|{day}42:16|NODE_FAIL\n5|{day}42:40|{day}43:10|COMPLETED\n"
-    runs = [r._replace(submit=submits.get((r.job_id, r.start))) for r in parse_runs("5", sacct_c, 0.0)]
-    assert [(r.start - r.submit, r.state) for r in runs] == [(2.0, "NODE_FAIL"), (12.0, "COMPLETED")]
-    assert completion_submits(None, {"5"}) == {} and completion_submits(tmp_path / "gone", {"5"}) == {}
-
-
-def test_without_accounting_storage_the_submit_comes_from_the_job_completion_file(tmp_path, monkeypatch):
-    """sacct -D answers nothing (accounting_storage/none), sacct -c does; scontrol show config names a
-    text job completion file: each run's Submit is its line's SubmitTime. A file of another kind, none."""
-    from relaytrain.job import allocations
-    from relaytrain.job.slurm_command import Outcome, SlurmResult
-
-    day = "2026-12-07T03:"
-    (tmp_path / "jobcomp.txt").write_text(
-        f"JobId=5 JobState=PENDING StartTime={day}41:15 EndTime={day}42:16 SubmitTime={day}41:13\n"
-        f"JobId=5 JobState=COMPLETED StartTime={day}42:40 EndTime={day}43:10 SubmitTime={day}42:28\n"
-    )
-    kind = {"type": "jobcomp/filetxt"}
-
-    def answer(args, timeout=None):
-        if args[:2] == ["sacct", "-c"]:
-            out = f"5|{day}41:15|{day}42:16|PENDING\n5|{day}42:40|{day}43:10|COMPLETED\n"
-        elif args[0] == "scontrol":
-            out = f"JobCompLoc              = {tmp_path / 'jobcomp.txt'}\nJobCompType = {kind['type']}\n"
-        else:
-            return SlurmResult(tuple(args), Outcome.FAILED, returncode=1)
-        return SlurmResult(tuple(args), Outcome.ANSWERED, returncode=0, stdout=out)
-
-    monkeypatch.setattr(allocations, "run_slurm_command", answer)
-    runs = allocations.job_runs(["5"])
-    assert [(r.start - r.submit, r.state) for r in runs] == [(2.0, "PENDING"), (12.0, "COMPLETED")]
-    kind["type"] = "jobcomp/elasticsearch"
-    assert [r.submit for r in allocations.job_runs(["5"])] == [None, None]
 
 
 def test_a_job_that_ended_inside_a_step_is_confirmed_lost_by_slurms_state():

@@ -41,14 +41,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench import kept
-from bench.cluster import chaos_hangs
+from bench.cluster import chaos_hangs, chaos_straggler
 from bench.cluster.chaos_hangs_clean import CLEAN_VARIANTS, parse_variants
 from bench.cluster.chaos_hangs_page import SECTION as HANGS
 from bench.cluster.chaos_hangs_page import render_hangs_section
 from bench.cluster.chaos_kinds import SPECIAL_KINDS, SpecialTrial, SpecialTrials
 from bench.cluster.chaos_page import SECTIONS, render_section, results_data
 from bench.cluster.chaos_run import Bench, draw
-from bench.cluster.harness import LOCK, OUT_ROOT, cluster_lock, load_averages, start_cluster
+from bench.cluster.harness import CLUSTER_NODES, LOCK, OUT_ROOT, cluster_lock, load_averages, start_cluster
 from bench.report import machine_info, write_page
 
 OUT = OUT_ROOT / "chaos"
@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     base.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed + 1)
     load = [os.getloadavg()]
-    info = start_cluster(lock=not args.no_lock)
+    spare = any(t.kind == "straggler_replace" for t in special)  # its job: 2 nodes and the spare
+    info = start_cluster(lock=not args.no_lock, nodes=chaos_straggler.NODES + 1 if spare else CLUSTER_NODES)
     bench = Bench(base, info)
     bench.run_reference()
     targeted = SpecialTrials(bench)

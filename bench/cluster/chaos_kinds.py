@@ -22,6 +22,8 @@
 * ``wipe_node_with_snapshots``, ``wipe_both_copies_with_snapshots``: the same on 2 nodes, with rank 1's node
   memory wiped too (restored from the peer's replica), or rank 1's files gone from both nodes (falls
   back to the checkpoint and says so): bench/cluster/chaos_snapshots.py.
+* ``straggler_replace``: rank 1 throttled from outside until the trainer names it and the driver puts
+  the spare node in its node's place, in the same job: bench/cluster/chaos_straggler.py.
 * ``disk_full``: the run dir on a tmpfs with room for one checkpoint, not two: one clear error, the
   previous checkpoint intact, no automatic retry; the benchmark frees space (remount larger) and
   resubmits, and the run finishes bit-exact.
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 import faults
 from bench.cluster.chaos_run import INTERVAL, STEPS, Bench, kill_pids, kill_ranks
 from bench.cluster.chaos_snapshots import SnapshotTrials
+from bench.cluster.chaos_straggler import StragglerTrials
 from bench.cluster.harness import RunFiles, rank_pids, tree_bytes, wait
 from bench.cluster.ledger_figures import time_adds_up
 
@@ -51,6 +54,7 @@ SPECIAL_KINDS = (
     "kill_with_snapshots",
     "wipe_node_with_snapshots",
     "wipe_both_copies_with_snapshots",
+    "straggler_replace",
 )
 # The stop reasons (StopReason labels in run_state.json and metrics.jsonl) a time limit may end a job
 # with, and what each means.
@@ -142,7 +146,7 @@ def describe_stops(stops: list[tuple[int, str]], restarts: int) -> str:
     return f"first job, {restarts} requeue(s): stops " + (", then ".join(said) or "none recorded")
 
 
-class SpecialTrials(SnapshotTrials):
+class SpecialTrials(SnapshotTrials, StragglerTrials):
     """Runs one targeted trial on a chaos_run.Bench (its reference, launch, finish and check)."""
 
     def __init__(self, bench: Bench):

@@ -8,7 +8,7 @@ landed (chaos_run.fault_evidence): the tables show it."""
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench import kept
@@ -73,7 +73,9 @@ SECTIONS = {
     "chaos-ledger": Section(
         "Chaos with the time ledger and `relaytrain verify`",
         "The same kinds of trials as above (at random phases: Slurm's USR2 time-limit signal, a preemption, "
-        "a rank SIGKILLed, a node killed; a time limit; a kill with snapshots; a node's snapshots wiped), "
+        "a rank SIGKILLed, a node killed; a time limit; a kill with snapshots; a node's snapshots wiped; a "
+        "rank throttled from outside until the trainer named it a straggler and a spare node took its "
+        "node's place: `straggler_replace`, on the straggler trials' small model, its own reference run), "
         "each also judged by the run's own accounts: `relaytrain verify RUN` must exit 0 (every sample "
         "read exactly once and in order across the interruptions, the tokens each rank read those the "
         "prepared data holds there, every checkpoint intact, the time ledger adding up, at most 1 % of it "
@@ -100,6 +102,7 @@ class KeptRun:
     notes: list[str]
     trials: list[Trial]
     special: list[SpecialTrial]
+    not_run: list[str] = field(default_factory=list)  # kinds of targeted trials the run never started
 
 
 def results_data(command: str, date: str, seed: int | str, info: dict, load: str, rows: list) -> dict:
@@ -112,15 +115,18 @@ def load_run(path: str | Path) -> KeptRun:
     """A kept results file; the targeted trials carry its seed."""
     data = kept.load(path)
     seed = str(data.get("seed", ""))
-    trials, special = [], []
+    trials, special, not_run = [], [], []
     for row in data.get("trials", []):
-        if "kind" in row:
+        if "kind" in row and not (row.get("job") or row.get("error") or row.get("seconds")):
+            not_run.append(row["kind"])  # saved before it began: the benchmark was stopped first
+        elif "kind" in row:
             special.append(SpecialTrial(**{**row, "seed": row.get("seed") or seed}))
         else:
             trials.append(Trial(**row))
     return KeptRun(kept.relative(path), data.get("command", ""), data.get("date", ""), seed,
                    data.get("cpu", "?"), data.get("cores", "?"), data.get("load", ""),
-                   data.get("transcribed", ""), list(data.get("notes", [])), trials, special)  # fmt: skip
+                   data.get("transcribed", ""), list(data.get("notes", [])), trials, special,
+                   not_run)  # fmt: skip
 
 
 def load_results(paths: list[str]) -> tuple[list[Trial], list[SpecialTrial]]:
@@ -352,6 +358,13 @@ def render_section(paths: list[str], section: str) -> str:
     several = len(runs) > 1
     merged = merge_special(special) if several else MergedSpecial(special, [], 0)
     notes = "".join(f"\n{note}\n" for r in runs for note in r.notes)
+    if stopped := [r for r in runs if r.not_run]:
+        said = "; ".join(
+            f"seed {r.seed}: {len(r.not_run)} ({', '.join(sorted(set(r.not_run)))})" for r in stopped
+        )
+        notes += (
+            f"\nTargeted trials never started (the benchmark was stopped before them), not counted: {said}.\n"
+        )
     texts = dict.fromkeys(r.transcribed for r in runs if r.transcribed)
     transcribed = "".join(
         f"\n{', '.join(f'`{r.path}`' for r in runs if r.transcribed == text)}: {text}\n" for text in texts

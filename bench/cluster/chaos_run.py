@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relaytrain.config import load_config
+
 import faults
 from bench.cluster.harness import (
     RunFiles,
@@ -172,27 +174,34 @@ class Bench:
     def run_files(self, name: str) -> RunFiles:
         return RunFiles(self.runs / name)
 
-    def run_reference(self) -> None:
-        """The uninterrupted run: torchrun on this machine, same config and world size (2)."""
+    def run_reference(self, config: Path | None = None) -> tuple[dict[int, float], dict[int, float]]:
+        """The uninterrupted run of `config` (default: the benchmark's own, whose losses `check` compares
+        with unless given others): torchrun on this machine, world size 2; its losses and val_losses."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
         env["OMP_NUM_THREADS"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "relaytrain.cli", "train", str(self.config)]  # fmt: skip
+               "-m", "relaytrain.cli", "train", str(config or self.config)]  # fmt: skip
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"the reference run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-        run = self.run_files("reference")
-        self.reference = {r["step"]: r["loss"] for r in run.records("train")}
-        self.reference_val = {r["step"]: r["val_loss"] for r in run.records("eval") if "val_loss" in r}
+        cfg = load_config(config or self.config)
+        run = RunFiles(Path(cfg.run.dir) / cfg.run.name)
+        losses = {r["step"]: r["loss"] for r in run.records("train")}
+        vals = {r["step"]: r["val_loss"] for r in run.records("eval") if "val_loss" in r}
+        if config is None:
+            self.reference, self.reference_val = losses, vals
+        return losses, vals
 
     # -- one trial ---------------------------------------------------------------------------------
 
-    def launch(self, name: str, *overrides: str, setup: str | None = None, nodes: int = 1) -> str:
-        """Submit the run (2 ranks on 1 node, or 1 on each of 2 `nodes`); `setup` replaces the default
-        (slow steps in the first run only)."""
+    def launch(
+        self, name: str, *overrides: str, setup: str | None = None, nodes: int = 1, config: Path | None = None
+    ) -> str:
+        """Submit the run (2 ranks on 1 node, or 1 on each of 2 `nodes`; of `config`, default the
+        benchmark's); `setup` replaces the default (slow steps in the first run only)."""
         delay = faults.setup_line(step_delay_s=STEP_DELAY_S)
         slow = setup or f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then {delay}; fi'
-        return launch(self.config, name, slow, *overrides, nodes=nodes)
+        return launch(config or self.config, name, slow, *overrides, nodes=nodes)
 
     def wait_phase(self, trial: Trial, run: RunFiles, rng: random.Random) -> None:
         def last() -> int:
@@ -281,7 +290,13 @@ class Bench:
         trial.seconds = round(time.monotonic() - start, 1)
 
     def finish(
-        self, trial, run: RunFiles, overrides: tuple[str, ...] = (), setup: str | None = None, nodes: int = 1
+        self,
+        trial,
+        run: RunFiles,
+        overrides: tuple[str, ...] = (),
+        setup: str | None = None,
+        nodes: int = 1,
+        config: Path | None = None,
     ) -> None:
         """Wait for the job; resubmit while the run is not finished (the policy did not requeue)."""
         job = trial.job
@@ -295,19 +310,22 @@ class Bench:
             if trial.final_status == "finished":
                 return
             trial.resubmits += 1
-            job = self.launch(run.name, *overrides, setup=setup, nodes=nodes)
+            job = self.launch(run.name, *overrides, setup=setup, nodes=nodes, config=config)
         raise RuntimeError(f"run {run.name} did not finish after {trial.resubmits} resubmissions")
 
-    def check(self, trial, run: RunFiles) -> None:
+    def check(self, trial, run: RunFiles, reference: tuple[dict, dict] | None = None) -> None:
+        """The trial's checks against the uninterrupted run (`reference`: another config's losses and
+        val_losses, `run_reference`'s; default the benchmark's own)."""
+        losses, val_losses = reference or (self.reference, self.reference_val)
         rows = run.records("train")
         steps = [r["step"] for r in rows]
         trial.steps_replayed = len(steps) - len(set(steps))
         vals = {r["step"]: r["val_loss"] for r in run.records("eval") if "val_loss" in r}
         trial.bit_exact = (
-            set(steps) == set(self.reference)
-            and all(r["loss"] == self.reference[r["step"]] for r in rows)
-            and all(v == self.reference_val.get(s) for s, v in vals.items())
-            and set(vals) == set(self.reference_val)
+            set(steps) == set(losses)
+            and all(r["loss"] == losses[r["step"]] for r in rows)
+            and all(v == val_losses.get(s) for s, v in vals.items())
+            and set(vals) == set(val_losses)
         )
         trial.latest_complete = run.latest_complete()
         trial.leftovers = run.leftovers(ALLOWED)

@@ -100,14 +100,20 @@ def cluster_lock(enabled: bool = True) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def start_cluster(lock: bool = True):
-    """The running local cluster, else a new one; its environment (SLURM_CONF, PATH) becomes ours."""
+def start_cluster(lock: bool = True, nodes: int = CLUSTER_NODES):
+    """The running local cluster, else a new one; its environment (SLURM_CONF, PATH) becomes ours. A
+    running cluster with fewer than `nodes` nodes (a job with a spare needs 3: 2 would leave it pending
+    for ever, "PartitionNodeLimit") is restarted in place with `nodes`, under the lock, as the Slurm
+    tests' fixture does (tests/slurm_fixtures.py), and left up."""
     from relaytrain.localcluster import cluster as local_cluster
 
     with cluster_lock(lock):
-        info = local_cluster.running_cluster() or local_cluster.cluster_up(
-            nodes=CLUSTER_NODES, cpus_per_node=CLUSTER_CPUS_PER_NODE
-        )
+        info = local_cluster.running_cluster()
+        if info is not None and len(info.nodes) < nodes:
+            print(f"bench: the local cluster has {len(info.nodes)} nodes, {nodes} needed: restarting it")
+            local_cluster.cluster_down(info.base_dir)
+            info = local_cluster.cluster_up(nodes=nodes, cpus_per_node=info.cpus_per_node)
+        info = info or local_cluster.cluster_up(nodes=nodes, cpus_per_node=CLUSTER_CPUS_PER_NODE)
     os.environ.update(info.env)
     return info
 

@@ -118,7 +118,7 @@ class Persistence:
     def after_step(self, step: int, is_last: bool) -> bool:
         """Commit a finished async save, save when due, then take the step's snapshot (none at the last
         step: the run ends there). Whether a save started (it took time the loop may account for)."""
-        self.pacing.step_ended()
+        self.pacing.step_ended(self.snapshots.background_ended_at if self.snapshots is not None else None)
         self.checkpoints.poll()
         saved = self.enabled and self.checkpoints.should_save(step, is_last)
         if saved:

@@ -20,7 +20,9 @@ summary line:
 A further check is one more entry in `CHECKS`.
 
 Exit 0 when every check holds (one summary line per check), 1 with one line per violation, 2 when the run
-cannot be read (no such run, an unreadable config, damaged records).
+cannot be read (no such run, an unreadable config, damaged records). A part of a check that needs a
+source outside the run that cannot be read (Slurm's accounting, its job completion file) is not made:
+the summary line says so and why, and the exit status is that of the checks made.
 """
 
 from __future__ import annotations
@@ -83,7 +85,10 @@ def _ledger(run: RunDir, cfg: Config, opts: Options) -> Report:
         return LedgerReport(notes=[f"no {run.metrics.name}: no time recorded"])
     measured = run_time(run)
     crashes = jsonl.read(run.crashes).records if run.crashes.is_file() else []
-    return check_ledger(measured.ledger, measured.records, measured.slurm_runs, crashes, _commits(cfg, run))
+    commits = _commits(cfg, run)
+    return check_ledger(
+        measured.ledger, measured.records, measured.slurm_runs, crashes, commits, measured.slurm_why
+    )
 
 
 def _commits(cfg: Config, run: RunDir) -> list[tuple[str, float]]:
@@ -155,7 +160,8 @@ def register(subparsers) -> None:
         "and its productive time agrees with the train records' step times within 1 %. Exit 0: all hold "
         "(one summary line per "
         "check). Exit 1: one line per violation. "
-        "Exit 2: the run cannot be read.",
+        "Exit 2: the run cannot be read. A part that needs Slurm's accounting or job completion file where "
+        "this host cannot read them is not made: its summary line says so and why.",
     )
     p.add_argument("run", metavar="RUN", help="a run name under --runs, or the path of a run directory")
     p.add_argument("--runs", default="runs", help="where run directories live (default: runs)")

@@ -56,10 +56,12 @@ def check_ledger(
     slurm_runs: Sequence[JobRun] | None,
     crashes: Sequence[dict[str, Any]] = (),
     commits: Sequence[tuple[str, float]] = (),
+    slurm_why: str = "",
 ) -> LedgerReport:
     """The violations of `ledger` built from `records` and `slurm_runs` (None: accounting not asked or
-    not answering), checked against the run's `crashes` (crashes.jsonl) and its checkpoints' `commits`
-    (name, commit time), and the summary of what was checked."""
+    not answering; `slurm_why`: why, or why a run's Submit is unknown), checked against the run's
+    `crashes` (crashes.jsonl) and its checkpoints' `commits` (name, commit time), and the summary of what
+    was checked."""
     report = LedgerReport()
     ledger_era = any(r.get("kind") == "event" and "process_start" in r for r in records)
     if not ledger_era and not any(r.get("kind") == "ledger" for r in records):
@@ -122,7 +124,7 @@ def check_ledger(
     )
     report.notes.append(productive_note)
     report.notes.append(_against_sacct(ledger, slurm_runs, report.violations, records))
-    queue, queue_note = queue_against_submit(ledger, slurm_runs)
+    queue, queue_note = queue_against_submit(ledger, slurm_runs, slurm_why)
     report.violations += queue + records_before_start(ledger, records)
     report.notes += [queue_note] if queue_note else []
     return report

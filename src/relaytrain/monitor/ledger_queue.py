@@ -11,7 +11,8 @@ may be longer, never shorter: a ledger queue shorter than Slurm's wait by more t
 run's allocation and sacct's whole second is a violation naming the bucket (allocations the ledger
 stretched over time Slurm says the job waited). The note gives the completing time the ledger's queue
 holds. Where neither answers (no accounting storage, and a job completion file that is not text or that
-this host cannot read) the requeues are not checked, and the note says so.
+this host cannot read) the requeues are not checked, and the note says so and why (job/allocations.py's
+one line); verify's exit status is that of the checks it made.
 
 Queue time between two different jobs of a run (a job submitted again by hand) is not checked: nothing
 relates one job's Submit to the other's End.
@@ -34,8 +35,11 @@ AGREE = 0.01  # of the later run's allocation
 SACCT_RESOLUTION_S = 1.0  # sacct's times are whole seconds
 
 
-def queue_against_submit(ledger: Ledger, slurm_runs: Sequence[JobRun] | None) -> tuple[list[str], str]:
-    """Violations (one line each) and a note ("" when the run had no requeue Slurm accounted)."""
+def queue_against_submit(
+    ledger: Ledger, slurm_runs: Sequence[JobRun] | None, why: str = ""
+) -> tuple[list[str], str]:
+    """Violations (one line each) and a note ("" when the run had no requeue); `why`: why Slurm's
+    accounting did not answer (`slurm_runs` None), or why a run's Submit is unknown."""
     runs = {(r.job_id, r.restart): r for r in slurm_runs or () if r.trusted}
     violations, checked, unknown, completing = [], 0, 0, 0.0
     for before, job in zip(ledger.jobs, ledger.jobs[1:], strict=False):
@@ -43,9 +47,9 @@ def queue_against_submit(ledger: Ledger, slurm_runs: Sequence[JobRun] | None) ->
         if a.job_id is None or a.job_id != b.job_id or b.restart <= a.restart:
             continue
         run = runs.get((b.job_id, b.restart))
-        if run is None:
-            continue
-        if run.submit is None:
+        if run is None and slurm_runs is not None:
+            continue  # a run sacct does not bound (untrusted): said by the check against sacct
+        if run is None or run.submit is None:
             unknown += 1
             continue
         checked += 1
@@ -62,9 +66,7 @@ def queue_against_submit(ledger: Ledger, slurm_runs: Sequence[JobRun] | None) ->
     note = f"queue: {checked} requeue(s) checked against Slurm's Submit to Start"
     note += f" ({completing:.0f} s of the queue Slurm's completing before a requeue)" if checked else ""
     if unknown:
-        note += (
-            f", {unknown} not (Slurm's accounting gave no Submit, and its job completion file was not read)"
-        )
+        note += f", {unknown} NOT checked: {why or 'Slurm gave no Submit'}"
     return violations, note
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relaytrain.job import RunDir
-from relaytrain.job.allocations import JobRun, job_runs
+from relaytrain.job.allocations import JobRun, SlurmRuns, slurm_runs
 from relaytrain.monitor.history import read_records
 from relaytrain.monitor.ledger import Allocation, Ledger
 from relaytrain.monitor.ledger_spans import build_ledger
@@ -21,19 +21,20 @@ class RunTime:
     ledger: Ledger
     records: list[dict[str, Any]]
     slurm_runs: list[JobRun] | None
+    slurm_why: str = ""  # why accounting did not answer, or why a run's Submit is unknown
 
 
 def run_time(run: RunDir, ask_slurm: bool = True) -> RunTime:
     """`run_ledger` and its inputs (`relaytrain verify` checks the ledger against them)."""
     records, _skipped = read_records(run.metrics)
     jobs = sorted({str(r["job_id"]) for r in records if r.get("job_id")})
-    measured = (job_runs(jobs) if ask_slurm else None) if jobs else []
+    asked = (slurm_runs(jobs) if ask_slurm else SlurmRuns(None, "Slurm not asked")) if jobs else SlurmRuns([])
     allocations = [  # an untrusted job's allocations are bounded by the run's own records instead
         Allocation(r.job_id, r.restart, r.start, r.end, "sacct", r.running)
-        for r in measured or []
+        for r in asked.runs or []
         if r.trusted
     ]
-    return RunTime(build_ledger(records, allocations), records, measured)
+    return RunTime(build_ledger(records, allocations), records, asked.runs, asked.why)
 
 
 def run_ledger(run: RunDir, ask_slurm: bool = True) -> Ledger:

@@ -4,8 +4,12 @@ or, with `snapshot_every = "auto"`, the interval `interval.py` chooses from meas
 The pacing times each step between the front's `after_step` calls (the loop's own work: the front's saves
 and snapshots are left out) and notes whether a snapshot's background work was running when it began.
 The step time is the median of the recent steps; a step that overlapped adds what it took beyond the
-median clean step (none running) to the snapshot's slowdown. The job's first step (start-up, first
-allocations) is not timed.
+median clean step (none running) to the snapshot's slowdown, but never more than the time the background
+work ran during that step (its overlap): work that runs for o seconds beside a step can delay it by at
+most o (it takes the step's processors, its memory bandwidth or the interpreter's lock for at most as
+long as it runs), so the rest of a longer step is another cause, such as a load spike on a shared host,
+and is not charged to the snapshot (`StepTimes.uncharged_s` keeps it). So a snapshot is charged at most
+its background time in all. The job's first step (start-up, first allocations) is not timed.
 
 Automatic: the job's FIRST_AUTO_STEP-th step takes the first snapshot and waits for its background work
 (once per job: that snapshot measures what one costs); each later snapshot's agreement (`SnapshotTier.
@@ -51,18 +55,25 @@ class StepTimes:
         self.slowdown_s = 0.0  # since the newest snapshot, beyond clean steps
         self.slowdown_known = True  # False: a step overlapped before any clean step was timed
         self.slowdown_total_s = 0.0  # over the whole job, for the time ledger
+        self.uncharged_s = 0.0  # over the whole job: overlapping steps' excess beyond their overlap
 
-    def step_ended(self) -> None:
+    def step_ended(self, background_ended: float | None = None) -> None:
+        """The step that began at `resumed` ended now; `background_ended`: when the background work that
+        ran at its start ended (this clock; None: it still runs), which bounds what the step is charged."""
         if self._mark is None:
             return
-        took = self._clock() - self._mark
+        now = self._clock()
+        took = now - self._mark
         self.recent.append(took)
         if not self._overlapping:
             self.clean.append(took)
         elif self.clean:
-            slower = max(0.0, took - statistics.median(self.clean))
+            overlap = (now if background_ended is None else min(now, background_ended)) - self._mark
+            excess = max(0.0, took - statistics.median(self.clean))
+            slower = min(excess, max(0.0, overlap))
             self.slowdown_s += slower
             self.slowdown_total_s += slower
+            self.uncharged_s += excess - slower
         else:
             self.slowdown_known = False
 
@@ -97,8 +108,9 @@ class SnapshotPacing:
         self._steps = 0  # steps of this job
         self.next_step: int | None = None  # automatic: the step of the next snapshot, once measured
 
-    def step_ended(self) -> None:
-        self.times.step_ended()
+    def step_ended(self, background_ended: float | None = None) -> None:
+        """`background_ended`: when the snapshot work that ran at the step's start ended (StepTimes)."""
+        self.times.step_ended(background_ended)
         self._steps += 1
 
     def due(self, step: int) -> bool:

@@ -99,6 +99,7 @@ class SnapshotTier:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-snapshot")
         self._pending: tuple[int, Future] | None = None
         self._taken = 0  # the newest step snapshotted
+        self.background_ended = 0.0  # when the newest snapshot's background work ended (perf_counter)
 
     # -- taking snapshots ---------------------------------------------------------------------------
 
@@ -135,7 +136,7 @@ class SnapshotTier:
         meta["config_hash"] = self.config_hash
         staged = self._copying = self._staging.stage(tree, meta)  # the buffer's last snapshot was written
         self.written = {}
-        self._pending = (step, self._writer.submit(self._write, step, staged, meta, prune))
+        self._pending = (step, self._writer.submit(self._background, step, staged, meta, prune))
         # waited_s: of blocking_s, the wait for the previous snapshot's background work (and the ranks'
         # agreement on its figures); the rest is the copy of this one
         blocking = time.perf_counter() - started
@@ -154,6 +155,11 @@ class SnapshotTier:
     def background_running(self) -> bool:
         """Whether the newest snapshot's background work (replication, writes) is still running."""
         return self._pending is not None and not self._pending[1].done()
+
+    @property
+    def background_ended_at(self) -> float | None:
+        """When (`time.perf_counter`) the newest snapshot's background work ended; None while it runs."""
+        return None if self.background_running else self.background_ended
 
     def _settle(self, figures: dict[str, float] | None = None) -> tuple[int, dict[str, float] | None]:
         """Wait for the previous snapshot's write. (When every rank finished it, the step before which this
@@ -178,6 +184,13 @@ class SnapshotTier:
         agreed = dict(zip(mine, self._coll.max_of(list(mine.values())), strict=True))
         prune = step if not agreed.pop("failed") and self.ring.is_node_leader(self.rank) else 0
         return prune, {"step": float(step), **agreed}
+
+    def _background(self, step: int, staged: Staged, meta: dict[str, Any], prune: int) -> None:
+        """`_write`, its end time kept before the future says done (`background_ended_at`)."""
+        try:
+            self._write(step, staged, meta, prune)
+        finally:
+            self.background_ended = time.perf_counter()
 
     def _write(self, step: int, staged: Staged, meta: dict[str, Any], prune: int) -> None:
         """On the writer thread: delete what `_settle` allows, send to the peers (before writing: a failed
