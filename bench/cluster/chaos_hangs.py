@@ -100,6 +100,12 @@ def proc_state(pid: int) -> str:
         return "X"
 
 
+def error_text(err: BaseException, head: int = 200, tail: int = 500) -> str:
+    """A trial's error, short: its start (what failed) and its end (why: a command's output ends with it)."""
+    text = str(err)
+    return text if len(text) <= head + tail else f"{text[:head]} ... {text[-tail:]}"
+
+
 def first_run_setup(**fault) -> str:
     """The batch shell's setup: the fault, in the job's first run only (not a requeue). The debug model's
     steps are long enough to aim a fault at: no step delay."""
@@ -194,7 +200,7 @@ class HangTrials:
             trial.evidence = evidence
             judge(trial, run.job_log(), run.hang_record(), run.records(), run.crashes())
         except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError, KeyError, ValueError) as err:
-            trial.error = str(err)[:300]
+            trial.error = error_text(err)
             trial.evidence = evidence
             subprocess.run(["scancel", trial.job], capture_output=True, timeout=30)
         trial.seconds = round(time.monotonic() - start, 1)
