@@ -15,7 +15,7 @@ import pytest
 from relaytrain.resilience.hangs.monitor import NEAREST
 
 from bench.cluster import chaos
-from bench.cluster.chaos_hangs import HANG_ALLOWED, draw, fault_landed, first_run_setup, watched_rank
+from bench.cluster.chaos_hangs import HANG_ALLOWED, draw, fault_landed, first_run_setup
 from bench.cluster.chaos_hangs_clean import (
     CLEAN_VARIANTS,
     CONFIGS,
@@ -36,7 +36,7 @@ from bench.cluster.chaos_hangs_judge import (
 from bench.cluster.chaos_hangs_page import render_hangs_section, targets
 from bench.cluster.chaos_page import results_data
 from bench.cluster.chaos_run import STEPS, Bench
-from bench.cluster.harness import RunFiles
+from bench.cluster.harness import RunFiles, watched_rank
 from bench.report import REPO
 
 FAULT = datetime(2026, 11, 27, 3, 10, 0).timestamp()
@@ -120,6 +120,19 @@ def test_a_hang_trial_is_judged_on_detection_time_culprit_and_restart():
     judge(requeued, log(DETECTED), hang_record(), records())
     assert not requeued.checks["restarted in place"]
     assert not hang_trial(evidence=[]).ok  # without evidence of the fault a trial does not count
+
+
+def test_a_long_step_trial_also_needs_a_step_median_of_20_s_before_the_fault():
+    def timed(seconds: float) -> list[dict]:
+        return [{**r, "time_step_s": seconds} if r["kind"] == "train" else r for r in records()]
+
+    trial = hang_trial(kind="hang_stop_long_step")
+    judge(trial, log(DETECTED), hang_record(), timed(21.0))
+    assert trial.checks["step median >= 20 s"] and trial.ok, trial.checks
+    assert "step median 21.0 s over 11 steps before the fault" in trial.detail
+    short = hang_trial(kind="hang_stop_long_step")
+    judge(short, log(DETECTED), hang_record(), timed(0.5))
+    assert not short.checks["step median >= 20 s"] and not short.ok
 
 
 def test_a_slow_rank_passes_with_its_line_and_no_restart():

@@ -56,6 +56,8 @@ CONFIGS = {
     "restart": DEBUG,
     "wide": CleanConfig("wide", 6, 2, 3, tuple(wide_model(WIDE_STATE_GB))),
     "compile": CleanConfig("compile", STEPS, INTERVAL, EVAL_EVERY, compile=True),
+    # the long-step hang trial's (chaos_hangs_judge.LONG_STEP): the debug run, 8 steps of 20 s and more
+    "long": CleanConfig("long", 8, 4, 4),
 }
 
 
