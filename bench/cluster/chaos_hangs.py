@@ -99,6 +99,16 @@ from bench.report import machine_info, write_page
 NODES = 2
 CAP_S = 600  # resilience.hang_timeout_s: far above the monitor's floor, so the monitor acts first
 OVERRIDES = ("--checkpoint.snapshot_every=2", f"--resilience.hang_timeout_s={CAP_S}")
+
+
+def overrides_of(trial: HangTrial) -> tuple[str, ...]:
+    """A variant trial's flags: its checkpoint.mode; the wide state without in-memory snapshots (its 2
+    newest steps of 1.2 GB in /dev/shm do not fit a local node's memory: `relaytrain launch`'s plan
+    refuses the job), so its restore reads the disk checkpoint."""
+    snapshots = ("--checkpoint.snapshot_every=0",) if trial.variant == "wide" else OVERRIDES[:1]
+    return (*snapshots, *OVERRIDES[1:], f"--checkpoint.mode={trial.mode}")
+
+
 DETECT_WAIT_S = 240  # no `hang detected:` line this long after the fault: the trial fails
 SLOW_FACTOR, SLOW_FROM_STEP = 5, 3
 LAYER_DELAY_S = 2.5  # hang_stop_long_step's delay before each layer's forward
@@ -274,7 +284,7 @@ class HangTrials:
         variant's config; detected, named and restarted in place like a SIGSTOP from outside."""
         trial.rank = trial.index % 2
         label, _, _, job_step = PHASE_KINDS[trial.kind]
-        overrides = (*OVERRIDES, f"--checkpoint.mode={trial.mode}")
+        overrides = overrides_of(trial)
         setup = first_run_setup(rank=trial.rank, stop_in_phase=label, stop_in_job_step=job_step)
         trial.job = bench.launch(run.name, *overrides, setup=setup, nodes=NODES)
         if job_step == 1:  # the other rank SIGKILLed after a save: the step restarts in place, and restores
@@ -298,7 +308,7 @@ class HangTrials:
     def clean(self, bench: Bench, trial: HangTrial, run: RunFiles, rng, evidence: list[str]) -> None:
         """A run without a hang beside a CPU-bound process, of the trial's variant (chaos_hangs_clean.py);
         the restart variant SIGKILLs one rank at a random step."""
-        overrides = (*OVERRIDES, f"--checkpoint.mode={trial.mode}")
+        overrides = overrides_of(trial)
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a CPU-bound neighbour
         try:
             trial.job = bench.launch(run.name, *overrides, setup=first_run_setup(), nodes=NODES)
