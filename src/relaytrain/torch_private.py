@@ -134,6 +134,38 @@ def published_fsdp_comms(collective) -> tuple:
     return AllGather(), ReduceScatter()
 
 
+# The collective context DTensor's redistributions are published in: this process's latest board's
+_redistributions: list = []
+
+
+def publish_dtensor_redistributions(collective) -> None:
+    """Every DTensor redistribution (`torch.distributed.tensor._redistribute.redistribute_local_tensor`:
+    tensor parallelism's all-gathers, reduce-scatters and all-reduces of a module's input and output, in
+    the forward and the backward, and DTensor's implicit ones) inside `collective("dtensor_redistribute")`,
+    and waited for inside it: the parallel styles ask for an async redistribution, whose collective is
+    waited for at the tensor's first use (AsyncCollectiveTensor), next to the module's forward; waited at
+    once, as `async_op=False` does, the values are the same. The name is replaced where torch imports it
+    (`_redistribute`, `_dispatch`, `_api`), once per process; a later call only changes `collective`.
+    Checked: 2.14.1."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import _api, _dispatch, _redistribute
+
+    _redistributions[:] = [collective]
+    original = _redistribute.redistribute_local_tensor
+    if getattr(original, "published", False):
+        return
+
+    def published(*args, **kwargs):
+        with _redistributions[0]("dtensor_redistribute"):
+            out = original(*args, **kwargs)
+            return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
+
+    published.published = True  # type: ignore[attr-defined]
+    for module in (_redistribute, _dispatch, _api):
+        if getattr(module, "redistribute_local_tensor", None) is original:
+            module.redistribute_local_tensor = published
+
+
 def record_cuda_memory_history(enabled: bool, max_entries: int) -> None:
     """`torch.cuda.memory._record_memory_history` (CUDA only). Checked: 2.13 (signature, on CPU)."""
     torch.cuda.memory._record_memory_history(enabled="all" if enabled else None, max_entries=max_entries)
