@@ -236,6 +236,13 @@ def restarted_for_the_kill(crashes: Sequence[dict[str, Any]]) -> bool:
     return any(c.get("action") == RESTARTED and not c.get("hang") for c in crashes)
 
 
+def restarted_for_the_hang(crashes: Sequence[dict[str, Any]]) -> bool:
+    """crashes.jsonl holds the hang's crash, and the step was restarted in place for it (the job may be
+    requeued later for another cause, its time budget: that is not the hang's answer)."""
+    hung = [c for c in crashes if c.get("hang")]
+    return bool(hung) and hung[0].get("action") == RESTARTED
+
+
 def judge(
     trial: HangTrial,
     log: str,
@@ -266,8 +273,7 @@ def judge(
         detected = trial.detection_s is not None and 0 <= trial.detection_s <= DETECTION_TARGET_S
         trial.checks[f"detected within {DETECTION_TARGET_S:g} s"] = detected
         trial.checks["culprit rank and node named"] = trial.culprit_correct
-        in_place = trial.step_restarts >= 1 and trial.restarts == 0 and trial.resubmits == 0
-        trial.checks["restarted in place"] = in_place and trial.restart_s is not None
+        trial.checks["restarted in place"] = restarted_for_the_hang(crashes) and trial.restart_s is not None
         if trial.kind == LONG_STEP:
             trial.checks[f"step median >= {LONG_STEP_S:g} s"] = long_steps(trial, records)
     elif trial.kind == "slow_rank":
