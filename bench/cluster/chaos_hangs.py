@@ -40,10 +40,10 @@ hang monitor, with its default floor and multiple, is what acts. The kinds
 
 The faulted rank alternates (trial index mod 2) for the injected kinds. Per trial: the fault's time, the
 detection's, the culprit named in hang/last.json against the faulted rank and its node, the time from the
-fault to the first step after the restart, whether crashes.jsonl shows the hang's crash restarted in place
-(a later requeue at the time budget does not undo that), steps replayed, and losses against an
-uninterrupted reference run (bench/cluster/chaos_hangs_judge.py). A trial counts only with evidence its fault landed: the landed
-line in the job log, or the stopped process seen in state T.
+fault to the first step after the restart, whether crashes.jsonl shows the hang's crash restarted in
+place (a later requeue at the time budget does not undo that), steps replayed, and losses against an
+uninterrupted reference run (bench/cluster/chaos_hangs_judge.py). A trial counts only with evidence its
+fault landed: the landed line in the job log, or the stopped process seen in state T.
 """
 
 from __future__ import annotations

@@ -134,19 +134,14 @@ def published_fsdp_comms(collective) -> tuple:
     return AllGather(), ReduceScatter()
 
 
-# The collective context DTensor's redistributions are published in: this process's latest board's
-_redistributions: list = []
+_redistributions: list = []  # the collective context they are published in: the latest board's
 
 
 def publish_dtensor_redistributions(collective) -> None:
-    """Every DTensor redistribution (`torch.distributed.tensor._redistribute.redistribute_local_tensor`:
-    tensor parallelism's all-gathers, reduce-scatters and all-reduces of a module's input and output, in
-    the forward and the backward, and DTensor's implicit ones) inside `collective("dtensor_redistribute")`,
-    and waited for inside it: the parallel styles ask for an async redistribution, whose collective is
-    waited for at the tensor's first use (AsyncCollectiveTensor), next to the module's forward; waited at
-    once, as `async_op=False` does, the values are the same. The name is replaced where torch imports it
-    (`_redistribute`, `_dispatch`, `_api`), once per process; a later call only changes `collective`.
-    Checked: 2.14.1."""
+    """Each DTensor redistribution (tensor parallelism's collectives) in `collective("dtensor_redistribute")`,
+    waited for there (the parallel styles' async ones wait at the tensor's first use; at once, the values
+    are the same). Replaced where torch imports it (`_redistribute`, `_dispatch`, `_api`) once per process;
+    a later call only changes `collective`. Checked: 2.14.1."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import _api, _dispatch, _redistribute
 
