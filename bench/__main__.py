@@ -93,7 +93,9 @@ def _startup(plan: Plan) -> tuple[dict, str]:
 
 
 def _progress_marks(plan: Plan) -> tuple[dict, str]:
-    result = progress_marks.measure(steps=10 if plan.quick else 30, threads=plan.threads)
+    steps = 10 if plan.quick else 30
+    result = progress_marks.measure(steps=steps, threads=plan.threads)
+    result["tensor_parallel"] = progress_marks.measure(steps, plan.threads, overrides=["--parallel.tp=2"])
     return result, progress_marks.render(result)
 
 

@@ -12,6 +12,7 @@ were copied from.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,6 +38,17 @@ def relative(path: str | Path) -> str:
         return resolved.relative_to(REPO.resolve()).as_posix()
     except ValueError:  # outside the repository (a test's copy)
         return str(resolved)
+
+
+# The checkout a bench ran in, before its own work folder: another clone's or worktree's absolute path.
+_CHECKOUT_PREFIX = re.compile(r"(?<![\w.-])/[^\s'\"]*?/(?=bench/out/)")
+
+
+def in_repository(text: str) -> str:
+    """`text` (a kept error or command) with each path into the bench's work folder named from the
+    repository root (`bench/out/...`): a page names no path outside the repository, whichever checkout
+    the run was made in."""
+    return _CHECKOUT_PREFIX.sub("", text)
 
 
 def save(name: str, data: dict[str, Any]) -> Path:

@@ -7,7 +7,9 @@ that publishes (a phase entered, a step counted, a collective's entry and exit, 
 each layer's forward and backward, an evaluation batch, a tensor written by the save) and the layers'
 hooks themselves are timed with ``time.perf_counter`` around them (the timing's own cost included: the
 figure is an upper bound). The ratio is their seconds over the seconds of the training loop of the same
-run, on each rank; the worst rank's is reported.
+run, on each rank; the worst rank's is reported. The page's section (``python -m bench --only
+progress-marks``) measures that run, then the same with tensor parallelism (``--parallel.tp=2``: DTensor's
+redistributions published as collectives).
 
     python -m bench.progress_marks [--steps 30] [--ranks 2] [--section.key=value ...]
 """
@@ -140,12 +142,12 @@ def measure(steps: int = 30, threads: int = 1, overrides: list[str] | None = Non
     result = max(per_rank, key=lambda r: r["ratio"])
     result["ranks"] = ranks
     result["ratios"] = [r["ratio"] for r in per_rank]
-    result["command"] = f"python -m {MODULE} --steps={steps} --ranks={ranks}"
+    result["command"] = " ".join([f"python -m {MODULE} --steps={steps} --ranks={ranks}", *(overrides or [])])
     result["threads"] = threads
     return result
 
 
-def render(result: dict) -> str:
+def _rows(result: dict) -> list[tuple[str, str]]:
     per_step = result["publish_s"] / result["steps"]
     calls = result["calls"]
     rows = [
@@ -160,19 +162,28 @@ def render(result: dict) -> str:
             f"{fmt(result['forward_backward_median_s'])} s / {fmt(result['forward_backward_pause_s'])} s",
         ),
     ]
-    ranks = result.get("ranks", 1)
-    if ranks > 1:  # runs kept before FSDP's collectives were published measured one process
+    if result.get("ranks", 1) > 1:  # runs kept before FSDP's collectives were published measured one process
         rows.insert(3, ("ratio of each rank", ", ".join(f"{r:.3%}" for r in result["ratios"])))
         rows.insert(6, ("collectives published per step", str(result["collectives_per_step"])))
-    verdict = "under" if result["ratio"] < TARGET else "**over**"
+    return rows
+
+
+def _verdict(result: dict) -> str:
+    return "under" if result["ratio"] < TARGET else "**over**"
+
+
+def render(result: dict) -> str:
+    ranks = result.get("ranks", 1)
     out = "## Progress marks: the cost of publishing\n\n"
     out += f"Command: `{result['command']}` ({result['threads']} thread(s)).\n\n"
     who = "a rank of a watched job step publishes"
     if ranks > 1:
+        layout = "FSDP shards the model, and its all-gathers and reduce-scatters are"
+        if any(a.startswith("--parallel.tp=") and a != "--parallel.tp=1" for a in result["args"]):
+            layout = "tensor parallelism splits the model, and its redistributions are"
         who = (
-            f"the {ranks} ranks of a watched job step publish (torchrun, gloo; FSDP shards the model, "
-            "and its all-gathers and reduce-scatters are collectives on the board; the worst rank's "
-            "figures below)"
+            f"the {ranks} ranks of a watched job step publish (torchrun, gloo; {layout} collectives on "
+            "the board; the worst rank's figures below)"
         )
     out += (
         f"One run of {result['steps']} steps of the debug config (`{' '.join(result['args'])}`) with a "
@@ -180,10 +191,19 @@ def render(result: dict) -> str:
         "relaytrain issues, every mark (each layer's forward and backward, each evaluation batch, each "
         "tensor the save writes; a mark within 10 ms of the last write is counted, not written). Each "
         "publishing call and the layers' hooks are timed around themselves (the timing's cost included: "
-        f"an upper bound); the ratio is their time over the training loop's. Verdict: {verdict} the "
+        f"an upper bound); the ratio is their time over the training loop's. Verdict: {_verdict(result)} the "
         "target.\n\n"
     )
-    out += table(["", "measured"], rows)
+    out += table(["", "measured"], _rows(result))
+    tp = result.get("tensor_parallel")  # runs kept before tensor parallelism's collectives were published
+    if tp:
+        out += (
+            f"\nThe same run with tensor parallelism over the {tp['ranks']} ranks (`{tp['command']}`: "
+            "`--parallel.tp=2`, no FSDP sharding): DTensor's redistributions, each layer's all-gathers, "
+            "reduce-scatters and all-reduces in the forward and the backward, are collectives on the "
+            f"board too. Verdict: {_verdict(tp)} the target.\n\n"
+        )
+        out += table(["", "measured"], _rows(tp))
     out += (
         "\nThe hang monitor judges a phase on its longest pause between marks, not its length (the last "
         "row: the median longest pause of the forward/backward against its median length), so a long step "
@@ -218,11 +238,12 @@ RATIONALE = """
   the state is restored).
 - **What stays unbounded by marks.** Work between two moves: a model build (set-up) or one import longer
   than 3 floors, a single graph compiling longer than 3 floors the first time, one tensor of a save
-  slower than twice its share, a collective of tensor parallelism (DTensor's redistributions, not on the
-  board) waiting longer than the floor inside a forward/backward that marks nothing else. Such a run
-  needs a larger `hang_floor_s`. FSDP's all-gathers and reduce-scatters are on the board (entered, left:
-  a rank outside one while the others wait in it is named); on CUDA a call returns once the collective
-  is queued, so there the board shows the call, not the wait on the device. A rank that never published
+  slower than twice its share, a collective of tensor parallelism inside a compiled block (traced, not
+  on the board) waiting longer than the floor inside a forward/backward that marks nothing else. Such a
+  run needs a larger `hang_floor_s`. FSDP's all-gathers and reduce-scatters, and tensor parallelism's
+  redistributions when not compiled, are on the board (entered, left: a rank outside one while the
+  others wait in it is named); on CUDA a call returns once the collective is queued, so there the board
+  shows the call, not the wait on the device. A rank that never published
   waits the cap: under a launcher other than relaytrain's task wrapper, or under its single-node torchrun
   launcher before the worker's rendezvous (the wrapper's task is torchrun's agent there, no rank).
 - **One authority.** The batch driver's hang monitor decides. The in-rank watchdog, which once fired at

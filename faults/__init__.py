@@ -20,6 +20,7 @@ from faults.pythonpath.relaytrain_faults import (
     FIFO_AT_STEP_ENV,
     IMPORT_MODULE_ENV,
     LANDED,
+    LAYER_DELAY_ENV,
     NAN_AT_STEPS_ENV,
     NAN_RANK_ENV,
     SHAPE_ERROR_AT_STEP_ENV,
@@ -52,6 +53,7 @@ def variables(
     nan_at_steps: tuple[int, ...] = (),
     nan_rank: int | None = None,
     step_delay_s: float = 0.0,
+    layer_delay_s: float = 0.0,
     shape_error_at_step: int | None = None,
     import_module: str = "",
     break_survivors: bool = False,
@@ -68,6 +70,8 @@ def variables(
         out[NAN_RANK_ENV] = str(nan_rank)
     if step_delay_s:
         out[STEP_DELAY_ENV] = f"{step_delay_s:g}"
+    if layer_delay_s:
+        out[LAYER_DELAY_ENV] = f"{layer_delay_s:g}"
     if shape_error_at_step is not None:
         out[SHAPE_ERROR_AT_STEP_ENV] = str(shape_error_at_step)
     if import_module:

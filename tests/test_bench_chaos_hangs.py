@@ -15,7 +15,7 @@ import pytest
 from relaytrain.resilience.hangs.monitor import NEAREST
 
 from bench.cluster import chaos
-from bench.cluster.chaos_hangs import HANG_ALLOWED, draw, fault_landed, first_run_setup, watched_rank
+from bench.cluster.chaos_hangs import HANG_ALLOWED, draw, fault_landed, first_run_setup
 from bench.cluster.chaos_hangs_clean import (
     CLEAN_VARIANTS,
     CONFIGS,
@@ -36,12 +36,13 @@ from bench.cluster.chaos_hangs_judge import (
 from bench.cluster.chaos_hangs_page import render_hangs_section, targets
 from bench.cluster.chaos_page import results_data
 from bench.cluster.chaos_run import STEPS, Bench
-from bench.cluster.harness import RunFiles
+from bench.cluster.harness import RunFiles, watched_rank
 from bench.report import REPO
 
 FAULT = datetime(2026, 11, 27, 3, 10, 0).timestamp()
 DETECTED = "hang detected: rank 1 on n2 in data at step 12 (state S); 41 s without progress; report logs/x.md"
 CULPRIT = {"rank": 1, "node": "n2", "phase": "data", "why": "behind"}
+HUNG = [{"job_id": "7", "step": 12, "action": "restart", "hang": {"culprits": [CULPRIT]}}]  # crashes.jsonl
 
 
 def log(*lines: str) -> str:
@@ -102,7 +103,7 @@ def hang_trial(**fields) -> HangTrial:
 
 def test_a_hang_trial_is_judged_on_detection_time_culprit_and_restart():
     trial = hang_trial()
-    judge(trial, log(DETECTED), hang_record(), records())
+    judge(trial, log(DETECTED), hang_record(), records(), HUNG)
     assert (trial.detection_s, trial.restart_s, trial.step_restarts) == (41.2, 50.0, 1)
     assert trial.checks == {"hang detected once": True, "detected within 60 s": True,
                             "culprit rank and node named": True, "restarted in place": True}  # fmt: skip
@@ -116,10 +117,30 @@ def test_a_hang_trial_is_judged_on_detection_time_culprit_and_restart():
     undetected = hang_trial()
     judge(undetected, log(), {}, [r for r in records() if not r.get("step_restart")])
     assert undetected.detection_s is None and not any(undetected.checks.values())
-    requeued = hang_trial(restarts=1)
-    judge(requeued, log(DETECTED), hang_record(), records())
+    requeued = hang_trial(restarts=1)  # the hang's crash went the requeue way
+    judge(requeued, log(DETECTED), hang_record(), records(), [HUNG[0] | {"action": "requeue"}])
     assert not requeued.checks["restarted in place"]
+    unrecorded = hang_trial()
+    judge(unrecorded, log(DETECTED), hang_record(), records(), [])
+    assert not unrecorded.checks["restarted in place"]
+    # restarted in place for the hang, the job requeued later at its time budget: the hang's answer holds
+    later = hang_trial(restarts=1)
+    judge(later, log(DETECTED), hang_record(), records(), [{"action": "restart", "why": "exit 1"}, *HUNG])
+    assert later.checks["restarted in place"] and later.ok
     assert not hang_trial(evidence=[]).ok  # without evidence of the fault a trial does not count
+
+
+def test_a_long_step_trial_also_needs_a_step_median_of_20_s_before_the_fault():
+    def timed(seconds: float) -> list[dict]:
+        return [{**r, "time_step_s": seconds} if r["kind"] == "train" else r for r in records()]
+
+    trial = hang_trial(kind="hang_stop_long_step")
+    judge(trial, log(DETECTED), hang_record(), timed(21.0), HUNG)
+    assert trial.checks["step median >= 20 s"] and trial.ok, trial.checks
+    assert "step median 21.0 s over 11 steps before the fault" in trial.detail
+    short = hang_trial(kind="hang_stop_long_step")
+    judge(short, log(DETECTED), hang_record(), timed(0.5))
+    assert not short.checks["step median >= 20 s"] and not short.ok
 
 
 def test_a_slow_rank_passes_with_its_line_and_no_restart():
@@ -232,7 +253,7 @@ def test_a_ranks_pid_and_node_come_from_the_node_watchers_files(tmp_path):
 
 def test_the_hangs_section_is_written_from_kept_results(tmp_path, monkeypatch):
     trials = [hang_trial(), hang_trial(index=1, kind="clean", rank=-1, node="")]
-    judge(trials[0], log(DETECTED), hang_record(), records())
+    judge(trials[0], log(DETECTED), hang_record(), records(), HUNG)
     judge(trials[1], log(), {}, [r for r in records() if not r.get("step_restart")])
     data = results_data("python -m bench.chaos --hangs hang_fifo,clean --trials 1", "2026-11-27", 7,
                         {"cpu": "cpu", "cores": 2}, "1.0/1.0/1.0 → 2.0/2.0/2.0", trials)  # fmt: skip

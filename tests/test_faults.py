@@ -110,6 +110,19 @@ def test_step_delay_fault_lands_after_every_step(tmp_path):
     assert all(s >= delay for s in seconds.values()), f"a step took less than the {delay} s delay: {seconds}"
 
 
+def test_layer_delay_fault_sleeps_inside_every_layers_forward(tmp_path):
+    """TINY: 2 layers x 2 micro batches a step, so a step holds 4 layer delays (inside the forward)."""
+    delay = 0.25
+    args = ["train", *TINY, "--train.max_steps=2", f"--run.dir={tmp_path}", "--run.name=run"]
+    proc = run_cli(args, cwd=tmp_path, **faults.env(layer_delay_s=delay))
+    out = proc.stdout + proc.stderr
+    assert faults.landed(out) == ["0.25 s delay before each layer's forward on rank 0"], out[-3000:]
+    assert proc.returncode == 0, out[-3000:]
+    rows = train_rows(tmp_path / "run")
+    seconds = {step: TOKENS_PER_STEP / row["tokens_per_s"] for step, row in rows.items()}
+    assert all(s >= 4 * delay for s in seconds.values()), f"a step held fewer than 4 delays: {seconds}"
+
+
 def test_user_faults_land_as_real_errors_every_time(tmp_path):
     """The deterministic faults of the fault matrix (bench/fault_matrix.py): a shape error at step k from
     torch itself (recorded by the run), an import error at start-up (before run_state.json)."""

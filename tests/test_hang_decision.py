@@ -163,6 +163,26 @@ def test_a_hang_record_of_another_job_or_step_is_ignored(run):
         assert decision.crash["why"].startswith("a rank died at step >= 12")
 
 
+# A restarted step (step restart 1) that never got through its start-up: no run_state.json of its own
+STARTING = replace(TWO_NODES, seconds=50.0, started=False)
+
+
+def test_a_restarted_step_found_hung_in_its_start_up_is_restarted_in_place_again(run):
+    """A restarted step that fails at start-up goes the requeue way (a crash loop's sign), except when the
+    job's hang monitor found it hung and ended it: restarted in place, under max_step_restarts still."""
+    CrashLog(run).append({"job_id": "41", "step": 12, "action": "restart", "why": "a rank died"})
+    decision = after(run, step=STARTING)  # no hang record: a crash in the start-up
+    assert decision.action is Action.REQUEUE, decision
+    assert "failed again at start-up" in decision.crash["not_restarted_in_place"]
+    HangRecordFile(run).write(replace(RECORD, culprits=({**CULPRIT, "phase": "rendezvous"},)))
+    decision = after(run, step=STARTING)
+    assert decision.action is Action.RESTART and "restart in place 2 of" in decision.reason, decision
+    assert decision.crash["hang"]["culprits"][0]["phase"] == "rendezvous"
+    decision = after(run, step=STARTING, max_step_restarts=1)  # the cap bounds a hang that comes back
+    assert decision.action is Action.REQUEUE, decision
+    assert "max_step_restarts=1 reached" in decision.crash["not_restarted_in_place"]
+
+
 def earlier_hang(run: RunDir, node: str, job_id: str = "41") -> None:
     hang = {"step": 5, "culprits": [{**CULPRIT, "node": node}], "line": "hang detected: ...", "report": ""}
     CrashLog(run).append({"job_id": job_id, "step": 5, "action": "restart", "why": "hang", "hang": hang})

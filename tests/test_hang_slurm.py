@@ -10,7 +10,11 @@ steps and a hang floor of 10 s (``resilience.hang_floor_s``), the first run slow
 * rank 1 blocks opening a FIFO that no one writes (a dead mount's stand-in) in its data phase
   (``RELAYTRAIN_FAULT_FIFO_AT_STEP``): named with the data phase;
 * rank 1 runs 8x slower from step 2 (``RELAYTRAIN_FAULT_SLOW_FACTOR``): reported as ``straggler hint:``, never
-  as a hang, no restart.
+  as a hang, no restart;
+* rank 1 is SIGKILLed from outside and rank 0 stops itself in the rendezvous of the restart in place that
+  follows (``RELAYTRAIN_FAULT_STOP_IN_PHASE``, job step 1): the restarted step hangs in its start-up, is
+  named with the rendezvous phase, and is restarted in place again (no requeue: a hang the monitor ended
+  is no crash loop).
 """
 
 from __future__ import annotations
@@ -89,8 +93,12 @@ def hangs(slurm_cluster, tmp_path_factory):
         # one instant with the ranks apart, and many looks fall while a rank moves)
         slow = slowed(slow_factor=8, slow_from_step=2, rank=1)
         jobs["slow"] = launch(str(cfg), "--name", "slow", *NODES, slow)
+        restart = slowed(rank=0, stop_in_phase="rendezvous", stop_in_job_step=1)
+        jobs["restart"] = launch(str(cfg), "--name", "restart", *NODES, restart)
         for name, rank in (("stop1", 1), ("stop0", 0)):
             stopped[name] = stop_rank_at(runs / name, jobs[name], rank, 8)
+        pid, _node, _when = stop_rank_at(runs / "restart", jobs["restart"], 1, 8)
+        os.kill(pid, signal.SIGKILL)  # the restart in place follows; rank 0 stops itself in its rendezvous
         fields = {name: wait_job_finished(int(job), timeout=600) for name, job in jobs.items()}
         out, _ = reference.communicate(timeout=300)
         assert reference.returncode == 0, out[-3000:]
@@ -159,4 +167,19 @@ def test_a_slow_rank_is_reported_slow_and_never_restarted(hangs):
     assert not hang_lines(run_dir, job) and not CrashLog(RunDir(run_dir)).entries(), text[-4000:]
     slow = [line for line in text.splitlines() if "straggler hint: rank 1 " in line]
     assert slow, text[-4000:]
+    assert_losses_match(run_dir, hangs["losses"])
+
+
+def test_a_restarted_step_hung_in_its_rendezvous_is_named_and_restarted_in_place_again(hangs):
+    run_dir, job = hangs["runs"] / "restart", hangs["jobs"]["restart"]
+    log = job_log(run_dir, job)
+    assert any("SIGSTOP in rendezvous on rank 0" in text for text in faults.landed(log)), log[-4000:]
+    fields = hangs["fields"]["restart"]
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", log[-4000:]
+    killed, hung = CrashLog(RunDir(run_dir)).entries()
+    assert (killed["action"], "hang" in killed) == ("restart", False), killed
+    assert hung["action"] == "restart" and hung["step_restart"] == 2, hung
+    assert [(c["rank"], c["phase"]) for c in hung["hang"]["culprits"]] == [(0, "rendezvous")], hung
+    (line,) = hang_lines(run_dir, job)
+    assert line.startswith("hang detected: rank 0 on ") and " in rendezvous" in line, line
     assert_losses_match(run_dir, hangs["losses"])

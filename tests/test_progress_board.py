@@ -26,7 +26,7 @@ from relaytrain.model import Transformer
 from relaytrain.resilience import StackSignal
 
 import faults
-from conftest import child_env, run_torchrun
+from conftest import child_env, losses_by_step, run_torchrun
 
 TRAINING = {Phase.DATA, Phase.FORWARD_BACKWARD, Phase.OPTIMIZER}
 
@@ -193,6 +193,23 @@ def test_two_ranks_publish_steps_phases_and_their_collectives(tmp_path):
         assert {Phase.RENDEZVOUS, Phase.FIRST_STEP} <= set(r.medians) and r.marks > 0, r
         assert r.pauses[Phase.FORWARD_BACKWARD] < r.medians[Phase.FORWARD_BACKWARD], r
     assert records[0].collective == records[1].collective != ""
+
+
+def test_tensor_parallelisms_redistributions_are_collectives_on_the_board_and_change_no_loss(tmp_path):
+    """Issue 53: with tensor parallelism (2 ranks, no FSDP sharding) DTensor's redistributions are on the
+    board, each waited for where it is issued; the losses are those of the same run without a board."""
+    runs = {}
+    for name, env in (("board", {PROGRESS_DIR_ENV: str(tmp_path / "board")}), ("plain", {})):
+        args = ["train", "--train.max_steps=3", "--train.eval_every=0", "--metrics.log_every=1",
+                "--parallel.tp=2", f"--run.dir={tmp_path / name}"]  # fmt: skip
+        result = run_torchrun(2, args, tmp_path, **env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        (runs[name],) = (tmp_path / name).glob("*/metrics.jsonl")
+    assert losses_by_step(runs["board"].parent) == losses_by_step(runs["plain"].parent)
+    assert len(losses_by_step(runs["board"].parent)) == 3
+    for r in read_board(tmp_path / "board"):
+        # the stop agreement and the loss mean are a few a step; the debug model's redistributions, 100s
+        assert r.last_step_collectives > 100 and r.collectives_entered == r.collectives_left, r
 
 
 def test_a_running_trainer_writes_its_stacks_on_the_signal_and_finishes(tmp_path):

@@ -423,3 +423,62 @@ def test_published_fsdp_comms_run_fsdps_own_calls_inside_the_named_collective(wo
     scatter(output_tensor=out, input_tensor=torch.full((3,), 2.0), group=world, op=dist.ReduceOp.SUM)
     assert torch.equal(out, torch.full((3,), 2.0))
     assert inside == ["fsdp_all_gather", "left", "fsdp_reduce_scatter", "left"]
+
+
+def test_published_dtensor_redistributions_run_inside_the_named_collective_and_are_waited_for(world):
+    import contextlib
+
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, _api, _dispatch, _redistribute, distribute_tensor
+
+    inside: list[str] = []
+
+    @contextlib.contextmanager
+    def collective(name):
+        inside.append(name)
+        yield
+        inside.append("left")
+
+    original = _redistribute.redistribute_local_tensor
+    tp.publish_dtensor_redistributions(collective)
+    tp.publish_dtensor_redistributions(collective)  # once per process: not wrapped twice
+    try:
+        published = _redistribute.redistribute_local_tensor
+        assert published is not original and _dispatch.redistribute_local_tensor is published
+        assert _api.redistribute_local_tensor is published
+        mesh = init_device_mesh("cpu", (1,))
+        x = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+        y = x.redistribute(mesh, [Replicate()], async_op=True)  # as the parallel styles ask
+        assert not isinstance(y._local_tensor, AsyncCollectiveTensor)
+        assert torch.equal(y.to_local(), torch.arange(4.0))
+        assert inside == ["dtensor_redistribute", "left"]
+    finally:
+        for module in (_redistribute, _dispatch, _api):
+            module.redistribute_local_tensor = original
+
+
+def test_published_dtensor_redistributions_wait_for_an_async_collective_inside_the_named_one(monkeypatch):
+    import contextlib
+
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import _api, _dispatch, _redistribute
+
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def collective(name):
+        events.append(name)
+        yield
+        events.append("left")
+
+    def issued(*_args, **_kwargs):  # as a parallel style's async redistribution returns
+        return AsyncCollectiveTensor(torch.ones(2))
+
+    for module in (_redistribute, _dispatch, _api):
+        monkeypatch.setattr(module, "redistribute_local_tensor", issued, raising=False)
+    monkeypatch.setattr(AsyncCollectiveTensor, "wait", lambda self: events.append("waited") or self.elem)
+    tp.publish_dtensor_redistributions(collective)
+    out = _dispatch.redistribute_local_tensor()
+    assert events == ["dtensor_redistribute", "waited", "left"]
+    assert not isinstance(out, AsyncCollectiveTensor) and torch.equal(out, torch.ones(2))

@@ -23,6 +23,11 @@ hang monitor, with its default floor and multiple, is what acts. The kinds
   1.2 GB ``wide`` state and the rendezvous, both in the restart in place that follows the bench's
   SIGKILL of the other rank (after step 3 of wide, 5 of debug); a graph's compilation (the ``compile``
   variant's config); a sync checkpoint save of the ``wide`` state; the debug run's first evaluation.
+* ``hang_stop_long_step`` (issue 53's case d): every rank sleeps LAYER_DELAY_S before each layer's
+  forward (faults/: ``layer_delay_s``; the debug model's 4 layers x 2 micro batches make a step of about
+  21 s, its progress marks 2.5 s apart), 8 steps; after a random step from the 2nd to the 4th the bench
+  waits a random 20-80 % of the step median, then SIGSTOPs the rank (index % 2) from outside, inside
+  the forward of the step under way.
 * ``hang_skip_collective``: the rank skips the all-reduce of its logged loss once (desynchronised). On
   gloo its next collective is paired with the one the others wait in and gloo fails both at once (size
   mismatch): a crash, restarted in place, which the trial records as such (no hang to detect).
@@ -35,9 +40,10 @@ hang monitor, with its default floor and multiple, is what acts. The kinds
 
 The faulted rank alternates (trial index mod 2) for the injected kinds. Per trial: the fault's time, the
 detection's, the culprit named in hang/last.json against the faulted rank and its node, the time from the
-fault to the first step after the restart, steps replayed, and losses against an uninterrupted reference
-run (bench/cluster/chaos_hangs_judge.py). A trial counts only with evidence its fault landed: the landed
-line in the job log, or the stopped process seen in state T.
+fault to the first step after the restart, whether crashes.jsonl shows the hang's crash restarted in
+place (a later requeue at the time budget does not undo that), steps replayed, and losses against an
+uninterrupted reference run (bench/cluster/chaos_hangs_judge.py). A trial counts only with evidence its
+fault landed: the landed line in the job log, or the stopped process seen in state T.
 """
 
 from __future__ import annotations
@@ -67,16 +73,25 @@ from bench.cluster.chaos_hangs_clean import (
     parse_variants,
     write_clean_config,
 )
-from bench.cluster.chaos_hangs_judge import DETECTED, KINDS, MISMATCH, PHASE_KINDS, HangTrial, judge
+from bench.cluster.chaos_hangs_judge import (
+    DETECTED,
+    KINDS,
+    LONG_STEP,
+    MISMATCH,
+    PHASE_KINDS,
+    HangTrial,
+    judge,
+)
 from bench.cluster.chaos_hangs_page import SECTION, render_hangs_section
 from bench.cluster.chaos_page import results_data
 from bench.cluster.chaos_run import ALLOWED, STEPS, Bench, kill_pids
 from bench.cluster.harness import (
     RunFiles,
     cluster_lock,
+    error_text,
     load_averages,
-    node_of,
-    rank_pids,
+    locate,
+    proc_state,
     start_cluster,
     wait,
 )
@@ -85,19 +100,22 @@ from bench.report import machine_info, write_page
 NODES = 2
 CAP_S = 600  # resilience.hang_timeout_s: far above the monitor's floor, so the monitor acts first
 OVERRIDES = ("--checkpoint.snapshot_every=2", f"--resilience.hang_timeout_s={CAP_S}")
+
+
+def overrides_of(trial: HangTrial) -> tuple[str, ...]:
+    """A variant trial's flags: its checkpoint.mode; the wide state without in-memory snapshots (its 2
+    newest steps of 1.2 GB in /dev/shm do not fit a local node's memory: `relaytrain launch`'s plan
+    refuses the job), so its restore reads the disk checkpoint."""
+    snapshots = ("--checkpoint.snapshot_every=0",) if trial.variant == "wide" else OVERRIDES[:1]
+    return (*snapshots, *OVERRIDES[1:], f"--checkpoint.mode={trial.mode}")
+
+
 DETECT_WAIT_S = 240  # no `hang detected:` line this long after the fault: the trial fails
 SLOW_FACTOR, SLOW_FROM_STEP = 5, 3
+LAYER_DELAY_S = 2.5  # hang_stop_long_step's delay before each layer's forward
 NO_FAULT = "true"  # the setup of a resubmitted run: full speed, no fault
 # The hang monitor's and the node watchers' files are part of a run that had a hang
 HANG_ALLOWED = re.compile(rf"^(hang/.*|{ALLOWED.pattern[1:-1]})$")
-
-
-def proc_state(pid: int) -> str:
-    """/proc/<pid>/stat's state letter, "X" when the process is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "X"
 
 
 def first_run_setup(**fault) -> str:
@@ -136,26 +154,6 @@ def remove_fifo(landed: str) -> None:
             fifo.parent.rmdir()
 
 
-def watched_rank(run: RunFiles, job: str, rank: int) -> tuple[int, str] | None:
-    """(pid, node) of `rank` as the node watchers see it in job `job`'s hang/nodes/<node>.json files."""
-    for view in run.hang_nodes():
-        if str(view.get("job_id")) != job:
-            continue
-        for entry in view.get("ranks") or []:
-            if isinstance(entry, dict) and entry.get("rank") == rank and entry.get("state") != "X":
-                return int(entry["pid"]), str(entry.get("node") or view.get("node"))
-    return None
-
-
-def locate(run: RunFiles, job: str, rank: int) -> tuple[int, str, str]:
-    """(pid, node, where from) of `rank`: the node watchers' files, else (none within 30 s) /proc."""
-    with contextlib.suppress(TimeoutError):
-        pid, node = wait(lambda: watched_rank(run, job, rank), 30, f"the node watchers' view of rank {rank}")
-        return pid, node, "hang/nodes"
-    pids = wait(lambda: rank_pids(job, rank=rank), 30, f"rank {rank}'s process")
-    return pids[0], node_of(pids[0]), "/proc (no node watcher file)"
-
-
 class HangTrials:
     """Runs hang trials on a chaos_run.Bench (its reference run, launch, finish and loss check)."""
 
@@ -165,10 +163,12 @@ class HangTrials:
 
     def run(self, trial: HangTrial, rng) -> None:
         bench = self.bench
-        if trial.kind == "clean" or trial.kind in PHASE_KINDS:
+        if trial.kind in ("clean", LONG_STEP, *PHASE_KINDS):
             trial.variant, trial.mode = (
                 PHASE_KINDS[trial.kind][1:3]
                 if trial.kind in PHASE_KINDS
+                else ("long", "async")
+                if trial.kind == LONG_STEP
                 else clean_variant(trial.index, self.variants)
             )
             try:
@@ -181,8 +181,8 @@ class HangTrials:
         run = bench.run_files(name.replace("_", "-"))
         evidence: list[str] = []
         try:
-            if trial.kind.startswith("hang_stop_rank"):
-                self.stop(trial, run, rng, evidence)
+            if trial.kind.startswith("hang_stop_rank") or trial.kind == LONG_STEP:
+                self.stop(bench, trial, run, rng, evidence)
             elif trial.kind == "clean":
                 self.clean(bench, trial, run, rng, evidence)
             elif trial.kind in PHASE_KINDS:
@@ -194,15 +194,19 @@ class HangTrials:
             trial.evidence = evidence
             judge(trial, run.job_log(), run.hang_record(), run.records(), run.crashes())
         except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError, KeyError, ValueError) as err:
-            trial.error = str(err)[:300]
+            trial.error = error_text(err)
             trial.evidence = evidence
             subprocess.run(["scancel", trial.job], capture_output=True, timeout=30)
         trial.seconds = round(time.monotonic() - start, 1)
 
+    def _step_time(self, run: RunFiles, trial: HangTrial) -> float:
+        """The Unix time the last step before the fault was logged at."""
+        return max(float(r["time"]) for r in run.records("train") if float(r["time"]) <= trial.fault_time)
+
     def _last_step(self, run: RunFiles) -> int:
         return max((r["step"] for r in run.records("train") if not r.get("step_restart")), default=0)
 
-    def _until_detected(self, trial: HangTrial, run: RunFiles) -> None:
+    def _until_detected(self, trial: HangTrial, run: RunFiles, bench: Bench | None = None) -> None:
         """Wait for the monitor's `hang detected:` line, then for the run to end (resubmitted if needed)."""
         ends = ("hang detected:", MISMATCH) if trial.kind == "hang_skip_collective" else ("hang detected:",)
         wait(
@@ -210,13 +214,26 @@ class HangTrials:
             DETECT_WAIT_S,
             "a `hang detected:` line in the job log",
         )
-        self.bench.finish(trial, run, OVERRIDES, setup=NO_FAULT, nodes=NODES)
+        (bench or self.bench).finish(trial, run, OVERRIDES, setup=NO_FAULT, nodes=NODES)
 
-    def stop(self, trial: HangTrial, run: RunFiles, rng, evidence: list[str]) -> None:
-        trial.rank = int(trial.kind.removeprefix("hang_stop_rank"))
-        trial.at_step = rng.randint(5, STEPS - 15)
-        trial.job = self.bench.launch(run.name, *OVERRIDES, setup=first_run_setup(), nodes=NODES)
-        wait(lambda: self._last_step(run) >= trial.at_step, 240, f"step {trial.at_step}")
+    def stop(self, bench: Bench, trial: HangTrial, run: RunFiles, rng, evidence: list[str]) -> None:
+        """SIGSTOP the rank from outside after a random step (the long step's: in the middle of the next)."""
+        if trial.kind == LONG_STEP:
+            trial.rank, trial.at_step = trial.index % 2, rng.randint(2, 4)
+            setup = faults.setup_line(layer_delay_s=LAYER_DELAY_S)  # every job step: the model is slow
+        else:
+            trial.rank, trial.at_step = (
+                int(trial.kind.removeprefix("hang_stop_rank")),
+                rng.randint(5, STEPS - 15),
+            )
+            setup = first_run_setup()
+        trial.job = bench.launch(run.name, *OVERRIDES, setup=setup, nodes=NODES)
+        wait(lambda: self._last_step(run) >= trial.at_step, 600, f"step {trial.at_step}")
+        if trial.kind == LONG_STEP:
+            landed = [t for t, _ in faults.landed_at(run.job_log()) if f"forward on rank {trial.rank}" in t]
+            evidence += [f"landed: {t}" for t in landed[:1]]
+            steps = sorted(r["time_step_s"] for r in run.records("train"))
+            time.sleep(rng.uniform(0.2, 0.8) * steps[len(steps) // 2])  # into the next step's forward
         pid, trial.node, source = locate(run, trial.job, trial.rank)
         trial.fault_time = time.time()
         os.kill(pid, signal.SIGSTOP)
@@ -226,7 +243,9 @@ class HangTrials:
             seen = time.time() - trial.fault_time
             evidence.append(f"pid {pid} (rank {trial.rank}) seen in state T {seen:.2f} s after the SIGSTOP")
             trial.detail = f"SIGSTOP rank {trial.rank} on {trial.node} after step {self._last_step(run)}"
-            self._until_detected(trial, run)
+            if trial.kind == LONG_STEP:
+                trial.detail += f" ({time.time() - self._step_time(run, trial):.1f} s into the next step)"
+            self._until_detected(trial, run, bench)
         finally:
             if proc_state(pid) in ("T", "t"):  # nothing ended it: leave no stopped process behind
                 for sig in (signal.SIGKILL, signal.SIGCONT):
@@ -266,7 +285,7 @@ class HangTrials:
         variant's config; detected, named and restarted in place like a SIGSTOP from outside."""
         trial.rank = trial.index % 2
         label, _, _, job_step = PHASE_KINDS[trial.kind]
-        overrides = (*OVERRIDES, f"--checkpoint.mode={trial.mode}")
+        overrides = overrides_of(trial)
         setup = first_run_setup(rank=trial.rank, stop_in_phase=label, stop_in_job_step=job_step)
         trial.job = bench.launch(run.name, *overrides, setup=setup, nodes=NODES)
         if job_step == 1:  # the other rank SIGKILLed after a save: the step restarts in place, and restores
@@ -290,7 +309,7 @@ class HangTrials:
     def clean(self, bench: Bench, trial: HangTrial, run: RunFiles, rng, evidence: list[str]) -> None:
         """A run without a hang beside a CPU-bound process, of the trial's variant (chaos_hangs_clean.py);
         the restart variant SIGKILLs one rank at a random step."""
-        overrides = (*OVERRIDES, f"--checkpoint.mode={trial.mode}")
+        overrides = overrides_of(trial)
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a CPU-bound neighbour
         try:
             trial.job = bench.launch(run.name, *overrides, setup=first_run_setup(), nodes=NODES)

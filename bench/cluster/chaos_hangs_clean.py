@@ -9,8 +9,9 @@ async in the first round over V and sync in the next, in turn, so that every (va
   evaluations every 10, snapshots every 2 steps.
 * ``wide``: the debug config widened to about 1.2 GB of model and AdamW state in total (bench/snapshot.py
   `wide_model`; split over the 2 ranks), so the checkpoint saves (sync and async in turn) and the
-  snapshots move that state; a step takes about 10 s on 2 shared CPU cores, so 6 steps with a checkpoint
-  every 2 and an evaluation every 3 (a trial of about 2 minutes).
+  restores move that state (no in-memory snapshots: the 2 newest steps in /dev/shm do not fit a local
+  node's memory, and `relaytrain launch` refuses the job); a step takes about 10 s on 2 shared CPU
+  cores, so 6 steps with a checkpoint every 2 and an evaluation every 3 (a trial of about 2 minutes).
 * ``compile``: the debug run with `parallel.compile=true`: inductor compiles the first step (and the first
   evaluation) on CPU, which takes tens of seconds.
 * ``restart``: the debug run with one rank (index % 2) SIGKILLed from outside at a random step; the step
@@ -56,6 +57,8 @@ CONFIGS = {
     "restart": DEBUG,
     "wide": CleanConfig("wide", 6, 2, 3, tuple(wide_model(WIDE_STATE_GB))),
     "compile": CleanConfig("compile", STEPS, INTERVAL, EVAL_EVERY, compile=True),
+    # the long-step hang trial's (chaos_hangs_judge.LONG_STEP): the debug run, 8 steps of 20 s and more
+    "long": CleanConfig("long", 8, 4, 4),
 }
 
 

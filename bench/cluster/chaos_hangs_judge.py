@@ -14,6 +14,7 @@ and records: tests/test_bench_chaos_hangs.py feeds them synthetic logs.
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -42,8 +43,12 @@ PHASE_KINDS = {
     "hang_stop_save": ("checkpoint save", "wide", "sync", 0),
     "hang_stop_eval": ("evaluation", "debug", "async", 0),
 }
+# (d): the bench SIGSTOPs a rank in the middle of a step of the ``long`` variant (every layer's forward
+# delayed, faults/: layer_delay_s), a step whose median is at least LONG_STEP_S
+LONG_STEP = "hang_stop_long_step"
+LONG_STEP_S = 20.0
 HANG_KINDS = ("hang_stop_rank0", "hang_stop_rank1", "hang_fifo", "hang_loader_stall", "hang_skip_collective")
-HANG_KINDS += tuple(PHASE_KINDS)
+HANG_KINDS += (*PHASE_KINDS, LONG_STEP)
 KINDS = (*HANG_KINDS, "slow_rank", "clean")
 _STAMPS = (
     re.compile(r"\[relaytrain (\d{4}-\d\d-\d\d)T(\d\d:\d\d:\d\d(?:\.\d+)?)\]"),  # the batch driver's log()
@@ -212,9 +217,30 @@ def nearest_pauses(log: str) -> dict[str, list[float]]:
     return nearest
 
 
+def long_steps(trial: HangTrial, records: list[dict[str, Any]]) -> bool:
+    """The median step time of the run's first job step before the fault is at least LONG_STEP_S (said
+    in the trial's detail)."""
+    before = trial.fault_time if trial.fault_time is not None else float("inf")
+    times = [float(r["time_step_s"]) for r in records
+             if r.get("kind") == "train" and not r.get("step_restart") and "time_step_s" in r
+             and float(r.get("time", 0)) <= before]  # fmt: skip
+    if not times:
+        return False
+    median = statistics.median(times)
+    trial.detail += f"; step median {median:.1f} s over {len(times)} steps before the fault"
+    return median >= LONG_STEP_S
+
+
 def restarted_for_the_kill(crashes: Sequence[dict[str, Any]]) -> bool:
     """crashes.jsonl holds a restart in place whose cause is not a hang (the killed rank's crash)."""
     return any(c.get("action") == RESTARTED and not c.get("hang") for c in crashes)
+
+
+def restarted_for_the_hang(crashes: Sequence[dict[str, Any]]) -> bool:
+    """crashes.jsonl holds the hang's crash, and the step was restarted in place for it (the job may be
+    requeued later for another cause, its time budget: that is not the hang's answer)."""
+    hung = [c for c in crashes if c.get("hang")]
+    return bool(hung) and hung[0].get("action") == RESTARTED
 
 
 def judge(
@@ -247,8 +273,9 @@ def judge(
         detected = trial.detection_s is not None and 0 <= trial.detection_s <= DETECTION_TARGET_S
         trial.checks[f"detected within {DETECTION_TARGET_S:g} s"] = detected
         trial.checks["culprit rank and node named"] = trial.culprit_correct
-        in_place = trial.step_restarts >= 1 and trial.restarts == 0 and trial.resubmits == 0
-        trial.checks["restarted in place"] = in_place and trial.restart_s is not None
+        trial.checks["restarted in place"] = restarted_for_the_hang(crashes) and trial.restart_s is not None
+        if trial.kind == LONG_STEP:
+            trial.checks[f"step median >= {LONG_STEP_S:g} s"] = long_steps(trial, records)
     elif trial.kind == "slow_rank":
         trial.slow_lines = slow_lines(log, trial.rank)
         trial.checks["reported as slow, naming the rank"] = bool(trial.slow_lines)

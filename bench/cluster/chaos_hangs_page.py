@@ -63,7 +63,7 @@ def rows_table(trials: list[HangTrial]) -> str:
          _yes(t.culprit_correct) if t.kind in HANG_KINDS else "–", _s(t.restart_s), t.step_restarts,
          t.steps_replayed, _yes(t.bit_exact), "; ".join(t.slow_lines) or "–",
          "; ".join(f"{name}: {_yes(ok)}" for name, ok in t.checks.items()) or "–", t.final_status,
-         t.seconds, t.error or "")
+         t.seconds, kept.in_repository(t.error or ""))
         for t in trials
     ]  # fmt: skip
     header = ["#", "kind", "rank on node", "what happened", "evidence that the fault landed",
@@ -147,7 +147,9 @@ def render_hangs_section(paths: list[str]) -> str:
         "`resilience.hang_timeout_s=600` so that the hang monitor with its default floor and multiple "
         "acts), compared with one uninterrupted reference run of the same config. Clean runs, by variant "
         "(bench/cluster/chaos_hangs_clean.py): debug; wide (about 1.2 GB of model and AdamW state, 6 steps, "
-        "checkpoints every 2, evaluations every 3); compile (`parallel.compile=true`); restart (one rank "
+        "checkpoints every 2, evaluations every 3, no in-memory snapshots: they do not fit a local node's "
+        "memory); long (the debug run, 8 steps, every layer's forward delayed 2.5 s: about 21 s a step); "
+        "compile (`parallel.compile=true`); restart (one rank "
         "SIGKILLed, the step restarted in place); checkpoint.mode async and sync in turn, a CPU-bound "
         "process beside each. "
         "Fault time: the benchmark's SIGSTOP, or the time on the fault's landed line; detection time: "

@@ -173,7 +173,7 @@ def render(trials: list[Trial]) -> str:
         (t.index, t.phase, t.event, t.fired_at_step, evidence_cell(t), t.restarts, t.resubmits,
          "yes" if t.bit_exact else "**no**", t.steps_replayed, "yes" if t.latest_complete else "**no**",
          ", ".join(t.leftovers) or "none", t.final_status, *((ledger_cell(t, inferred),) if ledger else ()),
-         t.seconds, t.error or "")
+         t.seconds, kept.in_repository(t.error or ""))
         for t in trials
     ]  # fmt: skip
     header = ["#", "phase", "event", "fired at step", "evidence that the fault landed", "restarts",
@@ -256,7 +256,7 @@ def render_special(trials: list[SpecialTrial], merged: MergedSpecial | None = No
          "; ".join(f"{name}: {'yes' if ok else '**no**'}" for name, ok in t.checks.items()) or "–",
          evidence_cell(t), "yes" if t.bit_exact else "**no**", t.steps_replayed, t.restarts, t.resubmits,
          "yes" if t.latest_complete else "**no**", ", ".join(t.leftovers) or "none", t.final_status,
-         *((ledger_cell(t, inferred),) if ledger else ()), t.seconds, t.error or "")
+         *((ledger_cell(t, inferred),) if ledger else ()), t.seconds, kept.in_repository(t.error or ""))
         for t in trials
     ]  # fmt: skip
     header = ["#", "seed"] if seeds else ["#"]

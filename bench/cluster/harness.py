@@ -350,3 +350,37 @@ class RunFiles:
         """Files, relative to the run directory, that `allowed` does not match (the first `limit`)."""
         found = (self.dir.relative(p) for p in self.path.rglob("*") if p.is_file())
         return sorted(rel for rel in found if not allowed.match(rel))[:limit]
+
+
+def proc_state(pid: int) -> str:
+    """/proc/<pid>/stat's state letter, "X" when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def error_text(err: BaseException, head: int = 200, tail: int = 500) -> str:
+    """A trial's error, short: its start (what failed) and its end (why: a command's output ends with it)."""
+    text = str(err)
+    return text if len(text) <= head + tail else f"{text[:head]} ... {text[-tail:]}"
+
+
+def watched_rank(run: RunFiles, job: str, rank: int) -> tuple[int, str] | None:
+    """(pid, node) of `rank` as the node watchers see it in job `job`'s hang/nodes/<node>.json files."""
+    for view in run.hang_nodes():
+        if str(view.get("job_id")) != job:
+            continue
+        for entry in view.get("ranks") or []:
+            if isinstance(entry, dict) and entry.get("rank") == rank and entry.get("state") != "X":
+                return int(entry["pid"]), str(entry.get("node") or view.get("node"))
+    return None
+
+
+def locate(run: RunFiles, job: str, rank: int) -> tuple[int, str, str]:
+    """(pid, node, where from) of `rank`: the node watchers' files, else (none within 30 s) /proc."""
+    with suppress(TimeoutError):
+        pid, node = wait(lambda: watched_rank(run, job, rank), 30, f"the node watchers' view of rank {rank}")
+        return pid, node, "hang/nodes"
+    pids = wait(lambda: rank_pids(job, rank=rank), 30, f"rank {rank}'s process")
+    return pids[0], node_of(pids[0]), "/proc (no node watcher file)"

@@ -12,6 +12,10 @@ loader, and its supervision front's watchdog):
 - ``RELAYTRAIN_FAULT_STEP_DELAY_S=0.4``: every rank sleeps this long after each finished step (after
   the first ``supervision.watchdog.beat(step)`` that follows a ``train_step``), so that a tiny model's run
   lasts long enough for a real scheduler to signal, preempt or kill it mid-training without using CPU.
+- ``RELAYTRAIN_FAULT_LAYER_DELAY_S=2.5``: every rank sleeps this long before each transformer layer's
+  forward in training (a forward pre-hook on each layer of the model's parts; not in an evaluation, which
+  runs without gradients), in every job step: a step as long as a wide model's, inside the forward rather
+  than after it, while the layers' progress marks keep coming (one after each layer).
 - ``RELAYTRAIN_FAULT_SHAPE_ERROR_AT_STEP=N``: every rank's ``model.train_step`` of step N multiplies two
   matrices whose shapes do not fit, a real ``RuntimeError`` from torch, in every process (a restarted or
   requeued run meets it again at the same step, as it would a bug in the model code or a bad config).
@@ -48,6 +52,7 @@ import time
 NAN_AT_STEPS_ENV = "RELAYTRAIN_FAULT_NAN_AT_STEPS"
 NAN_RANK_ENV = "RELAYTRAIN_FAULT_NAN_RANK"
 STEP_DELAY_ENV = "RELAYTRAIN_FAULT_STEP_DELAY_S"
+LAYER_DELAY_ENV = "RELAYTRAIN_FAULT_LAYER_DELAY_S"
 SHAPE_ERROR_AT_STEP_ENV = "RELAYTRAIN_FAULT_SHAPE_ERROR_AT_STEP"
 IMPORT_MODULE_ENV = "RELAYTRAIN_FAULT_IMPORT_MODULE"
 BREAK_SURVIVORS_ENV = "RELAYTRAIN_FAULT_BREAK_SURVIVORS"
@@ -99,8 +104,8 @@ class Faults:
     """The faults asked for by the environment, for one process."""
 
     def __init__(self, env=os.environ):
-        known = (NAN_AT_STEPS_ENV, NAN_RANK_ENV, STEP_DELAY_ENV, SHAPE_ERROR_AT_STEP_ENV, IMPORT_MODULE_ENV,
-                 BREAK_SURVIVORS_ENV, *HANG_KNOWN)  # fmt: skip
+        known = (NAN_AT_STEPS_ENV, NAN_RANK_ENV, STEP_DELAY_ENV, LAYER_DELAY_ENV, SHAPE_ERROR_AT_STEP_ENV,
+                 IMPORT_MODULE_ENV, BREAK_SURVIVORS_ENV, *HANG_KNOWN)  # fmt: skip
         unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
         if unknown:  # a misspelt fault would otherwise arm nothing, and a test would pass without it
             raise SystemExit(f"relaytrain-faults: unknown {', '.join(unknown)}; known: {', '.join(known)}")
@@ -112,6 +117,8 @@ class Faults:
         self.nan_rank = number(NAN_RANK_ENV, rank, int) if rank else self.hang.rank
         delay = env.get(STEP_DELAY_ENV, "").strip()
         self.step_delay_s = number(STEP_DELAY_ENV, delay, float) if delay else 0.0
+        layer = env.get(LAYER_DELAY_ENV, "").strip()
+        self.layer_delay_s = number(LAYER_DELAY_ENV, layer, float) if layer else 0.0
         shape = env.get(SHAPE_ERROR_AT_STEP_ENV, "").strip()
         self.shape_error_at = number(SHAPE_ERROR_AT_STEP_ENV, shape, int) if shape else None
         self.import_module = env.get(IMPORT_MODULE_ENV, "").strip()
@@ -163,7 +170,28 @@ class Faults:
             trainer.supervision.watchdog.beat = slow_beat
         if self.break_survivors:
             trainer.survivors.join_round = _broken_join_round
+        if self.layer_delay_s:
+            self._delay_layers(trainer, rank)
         self.hang.attach(trainer, say)  # over the delay: a slow rank's step time includes the delay
+
+    def _delay_layers(self, trainer, rank: int) -> None:
+        """A forward pre-hook on each transformer layer of the trainer's model parts that sleeps
+        ``layer_delay_s`` in a training forward (gradients on); says so at the first."""
+        import torch
+
+        delay, said = self.layer_delay_s, [False]
+
+        def sleep_before(_module, _args):
+            if not torch.is_grad_enabled():
+                return
+            if not said[0]:
+                said[0] = True
+                say(f"{delay:g} s delay before each layer's forward on rank {rank}")
+            time.sleep(delay)
+
+        for part in trainer.model.model_parts:
+            for layer in part.layers.values():
+                layer.register_forward_pre_hook(sleep_before)
 
 
 def _broken_join_round(lost, _join):

@@ -106,6 +106,7 @@ class Trainer:
             self.model.work_modules(),
             parts=self.model.model_parts,
             compiled=self.model.compiled,
+            tensor_parallel=self.model.dims.tp > 1,
             stages=self.model.dims.pipeline_stages(),  # a rank's straggler peers: the ranks of its stage
         )
         # Everything a checkpoint or snapshot keeps: a new piece of state is one more component here.

@@ -9,10 +9,10 @@ anything themselves:
 - the progress board (``job/progress.py``): the phase a section enters, published as it begins (the
   step's sections from the second step on: the first step is published as one phase, ``FIRST_STEP``),
   with the section's budget (a save's estimate); and the progress inside a phase (``mark``): each layer's
-  forward and backward (``mark_layers``), FSDP's all-gathers and reduce-scatters as collectives
-  (``publish_collectives``), each graph Dynamo compiles (published as ``COMPILE``, then back
-  to the phase it interrupted: ``watch_compilation``), and whatever else marks (an evaluation batch, a
-  shard read or written by the checkpoint's files);
+  forward and backward (``mark_layers``), FSDP's all-gathers and reduce-scatters and tensor
+  parallelism's redistributions as collectives (``publish_collectives``), each graph Dynamo compiles
+  (published as ``COMPILE``, then back to the phase it interrupted: ``watch_compilation``), and whatever
+  else marks (an evaluation batch, a shard read or written by the checkpoint's files);
 - the metrics' phase times (``monitor/timer.py`` ``StepTimer``);
 - the straggler windows (``resilience/rank/straggler_watch.py``), which read the work a rank does alone:
   a section entered ``alone`` (its data), the part of a section under ``alone()`` (its optimizer
@@ -193,14 +193,18 @@ class StepClock:
     def _gradient_done(self, _grad: torch.Tensor) -> None:
         self.board.mark()  # returns None: the gradient flows on unchanged
 
-    def publish_collectives(self, parts: Sequence[torch.nn.Module]) -> None:
+    def publish_collectives(self, parts: Sequence[torch.nn.Module], redistributions: bool = False) -> None:
         """Publish FSDP's all-gathers and reduce-scatters of ``parts``' sharded modules on the board as
         collectives (``fsdp_all_gather``, ``fsdp_reduce_scatter``: entered, then left), so a hang inside one
-        names the rank that is not in it. On CPU (gloo) a call returns when the collective is done; on CUDA
-        (NCCL) when it is queued, so there the board shows the call, not the wait. Only on a board that
-        publishes."""
+        names the rank that is not in it; with ``redistributions`` (tensor parallelism, not compiled: a
+        compiled block traces its redistributions) DTensor's redistributions too (``dtensor_redistribute``:
+        tensor parallelism's collectives, forward and backward). On CPU (gloo) a call returns when the
+        collective is done; on CUDA (NCCL) when it is queued, so there the board shows the call, not the
+        wait. Only on a board that publishes."""
         if not self.board.enabled:
             return
+        if redistributions:
+            torch_private.publish_dtensor_redistributions(self.board.collective)
         gather, scatter = torch_private.published_fsdp_comms(self.board.collective)
         for part in parts:
             for module in part.modules():

@@ -135,6 +135,33 @@ def published_fsdp_comms(collective) -> tuple:
     return AllGather(), ReduceScatter()
 
 
+_redistributions: list = []  # the collective context they are published in: the latest board's
+
+
+def publish_dtensor_redistributions(collective) -> None:
+    """Each DTensor redistribution (tensor parallelism's collectives) in `collective("dtensor_redistribute")`,
+    waited for there (the parallel styles' async ones wait at the tensor's first use; at once, the values
+    are the same). Replaced where torch imports it (`_redistribute`, `_dispatch`, `_api`) once per process;
+    a later call only changes `collective`. Checked: 2.14.1."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import _api, _dispatch, _redistribute
+
+    _redistributions[:] = [collective]
+    original = _redistribute.redistribute_local_tensor
+    if getattr(original, "published", False):
+        return
+
+    def published(*args, **kwargs):
+        with _redistributions[0]("dtensor_redistribute"):
+            out = original(*args, **kwargs)
+            return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
+
+    published.published = True  # type: ignore[attr-defined]
+    for module in (_redistribute, _dispatch, _api):
+        if getattr(module, "redistribute_local_tensor", None) is original:
+            module.redistribute_local_tensor = published
+
+
 def record_cuda_memory_history(enabled: bool, max_entries: int) -> None:
     """`torch.cuda.memory._record_memory_history` (CUDA only). Checked: 2.13 (signature, on CPU)."""
     torch.cuda.memory._record_memory_history(enabled="all" if enabled else None, max_entries=max_entries)

@@ -7,6 +7,7 @@ decision out. See ``step_end.py`` for the whole list of outcomes.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from relaytrain.config.schema import ResilienceConfig
@@ -154,7 +155,7 @@ def _plan(
     """The restart in place without the excluded nodes; none when one of them would have to stay (no
     spare and the node range does not allow leaving it out): the requeue's allocation excludes it."""
     plan, not_in_place = plan_restart(
-        restartable.step,
+        replace(restartable.step, hung=run.hang is not None),
         run.earlier_restarts,
         r,
         job,

@@ -12,7 +12,11 @@ where to start the step again, or why not, and the crash then goes the requeue w
 * a step that was itself a restart and failed again at start-up (before it wrote ``run_state.json``,
   or within ``RESTART_TOO_SOON_S`` of its launch) is not started again on the same nodes: a failure
   that repeats at start-up points at the nodes or the inputs (a config or data error on one node), and
-  a requeue (capped, then ``crash_loop``) may land elsewhere;
+  a requeue (capped, then ``crash_loop``) may land elsewhere. Except a step the job's hang monitor found
+  hung and ended (``hung``: its hang record for this step): that is no crash loop (it waited the
+  monitor's limit, and the rank that held it is named and killed), so it restarts in place like a hang
+  later in a step; the cap above, the culprit's node left out when named twice (``bad_nodes.py``) and
+  the crash requeues' cap still bound a hang that comes back;
 * nodes the step ran on that Slurm no longer gives the job (``sbatch --no-kill`` keeps the job when a
   node fails; ``sinfo`` shows it down) are left out: the step restarts on the nodes left when the run's
   node range allows (``slurm.min_nodes``; the elastic path of docs/elastic.md re-plans the layout at
@@ -46,6 +50,7 @@ class StepFacts:
     seconds: float | None = None  # how long the step ran, launch to end
     nodes: tuple[str, ...] = ()  # the nodes it ran on
     started: bool = True  # it got through its start-up (wrote run_state.json)
+    hung: bool = False  # the job's hang monitor found it hung and ended it (its hang record for this step)
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ def plan_restart(
     if restarts_so_far >= cap:
         return None, f"resilience.max_step_restarts={cap} reached"
     too_soon = step.seconds is not None and step.seconds < RESTART_TOO_SOON_S
-    if job.step_restarts and (too_soon or not step.started):
+    if job.step_restarts and not step.hung and (too_soon or not step.started):
         when = f"{step.seconds:.0f} s after its launch" if too_soon else "before it wrote run_state.json"
         return None, f"the restarted step failed again at start-up ({when}): not restarted in place again"
     if not step.nodes:

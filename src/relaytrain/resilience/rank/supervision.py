@@ -113,6 +113,7 @@ class Supervision:
         *,
         parts: Sequence[torch.nn.Module] = (),
         compiled: bool = False,
+        tensor_parallel: bool = False,
         stages: Sequence[int] | None = None,
     ) -> None:
         """The stop agreement (one collective: the job's end time), the watchdog, the NaN guard and the
@@ -120,7 +121,8 @@ class Supervision:
         ``work_modules`` and ``compiled``: the modules whose forward is the rank's own computation
         (``ParallelModel.work_modules``), timed for the straggler watch; ``parts``: the model's parts, whose
         layers' forward and backward mark progress on the board (and each graph compiled), and whose FSDP
-        all-gathers and reduce-scatters are collectives on it; ``stages``: each
+        all-gathers and reduce-scatters are collectives on it; ``tensor_parallel``: tensor parallelism's
+        redistributions are collectives on it too (not compiled); ``stages``: each
         rank's pipeline stage (``ParallelDims.pipeline_stages``), a rank's straggler peers."""
         cfg, env, run = self.cfg, self.env, self.run
         self.metrics = metrics
@@ -137,7 +139,7 @@ class Supervision:
             self.clock.add_reader(self.straggler)
             self.clock.time_alone(work_modules, compiled=compiled)
         self.clock.mark_layers([layer for part in parts for layer in part.layers.values()], compiled=compiled)
-        self.clock.publish_collectives(parts)
+        self.clock.publish_collectives(parts, redistributions=tensor_parallel and not compiled)
         if compiled:
             self.clock.watch_compilation()
 
