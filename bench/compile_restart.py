@@ -121,10 +121,8 @@ def render(data: dict) -> str:
         "",
         f"Job: `{data['variants']['kept']['job_command']}`",
         "",
-        f"Results: `{kept.relative(data['kept'])}`. Rewritten from the kept results by "
-        f"`{python_command(MODULE, ['--page-from', kept.relative(data['kept'])])}`.",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + kept.rewritten(python_command(MODULE), kept.relative(data["kept"]))
 
 
 def main(argv: list[str] | None = None) -> int:

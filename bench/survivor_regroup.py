@@ -168,10 +168,8 @@ def render(data: dict) -> str:
         "No model, no optimizer, no data: the trainer's own path (a replacement process, no warm spare) "
         "is the next section's.",
         "",
-        f"Results: `{kept.relative(data['kept'])}`. Rewritten from the kept results by "
-        f"`{python_command(MODULE, ['--page-from', kept.relative(data['kept'])])}`.",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + kept.rewritten(python_command(MODULE), kept.relative(data["kept"]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -192,10 +192,8 @@ def render(data: dict) -> str:
         "The survivors' repair waits for the replacement's start-up (a new process: its imports, its "
         "process group, its model): no warm standby process takes the lost rank's place yet.",
         "",
-        f"Results: `{kept.relative(data['kept'])}`. Rewritten from the kept results by "
-        f"`{python_command(MODULE, ['--page-from', kept.relative(data['kept'])])}`.",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + kept.rewritten(python_command(MODULE), kept.relative(data["kept"]))
 
 
 def main(argv: list[str] | None = None) -> int:
