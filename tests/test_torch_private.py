@@ -406,7 +406,8 @@ def test_compile_cache_counts_reads_inductor_s_graph_cache_counters():
         counters["inductor"][key] -= n
 
 
-def test_published_fsdp_comms_run_fsdps_own_calls_inside_the_named_collective(world):
+def recording_collective() -> tuple[list[str], object]:
+    """A stand-in for the progress board's `collective(name)`: records entering each and leaving."""
     import contextlib
 
     inside: list[str] = []
@@ -417,6 +418,11 @@ def test_published_fsdp_comms_run_fsdps_own_calls_inside_the_named_collective(wo
         yield
         inside.append("left")
 
+    return inside, collective
+
+
+def test_published_fsdp_comms_run_fsdps_own_calls_inside_the_named_collective(world):
+    inside, collective = recording_collective()
     gather, scatter = tp.published_fsdp_comms(collective)
     out = torch.zeros(3)
     assert gather(output_tensor=out, input_tensor=torch.ones(3), group=world) is None
@@ -426,19 +432,11 @@ def test_published_fsdp_comms_run_fsdps_own_calls_inside_the_named_collective(wo
 
 
 def test_published_dtensor_redistributions_run_inside_the_named_collective_and_are_waited_for(world):
-    import contextlib
-
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, _api, _dispatch, _redistribute, distribute_tensor
 
-    inside: list[str] = []
-
-    @contextlib.contextmanager
-    def collective(name):
-        inside.append(name)
-        yield
-        inside.append("left")
+    inside, collective = recording_collective()
 
     original = _redistribute.redistribute_local_tensor
     tp.publish_dtensor_redistributions(collective)
