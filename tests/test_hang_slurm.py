@@ -172,7 +172,7 @@ def test_a_slow_rank_is_reported_slow_and_never_restarted(hangs):
 
 def test_a_restarted_step_hung_in_its_rendezvous_is_named_and_restarted_in_place_again(hangs):
     run_dir, job = hangs["runs"] / "restart", hangs["jobs"]["restart"]
-    log = job_log(run_dir, job)
+    log = job_log(run_dir, job) + (run_dir / "slurm" / f"{job}.out").read_text(errors="replace")
     assert any("SIGSTOP in rendezvous on rank 0" in text for text in faults.landed(log)), log[-4000:]
     fields = hangs["fields"]["restart"]
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", log[-4000:]
