@@ -457,18 +457,10 @@ def test_published_dtensor_redistributions_run_inside_the_named_collective_and_a
 
 
 def test_published_dtensor_redistributions_wait_for_an_async_collective_inside_the_named_one(monkeypatch):
-    import contextlib
-
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import _api, _dispatch, _redistribute
 
-    events: list[str] = []
-
-    @contextlib.contextmanager
-    def collective(name):
-        events.append(name)
-        yield
-        events.append("left")
+    events, collective = recording_collective()
 
     def issued(*_args, **_kwargs):  # as a parallel style's async redistribution returns
         return AsyncCollectiveTensor(torch.ones(2))
