@@ -2,11 +2,13 @@
 process is SIGKILLed from outside at a step; the other three keep their processes, the launcher starts
 a replacement alone, and the run finishes with every loss equal to an uninterrupted run's. When the
 in-process path fails (a fault breaks the survivors' join), the launcher ends every worker and the
-restart that follows (the batch driver's, here the same command again) resumes bit-exact."""
+restart that follows (the batch driver's, here the same command again) resumes bit-exact. Every run is
+docs/resilience.md's survivors line as written, with the test's small model and run directory appended."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from test_docs_cli import bash_lines
 from test_resilience_dist import finish, losses, records, wait_for_step, worker_pid
 
 import faults
@@ -33,9 +36,18 @@ ARGS = [
 ]
 
 
+(DOC_LINE,) = [
+    line
+    for line in bash_lines(Path(__file__).parents[1] / "docs" / "resilience.md")
+    if "--resilience.survivors=true" in line
+]
+
+
 def launch(run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "relaytrain.job.torchrun", "--standalone", f"--nproc_per_node={RANKS}"]
-    command += ["--max_restarts=3", "-m", "relaytrain.cli", "train", *ARGS]
+    """The documented line (its flags and keys); later keys win, so `extra` can turn survivors off."""
+    python, *words = shlex.split(DOC_LINE)
+    assert python == "python" and f"--nproc_per_node={RANKS}" in words, DOC_LINE
+    command = [sys.executable, *words, *ARGS]
     command += [f"--run.dir={run_dir.parent}", f"--run.name={run_dir.name}", *extra]
     return subprocess.Popen(
         command, env=child_env(**env), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -45,7 +57,7 @@ def launch(run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
     run_dir = tmp_path_factory.mktemp("survivors") / "reference"
-    rc, out = finish(launch(run_dir))
+    rc, out = finish(launch(run_dir, "--resilience.survivors=false"))  # uninterrupted, plain
     assert rc == 0, out[-3000:]
     return losses(run_dir)
 
