@@ -97,6 +97,13 @@ def test_documented_launch_is_stopped_by_the_signal_requeued_and_ends_with_the_u
     assert fields["JobState"] == "COMPLETED" and int(fields["Restarts"]) >= 1, log
     output = job_output(run, job)  # whole: DeepSpeed's warnings push these lines out of the log's tail
     assert "time_limit_signal" in output and "resuming at step" in output, log
-    assert ("relaytrain.job.torchrun:" in output) == (name == "gpt"), log  # its stop, in one line
+    # the resumed run prints the stop's record: rank 0's `scontrol requeue` outlived the SIGTERM it brought
+    assert "'requeue_pending': False, 'requeued': True" in output, log
+    # A stop, not a failure: no launcher's traceback. relaytrain.job.torchrun's own stop line is not asked
+    # for: rank 0's requeue ends the job, and Slurm ends the agents while they wait for their workers to exit,
+    # before (seen) or after they print it.
+    assert "Traceback" not in output, log
+    stops = [line for line in output.splitlines() if line.startswith("relaytrain.job.torchrun:")]
+    assert all(" stopped " in line for line in stops) and (name == "gpt" or not stops), stops
     assert losses(run) == losses(stacks["refs"] / name), log  # every step once, the reference's loss
     assert state(run)["status"] == "finished"

@@ -1,9 +1,12 @@
-"""The scontrol calls of a requeue that excludes nodes outlive the SIGTERM the requeue itself brings.
+"""The scontrol calls of a requeue outlive the SIGTERM the requeue itself brings.
 
-`scontrol requeuehold` ends the running job: Slurm sends SIGTERM to every process of the batch step, the
-`scontrol update` and `scontrol release` that follow it included. A release killed half-way leaves the
-job held for good (seen on the local cluster: "requeued held, but scontrol release 11 exited -15"). The
-race is forced here: the `scontrol` on PATH records its pid, waits for the test's SIGTERM, then finishes.
+`scontrol requeue` ends the running job, and Slurm's SIGTERM reaches the scontrol that asked for it: killed,
+it reported a requeue that went through as failed (seen in a Megatron job of the local cluster: "could not
+requeue the job: scontrol requeue 37 exited -15", the record left pending). `scontrol requeuehold` too:
+Slurm sends SIGTERM to every process of the batch step, the `scontrol update` and `scontrol release` that
+follow it included. A release killed half-way leaves the job held for good (seen on the local cluster:
+"requeued held, but scontrol release 11 exited -15"). The race is forced here: the `scontrol` on PATH
+records its pid, waits for the test's SIGTERM, then finishes.
 """
 
 from __future__ import annotations
@@ -18,10 +21,20 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from relaytrain.resilience import requeue
 
 
-def test_a_sigterm_during_scontrol_does_not_kill_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "call, answer",
+    [
+        (lambda: requeue.scontrol_requeue("11"), "requeue 11"),  # the plain requeue of a stop
+        (lambda: requeue._scontrol("release", "11"), "release 11"),  # after a requeuehold
+    ],
+    ids=["requeue", "release"],
+)
+def test_a_sigterm_during_scontrol_does_not_kill_it(tmp_path, monkeypatch, call, answer):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     pid_file, done_file = tmp_path / "pid", tmp_path / "done"
@@ -33,17 +46,17 @@ def test_a_sigterm_during_scontrol_does_not_kill_it(tmp_path, monkeypatch):
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     result: list[tuple[bool, str]] = []
-    call = threading.Thread(target=lambda: result.append(requeue._scontrol("release", "11")))
-    call.start()
+    thread = threading.Thread(target=lambda: result.append(call()))
+    thread.start()
     deadline = time.monotonic() + 20
     while not pid_file.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     os.kill(int(pid_file.read_text()), signal.SIGTERM)  # what the requeue's job teardown sends
     time.sleep(0.3)
     Path(tmp_path / "go").touch()
-    call.join(20)
-    assert result == [(True, "scontrol release 11")], result
-    assert done_file.read_text().split() == ["release", "11"]
+    thread.join(20)
+    assert result == [(True, f"scontrol {answer}")], result
+    assert done_file.read_text().split() == answer.split()
 
 
 STORM = """
@@ -96,7 +109,7 @@ def test_a_failed_update_of_the_held_job_is_tried_again_before_its_release(monke
     calls: list[tuple[str, ...]] = []
     updates = iter([(False, "scontrol update exited 1: slurmctld busy"), (True, "scontrol update")])
 
-    def scontrol(*args: str, ignore_sigterm: bool = True) -> tuple[bool, str]:
+    def scontrol(*args: str) -> tuple[bool, str]:
         calls.append(args)
         return next(updates) if args[0] == "update" else (True, f"scontrol {args[0]}")
 

@@ -89,13 +89,15 @@ def scontrol_requeue(requeue_id: str, exclude: Sequence[str] = ()) -> tuple[bool
     cannot be changed, so the job is requeued held, updated, and released."""
     if exclude:
         return _requeue_excluding(requeue_id, exclude)
-    return _scontrol("requeue", requeue_id, ignore_sigterm=False)
+    return _scontrol("requeue", requeue_id)
 
 
-def _scontrol(*args: str, ignore_sigterm: bool = True) -> tuple[bool, str]:
-    """(done, the command or why not). `requeuehold`'s SIGTERM reaches the `update` and `release` that
-    follow it: they ignore it (relaytrain.job.slurm_command)."""
-    done = run_slurm_command(["scontrol", *args], SCONTROL_REQUEUE_TIMEOUT_S, ignore_sigterm=ignore_sigterm)
+def _scontrol(*args: str) -> tuple[bool, str]:
+    """(done, the command or why not). Every call ignores SIGTERM (relaytrain.job.slurm_command): Slurm's
+    SIGTERM to the processes of a job it requeues reaches the `scontrol requeue` that asked for it (killed,
+    it reported a requeue that went through as failed) and the `update` and `release` after a
+    `requeuehold` (a release killed half-way leaves the job held)."""
+    done = run_slurm_command(["scontrol", *args], SCONTROL_REQUEUE_TIMEOUT_S, ignore_sigterm=True)
     if done.outcome is Outcome.MISSING:
         return False, (
             "scontrol is not on PATH (inside a container?): the batch job's driver requeues the job "
