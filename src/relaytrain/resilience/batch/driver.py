@@ -321,7 +321,7 @@ def parse(argv: list[str] | None = None) -> tuple[JobPlan, StepLaunch, SignalFor
         job_nodes = prepare(os.environ, args.training_nodes, args.processes_per_node)
         args.nodes, args.spare_nodes = ",".join(job_nodes.training), ",".join(job_nodes.spares)
         freeze = Path(args.pip_freeze) if args.pip_freeze else None
-        record_environment(os.environ, args.gpu_tool or "nvidia-smi", shlex.split(args.python), freeze)
+        record_environment(os.environ, args.gpu_tool or "nvidia-smi", freeze)
     plan = JobPlan(
         run,
         args.config,

@@ -11,6 +11,8 @@ batch script only prepares the environment and hands over, docs/architecture.md 
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import re
 import subprocess
 from collections.abc import MutableMapping
@@ -24,6 +26,8 @@ from relaytrain.resilience.batch.spares import JobNodes, split_nodes
 
 RECORDED = re.compile(r"^(SLURM_|NCCL_|GLOO_|CUDA_|ROCR_|HIP_|TORCH|OMP_|MASTER_|PYTHON|MIOPEN_)")
 SECRET = re.compile(r"^[^=]*(TOKEN|SECRET|PASSWORD|KEY)[^=]*=", re.IGNORECASE)
+# what `pip freeze` leaves out unless given --all
+PACKAGING_TOOLS = frozenset({"pip", "setuptools", "wheel", "distribute"})
 PACKAGES = re.compile(r"^(torch|relaytrain|numpy|triton|nvidia-nccl|deepspeed|lightning|megatron)", re.I)
 
 
@@ -53,9 +57,28 @@ def _output(argv: list[str]) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def record_environment(
-    environ: MutableMapping[str, str], gpu_tool: str, python: list[str], freeze: Path | None
-):
+def installed_packages() -> list[str]:
+    """This interpreter's packages as `pip freeze` lists them (``name==version``, sorted), an editable
+    install with where it comes from as a comment. Read in this process: the batch script runs the
+    driver with the job's Python, and `pip freeze` in a process of its own cost about a second of CPU
+    a job."""
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():  # sys.path order: the one Python imports first wins
+        name = dist.metadata["Name"]
+        if not name or name.lower() in found or name.lower() in PACKAGING_TOOLS:
+            continue
+        line = f"{name}=={dist.version}"
+        try:
+            url = json.loads(dist.read_text("direct_url.json") or "{}")
+        except ValueError:
+            url = {}
+        if isinstance(url, dict) and (url.get("dir_info") or {}).get("editable"):
+            line += f"  # editable install from {url.get('url', '')}"
+        found[name.lower()] = line
+    return [found[key] for key in sorted(found)]
+
+
+def record_environment(environ: MutableMapping[str, str], gpu_tool: str, freeze: Path | None):
     """The environment in the job log: the variables, the GPUs (``gpu_tool``: nvidia-smi or rocm-smi, when
     installed) and, with ``freeze``, the Python packages (the whole list kept in that file)."""
     log("environment:")
@@ -63,11 +86,12 @@ def record_environment(
     print("".join(f"    {line}\n" for line in lines if not SECRET.match(line)), end="", flush=True)
     if (gpus := _output([gpu_tool])) is not None:
         print(gpus, end="", flush=True)
-    if freeze is not None and (packages := _output([*python, "-m", "pip", "freeze"])) is not None:
+    if freeze is not None:
+        packages = installed_packages()
         freeze.parent.mkdir(parents=True, exist_ok=True)
-        freeze.write_text(packages, encoding="utf-8")
-        log(f"python packages: {len(packages.splitlines())} (full list in {freeze})")
-        shown = [f"    {line}\n" for line in packages.splitlines() if PACKAGES.match(line)]
+        freeze.write_text("".join(f"{line}\n" for line in packages), encoding="utf-8")
+        log(f"python packages: {len(packages)} (full list in {freeze})")
+        shown = [f"    {line}\n" for line in packages if PACKAGES.match(line)]
         print("".join(shown), end="", flush=True)
 
 
