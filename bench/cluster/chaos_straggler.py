@@ -87,10 +87,12 @@ class StragglerTrials:
         figures = spares_straggler.analyse(train, events, throttled, SNAPSHOT_EVERY)
         slowed, healthy = figures["step_s"]["slowed"], figures["step_s"]["healthy"]
         trial.evidence.insert(0, trial.hit[0] + f"; step time {healthy} → {slowed} s")
+        slower = figures["named_slower"]  # as the straggler line says it: 0.25 is "25% slower"
+        how = f"{slower:.0%} slower in {figures['named_phase']}" if slower is not None else "not named"
         trial.detail = (
             f"rank 1 on {throttled['node']} throttled ×{throttled['factor']:g} after step "
             f"{throttled['step']}; named {figures['named_rank']} on {figures['named_node']} at step "
-            f"{figures['named_at_step']} ({figures['named_phase']} {figures['named_slower']}x); stopped at "
+            f"{figures['named_at_step']} ({how}); stopped at "
             f"step {figures['stopped_at_step']} ({figures['stop_reason']}); spare {figures['spare']} in its "
             f"place, resumed at step {figures['resumed_at_step']} from {figures['resumed_from']}"
         )
