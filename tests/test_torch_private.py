@@ -393,6 +393,32 @@ def test_on_dynamo_compile_calls_each_once_around_a_compiled_graph():
     torch._dynamo.reset()
 
 
+def test_on_compile_stage_calls_moved_at_each_stage_and_each_kernel_waited_for(monkeypatch):
+    from concurrent.futures import Future
+
+    import torch._dynamo
+    import torch._inductor.async_compile as async_compile
+
+    moves: list[int] = []
+
+    def moved():
+        moves.append(1)
+
+    torch._dynamo.reset()
+    tp.on_compile_stage(moved)
+    tp.on_compile_stage(moved)  # wrapped once
+    torch.compile(lambda x: x * 3 - 1, backend="eager")(torch.ones(3))
+    stages = len(moves)
+    assert stages >= 4 and stages % 2 == 0  # each stage's start and end
+    done = {f"kernel{i}": Future() for i in range(3)}
+    for future in done.values():
+        future.set_result(lambda: None)
+    monkeypatch.setattr(async_compile, "get_compile_threads", lambda: 2)  # wait() waits on the workers
+    async_compile.AsyncCompile().wait(dict(done))
+    assert len(moves) - stages == 5, len(moves) - stages  # the wait's start and end, one per kernel
+    torch._dynamo.reset()
+
+
 def test_compile_cache_counts_reads_inductor_s_graph_cache_counters():
     from torch._dynamo.utils import counters
 
