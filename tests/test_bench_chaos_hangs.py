@@ -231,6 +231,8 @@ def test_the_faults_arm_in_the_first_run_only_and_hang_files_are_no_leftovers():
     assert "RELAYTRAIN_FAULT_FIFO_AT_STEP=9" in setup and "RELAYTRAIN_FAULT_RANK=1" in setup
     assert HANG_ALLOWED.match("hang/nodes/n1.json") and HANG_ALLOWED.match("checkpoints/step_10/x")
     assert not HANG_ALLOWED.match("stray.txt") and not HANG_ALLOWED.match("xhang/a")
+    # a rank's compiled code (parallel.compile) is kept on purpose; a stray file beside it is not
+    assert HANG_ALLOWED.match("compile/rank_1.bin") and not HANG_ALLOWED.match("compile/rank_1.bin.tmp")
 
 
 def test_a_ranks_pid_and_node_come_from_the_node_watchers_files(tmp_path):
