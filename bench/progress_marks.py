@@ -235,12 +235,11 @@ RATIONALE = """
   its last move; the work that marks little gets 3 x the floor until its pause is measured: the imports
   and the set-up (the model's build, the loaders: each module imported marks progress, from the training
   command's first act until the state is restored).
-- **A compilation marks its stages.** A graph's compilation marked only its start and end, so its first
-  compilation got 3 x the floor (120 s by default since any rank last moved), and a rank stopped while a
-  graph compiled was named 180 s after. Each start and end of a timed stage of Dynamo,
-  AOTAutograd and Inductor (tracing, each pass, each kernel file compiled, the graph cache's look-ups:
-  about 190 in a 6 s compile of a small MLP, at most 1.1 s apart, on this 2-core machine) and each
-  kernel the compile workers finished is now a mark, so a compilation gets the floor like any phase.
+- **A compilation marks its stages.** A graph's compilation marked only its start and end, a pause as
+  long as the graph's whole compile, so its first compilation got 3 x the floor. Each start and end of a
+  timed stage of Dynamo, AOTAutograd and Inductor (tracing, each pass, each kernel file compiled, the
+  graph cache's look-ups) and each kernel the compile workers finished is now a mark, so a compilation
+  gets the floor like any phase (the Hangs section: `hang_stop_compile` and the `compile` clean runs).
 - **What stays unbounded by marks.** Work between two moves: a model build (set-up) or one import longer
   than 3 floors, one stage of a compilation (one kernel file's C++ or Triton build) longer than the
   floor, one tensor of a save
