@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from relaytrain import torch_private
 from relaytrain.job.progress import Phase, ProgressBoard
+from relaytrain.torch_private import compiler as compiler_hooks
 
 # The sections of a training step: published from the process's second step on (see above)
 STEP_PHASES = frozenset({Phase.DATA, Phase.FORWARD_BACKWARD, Phase.OPTIMIZER})
@@ -219,8 +220,8 @@ class StepClock:
         clock of the process is the one told."""
         if not self.board.enabled:
             return
-        torch_private.on_dynamo_compile(_compile_start, _compile_end)
-        torch_private.on_compile_stage(_compile_moved)
+        compiler_hooks.on_dynamo_compile(_compile_start, _compile_end)
+        compiler_hooks.on_compile_stage(_compile_moved)
         _compiling[:] = [self]
         self._interrupted: Phase | None = None
 
