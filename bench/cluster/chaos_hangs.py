@@ -70,6 +70,7 @@ from bench.cluster.chaos_hangs_clean import (
     DEBUG,
     VariantBenches,
     clean_variant,
+    cold_setup,
     parse_variants,
     write_clean_config,
 )
@@ -312,7 +313,8 @@ class HangTrials:
         overrides = overrides_of(trial)
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a CPU-bound neighbour
         try:
-            trial.job = bench.launch(run.name, *overrides, setup=first_run_setup(), nodes=NODES)
+            setup = "; ".join(filter(None, (first_run_setup(), cold_setup(trial.variant, bench.base))))
+            trial.job = bench.launch(run.name, *overrides, setup=setup, nodes=NODES)
             if trial.variant == "restart":
                 self.kill_one(trial, run, rng, evidence)
             bench.finish(trial, run, overrides, setup=NO_FAULT, nodes=NODES)
