@@ -36,7 +36,8 @@ hang monitor, with its default floor and multiple, is what acts. The kinds
   beside the run the whole time: any `hang detected:` line is a false detection. Its variants, by trial
   index (bench/cluster/chaos_hangs_clean.py; `--clean-variants` picks some): ``debug``; ``wide`` (about
   1.2 GB of model and AdamW state, 6 steps, its own reference run); ``compile`` (`parallel.compile=true`:
-  a long first step); ``restart`` (one rank SIGKILLed mid-run: the step restarts in place, and must).
+  a long first step); ``restart`` (one rank SIGKILLed mid-run: the step restarts in place, and must);
+  ``compile_cold`` (compile with Inductor's caches off: every graph compiled from scratch).
 
 The faulted rank alternates (trial index mod 2) for the injected kinds. Per trial: the fault's time, the
 detection's, the culprit named in hang/last.json against the faulted rank and its node, the time from the
