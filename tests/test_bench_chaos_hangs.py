@@ -23,6 +23,7 @@ from bench.cluster.chaos_hangs_clean import (
     clean_variant,
     cold_setup,
     parse_variants,
+    remove_cold_folder,
     write_clean_config,
 )
 from bench.cluster.chaos_hangs_judge import (
@@ -329,6 +330,9 @@ def test_the_cold_compile_variant_turns_inductor_s_caches_off_in_a_folder_of_the
     exported = env.stdout.splitlines()
     assert f"TORCHINDUCTOR_CACHE_DIR={tmp_path}/inductor-7" in exported
     assert "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1" in exported
+    (tmp_path / "inductor-7" / "ab").mkdir(parents=True)
+    remove_cold_folder(tmp_path, "7")  # after the trial: its generated kernels are no bench source
+    assert not (tmp_path / "inductor-7").exists()
     assert CONFIGS["compile_cold"] == CONFIGS["compile"]  # the same runs: compile's reference run serves
 
 

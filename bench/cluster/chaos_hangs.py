@@ -73,6 +73,7 @@ from bench.cluster.chaos_hangs_clean import (
     clean_variant,
     cold_setup,
     parse_variants,
+    remove_cold_folder,
     write_clean_config,
 )
 from bench.cluster.chaos_hangs_judge import (
@@ -323,6 +324,7 @@ class HangTrials:
         finally:
             hog.kill()
             hog.wait()
+            remove_cold_folder(bench.base, trial.job)
         evals, train = len(run.records("eval")), run.records("train")
         saves = sorted({r["step"] for r in train if r.get("time_checkpoint_s", 0) > 0})
         first = f"{train[0]['time_step_s']:.1f} s" if train else "none"

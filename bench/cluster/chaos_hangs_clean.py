@@ -28,8 +28,10 @@ config (`VariantBenches`); debug and restart compare with the debug one.
 from __future__ import annotations
 
 import json
+import shutil
 import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.cluster.chaos_run import EVAL_EVERY, INTERVAL, STEPS, Bench
 from bench.cluster.harness import TINY_TOML, write_config
@@ -75,14 +77,24 @@ def clean_variant(index: int, variants: tuple[str, ...] = CLEAN_VARIANTS) -> tup
     return variants[index % len(variants)], MODES[(index // len(variants)) % len(MODES)]
 
 
-def cold_setup(variant: str, base) -> str:
+def cold_setup(variant: str, base: Path) -> str:
     """The batch shell's line that makes `variant`'s compiles cold ("" for the others): Inductor's caches
     off, and a cache folder of the job's own under `base` (the bench's folder), so no kernel built by an
-    earlier run is found either."""
+    earlier run is found either. The trial removes it (`remove_cold_folder`)."""
     if variant != "compile_cold":
         return ""
-    folder = f"{base}/inductor-$SLURM_JOB_ID"
+    folder = cold_folder(base, "$SLURM_JOB_ID")
     return f"export TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 TORCHINDUCTOR_CACHE_DIR={folder}"
+
+
+def cold_folder(base: Path, job: str) -> Path:
+    return base / f"inductor-{job}"
+
+
+def remove_cold_folder(base: Path, job: str) -> None:
+    """Job `job`'s cold cache folder, gone: its kernels' generated .py files are no bench source."""
+    if job:
+        shutil.rmtree(cold_folder(base, job), ignore_errors=True)
 
 
 def parse_variants(text: str) -> tuple[str, ...]:
