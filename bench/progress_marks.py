@@ -232,12 +232,17 @@ RATIONALE = """
   (`launch`: the exec keeps the pid, so the watcher reads the process state from then on); the trainer
   publishes `rendezvous` before `init_process_group`, then `set-up`, the restore (its estimate shared per
   tensor), each graph's `compilation` and the `first step` (its layers marked). Each gets the floor since
-  its last move; the work that marks little gets 3 x the floor until its pause is measured: a graph's
-  first compilation (nothing is marked while Inductor works), the imports and the set-up (the model's
-  build, the loaders: each module imported marks progress, from the training command's first act until
-  the state is restored).
+  its last move; the work that marks little gets 3 x the floor until its pause is measured: the imports
+  and the set-up (the model's build, the loaders: each module imported marks progress, from the training
+  command's first act until the state is restored).
+- **A compilation marks its stages.** A graph's compilation marked only its start and end, a pause as
+  long as the graph's whole compile, so its first compilation got 3 x the floor. Each start and end of a
+  timed stage of Dynamo, AOTAutograd and Inductor (tracing, each pass, each kernel file compiled, the
+  graph cache's look-ups) and each kernel the compile workers finished is now a mark, so a compilation
+  gets the floor like any phase (the Hangs section: `hang_stop_compile` and the `compile` clean runs).
 - **What stays unbounded by marks.** Work between two moves: a model build (set-up) or one import longer
-  than 3 floors, a single graph compiling longer than 3 floors the first time, one tensor of a save
+  than 3 floors, one stage of a compilation (one kernel file's C++ or Triton build) longer than the
+  floor, one tensor of a save
   slower than twice its share, a collective of tensor parallelism inside a compiled block (traced, not
   on the board) waiting longer than the floor inside a forward/backward that marks nothing else. Such a
   run needs a larger `hang_floor_s`. FSDP's all-gathers and reduce-scatters, and tensor parallelism's

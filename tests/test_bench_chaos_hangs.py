@@ -21,7 +21,9 @@ from bench.cluster.chaos_hangs_clean import (
     CONFIGS,
     VariantBenches,
     clean_variant,
+    cold_setup,
     parse_variants,
+    remove_cold_folder,
     write_clean_config,
 )
 from bench.cluster.chaos_hangs_judge import (
@@ -231,6 +233,8 @@ def test_the_faults_arm_in_the_first_run_only_and_hang_files_are_no_leftovers():
     assert "RELAYTRAIN_FAULT_FIFO_AT_STEP=9" in setup and "RELAYTRAIN_FAULT_RANK=1" in setup
     assert HANG_ALLOWED.match("hang/nodes/n1.json") and HANG_ALLOWED.match("checkpoints/step_10/x")
     assert not HANG_ALLOWED.match("stray.txt") and not HANG_ALLOWED.match("xhang/a")
+    # a rank's compiled code (parallel.compile) is kept on purpose; a stray file beside it is not
+    assert HANG_ALLOWED.match("compile/rank_1.bin") and not HANG_ALLOWED.match("compile/rank_1.bin.tmp")
 
 
 def test_a_ranks_pid_and_node_come_from_the_node_watchers_files(tmp_path):
@@ -307,7 +311,7 @@ def test_a_skipped_collective_that_gloo_fails_at_once_is_judged_as_the_crash_it_
 
 
 def test_clean_variants_cycle_by_trial_index_with_both_checkpoint_modes():
-    pairs = [clean_variant(i) for i in range(8)]
+    pairs = [clean_variant(i) for i in range(2 * len(CLEAN_VARIANTS))]
     assert sorted(pairs) == sorted((v, m) for v in CLEAN_VARIANTS for m in ("async", "sync"))
     assert pairs[:4] == [("debug", "async"), ("wide", "async"), ("compile", "async"), ("restart", "async")]
     picked = parse_variants("wide, compile,restart")
@@ -317,6 +321,19 @@ def test_clean_variants_cycle_by_trial_index_with_both_checkpoint_modes():
         parse_variants("wide,huge")
     with pytest.raises(ValueError, match=r"no clean variant \(none\)"):
         parse_variants(" , ")
+
+
+def test_the_cold_compile_variant_turns_inductor_s_caches_off_in_a_folder_of_the_job_s_own(tmp_path):
+    assert cold_setup("compile", tmp_path) == "" and cold_setup("debug", tmp_path) == ""
+    line = cold_setup("compile_cold", tmp_path)
+    env = subprocess.run(["bash", "-c", f"SLURM_JOB_ID=7; {line}; env"], capture_output=True, text=True)
+    exported = env.stdout.splitlines()
+    assert f"TORCHINDUCTOR_CACHE_DIR={tmp_path}/inductor-7" in exported
+    assert "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1" in exported
+    (tmp_path / "inductor-7" / "ab").mkdir(parents=True)
+    remove_cold_folder(tmp_path, "7")  # after the trial: its generated kernels are no bench source
+    assert not (tmp_path / "inductor-7").exists()
+    assert CONFIGS["compile_cold"] == CONFIGS["compile"]  # the same runs: compile's reference run serves
 
 
 def test_each_clean_config_is_a_valid_config_of_its_model_steps_and_compile(tmp_path):
@@ -329,7 +346,7 @@ def test_each_clean_config_is_a_valid_config_of_its_model_steps_and_compile(tmp_
         bench = Bench(tmp_path / variant, None)
         write_clean_config(bench, CONFIGS[variant])
         cfg = load_config(bench.config)
-        assert cfg.parallel.compile == (variant == "compile")
+        assert cfg.parallel.compile == variant.startswith("compile")
         assert cfg.train.seq_len == debug["train"]["seq_len"] and cfg.checkpoint.mode == "async"
         state_gb = 12 * count_parameters(cfg.model) / 1e9  # fp32 weights and AdamW's two moments
         if variant == "wide":

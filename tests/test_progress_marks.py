@@ -174,6 +174,28 @@ def test_each_graph_compiled_is_a_phase_of_its_own_and_the_board_goes_back(tmp_p
     board.close()
 
 
+def test_a_compilation_marks_progress_at_each_of_its_stages(tmp_path):
+    """Issue 53: a graph's compilation moves at each stage (Dynamo's tracing, the backend's passes), not
+    only at its start and end, so its limit is the floor: a compile that stops moving is named in it."""
+    board = ProgressBoard(tmp_path, rank=0, local_rank=0)
+    clock = StepClock(board)
+    torch._dynamo.reset()
+    clock.watch_compilation()
+    in_compile = []
+    mark = board.mark
+
+    def recording(*args, **kwargs):
+        in_compile.append(board.phase_now is Phase.COMPILE)
+        mark(*args, **kwargs)
+
+    board.mark = recording
+    board.phase(Phase.FORWARD_BACKWARD)
+    torch.compile(lambda x: torch.cos(x) * 2, backend="eager")(torch.ones(3))
+    assert sum(in_compile) >= 4 and all(in_compile), in_compile
+    assert read_record(tmp_path / "rank0").marks >= 4
+    board.close()
+
+
 def test_the_start_up_publishes_the_rendezvous_before_the_process_group_and_hands_its_board_on(
     tmp_path, monkeypatch
 ):

@@ -21,6 +21,7 @@ from torch import nn
 
 from relaytrain import torch_private as tp
 from relaytrain.torch_private import agent as _agent  # noqa: F401 - tp.agent below
+from relaytrain.torch_private import compiler as _compiler  # noqa: F401 - tp.compiler below
 
 import needs
 
@@ -308,7 +309,7 @@ def test_sharding_propagation_lock():
 # -- the rule ----------------------------------------------------------------------------------------
 
 
-SEAM = {"tp": tp, "tp.agent": tp.agent}  # the seam's modules, as this file names them
+SEAM = {"tp": tp, "tp.agent": tp.agent, "tp.compiler": tp.compiler}  # the seam's modules, as named here
 
 
 def entries(module) -> dict:
@@ -318,7 +319,8 @@ def entries(module) -> dict:
 
 
 def test_every_entry_has_a_test_here():
-    text = Path(__file__).read_text()
+    # this file, and the compiler's hooks' in test_torch_private_compiler.py
+    text = "".join(p.read_text() for p in sorted(Path(__file__).parent.glob("test_torch_private*.py")))
     names = [f"{alias}.{n}" for alias, module in SEAM.items() for n in entries(module)]
     names += ["tp.TRACKER_HOOKS", "tp.TRACKER_ATTRIBUTES"]
     untested = [n for n in names if not n.split(".")[-1].startswith("_") and n not in text]
@@ -372,25 +374,6 @@ def test_no_private_torch_name_outside_the_seam():
 )
 def test_the_rule_sees_a_private_name(source):
     assert private_torch_names(source)
-
-
-def test_on_dynamo_compile_calls_each_once_around_a_compiled_graph():
-    seen: list[str] = []
-
-    def start(*_args):
-        seen.append("start")
-
-    def end(*_args):
-        seen.append("end")
-
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    tp.on_dynamo_compile(start, end)
-    tp.on_dynamo_compile(start, end)  # registered once
-    torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
-    assert seen == ["start", "end"]
-    torch._dynamo.reset()
 
 
 def test_compile_cache_counts_reads_inductor_s_graph_cache_counters():

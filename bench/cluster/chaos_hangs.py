@@ -36,7 +36,8 @@ hang monitor, with its default floor and multiple, is what acts. The kinds
   beside the run the whole time: any `hang detected:` line is a false detection. Its variants, by trial
   index (bench/cluster/chaos_hangs_clean.py; `--clean-variants` picks some): ``debug``; ``wide`` (about
   1.2 GB of model and AdamW state, 6 steps, its own reference run); ``compile`` (`parallel.compile=true`:
-  a long first step); ``restart`` (one rank SIGKILLed mid-run: the step restarts in place, and must).
+  a long first step); ``restart`` (one rank SIGKILLed mid-run: the step restarts in place, and must);
+  ``compile_cold`` (compile with Inductor's caches off: every graph compiled from scratch).
 
 The faulted rank alternates (trial index mod 2) for the injected kinds. Per trial: the fault's time, the
 detection's, the culprit named in hang/last.json against the faulted rank and its node, the time from the
@@ -70,7 +71,9 @@ from bench.cluster.chaos_hangs_clean import (
     DEBUG,
     VariantBenches,
     clean_variant,
+    cold_setup,
     parse_variants,
+    remove_cold_folder,
     write_clean_config,
 )
 from bench.cluster.chaos_hangs_judge import (
@@ -312,7 +315,8 @@ class HangTrials:
         overrides = overrides_of(trial)
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a CPU-bound neighbour
         try:
-            trial.job = bench.launch(run.name, *overrides, setup=first_run_setup(), nodes=NODES)
+            setup = "; ".join(filter(None, (first_run_setup(), cold_setup(trial.variant, bench.base))))
+            trial.job = bench.launch(run.name, *overrides, setup=setup, nodes=NODES)
             if trial.variant == "restart":
                 self.kill_one(trial, run, rng, evidence)
             bench.finish(trial, run, overrides, setup=NO_FAULT, nodes=NODES)
@@ -320,6 +324,7 @@ class HangTrials:
         finally:
             hog.kill()
             hog.wait()
+            remove_cold_folder(bench.base, trial.job)
         evals, train = len(run.records("eval")), run.records("train")
         saves = sorted({r["step"] for r in train if r.get("time_checkpoint_s", 0) > 0})
         first = f"{train[0]['time_step_s']:.1f} s" if train else "none"

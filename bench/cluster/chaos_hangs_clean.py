@@ -13,7 +13,10 @@ async in the first round over V and sync in the next, in turn, so that every (va
   node's memory, and `relaytrain launch` refuses the job); a step takes about 10 s on 2 shared CPU
   cores, so 6 steps with a checkpoint every 2 and an evaluation every 3 (a trial of about 2 minutes).
 * ``compile``: the debug run with `parallel.compile=true`: inductor compiles the first step (and the first
-  evaluation) on CPU, which takes tens of seconds.
+  evaluation) on CPU, which takes tens of seconds cold; graphs in Inductor's caches on the node (an
+  earlier run's) take a few.
+* ``compile_cold``: the same with Inductor's caches off and an empty cache folder per job (``cold_setup``):
+  every graph and kernel compiled from scratch, the longest pauses a compilation makes.
 * ``restart``: the debug run with one rank (index % 2) SIGKILLed from outside at a random step; the step
   restarts in place (crash path, crashes.jsonl action restart) and restores from the snapshots: the restarted
   step's start-up must not be called a hang.
@@ -25,8 +28,10 @@ config (`VariantBenches`); debug and restart compare with the debug one.
 from __future__ import annotations
 
 import json
+import shutil
 import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.cluster.chaos_run import EVAL_EVERY, INTERVAL, STEPS, Bench
 from bench.cluster.harness import TINY_TOML, write_config
@@ -34,7 +39,7 @@ from bench.report import REPO
 from bench.snapshot import wide_model
 
 DEBUG_CONFIG = REPO / "configs" / "debug.toml"
-CLEAN_VARIANTS = ("debug", "wide", "compile", "restart")
+CLEAN_VARIANTS = ("debug", "wide", "compile", "restart", "compile_cold")
 MODES = ("async", "sync")
 WIDE_STATE_GB = 1.2  # issue 37: the 1.2 GB wide state
 
@@ -57,6 +62,7 @@ CONFIGS = {
     "restart": DEBUG,
     "wide": CleanConfig("wide", 6, 2, 3, tuple(wide_model(WIDE_STATE_GB))),
     "compile": CleanConfig("compile", STEPS, INTERVAL, EVAL_EVERY, compile=True),
+    "compile_cold": CleanConfig("compile", STEPS, INTERVAL, EVAL_EVERY, compile=True),  # compile's reference
     # the long-step hang trial's (chaos_hangs_judge.LONG_STEP): the debug run, 8 steps of 20 s and more
     "long": CleanConfig("long", 8, 4, 4),
 }
@@ -69,6 +75,26 @@ def clean_variant(index: int, variants: tuple[str, ...] = CLEAN_VARIANTS) -> tup
         raise ValueError(f"no clean variant {', '.join(unknown) or '(none)'}; the variants: "
                          f"{', '.join(CLEAN_VARIANTS)}")  # fmt: skip
     return variants[index % len(variants)], MODES[(index // len(variants)) % len(MODES)]
+
+
+def cold_setup(variant: str, base: Path) -> str:
+    """The batch shell's line that makes `variant`'s compiles cold ("" for the others): Inductor's caches
+    off, and a cache folder of the job's own under `base` (the bench's folder), so no kernel built by an
+    earlier run is found either. The trial removes it (`remove_cold_folder`)."""
+    if variant != "compile_cold":
+        return ""
+    folder = cold_folder(base, "$SLURM_JOB_ID")
+    return f"export TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 TORCHINDUCTOR_CACHE_DIR={folder}"
+
+
+def cold_folder(base: Path, job: str) -> Path:
+    return base / f"inductor-{job}"
+
+
+def remove_cold_folder(base: Path, job: str) -> None:
+    """Job `job`'s cold cache folder, gone: its kernels' generated .py files are no bench source."""
+    if job:
+        shutil.rmtree(cold_folder(base, job), ignore_errors=True)
 
 
 def parse_variants(text: str) -> tuple[str, ...]:

@@ -36,10 +36,11 @@ EVAL_EVERY = 10
 STEP_DELAY_S = 0.3  # first run only: a 40-step tiny run lasts ~15 s, long enough to hit a phase
 PHASES = ("mid_step", "mid_eval", "async_save", "startup", "resume_load", "emergency_save")
 EVENTS = ("usr2", "preempt", "sigkill_rank", "kill_node")
-# Files a finished run may hold: everything else is a leftover.
+# Files a finished run may hold: everything else is a leftover. compile/rank_<r>.bin: a rank's compiled
+# code, kept on purpose with parallel.compile (RunDir.compile_cache).
 ALLOWED = re.compile(
     r"^(config\.toml|run_kind\.json|metrics\.jsonl|run_state\.json|crashes\.jsonl|slurm/.*|logs/.*|"
-    r"tensorboard/.*|hang/.*|samples/.*|preflight/.*|"
+    r"tensorboard/.*|hang/.*|samples/.*|preflight/.*|compile/rank_\d+\.bin|"
     r"checkpoints/latest|checkpoints/step_\d+/.*)$"
 )
 

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from relaytrain import torch_private
 from relaytrain.job.progress import Phase, ProgressBoard
+from relaytrain.torch_private import compiler as compiler_hooks
 
 # The sections of a training step: published from the process's second step on (see above)
 STEP_PHASES = frozenset({Phase.DATA, Phase.FORWARD_BACKWARD, Phase.OPTIMIZER})
@@ -213,11 +214,14 @@ class StepClock:
                     module.set_custom_reduce_scatter(scatter)
 
     def watch_compilation(self) -> None:
-        """Publish each graph Dynamo compiles as ``COMPILE`` (a graph begun, a graph done: two moves), then
-        go back to the phase it interrupted. The latest clock of the process is the one told."""
+        """Publish each graph Dynamo compiles as ``COMPILE`` (a graph begun, a graph done: two moves), with a
+        progress mark at each start and end of its stages (tracing, each Inductor pass, each kernel file
+        compiled: about a second apart at most), then go back to the phase it interrupted. The latest
+        clock of the process is the one told."""
         if not self.board.enabled:
             return
-        torch_private.on_dynamo_compile(_compile_start, _compile_end)
+        compiler_hooks.on_dynamo_compile(_compile_start, _compile_end)
+        compiler_hooks.on_compile_stage(_compile_moved)
         _compiling[:] = [self]
         self._interrupted: Phase | None = None
 
@@ -258,6 +262,13 @@ def _compile_start(_args: Any = None) -> None:
         return
     clock._interrupted = clock.board.phase_now
     clock.board.phase(Phase.COMPILE)
+
+
+def _compile_moved() -> None:
+    """A stage of a compilation began or ended: progress, while the board shows the compilation."""
+    board = _compiling[0].board
+    if board.phase_now is Phase.COMPILE:
+        board.mark()
 
 
 def _compile_end(_args: Any = None) -> None:

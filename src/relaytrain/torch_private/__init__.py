@@ -10,7 +10,8 @@ names where it was written. Nothing else in src/ imports a private torch module 
 
 The simulation's memory trackers (relaytrain.parallel.sim_memory) subclass torch's private trackers and
 override their private hooks; the names they override and read are listed in TRACKER_HOOKS and checked.
-torchrun's agent is patched in `agent.py` here (job/torchrun.py), under the same rules.
+torchrun's agent is patched in `agent.py` here (job/torchrun.py), and the compiler's hooks the progress
+board is told from are in `compiler.py` (job/clock.py), under the same rules.
 """
 
 from __future__ import annotations
@@ -91,16 +92,6 @@ def object_collective_device() -> str:
     """`distributed_c10d._get_object_coll_device`: the device type object collectives run on.
     Checked: 2.13."""
     return dist.distributed_c10d._get_object_coll_device()
-
-
-def on_dynamo_compile(start, end) -> None:
-    """`torch._dynamo.callback`: `start` and `end` called around each graph Dynamo compiles, registered once
-    (again after a `torch._dynamo.reset()` cleared them). Checked: 2.14.1."""
-    import torch._dynamo.callback as callbacks  # noqa: PLC0415 - loaded on first use
-
-    if start not in callbacks.callback_handler.start_callbacks:
-        callbacks.on_compile_start(start)
-        callbacks.on_compile_end(end)
 
 
 def compile_cache_counts() -> dict[str, int]:

@@ -54,19 +54,19 @@ BUDGETED_PHASES = frozenset(
     {Phase.EVALUATION, Phase.CHECKPOINT_SAVE, Phase.SNAPSHOT, Phase.CHECKPOINT_LOAD, Phase.STOP}
 )
 BUDGET_MULTIPLE = 2.0  # a phase with a budget may take twice its estimate before it is a hang
-# A graph's first compilation, not measured yet, may pause this many floors between two graphs: a long
-# but moving compilation (each graph marked) is never called hung, a stuck one is within a few minutes.
-COMPILE_FLOORS = 3.0
-# The same for the work of the start-up that marks only per module imported: the process start and its
-# imports (launch), the model's build and the loaders (set-up).
-FIRST_WORK = {Phase.COMPILE: "a graph's compilation", Phase.LAUNCH: "the imports", Phase.STARTUP: "set-up"}
+# The work of the start-up that marks only per module imported, not measured yet, may pause this many
+# floors: the process start and its imports (launch), the model's build and the loaders (set-up). A
+# graph's compilation marks each of its stages (tracing, each Inductor pass, each kernel file compiled,
+# each kernel the compile workers finished: about a second apart), so the floor bounds it like any phase.
+FIRST_WORK_FLOORS = 3.0
+FIRST_WORK = {Phase.LAUNCH: "the imports", Phase.STARTUP: "set-up"}
 # What bounds each start-up phase before its pause is measured (after: the floor and the multiple).
 STARTUP_LIMITS = {
-    Phase.LAUNCH: f"{COMPILE_FLOORS:g} x the floor (each module imported marked)",
+    Phase.LAUNCH: f"{FIRST_WORK_FLOORS:g} x the floor (each module imported marked)",
     Phase.RENDEZVOUS: "the floor",
-    Phase.STARTUP: f"{COMPILE_FLOORS:g} x the floor (each module imported marked)",
+    Phase.STARTUP: f"{FIRST_WORK_FLOORS:g} x the floor (each module imported marked)",
     Phase.CHECKPOINT_LOAD: f"the floor, or {BUDGET_MULTIPLE:g} x its estimate (per shard read)",
-    Phase.COMPILE: f"{COMPILE_FLOORS:g} x the floor per graph",
+    Phase.COMPILE: "the floor (each stage of a graph's compilation marked)",
     Phase.FIRST_STEP: "the floor (each layer's forward and backward marked)",
 }
 MAX_NAMED = 4  # culprits named in the one-line summary; the report lists them all
@@ -139,8 +139,8 @@ def phase_limit(view: RankView, policy: HangPolicy) -> tuple[float, str]:
             (policy.multiple * pause, f"{policy.multiple:g} x its usual longest pause {seconds(pause)}")
         )
     elif record.phase in FIRST_WORK:
-        why = f"{COMPILE_FLOORS:g} x the floor for {FIRST_WORK[record.phase]}"
-        candidates.append((COMPILE_FLOORS * policy.floor_s, why))
+        why = f"{FIRST_WORK_FLOORS:g} x the floor for {FIRST_WORK[record.phase]}"
+        candidates.append((FIRST_WORK_FLOORS * policy.floor_s, why))
     if (record.phase in BUDGETED_PHASES or record.phase is Phase.COMPILE) and record.budget_s > 0:
         candidates.append(
             (

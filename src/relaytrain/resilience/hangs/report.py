@@ -7,7 +7,15 @@ says.
 
 from __future__ import annotations
 
-from relaytrain.resilience.hangs.detect import RankView, Verdict, one_line, phase_label, ranks, seconds
+from relaytrain.resilience.hangs.detect import (
+    FIRST_WORK_FLOORS,
+    RankView,
+    Verdict,
+    one_line,
+    phase_label,
+    ranks,
+    seconds,
+)
 
 COLUMNS = (
     "rank",
@@ -54,10 +62,10 @@ def _limit(verdict: Verdict) -> list[str]:
         f"No rank made progress for {seconds(verdict.idle_s)}; the job's limit was "
         f"{seconds(verdict.limit_s)}, the largest over its ranks ({one_line(verdict.limit_why)}).",
         "",
-        "A rank's limit is its phase's recent median times `resilience.hang_multiple`, never below "
-        "`resilience.hang_floor_s`; a checkpoint save, load, snapshot, evaluation or stop may also take "
-        "twice the budget the rank announced; start-up (with the first step and its compilation) waits up to "
-        "`resilience.hang_timeout_s`, the cap of every limit.",
+        "A rank's limit is its phase's usual longest pause between moves times `resilience.hang_multiple`, "
+        "never below `resilience.hang_floor_s`; a checkpoint save, load, snapshot, evaluation or stop may "
+        "also take twice the budget the rank announced; the start-up's launch and set-up, until measured, "
+        f"{FIRST_WORK_FLOORS:g} x the floor; no limit exceeds `resilience.hang_timeout_s`.",
     ]
 
 
