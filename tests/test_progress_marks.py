@@ -135,13 +135,15 @@ def test_fsdp_collectives_are_on_the_board_and_a_rank_waiting_in_one_shows_it(
     board = ProgressBoard(tmp_path, rank=0, local_rank=0)
     StepClock(board).publish_collectives([net])
     seen = []
-    gather = dist.all_gather_single
+    # the all-gather FSDP calls: all_gather_single from torch 2.14, all_gather_into_tensor before
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    gather = getattr(dist, name)
 
     def waiting(*args, **kwargs):  # what a rank stuck in this all-gather shows its node's watcher
         seen.append(read_record(tmp_path / "rank0"))
         return gather(*args, **kwargs)
 
-    monkeypatch.setattr(dist, "all_gather_single", waiting)
+    monkeypatch.setattr(dist, name, waiting)
     board.phase(Phase.FORWARD_BACKWARD)
     net(torch.ones(4, 8)).sum().backward()
     board.step_done(1)
