@@ -63,7 +63,14 @@ def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     return split(list(args.config_args or []) + list(getattr(args, "extra_overrides", [])))
 
 
+# What a standby process (job/standby.py) imports before it waits: the trainer and, with it, torch.
+STANDBY_PRELOAD = ("relaytrain.trainer",)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from relaytrain.job.standby import become_rank
+
+    become_rank(STANDBY_PRELOAD)  # a standby process: warm, then this rank's (elsewhere: nothing)
     capture_early_signals()  # main(argv) called from Python: before importing torch (idempotent)
     from relaytrain.job import startup
 
