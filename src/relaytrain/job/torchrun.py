@@ -118,11 +118,11 @@ class _Replacements:
 
     def replaced(self, group, local_rank: int, pid: int, standby: Standby | None) -> None:
         rank, old_pid, code, generation = self.lost
-        how = (
-            f"the standby process (pid {pid}) takes its place"
-            if standby is not None
-            else f"no standby process is ready: a new process (pid {pid}) takes its place"
-        )
+        if standby is None:
+            how = f"no standby process is ready: a new process (pid {pid}) takes its place"
+        else:
+            warm = "" if standby.ready_after is not None else ", still importing"
+            how = f"the standby process (pid {pid}{warm}) takes its place"
         _say(
             f"rank {rank} (pid {old_pid}) exited {code}; the other ranks stay: {how} in their round "
             f"{generation}"

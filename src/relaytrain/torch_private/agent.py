@@ -99,6 +99,7 @@ def replace_dead_workers(policy) -> None:
             if standby:
                 standby.end()
             return None
+        standby.ready()  # up to date for `policy.replaced`
         try:
             standby.become({**os.environ, **env}, context.stdouts[local_rank], context.stderrs[local_rank])
         except OSError:  # it died meanwhile
