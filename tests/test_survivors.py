@@ -62,6 +62,7 @@ def reference(tmp_path_factory) -> dict[int, float]:
     run_dir = tmp_path_factory.mktemp("survivors") / "reference"
     rc, out = finish(launch(run_dir, "--resilience.survivors=false"))  # uninterrupted, plain
     assert rc == 0, out[-3000:]
+    assert "standby" not in out  # survivors off: no standby process, restarts or not
     return losses(run_dir)
 
 

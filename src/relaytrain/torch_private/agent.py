@@ -44,7 +44,7 @@ def replace_dead_workers(policy) -> None:
     not when the local workers' commands differ or run under NUMA binding (both per local rank). A standby
     that exits unused is reported (``policy.standby_exited(standby)``) and none is started again for that
     context. The standby is ended with the workers (``LocalElasticAgent._shutdown``: the job's end, a
-    failure, a restart of every worker) and once the group has a result.
+    failure, a restart of every worker), once the group has a result, and when no restart is left.
 
     Patches ``LocalElasticAgent._monitor_workers`` and ``_shutdown``, reads the ``SubprocessContext``'s
     handlers, entrypoint, args, envs, stdouts, stderrs and NUMA options, and builds a
@@ -140,6 +140,8 @@ def replace_dead_workers(policy) -> None:
             policy.replaced(worker_group, local_rank, handlers[local_rank].proc.pid, standby)
         if handlers and self._remaining_restarts > 0:
             keep_standby(context, worker_group)
+        elif handlers:
+            end_standby(context)  # no replacement is left to make
         result = original(self, worker_group)
         if result.state != WorkerState.HEALTHY:
             end_standby(context)
