@@ -17,8 +17,9 @@ from conftest import child_env
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 RANK_PROGRAM = (
-    "from relaytrain.job.standby import become_rank; become_rank(('json',)); import os, sys; "
-    "print('rank', os.environ['RANK'], os.environ.get('ONLY_BEFORE')); print('to stderr', file=sys.stderr)"
+    "from relaytrain.job.standby import become_rank; become_rank(lambda: __import__('json')); "
+    "import os, sys; print('rank', os.environ['RANK'], os.environ.get('ONLY_BEFORE')); "
+    "print('to stderr', file=sys.stderr)"
 )
 
 

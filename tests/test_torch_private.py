@@ -459,6 +459,13 @@ def test_on_dynamo_compile_calls_each_once_around_a_compiled_graph():
     torch._dynamo.reset()
 
 
+def test_import_dynamo():
+    tp.import_dynamo()
+    import sys
+
+    assert "torch._dynamo.callback" in sys.modules
+
+
 def test_compile_cache_counts_reads_inductor_s_graph_cache_counters():
     from torch._dynamo.utils import counters
 

@@ -3,7 +3,7 @@ rank imports and waits to take a lost rank's place (``resilience.survivors``, do
 
 torchrun's agent (``job/torchrun.py``, through ``torch_private/agent.py``) starts one per agent with the
 environment its workers share and a pipe (``STANDBY_ENV`` names its descriptor). The process runs the
-workers' command up to `become_rank`: it imports the modules it is given, tells the agent it is ready
+workers' command up to `become_rank`: it imports what it is given to, tells the agent it is ready
 (one byte on a second pipe), and blocks in a read of the first one: no CPU while it waits. When a worker
 dies, the agent writes the dead rank's whole environment and output files on the pipe and closes it; the
 standby takes them and carries on as that rank, with its pid. When the agent ends it (the job ends, the
@@ -14,13 +14,13 @@ nothing: the standby exits.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 STANDBY_ENV = "RELAYTRAIN_STANDBY_FD"  # "<read fd>,<ready fd>": set only in a standby process
 # Stop signals a standby does not keep for later (the training command captures them before its
@@ -86,17 +86,16 @@ class Standby:
         self.proc.wait()
 
 
-def become_rank(preload: tuple[str, ...] = ()) -> None:
-    """In a standby process: import `preload`, say ready, wait for a rank and take it (its environment, its
-    output files); return as that rank. The agent gone first: exit. Elsewhere: nothing."""
+def become_rank(warm_up: Callable[[], object]) -> None:
+    """In a standby process: `warm_up()` (the imports), say ready, wait for a rank and take it (its
+    environment, its output files); return as that rank. The agent gone first: exit. Elsewhere: nothing."""
     fds = os.environ.get(STANDBY_ENV)
     if not fds:
         return
     read, ready = (int(fd) for fd in fds.split(","))
     for signum in _STOP_SIGNALS:
         signal.signal(signum, signal.SIG_DFL)
-    for name in preload:
-        importlib.import_module(name)
+    warm_up()
     os.write(ready, b"r")
     os.close(ready)
     waited = time.monotonic()

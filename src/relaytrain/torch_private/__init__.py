@@ -103,6 +103,12 @@ def on_dynamo_compile(start, end) -> None:
         callbacks.on_compile_end(end)
 
 
+def import_dynamo() -> None:
+    """Import ``torch._dynamo`` (its callbacks, which `on_dynamo_compile` loads at a rank's set-up, compile on
+    or off): a standby process does it before it waits (job/standby.py). Checked: 2.14.1."""
+    import torch._dynamo.callback  # noqa: F401, PLC0415 - loaded on first use
+
+
 def compile_cache_counts() -> dict[str, int]:
     """`torch._dynamo.utils.counters`: this process's graphs by Inductor's FX graph cache, ``cold`` (compiled
     from scratch: a miss, or a bypass of a graph the cache cannot hold) and ``cached`` (a hit).
