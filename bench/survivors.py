@@ -2,7 +2,7 @@
 invocation: the trainer under `python -m relaytrain.job.torchrun` on gloo/CPU (a tiny model).
 
     python -m bench.survivors [--ranks 4] [--trials 3] [--kill-at 5] [--steps 100] [--seed 57] [--no-write]
-    python -m bench.survivors --page-from bench/results/survivors-<date>.json
+    python -m bench.survivors --page-from bench/results/survivors-<date>.json ...   # every kept run
 
 An uninterrupted run gives the reference losses. Then, per trial, one rank drawn from `--seed` (rank 0
 included) is SIGKILLed from outside in two runs:
@@ -21,7 +21,8 @@ step; the steps replayed; the losses equal to the reference's at every step; the
 killed one that exited (survivors: a rank's pid before the kill against after the recovery); and the
 survivors' recovery event (detect, repair, transfer, redo) and what replaced the dead rank (the launcher's
 log: the standby, or a new process). Snapshots every step.
-Writes the `survivors` section of docs/benchmarks.md; keeps bench/results/survivors-<UTC date and time>.json.
+Keeps bench/results/survivors-<UTC date and time>.json and writes the `survivors` section of
+docs/benchmarks.md from every kept run: the latest in full, each earlier one as a row.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from bench import kept
 from bench.procs import bench_env
-from bench.report import REPO, fmt, machine_info, python_command, table
+from bench.report import REPO, fmt, machine_info, python_command, table, write_page
 
 MODULE = "bench.survivors"
 SECTION = "survivors"
@@ -200,7 +201,43 @@ def replaced_by(surv: list[dict]) -> str:
     )
 
 
+def medians(data: dict) -> tuple[float, float]:
+    """Kill -> next step, medians: (survivors, restart)."""
+    runs = [run for trial in data["trials"] for run in trial]
+    return tuple(
+        statistics.median(r["kill_to_next_s"] for r in runs if r["path"] == path)
+        for path in ("survivors", "restart")
+    )  # type: ignore[return-value]
+
+
 def render(data: dict) -> str:
+    """One run's section, with the sentence naming its file (what a measurement prints)."""
+    return render_run(data) + "\n" + kept.rewritten(python_command(MODULE), kept.relative(data["kept"]))
+
+
+def render_page(runs: list[dict]) -> str:
+    """The section from every kept run: the latest in full, the earlier ones as rows, all files named."""
+    runs = sorted(runs, key=lambda data: data["machine"]["date"])
+    lines = [render_run(runs[-1])]
+    if len(runs) > 1:
+        rows = []
+        for data in runs[:-1]:
+            surv = [trial[0] for trial in data["trials"]]
+            survivors, restart = medians(data)
+            took = ", ".join(sorted({r.get("replacement", "new process") for r in surv}))
+            rows.append((data["machine"]["date"], data["machine"]["commit"], took, fmt(survivors),
+                         fmt(restart), f"{restart / survivors:.2f}x"))  # fmt: skip
+        header = ["run", "commit", "replacement", "survivors (s)", "restart (s)", "restart / survivors"]
+        lines += ["Earlier runs (kill -> next step, medians):", "", table(header, rows).rstrip(), ""]
+    names = [kept.relative(data["kept"]) for data in runs]
+    lines.append(
+        f"Results: {', '.join(f'`{name}`' for name in names)}. Rewritten from the kept results by "
+        f"`{python_command(MODULE)} --page-from {' '.join(names)}`.\n"
+    )
+    return "\n".join(lines)
+
+
+def render_run(data: dict) -> str:
     m, a = data["machine"], data["args"]
     runs = [run for trial in data["trials"] for run in trial]
     of = lambda path: [r for r in runs if r["path"] == path]  # noqa: E731
@@ -241,7 +278,7 @@ def render(data: dict) -> str:
         f"restart {sum(r['others_exited'] for r in rest)}. " + replaced_by(surv),
         "",
     ]
-    return "\n".join(lines) + "\n" + kept.rewritten(python_command(MODULE), kept.relative(data["kept"]))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,10 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=57)
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--page-from", default="")
+    parser.add_argument("--page-from", nargs="+", default=[])
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.page_from:
-        kept.rewrite_from(args.page_from, render, SECTION, ORDER, parser.error)
+        try:
+            runs = [kept.page_from(path) for path in args.page_from]
+        except ValueError as err:
+            parser.error(f"--page-from: {err}")
+        print(f"wrote {write_page({SECTION: render_page(runs)}, ORDER)}")
         return 0
     if not 0 < args.kill_at < args.steps - 1:
         parser.error(f"--kill-at must be between 1 and --steps - 2 ({args.steps - 2})")
@@ -264,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     data = {"machine": machine_info(), "command": python_command(MODULE, shown), "args": vars(args)}
     data |= measure(args)
-    kept.keep_and_show("survivors", data, render, SECTION, ORDER, write=not args.no_write)
+    kept.keep_and_show("survivors", data, render, SECTION, ORDER, write=False)
+    if not args.no_write:
+        runs = [kept.page_from(path) for path in sorted(kept.RESULTS_DIR.glob("survivors-*.json"))]
+        print(f"wrote {write_page({SECTION: render_page(runs)}, ORDER)}")
     return 0
 
 
