@@ -25,7 +25,8 @@ PROCESS_STARTERS = {
     "resilience/batch/job_step.py": "the job step itself (srun, argv from the batch script): a long process "
     "whose signals are forwarded, not a client command",
     "resilience/hangs/stacks.py": "py-spy",
-    "resilience/batch/job_setup.py": "nvidia-smi / rocm-smi and pip freeze, for the job log",
+    "resilience/batch/job_setup.py": "nvidia-smi / rocm-smi, for the job log",
+    "job/standby.py": "the warm standby: the workers' own command, waiting to take a lost rank's place",
     "monitor/gpu_monitor.py": "nvidia-smi / rocm-smi",
     "parallel/simulate.py": "the fake-tensor step in a fresh interpreter",
     "parallel/sim_reshard.py": "the resharding simulation in a fresh interpreter",

@@ -1,6 +1,7 @@
 """resilience.survivors end to end under `python -m relaytrain.job.torchrun` (gloo, CPU, 4 ranks): rank 0's
-process is SIGKILLed from outside at a step; the other three keep their processes, the launcher starts
-a replacement alone, and the run finishes with every loss equal to an uninterrupted run's. When the
+process is SIGKILLed from outside at a step; the other three keep their processes, the launcher's standby
+process (started before the kill) takes its place, and the run finishes with every loss equal to an
+uninterrupted run's, and no standby left. When the
 in-process path fails (a fault breaks the survivors' join), the launcher ends every worker and the
 restart that follows (the batch driver's, here the same command again) resumes bit-exact. Every run is
 docs/resilience.md's survivors line as written, with the test's small model and run directory appended."""
@@ -8,6 +9,7 @@ docs/resilience.md's survivors line as written, with the test's small model and 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from relaytrain.job.standby import STANDBY_ENV
 from test_docs_cli import bash_lines
 from test_resilience_dist import finish, losses, records, wait_for_step, worker_pid
 
@@ -59,30 +62,61 @@ def reference(tmp_path_factory) -> dict[int, float]:
     run_dir = tmp_path_factory.mktemp("survivors") / "reference"
     rc, out = finish(launch(run_dir, "--resilience.survivors=false"))  # uninterrupted, plain
     assert rc == 0, out[-3000:]
+    assert "standby" not in out  # survivors off: no standby process, restarts or not
     return losses(run_dir)
 
 
-def kill_rank_at(proc: subprocess.Popen, run_dir: Path, rank: int, step: int) -> dict[int, int]:
-    """SIGKILL `rank`'s process once `step` is logged; every worker's pid just before."""
+def standby_pid(agent: int, timeout: float = 60) -> int:
+    """The agent's standby process: its child started with the standby's variable."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if parent == agent and f"{STANDBY_ENV}=".encode() in (entry / "environ").read_bytes():
+                    return int(entry.name)
+            except (OSError, ValueError, IndexError):
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no standby process under pid {agent}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_rank_at(proc: subprocess.Popen, run_dir: Path, rank: int, step: int) -> tuple[dict[int, int], int]:
+    """SIGKILL `rank`'s process once `step` is logged and the agent has its standby; every worker's pid
+    just before, and the standby's."""
     wait_for_step(run_dir, step, proc)
+    standby = standby_pid(proc.pid)
     pids = {r: worker_pid(proc.pid, r) for r in range(RANKS)}
     os.kill(pids[rank], signal.SIGKILL)
-    return pids
+    return pids, standby
 
 
 def test_the_survivors_of_a_killed_rank_0_keep_their_processes_and_the_losses(tmp_path, reference):
     run_dir = tmp_path / "run"
     proc = launch(run_dir, "--resilience.survivors=true")
-    before = kill_rank_at(proc, run_dir, 0, KILL_AT)
+    before, standby = kill_rank_at(proc, run_dir, 0, KILL_AT)
     deadline = time.monotonic() + 300
     while not [r for r in records(run_dir, "event") if r["event"] == "recovery"]:
         assert proc.poll() is None and time.monotonic() < deadline, "no recovery event"
         time.sleep(0.05)
-    after = {r: worker_pid(proc.pid, r) for r in range(RANKS)}
+    after = {r: worker_pid(proc.pid, r) for r in range(1, RANKS)}
     rc, out = finish(proc)
     assert rc == 0, out[-4000:]
-    assert "rank 0 (pid" in out and "the other ranks stay: its replacement joins their round 1" in out
-    assert after[0] != before[0] and all(after[r] == before[r] for r in range(1, RANKS)), (before, after)
+    # The replacement is the standby started before the kill: its pid, rank 0's place.
+    replaced = f"rank 0 (pid {before[0]}) exited -9; the other ranks stay: the standby process (pid {standby}"
+    assert replaced in out and "takes its place in their round 1" in out, out[-4000:]
+    assert f"the standby process (pid {standby}) becomes rank 0" in out, out[-4000:]
+    assert all(after[r] == before[r] for r in range(1, RANKS)), (before, after)
+    # No standby outlives the agent (the one started after the recovery included).
+    standbys = [int(pid) for pid in re.findall(r"started a standby process \(pid (\d+)\)", out)]
+    assert standbys[0] == standby and not [pid for pid in standbys if alive(pid)], standbys
     (event,) = [r for r in records(run_dir, "event") if r["event"] == "recovery"]
     assert (event["lost_rank"], event["generation"]) == (0, 1), event
     assert event["steps_replayed"] <= 1 and event["restored_step"] >= KILL_AT - 1, event

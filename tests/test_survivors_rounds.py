@@ -34,8 +34,9 @@ def agent(monkeypatch):
 def test_a_lost_rank_s_round_is_joined_and_without_one_the_rank_falls_back(agent):
     launcher, environ, severed = agent
     rank = Survivors(ResilienceConfig(survivors=True), environ)
-    assert rank.on and launcher.enabled() and rank.replacement_store() is None
+    assert rank.on and launcher.enabled() and rank.replacement_store() is None and launcher.settled()
     assert launcher.open_generation(2, 100.0) == 1
+    assert not launcher.settled()  # a round under way: the agent starts no standby process
     lost = rank.caught(RuntimeError("Connection closed by peer"), step=6)
     assert (lost.generation, lost.lost_rank, lost.lost_step) == (1, 2, 7) and severed == [
         int(environ["MASTER_PORT"])
@@ -44,6 +45,9 @@ def test_a_lost_rank_s_round_is_joined_and_without_one_the_rank_falls_back(agent
         ResilienceConfig(survivors=True), {**environ, "RELAYTRAIN_SURVIVOR_GENERATION": "1"}
     )
     assert replacement.recovery.lost_rank == 2 and replacement.replacement_store() is not None
+    events = []
+    replacement.step_done(7, lambda *args, **fields: events.append(args))
+    assert events == [("recovery", 7)] and launcher.settled()  # its replayed step done: the next standby
     # No round after the next failure: not a lost rank; the round is marked failed for the launcher.
     rank.generation = 1
     assert rank.caught(RuntimeError("a bug"), step=9) is None and launcher.failed()

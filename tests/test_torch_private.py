@@ -152,33 +152,99 @@ def test_bound_teardown_after_failure(monkeypatch):
 
 
 def test_replace_dead_workers(monkeypatch):
-    """A dead worker is started again alone with the extra variables (a dict), left to torchrun (None),
-    or ends the restarts (False); a live one is left alone. (tests/test_survivors.py runs it in torchrun.)"""
+    """A dead worker is replaced alone with the extra variables (a dict), left to torchrun (None), or ends
+    the restarts (False); a live one is left alone. The replacement is the standby the policy started (it
+    gets the rank's environment and output files, the worker its pid), else a new process; the agent's
+    shutdown ends a standby. (tests/test_survivors.py runs it in torchrun.)"""
+    import os
+
+    from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import subprocess_handler
 
     wanted = {"entrypoint", "args", "env", "stdout", "stderr", "local_rank_id", "numa_options"}
     assert wanted <= set(inspect.signature(subprocess_handler.get_subprocess_handler).parameters)
     ns = types.SimpleNamespace
-    started = []
-    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: "torchrun's poll")
+    started, shut = [], []
+    healthy = ns(state=WorkerState.HEALTHY)
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda self, group: healthy)
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", lambda self, *a, **k: shut.append(self))
     monkeypatch.setattr(
         subprocess_handler, "get_subprocess_handler", lambda **kw: started.append(kw) or ns(proc=ns(pid=99))
     )
-    answers = iter([{"EXTRA": "1"}, None, False])
-    tp.agent.replace_dead_workers(lambda group, local_rank, code, env: next(answers))
 
-    def poll(code):
-        dead = ns(proc=ns(poll=lambda: code))
-        handlers = {0: ns(proc=ns(poll=lambda: None)), 1: dead}
-        context = ns(subprocess_handlers=handlers, entrypoint="python", args={1: ("-m", "x")},
-                     envs={1: {"RANK": "1"}}, stdouts={1: ""}, stderrs={1: ""})  # fmt: skip
-        agent, group = ns(_pcontext=context, _remaining_restarts=2), ns(workers=[ns(id=1), ns(id=2)])
-        assert LocalElasticAgent._monitor_workers(agent, group) == "torchrun's poll"
-        return agent._remaining_restarts, group.workers[1].id, context.subprocess_handlers[1] is dead
+    class Standby:
+        def __init__(self, command, env):
+            self.command, self.env, self.proc, self.ready_after = (
+                command,
+                env,
+                ns(pid=77, poll=lambda: None),
+                1.0,
+            )
+            self.became, self.ended = None, False
 
-    assert poll(-9) == (1, 99, False) and started[0]["env"] == {"RANK": "1", "EXTRA": "1"}
-    assert poll(-9) == (2, 2, True) and poll(-9) == (0, 2, True) and len(started) == 1
+        def ready(self):
+            return True
+
+        def become(self, env, stdout, stderr):
+            self.became = (env, stdout, stderr)
+
+        def end(self):
+            self.ended = True
+
+    class Policy:
+        def __init__(self, answers, standby):
+            self.answers, self.wants, self.standbys, self.told = iter(answers), standby, [], []
+
+        def replacement_env(self, group, local_rank, code, env):
+            return next(self.answers)
+
+        def replaced(self, group, local_rank, pid, standby):
+            self.told.append((local_rank, pid, standby))
+
+        def standby(self, group, command, env):
+            self.standbys += [Standby(command, env)] if self.wants else []
+            return self.standbys[-1] if self.wants else None
+
+        standby_ready = standby_exited = None
+
+    def agent(code):
+        handlers = {0: ns(proc=ns(poll=lambda: None)), 1: ns(proc=ns(poll=lambda: code))}
+        context = ns(subprocess_handlers=handlers, entrypoint="python", args={0: ("-m", "x"), 1: ("-m", "x")},
+                     envs={0: {"RANK": "0", "W": "2"}, 1: {"RANK": "1", "W": "2"}},
+                     stdouts={1: "out1"}, stderrs={1: ""})  # fmt: skip
+        return ns(_pcontext=context, _remaining_restarts=2), ns(workers=[ns(id=1), ns(id=2)])
+
+    def poll(agent, group):
+        assert LocalElasticAgent._monitor_workers(agent, group) is healthy
+        handler = agent._pcontext.subprocess_handlers[1]
+        return (
+            agent._remaining_restarts,
+            group.workers[1].id,
+            handler.proc.pid if hasattr(handler.proc, "pid") else 0,
+        )
+
+    # A standby is started with the workers' command and what their environments share, then used.
+    policy = Policy([{"EXTRA": "1"}], standby=True)
+    tp.agent.replace_dead_workers(policy)
+    live, group = agent(None)
+    poll(live, group)
+    (standby,) = policy.standbys
+    assert standby.command == ["python", "-m", "x"] and standby.env == {**os.environ, "W": "2"}
+    dead, group = agent(-9)
+    dead._pcontext.relaytrain_standby = standby
+    assert poll(dead, group) == (1, 77, 77) and policy.told[0] == (1, 77, standby)
+    assert standby.became == ({**os.environ, "RANK": "1", "W": "2", "EXTRA": "1"}, "out1", "")
+    assert not started and not standby.ended
+    LocalElasticAgent._shutdown(dead)  # the next standby (started after the replacement) ends with it
+    assert shut == [dead] and policy.standbys[-1] is not standby and policy.standbys[-1].ended
+
+    # No standby: a new process; None: torchrun's; False: no restart left.
+    policy = Policy([{"EXTRA": "1"}, None, False], standby=False)
+    tp.agent.replace_dead_workers(policy)
+    assert poll(*agent(-9))[:2] == (1, 99) and started[0]["env"] == {"RANK": "1", "W": "2", "EXTRA": "1"}
+    assert policy.told == [(1, 99, None)]
+    assert poll(*agent(-9))[0] == 2 and poll(*agent(-9))[0] == 0 and len(started) == 1
 
 
 def test_optimizer_step_dtype():

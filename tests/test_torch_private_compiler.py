@@ -50,3 +50,10 @@ def test_on_compile_stage_calls_moved_at_each_stage_and_each_kernel_waited_for(m
     async_compile.AsyncCompile().wait(dict(done))
     assert len(moves) - stages == 5, len(moves) - stages  # the wait's start and end, one per kernel
     torch._dynamo.reset()
+
+
+def test_import_dynamo():
+    import sys
+
+    tp.compiler.import_dynamo()
+    assert "torch._dynamo.callback" in sys.modules

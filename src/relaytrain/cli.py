@@ -63,7 +63,19 @@ def split_config_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     return split(list(args.config_args or []) + list(getattr(args, "extra_overrides", [])))
 
 
+def warm_up_standby() -> None:
+    """A standby process's work before it waits (job/standby.py): the trainer's imports (torch's with them)
+    and Dynamo's, which the trainer's set-up loads (its step clock watches compilation)."""
+    import relaytrain.trainer  # noqa: F401
+    from relaytrain.torch_private import compiler
+
+    compiler.import_dynamo()
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from relaytrain.job.standby import become_rank
+
+    become_rank(warm_up_standby)  # a standby process: warm, then this rank's (elsewhere: nothing)
     capture_early_signals()  # main(argv) called from Python: before importing torch (idempotent)
     from relaytrain.job import startup
 

@@ -13,6 +13,8 @@ fallback, starts a fresh set):
   dead worker and hands the replacement the new value (``RELAYTRAIN_SURVIVOR_GENERATION``); the
   survivors wait for it to pass theirs. Generation ``g`` builds its process group under ``gen<g>/``.
 * ``gen<g>/lost``: ``"<rank> <unix time>"``, the rank the agent replaced and when it saw its process exit.
+* ``gen<g>/recovered``: set by the ranks once generation ``g``'s replayed step is done; the agent starts its
+  next standby process (``job/standby.py``) only when the newest generation is 0 or recovered.
 """
 
 from __future__ import annotations
@@ -82,6 +84,14 @@ class SurvivorRounds:
         generation = int(self.store.add("generation", 1))
         self.store.set(f"gen{generation}/lost", f"{lost_rank} {seen_at!r}")
         return generation
+
+    def mark_recovered(self, generation: int) -> None:
+        self.store.set(f"gen{generation}/recovered", "1")
+
+    def settled(self) -> bool:
+        """No round under way: no loss yet, or the newest round's replayed step done."""
+        generation = self.generation()
+        return generation == 0 or self._flag(f"gen{generation}/recovered")
 
     def lost(self, generation: int) -> tuple[int, float]:
         rank, seen = self.store.get(f"gen{generation}/lost").decode().split()

@@ -15,13 +15,15 @@ a stop being the expected path rather than a failure:
   ``failed (exitcode: 75)``, prints a ``ChildFailedError`` traceback with a FAILED summary, and exits 1,
   so a batch script can no longer tell the agreed stop from a crash. Here it is one line and exit code 75.
 
-A run with ``resilience.survivors`` on (its ranks say so on the agent's store, ``job/survivors.py``) adds a
-third: a worker whose process dies (any exit but 0 and the agreed stops) is started again alone, with the
-same command and environment, while the others stay; it joins the survivors' next round and counts
-against ``--max-restarts``. After a rank reports that its in-process recovery failed, the next dead
-worker ends them all and the launcher fails, with no restart of its own (torchrun's restart of every
-worker would meet the old workers' keys on its store): what restarts a failed job step (the batch
-driver's restart in place) runs as without survivors.
+A run with ``resilience.survivors`` on (its ranks say so on the agent's store, ``job/survivors.py``) adds
+a third: a worker whose process dies (any exit but 0 and the agreed stops) is replaced alone, with the
+same command and environment, while the others stay; the replacement joins the survivors' next round and
+counts against ``--max-restarts``. It is the agent's standby process (``job/standby.py``: started while
+the run has restarts left, already imported, waiting) when one is alive, else a new process (the log says
+which); a new standby is started once the round's replayed step is done. After a rank reports that its in-
+process recovery failed, the next dead worker ends them all and the launcher fails, with no restart of its
+own (torchrun's restart of every worker would meet the old workers' keys on its store): what restarts a
+failed job step (the batch driver's restart in place) runs as without survivors.
 
 Any other worker failure keeps torchrun's own error summary and exit code. And after one, the workers
 still running get ``FAILURE_SHUTDOWN_S`` to end on torchrun's SIGTERM before its SIGKILL, not its 30 s:
@@ -42,6 +44,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
+from relaytrain.job.standby import Standby
 from relaytrain.job.survivors import GENERATION_ENV, SurvivorRounds
 from relaytrain.torch_private.agent import bound_teardown_after_failure, replace_dead_workers
 
@@ -76,44 +79,82 @@ def _all_resume(exc: ChildFailedError) -> bool:
 
 
 class _Replacements:
-    """The agent's side of the survivors' rounds: which dead worker is started again alone."""
+    """The agent's side of the survivors' rounds: which dead worker is replaced alone, and the standby process
+    that replaces it (``job/standby.py``), kept while the ranks ask for survivors and their last round is
+    over (its replayed step done: the next standby's imports do not compete with a recovery)."""
 
     STORE_TIMEOUT_S = 30.0
+    STANDBY_CHECK_S = 1.0  # how often, without a standby, the agent asks its store whether one is wanted
 
     def __init__(self):
         self.rounds: dict[tuple, SurvivorRounds] = {}
+        self.checked_at = 0.0
+        self.lost: tuple[int, int, int, int] = (0, 0, 0, 0)  # rank, pid, exit code, round: for `replaced`
 
-    def __call__(
+    def _rounds(self, group, env: dict[str, str]) -> SurvivorRounds:
+        key = (group.master_addr, group.master_port, int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        if key not in self.rounds:
+            self.rounds[key] = SurvivorRounds.connect(*key, self.STORE_TIMEOUT_S)
+        return self.rounds[key]
+
+    def replacement_env(
         self, group, local_rank: int, code: int, env: dict[str, str]
     ) -> dict[str, str] | bool | None:
         if code in AGREED_STOPS:
             return None
         worker = group.workers[local_rank]
-        restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        key = (group.master_addr, group.master_port, restarts)
-        if key not in self.rounds:
-            self.rounds[key] = SurvivorRounds.connect(*key, self.STORE_TIMEOUT_S)
-        rounds = self.rounds[key]
+        rounds = self._rounds(group, env)
         if not rounds.enabled():
             return None  # not a survivors run: torchrun's own handling
         if rounds.failed():
             # The in-process path failed: the launcher fails, and what restarts a failed job step does the
             # rest (the batch driver's restart in place). Not torchrun's restart of every worker: on its
             # store the new workers' process groups meet the old workers' keys.
-            print(
-                "relaytrain.job.torchrun: the survivors' in-process recovery failed; ending every worker",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say("the survivors' in-process recovery failed; ending every worker")
             return False
         generation = rounds.open_generation(worker.global_rank, time.time())
-        print(
-            f"relaytrain.job.torchrun: rank {worker.global_rank} (pid {worker.id}) exited {code}; the other "
-            f"ranks stay: its replacement joins their round {generation}",
-            file=sys.stderr,
-            flush=True,
-        )
+        self.lost = (worker.global_rank, worker.id, code, generation)
         return {GENERATION_ENV: str(generation)}
+
+    def replaced(self, group, local_rank: int, pid: int, standby: Standby | None) -> None:
+        rank, old_pid, code, generation = self.lost
+        if standby is None:
+            how = f"no standby process is ready: a new process (pid {pid}) takes its place"
+        else:
+            warm = "" if standby.ready_after is not None else ", still importing"
+            how = f"the standby process (pid {pid}{warm}) takes its place"
+        _say(
+            f"rank {rank} (pid {old_pid}) exited {code}; the other ranks stay: {how} in their round "
+            f"{generation}"
+        )
+
+    def standby(self, group, command: list[str], env: dict[str, str]) -> Standby | None:
+        """A standby started now, when the ranks ask for survivors and no round is under way."""
+        now = time.monotonic()
+        if now - self.checked_at < self.STANDBY_CHECK_S:
+            return None
+        self.checked_at = now
+        rounds = self._rounds(group, env)
+        if not rounds.enabled() or rounds.failed() or not rounds.settled():
+            return None
+        standby = Standby(command, env)
+        _say(f"started a standby process (pid {standby.proc.pid}) to replace a lost rank")
+        return standby
+
+    def standby_ready(self, standby: Standby) -> None:
+        pid, after = standby.proc.pid, standby.ready_after or 0.0
+        _say(f"the standby process (pid {pid}) is ready ({after:.1f} s after its start)")
+
+    def standby_exited(self, standby: Standby) -> None:
+        pid, code = standby.proc.pid, standby.proc.returncode
+        _say(
+            f"the standby process (pid {pid}) exited {code} before a rank was lost; a lost rank's "
+            "replacement will be a new process"
+        )
+
+
+def _say(line: str) -> None:
+    print(f"relaytrain.job.torchrun: {line}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

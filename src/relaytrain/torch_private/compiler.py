@@ -17,6 +17,12 @@ def on_dynamo_compile(start, end) -> None:
         callbacks.on_compile_end(end)
 
 
+def import_dynamo() -> None:
+    """Import ``torch._dynamo`` (its callbacks, which `on_dynamo_compile` loads at a rank's set-up, compile on
+    or off): a standby process does it before it waits (job/standby.py). Checked: 2.14.1."""
+    import torch._dynamo.callback  # noqa: F401, PLC0415 - loaded on first use
+
+
 def on_compile_stage(moved) -> None:
     """`torch._dynamo.utils.get_chromium_event_logger`: `moved()` called at each start and end of a timed
     stage of a compilation (`dynamo_timed`: Dynamo's tracing, AOTAutograd's, each Inductor pass, each

@@ -156,6 +156,8 @@ class Survivors:
         recovered = self.finished(step) if self.recovery is not None else None
         if recovered is not None:
             log_event("recovery", step, **recovered)
+            if self.rounds is not None:  # the agent may start its next standby process
+                self.rounds.mark_recovered(recovered["generation"])
 
     def finished(self, step: int) -> dict | None:
         """The `recovery` event's fields once `step` is the interrupted step finished again, else None."""
