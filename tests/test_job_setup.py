@@ -32,7 +32,10 @@ def test_the_environment_record_leaves_secrets_out(capsys, tmp_path):
 
 
 def test_the_package_list_is_pip_freeze_s(capsys, tmp_path):
-    """The kept list names what `pip freeze` names, each at its version; an editable install says so."""
+    """The kept list names what `pip freeze` names, each at its version; an editable install says so. In
+    this process setuptools (imported) has put its vendored copies on sys.path: they are left out."""
+    import setuptools  # noqa: F401 - appends setuptools/_vendor to sys.path, as in the suite's workers
+
     kept = tmp_path / "slurm" / "pip-freeze-41.txt"
     job_setup.record_environment({}, "no-such-gpu-tool", kept)
     lines = kept.read_text().splitlines()

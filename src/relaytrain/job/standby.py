@@ -73,17 +73,17 @@ class Standby:
             pipe.write(message)
 
     def end(self) -> None:
-        """Kill it, unless it has become a rank, and reap it (no process is left behind)."""
+        """Kill it, unless it has become a rank, and reap it (no process is left behind). Killed before its
+        pipe closes: the closed pipe alone would end it too, but later and by its own exit."""
+        if not self.became and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                os.killpg(self.proc.pid, signal.SIGKILL)
         for fd in (self._write, self._ready):
             if fd >= 0:
                 os.close(fd)
         self._write = self._ready = -1
-        if self.became:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        if not self.became:
+            self.proc.wait()
 
 
 def become_rank(warm_up: Callable[[], object]) -> None:

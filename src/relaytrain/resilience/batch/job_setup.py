@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import re
 import subprocess
+import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -63,7 +64,10 @@ def installed_packages() -> list[str]:
     driver with the job's Python, and `pip freeze` in a process of its own cost about a second of CPU
     a job."""
     found: dict[str, str] = {}
-    for dist in importlib.metadata.distributions():  # sys.path order: the one Python imports first wins
+    # sys.path less the folders inside a package: setuptools, once imported, appends its _vendor folder,
+    # whose copies are no installed packages
+    path = [entry for entry in sys.path if not (Path(entry or ".").parent / "__init__.py").is_file()]
+    for dist in importlib.metadata.distributions(path=path):  # sys.path order: the first one wins
         name = dist.metadata["Name"]
         if not name or name.lower() in found or name.lower() in PACKAGING_TOOLS:
             continue
