@@ -81,16 +81,20 @@ def replace_dead_workers(policy) -> None:
             elif standby.ready_after is None and standby.ready():
                 policy.standby_ready(standby)
             return
-        ranks = sorted(context.args)
-        if getattr(context, "_numa_options", None) or any(
-            context.args[r] != context.args[ranks[0]] for r in ranks
-        ):
-            setattr(context, _STANDBY, False)
-            return
-        envs = [context.envs[r] for r in ranks]
-        shared = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs[1:])}
-        command = [context.entrypoint, *(str(a) for a in context.args[ranks[0]])]
-        setattr(context, _STANDBY, policy.standby(group, command, {**os.environ, **shared}))
+        spec = getattr(context, _STANDBY_SPEC, None)
+        if spec is None:  # the context's command and environment do not change: worked out once
+            ranks = sorted(context.args)
+            if getattr(context, "_numa_options", None) or any(
+                context.args[r] != context.args[ranks[0]] for r in ranks
+            ):
+                setattr(context, _STANDBY, False)
+                return
+            envs = [context.envs[r] for r in ranks]
+            shared = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs[1:])}
+            command = [context.entrypoint, *(str(a) for a in context.args[ranks[0]])]
+            spec = (command, {**os.environ, **shared})
+            setattr(context, _STANDBY_SPEC, spec)
+        setattr(context, _STANDBY, policy.standby(group, *spec))
 
     def take_standby(context, local_rank: int, env: dict[str, str]):
         standby = getattr(context, _STANDBY, None)
@@ -159,3 +163,4 @@ def replace_dead_workers(policy) -> None:
 
 
 _STANDBY = "relaytrain_standby"  # the context's standby: None (none yet), False (none for it), or one
+_STANDBY_SPEC = "relaytrain_standby_spec"  # (command, environment) a standby of the context starts with

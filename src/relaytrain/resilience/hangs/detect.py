@@ -10,7 +10,8 @@ multiple of the phase's usual longest pause between moves (its recent median), n
 never above ``resilience.hang_timeout_s`` (the cap); a phase with a budget (a save's or restore's
 estimate) may take twice it. The start-up is phases of its own, from the task wrapper's first instruction
 on (launch, rendezvous, set-up, the restore, compilation, the first step), each bounded the same way
-(``STARTUP_LIMITS``), so a rank stuck in its rendezvous or restore is named within the floor.
+(launch and set-up, which mark only per module imported, by ``FIRST_WORK_FLOORS`` x the floor until
+measured), so a rank stuck in its rendezvous or restore is named within the floor.
 
 On a hang the culprits are named, most certain first: a process that is gone, stopped or in uninterruptible
 sleep (it cannot run Python, so its own stack may be missing); a rank outside any collective while others
@@ -60,15 +61,6 @@ BUDGET_MULTIPLE = 2.0  # a phase with a budget may take twice its estimate befor
 # each kernel the compile workers finished: about a second apart), so the floor bounds it like any phase.
 FIRST_WORK_FLOORS = 3.0
 FIRST_WORK = {Phase.LAUNCH: "the imports", Phase.STARTUP: "set-up"}
-# What bounds each start-up phase before its pause is measured (after: the floor and the multiple).
-STARTUP_LIMITS = {
-    Phase.LAUNCH: f"{FIRST_WORK_FLOORS:g} x the floor (each module imported marked)",
-    Phase.RENDEZVOUS: "the floor",
-    Phase.STARTUP: f"{FIRST_WORK_FLOORS:g} x the floor (each module imported marked)",
-    Phase.CHECKPOINT_LOAD: f"the floor, or {BUDGET_MULTIPLE:g} x its estimate (per shard read)",
-    Phase.COMPILE: "the floor (each stage of a graph's compilation marked)",
-    Phase.FIRST_STEP: "the floor (each layer's forward and backward marked)",
-}
 MAX_NAMED = 4  # culprits named in the one-line summary; the report lists them all
 GONE_STATES = {"X": "process gone (state X)", "Z": "process exited (state Z, not yet reaped)"}
 STOPPED_STATES = frozenset({"T", "t"})
