@@ -18,6 +18,11 @@ import pytest
 os.environ["OMP_NUM_THREADS"] = "1"
 if "torch" in sys.modules:  # a plugin imported it first
     sys.modules["torch"].set_num_threads(1)
+# The commands the tests run as written (`python -m ...`, `relaytrain ...`, in shells and in Slurm jobs,
+# which inherit the submitting environment) find this interpreter's own folder first, as in an activated
+# virtual environment: not a version manager's shim (pyenv's is a bash script that costs every start a
+# second of wall time on a loaded machine), and never another Python.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 import needs
 import prebuilt
