@@ -247,7 +247,7 @@ def test_quick_goodput_run_on_the_local_cluster(slurm_cluster, tmp_path, capsys)
     out = capsys.readouterr().out
     saved = load_results(next(tmp_path.glob("run-*/results.json")))
 
-    assert code == 0, out[-4000:]
+    assert code == 0, [r.error for r in saved.runs] + [out[-3000:]]  # the run's own error first
     assert saved.command == f"python -m bench.goodput --quick --no-lock --out {tmp_path}" and saved.load
     (preempted,) = saved.runs
     assert preempted.name == "preempt-40s"

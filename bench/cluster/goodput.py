@@ -56,9 +56,9 @@ from bench.cluster.goodput_results import (
     ResultsFile,
     RunResult,
     analyse,
+    ended_runs,
     load_results,
     merge_results,
-    sacct_runs,
     save_results,
 )
 from bench.cluster.harness import (
@@ -113,8 +113,7 @@ class Runner:
                 thread.start()
             wait_job_end(result.job, 3600, interval=2.0)
             stop.set()
-            time.sleep(3)  # jobcomp is written when the job ends
-            analyse(result, run, sacct_runs(result.job), run.job_log())
+            analyse(result, run, ended_runs(result.job), run.job_log())
             state = run.state()
             result.final = f"{state.get('status')} ({state.get('reason')}) at step {state.get('step')}"
             if state.get("status") != "finished" or state.get("step") != self.steps:

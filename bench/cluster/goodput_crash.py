@@ -32,7 +32,7 @@ from pathlib import Path
 
 from relaytrain.config import load_config
 
-from bench.cluster.goodput_results import RunResult, analyse, log_lines, sacct_runs
+from bench.cluster.goodput_results import RunResult, analyse, ended_runs, log_lines
 from bench.cluster.harness import (
     RunFiles,
     kill_with_node_memory,
@@ -124,8 +124,7 @@ def run_crashes(
     finally:
         stop.set()
         killer.join()
-    time.sleep(3)  # jobcomp is written when the job ends
-    runs = sacct_runs(crash.result.job)
+    runs = ended_runs(crash.result.job)
     log_text = run.job_log()
     analyse(crash.result, run, runs, log_text)
     crash.crashes = crash_splits(run, runs, log_text, crash.kills)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from bench.cluster.harness import RunFiles
+from bench.cluster.harness import RunFiles, scontrol_job
 from bench.cluster.ledger_figures import ledger_figures
 
 
@@ -51,6 +52,16 @@ def sacct_runs(job: str) -> list[tuple[float, float]]:
         except ValueError:
             continue
     return sorted(runs)
+
+
+def ended_runs(job: str, timeout: float = 120.0) -> list[tuple[float, float]]:
+    """`sacct_runs` once Slurm's job-completion data holds an end for each of the ended job's runs (its
+    restart count + 1): slurmctld writes it after the job has left the queue, later on a loaded machine."""
+    restarts = int(scontrol_job(job).get("Restarts") or 0)
+    deadline = time.monotonic() + timeout
+    while len(runs := sacct_runs(job)) < restarts + 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return runs
 
 
 _LOG_TIME = re.compile(
