@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env, losses_by_step, read_metrics, run_cli
+from conftest import child_env, cli_in_process, losses_by_step, read_metrics, run_cli
 
 HERE = Path(__file__).parent
 # micro batch 2: 2 ranks take 4 sequences each as 2 x 2, 1 rank 8 as 2 x 4, 4 ranks 2 as 2 x 1.
@@ -62,7 +62,7 @@ def test_resume_on_fewer_or_more_ranks_matches_the_uninterrupted_run(tmp_path, t
 
     expected = losses_by_step(reference)
     expected_samples = samples_by_step(tmp_path, "ref")
-    assert run_cli(["verify", str(reference)], tmp_path).returncode == 0
+    assert cli_in_process(["verify", str(reference)], tmp_path).returncode == 0
     assert sorted(expected) == list(range(1, 7))
     # each step reads the global batch: 8 consecutive samples, 8*(step-1) onward
     assert expected_samples == {s: list(range(8 * (s - 1), 8 * s)) for s in range(1, 7)}
@@ -84,7 +84,7 @@ def test_resume_on_fewer_or_more_ranks_matches_the_uninterrupted_run(tmp_path, t
         assert (resize["from_micro_batch"], resize["from_grad_accum"]) == (2, 2)
         assert (resize["micro_batch"], resize["grad_accum"]) == split
         assert json.loads((run / "run_state.json").read_text())["status"] == "finished"
-        verified = run_cli(["verify", str(run)], tmp_path)  # from the run's own sample records
+        verified = cli_in_process(["verify", str(run)], tmp_path)  # from the run's own sample records
         assert verified.returncode == 0, verified.stdout + verified.stderr
         assert "samples: steps 1-6: global samples [0, 48) each consumed once" in verified.stdout
         # the tokens read again from the prepared data: a resize keeps the global order
@@ -92,12 +92,9 @@ def test_resume_on_fewer_or_more_ranks_matches_the_uninterrupted_run(tmp_path, t
     print(f"\nelastic resume: max relative loss difference after the resize {worst:.2e}")
 
 
-def test_unchanged_layout_logs_no_resize(tmp_path, tiny_args):
-    args = ["train", *tiny_args, *STEPS, "--run.name=same"]
-    for extra in (["--train.stop_at_step=2"], []):
-        proc = run_cli([*args, *extra], tmp_path)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = tmp_path / "runs" / "same"
+def test_unchanged_layout_logs_no_resize(stopped_and_resumed_run):
+    # the session's one-process run stopped and resumed on the same world (tests/conftest.py), read only
+    run = stopped_and_resumed_run
     assert len(events(run, "resume")) == 1
     assert events(run, "resize") == []
 
