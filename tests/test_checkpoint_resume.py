@@ -4,11 +4,13 @@ and a checkpoint written at one layout continues the loss curve at another."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from relaytrain.checkpoint import files, load_model
+from test_elastic import uninterrupted_two_rank_run
 
 from conftest import losses_by_step, run_cli, run_torchrun
 
@@ -39,9 +41,20 @@ def test_stop_and_resume_is_bit_exact_one_process(tmp_path, tiny_args):
     assert os.readlink(run / "checkpoints/latest") == "step_6"
 
 
+# tests/test_elastic.py's uninterrupted 2-rank run (the same STEPS and tiny model) is the FSDP runs'
+# reference: their micro batch is its (2: 2 ranks take 4 sequences each as 2 x 2).
+FSDP_MICRO_BATCH = "--train.micro_batch_size=2"
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> Path:
+    return uninterrupted_two_rank_run(tmp_path_factory)
+
+
 @pytest.mark.slow
-def test_fsdp_resume_and_resharding(tmp_path, tiny_args):
-    reference, _ = train(tmp_path, tiny_args, "fsdp_ref", nproc=2)
+def test_fsdp_resume_and_resharding(tmp_path, tiny_args, reference_run):
+    reference = reference_run / "runs" / "ref"
+    tiny_args = [*tiny_args, FSDP_MICRO_BATCH]
     run, _ = train(tmp_path, tiny_args, "fsdp", "--train.stop_at_step=3", "--checkpoint.mode=async", nproc=2)
     # wall-clock saves (decided on rank 0, broadcast): every step here, on top of the interval ones
     extra = ["--checkpoint.interval_minutes=0.0001", "--checkpoint.keep_every=3"]

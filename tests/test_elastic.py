@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env, losses_by_step, read_metrics, run_cli
+from shared_runs import once_per_session
+
+from conftest import TINY, child_env, cli_in_process, losses_by_step, read_metrics, run_cli
 
 HERE = Path(__file__).parent
 # micro batch 2: 2 ranks take 4 sequences each as 2 x 2, 1 rank 8 as 2 x 4, 4 ranks 2 as 2 x 1.
@@ -36,6 +38,21 @@ def train(tmp_path: Path, tiny_args: list[str], name: str, nproc: int, *extra: s
     return tmp_path / "runs" / name
 
 
+def uninterrupted_two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted 2-rank run of STEPS (its folder: `runs/ref` and the sample logs `samples-ref.*`),
+    made once per session: the reference here and of tests/test_checkpoint_resume.py's FSDP resume."""
+
+    def make(folder: Path) -> None:
+        train(folder, [*TINY, f"--run.dir={folder / 'runs'}"], "ref", 2)
+
+    return once_per_session(tmp_path_factory, "elastic-reference", make)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> Path:
+    return uninterrupted_two_rank_run(tmp_path_factory)
+
+
 def samples_by_step(tmp_path: Path, name: str) -> dict[int, list[int]]:
     """Step -> the sorted global sample indices all ranks read at that step."""
     seen: dict[int, list[int]] = {}
@@ -51,8 +68,8 @@ def events(run_dir: Path, name: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_resume_on_fewer_or_more_ranks_matches_the_uninterrupted_run(tmp_path, tiny_args):
-    reference = train(tmp_path, tiny_args, "ref", 2)
+def test_resume_on_fewer_or_more_ranks_matches_the_uninterrupted_run(tmp_path, tiny_args, reference_run):
+    reference = reference_run / "runs" / "ref"
     cut = train(tmp_path, tiny_args, "cut", 2, "--train.stop_at_step=3")
     shutil.copytree(cut, tmp_path / "runs" / "cut4", symlinks=True)
     for log in tmp_path.glob("samples-cut.*"):
@@ -61,8 +78,8 @@ def test_resume_on_fewer_or_more_ranks_matches_the_uninterrupted_run(tmp_path, t
     wide = train(tmp_path, tiny_args, "cut4", 4)
 
     expected = losses_by_step(reference)
-    expected_samples = samples_by_step(tmp_path, "ref")
-    assert run_cli(["verify", str(reference)], tmp_path).returncode == 0
+    expected_samples = samples_by_step(reference_run, "ref")
+    assert cli_in_process(["verify", str(reference)], tmp_path).returncode == 0
     assert sorted(expected) == list(range(1, 7))
     # each step reads the global batch: 8 consecutive samples, 8*(step-1) onward
     assert expected_samples == {s: list(range(8 * (s - 1), 8 * s)) for s in range(1, 7)}
@@ -84,7 +101,7 @@ def test_resume_on_fewer_or_more_ranks_matches_the_uninterrupted_run(tmp_path, t
         assert (resize["from_micro_batch"], resize["from_grad_accum"]) == (2, 2)
         assert (resize["micro_batch"], resize["grad_accum"]) == split
         assert json.loads((run / "run_state.json").read_text())["status"] == "finished"
-        verified = run_cli(["verify", str(run)], tmp_path)  # from the run's own sample records
+        verified = cli_in_process(["verify", str(run)], tmp_path)  # from the run's own sample records
         assert verified.returncode == 0, verified.stdout + verified.stderr
         assert "samples: steps 1-6: global samples [0, 48) each consumed once" in verified.stdout
         # the tokens read again from the prepared data: a resize keeps the global order
@@ -92,12 +109,9 @@ def test_resume_on_fewer_or_more_ranks_matches_the_uninterrupted_run(tmp_path, t
     print(f"\nelastic resume: max relative loss difference after the resize {worst:.2e}")
 
 
-def test_unchanged_layout_logs_no_resize(tmp_path, tiny_args):
-    args = ["train", *tiny_args, *STEPS, "--run.name=same"]
-    for extra in (["--train.stop_at_step=2"], []):
-        proc = run_cli([*args, *extra], tmp_path)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = tmp_path / "runs" / "same"
+def test_unchanged_layout_logs_no_resize(stopped_and_resumed_run):
+    # the session's one-process run stopped and resumed on the same world (tests/conftest.py), read only
+    run = stopped_and_resumed_run
     assert len(events(run, "resume")) == 1
     assert events(run, "resize") == []
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from relaytrain.resilience import EXIT_NONFINITE
+from shared_runs import once_per_session
 
 import faults
 from conftest import TINY, child_env, run_cli
@@ -118,6 +119,20 @@ def exit_codes(torchrun_output: str) -> set[str]:
     return set(re.findall(r"exitcode\s*:\s*(-?\d+)", torchrun_output))
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    """The losses of an uninterrupted 2-rank run of BASE, step by step: the reference of the bit-exact
+    checks here (made once per session: its tests may run on several xdist workers)."""
+
+    def plain(folder: Path) -> None:
+        rc, out = finish(start(folder / "reference"))
+        assert rc == 0, out[-3000:]
+
+    reference = losses(once_per_session(tmp_path_factory, "two-rank-reference", plain) / "reference")
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    return reference
+
+
 @pytest.fixture
 def fake_scontrol(tmp_path) -> tuple[str, Path]:
     bin_dir = tmp_path / "bin"
@@ -128,9 +143,8 @@ def fake_scontrol(tmp_path) -> tuple[str, Path]:
     return f"{bin_dir}{os.pathsep}{os.environ['PATH']}", tmp_path / "scontrol.log"
 
 
-def test_stop_requeue_resume_bit_exact(tmp_path, fake_scontrol):
-    ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    reference = start(ref_dir)
+def test_stop_requeue_resume_bit_exact(tmp_path, fake_scontrol, uninterrupted):
+    run_dir = tmp_path / "run"
     # 1. SIGUSR2 to rank 1 only: both ranks stop at the same step, exit 75 (outside Slurm the signal was
     #    sent by hand: reason `signal`, not the time limit).
     proc = start(run_dir)
@@ -167,10 +181,7 @@ def test_stop_requeue_resume_bit_exact(tmp_path, fake_scontrol):
     rc, out = finish(start(run_dir))
     assert rc == 0, out[-3000:]
     assert marker(run_dir)["status"] == "finished"
-    assert finish(reference)[0] == 0
-    reference_losses = losses(ref_dir)
-    assert sorted(reference_losses) == list(range(1, STEPS + 1))
-    assert losses(run_dir) == reference_losses
+    assert losses(run_dir) == uninterrupted  # every step, 1 to STEPS (the fixture checks its steps)
     assert [r["event"] for r in records(run_dir, "event") if r["event"] in ("start", "resume")] == [
         "start",
         "resume",
@@ -179,7 +190,7 @@ def test_stop_requeue_resume_bit_exact(tmp_path, fake_scontrol):
 
     # 4. A stale requeue of the finished run exits 0 at once.
     proc = run_cli(["train", *BASE, f"--run.dir={tmp_path}", "--run.name=run"], cwd=tmp_path)
-    assert proc.returncode == 0 and "already finished at step 24" in proc.stdout + proc.stderr
+    assert proc.returncode == 0 and f"already finished at step {STEPS}" in proc.stdout + proc.stderr
     assert marker(run_dir)["status"] == "finished"
 
 
@@ -223,14 +234,13 @@ def _proc_state(pid: int) -> str:
     )
 
 
-def test_nan_rollback_on_two_ranks_replays_exactly(tmp_path, capsys):
-    ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    reference = start(ref_dir, "--train.max_steps=10")
-    # Rank 1 (only) sees NaN at steps 5 and 6: both ranks skip step 5, then roll back to step 4.
+def test_nan_rollback_on_two_ranks_replays_exactly(tmp_path, capsys, uninterrupted):
+    run_dir = tmp_path / "run"
+    # Rank 1 (only) sees NaN at steps 5 and 6: both ranks skip step 5, then roll back to step 4. All of
+    # BASE's steps, as the shared reference (a shorter run has another learning-rate schedule).
     rc, out = finish(
         start(
             run_dir,
-            "--train.max_steps=10",
             "--checkpoint.interval=2",
             "--resilience.nan_policy=rollback",
             "--resilience.nan_max_consecutive=2",
@@ -241,8 +251,7 @@ def test_nan_rollback_on_two_ranks_replays_exactly(tmp_path, capsys):
     assert faults.landed(out) == landed, f"the NaN faults did not land:\n{out[-3000:]}"
     assert rc == 0, out[-3000:]
     assert [r["step"] for r in records(run_dir, "event") if r["event"] == "rollback"] == [4]
-    assert finish(reference)[0] == 0
-    assert losses(run_dir) == losses(ref_dir)  # steps 5.. replayed after the rollback, bit-exact
+    assert losses(run_dir) == uninterrupted  # steps 5.. replayed after the rollback, bit-exact
     assert marker(run_dir)["status"] == "finished"
     # verify reads the rolled-back run from its own records: the replayed steps' samples once each, in the
     # uninterrupted order, the data as read, and the ledger's windows

@@ -1,10 +1,11 @@
-"""resilience.survivors end to end under `python -m relaytrain.job.torchrun` (gloo, CPU, 4 ranks): rank 0's
-process is SIGKILLed from outside at a step; the other three keep their processes, the launcher's standby
+"""resilience.survivors end to end under `python -m relaytrain.job.torchrun` (gloo, CPU, 2 ranks): rank 0's
+process is SIGKILLed from outside at a step; the other one keeps its process, the launcher's standby
 process (started before the kill) takes its place, and the run finishes with every loss equal to an
 uninterrupted run's, and no standby left. When the
 in-process path fails (a fault breaks the survivors' join), the launcher ends every worker and the
 restart that follows (the batch driver's, here the same command again) resumes bit-exact. Every run is
-docs/resilience.md's survivors line as written, with the test's small model and run directory appended."""
+docs/resilience.md's survivors line as written, on 2 ranks, with the test's small model and run directory
+appended."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from relaytrain.job.standby import STANDBY_ENV
+from shared_runs import once_per_session
 from test_docs_cli import bash_lines
 from test_resilience_dist import finish, losses, records, wait_for_step, worker_pid
 
@@ -28,10 +30,12 @@ from conftest import TINY, child_env
 
 pytestmark = pytest.mark.slow
 
-RANKS, STEPS, KILL_AT = 4, 40, 5  # 40: the workers still run when the test reads their pids
+# 2 ranks: one survivor proves what the others do (keep their processes and the losses, or all end when
+# the join breaks) as well as three, at half the processes. 40: the workers still run when the test
+# reads their pids.
+RANKS, STEPS, KILL_AT = 2, 40, 5
 ARGS = [
     *TINY,
-    "--train.micro_batch_size=2",
     f"--train.max_steps={STEPS}",
     "--checkpoint.interval=0",
     "--checkpoint.snapshot_every=1",
@@ -47,9 +51,14 @@ ARGS = [
 
 
 def launch(run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
-    """The documented line (its flags and keys); later keys win, so `extra` can turn survivors off."""
+    """The documented line (its flags and keys) on RANKS ranks; later keys win, so `extra` can turn
+    survivors off."""
     python, *words = shlex.split(DOC_LINE)
-    assert python == "python" and f"--nproc_per_node={RANKS}" in words, DOC_LINE
+    program = words.index("-m", 2)  # the launcher's own options end where the training program starts
+    assert python == "python" and words[:2] == ["-m", "relaytrain.job.torchrun"], DOC_LINE
+    assert [w for w in words[:program] if w.startswith("--nproc_per_node=")], DOC_LINE
+    # torchrun's parser (argparse) takes the last --nproc_per_node: this one, after the line's own
+    words[program:program] = [f"--nproc_per_node={RANKS}"]
     command = [sys.executable, *words, *ARGS]
     command += [f"--run.dir={run_dir.parent}", f"--run.name={run_dir.name}", *extra]
     return subprocess.Popen(
@@ -59,11 +68,14 @@ def launch(run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
-    run_dir = tmp_path_factory.mktemp("survivors") / "reference"
-    rc, out = finish(launch(run_dir, "--resilience.survivors=false"))  # uninterrupted, plain
-    assert rc == 0, out[-3000:]
-    assert "standby" not in out  # survivors off: no standby process, restarts or not
-    return losses(run_dir)
+    """The uninterrupted run's losses, made once per session (the two tests may run on two workers)."""
+
+    def plain(folder: Path) -> None:
+        rc, out = finish(launch(folder / "reference", "--resilience.survivors=false"))  # uninterrupted
+        assert rc == 0, out[-3000:]
+        assert "standby" not in out  # survivors off: no standby process, restarts or not
+
+    return losses(once_per_session(tmp_path_factory, "survivors-reference", plain) / "reference")
 
 
 def standby_pid(agent: int, timeout: float = 60) -> int:
