@@ -26,6 +26,7 @@ os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.envir
 
 import needs
 import prebuilt
+from shared_runs import once_per_session
 from slurm_fixtures import slurm_cluster, suite_cluster  # noqa: F401  (the real-Slurm fixtures)
 from slurm_grouping import (  # noqa: F401  (the Slurm tests' lanes, their lock, a guard)
     pytest_collection_finish,
@@ -212,13 +213,16 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="session")
 def stopped_and_resumed_run(tmp_path_factory) -> Path:
     """A tiny single-process run stopped at step 3 (saved there) and resumed to step 6, checkpoints every
-    2 steps: for `relaytrain verify` (tests/test_verify.py, tests/test_readme.py). Copy it to change it."""
-    tmp = tmp_path_factory.mktemp("verify")
-    args = ["train", *TINY, f"--run.dir={tmp / 'runs'}", "--run.name=r", "--train.max_steps=6"]
-    for extra in (["--train.stop_at_step=3"], []):
-        proc = run_cli([*args, "--checkpoint.interval=2", *extra], tmp)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tmp / "runs" / "r"
+    2 steps: for `relaytrain verify` (tests/test_verify.py, tests/test_readme.py, ...). Made once per session
+    for every xdist worker (tests/shared_runs.py): copy it to change it."""
+
+    def make(tmp: Path) -> None:
+        args = ["train", *TINY, f"--run.dir={tmp / 'runs'}", "--run.name=r", "--train.max_steps=6"]
+        for extra in (["--train.stop_at_step=3"], []):
+            proc = run_cli([*args, "--checkpoint.interval=2", *extra], tmp)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    return once_per_session(tmp_path_factory, "stopped-and-resumed", make) / "runs" / "r"
 
 
 @pytest.fixture

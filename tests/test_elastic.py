@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from shared_runs import once_per_session
-
 from conftest import TINY, child_env, cli_in_process, losses_by_step, read_metrics, run_cli
+from shared_runs import once_per_session
 
 HERE = Path(__file__).parent
 # micro batch 2: 2 ranks take 4 sequences each as 2 x 2, 1 rank 8 as 2 x 4, 4 ranks 2 as 2 x 1.

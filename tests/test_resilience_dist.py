@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from relaytrain.resilience import EXIT_NONFINITE
-from shared_runs import once_per_session
 
 import faults
 from conftest import TINY, child_env, run_cli
+from shared_runs import once_per_session
 
 pytestmark = pytest.mark.slow
 

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 
 from relaytrain.job.standby import STANDBY_ENV
-from shared_runs import once_per_session
 from test_docs_cli import bash_lines
 from test_resilience_dist import finish, losses, records, wait_for_step, worker_pid
 
 import faults
 from conftest import TINY, child_env
+from shared_runs import once_per_session
 
 pytestmark = pytest.mark.slow
 

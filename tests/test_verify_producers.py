@@ -18,6 +18,7 @@ import pytest
 from relaytrain.data.prepare import prepare_dataset
 
 from conftest import TINY, child_env, cli_in_process
+from shared_runs import once_per_session
 
 HERE = Path(__file__).resolve().parent
 WRAPPER = HERE / "producer_mutations.py"
@@ -30,12 +31,17 @@ def _text(seed: int) -> str:
 
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory) -> Path:
-    """Two prepared sources (byte tokenizer) under a fresh directory."""
-    tmp = tmp_path_factory.mktemp("producers")
-    for name, seed in (("a", 3), ("b", 5)):
-        (tmp / f"{name}.txt").write_text(_text(seed))
-        prepare_dataset([str(tmp / f"{name}.txt")], tmp / "data" / name, val_fraction=0.05)
-    return tmp
+    """Two prepared sources (byte tokenizer), and a run stopped at step 3 with its checkpoint (`stopped`),
+    made once per session for every xdist worker (tests/shared_runs.py); each test's runs go under its own
+    name in runs/."""
+
+    def make(tmp: Path) -> None:
+        for name, seed in (("a", 3), ("b", 5)):
+            (tmp / f"{name}.txt").write_text(_text(seed))
+            prepare_dataset([str(tmp / f"{name}.txt")], tmp / "data" / name, val_fraction=0.05)
+        train(tmp, "stopped", "--train.stop_at_step=3")
+
+    return once_per_session(tmp_path_factory, "producers", make)
 
 
 def args(workdir: Path, name: str, *extra: str) -> list[str]:
@@ -62,8 +68,7 @@ def verify(workdir: Path, name: str, *flags: str) -> tuple[int, list[str]]:
 
 @pytest.fixture(scope="session")
 def stopped(workdir) -> Path:
-    """A run stopped at step 3 with its checkpoint: each test resumes a copy of it."""
-    train(workdir, "stopped", "--train.stop_at_step=3")
+    """A run stopped at step 3 with its checkpoint (made with `workdir`): each test resumes a copy of it."""
     return workdir / "runs" / "stopped"
 
 
