@@ -89,10 +89,8 @@ def test_every_job_step_is_checked_before_its_first_step_and_exclude_leaves_a_sl
         pytest.fail(f"this test needs 3 nodes; the running cluster has {len(slurm_cluster.nodes)}")
     runs = tmp_path / "runs"
     cfg = write_config(tmp_path / "on.toml", runs, "on", steps=3)
-    jobs = {
-        "on": launch(str(cfg), "--nodes", "2", "--spare-nodes", "1", "--tasks-per-node", "1",
-                     "--resilience.preflight=exclude")  # fmt: skip
-    }
+    on = ("--nodes", "2", "--spare-nodes", "1", "--tasks-per-node", "1", "--resilience.preflight=exclude")
+    jobs = {"on": launch(str(cfg), *on)}
     off = shlex.split(howto_line("preflight.md", "relaytrain launch configs/debug.toml "))
     assert off[:2] == ["relaytrain", "launch"] and "--resilience.preflight=off" in off, off
     profile = REPO / "configs" / "clusters" / "local.toml"
