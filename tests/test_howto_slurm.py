@@ -4,8 +4,8 @@ tests/test_howto.py runs the lines that need no cluster and parses the rest. A S
 `cancel`, `logs`, `salloc`, and `preflight` inside an allocation) runs here, as written, where the local
 cluster can hold it: one short job, the DDP program of your-own-program.md (2 nodes x 4 tasks, its 40
 default steps), then that page's `status` and `logs -f` lines on it. A line whose command an existing
-Slurm test's job already runs is read from its page by that test (`howto_line`) and listed in
-RUN_ELSEWHERE: the page's text is what runs there, with no job of its own. Every other Slurm line is named
+test already runs (a Slurm test's job, or `logs` of a finished run) is read from its page by that test
+(`howto_line`) and listed in RUN_ELSEWHERE: the page's text is what runs there, with no job of its own. Every other Slurm line is named
 in NOT_HERE with the reason the local cluster cannot run it, so a Slurm line added to a page is run here,
 run by another Slurm test, or named with its reason
 (test_every_slurm_line_is_run_here_elsewhere_or_named_with_its_reason).
@@ -37,13 +37,14 @@ NOT_HERE = {
         "run.toml is the reader's own config, on 4 nodes; alerts from a Slurm job are delivered in "
         "tests/test_notify_slurm.py"
     ),
-    "relaytrain logs 8b": "the run of the 8B launch above it",
     "relaytrain logs 8b -f": "the run of the 8B launch above it",
     "salloc --nodes 4 --time 00:10:00": "4 nodes (a lane has 3), and salloc opens an interactive shell",
     "relaytrain preflight configs/8b.toml": "runs inside the 4-node allocation above it, for the 8B preset",
 }
-# The Slurm lines an existing Slurm test reads from its page (howto_line) and runs: line -> that test.
+# The Slurm lines an existing test reads from its page (howto_line) and runs: line -> that test. `logs`
+# of a finished run needs no cluster: tests/test_howto.py runs it on its copy of a tiny run.
 RUN_ELSEWHERE = {
+    "relaytrain logs 8b": "tests/test_howto.py::test_where_the_time_went_runs_as_written",
     "relaytrain cancel JOBID --signal USR2": (
         "tests/test_e2e_slurm.py::test_cancel_with_usr2_stops_cleanly_with_a_checkpoint"
     ),
