@@ -5,9 +5,9 @@ tests/test_howto.py runs the lines that need no cluster and parses the rest. A S
 cluster can hold it: one short job, the DDP program of your-own-program.md (2 nodes x 4 tasks, its 40
 default steps), then that page's `status` and `logs -f` lines on it. A line whose command an existing
 test already runs (a Slurm test's job, or `logs` of a finished run) is read from its page by that test
-(`howto_line`) and listed in RUN_ELSEWHERE: the page's text is what runs there, with no job of its own. Every other Slurm line is named
-in NOT_HERE with the reason the local cluster cannot run it, so a Slurm line added to a page is run here,
-run by another Slurm test, or named with its reason
+(`howto_line`) and listed in RUN_ELSEWHERE: the page's text is what runs there, with no job of its own.
+Every other Slurm line is named in NOT_HERE with the reason the local cluster cannot run it, so a Slurm
+line added to a page is run here, run by another test, or named with its reason
 (test_every_slurm_line_is_run_here_elsewhere_or_named_with_its_reason).
 """
 
