@@ -110,6 +110,38 @@ def test_the_parallel_layouts_figures_are_rebuilt_here_and_docs_parallelism_md_l
     assert "tokens/s |" not in user_page and "step (s)" not in user_page, "a table of figures on a user page"
 
 
+def test_the_parallel_layouts_line_of_docs_parallelism_md_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The page's command, as it writes it, with one layout and two steps appended (every layout takes
+    minutes of CPU): it times that layout, keeps its results (here under tmp_path) and prints the section."""
+    from test_docs_cli import bash_lines
+
+    from bench import kept
+
+    page = REPO / "docs" / "parallelism.md"
+    (line,) = [line for line in bash_lines(page) if line.startswith("python -m bench.parallel_layouts")]
+    argv = [*shlex.split(line), "--layouts=single", "--steps=2", "--no-write"]
+    monkeypatch.setattr(kept, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(sys, "argv", [argv[2], *argv[3:]])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    assert exited.value.code in (0, None), capsys.readouterr().err
+    (path,) = tmp_path.glob("parallel-layouts-*.json")
+    data = kept.load(path)
+    assert [row["case"] for row in data["rows"]] == ["single"] and data["rows"][0]["tokens_per_s"] > 0
+    assert data["command"] == "python -m bench.parallel_layouts --steps=2 --layouts=single"
+    assert "| 1 | one process |" in capsys.readouterr().out
+
+
+def test_parallel_layouts_refuses_a_layout_it_does_not_know(tmp_path, monkeypatch, capsys):
+    from bench import kept, parallel_layouts
+
+    monkeypatch.setattr(kept, "RESULTS_DIR", tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        parallel_layouts.main(["--layouts=fsdp,fsdp_2d", "--no-write"])
+    assert exited.value.code == 2 and "no such layout: fsdp_2d" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_every_kept_results_file_is_named_on_a_page():
     """No kept run disappears: each file under bench/results/ is named by the section that shows it (or,
     for inputs of other pages, by that page)."""

@@ -118,6 +118,11 @@ def parse_line(line: str) -> list[argparse.Namespace]:
             continue
         args, extra = build_parser().parse_known_args(words[1:])
         assert getattr(args, "func", None), command
+        # a flag of the command taken as an override by a remainder argument would not reach the command
+        name = tuple(words[1:3]) if tuple(words[1:3]) in COMMANDS else tuple(words[1:2])
+        flags = _flags(COMMANDS[name])
+        taken = [w for w in getattr(args, "config_args", None) or [] if w.split("=")[0] in flags]
+        assert not taken, f"{command}: {taken} are taken for overrides, not as the command's flags"
         assert not extra or args.accepts_overrides, f"{command}: {extra}"
         assert all(e.startswith("--") and "=" in e and "." in e.split("=")[0] for e in extra), command
         parsed.append(args)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -185,9 +186,15 @@ def test_two_nodes_by_two_tasks_trains_to_the_end(e2e):
 
 
 def test_cancel_with_usr2_stops_cleanly_with_a_checkpoint(e2e):
+    """The cancel line of docs/howto/preemption-and-time-limits.md, as the page writes it, JOBID the job's."""
+    from test_howto_slurm import howto_line
+
     job, run_dir = e2e.jobs["cancel"], e2e.runs / "cancel"
     wait_step(run_dir, job, 5)
-    code, out = cli("cancel", job, "--signal", "USR2")
+    line = howto_line("preemption-and-time-limits.md", "relaytrain cancel ")
+    words = [job if word == "JOBID" else word for word in shlex.split(line)]
+    assert words[:3] == ["relaytrain", "cancel", job], line
+    code, out = cli(*words[1:])
     assert code == 0 and f"job {job}" in out, out
     fields = finished(job)
     state = marker(run_dir)

@@ -2,7 +2,7 @@
 it goes wrong, and their commands run as written where they need no cluster and no data of the user's.
 
 Every `relaytrain` line of them parses (tests/test_docs_cli.py); here the plan lines run, the pages about
-a finished run (status, report, verify, export) run on a copy of a tiny stopped and resumed run, and the
+a finished run (status, logs, report, verify, export) run on a copy of a tiny stopped and resumed run, and the
 4-node 8B launch loads as a config with the user's data.
 """
 
@@ -137,7 +137,10 @@ def test_the_plan_lines_and_every_preset_launchs_layout_plan(capsys, monkeypatch
 
 def test_where_the_time_went_runs_as_written(tmp_path, stopped_and_resumed_run):
     """status, status --json, report and verify of the page, in a directory whose runs/8b is a tiny stopped
-    and resumed run; verify says OK."""
+    and resumed run; verify says OK. On the same run, slow-node.md's `logs 8b` (its `status 8b` and
+    `report 8b` are this page's lines) shows the run's log to its end."""
+    from test_howto_slurm import howto_line
+
     _copy_run(stopped_and_resumed_run, tmp_path)
     lines = bash_lines(HOWTO / "where-the-time-went.md")
     assert {shlex.split(line)[1] for line in lines} == {"status", "report", "verify"}
@@ -145,6 +148,8 @@ def test_where_the_time_went_runs_as_written(tmp_path, stopped_and_resumed_run):
     (verify,) = [line for line in lines if line.startswith("relaytrain verify ")]
     assert out[verify].splitlines()[-1] == "verify runs/8b: OK"
     assert (tmp_path / "runs" / "8b" / "report" / "report.md").is_file()
+    logs = _run(howto_line("slow-node.md", "relaytrain logs 8b"), tmp_path).stdout
+    assert "event finished at step 6" in logs, logs[-2000:]
 
 
 def test_export_runs_as_written(tmp_path, stopped_and_resumed_run):

@@ -3,9 +3,12 @@
 tests/test_howto.py runs the lines that need no cluster and parses the rest. A Slurm line (`launch`,
 `cancel`, `logs`, `salloc`, and `preflight` inside an allocation) runs here, as written, where the local
 cluster can hold it: one short job, the DDP program of your-own-program.md (2 nodes x 4 tasks, its 40
-default steps), then that page's `status` and `logs -f` lines on it. Every other Slurm line is named in
-NOT_HERE with the reason the local cluster cannot run it, so a Slurm line added to a page is either run
-here or named there (test_every_slurm_line_is_run_here_or_named_with_its_reason).
+default steps), then that page's `status` and `logs -f` lines on it. A line whose command an existing
+test already runs (a Slurm test's job, or `logs` of a finished run) is read from its page by that test
+(`howto_line`) and listed in RUN_ELSEWHERE: the page's text is what runs there, with no job of its own.
+Every other Slurm line is named in NOT_HERE with the reason the local cluster cannot run it, so a Slurm
+line added to a page is run here, run by another test, or named with its reason
+(test_every_slurm_line_is_run_here_elsewhere_or_named_with_its_reason).
 """
 
 from __future__ import annotations
@@ -34,16 +37,30 @@ NOT_HERE = {
         "run.toml is the reader's own config, on 4 nodes; alerts from a Slurm job are delivered in "
         "tests/test_notify_slurm.py"
     ),
-    "relaytrain cancel JOBID --signal USR2": "JOBID is the job of the 8B launch above it",
-    "relaytrain logs 8b": "the run of the 8B launch above it",
     "relaytrain logs 8b -f": "the run of the 8B launch above it",
     "salloc --nodes 4 --time 00:10:00": "4 nodes (a lane has 3), and salloc opens an interactive shell",
     "relaytrain preflight configs/8b.toml": "runs inside the 4-node allocation above it, for the 8B preset",
+}
+# The Slurm lines an existing test reads from its page (howto_line) and runs: line -> that test. `logs`
+# of a finished run needs no cluster: tests/test_howto.py runs it on its copy of a tiny run.
+RUN_ELSEWHERE = {
+    "relaytrain logs 8b": "tests/test_howto.py::test_where_the_time_went_runs_as_written",
+    "relaytrain cancel JOBID --signal USR2": (
+        "tests/test_e2e_slurm.py::test_cancel_with_usr2_stops_cleanly_with_a_checkpoint"
+    ),
     "relaytrain launch configs/debug.toml --nodes 2 --resilience.preflight=off": (
-        "200 steps of the debug preset; tests/test_preflight_slurm.py launches jobs with "
-        "resilience.preflight = off and checks that no check ran"
+        "tests/test_preflight_slurm.py::"
+        "test_every_job_step_is_checked_before_its_first_step_and_exclude_leaves_a_slow_node_out"
     ),
 }
+
+
+def howto_line(page: str, start: str) -> str:
+    """The one line of docs/howto/PAGE (its ```bash blocks) that starts with START, as the page writes it:
+    what a Slurm test runs where it runs a page's command."""
+    lines = {line for line in bash_lines(HOWTO / page) if line.startswith(start)}
+    assert len(lines) == 1, f"{page}: expected one line starting {start!r}, found {sorted(lines)}"
+    return lines.pop()
 
 
 def is_slurm_line(line: str) -> bool:
@@ -69,17 +86,34 @@ def program_block() -> list[str]:
     return block
 
 
-def test_every_slurm_line_is_run_here_or_named_with_its_reason():
+def test_every_slurm_line_is_run_here_elsewhere_or_named_with_its_reason():
     lines = slurm_lines()
     assert len(lines) >= 15, lines
-    run_here = set(program_block())
+    run = set(program_block()) | set(RUN_ELSEWHERE)
     unnamed = [
         (page, line)
         for page, line in lines
-        if line not in run_here and line not in NOT_HERE and "configs/8b.toml" not in line
+        if line not in run and line not in NOT_HERE and "configs/8b.toml" not in line
     ]
-    assert unnamed == [], f"run these here, or name them in NOT_HERE with the reason: {unnamed}"
-    assert set(NOT_HERE) <= {line for _, line in lines}, "NOT_HERE names a line no page has"
+    assert unnamed == [], f"run these here or in RUN_ELSEWHERE's tests, or name them in NOT_HERE: {unnamed}"
+    assert set(NOT_HERE) | set(RUN_ELSEWHERE) <= {line for _, line in lines}, "a line no page has"
+    assert not set(NOT_HERE) & set(RUN_ELSEWHERE)
+
+
+@pytest.mark.parametrize("line", sorted(RUN_ELSEWHERE))
+def test_a_line_run_elsewhere_is_read_from_its_page_by_the_test_named(line):
+    """The named test's source calls howto_line with the page and the start of that line: it runs the
+    page's text, not a copy of it."""
+    path, name = RUN_ELSEWHERE[line].split("::")
+    source = (REPO / path).read_text()
+    body = source[source.index(f"def {name}(") :]
+    end = body.find("\ndef ")
+    body = body[:end] if end > 0 else body
+    calls = re.findall(r"howto_line\(\s*\"([\w-]+\.md)\",\s*\"([^\"]+)\",?\s*\)", body)
+    read = [(page, start) for page, start in calls if line.startswith(start)]
+    assert any(line in bash_lines(HOWTO / page) for page, _ in read), (
+        f"{RUN_ELSEWHERE[line]} does not read `{line}` from its page with howto_line(PAGE, START)"
+    )
 
 
 def _shell(line: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from collections import namedtuple
@@ -18,7 +19,7 @@ from relaytrain.preflight import measure
 from relaytrain.preflight.judge import GIB, Thresholds, judge, report_lines, summary
 from relaytrain.preflight.needs import run_needs
 
-from conftest import fake_tool, run_cli, run_torchrun
+from conftest import child_env, fake_tool, run_cli, run_torchrun
 
 Usage = namedtuple("Usage", "total used free")
 
@@ -151,9 +152,17 @@ def test_in_a_slurm_allocation_it_runs_as_one_task_per_node(tmp_path):
 
 @pytest.mark.slow
 def test_preflight_on_two_gloo_ranks_writes_every_nodes_results_and_names_a_bad_one(tmp_path):
-    args = ["preflight", "--budget", "1", f"--run.dir={tmp_path / 'runs'}"]
-    done = run_torchrun(2, args, tmp_path, timeout=300)
+    """The first run is docs/howto/preflight.md's line as the page writes it (torchrun started by the
+    command), a 1 s budget appended; the second runs the ranks under torchrun with a blocked folder."""
+    from test_docs_cli import bash_lines
+
+    page = Path(__file__).parents[1] / "docs" / "howto" / "preflight.md"
+    (line,) = [line for line in bash_lines(page) if "--nproc-per-node 2" in line]
+    (tmp_path / "configs").symlink_to(page.parents[2] / "configs")
+    done = subprocess.run(["bash", "-c", f"{line} --budget 1"], cwd=tmp_path, env=child_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    args = ["preflight", "--budget", "1", f"--run.dir={tmp_path / 'runs'}"]
     (path,) = RunDir.of(tmp_path / "runs", "debug").preflights.glob("local-*.json")
     record = json.loads(path.read_text())
     assert record["summary"] == "2 node(s) passed" and len(record["ranks"]) == 2

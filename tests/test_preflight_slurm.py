@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -76,21 +77,27 @@ def test_every_job_step_is_checked_before_its_first_step_and_exclude_leaves_a_sl
 ):
     """`exclude` with a spare: the training job's rank 1, slowed from its start, is named by the checks
     before the first step, and the step starts again in place with the spare in its node's place (same
-    job, no requeue); the checks run again on the new nodes. `off`: no checks."""
+    job, no requeue); the checks run again on the new nodes. `off`: no checks, launched by the line of
+    docs/howto/preflight.md as the page writes it, with this test's run folder, 3 steps and one task a
+    node after it."""
     from e2e_slurm_jobs import events, job_log, job_output, launch, records, write_config
     from relaytrain.job import RunDir
     from relaytrain.resilience.batch.crash import CrashLog
+    from test_howto_slurm import howto_line
 
     if len(slurm_cluster.nodes) < 3:
         pytest.fail(f"this test needs 3 nodes; the running cluster has {len(slurm_cluster.nodes)}")
     runs = tmp_path / "runs"
-    jobs = {}
-    for name, value in (("on", "exclude"), ("off", "off")):
-        cfg = write_config(tmp_path / f"{name}.toml", runs, name, steps=3)
-        spare = ("--spare-nodes", "1") if value == "exclude" else ()
-        jobs[name] = launch(
-            str(cfg), "--nodes", "2", *spare, "--tasks-per-node", "1", f"--resilience.preflight={value}"
-        )
+    cfg = write_config(tmp_path / "on.toml", runs, "on", steps=3)
+    on = ("--nodes", "2", "--spare-nodes", "1", "--tasks-per-node", "1", "--resilience.preflight=exclude")
+    jobs = {"on": launch(str(cfg), *on)}
+    off = shlex.split(howto_line("preflight.md", "relaytrain launch configs/debug.toml "))
+    assert off[:2] == ["relaytrain", "launch"] and "--resilience.preflight=off" in off, off
+    profile = REPO / "configs" / "clusters" / "local.toml"
+    with pytest.MonkeyPatch.context() as here:
+        here.chdir(REPO)  # the page's config path is the checkout's
+        jobs["off"] = launch(*off[2:], f"--run.dir={runs}", "--run.name=off", "--train.max_steps=3",
+                             "--tasks-per-node", "1", f"--slurm.profile={profile}")  # fmt: skip
     pid = None
     try:
         # rank 1 of the first step, slowed as soon as it runs: long before its checks

@@ -23,11 +23,14 @@ def register(subparsers) -> None:
             "Slurm allocation they run as a job step over its nodes. Exit 1 when a node is below threshold."
         ),
     )
+    # An optional positional, not argparse.REMAINDER: a remainder would take the flags after CONFIG
+    # (`preflight configs/debug.toml --nproc-per-node 2`) for overrides. Overrides are the parser's extras.
     parser.add_argument(
-        "config_args",
-        nargs=argparse.REMAINDER,
-        metavar="[CONFIG] [--section.key=value ...]",
-        help="TOML config of the run to check for (default: the embedded debug config), then overrides",
+        "config",
+        nargs="?",
+        metavar="CONFIG",
+        help="TOML config of the run to check for (default: the embedded debug config); --section.key=value "
+        "overrides may follow",
     )
     parser.add_argument(
         "--nodes",
@@ -56,7 +59,9 @@ def register(subparsers) -> None:
 def _config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     from relaytrain.config.overrides import split_config_args
 
-    return split_config_args(list(args.config_args or []) + list(getattr(args, "extra_overrides", [])))
+    return split_config_args(
+        ([args.config] if args.config else []) + list(getattr(args, "extra_overrides", []))
+    )
 
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
