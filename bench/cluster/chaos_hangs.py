@@ -9,8 +9,10 @@ Each trial is a run of the debug config's model and batch (configs/debug.toml: a
 second here) on 2 nodes x 1 task of the local Slurm cluster (`relaytrain cluster up`), 40 steps, interval
 checkpoints every 10 steps, evaluations every 10, and in-memory snapshots every 2 steps. The absolute
 cap (`resilience.hang_timeout_s`, also the in-process watchdog's timeout) is set to 600 s, so the job's
-hang monitor, with its default floor and multiple, is what acts. The kinds
-(faults/pythonpath/relaytrain_faults.py has the injected ones):
+hang monitor, with its default floor and multiple, is what acts; the wide and long variants' jobs get 30
+minutes (bench/cluster/chaos_hangs_variants.py has each trial's flags). The variants' reference runs come
+before the first trial takes the cluster lock. The kinds (faults/pythonpath/relaytrain_faults.py has the
+injected ones):
 
 * ``hang_stop_rank0``, ``hang_stop_rank1``: the bench SIGSTOPs the rank's process (its pid from the node
   watcher's hang/nodes/<node>.json) after a random step, and sees it stopped (state T); it kills it
@@ -70,7 +72,6 @@ from bench.cluster.chaos_hangs_clean import (
     CLEAN_VARIANTS,
     DEBUG,
     VariantBenches,
-    clean_variant,
     cold_setup,
     parse_variants,
     remove_cold_folder,
@@ -86,6 +87,7 @@ from bench.cluster.chaos_hangs_judge import (
     judge,
 )
 from bench.cluster.chaos_hangs_page import SECTION, render_hangs_section
+from bench.cluster.chaos_hangs_variants import OVERRIDES, assign_variant, overrides_of, time_limit_note
 from bench.cluster.chaos_page import results_data
 from bench.cluster.chaos_run import ALLOWED, STEPS, Bench, kill_pids
 from bench.cluster.harness import (
@@ -101,17 +103,6 @@ from bench.cluster.harness import (
 from bench.report import machine_info, write_page
 
 NODES = 2
-CAP_S = 600  # resilience.hang_timeout_s: far above the monitor's floor, so the monitor acts first
-OVERRIDES = ("--checkpoint.snapshot_every=2", f"--resilience.hang_timeout_s={CAP_S}")
-
-
-def overrides_of(trial: HangTrial) -> tuple[str, ...]:
-    """A variant trial's flags: its checkpoint.mode; the wide state without in-memory snapshots (its 2
-    newest steps of 1.2 GB in /dev/shm do not fit a local node's memory: `relaytrain launch`'s plan
-    refuses the job), so its restore reads the disk checkpoint."""
-    snapshots = ("--checkpoint.snapshot_every=0",) if trial.variant == "wide" else OVERRIDES[:1]
-    return (*snapshots, *OVERRIDES[1:], f"--checkpoint.mode={trial.mode}")
-
 
 DETECT_WAIT_S = 240  # no `hang detected:` line this long after the fault: the trial fails
 SLOW_FACTOR, SLOW_FROM_STEP = 5, 3
@@ -163,17 +154,26 @@ class HangTrials:
     def __init__(self, bench: Bench, variants: tuple[str, ...] = CLEAN_VARIANTS):
         self.bench, self.variants = bench, variants
         self.benches = VariantBenches(bench)  # a clean variant's config and reference run
+        self.failed: dict[str, str] = {}  # a variant whose reference run failed: the error
+
+    def prepare(self, trials: list[HangTrial]) -> None:
+        """Every variant's reference run, before the trials take the cluster lock: a reference run is
+        torchrun on this machine and needs no Slurm."""
+        for trial in trials:
+            assign_variant(trial, self.variants)
+            if trial.variant and trial.variant not in self.failed:
+                try:
+                    self.benches(trial.variant)
+                except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+                    self.failed[trial.variant] = f"the {trial.variant} reference run: {err}"[:300]
 
     def run(self, trial: HangTrial, rng) -> None:
         bench = self.bench
-        if trial.kind in ("clean", LONG_STEP, *PHASE_KINDS):
-            trial.variant, trial.mode = (
-                PHASE_KINDS[trial.kind][1:3]
-                if trial.kind in PHASE_KINDS
-                else ("long", "async")
-                if trial.kind == LONG_STEP
-                else clean_variant(trial.index, self.variants)
-            )
+        assign_variant(trial, self.variants)
+        if trial.variant:
+            if trial.variant in self.failed:
+                trial.error = self.failed[trial.variant]
+                return
             try:
                 bench = self.benches(trial.variant)  # its reference run first, outside the trial's time
             except (RuntimeError, OSError, subprocess.SubprocessError) as err:
@@ -217,7 +217,7 @@ class HangTrials:
             DETECT_WAIT_S,
             "a `hang detected:` line in the job log",
         )
-        (bench or self.bench).finish(trial, run, OVERRIDES, setup=NO_FAULT, nodes=NODES)
+        (bench or self.bench).finish(trial, run, overrides_of(trial), setup=NO_FAULT, nodes=NODES)
 
     def stop(self, bench: Bench, trial: HangTrial, run: RunFiles, rng, evidence: list[str]) -> None:
         """SIGSTOP the rank from outside after a random step (the long step's: in the middle of the next)."""
@@ -230,7 +230,7 @@ class HangTrials:
                 rng.randint(5, STEPS - 15),
             )
             setup = first_run_setup()
-        trial.job = bench.launch(run.name, *OVERRIDES, setup=setup, nodes=NODES)
+        trial.job = bench.launch(run.name, *overrides_of(trial), setup=setup, nodes=NODES)
         wait(lambda: self._last_step(run) >= trial.at_step, 600, f"step {trial.at_step}")
         if trial.kind == LONG_STEP:
             landed = [t for t, _ in faults.landed_at(run.job_log()) if f"forward on rank {trial.rank}" in t]
@@ -247,7 +247,8 @@ class HangTrials:
             evidence.append(f"pid {pid} (rank {trial.rank}) seen in state T {seen:.2f} s after the SIGSTOP")
             trial.detail = f"SIGSTOP rank {trial.rank} on {trial.node} after step {self._last_step(run)}"
             if trial.kind == LONG_STEP:
-                trial.detail += f" ({time.time() - self._step_time(run, trial):.1f} s into the next step)"
+                into = time.time() - self._step_time(run, trial)
+                trial.detail += f" ({into:.1f} s into the next step){time_limit_note(trial)}"
             self._until_detected(trial, run, bench)
         finally:
             if proc_state(pid) in ("T", "t"):  # nothing ended it: leave no stopped process behind
@@ -305,7 +306,7 @@ class HangTrials:
         trial.at_step = self._last_step(run)
         state = proc_state(pid)
         evidence.append(f"landed: {text}; pid {pid} (rank {trial.rank}, from {source}) in state {state}")
-        trial.detail = f"{text} (after step {trial.at_step})"
+        trial.detail = f"{text} (after step {trial.at_step}){time_limit_note(trial)}"
         wait(lambda: DETECTED in run.job_log(), DETECT_WAIT_S, "a `hang detected:` line in the job log")
         bench.finish(trial, run, overrides, setup=NO_FAULT, nodes=NODES)
 
@@ -329,7 +330,8 @@ class HangTrials:
         saves = sorted({r["step"] for r in train if r.get("time_checkpoint_s", 0) > 0})
         first = f"{train[0]['time_step_s']:.1f} s" if train else "none"
         trial.detail = (f"{trial.variant}, checkpoint.mode={trial.mode}, {len(train)} steps (the first "
-                        f"{first}), {evals} evaluations, saves after steps {saves}")  # fmt: skip
+                        f"{first}), {evals} evaluations, saves after steps {saves}"
+                        f"{time_limit_note(trial)}")  # fmt: skip
         if trial.variant == "restart":
             trial.detail += f"; SIGKILL rank {trial.rank} on {trial.node} after step {trial.at_step}"
         if alive and evals:
@@ -372,6 +374,7 @@ def main(args, command: str) -> int:
     write_clean_config(bench, DEBUG)
     bench.run_reference()
     runner = HangTrials(bench, parse_variants(args.clean_variants))
+    runner.prepare(trials)  # the variants' reference runs, before any trial holds the cluster lock
     now = datetime.now(UTC)
     keep = f"hangs-seed{seed}-{now:%Y-%m-%d-%H%M}.json"  # in bench/results/, unless --quick
 
