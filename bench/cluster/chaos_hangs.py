@@ -10,9 +10,8 @@ second here) on 2 nodes x 1 task of the local Slurm cluster (`relaytrain cluster
 checkpoints every 10 steps, evaluations every 10, and in-memory snapshots every 2 steps. The absolute
 cap (`resilience.hang_timeout_s`, also the in-process watchdog's timeout) is set to 600 s, so the job's
 hang monitor, with its default floor and multiple, is what acts; the wide and long variants' jobs get 30
-minutes (bench/cluster/chaos_hangs_variants.py has each trial's flags). The variants' reference runs come
-before the first trial takes the cluster lock. The kinds (faults/pythonpath/relaytrain_faults.py has the
-injected ones):
+minutes (chaos_hangs_variants.py). Reference runs come first, then the trials, each holding the cluster
+lock. The kinds (faults/pythonpath/relaytrain_faults.py has the injected ones):
 
 * ``hang_stop_rank0``, ``hang_stop_rank1``: the bench SIGSTOPs the rank's process (its pid from the node
   watcher's hang/nodes/<node>.json) after a random step, and sees it stopped (state T); it kills it
@@ -104,6 +103,7 @@ from bench.report import machine_info, write_page
 
 NODES = 2
 
+LOCK_GAP_S = 10  # the cluster lock left free between chunks: another user's waiting flock takes it
 DETECT_WAIT_S = 240  # no `hang detected:` line this long after the fault: the trial fails
 SLOW_FACTOR, SLOW_FROM_STEP = 5, 3
 LAYER_DELAY_S = 2.5  # hang_stop_long_step's delay before each layer's forward
@@ -391,6 +391,8 @@ def main(args, command: str) -> int:
                 runner.run(trial, rng)
                 print(f"bench.chaos --hangs: {json.dumps(asdict(trial))}", flush=True)
                 save()
+        if start + args.chunk < len(trials) and not args.no_lock:
+            time.sleep(LOCK_GAP_S)  # a user waiting for the lock gets it now, not after every trial
     save()
     print(render_hangs_section([str(base / "results.json")]))
     if not (args.quick or args.no_write):
