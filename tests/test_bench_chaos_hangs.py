@@ -362,11 +362,11 @@ def test_a_variant_that_changes_the_losses_gets_its_own_reference_run(tmp_path, 
     monkeypatch.setattr(Bench, "run_reference", lambda self: made.append(self.base.name))
     debug = Bench(tmp_path, "cluster")
     benches = VariantBenches(debug)
-    assert benches("debug") is debug and benches("restart") is debug and made == []
+    assert benches("debug") is debug and benches("restart") is debug and made == [tmp_path.name]
     wide = benches("wide")
     assert wide is not debug and wide.cluster == "cluster" and benches("wide") is wide
     assert benches("compile").config.parent == tmp_path / "compile"
-    assert made == ["wide", "compile"]  # once each
+    assert made == [tmp_path.name, "wide", "compile"]  # once each
     assert "n_layers = 9" in wide.config.read_text() and "compile = true" not in wide.config.read_text()
 
 
@@ -480,10 +480,13 @@ def test_the_variants_reference_runs_come_before_the_trials_and_a_failed_one_fai
             raise RuntimeError("the reference run failed: boom")
 
     monkeypatch.setattr(Bench, "run_reference", reference)
-    runner = HangTrials(Bench(tmp_path, "cluster"))
+    (tmp_path / "debug").mkdir()
+    runner = HangTrials(Bench(tmp_path / "debug", "cluster"))
     trials = draw(["hang_stop_restore", "hang_stop_long_step", "hang_stop_save"], 2)
     runner.prepare(trials)
-    assert made == ["wide", "long"]  # once per config, before any trial ran
+    assert made == ["wide", "long"]  # once per config, before any trial ran; no debug trial, no debug run
     long = trials[1]
     runner.run(long, rng=None)  # no Slurm: the trial ends on its reference's error
     assert long.error == "the long reference run: the reference run failed: boom" and made == ["wide", "long"]
+    runner.prepare(draw(["hang_stop_rank1", "hang_fifo"], 1))
+    assert made == ["wide", "long", "debug"]  # the kinds without a variant run the debug bench

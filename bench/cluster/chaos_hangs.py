@@ -157,28 +157,28 @@ class HangTrials:
         self.failed: dict[str, str] = {}  # a variant whose reference run failed: the error
 
     def prepare(self, trials: list[HangTrial]) -> None:
-        """Every variant's reference run, before the trials take the cluster lock: a reference run is
-        torchrun on this machine and needs no Slurm."""
+        """The reference run of every config the trials run, before they take the cluster lock: a
+        reference run is torchrun on this machine and needs no Slurm."""
         for trial in trials:
             assign_variant(trial, self.variants)
-            if trial.variant and trial.variant not in self.failed:
+            variant = trial.variant or DEBUG.name  # the kinds without a variant run the debug bench
+            if variant not in self.failed:
                 try:
-                    self.benches(trial.variant)
+                    self.benches(variant)
                 except (RuntimeError, OSError, subprocess.SubprocessError) as err:
-                    self.failed[trial.variant] = f"the {trial.variant} reference run: {err}"[:300]
+                    self.failed[variant] = f"the {variant} reference run: {err}"[:300]
 
     def run(self, trial: HangTrial, rng) -> None:
-        bench = self.bench
         assign_variant(trial, self.variants)
-        if trial.variant:
-            if trial.variant in self.failed:
-                trial.error = self.failed[trial.variant]
-                return
-            try:
-                bench = self.benches(trial.variant)  # its reference run first, outside the trial's time
-            except (RuntimeError, OSError, subprocess.SubprocessError) as err:
-                trial.error = f"the {trial.variant} reference run: {err}"[:300]
-                return
+        variant = trial.variant or DEBUG.name
+        if variant in self.failed:
+            trial.error = self.failed[variant]
+            return
+        try:
+            bench = self.benches(variant)  # its reference run first (done by prepare, unless not called)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+            trial.error = f"the {variant} reference run: {err}"[:300]
+            return
         start = time.monotonic()
         name = "-".join(filter(None, ("hangs", str(trial.index), trial.kind, trial.variant)))
         run = bench.run_files(name.replace("_", "-"))
@@ -372,9 +372,8 @@ def main(args, command: str) -> int:
     rng, load = random.Random(seed), [os.getloadavg()]
     bench = Bench(base, start_cluster(lock=not args.no_lock))
     write_clean_config(bench, DEBUG)
-    bench.run_reference()
     runner = HangTrials(bench, parse_variants(args.clean_variants))
-    runner.prepare(trials)  # the variants' reference runs, before any trial holds the cluster lock
+    runner.prepare(trials)  # the reference runs, before any trial holds the cluster lock
     now = datetime.now(UTC)
     keep = f"hangs-seed{seed}-{now:%Y-%m-%d-%H%M}.json"  # in bench/results/, unless --quick
 
