@@ -362,11 +362,11 @@ def test_a_variant_that_changes_the_losses_gets_its_own_reference_run(tmp_path, 
     monkeypatch.setattr(Bench, "run_reference", lambda self: made.append(self.base.name))
     debug = Bench(tmp_path, "cluster")
     benches = VariantBenches(debug)
-    assert benches("debug") is debug and benches("restart") is debug and made == []
+    assert benches("debug") is debug and benches("restart") is debug and made == [tmp_path.name]
     wide = benches("wide")
     assert wide is not debug and wide.cluster == "cluster" and benches("wide") is wide
     assert benches("compile").config.parent == tmp_path / "compile"
-    assert made == ["wide", "compile"]  # once each
+    assert made == [tmp_path.name, "wide", "compile"]  # once each
     assert "n_layers = 9" in wide.config.read_text() and "compile = true" not in wide.config.read_text()
 
 
@@ -412,3 +412,81 @@ def test_the_other_clean_variants_fail_on_a_crash_and_show_their_variant_on_the_
     kept.write_text(json.dumps(data))
     row = "| 0 | clean (wide) | – | wide, checkpoint.mode=sync, 6 steps |"
     assert row in render_hangs_section([str(kept)])
+
+
+def test_each_trial_gets_its_variant_and_the_flags_that_let_its_job_run_in_one_allocation():
+    from bench.cluster.chaos_hangs_variants import OVERRIDES, assign_variant, overrides_of, time_limit_note
+
+    def variant_of(kind: str, index: int = 0) -> HangTrial:
+        trial = HangTrial(index, kind)
+        assign_variant(trial)
+        return trial
+
+    restore, save, long = (
+        variant_of(k) for k in ("hang_stop_restore", "hang_stop_save", "hang_stop_long_step")
+    )
+    assert [(t.variant, t.mode) for t in (restore, save, long)] == [("wide", "sync")] * 2 + [
+        ("long", "async")
+    ]
+    assert (variant_of("clean", 1).variant, variant_of("hang_stop_rank0").variant) == ("wide", "")
+    assert overrides_of(variant_of("hang_stop_rank1")) == OVERRIDES  # the debug bench as it is
+    assert overrides_of(variant_of("hang_stop_eval")) == (*OVERRIDES, "--checkpoint.mode=async")
+    wide = overrides_of(save)
+    assert "--checkpoint.snapshot_every=0" in wide and "--checkpoint.mode=sync" in wide
+    # 10 minutes leave 300 s of training after the time budget's margin: seed 5305's wide trials were
+    # requeued at their time budget after their restarts in place
+    for trial in (restore, save, long):
+        assert "--slurm.time=00:30:00" in overrides_of(trial)
+        assert time_limit_note(trial) == "; --slurm.time=00:30:00"
+    assert (
+        "--checkpoint.snapshot_every=2" in overrides_of(long) and time_limit_note(variant_of("clean")) == ""
+    )
+
+
+def test_the_wide_trials_flags_pass_the_plan_on_a_local_node_and_snapshots_would_not(tmp_path):
+    """The save trial's launch error (seeds 5303, 5304): the plan refused the wide state's snapshots in
+    /dev/shm on a node of 2.6 GiB (sinfo's figure for the local cluster's nodes)."""
+    from relaytrain.config.loader import load_config
+    from relaytrain.plan.checks import make_plan
+
+    from bench.cluster.chaos_hangs_variants import OVERRIDES, assign_variant, overrides_of
+
+    bench = Bench(tmp_path, None)
+    write_clean_config(bench, CONFIGS["wide"])
+    trial = HangTrial(0, "hang_stop_save")
+    assign_variant(trial)
+
+    def failed(flags) -> list[str]:
+        cfg = load_config(bench.config, list(flags))
+        plan = make_plan(cfg, 2, 0, tasks_per_node=1, host_memory=(2.6 * 1024**3, "sinfo"))
+        return [f"{name}: {detail}" for name, level, detail in plan.checks if level == "fail"]
+
+    assert failed(overrides_of(trial)) == []
+    with_snapshots = [f for f in overrides_of(trial) if "snapshot_every" not in f] + [OVERRIDES[0]]
+    refused = failed(with_snapshots)  # the refusal seeds 5303 and 5304 met, figure for figure
+    assert len(refused) == 1 and refused[0].startswith("snapshots: 2.9 GiB per node: 2.3 GiB in /dev/shm")
+
+
+def test_the_variants_reference_runs_come_before_the_trials_and_a_failed_one_fails_its_trials(
+    tmp_path, monkeypatch
+):
+    from bench.cluster.chaos_hangs import HangTrials
+
+    made = []
+
+    def reference(self):
+        made.append(self.base.name)
+        if self.base.name == "long":
+            raise RuntimeError("the reference run failed: boom")
+
+    monkeypatch.setattr(Bench, "run_reference", reference)
+    (tmp_path / "debug").mkdir()
+    runner = HangTrials(Bench(tmp_path / "debug", "cluster"))
+    trials = draw(["hang_stop_restore", "hang_stop_long_step", "hang_stop_save"], 2)
+    runner.prepare(trials)
+    assert made == ["wide", "long"]  # once per config, before any trial ran; no debug trial, no debug run
+    long = trials[1]
+    runner.run(long, rng=None)  # no Slurm: the trial ends on its reference's error
+    assert long.error == "the long reference run: the reference run failed: boom" and made == ["wide", "long"]
+    runner.prepare(draw(["hang_stop_rank1", "hang_fifo"], 1))
+    assert made == ["wide", "long", "debug"]  # the kinds without a variant run the debug bench

@@ -9,8 +9,9 @@ Each trial is a run of the debug config's model and batch (configs/debug.toml: a
 second here) on 2 nodes x 1 task of the local Slurm cluster (`relaytrain cluster up`), 40 steps, interval
 checkpoints every 10 steps, evaluations every 10, and in-memory snapshots every 2 steps. The absolute
 cap (`resilience.hang_timeout_s`, also the in-process watchdog's timeout) is set to 600 s, so the job's
-hang monitor, with its default floor and multiple, is what acts. The kinds
-(faults/pythonpath/relaytrain_faults.py has the injected ones):
+hang monitor, with its default floor and multiple, is what acts; the wide and long variants' jobs get 30
+minutes (chaos_hangs_variants.py). Reference runs come first, then the trials, each holding the cluster
+lock. The kinds (faults/pythonpath/relaytrain_faults.py has the injected ones):
 
 * ``hang_stop_rank0``, ``hang_stop_rank1``: the bench SIGSTOPs the rank's process (its pid from the node
   watcher's hang/nodes/<node>.json) after a random step, and sees it stopped (state T); it kills it
@@ -70,7 +71,6 @@ from bench.cluster.chaos_hangs_clean import (
     CLEAN_VARIANTS,
     DEBUG,
     VariantBenches,
-    clean_variant,
     cold_setup,
     parse_variants,
     remove_cold_folder,
@@ -86,6 +86,7 @@ from bench.cluster.chaos_hangs_judge import (
     judge,
 )
 from bench.cluster.chaos_hangs_page import SECTION, render_hangs_section
+from bench.cluster.chaos_hangs_variants import OVERRIDES, assign_variant, overrides_of, time_limit_note
 from bench.cluster.chaos_page import results_data
 from bench.cluster.chaos_run import ALLOWED, STEPS, Bench, kill_pids
 from bench.cluster.harness import (
@@ -101,18 +102,8 @@ from bench.cluster.harness import (
 from bench.report import machine_info, write_page
 
 NODES = 2
-CAP_S = 600  # resilience.hang_timeout_s: far above the monitor's floor, so the monitor acts first
-OVERRIDES = ("--checkpoint.snapshot_every=2", f"--resilience.hang_timeout_s={CAP_S}")
 
-
-def overrides_of(trial: HangTrial) -> tuple[str, ...]:
-    """A variant trial's flags: its checkpoint.mode; the wide state without in-memory snapshots (its 2
-    newest steps of 1.2 GB in /dev/shm do not fit a local node's memory: `relaytrain launch`'s plan
-    refuses the job), so its restore reads the disk checkpoint."""
-    snapshots = ("--checkpoint.snapshot_every=0",) if trial.variant == "wide" else OVERRIDES[:1]
-    return (*snapshots, *OVERRIDES[1:], f"--checkpoint.mode={trial.mode}")
-
-
+LOCK_GAP_S = 10  # the cluster lock left free between chunks: another user's waiting flock takes it
 DETECT_WAIT_S = 240  # no `hang detected:` line this long after the fault: the trial fails
 SLOW_FACTOR, SLOW_FROM_STEP = 5, 3
 LAYER_DELAY_S = 2.5  # hang_stop_long_step's delay before each layer's forward
@@ -163,22 +154,31 @@ class HangTrials:
     def __init__(self, bench: Bench, variants: tuple[str, ...] = CLEAN_VARIANTS):
         self.bench, self.variants = bench, variants
         self.benches = VariantBenches(bench)  # a clean variant's config and reference run
+        self.failed: dict[str, str] = {}  # a variant whose reference run failed: the error
+
+    def prepare(self, trials: list[HangTrial]) -> None:
+        """The reference run of every config the trials run, before they take the cluster lock: a
+        reference run is torchrun on this machine and needs no Slurm."""
+        for trial in trials:
+            assign_variant(trial, self.variants)
+            variant = trial.variant or DEBUG.name  # the kinds without a variant run the debug bench
+            if variant not in self.failed:
+                try:
+                    self.benches(variant)
+                except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+                    self.failed[variant] = f"the {variant} reference run: {err}"[:300]
 
     def run(self, trial: HangTrial, rng) -> None:
-        bench = self.bench
-        if trial.kind in ("clean", LONG_STEP, *PHASE_KINDS):
-            trial.variant, trial.mode = (
-                PHASE_KINDS[trial.kind][1:3]
-                if trial.kind in PHASE_KINDS
-                else ("long", "async")
-                if trial.kind == LONG_STEP
-                else clean_variant(trial.index, self.variants)
-            )
-            try:
-                bench = self.benches(trial.variant)  # its reference run first, outside the trial's time
-            except (RuntimeError, OSError, subprocess.SubprocessError) as err:
-                trial.error = f"the {trial.variant} reference run: {err}"[:300]
-                return
+        assign_variant(trial, self.variants)
+        variant = trial.variant or DEBUG.name
+        if variant in self.failed:
+            trial.error = self.failed[variant]
+            return
+        try:
+            bench = self.benches(variant)  # its reference run first (done by prepare, unless not called)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+            trial.error = f"the {variant} reference run: {err}"[:300]
+            return
         start = time.monotonic()
         name = "-".join(filter(None, ("hangs", str(trial.index), trial.kind, trial.variant)))
         run = bench.run_files(name.replace("_", "-"))
@@ -217,7 +217,7 @@ class HangTrials:
             DETECT_WAIT_S,
             "a `hang detected:` line in the job log",
         )
-        (bench or self.bench).finish(trial, run, OVERRIDES, setup=NO_FAULT, nodes=NODES)
+        (bench or self.bench).finish(trial, run, overrides_of(trial), setup=NO_FAULT, nodes=NODES)
 
     def stop(self, bench: Bench, trial: HangTrial, run: RunFiles, rng, evidence: list[str]) -> None:
         """SIGSTOP the rank from outside after a random step (the long step's: in the middle of the next)."""
@@ -230,7 +230,7 @@ class HangTrials:
                 rng.randint(5, STEPS - 15),
             )
             setup = first_run_setup()
-        trial.job = bench.launch(run.name, *OVERRIDES, setup=setup, nodes=NODES)
+        trial.job = bench.launch(run.name, *overrides_of(trial), setup=setup, nodes=NODES)
         wait(lambda: self._last_step(run) >= trial.at_step, 600, f"step {trial.at_step}")
         if trial.kind == LONG_STEP:
             landed = [t for t, _ in faults.landed_at(run.job_log()) if f"forward on rank {trial.rank}" in t]
@@ -247,7 +247,8 @@ class HangTrials:
             evidence.append(f"pid {pid} (rank {trial.rank}) seen in state T {seen:.2f} s after the SIGSTOP")
             trial.detail = f"SIGSTOP rank {trial.rank} on {trial.node} after step {self._last_step(run)}"
             if trial.kind == LONG_STEP:
-                trial.detail += f" ({time.time() - self._step_time(run, trial):.1f} s into the next step)"
+                into = time.time() - self._step_time(run, trial)
+                trial.detail += f" ({into:.1f} s into the next step){time_limit_note(trial)}"
             self._until_detected(trial, run, bench)
         finally:
             if proc_state(pid) in ("T", "t"):  # nothing ended it: leave no stopped process behind
@@ -305,7 +306,7 @@ class HangTrials:
         trial.at_step = self._last_step(run)
         state = proc_state(pid)
         evidence.append(f"landed: {text}; pid {pid} (rank {trial.rank}, from {source}) in state {state}")
-        trial.detail = f"{text} (after step {trial.at_step})"
+        trial.detail = f"{text} (after step {trial.at_step}){time_limit_note(trial)}"
         wait(lambda: DETECTED in run.job_log(), DETECT_WAIT_S, "a `hang detected:` line in the job log")
         bench.finish(trial, run, overrides, setup=NO_FAULT, nodes=NODES)
 
@@ -329,7 +330,8 @@ class HangTrials:
         saves = sorted({r["step"] for r in train if r.get("time_checkpoint_s", 0) > 0})
         first = f"{train[0]['time_step_s']:.1f} s" if train else "none"
         trial.detail = (f"{trial.variant}, checkpoint.mode={trial.mode}, {len(train)} steps (the first "
-                        f"{first}), {evals} evaluations, saves after steps {saves}")  # fmt: skip
+                        f"{first}), {evals} evaluations, saves after steps {saves}"
+                        f"{time_limit_note(trial)}")  # fmt: skip
         if trial.variant == "restart":
             trial.detail += f"; SIGKILL rank {trial.rank} on {trial.node} after step {trial.at_step}"
         if alive and evals:
@@ -370,8 +372,8 @@ def main(args, command: str) -> int:
     rng, load = random.Random(seed), [os.getloadavg()]
     bench = Bench(base, start_cluster(lock=not args.no_lock))
     write_clean_config(bench, DEBUG)
-    bench.run_reference()
     runner = HangTrials(bench, parse_variants(args.clean_variants))
+    runner.prepare(trials)  # the reference runs, before any trial holds the cluster lock
     now = datetime.now(UTC)
     keep = f"hangs-seed{seed}-{now:%Y-%m-%d-%H%M}.json"  # in bench/results/, unless --quick
 
@@ -388,6 +390,8 @@ def main(args, command: str) -> int:
                 runner.run(trial, rng)
                 print(f"bench.chaos --hangs: {json.dumps(asdict(trial))}", flush=True)
                 save()
+        if start + args.chunk < len(trials) and not args.no_lock:
+            time.sleep(LOCK_GAP_S)  # a user waiting for the lock gets it now, not after every trial
     save()
     print(render_hangs_section([str(base / "results.json")]))
     if not (args.quick or args.no_write):

@@ -152,7 +152,10 @@ def render_hangs_section(paths: list[str]) -> str:
         "compile (`parallel.compile=true`); compile_cold (the same, Inductor's caches off and an empty "
         "cache folder per job: every graph compiled from scratch); restart (one rank "
         "SIGKILLed, the step restarted in place); checkpoint.mode async and sync in turn, a CPU-bound "
-        "process beside each. "
+        "process beside each. A trial whose job ran with a time limit other than the profile's 10 minutes "
+        'says so in its "what happened" column (`--slurm.time=00:30:00`: with 10 minutes a job trains '
+        "about 300 s before its time budget stops it, and seed 5305's wide trials were requeued so after "
+        "their restarts in place). "
         "Fault time: the benchmark's SIGSTOP, or the time on the fault's landed line; detection time: "
         "`detected_at` of hang/last.json, else the job log's stamp on the `hang detected:` line. A trial "
         f"counts only with evidence that its fault landed. How each figure is read: `{JUDGE_SOURCE}`.\n\n"
