@@ -96,7 +96,9 @@ def programs(slurm_cluster, tmp_path_factory, monkeypatch_module):
            "--tasks-per-node", "2", *SIGNALLED)  # fmt: skip
         go("hf", "--command", f"{HF} --steps 40 --step-delay ${{STEP_DELAY_S:-0}}", "--nodes", "1",
            "--tasks-per-node", "1", *SIGNALLED)  # fmt: skip
-        go("ignores", "--command", IGNORES, "--nodes", "1", "--tasks-per-node", "1", "--time", "1",
+        # 2 minutes, not 1: Slurm may send a --signal up to 60 s before its time (sbatch(1)): on a 1-minute
+        # job USR2@30 came 2 s after the start, before the task's shell had set its trap, and ended it.
+        go("ignores", "--command", IGNORES, "--nodes", "1", "--tasks-per-node", "1", "--time", "2",
            "--signal", "USR2@30")  # fmt: skip
         go("default", "--command", "sleep 600", "--nodes", "1", "--tasks-per-node", "1", "--time", "1")
         go("cancel", "--command", f"{DDP} --steps 300 --step-delay 1", "--nodes", "1",
@@ -166,7 +168,8 @@ def test_hf_trainer_is_requeued_and_resumes_from_its_checkpoint(programs):
 @pytest.mark.parametrize("name", ["ignores", "default"])
 def test_a_program_that_does_not_stop_ends_timeout_without_requeue(programs, name):
     fields = programs["fields"][name]
-    assert fields["JobState"] == "TIMEOUT" and fields["Restarts"] == "0"
+    log = job_log(programs["runs"] / name, programs["jobs"][name])
+    assert fields["JobState"] == "TIMEOUT" and fields["Restarts"] == "0", log
     assert not state(programs["runs"] / name)  # nothing claimed a stop
     script = (programs["runs"] / name / "slurm" / "job.sh").read_text()
     assert ("#SBATCH --signal=B:USR2@30" in script) == (name == "ignores")
