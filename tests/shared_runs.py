@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,8 +30,6 @@ def once_per_session(
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not done.exists():
             if folder.exists():  # a failed attempt's leftovers
-                import shutil
-
                 shutil.rmtree(folder)
             folder.mkdir()
             make(folder)
