@@ -34,7 +34,7 @@ from relaytrain.resilience.rank.straggler import (
     Straggler,
     StragglerJudge,
     choose_action,
-    describe_latest,
+    describe_stragglers,
     phase_floor,
     slower_by,
 )
@@ -685,13 +685,23 @@ def records_with_a_straggler() -> list[dict]:
     return out
 
 
-def test_status_shows_the_latest_straggler_and_when_it_cleared():
+def test_status_shows_each_named_rank_and_when_it_cleared():
     records = records_with_a_straggler()
-    text = describe_latest(records)
+    (text,) = describe_stragglers(records)
     assert text == "rank 1 on n2 50% slower in optimizer since step 11 (named at step 40, action report)"
     cleared = {"kind": "event", "step": 70, "event": "straggler_cleared", "rank": 1}
-    assert describe_latest([*records, cleared]).endswith("; cleared at step 70")
-    assert describe_latest(records[:-1]) is None
+    assert describe_stragglers([*records, cleared])[0].endswith("; cleared at step 70")
+    assert describe_stragglers(records[:-1]) == []
+    # a second rank named later (a loaded node) is listed beside the first, and clearing one rank does
+    # not clear the other
+    other = {**records[-1], "rank": 0, "node": "n1", "step": 60, "phase": "forward"}
+    other_cleared = {**cleared, "rank": 0, "step": 80}
+    both = describe_stragglers([*records, other, other_cleared])
+    assert [line.split(" (")[0] for line in both] == [
+        "rank 1 on n2 50% slower in optimizer since step 11",
+        "rank 0 on n1 50% slower in forward since step 11",
+    ]
+    assert "cleared" not in both[0] and both[1].endswith("; cleared at step 80")
 
 
 def test_the_report_plots_each_rank_and_lists_the_straggler(tmp_path):

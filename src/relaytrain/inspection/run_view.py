@@ -19,7 +19,7 @@ from relaytrain.resilience.batch.bad_nodes import excluded_in_run
 from relaytrain.resilience.batch.crash import RESTARTED, CrashLog, describe_crash
 from relaytrain.resilience.batch.notify_counts import describe as describe_alerts
 from relaytrain.resilience.batch.notify_counts import run_counts
-from relaytrain.resilience.rank.straggler import describe_latest
+from relaytrain.resilience.rank.straggler import describe_stragglers
 from relaytrain.resilience.run_state import RUN_STATE_FILE, RunStateFile
 from relaytrain.slurm.jobs import entry_log, last_step
 from relaytrain.slurm.submit import read_jobs
@@ -128,9 +128,7 @@ def run_rows(run: RunDir) -> list[tuple[str, str]]:
             rows.append(("excluded node", f"{node} from job {job}: {why}"))
     rows += preflight_rows(run)
     records = jsonl.read(run.metrics).records if run.metrics.is_file() else []
-    straggler = describe_latest(records)
-    if straggler:
-        rows.append(("straggler", straggler))
+    rows += [("straggler", line) for line in describe_stragglers(records)]
     alerts = run_counts(records)
     if alerts is not None:
         rows.append(("alerts", describe_alerts(alerts)))

@@ -207,18 +207,24 @@ def choose_action(
     return "drop", f"no spare node; {without} node(s) without it beat {nodes} at its pace ({with_it:.2f})"
 
 
-def describe_latest(records: Sequence[Mapping[str, Any]]) -> str | None:
-    """`relaytrain status`'s row for the run's latest straggler (metrics.jsonl records), or None."""
-    latest, cleared = None, None
+def describe_stragglers(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """`relaytrain status`'s rows for the run's stragglers (metrics.jsonl records): each rank's latest
+    naming, in the order they were named, with when it cleared; a rank named later does not hide an
+    earlier one."""
+    named: dict[Any, tuple[Mapping[str, Any], Mapping[str, Any] | None]] = {}
     for record in records:
         if record.get("kind") != "event":
             continue
+        rank = record.get("rank")
         if record.get("event") == "straggler":
-            latest, cleared = record, None
-        elif record.get("event") == "straggler_cleared" and latest is not None:
-            cleared = record
-    if latest is None:
-        return None
+            named.pop(rank, None)  # re-inserted: the order is that of the latest namings
+            named[rank] = (record, None)
+        elif record.get("event") == "straggler_cleared" and rank in named:
+            named[rank] = (named[rank][0], record)
+    return [_describe(latest, cleared) for latest, cleared in named.values()]
+
+
+def _describe(latest: Mapping[str, Any], cleared: Mapping[str, Any] | None) -> str:
     slower = 100 * float(latest.get("slower") or 0)
     text = (
         f"rank {latest.get('rank')} on {latest.get('node')} {slower:.0f}% slower in {latest.get('phase')} "
