@@ -23,6 +23,7 @@ from faults.pythonpath.relaytrain_faults import (
     LAYER_DELAY_ENV,
     NAN_AT_STEPS_ENV,
     NAN_RANK_ENV,
+    SAVE_ERROR_DELAY_ENV,
     SHAPE_ERROR_AT_STEP_ENV,
     SKIP_COLLECTIVE_AT_STEP_ENV,
     SLOW_FACTOR_ENV,
@@ -57,6 +58,7 @@ def variables(
     shape_error_at_step: int | None = None,
     import_module: str = "",
     break_survivors: bool = False,
+    save_error_delay_s: float = 0.0,
     **hang,
 ) -> dict[str, str]:
     """The fault variables alone (empty when no fault is asked for); `hang`: HANG_FAULTS' keywords."""
@@ -78,6 +80,8 @@ def variables(
         out[IMPORT_MODULE_ENV] = import_module
     if break_survivors:
         out[BREAK_SURVIVORS_ENV] = "1"
+    if save_error_delay_s:
+        out[SAVE_ERROR_DELAY_ENV] = f"{save_error_delay_s:g}"
     out |= {HANG_FAULTS[k]: v if isinstance(v, str) else f"{v:g}" for k, v in hang.items() if v is not None}
     return out
 

@@ -17,6 +17,7 @@ from relaytrain.resilience.batch import crash
 from relaytrain.resilience.run_state import RunStateFile
 from tiny_config import TINY_TOML
 
+import faults
 import needs
 from conftest import run_cli
 
@@ -65,10 +66,17 @@ def resize(mount: Path, size_bytes: int) -> None:
     subprocess.run(["mount", "-o", f"remount,size={size_bytes}", str(mount)], check=True)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize(
+    ("mode", "held_s"),
+    [("async", 0.0), ("sync", 0.0), ("async", 3.0)],
+    ids=["async", "sync", "async-error-reported-after-records"],
+)
 def test_a_save_on_a_full_disk_fails_cleanly_and_the_run_continues_after_space_is_freed(
-    tmp_path, small_fs, mode
+    tmp_path, small_fs, mode, held_s
 ):
+    """`held_s`: the async save's failed write holds its error that long (faults/), so the loop writes its
+    next records onto the disk the save filled before the save's failure is known: still one clear error,
+    the save's."""
     ref_cfg = tmp_path / "ref.toml"
     ref_cfg.write_text(CONFIG.format(runs=tmp_path / "ref", mode=mode))
     assert run_cli(["train", str(ref_cfg)], tmp_path).returncode == 0
@@ -80,8 +88,14 @@ def test_a_save_on_a_full_disk_fails_cleanly_and_the_run_continues_after_space_i
     resize(small_fs, cache_bytes + int(ckpt_bytes * 1.6) + 256 * 1024)
     cfg = tmp_path / "full.toml"
     cfg.write_text(CONFIG.format(runs=small_fs, mode=mode))
-    first = run_cli(["train", str(cfg)], tmp_path)
+    first = run_cli(
+        ["train", str(cfg)], tmp_path, **(faults.env(save_error_delay_s=held_s) if held_s else {})
+    )
     run_dir = small_fs / "full"
+    if held_s:
+        assert any("a checkpoint write's error" in f for f in faults.landed(first.stderr)), first.stderr[
+            -3000:
+        ]
     assert first.returncode == 2, first.stderr[-3000:]
     errors = [line for line in first.stderr.splitlines() if line.startswith("relaytrain: error:")]
     assert len(errors) == 1 and "no space left" in errors[0] and "step_10" in errors[0], first.stderr[-3000:]

@@ -56,6 +56,9 @@ LAYER_DELAY_ENV = "RELAYTRAIN_FAULT_LAYER_DELAY_S"
 SHAPE_ERROR_AT_STEP_ENV = "RELAYTRAIN_FAULT_SHAPE_ERROR_AT_STEP"
 IMPORT_MODULE_ENV = "RELAYTRAIN_FAULT_IMPORT_MODULE"
 BREAK_SURVIVORS_ENV = "RELAYTRAIN_FAULT_BREAK_SURVIVORS"
+# seconds a checkpoint file's failed write holds its error before raising it: an async save that filled
+# the disk is reported only after the loop has written its next records (onto the full disk)
+SAVE_ERROR_DELAY_ENV = "RELAYTRAIN_FAULT_SAVE_ERROR_DELAY_S"
 ENV_PREFIX = "RELAYTRAIN_FAULT_"
 LANDED = "relaytrain-faults: landed:"
 TARGET = "relaytrain.trainer"
@@ -105,7 +108,7 @@ class Faults:
 
     def __init__(self, env=os.environ):
         known = (NAN_AT_STEPS_ENV, NAN_RANK_ENV, STEP_DELAY_ENV, LAYER_DELAY_ENV, SHAPE_ERROR_AT_STEP_ENV,
-                 IMPORT_MODULE_ENV, BREAK_SURVIVORS_ENV, *HANG_KNOWN)  # fmt: skip
+                 IMPORT_MODULE_ENV, BREAK_SURVIVORS_ENV, SAVE_ERROR_DELAY_ENV, *HANG_KNOWN)  # fmt: skip
         unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
         if unknown:  # a misspelt fault would otherwise arm nothing, and a test would pass without it
             raise SystemExit(f"relaytrain-faults: unknown {', '.join(unknown)}; known: {', '.join(known)}")
@@ -123,6 +126,8 @@ class Faults:
         self.shape_error_at = number(SHAPE_ERROR_AT_STEP_ENV, shape, int) if shape else None
         self.import_module = env.get(IMPORT_MODULE_ENV, "").strip()
         self.break_survivors = env.get(BREAK_SURVIVORS_ENV, "").strip() == "1"
+        held = env.get(SAVE_ERROR_DELAY_ENV, "").strip()
+        self.save_error_delay_s = number(SAVE_ERROR_DELAY_ENV, held, float) if held else 0.0
 
     def attach(self, trainer) -> None:
         """Wrap this trainer's ``model.train_step`` and ``supervision.watchdog.beat`` (instance attributes
@@ -172,7 +177,40 @@ class Faults:
             trainer.survivors.join_round = _broken_join_round
         if self.layer_delay_s:
             self._delay_layers(trainer, rank)
+        if self.save_error_delay_s:
+            self._hold_save_errors(rank)
         self.hang.attach(trainer, say)  # over the delay: a slow rank's step time includes the delay
+
+    def _hold_save_errors(self, rank: int) -> None:
+        """Each checkpoint file's failed write holds its error ``save_error_delay_s`` before raising it,
+        and the loop goes on from a save only once a write failed (or that long passed): its next records
+        meet the disk the save filled before the save's failure is known. Says so at the first failure."""
+        import threading
+
+        from relaytrain.checkpoint.manager import CheckpointManager
+        from relaytrain.checkpoint.storage import RawWriter
+
+        write_file, save, delay = RawWriter._write_file, CheckpointManager.save, self.save_error_delay_s
+        failed = threading.Event()
+
+        @functools.wraps(write_file)
+        def holding_write_file(*args, **kwargs):
+            try:
+                return write_file(*args, **kwargs)
+            except Exception as exc:
+                if not failed.is_set():
+                    say(f"a checkpoint write's error ({exc!r}) held {delay:g} s on rank {rank}")
+                failed.set()
+                time.sleep(delay)
+                raise
+
+        @functools.wraps(save)
+        def save_then_wait_for_a_failure(*args, **kwargs):
+            save(*args, **kwargs)
+            failed.wait(delay)
+
+        RawWriter._write_file = holding_write_file
+        CheckpointManager.save = save_then_wait_for_a_failure
 
     def _delay_layers(self, trainer, rank: int) -> None:
         """A forward pre-hook on each transformer layer of the trainer's model parts that sleeps

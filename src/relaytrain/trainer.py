@@ -216,8 +216,12 @@ class Trainer:
             lost = self.survivors.caught(exc, state.step)  # another rank died: this one stays (no record)
             if lost is not None:
                 raise lost from exc
-            user_error = str(exc) if isinstance(exc, UserError) else ""  # the step's end won't retry it
-            self.supervision.record(StopReason.ERROR, state.step, message=repr(exc), user_error=user_error)
+            disk_full = self.persistence.disk_full_failure(exc, state.step)
+            error = disk_full or exc
+            user_error = str(error) if isinstance(error, UserError) else ""  # the step's end won't retry it
+            self.supervision.record(StopReason.ERROR, state.step, message=repr(error), user_error=user_error)
+            if disk_full is not None:
+                raise disk_full from exc
             raise
         finally:
             # Before the watchdog stops: a pending async save that never commits is still a hang.

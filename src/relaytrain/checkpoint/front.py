@@ -24,12 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from relaytrain.checkpoint.collectives import Collectives
+from relaytrain.checkpoint.files import read_latest
 from relaytrain.checkpoint.manager import CheckpointManager
 from relaytrain.checkpoint.record import RunRecord
+from relaytrain.checkpoint.save_errors import disk_full_error
 from relaytrain.checkpoint.snapshot.pacing import EventSink, SnapshotPacing
 from relaytrain.checkpoint.snapshot.tier import SnapshotTier
 from relaytrain.checkpoint.training_state import TrainingState
 from relaytrain.config.schema import CheckpointConfig
+from relaytrain.errors import UserError
 from relaytrain.job.clock import StepClock
 from relaytrain.job.progress import Phase
 from relaytrain.job.rundir import RunDir
@@ -55,6 +58,7 @@ class Persistence:
         on_event: EventSink | None = None,
     ):
         self.cfg = cfg
+        self.run = run
         self.clock = clock if clock is not None else StepClock()
         self.board = self.clock.board
         self.enabled = cfg.enabled  # off: nothing is saved, no snapshot is taken, no own checkpoint resumed
@@ -184,6 +188,26 @@ class Persistence:
         self.checkpoints.wait()
         if self.snapshots is not None:
             self.pacing.record(self.snapshots.settle(self.pacing.times.figures()))
+
+    def disk_full_failure(self, exc: BaseException, step: int) -> UserError | None:
+        """When `exc` is a full disk met outside a save (the run's records, most often while an async save
+        fills the disk): the pending save is settled first, so that a failed one's partial step directory
+        is gone (its space free for the stop's record) and its own message, naming the checkpoint kept, is
+        the run's; else one message naming the run's folder. None for any other error."""
+        if isinstance(exc, UserError) or disk_full_error(exc) is None:
+            return None
+        try:
+            self.checkpoints.wait()
+        except UserError as save_failed:
+            return save_failed
+        except Exception as other:  # not a full disk: reported, the full disk stays the run's error
+            log.error("%s", other)
+        latest = read_latest(self.checkpoints.ckpt_dir)
+        kept = f"the last complete checkpoint ({latest.name}) is intact" if latest else "no checkpoint yet"
+        return UserError(
+            f"no space left on the device at step {step} ({disk_full_error(exc)}; {kept}); free space under "
+            f"{self.run.root} and {self.checkpoints.ckpt_dir} and submit the run again to continue"
+        )
 
     def close(self, finished: bool) -> None:
         """Commit a pending save (an error is logged: safe in a ``finally``), stop the snapshot tier (its
