@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from bench import kept
+from bench.bounds import rate
 from bench.report import fmt, machine_info, python_command, table
 
 MODULE = "bench.preflight_records"
@@ -138,12 +139,30 @@ def render(data: dict) -> str:
         "(median) a job step."
         if rows
         else "* No record.",
+        *(false_exclusions(rows) if data.get("section") == "preflight-starts" else []),
         *startup(rows),
         *estimate(rows),
         "",
         kept.rewritten(python_command(MODULE), kept.relative(data["kept"])).rstrip(),
     ]
     return "\n".join(lines) + "\n"
+
+
+def false_exclusions(rows: list[dict]) -> list[str]:
+    """Clean starts (run directories: a start's first check and those after its restarts) that named a
+    node: each a false exclusion, since nothing slowed their nodes; the count with its upper bound."""
+    starts: dict[str, bool] = {}
+    for r in rows:
+        run = r["record"].rsplit("/preflight/", 1)[0]
+        starts[run] = starts.get(run, False) or bool(r["named"])
+    if not starts:
+        return []
+    named = sum(starts.values())
+    return [
+        "* False exclusions: a node that nothing had slowed was left out in "
+        f"{rate(named, len(starts), 'upper')} clean starts (a start: one run directory, its first check "
+        "and the check after its restart)."
+    ]
 
 
 def startup(rows: list[dict]) -> list[str]:
