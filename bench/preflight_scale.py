@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="jobs of each node count")
     parser.add_argument("--budget", type=float, default=2.0, help="preflight's --budget (the in-job one)")
     parser.add_argument("--partition", default="", help="the Slurm partition (default: the cluster's)")
-    parser.add_argument("--out", type=Path, default=None, help="the jobs' folder (default: a new temp one)")
+    parser.add_argument("--out", type=Path, default=None, help="the jobs' folder (default: under bench/out)")
     parser.add_argument("--no-lock", action="store_true", help="the caller holds the cluster lock")
     parser.add_argument("--no-write", action="store_true", help="print the section, leave the page alone")
     parser.add_argument("--page-from", default="", help="measure nothing: rewrite the section from this file")
@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--nodes needs two counts or more, each at least 2; --repeats at least 1; --budget > 0")
     from bench.cluster import harness
 
-    out = (args.out or Path(tempfile.mkdtemp(prefix="preflight-scale-"))).resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = (args.out or harness.OUT_ROOT / "preflight-scale" / stamp).resolve()
     out.mkdir(parents=True, exist_ok=True)
     with harness.cluster_lock(not args.no_lock):
         harness.start_cluster(lock=False, nodes=max(counts))
