@@ -193,24 +193,41 @@ def network_phase_s(alpha: float, beta: float, nodes: int, budget_s: float) -> f
     return 2 * one + rounds * (one + ring_s(alpha, 0.0, nodes))
 
 
-def estimate(data: dict, nodes: int = ESTIMATE_NODES) -> dict:
-    """Each part at `nodes` nodes, and the checks' and the command's totals, from the kept rows."""
+def core_share(nodes: int, cores: int) -> float:
+    """How many of the local cluster's nodes share each core of its machine (at least 1; 1 when `cores`
+    is 0): a part that keeps a core busy takes about this many times as long as on nodes of their own."""
+    return max(1.0, nodes / cores) if cores else 1.0
+
+
+def estimate(data: dict, nodes: int = ESTIMATE_NODES, cores: int | None = None) -> dict:
+    """Each part at `nodes` nodes, and the checks' and the command's totals, from the kept rows. The
+    parts that keep a core busy (the all-reduce, the rest, the storage probe, a job step's start, the
+    processes' start) are measured times divided by `core_share` (`cores`: the measuring machine's, 0 to
+    take them as measured); compute and network are bounded by their budget in wall time, taken as
+    measured."""
     from relaytrain.preflight.run import PHASE_SHARE
 
+    cores = data["machine"]["cores"] if cores is None else cores
     rows = [r for r in data["rows"] if r["allreduce_s"]]
+
+    def own(row: dict, seconds: float) -> float:
+        return seconds / core_share(row["nodes"], cores)
+
     budget = data["budget"] * PHASE_SHARE
-    alpha, beta = ring_fit([(r["nodes"], r["allreduce_s"]) for r in rows])
-    network_model = {r["nodes"]: network_phase_s(alpha, beta, r["nodes"], budget) for r in rows}
+    alpha, beta = ring_fit([(r["nodes"], own(r, r["allreduce_s"])) for r in rows])
     # the model's largest shortfall against a measured network phase (waiting for the slowest node's
-    # compute is in the measured one), added to the estimate as it is
-    margin = max(0.0, max(r["slowest"]["network"] - network_model[r["nodes"]] for r in rows))
-    rest = line_fit([(r["nodes"], r["rest_s"]) for r in rows])
-    step = line_fit([(r["nodes"], r["step_s"]) for r in rows])
-    other = line_fit([(r["nodes"], r["command_s"] - r["step_s"] - r["checks_s"]) for r in rows])
+    # compute is in the measured one) where each node had a core, added to the estimate as it is
+    alone = [r for r in rows if core_share(r["nodes"], cores) == 1.0] or rows
+    margin = max(
+        0.0, *(r["slowest"]["network"] - network_phase_s(alpha, beta, r["nodes"], budget) for r in alone)
+    )
+    rest = line_fit([(r["nodes"], own(r, r["rest_s"])) for r in rows])
+    step = line_fit([(r["nodes"], own(r, r["step_s"])) for r in rows])
+    other = line_fit([(r["nodes"], own(r, r["command_s"] - r["step_s"] - r["checks_s"])) for r in rows])
     parts = {
         "compute": max(r["slowest"]["compute"] for r in rows),
         "network": network_phase_s(alpha, beta, nodes, budget) + margin,
-        "storage": max(r["slowest"]["storage"] for r in rows),
+        "storage": max(own(r, r["slowest"]["storage"]) for r in rows),
         "gather": rest[0] + rest[1] * nodes,
         "judge_write": data["judge_write_s"],
     }
@@ -218,6 +235,7 @@ def estimate(data: dict, nodes: int = ESTIMATE_NODES) -> dict:
     command = {"step_start": step[0] + step[1] * nodes, "processes": other[0] + other[1] * nodes}
     return {
         "nodes": nodes,
+        "cores": cores,
         "alpha_s": alpha,
         "beta_s": beta,
         "allreduce_s": ring_s(alpha, beta, nodes),
@@ -236,7 +254,7 @@ def estimate(data: dict, nodes: int = ESTIMATE_NODES) -> dict:
 
 
 def render(data: dict) -> str:
-    m, est = data["machine"], estimate(data)
+    m, est, raw = data["machine"], estimate(data), estimate(data, cores=0)
     counts = sorted({r["nodes"] for r in data["rows"]})
     body = []
     for k in counts:
@@ -282,7 +300,12 @@ def render(data: dict) -> str:
             body,
         ).rstrip(),  # fmt: skip
         "",
-        f"The estimate at {n} nodes, each part read from the fits above:",
+        f"The estimate at {n} nodes. These nodes are processes of one machine: at N nodes, N / "
+        f"{est['cores']} of them share each core, so a part that keeps a core busy takes that many times "
+        "as long here as on nodes of their own. Each such part (the all-reduce, the rest, the storage "
+        "probe, a job step's start, the processes' start) is divided by that share, then fitted to the "
+        "node counts and read at "
+        f"{n}; compute and network run for their budget in wall time and are taken as measured.",
         "",
         f"* Compute: {fmt(parts['compute'])} s, the slowest rank measured (each node runs its GEMM on its "
         "own, for the phase's budget; a node much slower than that is what the check names).",
@@ -291,26 +314,30 @@ def render(data: dict) -> str:
         f"beta {fmt(est['beta_s'] * 1e3)} ms, so one 4 MiB all-reduce takes "
         f"{fmt(est['allreduce_s'] * 1e3)} ms at {n} nodes. The phase runs as many rounds as its "
         "budget allows (3 to 50), each a barrier (the latency part alone) and an all-reduce; plus "
-        f"{fmt(est['network_margin_s'])} s, the model's largest shortfall against a measured phase.",
-        f"* Storage: {fmt(parts['storage'])} s, the slowest node measured: every node writes 4 MiB with "
-        f"fsync at once, so on a shared file system add {n} x 4 MiB over its write bandwidth.",
-        f"* Gathering the results: {fmt(parts['gather'])} s, the rest above fitted to a line in the node "
-        f"count ({fmt(est['rest_fit'][0])} s + {fmt(est['rest_fit'][1] * 1e3)} ms a node).",
+        f"{fmt(est['network_margin_s'])} s, the model's largest shortfall against a phase measured where "
+        "each node had a core.",
+        f"* Storage: {fmt(parts['storage'])} s, the slowest node: every node writes 4 MiB with fsync at "
+        f"once, so on a shared file system add {n} x 4 MiB over its write bandwidth.",
+        f"* Gathering the results: {fmt(parts['gather'])} s, the rest above as a line in the node count "
+        f"({fmt(est['rest_fit'][0])} s + {fmt(est['rest_fit'][1] * 1e3)} ms a node).",
         f"* Judging and writing the record of {n} nodes: {fmt(parts['judge_write'])} s, timed on {n} copies "
         "of a measured rank.",
         f"* **The checks before a job step's first step: {fmt(est['checks_s'])} s at {n} nodes.**",
         f"* `relaytrain preflight` as a job step of its own adds the step's start, "
-        f"{fmt(cmd['step_start'])} s (a line in the node count: {fmt(est['step_fit'][0])} s + "
+        f"{fmt(cmd['step_start'])} s (a line: {fmt(est['step_fit'][0])} s + "
         f"{fmt(est['step_fit'][1] * 1e3)} ms a node), and its processes' start and process group, "
         f"{fmt(cmd['processes'])} s (the command's time less the step's start and the checks, as a line: "
         f"{fmt(est['processes_fit'][0])} s + {fmt(est['processes_fit'][1] * 1e3)} ms a node): "
         f"**{fmt(est['command_s'])} s**.",
+        f"* Taken as measured, with every part's growth here counted as growth with the nodes (no "
+        f"division by the share): the checks {fmt(raw['checks_s'])} s, the command {fmt(raw['command_s'])} "
+        "s: these count the slowdown of sharing the cores as growth with the nodes.",
         "",
-        "Assumptions: the fits hold from the node counts measured to "
-        f"{n} (a straight line is an upper bound for Slurm's tree fan-out and a ring's latency grows as "
-        "fitted); these nodes share 2 cores, so a part that contends for them grows faster here than on "
-        "nodes of their own; the network is this machine's loopback, and a real fabric's alpha and beta "
-        "replace the fitted ones; on GPUs the all-reduce is NCCL's, not gloo's.",
+        "Assumptions: the lines and the ring fitted from these node counts hold up to "
+        f"{n} nodes (a line is an upper bound for Slurm's tree fan-out of a job step); the network is this "
+        "machine's loopback through gloo, and a real fabric's alpha and beta (NCCL's on GPUs) replace the "
+        "fitted ones; the slowest of 128 nodes computes and writes no slower than the slowest measured "
+        "(one that does is named by the check).",
         "",
         kept.rewritten(python_command(MODULE), kept.relative(data["kept"])).rstrip(),
     ]

@@ -47,7 +47,7 @@ def data(rows: list[dict]) -> dict:
 
 def test_the_estimate_is_the_sum_of_its_parts_at_128_nodes():
     rows = [row(k, scale.ring_s(1e-4, 5e-3, k), 0.05 + 0.01 * k, 0.2 + 0.02 * k) for k in (2, 4, 6)]
-    est = scale.estimate(data(rows))
+    est = scale.estimate(data(rows), cores=0)  # the times as measured
     parts = est["parts"]
     assert parts["compute"] == 0.9 and parts["storage"] == 0.05 and parts["judge_write"] == 0.03
     assert parts["gather"] == pytest.approx(0.05 + 0.01 * 128)
@@ -57,8 +57,19 @@ def test_the_estimate_is_the_sum_of_its_parts_at_128_nodes():
     assert est["command_s"] == pytest.approx(est["checks_s"] + sum(est["command_parts"].values()))
     # a measured phase the model falls short of is added as it is
     slower = [{**r, "slowest": {**r["slowest"], "network": 5.0}} for r in rows]
-    margin = scale.estimate(data(slower))["network_margin_s"]
+    margin = scale.estimate(data(slower), cores=0)["network_margin_s"]
     assert margin == pytest.approx(5.0 - scale.network_phase_s(1e-4, 5e-3, 2, 0.8))
+
+
+def test_a_part_that_keeps_a_core_busy_is_divided_by_the_nodes_sharing_each_core():
+    # on 2 cores, 4 nodes share each core two by two: a part twice as long there is no growth
+    rows = [row(2, 0.01, 0.3, 0.05), row(4, 0.02, 0.6, 0.10)]
+    est = scale.estimate(data(rows))  # the machine's 2 cores
+    assert est["rest_fit"] == pytest.approx((0.3, 0.0)) and est["step_fit"] == pytest.approx((0.05, 0.0))
+    assert est["alpha_s"] == 0.0 and est["allreduce_s"] == pytest.approx(
+        scale.ring_s(0.0, est["beta_s"], 128)
+    )
+    assert scale.estimate(data(rows), cores=0)["rest_fit"] == pytest.approx((0.0, 0.15))  # as measured
 
 
 def test_the_section_is_rewritten_from_a_kept_file(tmp_path, monkeypatch):
