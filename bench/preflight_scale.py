@@ -228,7 +228,8 @@ def estimate(data: dict, nodes: int = ESTIMATE_NODES, cores: int | None = None) 
         "compute": max(r["slowest"]["compute"] for r in rows),
         "network": network_phase_s(alpha, beta, nodes, budget) + margin,
         "storage": max(own(r, r["slowest"]["storage"]) for r in rows),
-        "gather": rest[0] + rest[1] * nodes,
+        # all_gather_object: two all-gathers (the sizes, then the results), each (p-1) hops of a ring
+        "gather": rest[0] + rest[1] * nodes + 2 * (nodes - 1) * alpha,
         "judge_write": data["judge_write_s"],
     }
     checks = sum(parts.values())
@@ -319,7 +320,8 @@ def render(data: dict) -> str:
         f"* Storage: {fmt(parts['storage'])} s, the slowest node: every node writes 4 MiB with fsync at "
         f"once, so on a shared file system add {n} x 4 MiB over its write bandwidth.",
         f"* Gathering the results: {fmt(parts['gather'])} s, the rest above as a line in the node count "
-        f"({fmt(est['rest_fit'][0])} s + {fmt(est['rest_fit'][1] * 1e3)} ms a node).",
+        f"({fmt(est['rest_fit'][0])} s + {fmt(est['rest_fit'][1] * 1e3)} ms a node), plus the two "
+        f"all-gathers' {2 * (n - 1)} hops at alpha.",
         f"* Judging and writing the record of {n} nodes: {fmt(parts['judge_write'])} s, timed on {n} copies "
         "of a measured rank.",
         f"* **The checks before a job step's first step: {fmt(est['checks_s'])} s at {n} nodes.**",
