@@ -11,9 +11,9 @@ path under its FOLDER, the node count, the worst compute and network shortfall b
 nodes it named, the checks' seconds and rank 0's seconds in each phase, in
 bench/results/<section>-<UTC date and time>.json, and writes that section of docs/benchmarks.md:
 `preflight-records` (the records of any jobs) or `preflight-starts` (the clean starts of
-bench.preflight_starts). Where the records hold each phase's seconds, the section adds an estimate of the
-checks' time at 128 nodes. The FOLDERs themselves are not kept: the section names each record by its
-FOLDER's last part.
+bench.preflight_starts). Where the records hold each phase's seconds, the section gives them (their time
+at 128 nodes is bench.preflight_scale's estimate). The FOLDERs themselves are not kept: the section names
+each record by its FOLDER's last part.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ import sys
 from pathlib import Path
 
 from bench import kept
+from bench.bounds import rate
 from bench.report import fmt, machine_info, python_command, table
 
 MODULE = "bench.preflight_records"
 SECTION = "preflight-records"
 SECTIONS = {
     SECTION: "Preflight on real job starts: how far a node fell below its job's median",
-    "preflight-starts": "Preflight on clean job starts with exclude: false exclusions, the time at 128 nodes",
+    "preflight-starts": "Preflight on clean job starts with exclude: false exclusions, the time per start",
 }
-ORDER = ["preflight", SECTION, "preflight-starts", "quickstart"]
+ORDER = ["preflight", SECTION, "preflight-starts", "preflight-scale", "quickstart"]
 NEAR = 10.0  # points below a threshold that count as near it
-ESTIMATE_NODES = 128
 PHASES = ("compute", "network", "storage")
 
 
@@ -138,12 +138,30 @@ def render(data: dict) -> str:
         "(median) a job step."
         if rows
         else "* No record.",
+        *(false_exclusions(rows) if data.get("section") == "preflight-starts" else []),
         *startup(rows),
-        *estimate(rows),
+        *phases(rows),
         "",
         kept.rewritten(python_command(MODULE), kept.relative(data["kept"])).rstrip(),
     ]
     return "\n".join(lines) + "\n"
+
+
+def false_exclusions(rows: list[dict]) -> list[str]:
+    """Clean starts (run directories: a start's first check and those after its restarts) that named a
+    node: each a false exclusion, since nothing slowed their nodes; the count with its upper bound."""
+    starts: dict[str, bool] = {}
+    for r in rows:
+        run = r["record"].rsplit("/preflight/", 1)[0]
+        starts[run] = starts.get(run, False) or bool(r["named"])
+    if not starts:
+        return []
+    named = sum(starts.values())
+    return [
+        "* False exclusions: a node that nothing had slowed was left out in "
+        f"{rate(named, len(starts), 'upper')} clean starts (a start: one run directory, its first check "
+        "and the check after its restart)."
+    ]
 
 
 def startup(rows: list[dict]) -> list[str]:
@@ -160,28 +178,17 @@ def startup(rows: list[dict]) -> list[str]:
     ]
 
 
-def estimate(rows: list[dict]) -> list[str]:
-    """The checks' time at ESTIMATE_NODES nodes, from each record's phases (none where they are not kept):
-    rank 0's phases as measured (their budget bounds compute and network; storage runs on every node at
-    once), plus the rest of its time (waiting for the other ranks, gathering, judging, writing the record)
-    as measured or scaled linearly with the nodes: records of one node count cannot tell its fixed part from
-    its per-node part."""
+def phases(rows: list[dict]) -> list[str]:
+    """Rank 0's seconds in each phase and the rest (none where the records do not keep the phases); their
+    time at more nodes is bench.preflight_scale's."""
     if not rows or any("phases" not in r or not r["seconds"] for r in rows):
         return []
-    phases = statistics.median(sum(r["phases"].values()) for r in rows)
+    total = statistics.median(sum(r["phases"].values()) for r in rows)
     rest = statistics.median(max(0.0, r["seconds"] - sum(r["phases"].values())) for r in rows)
-    nodes = statistics.median(r["nodes"] for r in rows)
     parts = ", ".join(f"{k} {fmt(statistics.median(r['phases'][k] for r in rows))} s" for k in PHASES)
-    low, high = phases + rest, phases + rest / nodes * ESTIMATE_NODES
     return [
-        f"* Per job step (median): the phases {fmt(phases)} s ({parts}; rank 0's), the rest "
+        f"* Per job step (median): the phases {fmt(total)} s ({parts}; rank 0's), the rest "
         f"(waiting for the other ranks, gathering their results, judging, writing the record) {fmt(rest)} s.",
-        f"* Estimate at {ESTIMATE_NODES} nodes: {fmt(low)} to {fmt(high)} s: the phases as measured, "
-        "plus the rest as measured (it does not grow with the nodes) or scaled from "
-        f"{nodes:g} to {ESTIMATE_NODES} nodes (all of it grows linearly); records of one node count "
-        "cannot separate the two. It holds where compute and network stay within their budget (one "
-        "4 MiB all-reduce over every node under a third of the network phase), and where the checkpoint "
-        "file system takes one 4 MiB write with fsync from every node at once as fast as from these.",
     ]
 
 

@@ -10,8 +10,8 @@ on, so that the storage probe runs too) with `--resilience.preflight=exclude`, w
 a core of the machine, and waits until every job has ended. Each job's run directory is under OUT; a node
 the checks name is left out (the job restarts its step or requeues, which its preflight records show),
 so every named node of a clean start is a false exclusion. Prints each job's end state. The records are
-read, kept and put on the page by `bench.preflight_records` (one or more OUT folders at once), which
-holds the per-phase seconds the time estimate at 128 nodes is made from.
+read, kept and put on the page by `bench.preflight_records` (one or more OUT folders at once), with the
+false exclusions' count and each phase's seconds.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""bench.preflight_records reads preflight records of real jobs (each job step once, 2 nodes or more) and
-estimates the checks' time at 128 nodes from their phases; bench.preflight_starts refuses bad arguments
+"""bench.preflight_records reads preflight records of real jobs (each job step once, 2 nodes or more), gives
+their phases and counts the false exclusions of clean starts; bench.preflight_starts refuses bad arguments
 in one line."""
 
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -32,14 +31,22 @@ def test_each_job_step_of_two_nodes_or_more_is_read_once(tmp_path):
     assert rows[0]["phases"] == phases
 
 
-def test_the_estimate_at_128_nodes_spans_a_fixed_rest_and_a_rest_growing_with_the_nodes(tmp_path):
+def test_the_phases_where_the_records_keep_them(tmp_path):
     record(tmp_path, "a", "7", 2.2, {"compute": 0.8, "network": 0.8, "storage": 0.1}, [10.0, 9.0])
-    lines = preflight_records.estimate(preflight_records.collect([tmp_path]))
-    low, high = map(float, re.search(r"Estimate at 128 nodes: ([\d.]+) to ([\d.]+) s", lines[1]).groups())
-    assert low == pytest.approx(2.2) and high == pytest.approx(1.7 + 0.5 * 64)
+    (line,) = preflight_records.phases(preflight_records.collect([tmp_path]))
+    assert "the phases 1.70 s (compute 0.800 s, network 0.800 s, storage 0.100 s" in line
+    assert line.endswith("writing the record) 0.500 s."), line
     old = {**preflight_records.collect([tmp_path])[0]}
-    del old["phases"]  # records kept before the phases were: no estimate
-    assert preflight_records.estimate([old]) == []
+    del old["phases"]  # records kept before the phases were: no line
+    assert preflight_records.phases([old]) == []
+
+
+def test_false_exclusions_count_starts_not_job_steps():
+    rows = [{"record": "a/s0/preflight/7.json", "named": ["n1"]},
+            {"record": "a/s0/preflight/7-r1.json", "named": []},
+            {"record": "a/s1/preflight/8.json", "named": []}]  # fmt: skip
+    (line,) = preflight_records.false_exclusions(rows)
+    assert "left out in 1 of 2 (95 % upper bound 97 %) clean starts" in line, line
 
 
 @pytest.mark.parametrize("args", [["--nodes", "1", "--out", "x"], ["--starts", "0", "--out", "x"]])

@@ -70,6 +70,8 @@ def test_storage_free_space_short_of_a_save_through_the_seam(tmp_path):
     ranks = [_rank(0, "n1", storage_free_bytes=reading["free_bytes"])]
     (line,) = report_lines(judge(ranks, {"save_bytes": 3 * GIB}))
     assert line == "preflight: n1 checkpoint storage 1.0 GiB free of the 3.0 GiB the run needs"
+    (line,) = report_lines(judge([_rank(0, "n1", storage_free_bytes=0)], {"save_bytes": 36 * 1024**2}))
+    assert line == "preflight: n1 checkpoint storage 0.0 MiB free of the 36.0 MiB the run needs"  # not GiB
 
 
 def test_a_checkpoint_folder_that_cannot_be_written_is_named(tmp_path):

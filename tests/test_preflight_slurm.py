@@ -134,7 +134,8 @@ def test_every_job_step_is_checked_before_its_first_step_and_exclude_leaves_a_sl
 
 def test_a_node_whose_checkpoint_folder_is_full_is_named(slurm_cluster, tmp_path):
     """Issue 58's case (b): the checkpoint folder is a small full tmpfs on one node only (mounted in that
-    node's own mount namespace, as a node's local disk fills up), the other node's is the shared folder."""
+    node's own mount namespace, as a node's local disk fills up), the other node's is the shared folder.
+    Both halves of the storage check must name it, so that either one broken fails the test."""
     from relaytrain.localcluster.cluster import on_node
 
     runs = tmp_path / "runs"
@@ -163,6 +164,9 @@ def test_a_node_whose_checkpoint_folder_is_full_is_named(slurm_cluster, tmp_path
         line for line in out.splitlines() if line.startswith("preflight: ") and "checkpoint storage" in line
     ]
     assert len(named) == 1 and named[0].startswith(f"preflight: {full} "), out[-4000:]
+    # both halves of the storage check named it: the free space short of a save, and the write that failed
+    assert re.search(r"checkpoint storage 0\.0 MiB free of the [\d.]+ MiB the run needs", named[0]), named
+    assert "checkpoint storage write-read-fsync failed: No space left on device" in named[0], named
     assert fields["ExitCode"].startswith("1:"), fields
     record = json.loads((runs / "debug" / "preflight" / f"{job}.json").read_text())
     assert record["nodes"][full]["passed"] is False and record["nodes"][good]["passed"] is True, record

@@ -15,6 +15,7 @@ import statistics
 from dataclasses import asdict, dataclass
 
 GIB = 1024**3
+MIB = 1024**2
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ def _below_median(nodes: dict[str, dict], key: str, pct: float, what: str, unit:
 def _short_of_need(free: float | None, need: float, what: str) -> str | None:
     if free is None or not need or free >= need:
         return None
-    return f"{what} {free / GIB:.1f} GiB free of the {need / GIB:.1f} GiB the run needs"
+    unit, name = (GIB, "GiB") if need >= GIB else (MIB, "MiB")  # a small need in GiB reads "0.0 GiB"
+    return f"{what} {free / unit:.1f} {name} free of the {need / unit:.1f} {name} the run needs"
 
 
 def judge(

@@ -44,6 +44,12 @@ def compute_rate(device, dtype, budget_s: float = 1.0) -> dict[str, float]:
     return {"gflops": best, "rounds": iterations}
 
 
+def allreduce_rounds(one_s: float, budget_s: float) -> int:
+    """The timed all-reduce rounds for `budget_s` when one takes `one_s`: at least 3 (a median), at most 50
+    (a fast fabric would otherwise run thousands of barriers)."""
+    return max(3, min(50, int(budget_s / max(one_s, 1e-6))))
+
+
 def allreduce_bandwidth(device, group=None, budget_s: float = 1.0) -> dict[str, float]:
     """Bus bandwidth in GB/s of `ALLREDUCE_BYTES` all-reduces over `group` (every rank runs as many
     rounds as rank 0 decides, so none waits on a missing one); the median round."""
@@ -59,7 +65,7 @@ def allreduce_bandwidth(device, group=None, budget_s: float = 1.0) -> dict[str, 
     dist.all_reduce(x, group=group)
     sync()
     one = time.perf_counter() - t0
-    rounds = torch.tensor([max(3, min(50, int(budget_s / max(one, 1e-6))))], device=device)
+    rounds = torch.tensor([allreduce_rounds(one, budget_s)], device=device)
     dist.broadcast(rounds, src=0, group=group)
     times = []
     for _ in range(int(rounds.item())):

@@ -21,6 +21,7 @@ BELOW_THRESHOLD_EXIT = 1
 
 
 IN_JOB_BUDGET_S = 2.0  # the checks before a job step's first step: compute and network get 0.8 s each
+PHASE_SHARE = 0.4  # of the budget, for compute and for network each (the rest: storage, gathering, judging)
 
 
 def job_name(facts: JobFacts) -> str:
@@ -49,12 +50,12 @@ def measure_rank(cfg: Config, env, budget_s: float) -> dict:
     figures: dict[str, float | None] = {}
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    figures["gflops"] = measure.compute_rate(env.device, dtype, budget_s * 0.4)["gflops"]
+    figures["gflops"] = measure.compute_rate(env.device, dtype, budget_s * PHASE_SHARE)["gflops"]
     seconds["compute"] = time.perf_counter() - t0
     figures["gbps"] = None
     if env.distributed:
         t0 = time.perf_counter()
-        figures["gbps"] = measure.allreduce_bandwidth(env.device, None, budget_s * 0.4)["gbps"]
+        figures["gbps"] = measure.allreduce_bandwidth(env.device, None, budget_s * PHASE_SHARE)["gbps"]
         seconds["network"] = time.perf_counter() - t0
     # Outside Slurm the ranks of one machine stand for nodes, so that they are compared with each other.
     node = (
@@ -102,8 +103,8 @@ def run_preflight(
     `nodes`: the run's node count the plan's needs are computed for (0: this job's)."""
     from relaytrain.parallel.distributed import init_distributed, shutdown_distributed
 
-    started = time.perf_counter()
     env = init_distributed(cfg)
+    started = time.perf_counter()  # the checks' time, as in a job step (whose process group is up)
     try:
         ranks = gather(measure_rank(cfg, env, budget_s), env)
     finally:
