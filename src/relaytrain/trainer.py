@@ -207,8 +207,7 @@ class Trainer:
             finished = state.step >= cfg.train.max_steps
             return code
         except UnloadableCheckpoints as exc:
-            # Failed, not a crash: the job is not requeued into the same refusal. The record keeps the step
-            # the run had reached (and its checkpoint_step), so the next attempt still knows what is at stake.
+            # Failed, not a crash (no requeue into the same refusal); the record keeps the step reached.
             reached = recorded_step(self.run_dir) or 0
             self.supervision.record(StopReason.DAMAGED_CHECKPOINT, reached, saved=False, message=str(exc))
             raise
@@ -216,12 +215,11 @@ class Trainer:
             lost = self.survivors.caught(exc, state.step)  # another rank died: this one stays (no record)
             if lost is not None:
                 raise lost from exc
-            disk_full = self.persistence.disk_full_failure(exc, state.step)
-            error = disk_full or exc
+            error = self.persistence.disk_full_failure(exc, state.step) or exc  # a save settled first
             user_error = str(error) if isinstance(error, UserError) else ""  # the step's end won't retry it
             self.supervision.record(StopReason.ERROR, state.step, message=repr(error), user_error=user_error)
-            if disk_full is not None:
-                raise disk_full from exc
+            if error is not exc:
+                raise error from exc
             raise
         finally:
             # Before the watchdog stops: a pending async save that never commits is still a hang.
@@ -362,8 +360,7 @@ def train(cfg: Config) -> int:
     env = init_distributed(cfg, survivors.replacement_store())
     startup.enter(Phase.STARTUP)
     if not JobFacts.from_env().in_slurm:
-        # No batch shell reads run_state.json: an impossible layout is a usage error like a config
-        # mistake, one line and exit 2 before the run directory is touched.
+        # No batch shell reads run_state.json: an impossible layout is a usage error (exit 2), no run dir.
         try:
             check_world(cfg, env, None)
         except UserError:
@@ -394,8 +391,7 @@ def _train_in_group(cfg: Config, env: DistEnv, survivors: Survivors) -> int:
     torch.manual_seed(cfg.run.seed)
     try:
         check_world(cfg, env, run)
-        # resilience.preflight: each node measured first (docs/howto/preflight.md); exclude: a node named
-        # is left out by the batch job's driver, this step ends before training
+        # resilience.preflight (docs/howto/preflight.md); exclude: a node named ends the step before training
         stop = check_in_job(cfg, env, run)
         if stop:
             return stop
