@@ -352,6 +352,9 @@ def test_each_clean_config_is_a_valid_config_of_its_model_steps_and_compile(tmp_
         if variant == "wide":
             assert (cfg.train.max_steps, cfg.checkpoint.interval, cfg.train.eval_every) == (6, 2, 3)
             assert 1.1 < state_gb < 1.3
+        elif variant == "long":  # the long-step trial's run: its steps slowed by the faults, not the config
+            assert (cfg.train.max_steps, cfg.checkpoint.interval, cfg.train.eval_every) == (8, 4, 4)
+            assert state_gb < 0.1
         else:
             assert (cfg.model.dim, cfg.model.n_layers) == (debug["model"]["dim"], debug["model"]["n_layers"])
             assert cfg.train.max_steps == STEPS and state_gb < 0.1

@@ -316,7 +316,9 @@ class HangTrials:
         overrides = overrides_of(trial)
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a CPU-bound neighbour
         try:
-            setup = "; ".join(filter(None, (first_run_setup(), cold_setup(trial.variant, bench.base))))
+            # the long variant's steps: the long-step hang trial's delay before each layer's forward
+            slow = faults.setup_line(layer_delay_s=LAYER_DELAY_S) if trial.variant == "long" else ""
+            setup = "; ".join(filter(None, (first_run_setup(), cold_setup(trial.variant, bench.base), slow)))
             trial.job = bench.launch(run.name, *overrides, setup=setup, nodes=NODES)
             if trial.variant == "restart":
                 self.kill_one(trial, run, rng, evidence)
@@ -336,6 +338,8 @@ class HangTrials:
             trial.detail += f"; SIGKILL rank {trial.rank} on {trial.node} after step {trial.at_step}"
         if alive and evals:
             evidence.append(f"CPU-bound process pid {hog.pid} ran beside the whole run; {evals} evaluations")
+        if trial.variant == "long":
+            evidence += [f"landed: {t}" for t in faults.landed(run.job_log()) if "forward on rank" in t][:2]
 
     def kill_one(self, trial: HangTrial, run: RunFiles, rng, evidence: list[str]) -> None:
         """SIGKILL rank index % 2 after a random step, then wait for the step to restart in place."""

@@ -39,7 +39,7 @@ from bench.report import REPO
 from bench.snapshot import wide_model
 
 DEBUG_CONFIG = REPO / "configs" / "debug.toml"
-CLEAN_VARIANTS = ("debug", "wide", "compile", "restart", "compile_cold")
+CLEAN_VARIANTS = ("debug", "wide", "compile", "restart", "compile_cold", "long")
 MODES = ("async", "sync")
 WIDE_STATE_GB = 1.2  # issue 37: the 1.2 GB wide state
 

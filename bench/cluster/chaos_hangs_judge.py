@@ -289,5 +289,7 @@ def judge(
     elif trial.kind == "clean":
         trial.checks["no hang detected"] = trial.detections == 0
         trial.checks["no restart"] = trial.step_restarts == 0 and trial.restarts == 0 and not crashes
+        if trial.variant == "long":  # its steps as long as the long-step hang trial's, or it proves nothing
+            trial.checks[f"step median >= {LONG_STEP_S:g} s"] = long_steps(trial, records)
     else:
         raise ValueError(f"no hang trial kind {trial.kind!r}; the kinds: {', '.join(KINDS)}")

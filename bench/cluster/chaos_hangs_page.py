@@ -33,6 +33,7 @@ class KeptHangs:
     cores: int | str
     load: str
     trials: list[HangTrial]
+    notes: list[str]  # what a run's trials do not say of themselves (a defect found after the run)
 
 
 def load_hangs(path: str) -> KeptHangs:
@@ -44,7 +45,8 @@ def load_hangs(path: str) -> KeptHangs:
     except TypeError as err:
         raise ValueError(f"{kept.relative(path)} holds no hang trials ({err})") from None
     return KeptHangs(kept.relative(path), data.get("command", ""), data.get("date", ""), seed,
-                     data.get("cpu", "?"), data.get("cores", "?"), data.get("load", ""), trials)  # fmt: skip
+                     data.get("cpu", "?"), data.get("cores", "?"), data.get("load", ""), trials,
+                     list(data.get("notes", [])))  # fmt: skip
 
 
 def _s(value: float | None) -> str:
@@ -162,6 +164,7 @@ def render_hangs_section(paths: list[str]) -> str:
         f"**{ok} of {len(trials)} trials passed.**\n\n"
         + rows_table(trials)
         + targets(trials)
+        + "".join(f"\n{note}\n" for r in runs for note in r.notes)
         + f"\nResults: {', '.join(f'`{r.path}`' for r in runs)}. Rewritten from the kept results by "
         f"`{COMMAND} --page-from {' '.join(r.path for r in runs)} --section {SECTION}`.\n"
     )
