@@ -198,7 +198,10 @@ def own_options(argv: list[str]) -> tuple[int, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     budget, argv = own_options(sys.argv[1:] if argv is None else argv)
-    if budget:  # the workers' Survivors (resilience/rank/survivors.py) turn on only under this budget
+    # The workers' Survivors (resilience/rank/survivors.py) turn on only under this launcher's budget (not
+    # one a launcher above this one left in the environment).
+    os.environ.pop(REPLACEMENTS_ENV, None)
+    if budget:
         os.environ[REPLACEMENTS_ENV] = str(budget)
     bound_teardown_after_failure(FAILURE_SHUTDOWN_S, AGREED_STOPS)
     replace_dead_workers(_Replacements(budget))
