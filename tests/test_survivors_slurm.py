@@ -55,9 +55,8 @@ TRAIN = [*TINY, f"--train.max_steps={STEPS}"]
 
 def doc_line() -> list[str]:
     """docs/resilience.md's `relaytrain launch` line, its words after `relaytrain launch`."""
-    (line,) = [
-        line for line in bash_lines(REPO / "docs" / "resilience.md") if line.startswith("relaytrain launch ")
-    ]
+    lines = bash_lines(REPO / "docs" / "resilience.md")
+    (line,) = [line for line in lines if line.startswith("relaytrain launch ") and "survivors" in line]
     words = shlex.split(line)
     assert "--resilience.survivors=true" in words and words[words.index("--nodes") + 1] == "1", line
     return words[2:]
