@@ -117,6 +117,14 @@ def recoveries(run_dir: Path) -> list[dict]:
     return [e for e in events(run_dir) if e["event"] == "recovery"]
 
 
+def recovered(run_dir: Path, job: str, count: int) -> bool:
+    """Whether `count` recoveries are recorded; fails at once when the driver started another job step
+    (the in-process path did not hold)."""
+    out = job_output(run_dir, job)
+    assert out.count("launching: srun") == 1, f"the driver started another job step:\n{out[-6000:]}"
+    return len(recoveries(run_dir)) >= count
+
+
 def verified(run_dir: Path) -> None:
     code, out = cli("verify", str(run_dir))  # the replayed steps: each sample still once, in order
     assert code == 0, out
@@ -132,7 +140,7 @@ def test_a_killed_rank_0_then_rank_1_are_replaced_alone_in_the_one_job_step_bit_
     try:
         for generation, (rank, step) in enumerate(KILLS, 1):
             killed.append(kill_rank(run_dir, job, rank, step))
-            wait_for(lambda g=generation: len(recoveries(run_dir)) >= g, 180, f"recovery {generation}")
+            wait_for(lambda g=generation: recovered(run_dir, job, g), 180, f"recovery {generation}")
         fields = wait_job_finished(int(job), timeout=300)
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
