@@ -60,8 +60,10 @@ MODEL = [
 
 
 def launch(run_dir: Path, ranks: int, steps: int, survivors: bool) -> subprocess.Popen:
-    command = [sys.executable, "-m", "relaytrain.job.torchrun", "--standalone", f"--nproc_per_node={ranks}"]
-    command += [f"--max_restarts={3 if survivors else 0}", "-m", "relaytrain.cli", "train", *MODEL]
+    command = [sys.executable, "-m", "relaytrain.job.torchrun"]
+    command += ["--survivor-replacements=3"] if survivors else []  # as a one-node job's, restarts 0
+    command += ["--standalone", f"--nproc_per_node={ranks}", "--max_restarts=0"]
+    command += ["-m", "relaytrain.cli", "train", *MODEL]
     command += [f"--train.max_steps={steps}", f"--run.dir={run_dir.parent}", f"--run.name={run_dir.name}"]
     command += [f"--resilience.survivors={str(survivors).lower()}"]
     run_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,7 @@ LANES = {
     "test_elastic_slurm.py": 2,
     "test_hang_slurm.py": 2,
     "test_cli_without_slurm.py": 2,
+    "test_survivors_slurm.py": 2,
     "test_e2e_stacks.py": 3,
     "test_bench_chaos.py": 3,
     "test_bench_goodput.py": 3,

@@ -156,6 +156,28 @@ def test_a_restart_in_place_is_restart_overhead():
     assert [s.detail for s in restore] == ["node memory"]
 
 
+def test_a_lost_rank_replaced_inside_the_job_step_is_lost_then_restart_then_replayed():
+    """resilience.survivors: the step goes on after a rank is lost; the ranks resume inside it (a second
+    `resume`) and log a `recovery` event once the interrupted step is redone."""
+    job = ident("7")
+    records = [driver("job_start", 0.0, job), driver("step_start", 1.0, job)]
+    records += [begin(5.0, 0, 1.0, 4.0, "", job), window(1, 10, 5.0, 15.0, job)]
+    # killed at 17 (steps 11-12 not kept); the new group at 19.5, restored from node memory by 20
+    records += [begin(20.0, 10, 2.0, 19.5, "node memory", job), window(11, 11, 20.0, 21.0, job)]
+    records += [{"kind": "event", "event": "recovery", "step": 11, "time": T0 + 21.0, **job,
+                 "fault_to_step_s": 4.0, "lost_step": 11, "generation": 1}]  # fmt: skip
+    records += [window(12, 20, 21.0, 30.0, job), end("finished", 20, 31.0, job)]
+    records += [driver("step_end", 32.0, job, exit_code=0), driver("job_end", 33.0, job, exit_code=0)]
+    ledger = build_ledger(records, [sacct("7", 0.0, 33.0)])
+    # lost: 15..17 (the last window to the fault); restart: 17..19.5; restore 19.5..20
+    expected = {"startup": 5.0, "productive": 20.0, "lost": 2.0, "restart": 2.5, "restore": 0.5, "stop": 3.0}
+    assert buckets_of(ledger) == expected
+    # Without its recovery event (the run ended before the redone step) the wait is restart by rule.
+    spans = build_ledger(records[:6] + records[7:], [sacct("7", 0.0, 33.0)]).jobs[0].spans
+    (rule,) = [s for s in spans if s.bucket == "restart"]
+    assert (rule.start - T0, rule.end - T0) == (15.0, 19.5) and rule.inferred, rule
+
+
 def _trained(who: Record, since: float, until: float, first: int = 1) -> list[Record]:
     """A trainer's whole life in one allocation: start 1 s after `since`, steps `first`..`first` + 9,
     finished at `until`."""

@@ -91,13 +91,28 @@ CONTAINER = {
 }
 
 
-def test_survivors_are_refused_where_the_job_would_not_take_their_path(work, capsys):
-    """A setting accepted and left without effect would be worse than a refusal."""
-    code = main(["launch", str(REPO / "configs/debug.toml"), "--gpus-per-node", "0", "--tasks-per-node", "1",
-                 "--dry-run", "--resilience.survivors=true"])  # fmt: skip
+def test_survivors_run_under_one_node_s_torchrun_and_are_refused_where_ranks_are_srun_s_tasks(work, capsys):
+    """One node: its torchrun gets the replacement budget, its own restarts stay 0. Several nodes (or a
+    --command program): one line, before anything is written; a setting accepted and left without effect
+    would be worse than a refusal."""
+    for extra in (["--nodes", "2"], ["--nodes", "1-2"]):
+        code = main(["launch", str(REPO / "configs/debug.toml"), "--gpus-per-node", "0", "--tasks-per-node",
+                     "1", *extra, "--dry-run", "--resilience.survivors=true"])  # fmt: skip
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "resilience.survivors=true: a job of " in err[0], err
+        assert "one of srun's tasks" in err[0] and "(--nodes 1)" in err[0], err
+        assert not (work / "runs" / "debug").exists()
+    code = main(["launch", "--command", "python train.py", "--name", "prog", "--gpus-per-node", "0",
+                 "--tasks-per-node", "1", "--dry-run", "--resilience.survivors=true"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "resilience.survivors=true" in err[0], err
-    assert "torchrun with --max_restarts=3" in err[0] and not (work / "runs").exists()
+    assert code == 2 and len(err) == 1 and "resilience.survivors=true with --command" in err[0], err
+    one = dry("debug", slurm={"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 2},
+              overrides=["--resilience.survivors=true", "--resilience.survivor_replacements=2"])  # fmt: skip
+    (line,) = [line for line in one.splitlines() if "-m relaytrain.job.torchrun" in line]
+    assert line.endswith("-m relaytrain.job.torchrun --survivor-replacements=2"), line
+    assert "--standalone --nproc_per_node=2 --max_restarts=0" in one
+    off = dry("debug", slurm={"nodes": 1, "gpus_per_node": 0, "tasks_per_node": 2})
+    assert "--survivor-replacements" not in off
 
 
 def test_a_container_job_whose_run_directory_is_not_mounted_is_refused(work, capsys):

@@ -46,7 +46,7 @@ ARGS = [
 (DOC_LINE,) = [
     line
     for line in bash_lines(Path(__file__).parents[1] / "docs" / "resilience.md")
-    if "--resilience.survivors=true" in line
+    if "--resilience.survivors=true" in line and line.startswith("python -m relaytrain.job.torchrun ")
 ]
 
 
@@ -56,6 +56,7 @@ def launch(run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
     python, *words = shlex.split(DOC_LINE)
     program = words.index("-m", 2)  # the launcher's own options end where the training program starts
     assert python == "python" and words[:2] == ["-m", "relaytrain.job.torchrun"], DOC_LINE
+    assert words[2].startswith("--survivor-replacements="), DOC_LINE  # relaytrain's own option, first
     assert [w for w in words[:program] if w.startswith("--nproc_per_node=")], DOC_LINE
     # torchrun's parser (argparse) takes the last --nproc_per_node: this one, after the line's own
     words[program:program] = [f"--nproc_per_node={RANKS}"]

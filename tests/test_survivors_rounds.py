@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 from torch.distributed import TCPStore
@@ -27,7 +28,7 @@ def agent(monkeypatch):
     monkeypatch.setattr(rank_survivors, "sever_group_connections", severed.append)
     monkeypatch.setattr(rank_survivors, "DETECT_WAIT_S", 0.3)
     environ = {"WORLD_SIZE": "4", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1"}
-    environ |= {"MASTER_PORT": str(store.port), "TORCHELASTIC_MAX_RESTARTS": "3"}
+    environ |= {"MASTER_PORT": str(store.port), "RELAYTRAIN_SURVIVOR_REPLACEMENTS": "3"}
     yield SurvivorRounds.connect("127.0.0.1", store.port, 0, 5.0), environ, severed
 
 
@@ -59,9 +60,11 @@ def test_off_or_outside_an_agent_nothing_is_asked_of_a_store(agent):
     assert not Survivors(ResilienceConfig(survivors=False), environ).on
     outside = Survivors(ResilienceConfig(survivors=True), {**environ, "TORCHELASTIC_USE_AGENT_STORE": ""})
     assert not outside.on and outside.caught(RuntimeError("x"), 3) is None
-    # torchrun --max_restarts=0 (its default) starts no replacement: off, not a 120 s wait to fall back.
-    no_restarts = Survivors(ResilienceConfig(survivors=True), {**environ, "TORCHELASTIC_MAX_RESTARTS": "0"})
-    assert not no_restarts.on
+    # A launcher with no replacement budget (torchrun itself, or relaytrain's without
+    # --survivor-replacements) starts no replacement: off, not a 120 s wait to fall back. Its restarts of
+    # every worker are not replacements.
+    no_budget = {k: v for k, v in environ.items() if k != "RELAYTRAIN_SURVIVOR_REPLACEMENTS"}
+    assert not Survivors(ResilienceConfig(survivors=True), {**no_budget, "TORCHELASTIC_MAX_RESTARTS": "3"}).on
 
 
 SEVER = textwrap.dedent("""
@@ -84,3 +87,38 @@ def test_a_survivor_shuts_its_connections_but_the_store_s():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["2", "b''", "b'k'"]  # the peer's two ends; listening sockets left
+
+
+def test_the_launcher_replaces_up_to_its_own_budget_then_ends_every_worker(agent, capsys):
+    """relaytrain's torchrun (job/torchrun.py): without --survivor-replacements it is torchrun (no store
+    asked, nothing replaced); with N it replaces N lost ranks of a survivors run, not agreed stops, and
+    the next loss ends every worker (False: no restart of every worker either)."""
+    from relaytrain.job.torchrun import _Replacements, own_options
+
+    launcher, environ, _severed = agent
+    ns = types.SimpleNamespace
+    workers = [ns(global_rank=0, id=10), ns(global_rank=1, id=11)]
+    group = ns(master_addr="127.0.0.1", master_port=int(environ["MASTER_PORT"]), workers=workers)
+    env = {"TORCHELASTIC_RESTART_COUNT": "0"}
+    plain = _Replacements(0)
+    assert plain.replacement_env(group, 1, -9, env) is None and not plain.rounds
+    assert not plain.replacements_left()
+    policy = _Replacements(1)
+    assert policy.replacement_env(group, 1, -9, env) is None  # the ranks never asked for survivors
+    launcher.enable()
+    assert policy.replacement_env(group, 1, 75, env) is None  # an agreed stop
+    assert policy.replacement_env(group, 1, -9, env) == {"RELAYTRAIN_SURVIVOR_GENERATION": "1"}
+    assert policy.replacements_left() == 0
+    assert policy.replacement_env(group, 0, -9, env) is False
+    assert policy.replacement_env(group, 1, -9, env) is False and launcher.generation() == 1
+    err = capsys.readouterr().err
+    assert err.count("ending every worker") == 1, err
+    assert "rank 0 (pid 10) exited -9 and no replacement is left (--survivor-replacements used up)" in err
+    # The option is relaytrain's, first; torchrun's own arguments, --max_restarts included, pass as given.
+    torchrun = ["--standalone", "--max_restarts=0", "-m", "relaytrain.cli", "train"]
+    assert own_options(["--survivor-replacements=2", *torchrun]) == (2, torchrun)
+    assert own_options(["--survivor-replacements", "3", *torchrun]) == (3, torchrun)
+    assert own_options(torchrun) == (0, torchrun)
+    with pytest.raises(SystemExit) as bad:
+        own_options(["--survivor-replacements=0", *torchrun])
+    assert bad.value.code == 2 and "takes a whole number of 1 or more" in capsys.readouterr().err

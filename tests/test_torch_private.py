@@ -153,9 +153,11 @@ def test_bound_teardown_after_failure(monkeypatch):
 
 def test_replace_dead_workers(monkeypatch):
     """A dead worker is replaced alone with the extra variables (a dict), left to torchrun (None), or ends
-    the restarts (False); a live one is left alone. The replacement is the standby the policy started (it
-    gets the rank's environment and output files, the worker its pid), else a new process; the agent's
-    shutdown ends a standby. (tests/test_survivors.py runs it in torchrun.)"""
+    the restarts (False); a live one is left alone. Replacements are the policy's to count: torchrun's
+    own restarts (its restart of every worker) stay as they were, 0 included. The replacement is the
+    standby the policy started (it gets the rank's environment and output files, the worker its pid),
+    else a new process; the agent's shutdown ends a standby, and none is started once the policy has no
+    replacement left. (tests/test_survivors.py runs it in torchrun.)"""
     import os
 
     from torch.distributed.elastic.agent.server.api import WorkerState
@@ -193,8 +195,12 @@ def test_replace_dead_workers(monkeypatch):
             self.ended = True
 
     class Policy:
-        def __init__(self, answers, standby):
+        def __init__(self, answers, standby, left=1):
             self.answers, self.wants, self.standbys, self.told = iter(answers), standby, [], []
+            self.left = left
+
+        def replacements_left(self):
+            return self.left
 
         def replacement_env(self, group, local_rank, code, env):
             return next(self.answers)
@@ -208,12 +214,12 @@ def test_replace_dead_workers(monkeypatch):
 
         standby_ready = standby_exited = None
 
-    def agent(code):
+    def agent(code, restarts=0):
         handlers = {0: ns(proc=ns(poll=lambda: None)), 1: ns(proc=ns(poll=lambda: code))}
         context = ns(subprocess_handlers=handlers, entrypoint="python", args={0: ("-m", "x"), 1: ("-m", "x")},
                      envs={0: {"RANK": "0", "W": "2"}, 1: {"RANK": "1", "W": "2"}},
                      stdouts={1: "out1"}, stderrs={1: ""})  # fmt: skip
-        return ns(_pcontext=context, _remaining_restarts=2), ns(workers=[ns(id=1), ns(id=2)])
+        return ns(_pcontext=context, _remaining_restarts=restarts), ns(workers=[ns(id=1), ns(id=2)])
 
     def poll(agent, group):
         assert LocalElasticAgent._monitor_workers(agent, group) is healthy
@@ -231,20 +237,28 @@ def test_replace_dead_workers(monkeypatch):
     poll(live, group)
     (standby,) = policy.standbys
     assert standby.command == ["python", "-m", "x"] and standby.env == {**os.environ, "W": "2"}
-    dead, group = agent(-9)
+    dead, group = agent(-9)  # torchrun's --max_restarts=0, as in a Slurm job step: replaced all the same
     dead._pcontext.relaytrain_standby = standby
-    assert poll(dead, group) == (1, 77, 77) and policy.told[0] == (1, 77, standby)
+    assert poll(dead, group) == (0, 77, 77) and policy.told[0] == (1, 77, standby)
     assert standby.became == ({**os.environ, "RANK": "1", "W": "2", "EXTRA": "1"}, "out1", "")
     assert not started and not standby.ended
     LocalElasticAgent._shutdown(dead)  # the next standby (started after the replacement) ends with it
     assert shut == [dead] and policy.standbys[-1] is not standby and policy.standbys[-1].ended
 
-    # No standby: a new process; None: torchrun's; False: no restart left.
+    # No standby: a new process; None: torchrun's; False: no restart of every worker either.
     policy = Policy([{"EXTRA": "1"}, None, False], standby=False)
     tp.agent.replace_dead_workers(policy)
-    assert poll(*agent(-9))[:2] == (1, 99) and started[0]["env"] == {"RANK": "1", "W": "2", "EXTRA": "1"}
+    assert poll(*agent(-9, 2))[:2] == (2, 99) and started[0]["env"] == {"RANK": "1", "W": "2", "EXTRA": "1"}
     assert policy.told == [(1, 99, None)]
-    assert poll(*agent(-9))[0] == 2 and poll(*agent(-9))[0] == 0 and len(started) == 1
+    assert poll(*agent(-9, 2))[0] == 2 and poll(*agent(-9, 2))[0] == 0 and len(started) == 1
+
+    # No replacement left: the policy starts no standby, and the context's is ended.
+    policy = Policy([], standby=True, left=0)
+    tp.agent.replace_dead_workers(policy)
+    live, group = agent(None)
+    live._pcontext.relaytrain_standby = spare = Standby(["python"], {})
+    poll(live, group)
+    assert not policy.standbys and spare.ended
 
 
 def test_optimizer_step_dtype():

@@ -242,11 +242,14 @@ class ResilienceConfig(Section):
     # leave it out before training (a spare in its place, else fewer nodes where slurm.min_nodes allows,
     # else a requeue that excludes it, else the job stops); off: none
     preflight: Literal["off", "report", "exclude"] = "report"
-    # under torchrun: when a rank's process dies, the other ranks keep their processes, join a new round on
-    # the launcher's store and roll back to their newest snapshot (or checkpoint) while the launcher starts
-    # a replacement for the lost rank (each one counts against torchrun's --max-restarts); any failure of
-    # that path ends every process, and the job step restarts as without survivors (docs/resilience.md)
+    # under relaytrain's torchrun (a one-node relaytrain launch job's): when a rank's process dies, the
+    # other ranks keep their processes, join a new round on the launcher's store and roll back to their
+    # newest snapshot (or checkpoint) while the launcher starts a replacement for the lost rank; any failure
+    # of that path ends every process, and the job step restarts as without survivors (docs/resilience.md)
     survivors: bool = False
+    # survivors in a relaytrain launch job: how many lost ranks one job step replaces alone (its torchrun's
+    # --survivor-replacements); the next loss ends the step, which restarts in place (max_step_restarts)
+    survivor_replacements: int = setting(3, at_least(1))
     # survivors: the longest wait for the new round (the replacement's start-up and join) before the
     # fallback restart
     survivor_timeout_s: float = setting(120.0, seconds(zero_ok=False))

@@ -3,12 +3,14 @@ a rank's process dies and the others stay (``resilience.survivors``, docs/resili
 
 Under torchrun the agent hosts the TCPStore the workers rendezvous on (``TORCHELASTIC_USE_AGENT_STORE``,
 ``MASTER_ADDR:MASTER_PORT``): no rank owns it, so any rank, rank 0 included, may die and the store stays.
-Every key lives under ``relaytrain-survivors/<restart count>/`` (torchrun's restart of every worker, the
-fallback, starts a fresh set):
+The agent replaces at most ``REPLACEMENTS_ENV`` workers (its ``--survivor-replacements``, which it puts in
+the workers' environment: a rank turns survivors on only when it is set), apart from torchrun's
+``--max-restarts`` (its restart of every worker). Every key lives under
+``relaytrain-survivors/<restart count>/`` (a restart of every worker starts a fresh set):
 
 * ``enabled``: set by the ranks when the run asks for survivors; the agent replaces a dead worker only then.
-* ``failed``: set by a rank whose in-process recovery failed; the agent then does what torchrun does
-  without survivors (it ends the workers and starts them all again while restarts are left).
+* ``failed``: set by a rank whose in-process recovery failed; the agent then ends every worker and fails
+  (what restarts a failed job step, the batch driver's restart in place, does the rest).
 * ``generation``: a counter, 0 until the first loss. The agent adds 1 when it starts a replacement for a
   dead worker and hands the replacement the new value (``RELAYTRAIN_SURVIVOR_GENERATION``); the
   survivors wait for it to pass theirs. Generation ``g`` builds its process group under ``gen<g>/``.
@@ -25,6 +27,8 @@ import time
 from datetime import timedelta
 
 GENERATION_ENV = "RELAYTRAIN_SURVIVOR_GENERATION"  # set on a replacement: the round it joins
+# Set by relaytrain.job.torchrun for its workers: how many lost ranks it replaces alone (at least 1).
+REPLACEMENTS_ENV = "RELAYTRAIN_SURVIVOR_REPLACEMENTS"
 _POLL_S = 0.02
 
 

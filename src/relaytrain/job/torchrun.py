@@ -16,14 +16,17 @@ a stop being the expected path rather than a failure:
   so a batch script can no longer tell the agreed stop from a crash. Here it is one line and exit code 75.
 
 A run with ``resilience.survivors`` on (its ranks say so on the agent's store, ``job/survivors.py``) adds
-a third: a worker whose process dies (any exit but 0 and the agreed stops) is replaced alone, with the
-same command and environment, while the others stay; the replacement joins the survivors' next round and
-counts against ``--max-restarts``. It is the agent's standby process (``job/standby.py``: started while
-the run has restarts left, already imported, waiting) when one is alive, else a new process (the log says
-which); a new standby is started once the round's replayed step is done. After a rank reports that its in-
-process recovery failed, the next dead worker ends them all and the launcher fails, with no restart of its
-own (torchrun's restart of every worker would meet the old workers' keys on its store): what restarts a
-failed job step (the batch driver's restart in place) runs as without survivors.
+a third, with relaytrain's own first option ``--survivor-replacements=N`` (before torchrun's; without it
+nothing is replaced): a worker whose process dies (any exit but 0 and the agreed stops) is replaced alone,
+with the same command and environment, while the others stay; the replacement joins the survivors' next
+round. Up to N workers are replaced so, apart from ``--max-restarts`` (torchrun's restart of every worker,
+left as given: a Slurm job step runs with 0). It is the agent's standby process (``job/standby.py``:
+started while replacements are left, already imported, waiting) when one is alive, else a new process (the
+log says which); a new standby is started once the round's replayed step is done. After a rank reports
+that its in-process recovery failed, or once N workers have been replaced, the next dead worker ends them
+all and the launcher fails, with no restart of its own (torchrun's restart of every worker would meet the
+old workers' keys on its store): what restarts a failed job step (the batch driver's restart in place)
+runs as without survivors.
 
 Any other worker failure keeps torchrun's own error summary and exit code. And after one, the workers
 still running get ``FAILURE_SHUTDOWN_S`` to end on torchrun's SIGTERM before its SIGKILL, not its 30 s:
@@ -36,6 +39,7 @@ rank stops together and rank 0 may still be writing the run's records) they keep
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -45,7 +49,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
 from relaytrain.job.standby import Standby
-from relaytrain.job.survivors import GENERATION_ENV, SurvivorRounds
+from relaytrain.job.survivors import GENERATION_ENV, REPLACEMENTS_ENV, SurvivorRounds
 from relaytrain.torch_private.agent import bound_teardown_after_failure, replace_dead_workers
 
 EXIT_RESUME = 75  # relaytrain.resilience.codes.EXIT_RESUME (job/ is below resilience/: not imported)
@@ -55,6 +59,7 @@ AGREED_STOPS = frozenset({EXIT_RESUME, 76, 88, 89, 130})
 FAILURE_SHUTDOWN_S = 5
 # torchrun's agent logs each failed worker here, before it knows whether all of them asked to resume.
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+REPLACEMENTS_OPTION = "--survivor-replacements"
 
 
 class _HideResumeExits(logging.Filter):
@@ -86,9 +91,12 @@ class _Replacements:
     STORE_TIMEOUT_S = 30.0
     STANDBY_CHECK_S = 1.0  # how often, without a standby, the agent asks its store whether one is wanted
 
-    def __init__(self):
+    def __init__(self, budget: int):
         self.rounds: dict[tuple, SurvivorRounds] = {}
         self.checked_at = 0.0
+        self.budget = budget  # --survivor-replacements; 0: none given, this launcher is torchrun alone
+        self.left = budget  # replacements still allowed
+        self.ending = False  # a dead worker ended them all: nothing more is replaced
         self.lost: tuple[int, int, int, int] = (0, 0, 0, 0)  # rank, pid, exit code, round: for `replaced`
 
     def _rounds(self, group, env: dict[str, str]) -> SurvivorRounds:
@@ -97,24 +105,39 @@ class _Replacements:
             self.rounds[key] = SurvivorRounds.connect(*key, self.STORE_TIMEOUT_S)
         return self.rounds[key]
 
+    def replacements_left(self) -> int:
+        return 0 if self.ending else self.left
+
     def replacement_env(
         self, group, local_rank: int, code: int, env: dict[str, str]
     ) -> dict[str, str] | bool | None:
-        if code in AGREED_STOPS:
+        if code in AGREED_STOPS or not self.budget:
             return None
+        if self.ending:
+            return False
         worker = group.workers[local_rank]
         rounds = self._rounds(group, env)
         if not rounds.enabled():
             return None  # not a survivors run: torchrun's own handling
+        # The in-process path failed, or no replacement is left: the launcher fails, and what restarts a
+        # failed job step does the rest (the batch driver's restart in place). Not torchrun's restart of
+        # every worker: on its store the new workers' process groups meet the old workers' keys.
         if rounds.failed():
-            # The in-process path failed: the launcher fails, and what restarts a failed job step does the
-            # rest (the batch driver's restart in place). Not torchrun's restart of every worker: on its
-            # store the new workers' process groups meet the old workers' keys.
-            _say("the survivors' in-process recovery failed; ending every worker")
-            return False
+            return self._end("the survivors' in-process recovery failed; ending every worker")
+        if self.left <= 0:
+            return self._end(
+                f"rank {worker.global_rank} (pid {worker.id}) exited {code} and no replacement is left "
+                f"({REPLACEMENTS_OPTION} used up); ending every worker"
+            )
+        self.left -= 1
         generation = rounds.open_generation(worker.global_rank, time.time())
         self.lost = (worker.global_rank, worker.id, code, generation)
         return {GENERATION_ENV: str(generation)}
+
+    def _end(self, line: str) -> bool:
+        _say(line)
+        self.ending = True
+        return False
 
     def replaced(self, group, local_rank: int, pid: int, standby: Standby | None) -> None:
         rank, old_pid, code, generation = self.lost
@@ -157,13 +180,35 @@ def _say(line: str) -> None:
     print(f"relaytrain.job.torchrun: {line}", file=sys.stderr, flush=True)
 
 
+def own_options(argv: list[str]) -> tuple[int, list[str]]:
+    """relaytrain's option, first on the command line (torchrun's parser would take it for its own or the
+    program's): the --survivor-replacements budget (0 without it) and torchrun's arguments. One line and
+    exit 2 for a bad value."""
+    if not argv or not argv[0].startswith(REPLACEMENTS_OPTION):
+        return 0, argv
+    option, given = argv[0].partition("=")[::2]
+    rest = argv[1:]
+    if option == REPLACEMENTS_OPTION and not given and rest:  # the value as the next word
+        given, rest = rest[0], rest[1:]
+    if option != REPLACEMENTS_OPTION or not given.isdigit() or int(given) < 1:
+        _say(f"{argv[0]}: {REPLACEMENTS_OPTION}=N takes a whole number of 1 or more (lost ranks to replace)")
+        sys.exit(2)
+    return int(given), rest
+
+
 def main(argv: list[str] | None = None) -> int:
+    budget, argv = own_options(sys.argv[1:] if argv is None else argv)
+    # The workers' Survivors (resilience/rank/survivors.py) turn on only under this launcher's budget (not
+    # one a launcher above this one left in the environment).
+    os.environ.pop(REPLACEMENTS_ENV, None)
+    if budget:
+        os.environ[REPLACEMENTS_ENV] = str(budget)
     bound_teardown_after_failure(FAILURE_SHUTDOWN_S, AGREED_STOPS)
-    replace_dead_workers(_Replacements())
+    replace_dead_workers(_Replacements(budget))
     hide = _HideResumeExits()
     logging.getLogger(_AGENT_LOGGER).addFilter(hide)
     try:
-        torchrun_main(sys.argv[1:] if argv is None else argv)
+        torchrun_main(argv)
     except SignalException as exc:
         code = 128 + int(exc.sigval)
         print(

@@ -22,7 +22,9 @@ steps an earlier window already ran (a resume from an older checkpoint), else to
 step counts as productive once. After a crash, the time from the step's last window to the step's end
 is ``lost`` (steps that ran but were not kept, and the failure's detection), and so is the time after
 the last window of a process outside Slurm that died (a later process followed without its stop);
-after a hang, the part from the last progress to the monitor's detection is ``hang``. Time between
+after a hang, the part from the last progress to the monitor's detection is ``hang``. A ``resume`` inside a
+job step is a lost rank replaced while the others stayed (``resilience.survivors``): the steps since the
+last window are ``lost``, the fault (its ``recovery`` event) to the restore ``restart``. Time between
 allocations is queue time, shown apart: it is wall-clock, not allocation.
 
 This module holds the buckets and the `Ledger`; `ledger_spans.py` builds one. Pure: records and
@@ -59,7 +61,8 @@ BUCKET_MEANING = {
     "snapshot": "steps blocked by an in-memory snapshot, and steps slowed by its background work",
     "eval": "evaluation",
     "hang": "from a hang's last progress to its detection",
-    "restart": "a failed job step's end to the next step's start, and a restarted step's start-up",
+    "restart": "a failed job step's end to the next step's start, a restarted step's start-up, and a lost "
+    "rank's replacement while the others stay (survivors)",
     "lost": "after a crash: steps since the last record (not kept) and the failure's detection",
     "stop": "the stop: the last save and the exit, at a signal, a time limit or the end",
     "unaccounted": "time no record covers",

@@ -208,11 +208,11 @@ def _failure_tail(
 def _process_spans(
     records: list[dict[str, Any]], cursor: float, before: str, high_water: list[int]
 ) -> list[Span]:
-    """One trainer process: start-up, restore, its ledger windows, its stop."""
+    """One trainer process: start-up, restore, its ledger windows (and each survivors' recovery between
+    them: `_recovery_spans`), its stop."""
     spans: list[Span] = []
-    start = next(
-        (r for r in records if r.get("kind") == "event" and r.get("event") in ("start", "resume")), None
-    )
+    starts = [r for r in records if r.get("kind") == "event" and r.get("event") in ("start", "resume")]
+    start = starts[0] if starts else None
     if start is not None:
         restored_at = _num(start, "time") or cursor
         restore_start = _num(start, "restore_start") or restored_at
@@ -223,10 +223,15 @@ def _process_spans(
     windows = [r for r in records if r.get("kind") == "ledger"]
     typical = _typical_step_s(windows)
     last_step = None
-    for record in windows:
-        spans += _window(record, high_water, typical)
-        cursor = max(cursor, window_end(record) or cursor)
-        last_step = record.get("step")
+    for index, record in enumerate(records):
+        if record.get("kind") == "ledger":
+            spans += _window(record, high_water, typical)
+            cursor = max(cursor, window_end(record) or cursor)
+            last_step = record.get("step")
+        elif record in starts[1:]:  # the same job step resumed in place: a lost rank replaced alone
+            recovery = next((r for r in records[index:] if r.get("event") == "recovery"), None)
+            spans += _recovery_spans(cursor, record, recovery)
+            cursor = max(cursor, _num(record, "time") or cursor)
     end = next(
         (
             r
@@ -244,6 +249,27 @@ def _process_spans(
         rule = "" if closed else f"a stop at step {end.get('step')} that no window of that step closed"
         spans.append(Span(cursor, float(end["time"]), "stop", str(end.get("reason") or end["event"]), rule))
     return spans
+
+
+def _recovery_spans(cursor: float, resume: dict[str, Any], recovery: dict[str, Any] | None) -> list[Span]:
+    """A `resume` inside a job step (resilience.survivors: the ranks stayed, a replacement took the lost
+    rank's place): from the last window to the fault, steps not kept (lost); from the fault (the
+    `recovery` event's time less its `fault_to_step_s`) to the restore, the detection and the new round's
+    process group (restart); then the restore. Without a recovery event (the run ended before the
+    redone step), the fault is not known: the whole wait is restart, by rule."""
+    restored_at = _num(resume, "time") or cursor
+    restore_start = min(_num(resume, "restore_start") or restored_at, restored_at)
+    fault = None
+    if recovery is not None and _num(recovery, "time") is not None:
+        fault = float(recovery["time"]) - (_num(recovery, "fault_to_step_s") or 0.0)
+    rule = "" if fault is not None else "a resume inside a job step without its recovery event"
+    fault = min(max(cursor, fault if fault is not None else cursor), restore_start)
+    tier = str(resume.get("restored_from") or "")
+    return [
+        Span(cursor, fault, "lost", "a lost rank: steps after the last record, not kept"),
+        Span(fault, restore_start, "restart", "a lost rank replaced: detection, the new process group", rule),
+        Span(restore_start, restored_at, "restore" if tier else "restart", tier or "no state"),
+    ]
 
 
 def window_end(record: dict[str, Any]) -> float | None:

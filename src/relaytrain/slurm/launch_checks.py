@@ -17,6 +17,7 @@ from typing import Any
 from relaytrain.config import Config, parse_override
 from relaytrain.data.fit import check_data_fits
 from relaytrain.errors import UserError
+from relaytrain.slurm.script import check_survivors
 from relaytrain.slurm.submit import check_after
 
 
@@ -65,16 +66,11 @@ def check_request(req: Any, what: str) -> None:
 
 def train_data_checked(req: Any, cfg: Config) -> Config:
     """`cfg`, once its data and tokenizer fit its model and run (relaytrain.data.fit), for a job that
-    trains (a --command program reads its own data), and its alerts' URL file is its owner's alone."""
+    trains (a --command program reads its own data), its survivors (resilience.survivors) where they
+    work, and its alerts' URL file is its owner's alone."""
     if req.command is None:
         check_data_fits(cfg)
-    if cfg.resilience.survivors:  # refused here rather than accepted and left without effect
-        raise UserError(
-            "resilience.survivors=true: relaytrain launch's jobs do not take the survivors' path (one "
-            "node's torchrun starts no replacement, several nodes' ranks are srun's tasks); there a dead "
-            "rank restarts the job step in place. Set it to false, or run on one machine under relaytrain's "
-            "torchrun with --max_restarts=3 (docs/resilience.md, Survivors)"
-        )
+    check_survivors(cfg, "command" if req.command is not None else "train")
     if cfg.notify.url_file:  # its mode, here, where the user can fix it: the job would only log it
         from relaytrain.resilience.batch.notify_send import webhook_url
 

@@ -76,9 +76,14 @@ class JobSpec:
 
     @property
     def launcher(self) -> str:
-        if self.kind == "command":
-            return "command"
-        return "torchrun" if self.slurm.nodes == 1 else "srun"  # a node range 1-N needs srun too
+        return launcher_for(self.kind, self.slurm)
+
+
+def launcher_for(kind: str, s: SlurmConfig) -> str:
+    """What starts the job step's processes: torchrun (one node), srun (several), or the user's command."""
+    if kind == "command":
+        return "command"
+    return "torchrun" if s.nodes == 1 else "srun"  # a node range 1-N needs srun too
 
 
 def node_range(s: SlurmConfig) -> str:
@@ -123,6 +128,25 @@ def check_spares(spec: JobSpec) -> None:
             "slurm.no_kill=false with spare nodes: a failed node would end the job, and its spare with it; "
             "drop slurm.no_kill (spares turn --no-kill on)"
         )
+
+
+def check_survivors(cfg: Config, kind: str) -> None:
+    """`resilience.survivors` where the job step has no torchrun of relaytrain's to replace a lost rank:
+    refused, rather than accepted and left without effect."""
+    launcher = launcher_for(kind, cfg.slurm)
+    if not cfg.resilience.survivors or launcher == "torchrun":
+        return
+    if launcher == "command":
+        raise UserError(
+            "resilience.survivors=true with --command: survivors are relaytrain's trainer's path, and the "
+            "job runs your own program (a dead rank restarts the job step in place); set it to false"
+        )
+    raise UserError(
+        f"resilience.survivors=true: a job of {node_range(cfg.slurm)} nodes runs each rank as one of srun's "
+        "tasks, with no torchrun agent to start a replacement, so a dead rank restarts the job step in place "
+        "(resilience.max_step_restarts). Set resilience.survivors=false, or run on one node (--nodes 1), "
+        "where a lost rank is replaced alone (docs/resilience.md, Survivors)"
+    )
 
 
 def keeps_job_on_node_failure(s: SlurmConfig) -> bool:
@@ -320,6 +344,10 @@ def render_script(spec: JobSpec) -> str:
         "nproc": spec.tasks_per_node,
         "srun_tasks_per_node": 1 if spec.launcher == "torchrun" else spec.tasks_per_node,
         "torchrun_signals": ",".join(signals),
+        # relaytrain's own option of its torchrun (job/torchrun.py), first: lost ranks replaced alone
+        "survivor_option": f" --survivor-replacements={r.survivor_replacements}"
+        if r.survivors and spec.launcher == "torchrun"
+        else "",
         "shutdown_timeout_s": math.ceil(r.hard_deadline_s + SHUTDOWN_MARGIN_S),
         "command": spec.command,
         "snapshots": bool(spec.cfg.checkpoint.snapshot_every),  # an interval, or "auto"

@@ -31,20 +31,23 @@ def bound_teardown_after_failure(seconds: float, agreed_codes: frozenset[int]) -
 def replace_dead_workers(policy) -> None:
     """torchrun's agent, in this process: before each poll of its workers, a worker whose process exited
     with a failure is replaced alone, with the same command and environment plus
-    ``policy.replacement_env(worker_group, local_rank, exit_code, worker_env)``: a dict (each replacement
-    counts against ``--max-restarts``); None: leave it to torchrun; False: no restart left, the launcher
-    fails. The replacement is the context's standby process when one is alive (``become``: it gets the
-    rank's whole environment, as torchrun's handler would give it, and its output files), else a new
-    process from torchrun's handler; ``policy.replaced(worker_group, local_rank, pid, standby)`` is told
-    which (``standby``: the standby used, or None).
+    ``policy.replacement_env(worker_group, local_rank, exit_code, worker_env)``: a dict (the policy
+    counts its replacements against a budget of its own, ``policy.replacements_left()``: torchrun's
+    ``--max-restarts``, its restart of every worker, is left alone); None: leave it to torchrun; False:
+    the launcher fails, with no restart of every worker either. The replacement is the context's standby
+    process when one is alive (``become``: it gets the rank's whole environment, as torchrun's handler
+    would give it, and its output files), else a new process from torchrun's handler;
+    ``policy.replaced(worker_group, local_rank, pid, standby)`` is told which (``standby``: the standby
+    used, or None).
 
-    While restarts are left and the context has no standby, ``policy.standby(worker_group, command, env)``
-    may start one (a ``job.standby.Standby``; `command`: the workers' own, `env`: the agent's environment
-    with what every local worker's shares), and ``policy.standby_ready(standby)`` hears when it is ready;
-    not when the local workers' commands differ or run under NUMA binding (both per local rank). A standby
-    that exits unused is reported (``policy.standby_exited(standby)``) and none is started again for that
-    context. The standby is ended with the workers (``LocalElasticAgent._shutdown``: the job's end, a
-    failure, a restart of every worker), once the group has a result, and when no restart is left.
+    While replacements are left and the context has no standby,
+    ``policy.standby(worker_group, command, env)`` may start one (a ``job.standby.Standby``; `command`:
+    the workers' own, `env`: the agent's environment with what every local worker's shares), and
+    ``policy.standby_ready(standby)`` hears when it is ready; not when the local workers' commands differ
+    or run under NUMA binding (both per local rank). A standby that exits unused is reported
+    (``policy.standby_exited(standby)``) and none is started again for that context. The standby is ended
+    with the workers (``LocalElasticAgent._shutdown``: the job's end, a failure, a restart of every
+    worker), once the group has a result, and when no replacement is left.
 
     Patches ``LocalElasticAgent._monitor_workers`` and ``_shutdown``, reads the ``SubprocessContext``'s
     handlers, entrypoint, args, envs, stdouts, stderrs and NUMA options, and builds a
@@ -119,7 +122,7 @@ def replace_dead_workers(policy) -> None:
         handlers = getattr(context, "subprocess_handlers", None) or {}
         for local_rank, handler in list(handlers.items()):
             code = handler.proc.poll()
-            if not code or self._remaining_restarts <= 0:
+            if not code:
                 continue
             extra = policy.replacement_env(worker_group, local_rank, code, context.envs[local_rank])
             if extra is False:
@@ -140,9 +143,8 @@ def replace_dead_workers(policy) -> None:
                     numa_options=getattr(context, "_numa_options", None),
                 )
             worker_group.workers[local_rank].id = handlers[local_rank].proc.pid
-            self._remaining_restarts -= 1
             policy.replaced(worker_group, local_rank, handlers[local_rank].proc.pid, standby)
-        if handlers and self._remaining_restarts > 0:
+        if handlers and policy.replacements_left() > 0:
             keep_standby(context, worker_group)
         elif handlers:
             end_standby(context)  # no replacement is left to make

@@ -31,7 +31,13 @@ from dataclasses import dataclass
 
 from relaytrain.config.schema import ResilienceConfig
 from relaytrain.errors import UserError
-from relaytrain.job.survivors import GENERATION_ENV, SurvivorRounds, sever_group_connections, under_agent
+from relaytrain.job.survivors import (
+    GENERATION_ENV,
+    REPLACEMENTS_ENV,
+    SurvivorRounds,
+    sever_group_connections,
+    under_agent,
+)
 
 log = logging.getLogger("relaytrain")
 
@@ -73,9 +79,10 @@ class Survivors:
 
     def __init__(self, cfg: ResilienceConfig, environ: dict[str, str] | os._Environ = os.environ):
         several = int(environ.get("WORLD_SIZE", "1") or 1) > 1
-        # Each replacement is one of torchrun's restarts: with none allowed, no replacement comes.
-        restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-        self.on = bool(cfg.survivors) and under_agent(environ) and restarts > 0
+        # relaytrain's torchrun says how many lost ranks it replaces (--survivor-replacements): without it
+        # (or under torchrun itself) no replacement comes.
+        replacements = int(environ.get(REPLACEMENTS_ENV, "0") or 0)
+        self.on = bool(cfg.survivors) and under_agent(environ) and replacements > 0
         self.timeout_s = cfg.survivor_timeout_s
         self.generation = int(environ.get(GENERATION_ENV, "0") or 0) if self.on else 0
         self.rounds = SurvivorRounds.from_env(cfg.init_timeout_s, environ) if self.on else None
@@ -83,8 +90,8 @@ class Survivors:
         self.store_port = int(environ.get("MASTER_PORT", "0") or 0)
         if cfg.survivors and not self.on and several:
             log.warning(
-                "resilience.survivors needs several ranks under torchrun's agent with --max_restarts of "
-                "1 or more (relaytrain's torchrun with --max_restarts=3: docs/resilience.md); off here"
+                "resilience.survivors needs several ranks under relaytrain's torchrun with "
+                "--survivor-replacements=N (docs/resilience.md, Survivors); off here"
             )
         if self.rounds is not None:
             self.rounds.enable()
