@@ -24,11 +24,10 @@ lock. The kinds (faults/pythonpath/relaytrain_faults.py has the injected ones):
   1.2 GB ``wide`` state and the rendezvous, both in the restart in place that follows the bench's
   SIGKILL of the other rank (after step 3 of wide, 5 of debug); a graph's compilation (the ``compile``
   variant's config); a sync checkpoint save of the ``wide`` state; the debug run's first evaluation.
-* ``hang_stop_long_step`` (issue 53's case d): every rank sleeps LAYER_DELAY_S before each layer's
-  forward (faults/: ``layer_delay_s``; the debug model's 4 layers x 2 micro batches make a step of about
-  21 s, its progress marks 2.5 s apart), 8 steps; after a random step from the 2nd to the 4th the bench
-  waits a random 20-80 % of the step median, then SIGSTOPs the rank (index % 2) from outside, inside
-  the forward of the step under way.
+* ``hang_stop_long_step`` (issue 53's case d): the ``long`` variant's run (every rank sleeps LAYER_DELAY_S
+  before each layer's forward: 4 layers x 2 micro batches, a step of about 21 s, marks 2.5 s apart), 8
+  steps; after a random step from the 2nd to the 4th and a random 20-80 % of the step median, the bench
+  SIGSTOPs the rank (index % 2) from outside, inside the forward of the step under way.
 * ``hang_skip_collective``: the rank skips the all-reduce of its logged loss once (desynchronised). On
   gloo its next collective is paired with the one the others wait in and gloo fails both at once (size
   mismatch): a crash, restarted in place, which the trial records as such (no hang to detect).
@@ -38,7 +37,7 @@ lock. The kinds (faults/pythonpath/relaytrain_faults.py has the injected ones):
   index (bench/cluster/chaos_hangs_clean.py; `--clean-variants` picks some): ``debug``; ``wide`` (about
   1.2 GB of model and AdamW state, 6 steps, its own reference run); ``compile`` (`parallel.compile=true`:
   a long first step); ``restart`` (one rank SIGKILLed mid-run: the step restarts in place, and must);
-  ``compile_cold`` (compile with Inductor's caches off: every graph compiled from scratch).
+  ``compile_cold`` (compile with Inductor's caches off: every graph compiled from scratch); ``long``.
 
 The faulted rank alternates (trial index mod 2) for the injected kinds. Per trial: the fault's time, the
 detection's, the culprit named in hang/last.json against the faulted rank and its node, the time from the
@@ -70,10 +69,11 @@ from bench import kept
 from bench.cluster.chaos_hangs_clean import (
     CLEAN_VARIANTS,
     DEBUG,
+    LAYER_DELAY_S,
     VariantBenches,
-    cold_setup,
     parse_variants,
     remove_cold_folder,
+    variant_setup,
     write_clean_config,
 )
 from bench.cluster.chaos_hangs_judge import (
@@ -106,7 +106,6 @@ NODES = 2
 LOCK_GAP_S = 10  # the cluster lock left free between chunks: another user's waiting flock takes it
 DETECT_WAIT_S = 240  # no `hang detected:` line this long after the fault: the trial fails
 SLOW_FACTOR, SLOW_FROM_STEP = 5, 3
-LAYER_DELAY_S = 2.5  # hang_stop_long_step's delay before each layer's forward
 NO_FAULT = "true"  # the setup of a resubmitted run: full speed, no fault
 # The hang monitor's and the node watchers' files are part of a run that had a hang
 HANG_ALLOWED = re.compile(rf"^(hang/.*|{ALLOWED.pattern[1:-1]})$")
@@ -316,9 +315,7 @@ class HangTrials:
         overrides = overrides_of(trial)
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # a CPU-bound neighbour
         try:
-            # the long variant's steps: the long-step hang trial's delay before each layer's forward
-            slow = faults.setup_line(layer_delay_s=LAYER_DELAY_S) if trial.variant == "long" else ""
-            setup = "; ".join(filter(None, (first_run_setup(), cold_setup(trial.variant, bench.base), slow)))
+            setup = "; ".join(filter(None, (first_run_setup(), variant_setup(trial.variant, bench.base))))
             trial.job = bench.launch(run.name, *overrides, setup=setup, nodes=NODES)
             if trial.variant == "restart":
                 self.kill_one(trial, run, rng, evidence)

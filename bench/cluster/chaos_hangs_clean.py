@@ -33,6 +33,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import faults
 from bench.cluster.chaos_run import EVAL_EVERY, INTERVAL, STEPS, Bench
 from bench.cluster.harness import TINY_TOML, write_config
 from bench.report import REPO
@@ -41,6 +42,7 @@ from bench.snapshot import wide_model
 DEBUG_CONFIG = REPO / "configs" / "debug.toml"
 CLEAN_VARIANTS = ("debug", "wide", "compile", "restart", "compile_cold", "long")
 MODES = ("async", "sync")
+LAYER_DELAY_S = 2.5  # the long variant's delay before each layer's forward (hang_stop_long_step's too)
 WIDE_STATE_GB = 1.2  # issue 37: the 1.2 GB wide state
 
 
@@ -85,6 +87,14 @@ def cold_setup(variant: str, base: Path) -> str:
         return ""
     folder = cold_folder(base, "$SLURM_JOB_ID")
     return f"export TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 TORCHINDUCTOR_CACHE_DIR={folder}"
+
+
+def variant_setup(variant: str, base: Path) -> str:
+    """The batch shell's line that makes `variant` what it says ("" for none): compile_cold's cold caches;
+    the long variant's steps, slowed as the long-step hang trial's (LAYER_DELAY_S before each layer)."""
+    if variant == "long":
+        return faults.setup_line(layer_delay_s=LAYER_DELAY_S)
+    return cold_setup(variant, base)
 
 
 def cold_folder(base: Path, job: str) -> Path:
