@@ -174,7 +174,7 @@ def test_a_clean_run_fails_on_any_hang_line():
 
 def test_a_clean_run_keeps_per_phase_the_pause_nearest_its_limit_over_its_job_steps(tmp_path):
     no_restart = [r for r in records() if not r.get("step_restart")]
-    clean = hang_trial(kind="clean", rank=-1, node="")
+    clean = hang_trial(kind="clean", rank=-1, node="", job="12")
     steps = [
         f"{NEAREST} forward/backward 3.0 s of 40 s; set-up 10.5 s of 120 s",
         f"{NEAREST} checkpoint save 30.0 s of 80 s; forward/backward 8.0 s of 40 s",
@@ -256,7 +256,7 @@ def test_a_ranks_pid_and_node_come_from_the_node_watchers_files(tmp_path):
 
 
 def test_the_hangs_section_is_written_from_kept_results(tmp_path, monkeypatch):
-    trials = [hang_trial(), hang_trial(index=1, kind="clean", rank=-1, node="")]
+    trials = [hang_trial(), hang_trial(index=1, kind="clean", rank=-1, node="", job="12")]
     judge(trials[0], log(DETECTED), hang_record(), records(), HUNG)
     judge(trials[1], log(), {}, [r for r in records() if not r.get("step_restart")])
     data = results_data("python -m bench.chaos --hangs hang_fifo,clean --trials 1", "2026-11-27", 7,
@@ -493,3 +493,21 @@ def test_the_variants_reference_runs_come_before_the_trials_and_a_failed_one_fai
     assert long.error == "the long reference run: the reference run failed: boom" and made == ["wide", "long"]
     runner.prepare(draw(["hang_stop_rank1", "hang_fifo"], 1))
     assert made == ["wide", "long", "debug"]  # the kinds without a variant run the debug bench
+
+
+def test_clean_trials_that_never_started_are_named_not_counted_and_a_runs_notes_are_shown(tmp_path):
+    ran = [hang_trial(index=i, kind="clean", rank=-1, node="", job=str(10 + i)) for i in range(20)]
+    for trial in ran:
+        judge(trial, log(), {}, [r for r in records() if not r.get("step_restart")])
+    unrun = hang_trial(index=20, kind="clean", rank=-1, node="", evidence=[], final_status="")
+    data = results_data("python -m bench.chaos --hangs clean --trials 21", "2026-12-07", 9,
+                        {"cpu": "cpu", "cores": 2}, "1.0/1.0/1.0 → 2.0/2.0/2.0", [*ran, unrun])  # fmt: skip
+    data["notes"] = ["Seed 9's trial 20 was not run (the run was stopped)."]
+    kept = tmp_path / "hangs-seed9.json"
+    kept.write_text(json.dumps(data))
+    section = render_hangs_section([str(kept)])
+    assert (
+        "0 false detections in ≥ 20 clean runs: **met**: 0 `hang detected:` line(s) in 20 clean runs; "
+        "1 more never started (stopped runs, named below)." in section
+    )
+    assert "\nSeed 9's trial 20 was not run (the run was stopped).\n" in section

@@ -106,10 +106,13 @@ def targets(trials: list[HangTrial]) -> str:
         lines.append(
             f"- A 5x slower rank reported as slow, no restart: {met(ok == len(slow))}: {ok} of {len(slow)}."
         )
-    clean = [t for t in trials if t.kind == "clean"]
+    every_clean = [t for t in trials if t.kind == "clean"]
+    clean = [t for t in every_clean if t.job]  # a stopped run's trials that never started have no job
     if clean:
         false = sum(t.detections for t in clean)
         short = f"; {len(clean)} clean runs, not {CLEAN_TARGET}" if len(clean) < CLEAN_TARGET else ""
+        unrun = len(every_clean) - len(clean)
+        short += f"; {unrun} more never started (stopped runs, named below)" if unrun else ""
         enough = len(clean) >= CLEAN_TARGET and all(t.evidence for t in clean)
         lines.append(f"- 0 false detections in ≥ {CLEAN_TARGET} clean runs: {met(enough and false == 0)}: "
                      f"{false} `hang detected:` line(s) in {len(clean)} clean runs{short}.")  # fmt: skip
