@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -223,13 +224,15 @@ def _process_spans(
     windows = [r for r in records if r.get("kind") == "ledger"]
     typical = _typical_step_s(windows)
     last_step = None
+    resumed_in_place = {id(r) for r in starts[1:]}  # the same job step resumed: a lost rank replaced alone
     for index, record in enumerate(records):
         if record.get("kind") == "ledger":
             spans += _window(record, high_water, typical)
             cursor = max(cursor, window_end(record) or cursor)
             last_step = record.get("step")
-        elif record in starts[1:]:  # the same job step resumed in place: a lost rank replaced alone
-            recovery = next((r for r in records[index:] if r.get("event") == "recovery"), None)
+        elif id(record) in resumed_in_place:
+            later = itertools.islice(records, index, None)
+            recovery = next((r for r in later if r.get("event") == "recovery"), None)
             spans += _recovery_spans(cursor, record, recovery)
             cursor = max(cursor, _num(record, "time") or cursor)
     end = next(
