@@ -19,6 +19,20 @@ pathlib.Path(sys.argv[1], "ready-" + os.environ["LOCAL_RANK"]).touch()
 time.sleep(60)
 """
 
+# A worker whose save, on the stop signal, takes 20 s.
+SLOW_SAVE = """
+import os, pathlib, signal, sys, time
+folder = pathlib.Path(sys.argv[1])
+def save(*_):
+    (folder / "saving").touch()
+    time.sleep(20)
+    (folder / "saved").touch()
+    sys.exit(0)
+signal.signal(signal.SIGUSR2, save)
+(folder / "ready-0").touch()
+time.sleep(60)
+"""
+
 
 def clean_env() -> dict[str, str]:
     """This process's environment without what other tests or a job may leave that torchrun reads."""
@@ -46,6 +60,27 @@ def test_a_forwarded_stop_signal_ends_in_one_line_and_its_exit_code(tmp_path):
     assert proc.returncode == 128 + signal.SIGUSR2, err[-2000:]
     assert "Traceback" not in err and "SignalException" not in err
     assert "relaytrain.job.torchrun: stopped by signal 12 (SIGUSR2) after forwarding it to the workers" in err
+
+
+def test_the_shutdown_time_a_job_exports_is_the_time_the_workers_get_after_a_forwarded_signal(tmp_path):
+    """A `--command` job exports PET_SHUTDOWN_TIMEOUT (slurm/templates/job.sh.j2) for the command's torchrun:
+    here 2 s, against a worker whose save takes 20 s. torchrun's default, 30 s, would wait for it."""
+    script = tmp_path / "worker.py"
+    script.write_text(SLOW_SAVE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relaytrain.job.torchrun", "--standalone", "--nproc_per_node=1",
+         "--max_restarts=0", "--signals-to-handle=SIGTERM,SIGINT,SIGUSR2", str(script), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**clean_env(), "PET_SHUTDOWN_TIMEOUT": "2"},
+    )  # fmt: skip
+    deadline = time.monotonic() + 90
+    while not (tmp_path / "ready-0").exists():
+        assert proc.poll() is None, f"torchrun ended before its worker started: {proc.communicate()}"
+        assert time.monotonic() < deadline, "the worker did not start within 90 s"
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGUSR2)
+    _out, err = proc.communicate(timeout=60)
+    assert (tmp_path / "saving").exists(), err[-2000:]  # the signal reached the worker
+    assert not (tmp_path / "saved").exists(), err[-2000:]  # and it was killed 2 s later, mid-save
 
 
 def test_a_failing_worker_keeps_torchruns_error_summary(tmp_path):

@@ -165,6 +165,8 @@ def test_command_default_sends_no_signal_and_trainer_default_is_unchanged(work):
     text = command_script()
     assert "#SBATCH --signal" not in text and "trap 'forward_signal" not in text
     assert "export RELAYTRAIN_RUN_DIR=$run_dir RELAYTRAIN_CONFIG=$config_file" in text
+    # a torchrun in the command gives its workers relaytrain's save time (hard deadline 120 s + 30 s)
+    assert "export PET_SHUTDOWN_TIMEOUT=150" in text.splitlines()
     assert "-m relaytrain.resilience.batch.driver --run-dir" in text and "--signal none" in text
     assert "--heartbeat-s 300 --program" in text
     trainer = dry("7b", slurm={"nodes": 1})
@@ -179,6 +181,7 @@ def test_signal_flag_per_launch(work):
         command_script(signal="usr1@30")  # the job could not load the config it was given
     text = command_script(signal="usr1@30", overrides=["--resilience.hard_deadline_s=20"])
     assert "#SBATCH --signal=B:USR1@30" in text and "trap 'forward_signal USR1' USR1" in text
+    assert "export PET_SHUTDOWN_TIMEOUT=50" in text.splitlines()  # the hard deadline's 20 s + 30 s
     config = (work / "runs" / "prog" / "slurm" / "config.toml").read_text()
     assert 'slurm_signal = "SIGUSR1"' in config and "signal_lead_s = 30" in config and '"SIGUSR1"' in config
     assert "#SBATCH --signal" not in dry("7b", name="t2", slurm={"nodes": 1}, signal="none")
