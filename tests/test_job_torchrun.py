@@ -70,7 +70,8 @@ def test_the_shutdown_time_a_job_exports_is_the_time_the_workers_get_after_a_for
     proc = subprocess.Popen(
         [sys.executable, "-m", "relaytrain.job.torchrun", "--standalone", "--nproc_per_node=1",
          "--max_restarts=0", "--signals-to-handle=SIGTERM,SIGINT,SIGUSR2", str(script), str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**clean_env(), "PET_SHUTDOWN_TIMEOUT": "2"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**clean_env(), "PET_SHUTDOWN_TIMEOUT": "2"},
     )  # fmt: skip
     deadline = time.monotonic() + 90
     while not (tmp_path / "ready-0").exists():
