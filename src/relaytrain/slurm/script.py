@@ -357,6 +357,9 @@ def render_script(spec: JobSpec) -> str:
     signal = context["signal_name"] if context["signal_name"] and not spec.attach_jobid else "none"
     where = context["in_run_dir"]
     context["environment"] = environment_lines(s, is_rocm(s), signal, where["logs"], where["flight_recorder"])
+    if spec.launcher == "command":  # a torchrun in the command gives its workers relaytrain's save time
+        # before it kills them after a forwarded stop signal, not its 30 s; its --shutdown-timeout wins
+        context["environment"].append(f"export PET_SHUTDOWN_TIMEOUT={context['shutdown_timeout_s']}")
     wrapper = [*map(shlex.quote, python_command(s)), "-m", TASK]
     wrapper += ["--map-env"] if context["map_env"] else []
     if context["gpu_monitor"]:
