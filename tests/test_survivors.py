@@ -50,13 +50,15 @@ ARGS = [
 ]
 
 
-def launch(run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
+def launch(run_dir: Path, *extra: str, replacements: int | None = None, **env: str) -> subprocess.Popen:
     """The documented line (its flags and keys) on RANKS ranks; later keys win, so `extra` can turn
-    survivors off."""
+    survivors off. `replacements`: the launcher's budget instead of the line's."""
     python, *words = shlex.split(DOC_LINE)
     program = words.index("-m", 2)  # the launcher's own options end where the training program starts
     assert python == "python" and words[:2] == ["-m", "relaytrain.job.torchrun"], DOC_LINE
     assert words[2].startswith("--survivor-replacements="), DOC_LINE  # relaytrain's own option, first
+    if replacements is not None:
+        words[2] = f"--survivor-replacements={replacements}"
     assert [w for w in words[:program] if w.startswith("--nproc_per_node=")], DOC_LINE
     # torchrun's parser (argparse) takes the last --nproc_per_node: this one, after the line's own
     words[program:program] = [f"--nproc_per_node={RANKS}"]
@@ -155,3 +157,28 @@ def test_a_failed_in_process_recovery_ends_every_worker_and_the_restart_resumes_
     (resumed,) = [r for r in records(run_dir, "event") if r["event"] == "resume"]
     assert resumed["restored_from"] == "node memory" and resumed["step"] >= KILL_AT - 1, resumed
     assert losses(run_dir) == reference
+
+
+def test_a_lost_rank_with_no_replacement_left_ends_every_worker(tmp_path, reference):
+    """A budget of one replacement: rank 0's loss is repaired in place, rank 1's, later, ends every worker
+    (what restarts the failed step, the batch driver's restart in place, is the test above's)."""
+    run_dir = tmp_path / "run"
+    proc = launch(run_dir, "--resilience.survivors=true", replacements=1)
+    kill_rank_at(proc, run_dir, 0, KILL_AT)
+    deadline = time.monotonic() + 300
+    while not [r for r in records(run_dir, "event") if r["event"] == "recovery"]:
+        assert proc.poll() is None and time.monotonic() < deadline, "no recovery event"
+        time.sleep(0.05)
+    survivor = worker_pid(proc.pid, 1)  # the replacement (the standby) took rank 0's place
+    wait_for_step(run_dir, KILL_AT + 3, proc)
+    os.kill(survivor, signal.SIGKILL)
+    rc, out = finish(proc, timeout=300)
+    assert rc != 0, out[-3000:]
+    used_up = "no replacement is left (--survivor-replacements used up); ending every worker"
+    assert f"rank 1 (pid {survivor}) exited -9 and {used_up}" in out, out[-3000:]
+    (event,) = [r for r in records(run_dir, "event") if r["event"] == "recovery"]  # one repair, not two
+    assert event["lost_rank"] == 0, event
+    after = out.split("becomes rank 0", 1)[1]
+    assert "started a standby process" not in after, out[-3000:]  # none is started with no budget left
+    got = losses(run_dir)
+    assert got and all(got[step] == reference[step] for step in got), got  # bit-exact up to the end
