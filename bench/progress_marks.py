@@ -38,6 +38,7 @@ def child(steps: int, overrides: list[str], root: str) -> dict:
     from relaytrain.config import load_config
     from relaytrain.job import clock as clock_mod
     from relaytrain.job import progress as progress_mod
+    from relaytrain.job.progress_read import read_board
     from relaytrain.trainer import Trainer, train
 
     spent = {"s": 0.0}
@@ -111,7 +112,7 @@ def child(steps: int, overrides: list[str], root: str) -> dict:
     args = [f"--run.dir={root}", f"--train.max_steps={steps}", "--train.eval_every=10",
             f"--checkpoint.interval={steps // 2}", *overrides]  # fmt: skip
     code = train(load_config(None, args))
-    (record,) = [r for r in progress_mod.read_board(Path(root) / "board") if r.rank == rank]
+    (record,) = [r for r in read_board(Path(root) / "board") if r.rank == rank]
     if code != 0:
         raise RuntimeError(f"the measured run exited {code}")
     return {

@@ -19,7 +19,8 @@ import pytest
 
 from relaytrain import entry_points
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.job.progress import PROGRESS_DIR_ENV, Phase, read_board
+from relaytrain.job.progress import PROGRESS_DIR_ENV, Phase
+from relaytrain.job.progress_read import read_board
 from relaytrain.resilience.hangs.detect import HangPolicy
 from relaytrain.resilience.hangs.monitor import HangMonitor
 

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.job.progress import PROGRESS_DIR_ENV, read_board
+from relaytrain.job.progress import PROGRESS_DIR_ENV
+from relaytrain.job.progress_read import read_board
 from relaytrain.resilience.hangs.detect import HangPolicy
 from relaytrain.resilience.hangs.monitor import HangMonitor
 from relaytrain.resilience.hangs.record import HangRecordFile

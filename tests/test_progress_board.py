@@ -21,7 +21,8 @@ from relaytrain.config.schema import ModelConfig
 from relaytrain.errors import ConfigError
 from relaytrain.job import RunDir
 from relaytrain.job.clock import StepClock
-from relaytrain.job.progress import _HEAD, PROGRESS_DIR_ENV, Phase, ProgressBoard, read_board, read_record
+from relaytrain.job.progress import _HEAD, PROGRESS_DIR_ENV, Phase, ProgressBoard
+from relaytrain.job.progress_read import read_board, read_record
 from relaytrain.model import Transformer
 from relaytrain.resilience import StackSignal
 

@@ -22,7 +22,8 @@ from torch.distributed.fsdp import fully_shard
 from relaytrain import torch_private
 from relaytrain.job import marks, startup
 from relaytrain.job.clock import StepClock
-from relaytrain.job.progress import MARK_GAP_S, PROGRESS_DIR_ENV, Phase, ProgressBoard, read_record
+from relaytrain.job.progress import MARK_GAP_S, PROGRESS_DIR_ENV, Phase, ProgressBoard
+from relaytrain.job.progress_read import read_record
 
 import needs
 from conftest import child_env
@@ -233,7 +234,7 @@ def test_the_task_wrapper_opens_the_ranks_board_in_launch_before_the_command_run
     """The board exists before the process group, with the command's pid (the wrapper execs it)."""
     job = f"i53test{os.getpid()}"
     read = (
-        "import os; from pathlib import Path; from relaytrain.job.progress import read_board; "
+        "import os; from pathlib import Path; from relaytrain.job.progress_read import read_board; "
         "(r,) = read_board(Path(os.environ['RELAYTRAIN_PROGRESS_DIR'])); "
         "print(r.rank, r.local_rank, r.phase.label, r.pid == os.getpid())"
     )

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from relaytrain.job.clock import StepClock
-from relaytrain.job.progress import Phase, ProgressBoard, read_record
+from relaytrain.job.progress import Phase, ProgressBoard
+from relaytrain.job.progress_read import read_record
 from relaytrain.monitor import timer as timer_mod
 from relaytrain.monitor.timer import StepTimer
 

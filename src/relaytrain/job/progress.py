@@ -29,7 +29,6 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +96,10 @@ _HEAD = struct.Struct("<4sHxxQ")
 _PHASES = tuple(Phase)  # in the record's order (iterating the enum on every write costs microseconds)
 _BODY = struct.Struct(f"<iiiqBdddQQ{NAME_BYTES}s{NAME_BYTES}sIIIQ{len(Phase)}d{len(Phase)}d")
 SIZE = _HEAD.size + _BODY.size
+# What a collective or a mark changes, from `updated` to `marks`, written in place of the whole body: a
+# call between two tensor operations runs with cold caches, where each field packed costs.
+_MOVE = struct.Struct(f"<ddQQ{NAME_BYTES}s{NAME_BYTES}sIIIQ")
+_MOVE_AT = _HEAD.size + struct.calcsize("<iiiqBd")
 
 
 @dataclass(frozen=True)
@@ -215,7 +218,8 @@ class ProgressBoard:
             self._budget = float(budget_s)
         elif now - self._written < MARK_GAP_S:
             return
-        self._write(now)
+        with self._lock:
+            self._write_move(now)
 
     def _move(self, now: float) -> None:
         pause = now - self._moved
@@ -251,26 +255,28 @@ class ProgressBoard:
         self._usual = statistics.mode(earlier) if earlier else 0
         self._write()
 
-    @contextlib.contextmanager
-    def collective(self, name: str) -> Iterator[None]:
+    def collective(self, name: str) -> contextlib.AbstractContextManager:
         """Around a collective relaytrain issues: entered, then left (left also when it raises)."""
-        if self._map is None:
-            yield
-            return
-        self._move(time.time())
+        return _Collective(self, name) if self._map is not None else _UNPUBLISHED
+
+    def _collective_entered(self, name: str) -> None:
+        now = time.time()
+        self._move(now)
         self._entered += 1
         self._step_collectives += 1
-        self._name = name.encode()[:NAME_BYTES]
+        self._name = encoded = _ENCODED.get(name) or _encode(name)
         index = len(self._names)
         self._expected = self._last_names[index] if index < len(self._last_names) else b""
-        self._names.append(self._name)
-        self._write()
-        try:
-            yield
-        finally:
-            self._move(time.time())
-            self._left += 1
-            self._write()
+        self._names.append(encoded)
+        with self._lock:
+            self._write_move(now)
+
+    def _collective_left(self) -> None:
+        now = time.time()
+        self._move(now)
+        self._left += 1
+        with self._lock:
+            self._write_move(now)
 
     def close(self) -> None:
         if self._map is not None:
@@ -313,6 +319,56 @@ class ProgressBoard:
         self._seq += 1
         _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
 
+    def _write_move(self, now: float) -> None:
+        """Write what a collective or a mark changes (the rest of the record is as last written)."""
+        m = self._map
+        if m is None:  # closed by another thread
+            return
+        self._written = now
+        self._seq += 1  # odd: a write is under way
+        _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
+        _MOVE.pack_into(
+            m,
+            _MOVE_AT,
+            now,
+            self._budget,
+            self._entered,
+            self._left,
+            self._name,
+            self._expected,
+            self._step_collectives,
+            self._last_step_collectives,
+            self._usual,
+            self._marks,
+        )
+        self._seq += 1
+        _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
+
+
+class _Collective:
+    """One published collective: entered on ``with``, left on its end (a class, not a generator: cheaper)."""
+
+    __slots__ = ("board", "name")
+
+    def __init__(self, board: ProgressBoard, name: str):
+        self.board, self.name = board, name
+
+    def __enter__(self) -> None:
+        self.board._collective_entered(self.name)
+
+    def __exit__(self, *_exc: object) -> bool:
+        self.board._collective_left()
+        return False
+
+
+_UNPUBLISHED = contextlib.nullcontext()
+_ENCODED: dict[str, bytes] = {}  # collective names as written (a few dozen distinct ones)
+
+
+def _encode(name: str) -> bytes:
+    encoded = _ENCODED[name] = name.encode()[:NAME_BYTES]
+    return encoded
+
 
 def _create(path: Path, size: int) -> mmap.mmap:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -322,79 +378,3 @@ def _create(path: Path, size: int) -> mmap.mmap:
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
-
-
-def read_record(path: Path, attempts: int = 50) -> ProgressRecord | None:
-    """One rank's record, or None (missing, foreign or torn through every attempt)."""
-    try:
-        with open(path, "rb") as f:
-            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):
-        return None
-    with m:
-        if len(m) < SIZE:
-            return None
-        for _ in range(attempts):
-            magic, version, seq = _HEAD.unpack_from(m, 0)
-            if magic != MAGIC or version != VERSION:
-                return None
-            if seq % 2:
-                time.sleep(0.0005)
-                continue
-            body = _BODY.unpack_from(m, _HEAD.size)
-            if _HEAD.unpack_from(m, 0)[2] == seq:
-                return _record(body)
-    return None
-
-
-def read_board(directory: Path) -> list[ProgressRecord]:
-    """Every rank's record in ``directory``, by rank."""
-    try:
-        paths = sorted(directory.glob("rank*"))
-    except OSError:
-        return []
-    records = [r for r in (read_record(p) for p in paths) if r is not None]
-    return sorted(records, key=lambda r: r.rank)
-
-
-def _record(body: tuple) -> ProgressRecord:
-    (
-        rank,
-        local_rank,
-        pid,
-        step,
-        phase,
-        started,
-        updated,
-        budget,
-        entered,
-        left,
-        name,
-        expected,
-        step_coll,
-        last_coll,
-        usual,
-        marks,
-        *rest,
-    ) = body
-    medians, pauses = rest[: len(Phase)], rest[len(Phase) :]
-    return ProgressRecord(
-        rank=rank,
-        local_rank=local_rank,
-        pid=pid,
-        step=step,
-        phase=Phase(phase),
-        phase_started=started,
-        updated=updated,
-        budget_s=budget,
-        collectives_entered=entered,
-        collectives_left=left,
-        collective=name.rstrip(b"\0").decode(errors="replace"),
-        expected_collective=expected.rstrip(b"\0").decode(errors="replace"),
-        step_collectives=step_coll,
-        last_step_collectives=last_coll,
-        usual_step_collectives=usual,
-        medians={p: v for p, v in zip(Phase, medians, strict=True) if v > 0},
-        marks=marks,
-        pauses={p: v for p, v in zip(Phase, pauses, strict=True) if v > 0},
-    )

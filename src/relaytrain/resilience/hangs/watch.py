@@ -29,7 +29,8 @@ from typing import Any
 from relaytrain.atomic import write_atomic
 from relaytrain.entry_points import HANG_WATCH
 from relaytrain.job import JobFacts, RunDir
-from relaytrain.job.progress import Phase, ProgressRecord, read_board
+from relaytrain.job.progress import Phase, ProgressRecord
+from relaytrain.job.progress_read import read_board
 from relaytrain.resilience.hangs.stacks import describe_rank, process_state
 
 INTERVAL_S = 1.0
