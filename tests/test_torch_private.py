@@ -13,6 +13,7 @@ import re
 import types
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -514,6 +515,8 @@ def test_published_dtensor_redistributions_run_inside_the_named_collective_and_a
         assert not isinstance(y._local_tensor, AsyncCollectiveTensor)
         assert torch.equal(y.to_local(), torch.arange(4.0))
         assert inside == ["dtensor_redistribute", "left"]
+        same = published(x.to_local(), x._spec, x._spec)  # the same layout: no communication
+        assert torch.equal(same, x.to_local()) and inside == ["dtensor_redistribute", "left"]  # unpublished
     finally:
         for module in (_redistribute, _dispatch, _api):
             module.redistribute_local_tensor = original
@@ -532,6 +535,7 @@ def test_published_dtensor_redistributions_wait_for_an_async_collective_inside_t
         monkeypatch.setattr(module, "redistribute_local_tensor", issued, raising=False)
     monkeypatch.setattr(AsyncCollectiveTensor, "wait", lambda self: events.append("waited") or self.elem)
     tp.publish_dtensor_redistributions(collective)
-    out = _dispatch.redistribute_local_tensor()
+    sharded, replicated = SimpleNamespace(placements=("S(0)",)), SimpleNamespace(placements=("R",))
+    out = _dispatch.redistribute_local_tensor(torch.ones(2), sharded, replicated)
     assert events == ["dtensor_redistribute", "waited", "left"]
     assert not isinstance(out, AsyncCollectiveTensor) and torch.equal(out, torch.ones(2))

@@ -133,7 +133,8 @@ def publish_dtensor_redistributions(collective) -> None:
     """Each DTensor redistribution (tensor parallelism's collectives) in `collective("dtensor_redistribute")`,
     waited for there (the parallel styles' async ones wait at the tensor's first use; at once, the values
     are the same). Replaced where torch imports it (`_redistribute`, `_dispatch`, `_api`) once per process;
-    a later call only changes `collective`. Checked: 2.14.1."""
+    a later call only changes `collective`. One that keeps the layout (no communication) is not published.
+    Checked: 2.14.1."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import _api, _dispatch, _redistribute
 
@@ -143,6 +144,9 @@ def publish_dtensor_redistributions(collective) -> None:
         return
 
     def published(*args, **kwargs):
+        current, target = args[1:3] if len(args) >= 3 else (kwargs["current_spec"], kwargs["target_spec"])
+        if current.placements == target.placements and _shard_order(current) == _shard_order(target):
+            return original(*args, **kwargs)  # the same layout: no communication, nothing that can hang
         with _redistributions[0]("dtensor_redistribute"):
             out = original(*args, **kwargs)
             return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
@@ -151,6 +155,10 @@ def publish_dtensor_redistributions(collective) -> None:
     for module in (_redistribute, _dispatch, _api):
         if getattr(module, "redistribute_local_tensor", None) is original:
             module.redistribute_local_tensor = published
+
+
+def _shard_order(spec) -> object:
+    return getattr(spec, "shard_order", None)  # a DTensorSpec field from torch 2.10 on
 
 
 def record_cuda_memory_history(enabled: bool, max_entries: int) -> None:
