@@ -91,9 +91,9 @@ def child(steps: int, overrides: list[str], root: str) -> dict:
     written = [0]
     write = board._write_locked
 
-    def counting(self, now):
+    def counting(self, now, whole=True):
         written[0] += 1
-        return write(self, now)
+        return write(self, now, whole)
 
     board._write_locked = counting
     loop_s = [0.0]

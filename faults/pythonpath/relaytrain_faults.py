@@ -287,8 +287,8 @@ class HangFaults:
         write, stopped = progress.ProgressBoard._write_locked, [False]
 
         @functools.wraps(write)
-        def write_then_stop(board, now):
-            write(board, now)
+        def write_then_stop(board, now, whole=True):
+            write(board, now, whole)
             if board.rank == target and board.phase_now.label == label and not stopped[0]:
                 stopped[0] = True
                 say(f"SIGSTOP in {label} on rank {board.rank}")

@@ -96,10 +96,13 @@ _HEAD = struct.Struct("<4sHxxQ")
 _PHASES = tuple(Phase)  # in the record's order (iterating the enum on every write costs microseconds)
 _BODY = struct.Struct(f"<iiiqBdddQQ{NAME_BYTES}s{NAME_BYTES}sIIIQ{len(Phase)}d{len(Phase)}d")
 SIZE = _HEAD.size + _BODY.size
-# What a collective or a mark changes, from `updated` to `marks`, written in place of the whole body: a
-# call between two tensor operations runs with cold caches, where each field packed costs.
+# The body in three parts: what a collective or a mark changes (from `updated` to `marks`) is written
+# alone, since a call between two tensor operations runs with cold caches, where each field packed costs.
+_PREFIX = struct.Struct("<iiiqBd")
 _MOVE = struct.Struct(f"<ddQQ{NAME_BYTES}s{NAME_BYTES}sIIIQ")
-_MOVE_AT = _HEAD.size + struct.calcsize("<iiiqBd")
+_STATS = struct.Struct(f"<{2 * len(Phase)}d")
+_MOVE_AT, _STATS_AT = _HEAD.size + _PREFIX.size, _HEAD.size + _PREFIX.size + _MOVE.size
+assert _PREFIX.size + _MOVE.size + _STATS.size == _BODY.size
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,7 @@ class ProgressBoard:
         elif now - self._written < MARK_GAP_S:
             return
         with self._lock:
-            self._write_move(now)
+            self._write_locked(now, whole=False)
 
     def _move(self, now: float) -> None:
         pause = now - self._moved
@@ -269,14 +272,14 @@ class ProgressBoard:
         self._expected = self._last_names[index] if index < len(self._last_names) else b""
         self._names.append(encoded)
         with self._lock:
-            self._write_move(now)
+            self._write_locked(now, whole=False)
 
     def _collective_left(self) -> None:
         now = time.time()
         self._move(now)
         self._left += 1
         with self._lock:
-            self._write_move(now)
+            self._write_locked(now, whole=False)
 
     def close(self) -> None:
         if self._map is not None:
@@ -289,44 +292,18 @@ class ProgressBoard:
         with self._lock:
             self._write_locked(time.time() if now is None else now)
 
-    def _write_locked(self, now: float) -> None:
-        m = self._map
-        assert m is not None
-        self._written = now
-        self._seq += 1  # odd: a write is under way
-        _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
-        _BODY.pack_into(
-            m,
-            _HEAD.size,
-            self.rank,
-            self.local_rank,
-            self._pid,
-            self._step,
-            int(self._phase),
-            self._phase_started,
-            now,
-            self._budget,
-            self._entered,
-            self._left,
-            self._name,
-            self._expected,
-            self._step_collectives,
-            self._last_step_collectives,
-            self._usual,
-            self._marks,
-            *self._stats,
-        )
-        self._seq += 1
-        _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
-
-    def _write_move(self, now: float) -> None:
-        """Write what a collective or a mark changes (the rest of the record is as last written)."""
+    def _write_locked(self, now: float, whole: bool = True) -> None:
+        """The record (``whole``), or only what a collective or a mark changes (the rest as last written)."""
         m = self._map
         if m is None:  # closed by another thread
             return
         self._written = now
         self._seq += 1  # odd: a write is under way
         _HEAD.pack_into(m, 0, MAGIC, VERSION, self._seq)
+        if whole:
+            where = (self.rank, self.local_rank, self._pid, self._step, int(self._phase), self._phase_started)
+            _PREFIX.pack_into(m, _HEAD.size, *where)
+            _STATS.pack_into(m, _STATS_AT, *self._stats)
         _MOVE.pack_into(
             m,
             _MOVE_AT,
