@@ -221,8 +221,7 @@ class ProgressBoard:
             self._budget = float(budget_s)
         elif now - self._written < MARK_GAP_S:
             return
-        with self._lock:
-            self._write_locked(now, whole=False)
+        self._write(now, whole=False)
 
     def _move(self, now: float) -> None:
         pause = now - self._moved
@@ -271,15 +270,13 @@ class ProgressBoard:
         index = len(self._names)
         self._expected = self._last_names[index] if index < len(self._last_names) else b""
         self._names.append(encoded)
-        with self._lock:
-            self._write_locked(now, whole=False)
+        self._write(now, whole=False)
 
     def _collective_left(self) -> None:
         now = time.time()
         self._move(now)
         self._left += 1
-        with self._lock:
-            self._write_locked(now, whole=False)
+        self._write(now, whole=False)
 
     def close(self) -> None:
         if self._map is not None:
@@ -288,9 +285,9 @@ class ProgressBoard:
                 self._map.close()
             self._map = None
 
-    def _write(self, now: float | None = None) -> None:
+    def _write(self, now: float | None = None, whole: bool = True) -> None:
         with self._lock:
-            self._write_locked(time.time() if now is None else now)
+            self._write_locked(time.time() if now is None else now, whole)
 
     def _write_locked(self, now: float, whole: bool = True) -> None:
         """The record (``whole``), or only what a collective or a mark changes (the rest as last written)."""

@@ -144,7 +144,8 @@ def publish_dtensor_redistributions(collective) -> None:
         return
 
     def published(*args, **kwargs):
-        current, target = args[1:3] if len(args) >= 3 else (kwargs["current_spec"], kwargs["target_spec"])
+        current = args[1] if len(args) > 1 else kwargs["current_spec"]
+        target = args[2] if len(args) > 2 else kwargs["target_spec"]
         if current.placements == target.placements and _shard_order(current) == _shard_order(target):
             return original(*args, **kwargs)  # the same layout: no communication, nothing that can hang
         with _redistributions[0]("dtensor_redistribute"):
